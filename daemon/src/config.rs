@@ -1,0 +1,138 @@
+//! Turning the operator's flags and the plugin's defaults into one run configuration.
+//! A flag wins over the plugin's default; a flag that does not apply to the chosen optimizer is
+//! an error rather than silently ignored.
+
+use tch::Device;
+use trainerd_sdk::OptimizerConfig;
+
+/// Optimizer overrides from the command line.
+#[derive(Clone, Debug, Default)]
+pub struct OptimizerFlags {
+    /// `--optimizer`: `sgd`, `adam` or `rmsprop`.
+    pub name: Option<String>,
+    /// `--lr`.
+    pub lr: Option<f64>,
+    /// `--momentum` (sgd, rmsprop).
+    pub momentum: Option<f64>,
+    /// `--weight-decay`.
+    pub weight_decay: Option<f64>,
+    /// `--nesterov` (sgd).
+    pub nesterov: bool,
+}
+
+/// The plugin's default optimizer with the operator's overrides applied. Choosing another
+/// optimizer starts from PyTorch's defaults for it (and the plugin's learning rate, unless
+/// `--lr` is given).
+pub fn optimizer(default: &OptimizerConfig, flags: &OptimizerFlags) -> Result<OptimizerConfig, String> {
+    let mut config = match flags.name.as_deref() {
+        None => default.clone(),
+        Some(name) if name == default.name() => default.clone(),
+        Some("sgd") => OptimizerConfig::sgd(default.lr()),
+        Some("adam") => OptimizerConfig::adam(default.lr()),
+        Some("rmsprop") => OptimizerConfig::rmsprop(default.lr()),
+        Some(other) => return Err(format!("--optimizer {other}: expected sgd, adam or rmsprop")),
+    };
+    let name = config.name();
+    let inapplicable = |flag: &str| format!("{flag} does not apply to optimizer {name}");
+    match &mut config {
+        OptimizerConfig::Sgd { lr, momentum, weight_decay, nesterov, .. } => {
+            set(lr, flags.lr);
+            set(momentum, flags.momentum);
+            set(weight_decay, flags.weight_decay);
+            *nesterov |= flags.nesterov;
+            if *nesterov && *momentum <= 0.0 {
+                return Err("--nesterov needs --momentum greater than 0".into());
+            }
+        }
+        OptimizerConfig::Adam { lr, weight_decay, .. } => {
+            set(lr, flags.lr);
+            set(weight_decay, flags.weight_decay);
+            if flags.momentum.is_some() {
+                return Err(inapplicable("--momentum"));
+            }
+            if flags.nesterov {
+                return Err(inapplicable("--nesterov"));
+            }
+        }
+        OptimizerConfig::Rmsprop { lr, momentum, weight_decay, .. } => {
+            set(lr, flags.lr);
+            set(momentum, flags.momentum);
+            set(weight_decay, flags.weight_decay);
+            if flags.nesterov {
+                return Err(inapplicable("--nesterov"));
+            }
+        }
+    }
+    if !(config.lr() > 0.0 && config.lr().is_finite()) {
+        return Err(format!("--lr {}: expected a positive number", config.lr()));
+    }
+    Ok(config)
+}
+
+fn set(field: &mut f64, flag: Option<f64>) {
+    if let Some(v) = flag {
+        *field = v;
+    }
+}
+
+/// Parses `--device`: `auto` (CUDA device 0 when libtorch sees one, else the CPU), `cpu`,
+/// `cuda` or `cuda:N`.
+pub fn device(text: &str) -> Result<Device, String> {
+    let cuda_count = tch::Cuda::device_count();
+    let cuda = |n: usize| {
+        if (n as i64) < cuda_count {
+            Ok(Device::Cuda(n))
+        } else {
+            Err(format!("--device {text}: libtorch sees {cuda_count} CUDA device(s)"))
+        }
+    };
+    match text {
+        "auto" => Ok(if cuda_count > 0 { Device::Cuda(0) } else { Device::Cpu }),
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => cuda(0),
+        _ => match text.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => cuda(n),
+            _ => Err(format!("--device {text}: expected auto, cpu, cuda or cuda:N")),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_defaults() {
+        let default = OptimizerConfig::adam(1e-3);
+        assert_eq!(optimizer(&default, &OptimizerFlags::default()), Ok(default.clone()));
+        let flags = OptimizerFlags { lr: Some(0.01), ..Default::default() };
+        assert_eq!(optimizer(&default, &flags), Ok(OptimizerConfig::adam(0.01)));
+        let flags =
+            OptimizerFlags { name: Some("sgd".into()), momentum: Some(0.9), nesterov: true, ..Default::default() };
+        assert_eq!(
+            optimizer(&default, &flags),
+            Ok(OptimizerConfig::Sgd { lr: 1e-3, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: true })
+        );
+    }
+
+    #[test]
+    fn inapplicable_flags_are_refused() {
+        let default = OptimizerConfig::adam(1e-3);
+        let flags = OptimizerFlags { momentum: Some(0.9), ..Default::default() };
+        assert_eq!(optimizer(&default, &flags).unwrap_err(), "--momentum does not apply to optimizer adam");
+        let flags = OptimizerFlags { name: Some("lamb".into()), ..Default::default() };
+        assert_eq!(optimizer(&default, &flags).unwrap_err(), "--optimizer lamb: expected sgd, adam or rmsprop");
+        let flags = OptimizerFlags { lr: Some(-1.0), ..Default::default() };
+        assert_eq!(optimizer(&default, &flags).unwrap_err(), "--lr -1: expected a positive number");
+    }
+
+    #[test]
+    fn devices() {
+        assert_eq!(device("cpu"), Ok(Device::Cpu));
+        assert_eq!(device("gpu").unwrap_err(), "--device gpu: expected auto, cpu, cuda or cuda:N");
+        if tch::Cuda::device_count() == 0 {
+            assert_eq!(device("auto"), Ok(Device::Cpu));
+            assert_eq!(device("cuda:1").unwrap_err(), "--device cuda:1: libtorch sees 0 CUDA device(s)");
+        }
+    }
+}

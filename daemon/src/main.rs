@@ -1,0 +1,182 @@
+//! The `trainerd` command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use trainerd::config::{self, OptimizerFlags};
+use trainerd::plugin::Plugin;
+use trainerd::progress::Progress;
+use trainerd::train::{self, RunConfig};
+use trainerd_sdk::LrSchedule;
+
+#[derive(Parser)]
+#[command(name = "trainerd", version, about = "Fault-tolerant data-parallel training daemon")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model plugin on a dataset.
+    Run(Box<RunArgs>),
+    /// Inspect plugins.
+    Plugin {
+        #[command(subcommand)]
+        command: PluginCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum PluginCommand {
+    /// Load a plugin (in a child process) and print its identity, or why it is refused.
+    Check {
+        /// Path of the plugin's shared library.
+        path: PathBuf,
+        /// Load in this process (what the child runs).
+        #[arg(long, hide = true)]
+        in_process: bool,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Path of the model plugin's shared library (.so).
+    #[arg(long)]
+    plugin: PathBuf,
+    /// Dataset directory, handed to the plugin.
+    #[arg(long)]
+    data: PathBuf,
+    /// Epochs (default: the plugin's).
+    #[arg(long)]
+    epochs: Option<u32>,
+    /// Per-worker batch size (default: the plugin's).
+    #[arg(long)]
+    batch_size: Option<u32>,
+    /// Optimizer: sgd, adam or rmsprop (default: the plugin's).
+    #[arg(long)]
+    optimizer: Option<String>,
+    /// Learning rate.
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Momentum (sgd, rmsprop).
+    #[arg(long)]
+    momentum: Option<f64>,
+    /// L2 weight decay.
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    /// Nesterov momentum (sgd).
+    #[arg(long)]
+    nesterov: bool,
+    /// Learning-rate schedule: constant, cosine[:MIN_LR], step:EVERY:GAMMA or exp:GAMMA.
+    #[arg(long, value_parser = trainerd::schedule::parse)]
+    lr_schedule: Option<LrSchedule>,
+    /// Seed of initialisation and data order.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// libtorch threads (fixed, so results are reproducible; default: available cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Stop each epoch after this many steps.
+    #[arg(long)]
+    steps_per_epoch: Option<u64>,
+    /// Write the run's summary as JSON to this file.
+    #[arg(long)]
+    summary: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TRAINERD_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run(*args).map(|()| 0),
+        Command::Plugin { command: PluginCommand::Check { path, in_process } } => {
+            if in_process {
+                Plugin::load(&path).map_err(anyhow::Error::from).and_then(|p| Ok(trainerd::check::describe(&p)?)).map(
+                    |text| {
+                        println!("{text}");
+                        0
+                    },
+                )
+            } else {
+                trainerd::check::check_in_child(&path).context("running the plugin check")
+            }
+        }
+    };
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: RunArgs) -> anyhow::Result<()> {
+    let device = config::device(&args.device).map_err(anyhow::Error::msg)?;
+    let threads = match args.threads {
+        Some(0) => anyhow::bail!("--threads 0: expected at least 1"),
+        Some(n) => n,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    tch::set_num_threads(threads as i32);
+    tch::set_num_interop_threads(1);
+
+    let plugin = Plugin::load(&args.plugin)?;
+    let defaults = plugin.info().defaults.clone();
+    let flags = OptimizerFlags {
+        name: args.optimizer,
+        lr: args.lr,
+        momentum: args.momentum,
+        weight_decay: args.weight_decay,
+        nesterov: args.nesterov,
+    };
+    let cfg = RunConfig {
+        data_dir: args.data,
+        epochs: args.epochs.unwrap_or(defaults.epochs),
+        batch_size: args.batch_size.unwrap_or(defaults.batch_size),
+        optimizer: config::optimizer(&defaults.optimizer, &flags).map_err(anyhow::Error::msg)?,
+        schedule: args.lr_schedule.unwrap_or(defaults.schedule),
+        seed: args.seed,
+        device,
+        steps_per_epoch: args.steps_per_epoch,
+        threads,
+    };
+    if cfg.batch_size == 0 {
+        anyhow::bail!("--batch-size 0: expected at least 1");
+    }
+    let info = plugin.info();
+    println!(
+        "trainerd: {} {} on {} with {threads} thread(s); 1 worker, batch {}, {} epoch(s), optimizer {} lr {}, seed {}",
+        info.name,
+        info.version,
+        train::device_name(cfg.device),
+        cfg.batch_size,
+        cfg.epochs,
+        cfg.optimizer.name(),
+        cfg.optimizer.lr(),
+        cfg.seed
+    );
+    let summary = train::run(&plugin, &cfg, &mut Progress::stdout())?;
+    println!(
+        "done: {} steps, test loss {:.4}{}, {:.0} examples/s, params sha256 {}",
+        summary.steps,
+        summary.test_loss,
+        summary.test_accuracy.map(|a| format!(", test accuracy {a:.4}")).unwrap_or_default(),
+        summary.examples_per_second,
+        summary.params_sha256
+    );
+    if let Some(path) = &args.summary {
+        let json = serde_json::to_string_pretty(&summary)?;
+        std::fs::write(path, json + "\n").with_context(|| format!("writing the summary to {}", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,206 @@
+//! Loading a plugin library and checking its header before anything in it is called.
+//!
+//! The order matters: the file must exist, load as a shared library, export the entry symbol,
+//! and carry a header whose stable prefix (magic, ABI version, size) and build facts (sdk, tch,
+//! libtorch, target, panic strategy) match this daemon's. Only then is the vtable trusted.
+//! A loaded library is never unloaded: tensors and static data from it may outlive any handle.
+
+use std::path::{Path, PathBuf};
+
+use trainerd_sdk::abi::{
+    EntryFn, PluginHeader, PluginVTable, StrRef, ABI_VERSION, ENTRY_SYMBOL, LIBTORCH_VERSION, MAGIC, SDK_VERSION,
+    TARGET, TCH_VERSION,
+};
+
+/// Why a plugin was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// Nothing at the path.
+    #[error("plugin {path}: no such file")]
+    NotFound {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// The dynamic loader refused the file.
+    #[error("plugin {path}: not a loadable shared library: {reason}")]
+    NotALibrary {
+        /// The path given.
+        path: PathBuf,
+        /// The loader's message.
+        reason: String,
+    },
+    /// A shared library without the entry symbol.
+    #[error(
+        "plugin {path}: not a trainerd plugin (it exports no `{ENTRY_SYMBOL}` symbol); build the model crate \
+         as a cdylib that calls trainerd_sdk::export_plugin!"
+    )]
+    NotAPlugin {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// A build fact differs from this daemon's.
+    #[error(
+        "plugin {path}: {field} is {found}, this trainerd expects {expected}; rebuild the plugin against \
+         trainerd-sdk {SDK_VERSION} (tch {TCH_VERSION}, libtorch {LIBTORCH_VERSION}, target {TARGET})"
+    )]
+    Mismatch {
+        /// The path given.
+        path: PathBuf,
+        /// Which fact.
+        field: &'static str,
+        /// The plugin's value.
+        found: String,
+        /// This daemon's value.
+        expected: String,
+    },
+    /// A plugin that would abort the daemon on any panic.
+    #[error(
+        "plugin {path}: built with panic = \"abort\"; trainerd needs panic = \"unwind\" so that a panic in the \
+         plugin becomes an error instead of killing the daemon: remove `panic = \"abort\"` from the plugin's \
+         Cargo profile and rebuild"
+    )]
+    PanicAbort {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// The plugin's self-description could not be read.
+    #[error("plugin {path}: {message}")]
+    BadInfo {
+        /// The path given.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// The build facts a header carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildFacts {
+    /// ABI version.
+    pub abi_version: u32,
+    /// trainerd-sdk version.
+    pub sdk_version: String,
+    /// tch version.
+    pub tch_version: String,
+    /// libtorch version.
+    pub libtorch_version: String,
+    /// Target triple.
+    pub target: String,
+    /// `unwind` or `abort`.
+    pub panic_strategy: String,
+}
+
+/// Loads the library at `path`, checks its header, and returns its vtable and build facts.
+pub fn open(path: &Path) -> Result<(&'static PluginVTable, BuildFacts), LoadError> {
+    let path_buf = || path.to_path_buf();
+    if !path.exists() {
+        return Err(LoadError::NotFound { path: path_buf() });
+    }
+    // SAFETY: loading runs the library's initialisers; a plugin is code the operator chose to
+    // run. `plugin check` does this in a child process for untrusted files.
+    let lib = unsafe { libloading::Library::new(path) }
+        .map_err(|e| LoadError::NotALibrary { path: path_buf(), reason: loader_reason(&e) })?;
+    // Never unloaded: see the module docs.
+    let lib: &'static libloading::Library = Box::leak(Box::new(lib));
+    // SAFETY: the symbol's type is fixed by the ABI; a library that exports the name with
+    // another type is not a trainerd plugin and is on its own.
+    let entry = unsafe { lib.get::<EntryFn>(ENTRY_SYMBOL.as_bytes()) }
+        .map_err(|_| LoadError::NotAPlugin { path: path_buf() })?;
+    // SAFETY: calling the entry point as the ABI defines it.
+    let header: *const PluginHeader = unsafe { entry() };
+    if header.is_null() {
+        return Err(LoadError::NotAPlugin { path: path_buf() });
+    }
+    // SAFETY: the prefix (magic, abi_version, header_size) has the same layout in every ABI
+    // version, so it can be read before the version is known.
+    let (magic, abi_version, header_size) = unsafe { ((*header).magic, (*header).abi_version, (*header).header_size) };
+    let mismatch =
+        |field, found: String, expected: String| LoadError::Mismatch { path: path_buf(), field, found, expected };
+    if magic != MAGIC {
+        return Err(mismatch(
+            "header magic",
+            format!("{:?}", String::from_utf8_lossy(&magic)),
+            format!("{:?}", String::from_utf8_lossy(&MAGIC)),
+        ));
+    }
+    if abi_version != ABI_VERSION {
+        return Err(mismatch("ABI version", abi_version.to_string(), ABI_VERSION.to_string()));
+    }
+    let expected_size = std::mem::size_of::<PluginHeader>() as u32;
+    if header_size != expected_size {
+        return Err(mismatch("header size", header_size.to_string(), expected_size.to_string()));
+    }
+    // SAFETY: magic, ABI version and size match, so the whole header has this layout.
+    let header: &'static PluginHeader = unsafe { &*header };
+    // SAFETY: the header's strings are static data of the (never unloaded) plugin.
+    let text = |s: StrRef| unsafe { s.to_string_lossy() };
+    let facts = BuildFacts {
+        abi_version,
+        sdk_version: text(header.sdk_version),
+        tch_version: text(header.tch_version),
+        libtorch_version: text(header.libtorch_version),
+        target: text(header.target),
+        panic_strategy: text(header.panic_strategy),
+    };
+    if !sdk_compatible(&facts.sdk_version, SDK_VERSION) {
+        return Err(mismatch("trainerd-sdk version", facts.sdk_version, SDK_VERSION.into()));
+    }
+    for (field, found, expected) in [
+        ("tch version", &facts.tch_version, TCH_VERSION),
+        ("libtorch version", &facts.libtorch_version, LIBTORCH_VERSION),
+        ("target", &facts.target, TARGET),
+    ] {
+        if found != expected {
+            return Err(mismatch(field, found.clone(), expected.into()));
+        }
+    }
+    if facts.panic_strategy != "unwind" {
+        return Err(LoadError::PanicAbort { path: path_buf() });
+    }
+    if header.vtable.is_null() {
+        return Err(LoadError::BadInfo { path: path_buf(), message: "header has no vtable".into() });
+    }
+    // SAFETY: checked non-null; static data of the plugin.
+    Ok((unsafe { &*header.vtable }, facts))
+}
+
+/// Cargo's rule: same major version, and for 0.x the same minor version.
+fn sdk_compatible(found: &str, expected: &str) -> bool {
+    let key = |v: &str| {
+        let mut parts = v.split('.');
+        let major = parts.next().unwrap_or("").to_string();
+        let minor = parts.next().unwrap_or("").to_string();
+        if major == "0" {
+            (major, minor)
+        } else {
+            (major, String::new())
+        }
+    };
+    key(found) == key(expected)
+}
+
+/// libloading's message, without the repeated path that dlerror puts in front.
+fn loader_reason(e: &libloading::Error) -> String {
+    let text = match e {
+        libloading::Error::DlOpen { desc } => format!("{desc:?}"),
+        other => other.to_string(),
+    };
+    let text = text.trim_matches('"').to_string();
+    match text.split_once(": ") {
+        Some((first, rest)) if first.contains('/') => rest.to_string(),
+        _ => text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sdk_versions_follow_cargo_compatibility() {
+        assert!(sdk_compatible("0.1.0", "0.1.7"));
+        assert!(!sdk_compatible("0.2.0", "0.1.0"));
+        assert!(sdk_compatible("1.2.0", "1.0.0"));
+        assert!(!sdk_compatible("2.0.0", "1.0.0"));
+    }
+}

@@ -1,0 +1,267 @@
+//! The daemon's side of the plugin boundary: a checked [`Plugin`], and safe wrappers for the
+//! objects it creates (a model, a loaded dataset, an input pipeline).
+//!
+//! Each wrapper owns one plugin handle and releases it on drop. Tensors that come back are
+//! shallow clones of handles the plugin keeps (new references to the same storage): parameters
+//! therefore *are* the plugin's parameters, and the daemon's in-place optimizer updates reach
+//! the model.
+
+mod load;
+
+use std::ffi::CStr;
+use std::path::{Path, PathBuf};
+
+use tch::{Device, Tensor};
+use trainerd_sdk::abi::{Handle, InputContext, PluginVTable, RawDevice, Status, StrRef, SPLIT_TEST, SPLIT_TRAIN};
+use trainerd_sdk::{PluginInfo, Split};
+
+pub use load::{BuildFacts, LoadError};
+
+/// An error returned (or a panic caught) inside a plugin call.
+#[derive(Debug, thiserror::Error)]
+#[error("plugin {plugin}: {call} failed: {message}")]
+pub struct CallError {
+    /// The plugin's name.
+    pub plugin: String,
+    /// Which call.
+    pub call: &'static str,
+    /// The plugin's message.
+    pub message: String,
+}
+
+/// A loaded, checked plugin.
+pub struct Plugin {
+    path: PathBuf,
+    vtable: &'static PluginVTable,
+    facts: BuildFacts,
+    info: PluginInfo,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin").field("path", &self.path).field("info", &self.info).finish()
+    }
+}
+
+impl Plugin {
+    /// Loads and checks the plugin at `path`.
+    pub fn load(path: &Path) -> Result<Plugin, LoadError> {
+        let (vtable, facts) = load::open(path)?;
+        let bad_info = |message: String| LoadError::BadInfo { path: path.to_path_buf(), message };
+        let mut json = StrRef::new("");
+        // SAFETY: vtable checked by `open`; `json` is a valid out pointer.
+        let status = unsafe { (vtable.info)(&mut json) };
+        // SAFETY: a status from this vtable.
+        if let Some(message) = unsafe { take_status(vtable, status) } {
+            return Err(bad_info(format!("info failed: {message}")));
+        }
+        // SAFETY: the plugin's info string is static.
+        let json = unsafe { json.to_string_lossy() };
+        let info: PluginInfo =
+            serde_json::from_str(&json).map_err(|e| bad_info(format!("info is not valid: {e}: {json}")))?;
+        Ok(Plugin { path: path.to_path_buf(), vtable, facts, info })
+    }
+
+    /// Where it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Its identity and defaults.
+    pub fn info(&self) -> &PluginInfo {
+        &self.info
+    }
+
+    /// The build facts its header declared.
+    pub fn facts(&self) -> &BuildFacts {
+        &self.facts
+    }
+
+    fn check(&self, call: &'static str, status: Status) -> Result<(), CallError> {
+        // SAFETY: `status` was just returned by this plugin's vtable.
+        match unsafe { take_status(self.vtable, status) } {
+            None => Ok(()),
+            Some(message) => Err(CallError { plugin: self.info.name.clone(), call, message }),
+        }
+    }
+
+    /// Builds a model whose parameters live under VarStore path `prefix` on `device`.
+    pub fn create_model(&self, prefix: &str, device: Device) -> Result<ModelInstance<'_>, CallError> {
+        let raw_device: RawDevice = match device {
+            Device::Cuda(n) => n as RawDevice,
+            _ => -1,
+        };
+        let mut handle: Handle = std::ptr::null_mut();
+        // SAFETY: valid arguments and out pointer.
+        self.check("create", unsafe { (self.vtable.create)(StrRef::new(prefix), raw_device, &mut handle) })?;
+        let mut model = ModelInstance { plugin: self, handle, parameters: Vec::new() };
+        // SAFETY: live model handle.
+        let count = unsafe { (self.vtable.parameter_count)(handle) };
+        for index in 0..count {
+            let mut name = StrRef::new("");
+            let mut tensor = std::ptr::null_mut();
+            // SAFETY: live handle, index in range, valid out pointers.
+            self.check("parameter", unsafe { (self.vtable.parameter)(handle, index, &mut name, &mut tensor) })?;
+            // SAFETY: the name and tensor are owned by the model and valid until `destroy`; we
+            // copy the name and take our own reference to the tensor.
+            let param = unsafe { (name.to_string_lossy(), Tensor::clone_from_ptr(tensor)) };
+            model.parameters.push(param);
+        }
+        Ok(model)
+    }
+}
+
+/// Copies and releases a status's message.
+///
+/// # Safety
+/// `status` must have been returned by `vtable` and not yet released.
+unsafe fn take_status(vtable: &PluginVTable, status: Status) -> Option<String> {
+    if status.is_null() {
+        return None;
+    }
+    // SAFETY: a non-null status is a NUL-terminated string owned by the plugin.
+    let message = unsafe { CStr::from_ptr(status) }.to_string_lossy().into_owned();
+    // SAFETY: released once, by the plugin that allocated it.
+    unsafe { (vtable.free_error)(status) };
+    Some(message)
+}
+
+/// A model instance inside a plugin.
+pub struct ModelInstance<'p> {
+    plugin: &'p Plugin,
+    handle: Handle,
+    parameters: Vec<(String, Tensor)>,
+}
+
+impl ModelInstance<'_> {
+    /// Named parameters in name order (references to the model's own tensors).
+    pub fn parameters(&self) -> &[(String, Tensor)] {
+        &self.parameters
+    }
+
+    /// Mutable access to the parameters, for the optimizer's in-place updates.
+    pub fn parameters_mut(&mut self) -> &mut [(String, Tensor)] {
+        &mut self.parameters
+    }
+
+    /// Runs a call that produces one tensor and takes a reference to it.
+    fn output(
+        &self,
+        call: &'static str,
+        f: impl FnOnce(&mut *mut trainerd_sdk::abi::C_tensor) -> Status,
+    ) -> Result<Tensor, CallError> {
+        let mut out = std::ptr::null_mut();
+        self.plugin.check(call, f(&mut out))?;
+        // SAFETY: the plugin hands out a handle it keeps until the next call; we take our own
+        // reference now.
+        Ok(unsafe { Tensor::clone_from_ptr(out) })
+    }
+
+    /// Logits for `xs`.
+    pub fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, CallError> {
+        let vt = self.plugin.vtable;
+        // SAFETY: live handles; the input stays ours (borrowed for the call).
+        self.output("forward", |out| unsafe { (vt.forward)(self.handle, xs.as_ptr() as *mut _, train, out) })
+    }
+
+    /// Mean loss of a batch.
+    pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, CallError> {
+        let vt = self.plugin.vtable;
+        // SAFETY: as in `forward`.
+        self.output("loss", |out| unsafe {
+            (vt.loss)(self.handle, logits.as_ptr() as *mut _, labels.as_ptr() as *mut _, out)
+        })
+    }
+
+    /// Per-batch sums of each metric.
+    pub fn metrics(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, CallError> {
+        let vt = self.plugin.vtable;
+        // SAFETY: as in `forward`.
+        self.output("metrics", |out| unsafe {
+            (vt.metrics)(self.handle, logits.as_ptr() as *mut _, labels.as_ptr() as *mut _, out)
+        })
+    }
+
+    /// Loads a split of the dataset in `dir`.
+    pub fn load_data(&self, dir: &Path, split: Split) -> Result<Dataset<'_>, CallError> {
+        let raw_split = match split {
+            Split::Train => SPLIT_TRAIN,
+            Split::Test => SPLIT_TEST,
+        };
+        let dir = dir.to_string_lossy();
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: live model handle, valid string and out pointer.
+        let status = unsafe { (self.plugin.vtable.data_load)(self.handle, StrRef::new(&dir), raw_split, &mut handle) };
+        self.plugin.check("load_data", status)?;
+        Ok(Dataset { model: self, handle })
+    }
+}
+
+impl Drop for ModelInstance<'_> {
+    fn drop(&mut self) {
+        self.parameters.clear();
+        // SAFETY: our handle, released once.
+        unsafe { (self.plugin.vtable.destroy)(self.handle) };
+    }
+}
+
+/// A loaded dataset split inside a plugin.
+pub struct Dataset<'m> {
+    model: &'m ModelInstance<'m>,
+    handle: Handle,
+}
+
+impl Dataset<'_> {
+    /// Opens an input pipeline over this split.
+    pub fn pipeline(&self, ctx: &InputContext) -> Result<InputPipeline<'_>, CallError> {
+        let plugin = self.model.plugin;
+        let (mut handle, mut steps) = (std::ptr::null_mut(), 0u64);
+        // SAFETY: live handles; valid pointers.
+        let status =
+            unsafe { (plugin.vtable.pipeline_open)(self.model.handle, self.handle, ctx, &mut handle, &mut steps) };
+        plugin.check("input_pipeline", status)?;
+        Ok(InputPipeline { plugin, handle, steps, _data: self })
+    }
+}
+
+impl Drop for Dataset<'_> {
+    fn drop(&mut self) {
+        // SAFETY: our handle, released once, after every pipeline (they borrow us).
+        unsafe { (self.model.plugin.vtable.data_free)(self.handle) };
+    }
+}
+
+/// One epoch of batches from a plugin's input pipeline.
+pub struct InputPipeline<'d> {
+    plugin: &'d Plugin,
+    handle: Handle,
+    steps: u64,
+    _data: &'d Dataset<'d>,
+}
+
+impl InputPipeline<'_> {
+    /// How many batches it yields.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The next batch (inputs, labels), or `None` at the end.
+    pub fn next_batch(&mut self) -> Result<Option<(Tensor, Tensor)>, CallError> {
+        let (mut xs, mut labels, mut done) = (std::ptr::null_mut(), std::ptr::null_mut(), false);
+        // SAFETY: live handle; valid out pointers.
+        let status = unsafe { (self.plugin.vtable.pipeline_next)(self.handle, &mut xs, &mut labels, &mut done) };
+        self.plugin.check("input_pipeline", status)?;
+        if done {
+            return Ok(None);
+        }
+        // SAFETY: handles kept by the pipeline until its next call; we take our own references.
+        Ok(Some(unsafe { (Tensor::clone_from_ptr(xs), Tensor::clone_from_ptr(labels)) }))
+    }
+}
+
+impl Drop for InputPipeline<'_> {
+    fn drop(&mut self) {
+        // SAFETY: our handle, released once.
+        unsafe { (self.plugin.vtable.pipeline_free)(self.handle) };
+    }
+}

@@ -1,0 +1,160 @@
+//! Keras-style progress: `Epoch 1/3`, then a step counter with loss and metrics. On a terminal
+//! one line is redrawn in place with a bar; otherwise (the journal, a pipe) a plain line is
+//! printed at every tenth of the epoch, and one at its end.
+
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+/// Where progress goes and how it is drawn.
+pub struct Progress {
+    out: Box<dyn Write + Send>,
+    tty: bool,
+    last_draw: Option<Instant>,
+}
+
+/// How often a terminal line is redrawn.
+const REDRAW: Duration = Duration::from_millis(100);
+const BAR_WIDTH: usize = 30;
+
+impl Progress {
+    /// Progress on standard output, drawn for a terminal when it is one.
+    pub fn stdout() -> Progress {
+        Progress { out: Box::new(std::io::stdout()), tty: std::io::stdout().is_terminal(), last_draw: None }
+    }
+
+    /// Progress into any writer, plain lines unless `tty`.
+    pub fn to_writer(out: Box<dyn Write + Send>, tty: bool) -> Progress {
+        Progress { out, tty, last_draw: None }
+    }
+
+    /// Prints a line as it is (for messages between epochs).
+    pub fn line(&mut self, text: &str) {
+        let _ = writeln!(self.out, "{text}");
+        let _ = self.out.flush();
+    }
+
+    /// `Epoch i/n` (1-based).
+    pub fn epoch_start(&mut self, epoch: u32, epochs: u32) {
+        self.last_draw = None;
+        self.line(&format!("Epoch {}/{epochs}", epoch + 1));
+    }
+
+    /// Whether [`Progress::step`] would draw at this step; lets the caller skip computing the
+    /// values (which waits for the device) when it would not.
+    pub fn wants(&self, step: u64, steps: u64) -> bool {
+        if step == steps {
+            return false; // the epoch's end line follows
+        }
+        if self.tty {
+            self.last_draw.is_none_or(|t| t.elapsed() >= REDRAW)
+        } else {
+            let tenth = (steps / 10).max(1);
+            step % tenth == 0
+        }
+    }
+
+    /// Draws step `step` of `steps` (1-based, done so far) with running values.
+    pub fn step(&mut self, step: u64, steps: u64, elapsed: Duration, values: &[(String, f64)]) {
+        self.last_draw = Some(Instant::now());
+        let text = step_line(step, steps, elapsed, None, values, self.tty);
+        if self.tty {
+            let _ = write!(self.out, "\r{text}\x1b[K");
+            let _ = self.out.flush();
+        } else {
+            self.line(&text);
+        }
+    }
+
+    /// The epoch's last line, as Keras prints it: time, per-step time, values (evaluation
+    /// included), and throughput.
+    pub fn epoch_end(&mut self, steps: u64, elapsed: Duration, values: &[(String, f64)], examples_per_second: f64) {
+        let per_step = elapsed.as_secs_f64() * 1e3 / steps.max(1) as f64;
+        let mut text = step_line(steps, steps, elapsed, Some(per_step), values, self.tty);
+        text.push_str(&format!(" - {} examples/s", thousands(examples_per_second)));
+        if self.tty {
+            let _ = write!(self.out, "\r{text}\x1b[K\n");
+            let _ = self.out.flush();
+        } else {
+            self.line(&text);
+        }
+    }
+}
+
+/// `step/steps [bar] - 3s[ 5ms/step] - loss: 0.4521 - accuracy: 0.8412` (no bar when not a
+/// terminal).
+pub fn step_line(
+    step: u64,
+    steps: u64,
+    elapsed: Duration,
+    ms_per_step: Option<f64>,
+    values: &[(String, f64)],
+    bar: bool,
+) -> String {
+    let width = steps.to_string().len();
+    let mut text = format!("{step:>width$}/{steps}");
+    if bar {
+        text.push_str(&format!(" [{}]", bar_text(step, steps)));
+    }
+    text.push_str(&format!(" - {}s", elapsed.as_secs()));
+    if let Some(ms) = ms_per_step {
+        text.push_str(&format!(" {ms:.0}ms/step"));
+    }
+    for (name, value) in values {
+        text.push_str(&format!(" - {name}: {value:.4}"));
+    }
+    text
+}
+
+fn bar_text(step: u64, steps: u64) -> String {
+    let done = (step * BAR_WIDTH as u64).checked_div(steps).map_or(BAR_WIDTH, |d| d as usize);
+    if done >= BAR_WIDTH {
+        "=".repeat(BAR_WIDTH)
+    } else {
+        format!("{}>{}", "=".repeat(done), ".".repeat(BAR_WIDTH - done - 1))
+    }
+}
+
+/// `12345.6` as `12,346`.
+pub fn thousands(x: f64) -> String {
+    let digits = format!("{:.0}", x.max(0.0));
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keras_style_lines() {
+        let values = vec![("loss".to_string(), 0.45213), ("accuracy".to_string(), 0.84)];
+        assert_eq!(
+            step_line(93, 937, Duration::from_secs(3), None, &values, false),
+            " 93/937 - 3s - loss: 0.4521 - accuracy: 0.8400"
+        );
+        assert_eq!(
+            step_line(468, 937, Duration::from_secs(3), None, &[], true),
+            "468/937 [==============>...............] - 3s"
+        );
+        assert_eq!(
+            step_line(937, 937, Duration::from_secs(5), Some(5.4), &[], true),
+            "937/937 [==============================] - 5s 5ms/step"
+        );
+        assert_eq!(thousands(5210.4), "5,210");
+        assert_eq!(thousands(999.0), "999");
+        assert_eq!(thousands(1234567.0), "1,234,567");
+    }
+
+    #[test]
+    fn plain_output_prints_every_tenth() {
+        let p = Progress::to_writer(Box::new(Vec::new()), false);
+        let drawn: Vec<u64> = (1..=100).filter(|&s| p.wants(s, 100)).collect();
+        assert_eq!(drawn, [10, 20, 30, 40, 50, 60, 70, 80, 90]);
+    }
+}

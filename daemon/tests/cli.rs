@@ -1,0 +1,332 @@
+//! End-to-end tests of the `trainerd` binary with real plugins: training results, determinism,
+//! and every refusal with its exact message.
+//!
+//! The plugins are built by `cargo build --workspace` (scripts/test.sh does it before the
+//! tests); the accuracy test reads Fashion-MNIST from /usr/share/datasets/fashion-mnist
+//! (scripts/setup.sh installs it) or from `TRAINERD_TEST_DATA`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use trainerd_sdk::abi::{LIBTORCH_VERSION, SDK_VERSION, TARGET, TCH_VERSION};
+use trainerd_sdk::mnist::{write_idx, IMAGES_MAGIC, LABELS_MAGIC};
+
+fn trainerd() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_trainerd"))
+}
+
+/// A plugin library built next to the daemon.
+fn plugin(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_BIN_EXE_trainerd")).parent().unwrap();
+    let path = dir.join(format!("lib{}.so", name.replace('-', "_")));
+    assert!(path.exists(), "{} is missing: run `cargo build --workspace` before the tests", path.display());
+    path
+}
+
+fn fashion_mnist() -> PathBuf {
+    let dir = std::env::var_os("TRAINERD_TEST_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/usr/share/datasets/fashion-mnist".into());
+    assert!(dir.join("train-images-idx3-ubyte.gz").exists(), "no dataset in {}: run scripts/setup.sh", dir.display());
+    dir
+}
+
+/// A small MNIST-format dataset (random pixels, 10 classes).
+fn tiny_dataset(dir: &Path, n_train: u32, n_test: u32) {
+    for (prefix, n) in [("train", n_train), ("t10k", n_test)] {
+        let pixels: Vec<u8> = (0..n * 784).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+        let labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
+        write_idx(&dir.join(format!("{prefix}-images-idx3-ubyte.gz")), IMAGES_MAGIC, &[n, 28, 28], &pixels).unwrap();
+        write_idx(&dir.join(format!("{prefix}-labels-idx1-ubyte.gz")), LABELS_MAGIC, &[n], &labels).unwrap();
+    }
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The error line the daemon printed, with the exit checked to be an ordinary failure (not a
+/// crash).
+fn error_of(out: &Output) -> String {
+    assert_eq!(out.status.code(), Some(1), "stdout:\n{}\nstderr:\n{}", stdout(out), stderr(out));
+    let err = stderr(out);
+    err.lines().find(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("no error line in:\n{err}")).to_string()
+}
+
+fn run_with(plugin: &Path, data: &Path, extra: &[&str], fault: Option<&str>) -> Output {
+    let mut cmd = trainerd();
+    cmd.args(["run", "--threads", "1", "--plugin"]).arg(plugin).arg("--data").arg(data).args(extra);
+    if let Some(f) = fault {
+        cmd.env("TRAINERD_FIXTURE_FAULT", f);
+    }
+    cmd.output().unwrap()
+}
+
+fn summary(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn mnist_cnn_reaches_85_percent_in_one_epoch_on_fashion_mnist() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = tmp.path().join("summary.json");
+    let out = trainerd()
+        .args(["run", "--epochs", "1", "--batch-size", "64", "--threads", "2", "--plugin"])
+        .arg(plugin("mnist-cnn"))
+        .arg("--data")
+        .arg(fashion_mnist())
+        .arg("--summary")
+        .arg(&s)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("Epoch 1/1\n"), "{text}");
+    let last = text.lines().find(|l| l.starts_with("937/937 - ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(last.contains("ms/step - loss: ") && last.contains(" - val_accuracy: ") && last.ends_with(" examples/s"));
+    let s = summary(&s);
+    assert_eq!(s["steps"], 937);
+    assert_eq!(s["epochs"], 1);
+    let acc = s["test_accuracy"].as_f64().unwrap();
+    assert!(acc >= 0.85, "test accuracy {acc}");
+    assert!(s["final_train_loss"].as_f64().unwrap() < 0.6, "{s}");
+    assert!(s["examples_per_second"].as_f64().unwrap() > 0.0);
+    assert_eq!(s["params_sha256"].as_str().unwrap().len(), 64);
+}
+
+#[test]
+fn same_seed_gives_the_same_params_sha256() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = fashion_mnist();
+    let hash = |name: &str, seed: &str| {
+        let s = tmp.path().join(name);
+        let out = run_with(
+            &plugin("mnist-cnn"),
+            &data,
+            &["--epochs", "2", "--steps-per-epoch", "40", "--seed", seed, "--summary", s.to_str().unwrap()],
+            None,
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        summary(&s)["params_sha256"].as_str().unwrap().to_string()
+    };
+    let a = hash("a.json", "7");
+    assert_eq!(a, hash("b.json", "7"));
+    assert_ne!(a, hash("c.json", "8"));
+}
+
+#[test]
+fn each_optimizer_trains_the_linear_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (optimizer, lr) in [("sgd", "0.1"), ("adam", "0.001"), ("rmsprop", "0.001")] {
+        let s = tmp.path().join(format!("{optimizer}.json"));
+        let out = run_with(
+            &plugin("linear"),
+            &fashion_mnist(),
+            &["--optimizer", optimizer, "--lr", lr, "--steps-per-epoch", "300", "--summary", s.to_str().unwrap()],
+            None,
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        let s = summary(&s);
+        assert_eq!(s["optimizer"]["name"], optimizer);
+        let acc = s["test_accuracy"].as_f64().unwrap();
+        assert!(acc > 0.7, "{optimizer}: test accuracy {acc}");
+    }
+}
+
+fn expected_mismatch(path: &Path, field: &str, found: &str, expected: &str) -> String {
+    format!(
+        "error: plugin {}: {field} is {found}, this trainerd expects {expected}; rebuild the plugin against \
+         trainerd-sdk {SDK_VERSION} (tch {TCH_VERSION}, libtorch {LIBTORCH_VERSION}, target {TARGET})",
+        path.display()
+    )
+}
+
+#[test]
+fn header_mismatches_are_refused_naming_file_found_and_expected() {
+    let data = tempfile::tempdir().unwrap();
+    tiny_dataset(data.path(), 64, 16);
+    let fixture = plugin("test-fixture");
+    for (fault, field, found, expected) in [
+        ("abi-version", "ABI version", "999", "1"),
+        ("magic", "header magic", "\"NOTAPLUG\"", "\"TRAINERD\""),
+        ("tch-version", "tch version", "0.25.0", TCH_VERSION),
+        ("libtorch-version", "libtorch version", "2.12.0+cpu", LIBTORCH_VERSION),
+    ] {
+        let out = run_with(&fixture, data.path(), &[], Some(fault));
+        assert_eq!(error_of(&out), expected_mismatch(&fixture, field, found, expected), "{fault}");
+    }
+    let out = run_with(&fixture, data.path(), &[], Some("panic-abort"));
+    assert_eq!(
+        error_of(&out),
+        format!(
+            "error: plugin {}: built with panic = \"abort\"; trainerd needs panic = \"unwind\" so that a panic in \
+             the plugin becomes an error instead of killing the daemon: remove `panic = \"abort\"` from the \
+             plugin's Cargo profile and rebuild",
+            fixture.display()
+        )
+    );
+}
+
+#[test]
+fn files_that_are_not_plugins_are_refused() {
+    let data = tempfile::tempdir().unwrap();
+    tiny_dataset(data.path(), 64, 16);
+    let missing = data.path().join("nope.so");
+    let out = run_with(&missing, data.path(), &[], None);
+    assert_eq!(error_of(&out), format!("error: plugin {}: no such file", missing.display()));
+
+    let text = data.path().join("text.so");
+    std::fs::write(&text, "not an ELF file").unwrap();
+    let out = run_with(&text, data.path(), &[], None);
+    let err = error_of(&out);
+    assert!(err.starts_with(&format!("error: plugin {}: not a loadable shared library: ", text.display())), "{err}");
+    assert!(err.contains("invalid ELF header") || err.contains("file too short"), "{err}");
+
+    // A real shared library that is not a plugin: the C library every process has loaded.
+    let libc = ["/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib64/libc.so.6"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .expect("libc.so.6");
+    let out = run_with(&libc, data.path(), &[], None);
+    assert_eq!(
+        error_of(&out),
+        format!(
+            "error: plugin {}: not a trainerd plugin (it exports no `trainerd_plugin_entry` symbol); build the \
+             model crate as a cdylib that calls trainerd_sdk::export_plugin!",
+            libc.display()
+        )
+    );
+}
+
+#[test]
+fn panics_in_plugin_code_come_back_as_errors() {
+    let data = tempfile::tempdir().unwrap();
+    tiny_dataset(data.path(), 256, 16);
+    let fixture = plugin("test-fixture");
+    for (fault, message) in [
+        ("panic-forward", "error: plugin test-fixture: forward failed: panicked: fixture: forward pass failed on purpose"),
+        (
+            "panic-pipeline",
+            "error: plugin test-fixture: input_pipeline failed: panicked: fixture: input pipeline failed on purpose at batch 2",
+        ),
+        ("panic-load", "error: plugin test-fixture: load_data failed: panicked: fixture: data loading failed on purpose"),
+    ] {
+        let out = run_with(&fixture, data.path(), &[], Some(fault));
+        assert_eq!(error_of(&out), message, "{fault}");
+    }
+    // Without a fault the same plugin trains.
+    let out = run_with(&fixture, data.path(), &[], None);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn data_errors_name_the_file() {
+    let linear = plugin("linear");
+    let prefix = "error: plugin linear: load_data failed: ";
+
+    let dir = tempfile::tempdir().unwrap();
+    tiny_dataset(dir.path(), 64, 16);
+    std::fs::remove_file(dir.path().join("train-labels-idx1-ubyte.gz")).unwrap();
+    let out = run_with(&linear, dir.path(), &[], None);
+    assert_eq!(
+        error_of(&out),
+        format!(
+            "{prefix}data directory {}: missing train-labels-idx1-ubyte (or train-labels-idx1-ubyte.gz)",
+            dir.path().display()
+        )
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    tiny_dataset(dir.path(), 64, 16);
+    let truncated = dir.path().join("train-images-idx3-ubyte");
+    std::fs::remove_file(dir.path().join("train-images-idx3-ubyte.gz")).unwrap();
+    write_idx(&truncated, IMAGES_MAGIC, &[64, 28, 28], &vec![0; 1000]).unwrap();
+    let out = run_with(&linear, dir.path(), &[], None);
+    assert_eq!(
+        error_of(&out),
+        format!(
+            "{prefix}{}: truncated: the header promises 50176 bytes of data, the file has 1000",
+            truncated.display()
+        )
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    tiny_dataset(dir.path(), 64, 16);
+    let wrong = dir.path().join("t10k-labels-idx1-ubyte.gz");
+    write_idx(&wrong, IMAGES_MAGIC, &[16], &[0; 16]).unwrap();
+    let out = run_with(&linear, dir.path(), &[], None);
+    assert_eq!(
+        error_of(&out),
+        format!("{prefix}{}: wrong magic number 0x00000803, expected 0x00000801 (idx1 labels)", wrong.display())
+    );
+}
+
+#[test]
+fn plugin_check_prints_identity() {
+    let path = plugin("mnist-cnn");
+    let out = trainerd().args(["plugin", "check"]).arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.starts_with(&format!("plugin: {}\nname: mnist-cnn {}\n", path.display(), env!("CARGO_PKG_VERSION"))),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "built with: abi 1, trainerd-sdk {SDK_VERSION}, tch {TCH_VERSION}, libtorch {LIBTORCH_VERSION}, {TARGET}, panic=unwind\n"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "parameters: 6 tensors, 347,146 values (model.conv.bias, model.conv.weight, model.dense.bias, \
+             model.dense.weight, model.logits.bias, model.logits.weight)"
+        ),
+        "{text}"
+    );
+}
+
+#[test]
+fn plugin_check_reports_a_mismatch_and_survives_a_crash() {
+    let fixture = plugin("test-fixture");
+    let out = trainerd()
+        .args(["plugin", "check"])
+        .arg(&fixture)
+        .env("TRAINERD_FIXTURE_FAULT", "abi-version")
+        .output()
+        .unwrap();
+    assert_eq!(error_of(&out), expected_mismatch(&fixture, "ABI version", "999", "1"));
+
+    let out = trainerd()
+        .args(["plugin", "check"])
+        .arg(&fixture)
+        .env("TRAINERD_FIXTURE_FAULT", "segfault-on-load")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(128 + 11), "{}", stderr(&out));
+    assert!(stderr(&out).contains(&format!(
+        "error: plugin {}: the plugin crashed the checking process with signal 11 (SIGSEGV) while loading",
+        fixture.display()
+    )));
+}
+
+#[test]
+fn bad_flags_are_refused_with_the_flag_named() {
+    let data = tempfile::tempdir().unwrap();
+    tiny_dataset(data.path(), 64, 16);
+    let linear = plugin("linear");
+    let out = run_with(&linear, data.path(), &["--optimizer", "adam", "--momentum", "0.9"], None);
+    assert_eq!(error_of(&out), "error: --momentum does not apply to optimizer adam");
+    let out = run_with(&linear, data.path(), &["--device", "tpu"], None);
+    assert_eq!(error_of(&out), "error: --device tpu: expected auto, cpu, cuda or cuda:N");
+    let out = run_with(&linear, data.path(), &["--batch-size", "1000"], None);
+    assert_eq!(
+        error_of(&out),
+        "error: the training split gives no batch: with batch size 1000 the input pipeline yields 0 steps per epoch"
+    );
+}

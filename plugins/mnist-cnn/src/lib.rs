@@ -1,0 +1,76 @@
+//! The CNN of TensorFlow's multi-worker tutorials, as a trainerd plugin:
+//! Conv2D 32 filters 3x3 ReLU -> MaxPool 2x2 -> Flatten -> Dense 64 ReLU -> Dense 10,
+//! trained on MNIST-format 28x28 images (MNIST, Fashion-MNIST).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use trainerd_sdk::mnist::Mnist;
+use trainerd_sdk::tch::{nn, nn::Module, Tensor};
+use trainerd_sdk::{
+    data, export_plugin, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
+    TrainDefaults,
+};
+
+/// The model.
+pub struct MnistCnn {
+    conv: nn::Conv2D,
+    dense: nn::Linear,
+    logits: nn::Linear,
+}
+
+impl Model for MnistCnn {
+    type Data = Mnist;
+
+    fn info() -> PluginInfo {
+        PluginInfo {
+            name: "mnist-cnn".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            description: "Conv2D(32, 3x3) ReLU, MaxPool 2x2, Dense 64 ReLU, Dense 10 on 28x28 MNIST-format images"
+                .into(),
+            metrics: vec!["accuracy".into()],
+            defaults: TrainDefaults {
+                epochs: 3,
+                batch_size: 64,
+                optimizer: OptimizerConfig::adam(1e-3),
+                schedule: LrSchedule::Constant,
+            },
+        }
+    }
+
+    fn new(root: &nn::Path) -> Result<Self, PluginError> {
+        Ok(MnistCnn {
+            conv: nn::conv2d(root / "conv", 1, 32, 3, Default::default()),
+            dense: nn::linear(root / "dense", 32 * 13 * 13, 64, Default::default()),
+            logits: nn::linear(root / "logits", 64, 10, Default::default()),
+        })
+    }
+
+    fn forward(&self, xs: &Tensor, _train: bool) -> Result<Tensor, PluginError> {
+        let shape = xs.size();
+        if shape.len() != 4 || shape[1..] != [1, 28, 28] {
+            return Err(PluginError::Other(format!(
+                "mnist-cnn expects images of shape [batch, 1, 28, 28], got {shape:?}"
+            )));
+        }
+        Ok(self
+            .conv
+            .forward(xs)
+            .relu()
+            .max_pool2d_default(2)
+            .flatten(1, -1)
+            .apply(&self.dense)
+            .relu()
+            .apply(&self.logits))
+    }
+
+    fn load_data(&self, dir: &Path, split: Split) -> Result<Mnist, PluginError> {
+        Ok(Mnist::load(dir, split)?)
+    }
+
+    fn input_pipeline(&self, data: &Arc<Mnist>, ctx: &InputContext) -> Result<Pipeline, PluginError> {
+        data::sharded_batches(&data.images, &data.labels, ctx)
+    }
+}
+
+export_plugin!(MnistCnn);

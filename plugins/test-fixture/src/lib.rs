@@ -1,0 +1,108 @@
+//! A plugin that misbehaves on request, so the daemon's tests can check each failure it must
+//! survive and name. `TRAINERD_FIXTURE_FAULT` picks the fault:
+//!
+//! - `abi-version`, `magic`, `tch-version`, `libtorch-version`, `panic-abort`: a header with
+//!   that field wrong (as a plugin built against other versions would have);
+//! - `segfault-on-load`: the entry symbol crashes;
+//! - `panic-forward`, `panic-pipeline`, `panic-load`: plugin code panics in that call.
+//!
+//! Unset, it is a working softmax regression like the `linear` plugin.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use trainerd_sdk::abi::{PluginHeader, PluginVTable, StrRef};
+use trainerd_sdk::export::{header, vtable};
+use trainerd_sdk::mnist::Mnist;
+use trainerd_sdk::tch::{nn, Tensor};
+use trainerd_sdk::{
+    data, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
+};
+
+fn fault() -> String {
+    std::env::var("TRAINERD_FIXTURE_FAULT").unwrap_or_default()
+}
+
+/// The model.
+pub struct Fixture {
+    dense: nn::Linear,
+}
+
+impl Model for Fixture {
+    type Data = Mnist;
+
+    fn info() -> PluginInfo {
+        PluginInfo {
+            name: "test-fixture".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            description: "softmax regression that fails on request".into(),
+            metrics: vec!["accuracy".into()],
+            defaults: TrainDefaults {
+                epochs: 1,
+                batch_size: 32,
+                optimizer: OptimizerConfig::sgd(0.1),
+                schedule: LrSchedule::Constant,
+            },
+        }
+    }
+
+    fn new(root: &nn::Path) -> Result<Self, PluginError> {
+        Ok(Fixture { dense: nn::linear(root / "dense", 28 * 28, 10, Default::default()) })
+    }
+
+    fn forward(&self, xs: &Tensor, _train: bool) -> Result<Tensor, PluginError> {
+        if fault() == "panic-forward" {
+            panic!("fixture: forward pass failed on purpose");
+        }
+        Ok(xs.f_flatten(1, -1)?.apply(&self.dense))
+    }
+
+    fn load_data(&self, dir: &Path, split: Split) -> Result<Mnist, PluginError> {
+        if fault() == "panic-load" {
+            panic!("fixture: data loading failed on purpose");
+        }
+        Ok(Mnist::load(dir, split)?)
+    }
+
+    fn input_pipeline(&self, data: &Arc<Mnist>, ctx: &InputContext) -> Result<Pipeline, PluginError> {
+        let mut pipeline = data::sharded_batches(&data.images, &data.labels, ctx)?;
+        if fault() == "panic-pipeline" {
+            let batches = pipeline.batches;
+            pipeline.batches = Box::new(batches.enumerate().map(|(i, b)| {
+                if i == 2 {
+                    panic!("fixture: input pipeline failed on purpose at batch {i}");
+                }
+                b
+            }));
+        }
+        Ok(pipeline)
+    }
+}
+
+static VTABLE: PluginVTable = vtable::<Fixture>();
+static GOOD: PluginHeader = header(&VTABLE, "unwind");
+static BAD_ABI: PluginHeader = PluginHeader { abi_version: 999, ..header(&VTABLE, "unwind") };
+static BAD_MAGIC: PluginHeader = PluginHeader { magic: *b"NOTAPLUG", ..header(&VTABLE, "unwind") };
+static BAD_TCH: PluginHeader = PluginHeader { tch_version: StrRef::from_static("0.25.0"), ..header(&VTABLE, "unwind") };
+static BAD_LIBTORCH: PluginHeader =
+    PluginHeader { libtorch_version: StrRef::from_static("2.12.0+cpu"), ..header(&VTABLE, "unwind") };
+static PANIC_ABORT: PluginHeader = header(&VTABLE, "abort");
+
+/// The entry point: the header the fault asks for.
+#[unsafe(no_mangle)]
+pub extern "C" fn trainerd_plugin_entry() -> *const PluginHeader {
+    match fault().as_str() {
+        "abi-version" => &BAD_ABI,
+        "magic" => &BAD_MAGIC,
+        "tch-version" => &BAD_TCH,
+        "libtorch-version" => &BAD_LIBTORCH,
+        "panic-abort" => &PANIC_ABORT,
+        "segfault-on-load" => {
+            // SAFETY: not safe at all, on purpose: the checker must survive a plugin that
+            // crashes while loading.
+            unsafe { std::ptr::null_mut::<u64>().write_volatile(1) };
+            &GOOD
+        }
+        _ => &GOOD,
+    }
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs everything trainerd needs on a fresh Debian machine, then builds it. Idempotent.
+#   - libtorch: PyTorch 2.13.0 in a virtualenv outside the clone ($TRAINERD_CACHE), reused by
+#     every clone; tch 0.26 builds against it (LIBTORCH_USE_PYTORCH=1) and the binaries get an
+#     rpath to it.
+#   - Fashion-MNIST: Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist).
+# Usage: scripts/setup.sh [--no-build]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+
+apt_install() {
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+}
+if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+    echo "setup: installing the Fashion-MNIST dataset (dataset-fashion-mnist)"
+    apt_install dataset-fashion-mnist
+fi
+
+# The venv counts as installed only once its marker is written, so an interrupted install is
+# redone rather than trusted.
+marker="$TRAINERD_VENV/.trainerd-complete"
+if [ ! -e "$marker" ]; then
+    echo "setup: installing PyTorch $TORCH_VERSION into $TRAINERD_VENV (about a minute)"
+    rm -rf "$TRAINERD_VENV"
+    python3 -m venv "$TRAINERD_VENV"
+    "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_VERSION" safetensors numpy
+    "$TRAINERD_VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
+    touch "$marker"
+fi
+
+if [ "${1:-}" != "--no-build" ]; then
+    echo "setup: building trainerd (release)"
+    cargo build --release --workspace
+fi

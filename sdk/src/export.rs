@@ -1,0 +1,322 @@
+//! Plugin-side glue: the `extern "C"` functions behind the vtable, generic over a [`Model`], and
+//! the [`export_plugin!`](crate::export_plugin) macro that exports them.
+//!
+//! Every function catches panics and turns them into an error [`Status`]; every output tensor is
+//! kept in a slot owned by the plugin object, so the daemon only ever borrows it.
+
+use std::ffi::{c_char, CString};
+use std::mem::ManuallyDrop;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use tch::{nn, Device, Tensor};
+
+use crate::abi::{
+    C_tensor, Handle, InputContext, PluginHeader, PluginVTable, RawDevice, RawSplit, Status, StrRef, ABI_VERSION,
+    LIBTORCH_VERSION, MAGIC, SDK_VERSION, SPLIT_TEST, SPLIT_TRAIN, TARGET, TCH_VERSION,
+};
+use crate::model::{Model, Pipeline, PluginError, Split};
+
+/// Exports `$model` (a type implementing [`Model`]) as this library's plugin. Call once, in a
+/// crate built as a `cdylib`.
+#[macro_export]
+macro_rules! export_plugin {
+    ($model:ty) => {
+        /// The plugin's entry point, read by trainerd before it calls anything else.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn trainerd_plugin_entry() -> *const $crate::abi::PluginHeader {
+            static VTABLE: $crate::abi::PluginVTable = $crate::export::vtable::<$model>();
+            static HEADER: $crate::abi::PluginHeader =
+                $crate::export::header(&VTABLE, if cfg!(panic = "unwind") { "unwind" } else { "abort" });
+            &HEADER
+        }
+    };
+}
+
+/// The header for `vtable`, stamped with this build's facts.
+pub const fn header(vtable: &'static PluginVTable, panic_strategy: &'static str) -> PluginHeader {
+    PluginHeader {
+        magic: MAGIC,
+        abi_version: ABI_VERSION,
+        header_size: std::mem::size_of::<PluginHeader>() as u32,
+        sdk_version: StrRef::from_static(SDK_VERSION),
+        tch_version: StrRef::from_static(TCH_VERSION),
+        libtorch_version: StrRef::from_static(LIBTORCH_VERSION),
+        target: StrRef::from_static(TARGET),
+        panic_strategy: StrRef::from_static(panic_strategy),
+        vtable,
+    }
+}
+
+/// The vtable of `M`.
+pub const fn vtable<M: Model>() -> PluginVTable {
+    PluginVTable {
+        info: info::<M>,
+        free_error,
+        create: create::<M>,
+        destroy: destroy::<M>,
+        parameter_count: parameter_count::<M>,
+        parameter: parameter::<M>,
+        forward: forward::<M>,
+        loss: loss::<M>,
+        metrics: metrics::<M>,
+        data_load: data_load::<M>,
+        data_free: data_free::<M>,
+        pipeline_open: pipeline_open::<M>,
+        pipeline_next,
+        pipeline_free,
+    }
+}
+
+struct ModelBox<M> {
+    model: M,
+    params: Vec<(String, Tensor)>,
+    /// The last output handed out; valid until the next call.
+    out: Tensor,
+    _vs: nn::VarStore,
+}
+
+struct PipelineBox {
+    pipeline: Pipeline,
+    xs: Tensor,
+    labels: Tensor,
+}
+
+/// Runs `f`, turning an error or a panic into a [`Status`].
+fn guard(f: impl FnOnce() -> Result<(), PluginError>) -> Status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => std::ptr::null_mut(),
+        Ok(Err(e)) => status(e.to_string()),
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into());
+            status(format!("panicked: {msg}"))
+        }
+    }
+}
+
+fn status(msg: String) -> Status {
+    CString::new(msg.replace('\0', "\\0")).expect("no NUL left").into_raw()
+}
+
+/// Runs a function that cannot report an error; a panic is printed, never unwound.
+fn guard_quiet(what: &str, f: impl FnOnce()) {
+    if catch_unwind(AssertUnwindSafe(f)).is_err() {
+        eprintln!("trainerd plugin: panic in {what} (ignored)");
+    }
+}
+
+/// A daemon-owned tensor, borrowed for the duration of a call.
+///
+/// # Safety
+/// `ptr` must be a live tensor handle.
+unsafe fn borrowed(ptr: *mut C_tensor) -> ManuallyDrop<Tensor> {
+    // SAFETY: the caller guarantees the handle; ManuallyDrop keeps us from freeing it.
+    ManuallyDrop::new(unsafe { Tensor::from_ptr(ptr) })
+}
+
+fn device(raw: RawDevice) -> Device {
+    if raw < 0 {
+        Device::Cpu
+    } else {
+        Device::Cuda(raw as usize)
+    }
+}
+
+unsafe extern "C" fn info<M: Model>(out_json: *mut StrRef) -> Status {
+    static INFO: OnceLock<String> = OnceLock::new();
+    guard(|| {
+        let json = INFO.get_or_init(|| serde_json::to_string(&M::info()).expect("info serializes"));
+        // SAFETY: the daemon passes a valid out pointer; the string lives in a static.
+        unsafe { *out_json = StrRef::new(json) };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn free_error(status: Status) {
+    if !status.is_null() {
+        // SAFETY: every non-null Status comes from CString::into_raw in `status`.
+        drop(unsafe { CString::from_raw(status as *mut c_char) });
+    }
+}
+
+unsafe extern "C" fn create<M: Model>(prefix: StrRef, raw_device: RawDevice, out: *mut Handle) -> Status {
+    guard(|| {
+        // SAFETY: the daemon passes a valid string.
+        let prefix = unsafe { prefix.to_string_lossy() };
+        let vs = nn::VarStore::new(device(raw_device));
+        let root = prefix.split('.').filter(|s| !s.is_empty()).fold(vs.root(), |p, s| p.sub(s));
+        let model = M::new(&root)?;
+        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let boxed = Box::new(ModelBox { model, params, out: Tensor::new(), _vs: vs });
+        // SAFETY: valid out pointer from the daemon.
+        unsafe { *out = Box::into_raw(boxed) as Handle };
+        Ok(())
+    })
+}
+
+/// # Safety
+/// `model` must come from `create::<M>` and not be destroyed.
+unsafe fn model_mut<'a, M>(model: Handle) -> &'a mut ModelBox<M> {
+    // SAFETY: per the function contract.
+    unsafe { &mut *(model as *mut ModelBox<M>) }
+}
+
+unsafe extern "C" fn destroy<M: Model>(model: Handle) {
+    // SAFETY: `model` came from Box::into_raw in `create`.
+    guard_quiet("destroy", || drop(unsafe { Box::from_raw(model as *mut ModelBox<M>) }));
+}
+
+unsafe extern "C" fn parameter_count<M: Model>(model: Handle) -> usize {
+    // SAFETY: live model handle from the daemon.
+    unsafe { model_mut::<M>(model) }.params.len()
+}
+
+unsafe extern "C" fn parameter<M: Model>(
+    model: Handle,
+    index: usize,
+    out_name: *mut StrRef,
+    out_tensor: *mut *mut C_tensor,
+) -> Status {
+    guard(|| {
+        // SAFETY: live model handle from the daemon.
+        let m = unsafe { model_mut::<M>(model) };
+        let (name, tensor) =
+            m.params.get_mut(index).ok_or_else(|| PluginError::Other(format!("no parameter {index}")))?;
+        // SAFETY: valid out pointers; name and tensor live until `destroy`.
+        unsafe {
+            *out_name = StrRef::new(name);
+            *out_tensor = tensor.as_mut_ptr();
+        }
+        Ok(())
+    })
+}
+
+/// Runs `f` on the model and hands out its result through the model's output slot.
+///
+/// # Safety
+/// `model` is a live model handle and `out` a valid out pointer.
+unsafe fn with_output<M: Model>(
+    model: Handle,
+    out: *mut *mut C_tensor,
+    f: impl FnOnce(&M) -> Result<Tensor, PluginError>,
+) -> Status {
+    guard(|| {
+        // SAFETY: per the function contract.
+        let m = unsafe { model_mut::<M>(model) };
+        m.out = f(&m.model)?;
+        // SAFETY: per the function contract.
+        unsafe { *out = m.out.as_mut_ptr() };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn forward<M: Model>(
+    model: Handle,
+    xs: *mut C_tensor,
+    train: bool,
+    out: *mut *mut C_tensor,
+) -> Status {
+    // SAFETY: handles from the daemon.
+    unsafe { with_output::<M>(model, out, |m| m.forward(&borrowed(xs), train)) }
+}
+
+unsafe extern "C" fn loss<M: Model>(
+    model: Handle,
+    logits: *mut C_tensor,
+    labels: *mut C_tensor,
+    out: *mut *mut C_tensor,
+) -> Status {
+    // SAFETY: handles from the daemon.
+    unsafe { with_output::<M>(model, out, |m| m.loss(&borrowed(logits), &borrowed(labels))) }
+}
+
+unsafe extern "C" fn metrics<M: Model>(
+    model: Handle,
+    logits: *mut C_tensor,
+    labels: *mut C_tensor,
+    out: *mut *mut C_tensor,
+) -> Status {
+    // SAFETY: handles from the daemon.
+    unsafe { with_output::<M>(model, out, |m| m.metrics(&borrowed(logits), &borrowed(labels))) }
+}
+
+unsafe extern "C" fn data_load<M: Model>(model: Handle, dir: StrRef, split: RawSplit, out: *mut Handle) -> Status {
+    guard(|| {
+        // SAFETY: live handle and string from the daemon.
+        let (m, dir) = unsafe { (model_mut::<M>(model), dir.to_string_lossy()) };
+        let split = match split {
+            SPLIT_TRAIN => Split::Train,
+            SPLIT_TEST => Split::Test,
+            other => return Err(PluginError::Other(format!("unknown split {other}"))),
+        };
+        let data: Arc<M::Data> = Arc::new(m.model.load_data(Path::new(&dir), split)?);
+        // SAFETY: valid out pointer.
+        unsafe { *out = Box::into_raw(Box::new(data)) as Handle };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn data_free<M: Model>(data: Handle) {
+    // SAFETY: `data` came from Box::into_raw in `data_load`.
+    guard_quiet("data_free", || drop(unsafe { Box::from_raw(data as *mut Arc<M::Data>) }));
+}
+
+unsafe extern "C" fn pipeline_open<M: Model>(
+    model: Handle,
+    data: Handle,
+    ctx: *const InputContext,
+    out: *mut Handle,
+    out_steps: *mut u64,
+) -> Status {
+    guard(|| {
+        // SAFETY: live handles and pointers from the daemon.
+        let (m, data, ctx) = unsafe { (model_mut::<M>(model), &*(data as *const Arc<M::Data>), &*ctx) };
+        let pipeline = m.model.input_pipeline(data, ctx)?;
+        let steps = pipeline.steps;
+        let boxed = Box::new(PipelineBox { pipeline, xs: Tensor::new(), labels: Tensor::new() });
+        // SAFETY: valid out pointers.
+        unsafe {
+            *out = Box::into_raw(boxed) as Handle;
+            *out_steps = steps;
+        }
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn pipeline_next(
+    pipeline: Handle,
+    out_xs: *mut *mut C_tensor,
+    out_labels: *mut *mut C_tensor,
+    out_done: *mut bool,
+) -> Status {
+    guard(|| {
+        // SAFETY: live pipeline handle from the daemon.
+        let p = unsafe { &mut *(pipeline as *mut PipelineBox) };
+        let done = match p.pipeline.batches.next() {
+            None => true,
+            Some(batch) => {
+                (p.xs, p.labels) = batch?;
+                // SAFETY: valid out pointers; the tensors live in the pipeline's slots.
+                unsafe {
+                    *out_xs = p.xs.as_mut_ptr();
+                    *out_labels = p.labels.as_mut_ptr();
+                }
+                false
+            }
+        };
+        // SAFETY: valid out pointer.
+        unsafe { *out_done = done };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn pipeline_free(pipeline: Handle) {
+    // SAFETY: `pipeline` came from Box::into_raw in `pipeline_open`.
+    guard_quiet("pipeline_free", || drop(unsafe { Box::from_raw(pipeline as *mut PipelineBox) }));
+}

@@ -1,0 +1,30 @@
+//! trainerd's plugin SDK: what a model plugin implements and how it is exported.
+//!
+//! A plugin is a `cdylib` crate that implements [`Model`] and calls [`export_plugin!`] once:
+//!
+//! ```ignore
+//! use trainerd_sdk::{export_plugin, Model};
+//! struct MyModel { /* layers */ }
+//! impl Model for MyModel { /* info, new, forward, load_data, input_pipeline */ }
+//! export_plugin!(MyModel);
+//! ```
+//!
+//! The daemon checks the exported header (ABI version, sdk, tch and libtorch versions, target,
+//! panic strategy) before it calls anything, so a plugin built against another libtorch is
+//! refused with an error saying what to rebuild. Plugins must be built with `panic = "unwind"`
+//! (the default): panics are caught inside the plugin and returned as errors.
+//!
+//! [`mnist`] reads MNIST-format datasets and [`data`] gives the per-epoch order and the
+//! TensorFlow-style sharding that input pipelines use.
+
+pub mod abi;
+pub mod data;
+#[doc(hidden)]
+pub mod export;
+pub mod mnist;
+pub mod model;
+
+pub use model::{
+    Batch, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
+};
+pub use tch;

@@ -1,0 +1,223 @@
+//! What a plugin author implements ([`Model`]) and the plain data both sides exchange: the
+//! plugin's identity and training defaults ([`PluginInfo`]), optimizer and schedule settings.
+//!
+//! The daemon owns the optimizer and the learning-rate schedule; a plugin only names its
+//! defaults here, and the operator may override them.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tch::{nn, Kind, Tensor};
+
+pub use crate::abi::InputContext;
+
+/// An error raised by plugin code; its message reaches the operator as it is, so it should name
+/// the thing that is wrong (a file, a shape) and what was expected.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// A data file problem (see [`crate::mnist::DataError`]).
+    #[error(transparent)]
+    Data(#[from] crate::mnist::DataError),
+    /// A libtorch error.
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    /// Anything else, as a message.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A dataset split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Split {
+    /// Training examples.
+    Train,
+    /// Held-out test examples.
+    Test,
+}
+
+/// One batch: inputs and labels.
+pub type Batch = (Tensor, Tensor);
+
+/// An input pipeline: a known number of batches.
+pub struct Pipeline {
+    /// How many batches `batches` yields.
+    pub steps: u64,
+    /// The batches.
+    pub batches: Box<dyn Iterator<Item = Result<Batch, PluginError>> + Send>,
+}
+
+/// A model plugin. Build the crate as a `cdylib` and call [`crate::export_plugin!`] once.
+pub trait Model: Sized + 'static {
+    /// A loaded split of the dataset, shared by the pipelines opened over it.
+    type Data: 'static;
+
+    /// Identity and defaults.
+    fn info() -> PluginInfo;
+
+    /// Builds the model, declaring every parameter under `root` (the VarStore path the daemon
+    /// hands over). The daemon seeds libtorch's generator before this, so initial values are
+    /// reproducible.
+    fn new(root: &nn::Path) -> Result<Self, PluginError>;
+
+    /// Logits for a batch of inputs. `train` is false during evaluation (for dropout and the
+    /// like).
+    fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, PluginError>;
+
+    /// Mean loss over the batch. Default: softmax cross-entropy on integer labels.
+    fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, PluginError> {
+        Ok(logits.f_log_softmax(-1, Kind::Float)?.f_nll_loss::<Tensor>(labels, None, tch::Reduction::Mean, -100)?)
+    }
+
+    /// Per-batch sums of each metric in [`PluginInfo::metrics`], as a 1-D float64 tensor; the
+    /// daemon divides by the number of examples. Default: the count of correct argmax
+    /// predictions (accuracy).
+    fn metrics(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, PluginError> {
+        let correct = logits.f_argmax(-1, false)?.f_eq_tensor(labels)?;
+        Ok(correct.f_sum(Kind::Double)?.f_reshape([1])?)
+    }
+
+    /// Loads one split from the data directory.
+    fn load_data(&self, dir: &Path, split: Split) -> Result<Self::Data, PluginError>;
+
+    /// The batches for one epoch of one pipeline, as `distribute_datasets_from_function` would
+    /// produce them from `ctx`.
+    fn input_pipeline(&self, data: &Arc<Self::Data>, ctx: &InputContext) -> Result<Pipeline, PluginError>;
+}
+
+/// A plugin's identity and the defaults it trains with.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PluginInfo {
+    /// Short name, e.g. `mnist-cnn`.
+    pub name: String,
+    /// The plugin's own version (its crate version).
+    pub version: String,
+    /// One line for `plugin check`.
+    pub description: String,
+    /// Names of the metrics [`Model::metrics`] returns, in order.
+    pub metrics: Vec<String>,
+    /// Training defaults.
+    pub defaults: TrainDefaults,
+}
+
+/// Defaults the operator may override by flag.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainDefaults {
+    /// Epochs.
+    pub epochs: u32,
+    /// Per-worker batch size.
+    pub batch_size: u32,
+    /// Optimizer and its hyper-parameters.
+    pub optimizer: OptimizerConfig,
+    /// Learning-rate schedule.
+    pub schedule: LrSchedule,
+}
+
+/// An optimizer and its hyper-parameters, with PyTorch's meaning and defaults.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "name", rename_all = "lowercase")]
+pub enum OptimizerConfig {
+    /// Stochastic gradient descent, optionally with (Nesterov) momentum.
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum factor (0 disables).
+        momentum: f64,
+        /// Dampening for momentum.
+        dampening: f64,
+        /// L2 penalty added to the gradient.
+        weight_decay: f64,
+        /// Nesterov momentum.
+        nesterov: bool,
+    },
+    /// Adam (Kingma & Ba), L2 weight decay as in `torch.optim.Adam`.
+    Adam {
+        /// Learning rate.
+        lr: f64,
+        /// Decay of the first moment.
+        beta1: f64,
+        /// Decay of the second moment.
+        beta2: f64,
+        /// Added to the denominator.
+        eps: f64,
+        /// L2 penalty added to the gradient.
+        weight_decay: f64,
+    },
+    /// RMSprop, as `torch.optim.RMSprop`.
+    Rmsprop {
+        /// Learning rate.
+        lr: f64,
+        /// Smoothing constant.
+        alpha: f64,
+        /// Added to the denominator.
+        eps: f64,
+        /// Momentum factor (0 disables).
+        momentum: f64,
+        /// L2 penalty added to the gradient.
+        weight_decay: f64,
+        /// Normalise by the estimated variance of the gradient.
+        centered: bool,
+    },
+}
+
+impl OptimizerConfig {
+    /// PyTorch's defaults for SGD (it has no default learning rate; 0.01 is Keras's).
+    pub fn sgd(lr: f64) -> Self {
+        OptimizerConfig::Sgd { lr, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false }
+    }
+
+    /// PyTorch's defaults for Adam.
+    pub fn adam(lr: f64) -> Self {
+        OptimizerConfig::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+    }
+
+    /// PyTorch's defaults for RMSprop.
+    pub fn rmsprop(lr: f64) -> Self {
+        OptimizerConfig::Rmsprop { lr, alpha: 0.99, eps: 1e-8, momentum: 0.0, weight_decay: 0.0, centered: false }
+    }
+
+    /// Lower-case name: `sgd`, `adam` or `rmsprop`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerConfig::Sgd { .. } => "sgd",
+            OptimizerConfig::Adam { .. } => "adam",
+            OptimizerConfig::Rmsprop { .. } => "rmsprop",
+        }
+    }
+
+    /// Base learning rate.
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerConfig::Sgd { lr, .. }
+            | OptimizerConfig::Adam { lr, .. }
+            | OptimizerConfig::Rmsprop { lr, .. } => lr,
+        }
+    }
+}
+
+/// How the learning rate moves with the global step (a pure function of the step, so resuming
+/// at step `s` needs only `s`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum LrSchedule {
+    /// The base rate throughout.
+    Constant,
+    /// Multiply by `gamma` every `every` steps.
+    Step {
+        /// Steps between decays.
+        every: u64,
+        /// Factor per decay.
+        gamma: f64,
+    },
+    /// Multiply by `gamma` each step.
+    Exponential {
+        /// Factor per step.
+        gamma: f64,
+    },
+    /// Cosine decay from the base rate to `min_lr` over the run.
+    Cosine {
+        /// Rate at the last step.
+        min_lr: f64,
+    },
+}
