@@ -175,8 +175,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         summary.params_sha256
     );
     if let Some(path) = &args.summary {
-        let json = serde_json::to_string_pretty(&summary)?;
-        std::fs::write(path, json + "\n").with_context(|| format!("writing the summary to {}", path.display()))?;
+        summary.write(path).with_context(|| format!("writing the summary to {}", path.display()))?;
     }
     Ok(())
 }

@@ -115,6 +115,32 @@ pub struct Summary {
     pub params_sha256: String,
 }
 
+impl Summary {
+    /// Writes the summary as JSON, atomically: a reader (or a restart after a crash) sees the
+    /// whole file or none of it.
+    pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
+        use std::io::Write;
+        let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)? + "\n";
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        let mut tmp = tempfile_in(dir, path)?;
+        tmp.1.write_all(json.as_bytes())?;
+        tmp.1.sync_all()?;
+        std::fs::rename(&tmp.0, path)?;
+        std::fs::File::open(dir)?.sync_all()
+    }
+}
+
+/// A new file beside `target`, named after it and this process.
+fn tempfile_in(dir: &std::path::Path, target: &std::path::Path) -> std::io::Result<(PathBuf, std::fs::File)> {
+    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+    Ok((tmp, file))
+}
+
 /// Running sums over an epoch or an evaluation, kept on the device until read.
 struct Totals {
     examples: i64,
