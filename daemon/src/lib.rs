@@ -1,7 +1,10 @@
 //! trainerd, the training daemon: loads a model plugin (see `trainerd-sdk`) and trains it with
-//! libtorch. The binary (`main.rs`) is a thin command line over these modules.
+//! libtorch, on one worker or with synchronous data parallelism across a TF_CONFIG cluster.
+//! The binary (`main.rs`) is a thin command line over these modules.
 
 pub mod check;
+pub mod cluster;
+pub mod collective;
 pub mod config;
 pub mod optim;
 pub mod plugin;

@@ -243,7 +243,9 @@ mod tests {
     /// Steps ours and libtorch's optimizer on identical copies, comparing after every step.
     fn against_libtorch(ours: OptimizerConfig, theirs: impl nn::OptimizerConfig) {
         let (vs_a, net_a, x, y) = problem(3);
-        let (vs_b, net_b, _, _) = problem(3);
+        let (mut vs_b, net_b, _, _) = problem(3);
+        // Tests run in parallel and libtorch's generator is global: copy rather than re-seed.
+        vs_b.copy(&vs_a).unwrap();
         let mut params_a = sorted_params(&vs_a);
         let mut opt_a = Optimizer::new(ours.clone(), &params_a);
         let mut opt_b = theirs.build(&vs_b, ours.lr()).unwrap();
