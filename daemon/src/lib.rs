@@ -6,6 +6,7 @@ pub mod check;
 pub mod cluster;
 pub mod collective;
 pub mod config;
+pub mod local;
 pub mod optim;
 pub mod plugin;
 pub mod progress;

@@ -2,9 +2,13 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use trainerd::cluster::control::Timeouts;
+use trainerd::cluster::{tf_config, ClusterConfig};
+use trainerd::collective::buckets::DEFAULT_BUCKET_BYTES;
 use trainerd::config::{self, OptimizerFlags};
 use trainerd::plugin::Plugin;
 use trainerd::progress::Progress;
@@ -20,8 +24,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model plugin on a dataset.
+    /// Train a model plugin on a dataset: one worker, or a member of the TF_CONFIG cluster.
     Run(Box<RunArgs>),
+    /// Start N workers on 127.0.0.1 as one cluster (each `trainerd run` with its own
+    /// TF_CONFIG), prefix their output, and stop them together.
+    Local {
+        /// Number of workers.
+        #[arg(long)]
+        workers: usize,
+        /// Arguments for `trainerd run` (every flag of `run` except --tf-config).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Inspect plugins.
     Plugin {
         #[command(subcommand)]
@@ -88,6 +102,20 @@ struct RunArgs {
     /// Write the run's summary as JSON to this file.
     #[arg(long)]
     summary: Option<PathBuf>,
+    /// Write one JSON line per step (global loss, metrics, learning rate) to this file.
+    #[arg(long)]
+    metrics_log: Option<PathBuf>,
+    /// The cluster, as TensorFlow's TF_CONFIG JSON or @FILE (default: the TF_CONFIG variable;
+    /// none means one worker).
+    #[arg(long)]
+    tf_config: Option<String>,
+    /// Seconds to wait for every worker to join.
+    #[arg(long, default_value_t = 300.0)]
+    rendezvous_timeout: f64,
+    /// Seconds a collective may wait for a peer before the step fails (no collective waits
+    /// forever).
+    #[arg(long, default_value_t = 120.0)]
+    collective_timeout: f64,
 }
 
 fn main() -> ExitCode {
@@ -98,6 +126,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run(*args).map(|()| 0),
+        Command::Local { workers, args } => trainerd::local::run(workers, &args),
         Command::Plugin { command: PluginCommand::Check { path, in_process } } => {
             if in_process {
                 Plugin::load(&path).map_err(anyhow::Error::from).and_then(|p| Ok(trainerd::check::describe(&p)?)).map(
@@ -120,7 +149,30 @@ fn main() -> ExitCode {
     }
 }
 
+/// The cluster from `--tf-config` (JSON or @FILE) or the TF_CONFIG variable.
+fn cluster(flag: Option<&str>) -> anyhow::Result<Option<ClusterConfig>> {
+    let (text, source) = match flag {
+        Some(f) => match f.strip_prefix('@') {
+            Some(file) => (
+                std::fs::read_to_string(file).with_context(|| format!("--tf-config {f}: cannot read {file}"))?,
+                format!("--tf-config {f}"),
+            ),
+            None => (f.to_string(), "--tf-config".to_string()),
+        },
+        None => (std::env::var("TF_CONFIG").unwrap_or_default(), "TF_CONFIG".to_string()),
+    };
+    Ok(tf_config::parse(&text, &source)?)
+}
+
+fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| anyhow::anyhow!("{flag} {value}: expected a positive number of seconds"))
+}
+
 fn run(args: RunArgs) -> anyhow::Result<()> {
+    let cluster = cluster(args.tf_config.as_deref())?;
     let device = config::device(&args.device).map_err(anyhow::Error::msg)?;
     let threads = match args.threads {
         Some(0) => anyhow::bail!("--threads 0: expected at least 1"),
@@ -149,13 +201,23 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         device,
         steps_per_epoch: args.steps_per_epoch,
         threads,
+        cluster: cluster.clone(),
+        timeouts: Timeouts {
+            rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?,
+            barrier: seconds("--collective-timeout", args.collective_timeout)?,
+        },
+        collective_timeout: seconds("--collective-timeout", args.collective_timeout)?,
+        bucket_bytes: DEFAULT_BUCKET_BYTES,
+        metrics_log: args.metrics_log,
     };
     if cfg.batch_size == 0 {
         anyhow::bail!("--batch-size 0: expected at least 1");
     }
     let info = plugin.info();
+    let (rank, workers) = cluster.as_ref().map_or((0, 1), |c| (c.rank, c.world_size()));
+    let who = cluster.as_ref().map_or("one worker".to_string(), |c| format!("{} of {workers} workers", c.me()));
     println!(
-        "trainerd: {} {} on {} with {threads} thread(s); 1 worker, batch {}, {} epoch(s), optimizer {} lr {}, seed {}",
+        "trainerd: {} {} on {} with {threads} thread(s); {who}, batch {} per worker, {} epoch(s), optimizer {} lr {}, seed {}",
         info.name,
         info.version,
         train::device_name(cfg.device),
@@ -165,7 +227,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         cfg.optimizer.lr(),
         cfg.seed
     );
-    let summary = train::run(&plugin, &cfg, &mut Progress::stdout())?;
+    let progress = if rank == 0 { Progress::stdout() } else { Progress::stdout().without_step_lines() };
+    let summary = train::run(&plugin, &cfg, &mut { progress })?;
     println!(
         "done: {} steps, test loss {:.4}{}, {:.0} examples/s, params sha256 {}",
         summary.steps,

@@ -10,6 +10,7 @@ pub struct Progress {
     out: Box<dyn Write + Send>,
     tty: bool,
     last_draw: Option<Instant>,
+    step_lines: bool,
 }
 
 /// How often a terminal line is redrawn.
@@ -19,12 +20,23 @@ const BAR_WIDTH: usize = 30;
 impl Progress {
     /// Progress on standard output, drawn for a terminal when it is one.
     pub fn stdout() -> Progress {
-        Progress { out: Box::new(std::io::stdout()), tty: std::io::stdout().is_terminal(), last_draw: None }
+        Progress {
+            out: Box::new(std::io::stdout()),
+            tty: std::io::stdout().is_terminal(),
+            last_draw: None,
+            step_lines: true,
+        }
     }
 
     /// Progress into any writer, plain lines unless `tty`.
     pub fn to_writer(out: Box<dyn Write + Send>, tty: bool) -> Progress {
-        Progress { out, tty, last_draw: None }
+        Progress { out, tty, last_draw: None, step_lines: true }
+    }
+
+    /// Only epoch lines, no step lines (workers other than the chief print less).
+    pub fn without_step_lines(mut self) -> Progress {
+        self.step_lines = false;
+        self
     }
 
     /// Prints a line as it is (for messages between epochs).
@@ -42,7 +54,7 @@ impl Progress {
     /// Whether [`Progress::step`] would draw at this step; lets the caller skip computing the
     /// values (which waits for the device) when it would not.
     pub fn wants(&self, step: u64, steps: u64) -> bool {
-        if step == steps {
+        if step == steps || !self.step_lines {
             return false; // the epoch's end line follows
         }
         if self.tty {

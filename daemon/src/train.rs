@@ -1,14 +1,19 @@
-//! The training loop of one worker: epochs of forward, loss, backward and optimizer steps over
-//! the plugin's input pipeline, an evaluation on the test split after each epoch, and the run's
-//! summary.
+//! The training loop: synchronous data parallelism over the ring (a ring of one when there is
+//! no cluster). Every worker computes gradients on its slice of each global batch, the ring
+//! averages them, and every worker applies the same update, so the replicas stay identical.
+//! Each epoch ends with an evaluation on the test split, each worker evaluating its shard, the
+//! totals summed over the ring.
 //!
 //! Everything that decides the result is fixed by the configuration: libtorch's generator is
-//! seeded before the model is built, each epoch's data order comes from (seed, epoch), and the
-//! learning rate is a function of the global step. Two runs with the same configuration and
-//! thread count give bit-identical parameters.
+//! seeded before the model is built (and the chief's initial parameters are broadcast), each
+//! epoch's data order comes from (seed, epoch), the all-reduce adds in a fixed order, and the
+//! learning rate is a function of the global step. The same configuration and thread count give
+//! bit-identical parameters.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -16,6 +21,10 @@ use sha2::{Digest, Sha256};
 use tch::{Device, Kind, Tensor};
 use trainerd_sdk::{InputContext, LrSchedule, OptimizerConfig, Split};
 
+use crate::cluster::control::{self, ClusterError, ControlPlane, Identity, Timeouts};
+use crate::cluster::ClusterConfig;
+use crate::collective::buckets::Buckets;
+use crate::collective::{CollectiveError, ReduceOp, Ring};
 use crate::optim::Optimizer;
 use crate::plugin::{CallError, Dataset, ModelInstance, Plugin};
 use crate::progress::Progress;
@@ -42,6 +51,32 @@ pub struct RunConfig {
     pub steps_per_epoch: Option<u64>,
     /// libtorch intra-op threads (recorded in the summary; set by the caller).
     pub threads: usize,
+    /// The cluster, or `None` for one worker.
+    pub cluster: Option<ClusterConfig>,
+    /// Rendezvous and barrier deadlines.
+    pub timeouts: Timeouts,
+    /// Deadline of one collective: a peer silent for longer is an error, never a hang.
+    pub collective_timeout: Duration,
+    /// Gradient bucket size in bytes.
+    pub bucket_bytes: usize,
+    /// Append one JSON line per step (global loss, metrics, learning rate) to this file.
+    pub metrics_log: Option<PathBuf>,
+}
+
+impl RunConfig {
+    /// What every worker must agree on, as canonical JSON.
+    fn agreement_json(&self) -> String {
+        serde_json::json!({
+            "epochs": self.epochs,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer,
+            "schedule": self.schedule,
+            "seed": self.seed,
+            "steps_per_epoch": self.steps_per_epoch,
+            "bucket_bytes": self.bucket_bytes,
+        })
+        .to_string()
+    }
 }
 
 /// Why training stopped.
@@ -60,11 +95,28 @@ pub enum TrainError {
     },
     /// The training split cannot fill a single step.
     #[error(
-        "the training split gives no batch: with batch size {batch_size} the input pipeline yields 0 steps per epoch"
+        "the training split gives no batch: with batch size {batch_size} per worker and {workers} worker(s) the \
+         input pipeline yields 0 steps per epoch"
     )]
     NoSteps {
         /// Per-worker batch size.
         batch_size: u32,
+        /// Workers.
+        workers: usize,
+    },
+    /// Cluster membership failed.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    /// A collective failed.
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// A local file could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
     },
 }
 
@@ -80,7 +132,9 @@ pub struct Summary {
     /// Plugin version.
     pub plugin_version: String,
     /// Workers that trained.
-    pub workers: u32,
+    pub workers: usize,
+    /// This worker's rank.
+    pub rank: usize,
     /// Epochs run.
     pub epochs: u32,
     /// Optimizer steps taken.
@@ -97,9 +151,9 @@ pub struct Summary {
     pub device: String,
     /// libtorch intra-op threads.
     pub threads: usize,
-    /// Mean training loss over the last epoch.
+    /// Mean training loss over the last epoch, over all workers.
     pub final_train_loss: f64,
-    /// Mean of each metric over the last training epoch.
+    /// Mean of each metric over the last training epoch, over all workers.
     pub final_train_metrics: BTreeMap<String, f64>,
     /// Mean loss on the test split after the last epoch.
     pub test_loss: f64,
@@ -107,7 +161,7 @@ pub struct Summary {
     pub test_accuracy: Option<f64>,
     /// Mean of each metric on the test split.
     pub test_metrics: BTreeMap<String, f64>,
-    /// Training examples per second over all epochs (evaluation excluded).
+    /// Training examples per second over all workers and epochs (evaluation excluded).
     pub examples_per_second: f64,
     /// Seconds spent in training steps.
     pub train_seconds: f64,
@@ -118,81 +172,164 @@ pub struct Summary {
 impl Summary {
     /// Writes the summary as JSON, atomically: a reader (or a restart after a crash) sees the
     /// whole file or none of it.
-    pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
-        use std::io::Write;
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
         let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)? + "\n";
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
-            _ => std::path::Path::new("."),
+            _ => Path::new("."),
         };
-        let mut tmp = tempfile_in(dir, path)?;
-        tmp.1.write_all(json.as_bytes())?;
-        tmp.1.sync_all()?;
-        std::fs::rename(&tmp.0, path)?;
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+        let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+        file.write_all(json.as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)?;
         std::fs::File::open(dir)?.sync_all()
     }
 }
 
-/// A new file beside `target`, named after it and this process.
-fn tempfile_in(dir: &std::path::Path, target: &std::path::Path) -> std::io::Result<(PathBuf, std::fs::File)> {
-    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
-    Ok((tmp, file))
-}
-
-/// Running sums over an epoch or an evaluation, kept on the device until read.
+/// Global sums over an epoch or an evaluation: examples, loss × examples, metric sums.
+#[derive(Clone, Debug, Default)]
 struct Totals {
-    examples: i64,
-    loss: Tensor,
-    metrics: Tensor,
+    examples: f64,
+    loss: f64,
+    metrics: Vec<f64>,
 }
 
 impl Totals {
-    fn new(metrics: usize, device: Device) -> Totals {
-        Totals {
-            examples: 0,
-            loss: Tensor::zeros([], (Kind::Double, device)),
-            metrics: Tensor::zeros([metrics as i64], (Kind::Double, device)),
-        }
+    fn new(metrics: usize) -> Totals {
+        Totals { metrics: vec![0.0; metrics], ..Default::default() }
     }
 
-    fn add(&mut self, n: i64, loss: &Tensor, metrics: &Tensor) -> Result<(), TrainError> {
-        let _no_grad = tch::no_grad_guard();
-        self.examples += n;
-        self.loss += loss.f_to_kind(Kind::Double).map_err(torch("loss"))? * n as f64;
-        self.metrics += metrics.f_to_kind(Kind::Double).map_err(torch("metrics"))?;
-        Ok(())
+    /// Adds one step's sums, laid out as `[loss × n, n, metric...]`.
+    fn add(&mut self, sums: &[f64]) {
+        self.loss += sums[0];
+        self.examples += sums[1];
+        self.metrics.iter_mut().zip(&sums[2..]).for_each(|(m, s)| *m += s);
     }
 
-    /// `(loss, [metric...])` means; waits for the device.
-    fn means(&self) -> (f64, Vec<f64>) {
-        let n = self.examples.max(1) as f64;
-        let metrics = Vec::<f64>::try_from(&self.metrics.to_device(Device::Cpu)).unwrap_or_default();
-        (self.loss.double_value(&[]) / n, metrics.into_iter().map(|m| m / n).collect())
+    fn loss_mean(&self) -> f64 {
+        self.loss / self.examples.max(1.0)
+    }
+
+    fn metric_means(&self) -> Vec<f64> {
+        self.metrics.iter().map(|m| m / self.examples.max(1.0)).collect()
     }
 
     fn named(&self, names: &[String], prefix: &str) -> Vec<(String, f64)> {
-        let (loss, metrics) = self.means();
-        std::iter::once((format!("{prefix}loss"), loss))
-            .chain(names.iter().zip(metrics).map(|(n, m)| (format!("{prefix}{n}"), m)))
+        std::iter::once((format!("{prefix}loss"), self.loss_mean()))
+            .chain(names.iter().zip(self.metric_means()).map(|(n, m)| (format!("{prefix}{n}"), m)))
             .collect()
     }
 }
 
-/// Trains the plugin's model on one worker and evaluates it after each epoch.
+/// One step's `[loss × n, n, metric...]` from the plugin's outputs.
+fn step_sums(n: i64, loss: &Tensor, metrics: &Tensor) -> Result<Vec<f64>, TrainError> {
+    let loss = loss.f_double_value(&[]).map_err(torch("reading the loss"))?;
+    let metrics = Vec::<f64>::try_from(
+        metrics.f_to_device(Device::Cpu).and_then(|m| m.f_to_kind(Kind::Double)).map_err(torch("reading metrics"))?,
+    )
+    .map_err(torch("reading metrics"))?;
+    let mut sums = vec![loss * n as f64, n as f64];
+    sums.extend(metrics);
+    Ok(sums)
+}
+
+/// The cluster side of a run: the control plane (kept alive for barriers and heartbeats) and
+/// the ring.
+struct Membership {
+    plane: Option<ControlPlane>,
+    ring: Ring,
+}
+
+/// Serves the control plane, rendezvouses with every member, and forms the ring.
+fn join_cluster(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<Membership, TrainError> {
+    let Some(cluster) = &cfg.cluster else {
+        return Ok(Membership { plane: None, ring: Ring::single() });
+    };
+    let identity = Identity {
+        cluster_json: cluster.cluster_json(),
+        plugin: plugin_identity(plugin),
+        run_config_json: cfg.agreement_json(),
+    };
+    let mut plane = ControlPlane::start(cluster, identity.clone(), cfg.timeouts)?;
+    let me = cluster.me();
+    let name = plane.names()[cluster.rank].clone();
+    let ip = control::resolve(&me.address)
+        .map_err(|reason| ClusterError::Bind { address: me.address.clone(), member: name.clone(), reason })?
+        .ip();
+    let listener = TcpListener::bind((ip, 0)).map_err(|e| ClusterError::Bind {
+        address: format!("{ip}:0"),
+        member: name.clone(),
+        reason: format!("data-plane listener: {e}"),
+    })?;
+    let data_port = listener.local_addr().map_err(|e| ClusterError::Other(e.to_string()))?.port();
+    let host = me.address.rsplit_once(':').map_or(me.address.as_str(), |(h, _)| h);
+    if cluster.rank == 0 {
+        progress.line(&format!("trainerd: waiting for {} worker(s) to join", cluster.world_size()));
+    }
+    let membership = plane.rendezvous(&identity, format!("{host}:{data_port}"))?;
+    let world = cluster.world_size();
+    let next = &membership.data_addresses[(cluster.rank + 1) % world];
+    let next_addr = control::resolve(next).map_err(|e| ClusterError::Other(format!("data address {next}: {e}")))?;
+    let ring =
+        Ring::connect(cluster.rank, plane.names(), listener, next_addr, membership.generation, cfg.collective_timeout)?;
+    if cluster.rank == 0 {
+        progress.line(&format!("trainerd: {world} worker(s) joined (generation {})", membership.generation));
+    }
+    Ok(Membership { plane: Some(plane), ring })
+}
+
+/// What must match on every worker about the plugin.
+fn plugin_identity(plugin: &Plugin) -> String {
+    let (i, f) = (plugin.info(), plugin.facts());
+    format!(
+        "{} {} (trainerd-sdk {}, tch {}, libtorch {}, {})",
+        i.name, i.version, f.sdk_version, f.tch_version, f.libtorch_version, f.target
+    )
+}
+
+/// Copies the chief's parameters to every worker.
+fn broadcast_parameters(ring: &mut Ring, params: &mut [(String, Tensor)]) -> Result<(), TrainError> {
+    if ring.world() == 1 {
+        return Ok(());
+    }
+    let numels: Vec<usize> = params.iter().map(|(_, p)| p.numel()).collect();
+    let mut flat = vec![0f32; numels.iter().sum()];
+    let mut at = 0;
+    for ((_, p), &n) in params.iter().zip(&numels) {
+        p.detach().to_device(Device::Cpu).to_kind(Kind::Float).contiguous().copy_data(&mut flat[at..at + n], n);
+        at += n;
+    }
+    ring.broadcast(&mut flat)?;
+    let _no_grad = tch::no_grad_guard();
+    let mut at = 0;
+    for ((_, p), &n) in params.iter_mut().zip(&numels) {
+        let value = Tensor::from_slice(&flat[at..at + n]).view(p.size().as_slice());
+        p.copy_(&value);
+        at += n;
+    }
+    Ok(())
+}
+
+/// Trains the plugin's model and evaluates it after each epoch.
 pub fn run(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<Summary, TrainError> {
     let info = plugin.info().clone();
+    let Membership { plane, mut ring } = join_cluster(plugin, cfg, progress)?;
+    let (rank, world) = (ring.rank(), ring.world());
+
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model("model", cfg.device)?;
     let mut params: Vec<(String, Tensor)> =
         model.parameters().iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    broadcast_parameters(&mut ring, &mut params)?;
+    let buckets = Buckets::new(&params, cfg.bucket_bytes);
     let mut optimizer = Optimizer::new(cfg.optimizer.clone(), &params);
     let train_data = model.load_data(&cfg.data_dir, Split::Train)?;
     let test_data = model.load_data(&cfg.data_dir, Split::Test)?;
     let ctx = |epoch: u32, training: bool| InputContext {
-        num_input_pipelines: 1,
-        input_pipeline_id: 0,
+        num_input_pipelines: world as u32,
+        input_pipeline_id: rank as u32,
         per_replica_batch_size: cfg.batch_size,
         training,
         epoch: u64::from(epoch),
@@ -203,25 +340,43 @@ pub fn run(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<
     let steps_per_epoch = cfg.steps_per_epoch.map_or(first.steps(), |s| s.min(first.steps()));
     drop(first);
     if steps_per_epoch == 0 {
-        return Err(TrainError::NoSteps { batch_size: cfg.batch_size });
+        return Err(TrainError::NoSteps { batch_size: cfg.batch_size, workers: world });
     }
     let total_steps = steps_per_epoch * u64::from(cfg.epochs);
+    let mut metrics_log = match &cfg.metrics_log {
+        Some(path) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path).map_err(|source| TrainError::Io { path: path.clone(), source })?,
+        )),
+        None => None,
+    };
 
     let mut global_step = 0u64;
     let mut train_time = Duration::ZERO;
-    let mut examples = 0i64;
-    let mut last_train = Totals::new(info.metrics.len(), cfg.device);
-    let mut last_eval = Totals::new(info.metrics.len(), cfg.device);
+    let mut examples = 0f64;
+    let mut last_train = Totals::new(info.metrics.len());
+    let mut last_eval = Totals::new(info.metrics.len());
     for epoch in 0..cfg.epochs {
         progress.epoch_start(epoch, cfg.epochs);
         let mut pipeline = train_data.pipeline(&ctx(epoch, true))?;
-        let mut totals = Totals::new(info.metrics.len(), cfg.device);
+        let mut totals = Totals::new(info.metrics.len());
         let start = Instant::now();
         for step in 1..=steps_per_epoch {
             let Some((xs, labels)) = pipeline.next_batch()? else { break };
             let lr = lr_at(&cfg.schedule, cfg.optimizer.lr(), global_step, total_steps);
-            train_step(&model, &mut params, &mut optimizer, lr, cfg.device, (&xs, &labels), &mut totals)?;
+            let mut step_totals = Totals::new(info.metrics.len());
+            let sums = train_step(&model, &mut params, &buckets, &mut ring, cfg.device, (&xs, &labels))?;
+            optimizer.step(&mut params, lr);
+            totals.add(&sums);
+            step_totals.add(&sums);
             global_step += 1;
+            if let Some(log) = metrics_log.as_mut() {
+                let mut line = serde_json::json!({"epoch": epoch, "step": step, "global_step": global_step, "lr": lr});
+                for (name, value) in step_totals.named(&info.metrics, "") {
+                    line[name] = value.into();
+                }
+                writeln!(log, "{line}")
+                    .map_err(|source| TrainError::Io { path: cfg.metrics_log.clone().unwrap_or_default(), source })?;
+            }
             if progress.wants(step, steps_per_epoch) {
                 progress.step(step, steps_per_epoch, start.elapsed(), &totals.named(&info.metrics, ""));
             }
@@ -229,51 +384,58 @@ pub fn run(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<
         let elapsed = start.elapsed();
         train_time += elapsed;
         examples += totals.examples;
-        let eval = evaluate(&model, &test_data, &ctx(epoch, false), cfg.device, info.metrics.len())?;
+        let eval = evaluate(&model, &test_data, &ctx(epoch, false), &mut ring, cfg.device, info.metrics.len())?;
         let mut values = totals.named(&info.metrics, "");
         values.extend(eval.named(&info.metrics, "val_"));
-        let rate = totals.examples as f64 / elapsed.as_secs_f64().max(1e-9);
+        let rate = totals.examples / elapsed.as_secs_f64().max(1e-9);
         progress.epoch_end(steps_per_epoch, elapsed, &values, rate);
         (last_train, last_eval) = (totals, eval);
     }
+    if let Some(log) = metrics_log.as_mut() {
+        log.flush().map_err(|source| TrainError::Io { path: cfg.metrics_log.clone().unwrap_or_default(), source })?;
+    }
+    if let Some(plane) = &plane {
+        // Nobody leaves (and takes the chief's control plane or a ring link with it) before
+        // everyone has finished.
+        plane.barrier("finished")?;
+    }
 
-    let (final_train_loss, train_metrics) = last_train.means();
-    let (test_loss, test_metrics) = last_eval.means();
     let named = |values: Vec<f64>| -> BTreeMap<String, f64> { info.metrics.iter().cloned().zip(values).collect() };
-    let test_metrics = named(test_metrics);
+    let test_metrics = named(last_eval.metric_means());
     Ok(Summary {
         plugin: info.name.clone(),
         plugin_version: info.version.clone(),
-        workers: 1,
+        workers: world,
+        rank,
         epochs: cfg.epochs,
         steps: global_step,
-        global_batch_size: u64::from(cfg.batch_size),
+        global_batch_size: u64::from(cfg.batch_size) * world as u64,
         optimizer: cfg.optimizer.clone(),
         schedule: cfg.schedule.clone(),
         seed: cfg.seed,
         device: device_name(cfg.device),
         threads: cfg.threads,
-        final_train_loss,
-        final_train_metrics: named(train_metrics),
-        test_loss,
+        final_train_loss: last_train.loss_mean(),
+        final_train_metrics: named(last_train.metric_means()),
+        test_loss: last_eval.loss_mean(),
         test_accuracy: test_metrics.get("accuracy").copied(),
         test_metrics,
-        examples_per_second: examples as f64 / train_time.as_secs_f64().max(1e-9),
+        examples_per_second: examples / train_time.as_secs_f64().max(1e-9),
         train_seconds: train_time.as_secs_f64(),
         params_sha256: params_sha256(&params),
     })
 }
 
-/// One synchronous step on a batch `(xs, labels)`: forward, loss, backward, update.
+/// Forward, loss and backward on this worker's slice of the global batch, then the gradients
+/// averaged over the ring. Returns the step's global `[loss × n, n, metric...]`.
 fn train_step(
     model: &ModelInstance<'_>,
     params: &mut [(String, Tensor)],
-    optimizer: &mut Optimizer,
-    lr: f64,
+    buckets: &Buckets,
+    ring: &mut Ring,
     device: Device,
     (xs, labels): (&Tensor, &Tensor),
-    totals: &mut Totals,
-) -> Result<(), TrainError> {
+) -> Result<Vec<f64>, TrainError> {
     let xs = xs.f_to_device(device).map_err(torch("moving the batch to the device"))?;
     let labels = labels.f_to_device(device).map_err(torch("moving the batch to the device"))?;
     let logits = model.forward(&xs, true)?;
@@ -283,21 +445,25 @@ fn train_step(
         p.zero_grad();
     }
     loss.f_backward().map_err(torch("backward"))?;
-    optimizer.step(params, lr);
-    totals.add(xs.size()[0], &loss.detach(), &metrics)
+    let sums = step_sums(xs.size()[0], &loss, &metrics)?;
+    let mut extra: Vec<f32> = sums.iter().map(|&x| x as f32).collect();
+    buckets.all_reduce(ring, params, &mut extra)?;
+    Ok(if ring.world() == 1 { sums } else { extra.into_iter().map(f64::from).collect() })
 }
 
-/// Mean loss and metrics over one pass of the test split, without gradients.
+/// Loss and metrics over one pass of the test split (each worker its shard), without
+/// gradients, summed over the ring.
 fn evaluate(
     model: &ModelInstance<'_>,
     data: &Dataset<'_>,
     ctx: &InputContext,
+    ring: &mut Ring,
     device: Device,
     metrics: usize,
 ) -> Result<Totals, TrainError> {
     let _no_grad = tch::no_grad_guard();
     let mut pipeline = data.pipeline(ctx)?;
-    let mut totals = Totals::new(metrics, device);
+    let mut sums = vec![0f64; 2 + metrics];
     while let Some((xs, labels)) = pipeline.next_batch()? {
         let n = xs.size()[0];
         if n == 0 {
@@ -306,8 +472,12 @@ fn evaluate(
         let xs = xs.f_to_device(device).map_err(torch("moving the batch to the device"))?;
         let labels = labels.f_to_device(device).map_err(torch("moving the batch to the device"))?;
         let logits = model.forward(&xs, false)?;
-        totals.add(n, &model.loss(&logits, &labels)?, &model.metrics(&logits, &labels)?)?;
+        let step = step_sums(n, &model.loss(&logits, &labels)?, &model.metrics(&logits, &labels)?)?;
+        sums.iter_mut().zip(step).for_each(|(s, x)| *s += x);
     }
+    ring.all_reduce(&mut sums, ReduceOp::Sum)?;
+    let mut totals = Totals::new(metrics);
+    totals.add(&sums);
     Ok(totals)
 }
 

@@ -327,6 +327,7 @@ fn bad_flags_are_refused_with_the_flag_named() {
     let out = run_with(&linear, data.path(), &["--batch-size", "1000"], None);
     assert_eq!(
         error_of(&out),
-        "error: the training split gives no batch: with batch size 1000 the input pipeline yields 0 steps per epoch"
+        "error: the training split gives no batch: with batch size 1000 per worker and 1 worker(s) the input \
+         pipeline yields 0 steps per epoch"
     );
 }

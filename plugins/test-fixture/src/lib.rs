@@ -6,7 +6,8 @@
 //! - `segfault-on-load`: the entry symbol crashes;
 //! - `panic-forward`, `panic-pipeline`, `panic-load`: plugin code panics in that call.
 //!
-//! Unset, it is a working softmax regression like the `linear` plugin.
+//! `TRAINERD_FIXTURE_VERSION` overrides the version it reports. Unset, it is a working softmax
+//! regression like the `linear` plugin.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -34,7 +35,8 @@ impl Model for Fixture {
     fn info() -> PluginInfo {
         PluginInfo {
             name: "test-fixture".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
+            // Overridable, so tests can start two workers whose plugin versions differ.
+            version: std::env::var("TRAINERD_FIXTURE_VERSION").unwrap_or_else(|_| env!("CARGO_PKG_VERSION").into()),
             description: "softmax regression that fails on request".into(),
             metrics: vec!["accuracy".into()],
             defaults: TrainDefaults {
