@@ -274,7 +274,8 @@ fn write_full(
 /// Two disjoint sub-slices of `buf`: one to read, one to write.
 fn disjoint<T>(buf: &mut [T], a: std::ops::Range<usize>, b: std::ops::Range<usize>) -> (&[T], &mut [T]) {
     assert!(a.end <= b.start || b.end <= a.start, "chunks overlap");
-    if a.start < b.start {
+    // Decide by the ends, not the starts: an empty chunk may start where the other one does.
+    if a.end <= b.start {
         let (left, right) = buf.split_at_mut(b.start);
         (&left[a], &mut right[..b.end - b.start])
     } else {
@@ -392,7 +393,7 @@ pub(crate) mod tests {
         #[test]
         fn all_reduce_is_the_sum_and_identical_everywhere(
             world in 1usize..=5,
-            lens in proptest::collection::vec(0usize..3000, 1..4),
+            lens in proptest::collection::vec(prop_oneof![0usize..8, 0usize..3000], 1..4),
             seed in any::<u64>(),
         ) {
             let data = |rank: usize, t: usize, i: usize| -> f32 {
@@ -421,6 +422,32 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn buffers_shorter_than_the_ring() {
+        for world in 2..=4 {
+            let out = with_ring(world, |ring| {
+                let mut x = [ring.rank() as f32 + 1.0];
+                ring.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+                let mut empty: [f32; 0] = [];
+                ring.all_reduce(&mut empty, ReduceOp::Sum).unwrap();
+                x[0]
+            });
+            let expected = (world * (world + 1) / 2) as f32;
+            assert!(out.iter().all(|&x| x == expected), "{world}: {out:?}");
+        }
+    }
+
+    #[test]
+    fn disjoint_handles_empty_chunks() {
+        let mut buf = [1, 2, 3];
+        let (a, b) = disjoint(&mut buf, 0..0, 0..1);
+        assert_eq!((a.len(), b.len()), (0, 1));
+        let (a, b) = disjoint(&mut buf, 0..1, 1..1);
+        assert_eq!((a, b.len()), (&[1][..], 0));
+        let (a, b) = disjoint(&mut buf, 2..3, 0..2);
+        assert_eq!((a, &*b), (&[3][..], &[1, 2][..]));
     }
 
     #[test]
