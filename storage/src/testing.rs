@@ -1,0 +1,316 @@
+//! A backend wrapper that injects faults, as object_store's `ThrottledStore` wraps any store:
+//! it "crashes" at the N-th write (that write and every later one fail, as if the process had
+//! died there), or fails the next N writes with a transient error (a server that comes back).
+//! The storage tests use it to stop a commit at every write point in turn.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use futures::stream::{BoxStream, StreamExt};
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore, PutMultipartOptions,
+    PutOptions, PutPayload, PutResult, UploadPart,
+};
+
+#[derive(Debug, Default)]
+struct Counters {
+    writes: AtomicUsize,
+    crash_at: AtomicUsize,
+    transient: AtomicUsize,
+}
+
+impl Counters {
+    /// Counts a write and decides whether it fails.
+    fn write(&self, what: &str) -> object_store::Result<()> {
+        let n = self.writes.fetch_add(1, Ordering::SeqCst);
+        if n >= self.crash_at.load(Ordering::SeqCst) {
+            return Err(injected(format!("crashed before write {n} ({what})")));
+        }
+        if self.transient.load(Ordering::SeqCst) > 0 {
+            self.transient.fetch_sub(1, Ordering::SeqCst);
+            return Err(injected(format!("transient failure of write {n} ({what}): 503 Service Unavailable")));
+        }
+        Ok(())
+    }
+}
+
+fn injected(message: String) -> object_store::Error {
+    object_store::Error::Generic { store: "FaultStore", source: message.into() }
+}
+
+/// A store that fails on request.
+#[derive(Debug, Clone)]
+pub struct FaultStore {
+    inner: Arc<dyn ObjectStore>,
+    counters: Arc<Counters>,
+}
+
+impl FaultStore {
+    /// Wraps `inner`; no faults until asked.
+    pub fn new(inner: Arc<dyn ObjectStore>) -> FaultStore {
+        let counters = Counters { crash_at: AtomicUsize::new(usize::MAX), ..Default::default() };
+        FaultStore { inner, counters: Arc::new(counters) }
+    }
+
+    /// Writes so far.
+    pub fn writes(&self) -> usize {
+        self.counters.writes.load(Ordering::SeqCst)
+    }
+
+    /// Fail write number `n` (counting from 0 since creation) and every write after it.
+    pub fn crash_at(&self, n: usize) {
+        self.counters.crash_at.store(n, Ordering::SeqCst);
+    }
+
+    /// Fail the next `n` writes with a transient error.
+    pub fn fail_next(&self, n: usize) {
+        self.counters.transient.store(n, Ordering::SeqCst);
+    }
+}
+
+impl fmt::Display for FaultStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "FaultStore({})", self.inner)
+    }
+}
+
+#[derive(Debug)]
+struct FaultUpload {
+    inner: Box<dyn MultipartUpload>,
+    counters: Arc<Counters>,
+}
+
+#[async_trait]
+impl MultipartUpload for FaultUpload {
+    fn put_part(&mut self, data: PutPayload) -> UploadPart {
+        match self.counters.write("multipart part") {
+            Ok(()) => self.inner.put_part(data),
+            Err(e) => Box::pin(async move { Err(e) }),
+        }
+    }
+
+    async fn complete(&mut self) -> object_store::Result<PutResult> {
+        self.counters.write("multipart complete")?;
+        self.inner.complete().await
+    }
+
+    async fn abort(&mut self) -> object_store::Result<()> {
+        self.inner.abort().await
+    }
+}
+
+#[async_trait]
+impl ObjectStore for FaultStore {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.counters.write(&format!("put {location}"))?;
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.counters.write(&format!("multipart start {location}"))?;
+        let inner = self.inner.put_multipart_opts(location, opts).await?;
+        Ok(Box::new(FaultUpload { inner, counters: Arc::clone(&self.counters) }))
+    }
+
+    async fn get_opts(&self, location: &Path, options: GetOptions) -> object_store::Result<GetResult> {
+        self.inner.get_opts(location, options).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        let counters = Arc::clone(&self.counters);
+        let allowed = locations.map(move |l| {
+            let l = l?;
+            counters.write(&format!("delete {l}"))?;
+            Ok(l)
+        });
+        self.inner.delete_stream(allowed.boxed())
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> object_store::Result<()> {
+        self.counters.write(&format!("copy {from} -> {to}"))?;
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+/// A real S3-compatible server (SeaweedFS `weed mini`) on loopback for tests, with every port
+/// it opens chosen free, telemetry off, and one bucket. Stopped and its data removed on drop.
+///
+/// The `weed` binary comes from `TRAINERD_WEED`, else the virtualenv scripts/setup.sh installs
+/// (`$TRAINERD_CACHE/venv-s3/bin/weed`, default `~/.cache/trainerd/venv-s3/bin/weed`).
+pub struct S3Server {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    /// `http://127.0.0.1:PORT`.
+    pub endpoint: String,
+    /// The bucket it created.
+    pub bucket: String,
+}
+
+/// Credentials the test server accepts.
+pub const S3_KEY_ID: &str = "trainerd-test";
+/// Secret for [`S3_KEY_ID`].
+pub const S3_SECRET: &str = "trainerd-test-secret";
+
+impl S3Server {
+    /// The weed binary, or why there is none.
+    pub fn binary() -> Result<std::path::PathBuf, String> {
+        if let Some(p) = std::env::var_os("TRAINERD_WEED") {
+            return Ok(p.into());
+        }
+        let cache = std::env::var_os("TRAINERD_CACHE").map(std::path::PathBuf::from).unwrap_or_else(|| {
+            let base = std::env::var_os("XDG_CACHE_HOME").map(std::path::PathBuf::from).unwrap_or_else(|| {
+                std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
+            });
+            base.join("trainerd")
+        });
+        let weed = cache.join("venv-s3/bin/weed");
+        if weed.exists() {
+            Ok(weed)
+        } else {
+            Err(format!("no SeaweedFS at {} (run scripts/setup.sh, or set TRAINERD_WEED)", weed.display()))
+        }
+    }
+
+    /// Starts a server and waits until its S3 endpoint answers.
+    pub fn start() -> Result<S3Server, String> {
+        let weed = S3Server::binary()?;
+        let dir = std::env::temp_dir().join(format!("trainerd-s3-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        // weed derives gRPC ports as port + 10000: pick ports whose +10000 twin is free too.
+        let ports = free_port_pairs(9)?;
+        let flags = [
+            "master.port",
+            "volume.port",
+            "filer.port",
+            "s3.port",
+            "admin.port",
+            "s3.port.iceberg",
+            "s3.port.lance",
+            "debug.port",
+            "s3.debug.port",
+        ];
+        let mut cmd = std::process::Command::new(&weed);
+        cmd.arg("mini")
+            .arg(format!("-dir={}", dir.display()))
+            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-bucket=ckpt", "-admin.ui=false", "-webdav=false"])
+            .arg("-master.telemetry=false")
+            .env("AWS_ACCESS_KEY_ID", S3_KEY_ID)
+            .env("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        for (flag, port) in flags.iter().zip(&ports) {
+            cmd.arg(format!("-{flag}={port}"));
+        }
+        let child = cmd.spawn().map_err(|e| format!("starting {}: {e}", weed.display()))?;
+        let s3_port = ports[3];
+        let mut server =
+            S3Server { child, dir, endpoint: format!("http://127.0.0.1:{s3_port}"), bucket: "ckpt".into() };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                return Err(format!("weed mini exited at start: {status}"));
+            }
+            if server.bucket_ready() {
+                return Ok(server);
+            }
+            if std::time::Instant::now() > deadline {
+                return Err("weed mini did not answer within 60s".into());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+
+    /// True once the bucket answers a signed request.
+    fn bucket_ready(&self) -> bool {
+        let Ok(store) = self.store() else { return false };
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        rt.block_on(async {
+            use futures::TryStreamExt;
+            store.list(None).try_collect::<Vec<_>>().await.is_ok()
+        })
+    }
+
+    /// An `object_store` client for the bucket.
+    pub fn store(&self) -> object_store::Result<object_store::aws::AmazonS3> {
+        object_store::aws::AmazonS3Builder::new()
+            .with_bucket_name(&self.bucket)
+            .with_endpoint(&self.endpoint)
+            .with_region("us-east-1")
+            .with_access_key_id(S3_KEY_ID)
+            .with_secret_access_key(S3_SECRET)
+            .with_virtual_hosted_style_request(false)
+            .with_allow_http(true)
+            .build()
+    }
+
+    /// Environment for a process that should reach this server through the AWS variables.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ACCESS_KEY_ID", S3_KEY_ID.into()),
+            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.into()),
+            ("AWS_REGION", "us-east-1".into()),
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+        ]
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while matches!(self.child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `n` ports below 55000, each free together with its +10000 twin.
+fn free_port_pairs(n: usize) -> Result<Vec<u16>, String> {
+    use std::net::TcpListener;
+    let mut held = Vec::new();
+    let mut ports = Vec::new();
+    let mut candidate = 20000 + (std::process::id() % 20000) as u16;
+    for _ in 0..20000 {
+        if ports.len() == n {
+            break;
+        }
+        candidate = if candidate >= 44999 { 20000 } else { candidate + 1 };
+        if let (Ok(a), Ok(b)) =
+            (TcpListener::bind(("127.0.0.1", candidate)), TcpListener::bind(("127.0.0.1", candidate + 10000)))
+        {
+            held.push((a, b));
+            ports.push(candidate);
+        }
+    }
+    if ports.len() < n {
+        return Err("no free ports for weed".into());
+    }
+    Ok(ports)
+}
