@@ -50,3 +50,93 @@ fn sigkill_mid_epoch_then_restart_gives_the_uninterrupted_model() {
     assert!(run(&killed).wait().success());
     assert_eq!(params_sha256(&killed), params_sha256(&reference));
 }
+
+/// Arguments of a checkpointed run of the linear model.
+fn checkpointed(summary: &std::path::Path, ckpt: &std::path::Path) -> Vec<String> {
+    [
+        "--plugin",
+        plugin("linear").to_str().unwrap(),
+        "--data",
+        dataset().to_str().unwrap(),
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        "500",
+        "--threads",
+        "1",
+        "--seed",
+        "3",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.001",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--checkpoint-every",
+        "60",
+        "--summary",
+        summary.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn start(sub: &str, extra: &[&str], args: &[String]) -> Worker {
+    let mut all = vec![sub];
+    all.extend(extra);
+    all.extend(args.iter().map(String::as_str));
+    Worker::start(&all)
+}
+
+#[test]
+fn sigkill_mid_epoch_resumes_at_the_committed_step_with_the_uninterrupted_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference.json");
+    let status = start("run", &[], &checkpointed(&reference, &tmp.path().join("ckpt-ref"))).wait();
+    assert!(status.success());
+
+    let (killed, ckpt) = (tmp.path().join("killed.json"), tmp.path().join("ckpt"));
+    let args = checkpointed(&killed, &ckpt);
+    let mut worker = start("run", &[], &args);
+    worker.wait_for_line(|l| l == "Epoch 2/2", Duration::from_secs(120));
+    let committed =
+        worker.wait_for_line(|l| l.starts_with("checkpoint ") && l.contains(" committed"), Duration::from_secs(120));
+    worker.wait_for_line(|l| l.contains("/500 - "), Duration::from_secs(120));
+    assert_eq!(worker.kill(libc::SIGKILL).signal(), Some(libc::SIGKILL));
+    assert!(!killed.exists());
+
+    let mut again = start("run", &[], &args);
+    let resumed = again.wait_for_line(|l| l.starts_with("trainerd: resumed from checkpoint "), Duration::from_secs(60));
+    // The restart resumes from the newest commit, at least the one seen before the kill, mid-epoch 2.
+    let seq = |l: &str, prefix: &str| -> u64 { l[prefix.len()..].split(' ').next().unwrap().parse().unwrap() };
+    assert!(
+        seq(&resumed, "trainerd: resumed from checkpoint ") >= seq(&committed, "checkpoint "),
+        "{resumed} / {committed}"
+    );
+    assert!(resumed.contains(" at epoch 2, step "), "{resumed}");
+    assert!(again.wait().success());
+    assert_eq!(params_sha256(&killed), params_sha256(&reference));
+}
+
+#[test]
+fn a_killed_two_worker_cluster_resumes_with_the_uninterrupted_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference.json");
+    let status = start("local", &["--workers", "2"], &checkpointed(&reference, &tmp.path().join("ckpt-ref"))).wait();
+    assert!(status.success());
+
+    let (killed, ckpt) = (tmp.path().join("killed.json"), tmp.path().join("ckpt"));
+    let args = checkpointed(&killed, &ckpt);
+    let mut cluster = start("local", &["--workers", "2"], &args);
+    cluster.wait_for_line(|l| l.starts_with("[worker 0] checkpoint 3 committed"), Duration::from_secs(120));
+    // SIGTERM to the launcher stops both workers, as systemd stopping the nodes would.
+    cluster.kill(libc::SIGTERM);
+
+    let mut again = start("local", &["--workers", "2"], &args);
+    again.wait_for_line(|l| l.starts_with("[worker 0] trainerd: resumed from checkpoint "), Duration::from_secs(60));
+    assert!(again.wait().success());
+    let summary = |i: usize| tmp.path().join(format!("{}.worker{i}.json", "killed"));
+    let reference = |i: usize| tmp.path().join(format!("reference.worker{i}.json"));
+    assert_eq!(params_sha256(&summary(0)), params_sha256(&reference(0)));
+    assert_eq!(params_sha256(&summary(1)), params_sha256(&reference(0)));
+}

@@ -3,6 +3,8 @@
 //! The binary (`main.rs`) is a thin command line over these modules.
 
 pub mod check;
+pub mod checkpoint;
+pub mod ckpt;
 pub mod cluster;
 pub mod collective;
 pub mod config;

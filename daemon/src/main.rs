@@ -12,8 +12,9 @@ use trainerd::collective::buckets::DEFAULT_BUCKET_BYTES;
 use trainerd::config::{self, OptimizerFlags};
 use trainerd::plugin::Plugin;
 use trainerd::progress::Progress;
-use trainerd::train::{self, RunConfig};
+use trainerd::train::{self, CheckpointConfig, RunConfig};
 use trainerd_sdk::LrSchedule;
+use trainerd_storage::{CheckpointStore, Location, S3Options};
 
 #[derive(Parser)]
 #[command(name = "trainerd", version, about = "Fault-tolerant data-parallel training daemon")]
@@ -36,6 +37,11 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Inspect a checkpoint location (a directory, file:///path, s3://bucket/prefix).
+    Ckpt {
+        #[command(subcommand)]
+        command: CkptCommand,
+    },
     /// Inspect plugins.
     Plugin {
         #[command(subcommand)]
@@ -53,6 +59,97 @@ enum PluginCommand {
         #[arg(long, hide = true)]
         in_process: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum CkptCommand {
+    /// List commits: sequence, step, epoch, time, size, generation.
+    List {
+        /// Checkpoint location.
+        url: String,
+        #[command(flatten)]
+        s3: S3Args,
+    },
+    /// Show a commit's record and manifest (default: the newest).
+    Show {
+        /// Checkpoint location.
+        url: String,
+        /// Commit sequence.
+        #[arg(long)]
+        sequence: Option<u64>,
+        #[command(flatten)]
+        s3: S3Args,
+    },
+    /// Verify every blob's sha256 of every commit (or one); exits non-zero on damage.
+    Verify {
+        /// Checkpoint location.
+        url: String,
+        /// Commit sequence.
+        #[arg(long)]
+        sequence: Option<u64>,
+        #[command(flatten)]
+        s3: S3Args,
+    },
+    /// Write a commit's parameters (default: the newest) as one safetensors file.
+    Export {
+        /// Checkpoint location.
+        url: String,
+        /// Output file.
+        #[arg(long, short)]
+        output: PathBuf,
+        /// Commit sequence.
+        #[arg(long)]
+        sequence: Option<u64>,
+        #[command(flatten)]
+        s3: S3Args,
+    },
+}
+
+/// S3 settings beyond the standard AWS variables.
+#[derive(clap::Args, Clone, Default)]
+struct S3Args {
+    /// S3 endpoint URL (MinIO, SeaweedFS, R2...); default: AWS_ENDPOINT_URL or AWS.
+    #[arg(long)]
+    s3_endpoint: Option<String>,
+    /// S3 region; default: AWS_REGION or us-east-1.
+    #[arg(long)]
+    s3_region: Option<String>,
+    /// Allow plain http to the endpoint (always allowed on loopback).
+    #[arg(long)]
+    s3_allow_http: bool,
+}
+
+impl S3Args {
+    fn options(&self) -> S3Options {
+        S3Options { endpoint: self.s3_endpoint.clone(), region: self.s3_region.clone(), allow_http: self.s3_allow_http }
+    }
+}
+
+fn open_store(url: &str, s3: &S3Args) -> anyhow::Result<CheckpointStore> {
+    let location: Location = url.parse()?;
+    Ok(location.open(&s3.options())?)
+}
+
+fn ckpt(command: CkptCommand) -> anyhow::Result<i32> {
+    match command {
+        CkptCommand::List { url, s3 } => print!("{}", trainerd::ckpt::list(&open_store(&url, &s3)?)?),
+        CkptCommand::Show { url, sequence, s3 } => {
+            print!("{}", trainerd::ckpt::show(&open_store(&url, &s3)?, sequence)?)
+        }
+        CkptCommand::Verify { url, sequence, s3 } => {
+            let ok = trainerd::ckpt::verify(&open_store(&url, &s3)?, sequence, &mut std::io::stdout())?;
+            if !ok {
+                eprintln!("error: {url}: damaged commits (see above)");
+                return Ok(1);
+            }
+        }
+        CkptCommand::Export { url, output, sequence, s3 } => {
+            let text =
+                trainerd::ckpt::export(&open_store(&url, &s3)?, sequence, &output).map_err(anyhow::Error::msg)?;
+            println!("{text}");
+        }
+    }
+    Ok(0)
 }
 
 #[derive(clap::Args)]
@@ -116,6 +213,18 @@ struct RunArgs {
     /// forever).
     #[arg(long, default_value_t = 120.0)]
     collective_timeout: f64,
+    /// Commit checkpoints here (a directory, file:///path, s3://bucket/prefix) and resume from
+    /// the newest one at start.
+    #[arg(long)]
+    checkpoint_dir: Option<String>,
+    /// Commit every N steps, as well as at each epoch's end.
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Keep the newest K commits (0: all).
+    #[arg(long, default_value_t = 3)]
+    keep_checkpoints: usize,
+    #[command(flatten)]
+    s3: S3Args,
 }
 
 fn main() -> ExitCode {
@@ -127,6 +236,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run(*args).map(|()| 0),
         Command::Local { workers, args } => trainerd::local::run(workers, &args),
+        Command::Ckpt { command } => ckpt(command),
         Command::Plugin { command: PluginCommand::Check { path, in_process } } => {
             if in_process {
                 Plugin::load(&path).map_err(anyhow::Error::from).and_then(|p| Ok(trainerd::check::describe(&p)?)).map(
@@ -209,6 +319,16 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         collective_timeout: seconds("--collective-timeout", args.collective_timeout)?,
         bucket_bytes: DEFAULT_BUCKET_BYTES,
         metrics_log: args.metrics_log,
+        checkpoint: match &args.checkpoint_dir {
+            None if args.checkpoint_every > 0 => anyhow::bail!("--checkpoint-every needs --checkpoint-dir"),
+            None => None,
+            Some(url) => Some(CheckpointConfig {
+                location: url.parse()?,
+                s3: args.s3.options(),
+                every: args.checkpoint_every,
+                keep: args.keep_checkpoints,
+            }),
+        },
     };
     if cfg.batch_size == 0 {
         anyhow::bail!("--batch-size 0: expected at least 1");
@@ -239,6 +359,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     if let Some(path) = &args.summary {
         summary.write(path).with_context(|| format!("writing the summary to {}", path.display()))?;
+    }
+    if let Some(e) = &summary.checkpoint_error {
+        anyhow::bail!("training finished, but its last checkpoint was not committed: {e}");
     }
     Ok(())
 }

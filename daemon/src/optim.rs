@@ -132,6 +132,20 @@ impl Optimizer {
         Ok(())
     }
 
+    /// Creates every lazily created buffer (SGD's momentum) as zeros, so that all workers hold
+    /// the same state layout before the chief's state is broadcast to them. With no dampening
+    /// a zero buffer gives exactly PyTorch's first update.
+    pub fn materialize(&mut self, params: &[(String, Tensor)]) {
+        let momentum = matches!(self.config, OptimizerConfig::Sgd { momentum, .. } if momentum != 0.0);
+        for (slots, (_, p)) in self.slots.iter_mut().zip(params) {
+            if let Slots::Sgd { momentum_buffer: buf @ None } = slots {
+                if momentum {
+                    *buf = Some(p.detach().zeros_like());
+                }
+            }
+        }
+    }
+
     /// One update of every parameter that has a gradient, at learning rate `lr`.
     pub fn step(&mut self, params: &mut [(String, Tensor)], lr: f64) {
         let _no_grad = tch::no_grad_guard();

@@ -21,6 +21,9 @@ use sha2::{Digest, Sha256};
 use tch::{Device, Kind, Tensor};
 use trainerd_sdk::{InputContext, LrSchedule, OptimizerConfig, Split};
 
+use trainerd_storage::{Location, Restored, S3Options};
+
+use crate::checkpoint::{self, Checkpointer, Meta, Position};
 use crate::cluster::control::{self, ClusterError, ControlPlane, Identity, Timeouts};
 use crate::cluster::ClusterConfig;
 use crate::collective::buckets::Buckets;
@@ -61,6 +64,8 @@ pub struct RunConfig {
     pub bucket_bytes: usize,
     /// Append one JSON line per step (global loss, metrics, learning rate) to this file.
     pub metrics_log: Option<PathBuf>,
+    /// Checkpoints, if any.
+    pub checkpoint: Option<CheckpointConfig>,
 }
 
 impl RunConfig {
@@ -110,6 +115,9 @@ pub enum TrainError {
     /// A collective failed.
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// Checkpointing failed (opening the location, a checkpoint that does not fit this run).
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// A local file could not be written.
     #[error("{path}: {source}")]
     Io {
@@ -167,6 +175,9 @@ pub struct Summary {
     pub train_seconds: f64,
     /// sha256 over every parameter's bytes (native-endian, contiguous), in name order.
     pub params_sha256: String,
+    /// Why the last checkpoint commit failed, if it did (the run's result is then not durable).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_error: Option<String>,
 }
 
 impl Summary {
@@ -199,6 +210,22 @@ struct Totals {
 impl Totals {
     fn new(metrics: usize) -> Totals {
         Totals { metrics: vec![0.0; metrics], ..Default::default() }
+    }
+
+    /// Totals from sums laid out as [`Totals::sums`] (zeros if empty).
+    fn from_sums(sums: &[f64], metrics: usize) -> Totals {
+        let mut t = Totals::new(metrics);
+        if sums.len() == 2 + metrics {
+            t.add(sums);
+        }
+        t
+    }
+
+    /// `[loss × n, n, metric...]`.
+    fn sums(&self) -> Vec<f64> {
+        let mut v = vec![self.loss, self.examples];
+        v.extend(&self.metrics);
+        v
     }
 
     /// Adds one step's sums, laid out as `[loss × n, n, metric...]`.
@@ -289,8 +316,8 @@ fn plugin_identity(plugin: &Plugin) -> String {
     )
 }
 
-/// Copies the chief's parameters to every worker.
-fn broadcast_parameters(ring: &mut Ring, params: &mut [(String, Tensor)]) -> Result<(), TrainError> {
+/// Copies the chief's values of `params` (float32 tensors) to every worker, in place.
+fn broadcast_tensors(ring: &mut Ring, params: &mut [(String, Tensor)]) -> Result<(), TrainError> {
     if ring.world() == 1 {
         return Ok(());
     }
@@ -312,19 +339,145 @@ fn broadcast_parameters(ring: &mut Ring, params: &mut [(String, Tensor)]) -> Res
     Ok(())
 }
 
+/// Checkpointing settings.
+#[derive(Clone, Debug)]
+pub struct CheckpointConfig {
+    /// Where.
+    pub location: Location,
+    /// S3 settings beyond the AWS variables.
+    pub s3: S3Options,
+    /// Commit every this many steps (0: only at each epoch's end).
+    pub every: u64,
+    /// Keep the newest this many commits (0: all).
+    pub keep: usize,
+}
+
+/// The chief's view of the checkpoint to resume from, checked against this run.
+fn resume_from(
+    restored: &Restored,
+    info: &trainerd_sdk::PluginInfo,
+    world: usize,
+    cfg: &RunConfig,
+    params: &mut [(String, Tensor)],
+    optimizer: &mut Optimizer,
+) -> Result<Position, String> {
+    let seq = restored.record.sequence;
+    let meta: Meta = serde_json::from_value(restored.manifest.meta.clone())
+        .map_err(|e| format!("checkpoint {seq} was not written by this version of trainerd: {e}"))?;
+    if meta.plugin != info.name {
+        return Err(format!(
+            "checkpoint {seq} was written by plugin {} {}, this run uses {} {}",
+            meta.plugin, meta.plugin_version, info.name, info.version
+        ));
+    }
+    if meta.workers != world {
+        return Err(format!(
+            "checkpoint {seq} was written by {} worker(s), this run has {world}; an exact resume needs the same              cluster size",
+            meta.workers
+        ));
+    }
+    let ours: serde_json::Value = serde_json::from_str(&cfg.agreement_json()).expect("our own JSON");
+    if meta.run_config != ours {
+        return Err(format!(
+            "checkpoint {seq} was written with another run configuration: {} in the checkpoint, {} in this run",
+            meta.run_config, ours
+        ));
+    }
+    let blob = |name: &str| restored.blobs.get(name).ok_or_else(|| format!("checkpoint {seq} has no {name}"));
+    checkpoint::copy_into(params, blob(checkpoint::MODEL_BLOB)?, "model")?;
+    let state: Vec<(String, Tensor)> = blob(checkpoint::OPTIMIZER_BLOB)?
+        .iter()
+        .map(|t| Ok((t.name.clone(), checkpoint::to_tensor(t)?.to_device(cfg.device))))
+        .collect::<Result<_, String>>()?;
+    optimizer.restore(meta.position.global_step, &state).map_err(|e| format!("checkpoint {seq}: {e}"))?;
+    Ok(meta.position)
+}
+
+/// Sends the chief's position, parameters and optimizer state to every worker.
+fn broadcast_state(
+    ring: &mut Ring,
+    position: &mut Position,
+    params: &mut [(String, Tensor)],
+    optimizer: &mut Optimizer,
+) -> Result<(), TrainError> {
+    if ring.world() == 1 {
+        return Ok(());
+    }
+    let mut head = vec![position.epoch as f64, position.step_in_epoch as f64, position.global_step as f64];
+    head.extend(&position.totals);
+    head.extend(&position.last_epoch);
+    ring.broadcast(&mut head)?;
+    let n = position.totals.len();
+    *position = Position {
+        epoch: head[0] as u32,
+        step_in_epoch: head[1] as u64,
+        global_step: head[2] as u64,
+        totals: head[3..3 + n].to_vec(),
+        last_epoch: head[3 + n..].to_vec(),
+    };
+    broadcast_tensors(ring, params)?;
+    if position.global_step > 0 {
+        optimizer.materialize(params);
+        let mut state = optimizer.state();
+        broadcast_tensors(ring, &mut state)?;
+        // The broadcast wrote into the optimizer's own tensors (state() shares storage); only
+        // the step count is left.
+        let copies: Vec<(String, Tensor)> = state.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        optimizer.restore(position.global_step, &copies).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+    }
+    Ok(())
+}
+
 /// Trains the plugin's model and evaluates it after each epoch.
 pub fn run(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<Summary, TrainError> {
     let info = plugin.info().clone();
     let Membership { plane, mut ring } = join_cluster(plugin, cfg, progress)?;
     let (rank, world) = (ring.rank(), ring.world());
+    let metric_count = info.metrics.len();
 
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model("model", cfg.device)?;
     let mut params: Vec<(String, Tensor)> =
         model.parameters().iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-    broadcast_parameters(&mut ring, &mut params)?;
     let buckets = Buckets::new(&params, cfg.bucket_bytes);
     let mut optimizer = Optimizer::new(cfg.optimizer.clone(), &params);
+
+    // Only the chief touches storage: it restores, and commits.
+    let mut checkpointer = match (&cfg.checkpoint, rank) {
+        (Some(c), 0) => {
+            let store = c.location.open(&c.s3).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+            Some(Checkpointer::new(store, c.every, c.keep).map_err(TrainError::Checkpoint)?)
+        }
+        _ => None,
+    };
+    let fresh = Position {
+        epoch: 0,
+        step_in_epoch: 0,
+        global_step: 0,
+        totals: vec![0.0; 2 + metric_count],
+        last_epoch: vec![0.0; 2 + metric_count],
+    };
+    let mut position = fresh.clone();
+    if let Some(c) = checkpointer.as_mut() {
+        let restored = c.restore().map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        if let Some(r) = restored {
+            for why in &r.fallbacks {
+                progress.line(&format!("warning: skipped a damaged checkpoint: {why}"));
+            }
+            position = resume_from(&r, &info, world, cfg, &mut params, &mut optimizer)
+                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", c.location())))?;
+            progress.line(&format!(
+                "trainerd: resumed from checkpoint {} in {} at epoch {}, step {} (global step {})",
+                r.record.sequence,
+                c.location(),
+                position.epoch + 1,
+                position.step_in_epoch,
+                position.global_step
+            ));
+        }
+    }
+    broadcast_state(&mut ring, &mut position, &mut params, &mut optimizer)?;
+
     let train_data = model.load_data(&cfg.data_dir, Split::Train)?;
     let test_data = model.load_data(&cfg.data_dir, Split::Test)?;
     let ctx = |epoch: u32, training: bool| InputContext {
@@ -345,37 +498,70 @@ pub fn run(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<
     let total_steps = steps_per_epoch * u64::from(cfg.epochs);
     let mut metrics_log = match &cfg.metrics_log {
         Some(path) => Some(std::io::BufWriter::new(
-            std::fs::File::create(path).map_err(|source| TrainError::Io { path: path.clone(), source })?,
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|source| TrainError::Io { path: path.clone(), source })?,
         )),
         None => None,
     };
 
-    let mut global_step = 0u64;
+    let mut global_step = position.global_step;
     let mut train_time = Duration::ZERO;
     let mut examples = 0f64;
-    let mut last_train = Totals::new(info.metrics.len());
-    let mut last_eval = Totals::new(info.metrics.len());
-    for epoch in 0..cfg.epochs {
+    let mut last_train = Totals::from_sums(&position.last_epoch, metric_count);
+    let mut last_eval = None;
+    let meta = |position: Position| Meta {
+        position,
+        plugin: info.name.clone(),
+        plugin_version: info.version.clone(),
+        workers: world,
+        run_config: serde_json::from_str(&cfg.agreement_json()).expect("our own JSON"),
+        rng: checkpoint::RNG_SCHEME.into(),
+    };
+    for epoch in position.epoch..cfg.epochs {
         progress.epoch_start(epoch, cfg.epochs);
         let mut pipeline = train_data.pipeline(&ctx(epoch, true))?;
-        let mut totals = Totals::new(info.metrics.len());
+        let resumed = if epoch == position.epoch { position.step_in_epoch } else { 0 };
+        let mut totals =
+            if resumed > 0 { Totals::from_sums(&position.totals, metric_count) } else { Totals::new(metric_count) };
+        for _ in 0..resumed {
+            pipeline.next_batch()?;
+        }
         let start = Instant::now();
-        for step in 1..=steps_per_epoch {
+        let counted = totals.examples;
+        for step in resumed + 1..=steps_per_epoch {
             let Some((xs, labels)) = pipeline.next_batch()? else { break };
             let lr = lr_at(&cfg.schedule, cfg.optimizer.lr(), global_step, total_steps);
-            let mut step_totals = Totals::new(info.metrics.len());
+            tch::manual_seed(checkpoint::step_seed(cfg.seed, global_step));
             let sums = train_step(&model, &mut params, &buckets, &mut ring, cfg.device, (&xs, &labels))?;
             optimizer.step(&mut params, lr);
             totals.add(&sums);
-            step_totals.add(&sums);
             global_step += 1;
             if let Some(log) = metrics_log.as_mut() {
                 let mut line = serde_json::json!({"epoch": epoch, "step": step, "global_step": global_step, "lr": lr});
-                for (name, value) in step_totals.named(&info.metrics, "") {
+                let mut one = Totals::new(metric_count);
+                one.add(&sums);
+                for (name, value) in one.named(&info.metrics, "") {
                     line[name] = value.into();
                 }
                 writeln!(log, "{line}")
                     .map_err(|source| TrainError::Io { path: cfg.metrics_log.clone().unwrap_or_default(), source })?;
+            }
+            if let Some(c) = checkpointer.as_mut() {
+                c.poll(&mut |m| progress.line(&m));
+                if c.every > 0 && global_step % c.every == 0 && step < steps_per_epoch {
+                    let at = Position {
+                        epoch,
+                        step_in_epoch: step,
+                        global_step,
+                        totals: totals.sums(),
+                        last_epoch: last_train.sums(),
+                    };
+                    c.commit(&params, &optimizer.state(), &meta(at), &mut |m| progress.line(&m))
+                        .map_err(TrainError::Checkpoint)?;
+                }
             }
             if progress.wants(step, steps_per_epoch) {
                 progress.step(step, steps_per_epoch, start.elapsed(), &totals.named(&info.metrics, ""));
@@ -383,16 +569,46 @@ pub fn run(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<
         }
         let elapsed = start.elapsed();
         train_time += elapsed;
-        examples += totals.examples;
-        let eval = evaluate(&model, &test_data, &ctx(epoch, false), &mut ring, cfg.device, info.metrics.len())?;
+        examples += totals.examples - counted;
+        let eval = evaluate(&model, &test_data, &ctx(epoch, false), &mut ring, cfg.device, metric_count)?;
         let mut values = totals.named(&info.metrics, "");
         values.extend(eval.named(&info.metrics, "val_"));
-        let rate = totals.examples / elapsed.as_secs_f64().max(1e-9);
+        let rate = (totals.examples - counted) / elapsed.as_secs_f64().max(1e-9);
         progress.epoch_end(steps_per_epoch, elapsed, &values, rate);
-        (last_train, last_eval) = (totals, eval);
+        if let Some(c) = checkpointer.as_mut() {
+            let at = Position {
+                epoch: epoch + 1,
+                step_in_epoch: 0,
+                global_step,
+                totals: vec![0.0; 2 + metric_count],
+                last_epoch: totals.sums(),
+            };
+            c.commit(&params, &optimizer.state(), &meta(at), &mut |m| progress.line(&m))
+                .map_err(TrainError::Checkpoint)?;
+        }
+        (last_train, last_eval) = (totals, Some(eval));
     }
     if let Some(log) = metrics_log.as_mut() {
         log.flush().map_err(|source| TrainError::Io { path: cfg.metrics_log.clone().unwrap_or_default(), source })?;
+    }
+    let last_eval = match last_eval {
+        Some(eval) => eval,
+        None => {
+            progress.line(&format!("trainerd: the run had already finished all {} epoch(s); evaluating", cfg.epochs));
+            evaluate(
+                &model,
+                &test_data,
+                &ctx(cfg.epochs.saturating_sub(1), false),
+                &mut ring,
+                cfg.device,
+                metric_count,
+            )?
+        }
+    };
+    let mut checkpoint_error = None;
+    if let Some(c) = checkpointer.as_mut() {
+        c.wait(&mut |m| progress.line(&m));
+        checkpoint_error = c.last_error.clone();
     }
     if let Some(plane) = &plane {
         // Nobody leaves (and takes the chief's control plane or a ring link with it) before
@@ -423,6 +639,7 @@ pub fn run(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<
         examples_per_second: examples / train_time.as_secs_f64().max(1e-9),
         train_seconds: train_time.as_secs_f64(),
         params_sha256: params_sha256(&params),
+        checkpoint_error,
     })
 }
 

@@ -39,7 +39,7 @@ pub enum StorageError {
         /// The object.
         path: String,
         /// The backend's error.
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
     /// A writer of an older generation.
     #[error("{location}: {source}")]
@@ -243,7 +243,7 @@ impl CheckpointStore {
     }
 
     fn backend(&self, op: &'static str, path: &str, source: object_store::Error) -> StorageError {
-        StorageError::Backend { location: self.name.clone(), op, path: path.to_string(), source }
+        StorageError::Backend { location: self.name.clone(), op, path: path.to_string(), source: Box::new(source) }
     }
 
     fn damaged(&self, sequence: u64, what: String) -> StorageError {
@@ -385,7 +385,9 @@ impl CheckpointStore {
             .await
         {
             Ok(_) => Ok(()),
-            Err(StorageError::Backend { source: object_store::Error::AlreadyExists { .. }, .. }) => {
+            Err(StorageError::Backend { source, .. })
+                if matches!(*source, object_store::Error::AlreadyExists { .. }) =>
+            {
                 // Ours, if an earlier attempt's answer was lost; anyone else's otherwise.
                 match self.record(record.sequence).await {
                     Ok(existing) if existing == *record => Ok(()),

@@ -1,0 +1,142 @@
+//! `trainerd ckpt list|show|verify|export URL`: operators' view of a checkpoint location.
+
+use std::io::Write;
+use std::path::Path;
+
+use trainerd_storage::{CheckpointStore, StorageError};
+
+use crate::checkpoint::MODEL_BLOB;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime")
+}
+
+/// `YYYY-MM-DD HH:MM:SS` (UTC) of a Unix time in milliseconds.
+pub fn utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// Lists commits: sequence, step, epoch, time, size, generation.
+pub fn list(store: &CheckpointStore) -> Result<String, StorageError> {
+    let records = runtime().block_on(store.list())?;
+    if records.is_empty() {
+        return Ok(format!("{}: no commits\n", store.name()));
+    }
+    let mut out = format!(
+        "{:>8}  {:>10}  {:>5}  {:<19}  {:>10}  {:>10}\n",
+        "sequence", "step", "epoch", "time (UTC)", "bytes", "generation"
+    );
+    for r in records {
+        out.push_str(&format!(
+            "{:>8}  {:>10}  {:>5}  {:<19}  {:>10}  {:>10}\n",
+            r.sequence,
+            r.global_step,
+            r.epoch,
+            utc(r.created_unix_ms),
+            r.bytes,
+            r.generation
+        ));
+    }
+    Ok(out)
+}
+
+/// The sequence asked for, or the newest.
+fn pick(store: &CheckpointStore, rt: &tokio::runtime::Runtime, sequence: Option<u64>) -> Result<u64, StorageError> {
+    match sequence {
+        Some(s) => Ok(s),
+        None => rt
+            .block_on(store.list())?
+            .last()
+            .map(|r| r.sequence)
+            .ok_or_else(|| StorageError::NoCommit { location: store.name().into(), detail: String::new() }),
+    }
+}
+
+/// A commit's record and manifest, as JSON.
+pub fn show(store: &CheckpointStore, sequence: Option<u64>) -> Result<String, StorageError> {
+    let rt = runtime();
+    let seq = pick(store, &rt, sequence)?;
+    let restored = rt.block_on(store.load(seq))?;
+    let json = serde_json::json!({"commit": restored.record, "manifest": restored.manifest});
+    Ok(serde_json::to_string_pretty(&json).expect("plain data") + "\n")
+}
+
+/// Verifies every commit (or one): each line says `ok` or what is damaged. `Ok(false)` when
+/// any is damaged.
+pub fn verify(store: &CheckpointStore, sequence: Option<u64>, out: &mut dyn Write) -> Result<bool, StorageError> {
+    let rt = runtime();
+    let sequences: Vec<u64> = match sequence {
+        Some(s) => vec![s],
+        None => rt.block_on(store.list())?.iter().map(|r| r.sequence).collect(),
+    };
+    if sequences.is_empty() {
+        return Err(StorageError::NoCommit { location: store.name().into(), detail: String::new() });
+    }
+    let mut all_ok = true;
+    for seq in sequences {
+        match rt.block_on(store.load(seq)) {
+            Ok(r) => {
+                let _ = writeln!(
+                    out,
+                    "commit {seq}: ok ({} blobs, {} bytes, sha256 verified)",
+                    r.manifest.blobs.len(),
+                    r.record.bytes
+                );
+            }
+            Err(e @ StorageError::Damaged { .. }) => {
+                all_ok = false;
+                let _ = writeln!(out, "DAMAGED {e}");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(all_ok)
+}
+
+/// Writes a commit's parameters as one safetensors file (atomically). Returns a description.
+pub fn export(store: &CheckpointStore, sequence: Option<u64>, output: &Path) -> Result<String, String> {
+    let rt = runtime();
+    let seq = pick(store, &rt, sequence).map_err(|e| e.to_string())?;
+    let restored = rt.block_on(store.load(seq)).map_err(|e| e.to_string())?;
+    let tensors = restored.blobs.get(MODEL_BLOB).ok_or_else(|| format!("commit {seq} has no {MODEL_BLOB}"))?;
+    let chunks = trainerd_storage::tensors::encode(tensors).map_err(|e| e.to_string())?;
+    let dir = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(".{}.tmp", output.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        for c in &chunks {
+            f.write_all(c)?;
+        }
+        f.sync_all()?;
+        std::fs::rename(&tmp, output)
+    };
+    write().map_err(|e| format!("writing {}: {e}", output.display()))?;
+    Ok(format!(
+        "exported commit {seq} (step {}): {} tensors to {}",
+        restored.record.global_step,
+        tensors.len(),
+        output.display()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_dates() {
+        assert_eq!(super::utc(0), "1970-01-01 00:00:00");
+        assert_eq!(super::utc(1_795_392_000_000), "2026-11-23 00:00:00");
+        assert_eq!(super::utc(951_782_400_000 + 3_723_000), "2000-02-29 01:02:03");
+    }
+}

@@ -1,0 +1,191 @@
+//! Checkpoints through the `trainerd` binary: export read by Python's safetensors, verify and
+//! fallback on damage, refusal of a checkpoint that does not fit the run, and S3.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use trainerd_storage::testing::S3Server;
+
+fn trainerd() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_trainerd"))
+}
+
+fn plugin(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_BIN_EXE_trainerd")).parent().unwrap();
+    let path = dir.join(format!("lib{}.so", name.replace('-', "_")));
+    assert!(path.exists(), "{} is missing: run `cargo build --workspace` before the tests", path.display());
+    path
+}
+
+fn fashion_mnist() -> PathBuf {
+    let dir = std::env::var_os("TRAINERD_TEST_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/usr/share/datasets/fashion-mnist".into());
+    assert!(dir.join("train-images-idx3-ubyte.gz").exists(), "no dataset in {}: run scripts/setup.sh", dir.display());
+    dir
+}
+
+fn text(out: &Output) -> String {
+    format!("stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// A short checkpointed run of `plugin` into `ckpt` (one epoch unless `extra` says), returning
+/// its summary's params_sha256.
+fn train(plugin_name: &str, ckpt: &str, summary: &Path, extra: &[&str], env: &[(&str, String)]) -> (Output, String) {
+    let mut cmd = trainerd();
+    let epochs = if extra.contains(&"--epochs") { &[][..] } else { &["--epochs", "1"][..] };
+    cmd.args(["run", "--threads", "1", "--steps-per-epoch", "120", "--checkpoint-every", "40"])
+        .args(epochs)
+        .arg("--plugin")
+        .arg(plugin(plugin_name))
+        .arg("--data")
+        .arg(fashion_mnist())
+        .args(["--checkpoint-dir", ckpt])
+        .arg("--summary")
+        .arg(summary)
+        .args(extra);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let sha = if out.status.success() {
+        let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(summary).unwrap()).unwrap();
+        s["params_sha256"].as_str().unwrap().to_string()
+    } else {
+        String::new()
+    };
+    (out, sha)
+}
+
+fn python() -> PathBuf {
+    std::env::var_os("VIRTUAL_ENV").map(|v| PathBuf::from(v).join("bin/python")).unwrap_or_else(|| "python3".into())
+}
+
+/// Python's safetensors package opens an exported checkpoint and finds the trained tensors:
+/// their names, shapes, and bytes (sha256 over every tensor in name order = params_sha256).
+#[test]
+fn python_safetensors_reads_an_exported_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let (out, sha) = train("mnist-cnn", ckpt.to_str().unwrap(), &tmp.path().join("s.json"), &[], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let exported = tmp.path().join("model.safetensors");
+    let out = trainerd().args(["ckpt", "export"]).arg(&ckpt).arg("--output").arg(&exported).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("exported commit "), "{}", text(&out));
+    let script = r#"
+import hashlib, sys
+from safetensors.numpy import load_file
+t = load_file(sys.argv[1])
+h = hashlib.sha256()
+for name in sorted(t):
+    h.update(t[name].tobytes())
+    print(name, t[name].dtype, list(t[name].shape))
+print(h.hexdigest())
+"#;
+    let out = Command::new(python()).arg("-c").arg(script).arg(&exported).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let lines: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(String::from).collect();
+    assert_eq!(
+        lines[..6],
+        [
+            "model.conv.bias float32 [32]",
+            "model.conv.weight float32 [32, 1, 3, 3]",
+            "model.dense.bias float32 [64]",
+            "model.dense.weight float32 [64, 5408]",
+            "model.logits.bias float32 [10]",
+            "model.logits.weight float32 [10, 64]",
+        ]
+    );
+    assert_eq!(lines[6], sha, "the exported tensors are the trained parameters");
+}
+
+fn newest_model_blob(ckpt: &Path) -> PathBuf {
+    let mut commits: Vec<PathBuf> =
+        std::fs::read_dir(ckpt.join("commits")).unwrap().map(|e| e.unwrap().path()).collect();
+    commits.sort();
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(commits.last().unwrap()).unwrap()).unwrap();
+    let manifest = record["manifest"].as_str().unwrap();
+    ckpt.join(manifest).with_file_name("model.safetensors")
+}
+
+#[test]
+fn a_damaged_commit_fails_verify_and_the_daemon_resumes_from_the_previous_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let (out, _) = train("linear", ckpt.to_str().unwrap(), &tmp.path().join("a.json"), &[], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = trainerd().args(["ckpt", "verify"]).arg(&ckpt).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+
+    let blob = newest_model_blob(&ckpt);
+    let mut bytes = std::fs::read(&blob).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x80;
+    std::fs::write(&blob, bytes).unwrap();
+
+    let out = trainerd().args(["ckpt", "verify"]).arg(&ckpt).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let relative = blob.strip_prefix(&ckpt).unwrap().display().to_string();
+    assert!(
+        stdout.contains(&format!("DAMAGED {}: commit 3: blob model.safetensors ({relative}): sha256 ", ckpt.display())),
+        "{stdout}"
+    );
+    assert!(stdout.contains("commit 2: ok"), "{stdout}");
+
+    // A restart skips the damaged newest commit, says so, and resumes from commit 2.
+    let (out, _) = train("linear", ckpt.to_str().unwrap(), &tmp.path().join("b.json"), &[], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("warning: skipped a damaged checkpoint: "), "{stdout}");
+    assert!(stdout.contains("trainerd: resumed from checkpoint 2 in "), "{stdout}");
+}
+
+#[test]
+fn a_checkpoint_of_another_run_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let (out, _) = train("linear", ckpt.to_str().unwrap(), &tmp.path().join("a.json"), &[], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let (out, _) = train("linear", ckpt.to_str().unwrap(), &tmp.path().join("b.json"), &["--batch-size", "32"], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "error: checkpoint: {}: checkpoint 3 was written with another run configuration: ",
+            ckpt.display()
+        )),
+        "{err}"
+    );
+    let (out, _) = train("mnist-cnn", ckpt.to_str().unwrap(), &tmp.path().join("c.json"), &[], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("checkpoint 3 was written by plugin linear 0.1.0, this run uses mnist-cnn 0.1.0"),
+        "{}",
+        text(&out)
+    );
+}
+
+/// Training commits to a real S3-compatible server and resumes from it; `ckpt` reads it.
+#[test]
+fn checkpoints_on_s3() {
+    let server = S3Server::start().unwrap_or_else(|e| panic!("S3-compatible test server: {e}"));
+    let env = server.env();
+    let tmp = tempfile::tempdir().unwrap();
+    let url = format!("s3://{}/runs/linear", server.bucket);
+    let (out, first) = train("linear", &url, &tmp.path().join("a.json"), &["--epochs", "2"], &env);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = trainerd().args(["ckpt", "list", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(listing.lines().count(), 4, "a header and the 3 newest commits:\n{listing}");
+    assert!(listing.lines().last().unwrap().trim_start().starts_with("6 "), "{listing}");
+    let out = trainerd().args(["ckpt", "verify", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let (out, again) = train("linear", &url, &tmp.path().join("b.json"), &["--epochs", "2"], &env);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("trainerd: resumed from checkpoint 6 in {url}")));
+    assert_eq!(first, again);
+}
