@@ -8,52 +8,27 @@ use trainerd_chaos_tests::{dataset, params_sha256, plugin, Worker};
 
 #[test]
 fn sigkill_mid_epoch_then_restart_gives_the_uninterrupted_model() {
+    // Without checkpoints a restart trains again from the start, and gets the same model.
     let tmp = tempfile::tempdir().unwrap();
-    let (plugin, data) = (plugin("linear"), dataset());
-    let args = |summary: &std::path::Path| -> Vec<String> {
-        [
-            "run",
-            "--plugin",
-            plugin.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-            "--epochs",
-            "2",
-            "--steps-per-epoch",
-            "500",
-            "--threads",
-            "1",
-            "--seed",
-            "11",
-            "--summary",
-            summary.to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec()
-    };
-    let run = |summary: &std::path::Path| {
-        let a = args(summary);
-        Worker::start(&a.iter().map(String::as_str).collect::<Vec<_>>())
-    };
-
     let reference = tmp.path().join("reference.json");
-    assert!(run(&reference).wait().success());
+    assert!(start("run", &[], &linear_run(&reference, None)).wait().success());
 
     let killed = tmp.path().join("killed.json");
-    let mut worker = run(&killed);
+    let mut worker = start("run", &[], &linear_run(&killed, None));
     worker.wait_for_line(|l| l == "Epoch 2/2", Duration::from_secs(120));
     worker.wait_for_line(|l| l.starts_with("100/500 - "), Duration::from_secs(120));
     let status = worker.kill(libc::SIGKILL);
     assert_eq!(status.signal(), Some(libc::SIGKILL));
     assert!(!killed.exists(), "a killed run must not leave a summary");
 
-    assert!(run(&killed).wait().success());
+    assert!(start("run", &[], &linear_run(&killed, None)).wait().success());
     assert_eq!(params_sha256(&killed), params_sha256(&reference));
 }
 
-/// Arguments of a checkpointed run of the linear model.
-fn checkpointed(summary: &std::path::Path, ckpt: &std::path::Path) -> Vec<String> {
-    [
+/// Arguments of a run of the linear model (2 epochs of 500 steps), checkpointed every 60 steps
+/// into `ckpt` when given.
+fn linear_run(summary: &std::path::Path, ckpt: Option<&std::path::Path>) -> Vec<String> {
+    let mut args: Vec<String> = [
         "--plugin",
         plugin("linear").to_str().unwrap(),
         "--data",
@@ -70,15 +45,15 @@ fn checkpointed(summary: &std::path::Path, ckpt: &std::path::Path) -> Vec<String
         "adam",
         "--lr",
         "0.001",
-        "--checkpoint-dir",
-        ckpt.to_str().unwrap(),
-        "--checkpoint-every",
-        "60",
         "--summary",
         summary.to_str().unwrap(),
     ]
     .map(String::from)
-    .to_vec()
+    .to_vec();
+    if let Some(dir) = ckpt {
+        args.extend(["--checkpoint-dir", dir.to_str().unwrap(), "--checkpoint-every", "60"].map(String::from));
+    }
+    args
 }
 
 fn start(sub: &str, extra: &[&str], args: &[String]) -> Worker {
@@ -92,11 +67,11 @@ fn start(sub: &str, extra: &[&str], args: &[String]) -> Worker {
 fn sigkill_mid_epoch_resumes_at_the_committed_step_with_the_uninterrupted_model() {
     let tmp = tempfile::tempdir().unwrap();
     let reference = tmp.path().join("reference.json");
-    let status = start("run", &[], &checkpointed(&reference, &tmp.path().join("ckpt-ref"))).wait();
+    let status = start("run", &[], &linear_run(&reference, Some(&tmp.path().join("ckpt-ref")))).wait();
     assert!(status.success());
 
     let (killed, ckpt) = (tmp.path().join("killed.json"), tmp.path().join("ckpt"));
-    let args = checkpointed(&killed, &ckpt);
+    let args = linear_run(&killed, Some(&ckpt));
     let mut worker = start("run", &[], &args);
     worker.wait_for_line(|l| l == "Epoch 2/2", Duration::from_secs(120));
     let committed =
@@ -122,11 +97,12 @@ fn sigkill_mid_epoch_resumes_at_the_committed_step_with_the_uninterrupted_model(
 fn a_killed_two_worker_cluster_resumes_with_the_uninterrupted_model() {
     let tmp = tempfile::tempdir().unwrap();
     let reference = tmp.path().join("reference.json");
-    let status = start("local", &["--workers", "2"], &checkpointed(&reference, &tmp.path().join("ckpt-ref"))).wait();
+    let status =
+        start("local", &["--workers", "2"], &linear_run(&reference, Some(&tmp.path().join("ckpt-ref")))).wait();
     assert!(status.success());
 
     let (killed, ckpt) = (tmp.path().join("killed.json"), tmp.path().join("ckpt"));
-    let args = checkpointed(&killed, &ckpt);
+    let args = linear_run(&killed, Some(&ckpt));
     let mut cluster = start("local", &["--workers", "2"], &args);
     cluster.wait_for_line(|l| l.starts_with("[worker 0] checkpoint 3 committed"), Duration::from_secs(120));
     // SIGTERM to the launcher stops both workers, as systemd stopping the nodes would.

@@ -1,33 +1,14 @@
 //! Checkpoints through the `trainerd` binary: export read by Python's safetensors, verify and
 //! fallback on damage, refusal of a checkpoint that does not fit the run, and S3.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use common::*;
+
 use trainerd_storage::testing::S3Server;
-
-fn trainerd() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_trainerd"))
-}
-
-fn plugin(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_BIN_EXE_trainerd")).parent().unwrap();
-    let path = dir.join(format!("lib{}.so", name.replace('-', "_")));
-    assert!(path.exists(), "{} is missing: run `cargo build --workspace` before the tests", path.display());
-    path
-}
-
-fn fashion_mnist() -> PathBuf {
-    let dir = std::env::var_os("TRAINERD_TEST_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "/usr/share/datasets/fashion-mnist".into());
-    assert!(dir.join("train-images-idx3-ubyte.gz").exists(), "no dataset in {}: run scripts/setup.sh", dir.display());
-    dir
-}
-
-fn text(out: &Output) -> String {
-    format!("stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
 
 /// A short checkpointed run of `plugin` into `ckpt` (one epoch unless `extra` says), returning
 /// its summary's params_sha256.

@@ -5,31 +5,15 @@
 //! tests); the accuracy test reads Fashion-MNIST from /usr/share/datasets/fashion-mnist
 //! (scripts/setup.sh installs it) or from `TRAINERD_TEST_DATA`.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
+
+use common::*;
 
 use trainerd_sdk::abi::{LIBTORCH_VERSION, SDK_VERSION, TARGET, TCH_VERSION};
 use trainerd_sdk::mnist::{write_idx, IMAGES_MAGIC, LABELS_MAGIC};
-
-fn trainerd() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_trainerd"))
-}
-
-/// A plugin library built next to the daemon.
-fn plugin(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_BIN_EXE_trainerd")).parent().unwrap();
-    let path = dir.join(format!("lib{}.so", name.replace('-', "_")));
-    assert!(path.exists(), "{} is missing: run `cargo build --workspace` before the tests", path.display());
-    path
-}
-
-fn fashion_mnist() -> PathBuf {
-    let dir = std::env::var_os("TRAINERD_TEST_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "/usr/share/datasets/fashion-mnist".into());
-    assert!(dir.join("train-images-idx3-ubyte.gz").exists(), "no dataset in {}: run scripts/setup.sh", dir.display());
-    dir
-}
 
 /// A small MNIST-format dataset (random pixels, 10 classes).
 fn tiny_dataset(dir: &Path, n_train: u32, n_test: u32) {
@@ -41,22 +25,6 @@ fn tiny_dataset(dir: &Path, n_train: u32, n_test: u32) {
     }
 }
 
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The error line the daemon printed, with the exit checked to be an ordinary failure (not a
-/// crash).
-fn error_of(out: &Output) -> String {
-    assert_eq!(out.status.code(), Some(1), "stdout:\n{}\nstderr:\n{}", stdout(out), stderr(out));
-    let err = stderr(out);
-    err.lines().find(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("no error line in:\n{err}")).to_string()
-}
-
 fn run_with(plugin: &Path, data: &Path, extra: &[&str], fault: Option<&str>) -> Output {
     let mut cmd = trainerd();
     cmd.args(["run", "--threads", "1", "--plugin"]).arg(plugin).arg("--data").arg(data).args(extra);
@@ -64,10 +32,6 @@ fn run_with(plugin: &Path, data: &Path, extra: &[&str], fault: Option<&str>) -> 
         cmd.env("TRAINERD_FIXTURE_FAULT", f);
     }
     cmd.output().unwrap()
-}
-
-fn summary(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 #[test]
@@ -88,7 +52,7 @@ fn mnist_cnn_reaches_85_percent_in_one_epoch_on_fashion_mnist() {
     assert!(text.contains("Epoch 1/1\n"), "{text}");
     let last = text.lines().find(|l| l.starts_with("937/937 - ")).unwrap_or_else(|| panic!("{text}"));
     assert!(last.contains("ms/step - loss: ") && last.contains(" - val_accuracy: ") && last.ends_with(" examples/s"));
-    let s = summary(&s);
+    let s = json(&s);
     assert_eq!(s["steps"], 937);
     assert_eq!(s["epochs"], 1);
     let acc = s["test_accuracy"].as_f64().unwrap();
@@ -111,7 +75,7 @@ fn same_seed_gives_the_same_params_sha256() {
             None,
         );
         assert!(out.status.success(), "{}", stderr(&out));
-        summary(&s)["params_sha256"].as_str().unwrap().to_string()
+        json(&s)["params_sha256"].as_str().unwrap().to_string()
     };
     let a = hash("a.json", "7");
     assert_eq!(a, hash("b.json", "7"));
@@ -130,7 +94,7 @@ fn each_optimizer_trains_the_linear_model() {
             None,
         );
         assert!(out.status.success(), "{}", stderr(&out));
-        let s = summary(&s);
+        let s = json(&s);
         assert_eq!(s["optimizer"]["name"], optimizer);
         let acc = s["test_accuracy"].as_f64().unwrap();
         assert!(acc > 0.7, "{optimizer}: test accuracy {acc}");

@@ -1,27 +1,12 @@
 //! Multi-worker training with real daemons on loopback: results, replica identity, equivalence
 //! with one bigger worker, and every refusal with its message.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
 
-fn trainerd() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_trainerd"))
-}
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 
-fn plugin(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_BIN_EXE_trainerd")).parent().unwrap();
-    let path = dir.join(format!("lib{}.so", name.replace('-', "_")));
-    assert!(path.exists(), "{} is missing: run `cargo build --workspace` before the tests", path.display());
-    path
-}
-
-fn fashion_mnist() -> PathBuf {
-    let dir = std::env::var_os("TRAINERD_TEST_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "/usr/share/datasets/fashion-mnist".into());
-    assert!(dir.join("train-images-idx3-ubyte.gz").exists(), "no dataset in {}: run scripts/setup.sh", dir.display());
-    dir
-}
+use common::*;
 
 fn free_ports(n: usize) -> Vec<u16> {
     let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
@@ -31,19 +16,6 @@ fn free_ports(n: usize) -> Vec<u16> {
 fn tf_config(ports: &[u16], index: usize) -> String {
     let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
     serde_json::json!({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": index}}).to_string()
-}
-
-fn json(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
-}
-
-fn text(out: &Output) -> String {
-    format!("stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
-fn error_line(out: &Output) -> String {
-    let err = String::from_utf8_lossy(&out.stderr);
-    err.lines().find(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("no error line; {}", text(out))).to_string()
 }
 
 /// `trainerd local --workers N` on mnist-cnn for one epoch: accuracy and identical replicas.
