@@ -466,14 +466,23 @@ pub fn run(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<
             }
             position = resume_from(&r, &info, world, cfg, &mut params, &mut optimizer)
                 .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", c.location())))?;
-            progress.line(&format!(
-                "trainerd: resumed from checkpoint {} in {} at epoch {}, step {} (global step {})",
-                r.record.sequence,
-                c.location(),
-                position.epoch + 1,
-                position.step_in_epoch,
-                position.global_step
-            ));
+            progress.line(&if position.epoch >= cfg.epochs {
+                format!(
+                    "trainerd: checkpoint {} in {} is the end of this run (global step {})",
+                    r.record.sequence,
+                    c.location(),
+                    position.global_step
+                )
+            } else {
+                format!(
+                    "trainerd: resumed from checkpoint {} in {} at epoch {}, step {} (global step {})",
+                    r.record.sequence,
+                    c.location(),
+                    position.epoch + 1,
+                    position.step_in_epoch,
+                    position.global_step
+                )
+            });
         }
     }
     broadcast_state(&mut ring, &mut position, &mut params, &mut optimizer)?;

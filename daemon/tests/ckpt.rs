@@ -167,6 +167,10 @@ fn checkpoints_on_s3() {
     assert!(out.status.success(), "{}", text(&out));
     let (out, again) = train("linear", &url, &tmp.path().join("b.json"), &["--epochs", "2"], &env);
     assert!(out.status.success(), "{}", text(&out));
-    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("trainerd: resumed from checkpoint 6 in {url}")));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("trainerd: checkpoint 6 in {url} is the end of this run (global step 240)")),
+        "{stdout}"
+    );
     assert_eq!(first, again);
 }
