@@ -60,6 +60,10 @@ fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
 /// Runs the local cluster; returns this process's exit code.
 pub fn run(workers: usize, args: &[String]) -> anyhow::Result<i32> {
     anyhow::ensure!(workers >= 1, "--workers {workers}: expected at least 1");
+    anyhow::ensure!(
+        !args.iter().any(|a| a == "--tf-config" || a.starts_with("--tf-config=")),
+        "trainerd local writes each worker's TF_CONFIG itself: remove --tf-config"
+    );
     let exe: PathBuf = std::env::current_exe()?;
     let ports = free_ports(workers)?;
     let addresses: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();

@@ -251,3 +251,15 @@ fn local_stops_every_worker_when_one_fails() {
     assert!(err.contains("trainerd local: worker "), "{err}");
     assert!(err.contains("] error: plugin linear: load_data failed: data directory "), "{err}");
 }
+
+#[test]
+fn local_refuses_a_tf_config_of_its_own() {
+    let out = trainerd()
+        .args(["local", "--workers", "2", "--tf-config", "{}", "--plugin"])
+        .arg(plugin("linear"))
+        .arg("--data")
+        .arg(fashion_mnist())
+        .output()
+        .unwrap();
+    assert_eq!(error_of(&out), "error: trainerd local writes each worker's TF_CONFIG itself: remove --tf-config");
+}
