@@ -432,42 +432,55 @@ impl CheckpointStore {
         Ok((size as u64, sha256))
     }
 
-    /// Loads commit `sequence` and verifies its manifest and every blob.
-    pub async fn load(&self, sequence: u64) -> Result<Restored, StorageError> {
-        let record = self.record(sequence).await?;
-        let manifest_bytes = self.get(&record.manifest).await.map_err(|e| self.damaged(sequence, e.to_string()))?;
-        let found = hex(&Sha256::digest(&manifest_bytes));
-        if found != record.manifest_sha256 || manifest_bytes.len() as u64 != record.manifest_size {
+    /// Reads an object of commit `sequence` and checks it against the `(sha256, size)` that
+    /// `expected_by` recorded; any failure makes the commit damaged, described as `label`.
+    async fn get_verified(
+        &self,
+        sequence: u64,
+        label: &str,
+        relative: &str,
+        (sha256, size): (&str, u64),
+        expected_by: &str,
+    ) -> Result<Bytes, StorageError> {
+        let bytes = self.get(relative).await.map_err(|e| self.damaged(sequence, e.to_string()))?;
+        let found = hex(&Sha256::digest(&bytes));
+        if found != sha256 || bytes.len() as u64 != size {
             return Err(self.damaged(
                 sequence,
                 format!(
-                    "manifest {}: sha256 {found} ({} bytes), the commit record expects {} ({} bytes)",
-                    record.manifest,
-                    manifest_bytes.len(),
-                    record.manifest_sha256,
-                    record.manifest_size
+                    "{label}: sha256 {found} ({} bytes), {expected_by} expects {sha256} ({size} bytes)",
+                    bytes.len()
                 ),
             ));
         }
+        Ok(bytes)
+    }
+
+    /// Loads commit `sequence` and verifies its manifest and every blob.
+    pub async fn load(&self, sequence: u64) -> Result<Restored, StorageError> {
+        let record = self.record(sequence).await?;
+        let manifest_bytes = self
+            .get_verified(
+                sequence,
+                &format!("manifest {}", record.manifest),
+                &record.manifest,
+                (&record.manifest_sha256, record.manifest_size),
+                "the commit record",
+            )
+            .await?;
         let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
             .map_err(|e| self.damaged(sequence, format!("manifest {} is not valid: {e}", record.manifest)))?;
         let mut blobs = BTreeMap::new();
         for entry in &manifest.blobs {
-            let bytes = self.get(&entry.path).await.map_err(|e| self.damaged(sequence, e.to_string()))?;
-            let found = hex(&Sha256::digest(&bytes));
-            if found != entry.sha256 || bytes.len() as u64 != entry.size {
-                return Err(self.damaged(
+            let bytes = self
+                .get_verified(
                     sequence,
-                    format!(
-                        "blob {} ({}): sha256 {found} ({} bytes), the manifest expects {} ({} bytes)",
-                        entry.name,
-                        entry.path,
-                        bytes.len(),
-                        entry.sha256,
-                        entry.size
-                    ),
-                ));
-            }
+                    &format!("blob {} ({})", entry.name, entry.path),
+                    &entry.path,
+                    (&entry.sha256, entry.size),
+                    "the manifest",
+                )
+                .await?;
             let tensors =
                 tensors::decode(&bytes).map_err(|e| self.damaged(sequence, format!("blob {}: {e}", entry.name)))?;
             blobs.insert(entry.name.clone(), tensors);
