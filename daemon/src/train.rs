@@ -26,7 +26,7 @@ use trainerd_storage::{Location, Restored, S3Options};
 use crate::checkpoint::{self, Checkpointer, Meta, Position};
 use crate::cluster::control::{self, ClusterError, ControlPlane, Identity, Timeouts};
 use crate::cluster::ClusterConfig;
-use crate::collective::buckets::Buckets;
+use crate::collective::buckets::{self, Buckets};
 use crate::collective::{CollectiveError, ReduceOp, Ring};
 use crate::optim::Optimizer;
 use crate::plugin::{CallError, Dataset, ModelInstance, Plugin};
@@ -316,29 +316,6 @@ fn plugin_identity(plugin: &Plugin) -> String {
     )
 }
 
-/// Copies the chief's values of `params` (float32 tensors) to every worker, in place.
-fn broadcast_tensors(ring: &mut Ring, params: &mut [(String, Tensor)]) -> Result<(), TrainError> {
-    if ring.world() == 1 {
-        return Ok(());
-    }
-    let numels: Vec<usize> = params.iter().map(|(_, p)| p.numel()).collect();
-    let mut flat = vec![0f32; numels.iter().sum()];
-    let mut at = 0;
-    for ((_, p), &n) in params.iter().zip(&numels) {
-        p.detach().to_device(Device::Cpu).to_kind(Kind::Float).contiguous().copy_data(&mut flat[at..at + n], n);
-        at += n;
-    }
-    ring.broadcast(&mut flat)?;
-    let _no_grad = tch::no_grad_guard();
-    let mut at = 0;
-    for ((_, p), &n) in params.iter_mut().zip(&numels) {
-        let value = Tensor::from_slice(&flat[at..at + n]).view(p.size().as_slice());
-        p.copy_(&value);
-        at += n;
-    }
-    Ok(())
-}
-
 /// Checkpointing settings.
 #[derive(Clone, Debug)]
 pub struct CheckpointConfig {
@@ -415,11 +392,11 @@ fn broadcast_state(
         totals: head[3..3 + n].to_vec(),
         last_epoch: head[3 + n..].to_vec(),
     };
-    broadcast_tensors(ring, params)?;
+    buckets::broadcast(ring, params)?;
     if position.global_step > 0 {
         optimizer.materialize(params);
         let mut state = optimizer.state();
-        broadcast_tensors(ring, &mut state)?;
+        buckets::broadcast(ring, &mut state)?;
         // The broadcast wrote into the optimizer's own tensors (state() shares storage); only
         // the step count is left.
         let copies: Vec<(String, Tensor)> = state.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();

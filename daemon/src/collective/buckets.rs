@@ -1,4 +1,5 @@
-//! Gradient averaging: the parameters' gradients are fused into buckets of at most a fixed size
+//! Tensors over the ring, staged through host memory as float32: [`broadcast`] of parameters
+//! and optimizer state, and gradient averaging: the parameters' gradients are fused into buckets of at most a fixed size
 //! (small tensors travel together, one collective per bucket), staged through host memory (on
 //! CUDA too, as TensorFlow's RING does), averaged over the ring, and written back.
 //!
@@ -8,6 +9,39 @@
 use tch::{Device, Kind, Tensor};
 
 use super::ring::{CollectiveError, ReduceOp, Ring};
+
+/// Copies `t` (any device, any float kind) into `dst` as float32: the host staging every
+/// collective over tensors goes through.
+fn stage_out(t: &Tensor, dst: &mut [f32]) {
+    t.detach().to_device(Device::Cpu).to_kind(Kind::Float).contiguous().copy_data(dst, dst.len());
+}
+
+/// `src` as a CPU tensor shaped like `like` (`copy_` moves it to `like`'s device and kind).
+fn stage_in(src: &[f32], like: &Tensor) -> Tensor {
+    Tensor::from_slice(src).view(like.size().as_slice())
+}
+
+/// Copies rank 0's values of `tensors` to every rank, in place, as one fused buffer.
+pub fn broadcast(ring: &mut Ring, tensors: &mut [(String, Tensor)]) -> Result<(), CollectiveError> {
+    if ring.world() == 1 {
+        return Ok(());
+    }
+    let numels: Vec<usize> = tensors.iter().map(|(_, t)| t.numel()).collect();
+    let mut flat = vec![0f32; numels.iter().sum()];
+    let mut at = 0;
+    for ((_, t), &n) in tensors.iter().zip(&numels) {
+        stage_out(t, &mut flat[at..at + n]);
+        at += n;
+    }
+    ring.broadcast(&mut flat)?;
+    let _no_grad = tch::no_grad_guard();
+    let mut at = 0;
+    for ((_, t), &n) in tensors.iter_mut().zip(&numels) {
+        t.copy_(&stage_in(&flat[at..at + n], t));
+        at += n;
+    }
+    Ok(())
+}
 
 /// Default bucket size, as PyTorch DDP's `bucket_cap_mb`.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -67,8 +101,7 @@ impl Buckets {
             for (&i, &n) in group.iter().zip(&numels) {
                 let g = params[i].1.grad();
                 if g.defined() {
-                    let g = g.to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
-                    g.copy_data(&mut flat[at..at + n], n);
+                    stage_out(&g, &mut flat[at..at + n]);
                 }
                 at += n;
             }
@@ -81,7 +114,7 @@ impl Buckets {
             let mut at = 0;
             for (&i, &n) in group.iter().zip(&numels) {
                 let p = &mut params[i].1;
-                let mean = Tensor::from_slice(&flat[at..at + n]).view(p.size().as_slice());
+                let mean = stage_in(&flat[at..at + n], p);
                 if !p.grad().defined() {
                     // A parameter without a gradient here may have one on another worker: give
                     // it a zero gradient (through autograd, which owns `.grad`) to copy into.
