@@ -94,13 +94,19 @@ fn kind(dtype: Dtype) -> Kind {
     }
 }
 
+/// A tensor's elements as contiguous native-endian bytes in host memory.
+pub fn host_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
+    let t = t.detach().to_device(Device::Cpu).contiguous();
+    let numel = t.numel();
+    let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    t.f_copy_data_u8(&mut data, numel)?;
+    Ok(data)
+}
+
 /// Copies a tensor into host memory.
 pub fn host_copy(name: &str, t: &Tensor) -> Result<TensorData, String> {
-    let t = t.detach().to_device(Device::Cpu).contiguous();
     let dtype = dtype(t.kind()).ok_or_else(|| format!("tensor {name}: unsupported kind {:?}", t.kind()))?;
-    let numel = t.numel();
-    let mut data = vec![0u8; numel * dtype.size()];
-    t.f_copy_data_u8(&mut data, numel).map_err(|e| format!("tensor {name}: {e}"))?;
+    let data = host_bytes(t).map_err(|e| format!("tensor {name}: {e}"))?;
     Ok(TensorData {
         name: name.into(),
         dtype,

@@ -112,17 +112,8 @@ pub fn export(store: &CheckpointStore, sequence: Option<u64>, output: &Path) -> 
     let restored = rt.block_on(store.load(seq)).map_err(|e| e.to_string())?;
     let tensors = restored.blobs.get(MODEL_BLOB).ok_or_else(|| format!("commit {seq} has no {MODEL_BLOB}"))?;
     let chunks = trainerd_storage::tensors::encode(tensors).map_err(|e| e.to_string())?;
-    let dir = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let tmp = dir.join(format!(".{}.tmp", output.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        for c in &chunks {
-            f.write_all(c)?;
-        }
-        f.sync_all()?;
-        std::fs::rename(&tmp, output)
-    };
-    write().map_err(|e| format!("writing {}: {e}", output.display()))?;
+    let parts: Vec<&[u8]> = chunks.iter().map(|c| c.as_ref()).collect();
+    crate::atomic::write_file(output, &parts).map_err(|e| format!("writing {}: {e}", output.display()))?;
     Ok(format!(
         "exported commit {seq} (step {}): {} tensors to {}",
         restored.record.global_step,

@@ -185,17 +185,7 @@ impl Summary {
     /// whole file or none of it.
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
         let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)? + "\n";
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-        let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
-        file.write_all(json.as_bytes())?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
+        crate::atomic::write_file(path, &[json.as_bytes()])
     }
 }
 
@@ -697,12 +687,8 @@ pub fn params_sha256(params: &[(String, Tensor)]) -> String {
     let mut sorted: Vec<&(String, Tensor)> = params.iter().collect();
     sorted.sort_by(|a, b| a.0.cmp(&b.0));
     let mut hasher = Sha256::new();
-    for (_, p) in sorted {
-        let p = p.detach().to_device(Device::Cpu).contiguous();
-        let numel = p.numel();
-        let mut bytes = vec![0u8; numel * p.kind().elt_size_in_bytes()];
-        p.copy_data_u8(&mut bytes, numel);
-        hasher.update(&bytes);
+    for (name, p) in sorted {
+        hasher.update(checkpoint::host_bytes(p).unwrap_or_else(|e| panic!("reading parameter {name}: {e}")));
     }
     format!("{:x}", hasher.finalize())
 }
