@@ -28,6 +28,7 @@ fn main() {
         .collect();
     let checkpoint = NewCheckpoint {
         generation: 1,
+        writer: 1,
         global_step: 1,
         epoch: 0,
         meta: serde_json::json!({}),

@@ -3,8 +3,10 @@
 //!
 //! This crate is the mechanism; the daemon decides when to commit. [`location`] parses and opens
 //! locations, [`protocol`] holds the commit protocol's pure decisions, [`store`] carries them out,
-//! [`tensors`] encodes tensors as safetensors, and [`testing`] wraps a backend to inject faults.
+//! [`tensors`] encodes tensors as safetensors, [`testing`] wraps a backend to inject faults, and
+//! [`failpoint`] lets chaos tests stop a process at a chosen place.
 
+pub mod failpoint;
 pub mod location;
 pub mod protocol;
 pub mod store;

@@ -12,7 +12,10 @@
 //! A commit writes its blobs, then its manifest, then creates its commit record with
 //! create-if-absent on sequence `latest + 1`. Only that last write makes a checkpoint visible,
 //! and create-if-absent fences on both local disk and S3: two writers cannot both create the
-//! same sequence. A writer whose generation is older than the latest commit's refuses to commit.
+//! same sequence. A writer whose generation is older than the latest commit's refuses to commit,
+//! and so does one of the same generation when the latest commit is another writer's (each
+//! writer, a process, has its own id): of two chiefs that read the same latest commit, the
+//! first to commit fences the other.
 
 use std::collections::BTreeSet;
 
@@ -37,27 +40,50 @@ pub fn parse_commit_name(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// A writer whose generation is older than the newest commit's.
+/// A writer that may not commit: the newest commit is of a newer generation, or of the same
+/// generation by another writer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "commit refused: commit {sequence} was made by generation {found} and this writer is generation {mine}; a newer \
-     chief has taken over"
+    "commit refused: commit {sequence} was made by generation {found} (writer {found_writer:x}) and this writer is \
+     generation {mine} (writer {mine_writer:x}); {}",
+    if found > mine { "a newer chief has taken over" } else { "another chief of the same generation committed first" }
 )]
 pub struct Fenced {
     /// The newest commit's sequence.
     pub sequence: u64,
     /// Its generation.
     pub found: u64,
+    /// Its writer.
+    pub found_writer: u64,
     /// The writer's generation.
     pub mine: u64,
+    /// The writer.
+    pub mine_writer: u64,
 }
 
-/// The sequence to create next, given the newest commit `(sequence, generation)`.
-pub fn next_sequence(latest: Option<(u64, u64)>, generation: u64) -> Result<u64, Fenced> {
+/// The newest commit, as fencing needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Latest {
+    /// Its sequence.
+    pub sequence: u64,
+    /// Its writer's generation.
+    pub generation: u64,
+    /// Its writer.
+    pub writer: u64,
+}
+
+/// The sequence that writer `writer` of `generation` creates next, given the newest commit.
+pub fn next_sequence(latest: Option<Latest>, generation: u64, writer: u64) -> Result<u64, Fenced> {
     match latest {
         None => Ok(1),
-        Some((sequence, found)) if found > generation => Err(Fenced { sequence, found, mine: generation }),
-        Some((sequence, _)) => Ok(sequence + 1),
+        Some(l) if l.generation > generation || (l.generation == generation && l.writer != writer) => Err(Fenced {
+            sequence: l.sequence,
+            found: l.generation,
+            found_writer: l.writer,
+            mine: generation,
+            mine_writer: writer,
+        }),
+        Some(l) => Ok(l.sequence + 1),
     }
 }
 
@@ -91,14 +117,22 @@ mod tests {
 
     #[test]
     fn fencing() {
-        assert_eq!(next_sequence(None, 1), Ok(1));
-        assert_eq!(next_sequence(Some((4, 2)), 2), Ok(5));
-        assert_eq!(next_sequence(Some((4, 1)), 2), Ok(5));
-        let err = next_sequence(Some((4, 3)), 2).unwrap_err();
+        let latest = |sequence, generation, writer| Some(Latest { sequence, generation, writer });
+        assert_eq!(next_sequence(None, 1, 7), Ok(1));
+        assert_eq!(next_sequence(latest(4, 2, 7), 2, 7), Ok(5), "the same writer goes on");
+        assert_eq!(next_sequence(latest(4, 1, 9), 2, 7), Ok(5), "a newer generation takes over");
+        let err = next_sequence(latest(4, 3, 9), 2, 7).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "commit refused: commit 4 was made by generation 3 and this writer is generation 2; a newer chief has \
-             taken over"
+            "commit refused: commit 4 was made by generation 3 (writer 9) and this writer is generation 2 (writer 7); \
+             a newer chief has taken over"
+        );
+        // Two chiefs restored from the same commit share a generation: the first to commit wins.
+        let err = next_sequence(latest(5, 3, 0xa), 3, 0xb).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "commit refused: commit 5 was made by generation 3 (writer a) and this writer is generation 3 (writer b); \
+             another chief of the same generation committed first"
         );
     }
 

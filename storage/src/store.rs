@@ -95,6 +95,8 @@ pub struct Blob {
 pub struct NewCheckpoint {
     /// The writer's generation (fencing).
     pub generation: u64,
+    /// The writer (a process) within its generation (fencing).
+    pub writer: u64,
     /// Global step it was taken at.
     pub global_step: u64,
     /// Epoch it was taken in.
@@ -144,6 +146,9 @@ pub struct CommitRecord {
     pub sequence: u64,
     /// Writer's generation.
     pub generation: u64,
+    /// The writer within its generation (0 in records of trainerd before writers had ids).
+    #[serde(default)]
+    pub writer: u64,
     /// Manifest path relative to the location.
     pub manifest: String,
     /// Hex sha256 of the manifest.
@@ -229,6 +234,12 @@ impl CheckpointStore {
         &self.name
     }
 
+    /// The backend and the root under which this location lives (for tools and tests that
+    /// look at the objects themselves).
+    pub fn raw(&self) -> (Arc<dyn ObjectStore>, Path) {
+        (Arc::clone(&self.store), self.root.clone())
+    }
+
     fn path(&self, relative: &str) -> Path {
         relative.split('/').fold(self.root.clone(), |p, part| p.join(part))
     }
@@ -311,19 +322,42 @@ impl CheckpointStore {
     /// Commits `checkpoint` as the next sequence, then keeps only the newest `keep` commits (0:
     /// all) and collects the blobs of commits that never completed.
     pub async fn commit(&self, checkpoint: &NewCheckpoint, keep: usize) -> Result<CommitRecord, StorageError> {
-        let sequence = self.next_sequence(checkpoint.generation).await?;
+        let sequence = self.next_sequence(checkpoint.generation, checkpoint.writer).await?;
         self.commit_sequence(sequence, checkpoint, keep).await
     }
 
-    /// The sequence a writer of `generation` commits next, or why it may not.
-    pub async fn next_sequence(&self, generation: u64) -> Result<u64, StorageError> {
+    /// The sequence writer `writer` of `generation` commits next, or why it may not. A newest
+    /// record that cannot be read refuses the commit: its generation is unknown, so nothing
+    /// could be fenced against it.
+    pub async fn next_sequence(&self, generation: u64, writer: u64) -> Result<u64, StorageError> {
         let sequences = self.sequences().await?;
         let latest = match sequences.last() {
-            Some(&seq) => Some((seq, self.record(seq).await.map(|r| r.generation).unwrap_or(0))),
+            Some(&sequence) => {
+                let record = self.record(sequence).await.map_err(|e| match e {
+                    StorageError::Damaged { location, sequence, what } => StorageError::Damaged {
+                        location,
+                        sequence,
+                        what: format!(
+                            "{what}; no commit is made over a newest record that cannot be read (its generation \
+                             is unknown): repair or remove it"
+                        ),
+                    },
+                    other => other,
+                })?;
+                Some(protocol::Latest { sequence, generation: record.generation, writer: record.writer })
+            }
             None => None,
         };
-        protocol::next_sequence(latest, generation)
+        protocol::next_sequence(latest, generation, writer)
             .map_err(|source| StorageError::Fenced { location: self.name.clone(), source })
+    }
+
+    /// The newest commit record, if any (unverified: for the generation fencing starts above).
+    pub async fn latest_record(&self) -> Result<Option<CommitRecord>, StorageError> {
+        match self.sequences().await?.last() {
+            Some(&sequence) => Ok(Some(self.record(sequence).await?)),
+            None => Ok(None),
+        }
     }
 
     /// Commits `checkpoint` as exactly `sequence`: fails with [`StorageError::LostRace`] if
@@ -357,9 +391,11 @@ impl CheckpointStore {
         let manifest_path = format!("{DATA}/{id}/{MANIFEST}");
         self.upload(&manifest_path, std::slice::from_ref(&manifest_bytes)).await?;
 
+        crate::failpoint::point("commit-before-record");
         let record = CommitRecord {
             sequence,
             generation: checkpoint.generation,
+            writer: checkpoint.writer,
             manifest: manifest_path,
             manifest_sha256: hex(&Sha256::digest(&manifest_bytes)),
             manifest_size: manifest_bytes.len() as u64,

@@ -101,6 +101,7 @@ fn checkpoint(step: u64, generation: u64, big: bool) -> NewCheckpoint {
     }
     NewCheckpoint {
         generation,
+        writer: 1,
         global_step: step,
         epoch: step / 100,
         meta: serde_json::json!({"step": step}),
@@ -257,8 +258,8 @@ fn of_two_chiefs_racing_for_a_sequence_exactly_one_wins() {
         let (a, c) = (b.store(), b.store());
         for round in 0..5u64 {
             rt.block_on(async {
-                let seq_a = a.next_sequence(1).await.unwrap();
-                let seq_c = c.next_sequence(1).await.unwrap();
+                let seq_a = a.next_sequence(1, 1).await.unwrap();
+                let seq_c = c.next_sequence(1, 1).await.unwrap();
                 assert_eq!(seq_a, seq_c);
                 let (ca, cc) = (checkpoint(round * 2, 1, false), checkpoint(round * 2 + 1, 1, false));
                 let (ra, rc) = tokio::join!(a.commit_sequence(seq_a, &ca, 0), c.commit_sequence(seq_c, &cc, 0));
@@ -283,12 +284,53 @@ fn an_older_generation_cannot_commit_over_a_newer_one() {
         assert_eq!(
             err.to_string(),
             format!(
-                "{}: commit refused: commit 1 was made by generation 2 and this writer is generation 1; a newer chief \
-                 has taken over",
+                "{}: commit refused: commit 1 was made by generation 2 (writer 1) and this writer is generation 1 \
+                 (writer 1); a newer chief has taken over",
                 b.name
             )
         );
         assert_eq!(rt.block_on(store.latest()).unwrap().unwrap().record.global_step, 1);
+    }
+}
+
+#[test]
+fn of_two_chiefs_of_one_generation_the_first_to_commit_fences_the_other() {
+    let rt = rt();
+    for b in backends() {
+        let store = b.store();
+        rt.block_on(store.commit(&checkpoint(1, 3, false), 0)).unwrap();
+        let other = NewCheckpoint { writer: 2, ..checkpoint(2, 3, false) };
+        let err = rt.block_on(store.commit(&other, 0)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{}: commit refused: commit 1 was made by generation 3 (writer 1) and this writer is generation 3 \
+                 (writer 2); another chief of the same generation committed first",
+                b.name
+            )
+        );
+        // The first goes on.
+        rt.block_on(store.commit(&checkpoint(3, 3, false), 0)).unwrap();
+    }
+}
+
+#[test]
+fn no_commit_is_made_over_a_newest_record_that_cannot_be_read() {
+    let rt = rt();
+    for b in backends() {
+        let store = b.store();
+        rt.block_on(store.commit(&checkpoint(1, 5, false), 0)).unwrap();
+        let record = b.path("commits/00000000000000000002.json");
+        rt.block_on(b.raw.put(&record, PutPayload::from_static(b"{not json"))).unwrap();
+        let err = rt.block_on(store.commit(&checkpoint(2, 1, false), 0)).unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "{}: commit 2: commit record commits/00000000000000000002.json is not valid: ",
+                b.name
+            )),
+            "{err}"
+        );
+        assert!(err.ends_with("; no commit is made over a newest record that cannot be read (its generation is unknown): repair or remove it"), "{err}");
     }
 }
 
