@@ -65,6 +65,18 @@ pub fn shard_plan(n: usize, ctx: &InputContext) -> Vec<Vec<i64>> {
 
 /// An input pipeline over in-memory `inputs` and `labels` (first dimension = examples).
 pub fn sharded_batches(inputs: &Tensor, labels: &Tensor, ctx: &InputContext) -> Result<Pipeline, PluginError> {
+    sharded_map(inputs, labels, ctx, Ok)
+}
+
+/// As [`sharded_batches`], with `prepare` applied to each batch's inputs as it is drawn (u8 pixels
+/// to floats, say), so that a dataset stays compact in memory and loads fast: a restarted worker
+/// reloads it on its way back into the run.
+pub fn sharded_map(
+    inputs: &Tensor,
+    labels: &Tensor,
+    ctx: &InputContext,
+    prepare: impl Fn(Tensor) -> Result<Tensor, tch::TchError> + Send + 'static,
+) -> Result<Pipeline, PluginError> {
     let n = inputs.size().first().copied().unwrap_or(0);
     let n_labels = labels.size().first().copied().unwrap_or(0);
     if n != n_labels {
@@ -76,7 +88,7 @@ pub fn sharded_batches(inputs: &Tensor, labels: &Tensor, ctx: &InputContext) -> 
         steps: plan.len() as u64,
         batches: Box::new(plan.into_iter().map(move |idx| {
             let idx = Tensor::from_slice(&idx);
-            Ok((inputs.f_index_select(0, &idx)?, labels.f_index_select(0, &idx)?))
+            Ok((prepare(inputs.f_index_select(0, &idx)?)?, labels.f_index_select(0, &idx)?))
         })),
     })
 }

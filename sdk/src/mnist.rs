@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 
 use tch::{Kind, Tensor};
 
-use crate::model::Split;
+use crate::abi::InputContext;
+use crate::model::{Pipeline, PluginError, Split};
 
 /// Magic number of an idx3 unsigned-byte file (images).
 pub const IMAGES_MAGIC: u32 = 0x0000_0803;
@@ -71,10 +72,11 @@ pub enum DataError {
     },
 }
 
-/// One split held in memory.
+/// One split held in memory, compact: pixels stay bytes until a batch is drawn
+/// ([`Mnist::pipeline`]).
 #[derive(Debug)]
 pub struct Mnist {
-    /// Images, `[n, 1, rows, cols]`, float32 scaled to `[0, 1]`.
+    /// Pixels as stored, `[n, 1, rows, cols]`, uint8.
     pub images: Tensor,
     /// Labels, `[n]`, int64.
     pub labels: Tensor,
@@ -101,9 +103,15 @@ impl Mnist {
             });
         }
         let (n, rows, cols) = (i64::from(img.dims[0]), i64::from(img.dims[1]), i64::from(img.dims[2]));
-        let images = Tensor::from_slice(img.data).view([n, 1, rows, cols]).to_kind(Kind::Float) / 255.0;
+        let images = Tensor::from_slice(img.data).view([n, 1, rows, cols]);
         let labels = Tensor::from_slice(lab.data).to_kind(Kind::Int64);
         Ok(Mnist { images, labels })
+    }
+
+    /// The input pipeline of `ctx` over this split: batches of float images in [0, 1] (`[batch,
+    /// 1, rows, cols]`) and int64 labels, converted batch by batch.
+    pub fn pipeline(&self, ctx: &InputContext) -> Result<Pipeline, PluginError> {
+        crate::data::sharded_map(&self.images, &self.labels, ctx, |x| x.f_to_kind(Kind::Float)?.f_div_scalar(255.0))
     }
 
     /// Number of examples.
@@ -126,9 +134,15 @@ fn read_file(dir: &Path, name: &str) -> Result<(PathBuf, Vec<u8>), DataError> {
     let gz = dir.join(format!("{name}.gz"));
     let plain = dir.join(name);
     if gz.is_file() {
-        let file = std::fs::File::open(&gz).map_err(io(&gz))?;
-        let mut bytes = Vec::new();
-        flate2::read::GzDecoder::new(std::io::BufReader::new(file)).read_to_end(&mut bytes).map_err(io(&gz))?;
+        let compressed = std::fs::read(&gz).map_err(io(&gz))?;
+        let bytes = match inflate_whole(&compressed) {
+            Some(bytes) => bytes,
+            None => {
+                let mut bytes = Vec::new();
+                flate2::read::MultiGzDecoder::new(compressed.as_slice()).read_to_end(&mut bytes).map_err(io(&gz))?;
+                bytes
+            }
+        };
         Ok((gz, bytes))
     } else if plain.is_file() {
         let bytes = std::fs::read(&plain).map_err(io(&plain))?;
@@ -136,6 +150,16 @@ fn read_file(dir: &Path, name: &str) -> Result<(PathBuf, Vec<u8>), DataError> {
     } else {
         Err(DataError::MissingFile { dir: dir.to_path_buf(), name: name.to_string() })
     }
+}
+
+/// A single-member gzip file inflated in one call by libdeflate, its size taken from the trailer;
+/// `None` when that does not fit (several members, over 4 GiB, damage): the caller streams it
+/// instead, and reports any error with the file's name.
+fn inflate_whole(gz: &[u8]) -> Option<Vec<u8>> {
+    let size = u32::from_le_bytes(gz.get(gz.len().checked_sub(4)?..)?.try_into().ok()?) as usize;
+    let mut out = vec![0u8; size];
+    let got = libdeflater::Decompressor::new().gzip_decompress(gz, &mut out).ok()?;
+    (got == size).then_some(out)
 }
 
 struct Idx<'a> {
@@ -214,8 +238,19 @@ mod tests {
             assert_eq!(m.images.size(), [5, 1, 2, 2]);
             assert_eq!(m.len(), 5);
             assert_eq!(Vec::<i64>::try_from(&m.labels).unwrap(), [0, 1, 2, 3, 4]);
-            let px = m.images.double_value(&[1, 0, 0, 1]);
-            assert!((px - 5.0 / 255.0).abs() < 1e-7, "{px}");
+            assert_eq!(m.images.kind(), Kind::Uint8, "pixels stay compact in memory");
+            assert_eq!(m.images.int64_value(&[1, 0, 0, 1]), 5);
+            let ctx = InputContext {
+                num_input_pipelines: 1,
+                input_pipeline_id: 0,
+                per_replica_batch_size: 5,
+                training: false,
+                epoch: 0,
+                seed: 0,
+            };
+            let (xs, _) = m.pipeline(&ctx).unwrap().batches.next().unwrap().unwrap();
+            assert_eq!(xs.kind(), Kind::Float);
+            assert_eq!(xs.double_value(&[1, 0, 0, 1]), f64::from(5.0f32 / 255.0));
         }
     }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, Tensor};
 use trainerd_sdk::{
-    data, export_plugin, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
+    export_plugin, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
     TrainDefaults,
 };
 
@@ -47,7 +47,7 @@ impl Model for Linear {
     }
 
     fn input_pipeline(&self, data: &Arc<Mnist>, ctx: &InputContext) -> Result<Pipeline, PluginError> {
-        data::sharded_batches(&data.images, &data.labels, ctx)
+        data.pipeline(ctx)
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
 use trainerd_sdk::{
-    data, export_plugin, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
+    export_plugin, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
     TrainDefaults,
 };
 
@@ -69,7 +69,7 @@ impl Model for MnistCnn {
     }
 
     fn input_pipeline(&self, data: &Arc<Mnist>, ctx: &InputContext) -> Result<Pipeline, PluginError> {
-        data::sharded_batches(&data.images, &data.labels, ctx)
+        data.pipeline(ctx)
     }
 }
 

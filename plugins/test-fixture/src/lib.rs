@@ -17,7 +17,7 @@ use trainerd_sdk::export::{header, vtable};
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, Tensor};
 use trainerd_sdk::{
-    data, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
+    InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
 };
 
 fn fault() -> String {
@@ -67,7 +67,7 @@ impl Model for Fixture {
     }
 
     fn input_pipeline(&self, data: &Arc<Mnist>, ctx: &InputContext) -> Result<Pipeline, PluginError> {
-        let mut pipeline = data::sharded_batches(&data.images, &data.labels, ctx)?;
+        let mut pipeline = data.pipeline(ctx)?;
         if fault() == "panic-pipeline" {
             let batches = pipeline.batches;
             pipeline.batches = Box::new(batches.enumerate().map(|(i, b)| {
