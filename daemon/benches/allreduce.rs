@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use trainerd::collective::{ReduceOp, Ring};
+use trainerd::collective::{AbortSignal, DataListener, ReduceOp, Ring};
 
 /// (bytes, iterations), as the gloo script.
 const SIZES: [(usize, usize); 4] = [(4096, 2000), (1 << 20, 200), (25 << 20, 20), (100 << 20, 8)];
@@ -41,10 +41,11 @@ fn launch(world: usize) {
 
 fn member(rank: usize, ports: &[u16]) {
     let world = ports.len();
-    let listener = TcpListener::bind(("127.0.0.1", ports[rank])).unwrap();
+    let listener = DataListener::bind(([127, 0, 0, 1], ports[rank]).into()).unwrap();
     let next: SocketAddr = format!("127.0.0.1:{}", ports[(rank + 1) % world]).parse().unwrap();
     let names: Vec<String> = (0..world).map(|r| format!("rank {r}")).collect();
-    let mut ring = Ring::connect(rank, &names, listener, next, 1, Duration::from_secs(60)).unwrap();
+    let abort = AbortSignal::new();
+    let mut ring = Ring::form(&listener, rank, &names, next, 1, Duration::from_secs(60), &abort).unwrap();
     for (bytes, iters) in SIZES {
         let mut x = vec![1.0f32; bytes / 4];
         for _ in 0..3 {

@@ -8,11 +8,14 @@ use std::process::Command;
 
 use tch::Device;
 
+use crate::accel::Facts;
+use crate::local::signal_name;
 use crate::plugin::{CallError, Plugin};
 
-/// A human-readable description of a loaded plugin. Builds one model on the CPU to count its
-/// parameters, which also proves that construction works.
-pub fn describe(plugin: &Plugin) -> Result<String, CallError> {
+/// A human-readable description of a loaded plugin, and of the libtorch it would train on.
+/// Builds one model on the CPU to count its parameters, which also proves that construction
+/// works.
+pub fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallError> {
     let info = plugin.info();
     let facts = plugin.facts();
     let model = plugin.create_model("model", Device::Cpu)?;
@@ -26,7 +29,8 @@ pub fn describe(plugin: &Plugin) -> Result<String, CallError> {
          built with: abi {abi}, trainerd-sdk {sdk}, tch {tch}, libtorch {libtorch}, {target}, panic={panic}\n\
          metrics: {metrics}\n\
          defaults: {epochs} epochs, batch size {batch}, optimizer {optimizer}\n\
-         parameters: {count} tensors, {values} values ({names})",
+         parameters: {count} tensors, {values} values ({names})\n\
+         this trainerd: {torch}",
         path = plugin.path().display(),
         name = info.name,
         version = info.version,
@@ -44,6 +48,7 @@ pub fn describe(plugin: &Plugin) -> Result<String, CallError> {
         count = names.len(),
         values = crate::progress::thousands(values as f64),
         names = names.join(", "),
+        torch = torch.line(),
     ))
 }
 
@@ -64,19 +69,4 @@ pub fn check_in_child(path: &Path) -> std::io::Result<i32> {
         }
         (None, None) => 1,
     })
-}
-
-/// `SIGSEGV` and the like.
-pub fn signal_name(signal: i32) -> &'static str {
-    match signal {
-        libc::SIGSEGV => "SIGSEGV",
-        libc::SIGBUS => "SIGBUS",
-        libc::SIGILL => "SIGILL",
-        libc::SIGFPE => "SIGFPE",
-        libc::SIGABRT => "SIGABRT",
-        libc::SIGKILL => "SIGKILL",
-        libc::SIGTERM => "SIGTERM",
-        libc::SIGINT => "SIGINT",
-        _ => "unknown signal",
-    }
 }

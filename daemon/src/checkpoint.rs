@@ -38,6 +38,23 @@ pub struct Position {
     pub totals: Vec<f64>,
     /// The same sums for the last completed epoch (for the summary of a finished run).
     pub last_epoch: Vec<f64>,
+    /// Loss and metric sums of the last evaluation on the test split (empty before the first).
+    #[serde(default)]
+    pub last_eval: Vec<f64>,
+}
+
+impl Position {
+    /// The start of training, for a plugin with `metrics` metrics.
+    pub fn start(metrics: usize) -> Position {
+        Position {
+            epoch: 0,
+            step_in_epoch: 0,
+            global_step: 0,
+            totals: vec![0.0; 2 + metrics],
+            last_epoch: vec![0.0; 2 + metrics],
+            last_eval: Vec::new(),
+        }
+    }
 }
 
 /// The manifest metadata of a trainerd checkpoint.
@@ -121,21 +138,18 @@ pub fn to_tensor(t: &TensorData) -> Result<Tensor, String> {
     Tensor::f_from_data_size(&t.data, &shape, kind(t.dtype)).map_err(|e| format!("tensor {}: {e}", t.name))
 }
 
-/// Copies restored values into `dst` (name, tensor) in place, checking names and shapes.
+/// Copies restored values into `dst` (name, tensor) in place, checking names, types and
+/// shapes. `what` names the source in messages ("checkpoint 3's model").
 pub fn copy_into(dst: &mut [(String, Tensor)], src: &[TensorData], what: &str) -> Result<(), String> {
     let _no_grad = tch::no_grad_guard();
     for (name, t) in dst.iter_mut() {
-        let s = src
-            .iter()
-            .find(|s| &s.name == name)
-            .ok_or_else(|| format!("the checkpoint's {what} has no tensor {name}"))?;
+        let s = src.iter().find(|s| &s.name == name).ok_or_else(|| format!("{what} has no tensor {name}"))?;
         let value = to_tensor(s)?;
         if value.size() != t.size() {
-            return Err(format!(
-                "the checkpoint's {what} tensor {name} has shape {:?}, the model's has {:?}",
-                value.size(),
-                t.size()
-            ));
+            return Err(format!("{what} tensor {name} has shape {:?}, the model's has {:?}", value.size(), t.size()));
+        }
+        if value.kind() != t.kind() {
+            return Err(format!("{what} tensor {name} is {:?}, the model's is {:?}", value.kind(), t.kind()));
         }
         t.f_copy_(&value).map_err(|e| format!("{name}: {e}"))?;
     }
@@ -153,10 +167,11 @@ fn lower_priority() {
     }
 }
 
-/// A commit running in the background: its step, start time, and thread.
-type InFlight = (u64, Instant, JoinHandle<Result<CommitRecord, StorageError>>);
+/// A commit running in the background: the progress it saves, its start time, and its thread.
+type InFlight = ((u64, u64), Instant, JoinHandle<Result<CommitRecord, StorageError>>);
 
-/// Commits checkpoints in the background, one at a time.
+/// Commits checkpoints in the background, one at a time, fenced by the cluster's generation and
+/// this process's writer id.
 pub struct Checkpointer {
     store: CheckpointStore,
     runtime: Arc<tokio::runtime::Runtime>,
@@ -164,7 +179,10 @@ pub struct Checkpointer {
     pub every: u64,
     keep: usize,
     generation: u64,
+    writer: u64,
     in_flight: Option<InFlight>,
+    /// Progress (global step, epoch) of the newest state committed or restored.
+    committed: Option<(u64, u64)>,
     /// The last commit's failure, if it failed.
     pub last_error: Option<String>,
 }
@@ -186,7 +204,9 @@ impl Checkpointer {
             every,
             keep,
             generation: 1,
+            writer: rand::random::<u64>() >> 1,
             in_flight: None,
+            committed: None,
             last_error: None,
         })
     }
@@ -196,14 +216,27 @@ impl Checkpointer {
         self.store.name()
     }
 
-    /// The newest verified commit, if any; from now on commits carry a generation above it, so
-    /// that a stale writer of an older incarnation is fenced out.
-    pub fn restore(&mut self) -> Result<Option<Restored>, StorageError> {
+    /// The newest verified commit, if any, and the generation of the newest commit record (which
+    /// the cluster's next generation must exceed).
+    pub fn restore(&mut self) -> Result<(Option<Restored>, u64), StorageError> {
         let latest = self.runtime.block_on(self.store.latest())?;
+        let newest = self.runtime.block_on(self.store.latest_record()).ok().flatten();
+        let floor = newest.map_or(0, |r| r.generation).max(latest.as_ref().map_or(0, |r| r.record.generation));
+        self.generation = floor + 1;
         if let Some(r) = &latest {
-            self.generation = r.record.generation + 1;
+            self.committed = Some((r.record.global_step, r.record.epoch));
         }
-        Ok(latest)
+        Ok((latest, floor))
+    }
+
+    /// Commits from now on carry `generation` (the cluster's current one).
+    pub fn set_generation(&mut self, generation: u64) {
+        self.generation = generation;
+    }
+
+    /// Whether the state at `progress` is already committed (or on its way).
+    pub fn has(&self, progress: (u64, u64)) -> bool {
+        self.committed.is_some_and(|c| c >= progress) || self.in_flight.as_ref().is_some_and(|(p, _, _)| *p >= progress)
     }
 
     /// Reports a commit that has finished, without waiting.
@@ -213,52 +246,50 @@ impl Checkpointer {
         }
     }
 
-    /// Waits for the commit in flight, if any, and reports it.
-    pub fn wait(&mut self, report: &mut dyn FnMut(String)) {
-        let Some((step, started, handle)) = self.in_flight.take() else { return };
+    /// Waits for the commit in flight, if any, and reports it. Returns its sequence when it
+    /// committed.
+    pub fn wait(&mut self, report: &mut dyn FnMut(String)) -> Option<u64> {
+        let (progress, started, handle) = self.in_flight.take()?;
         match handle.join() {
             Ok(Ok(record)) => {
                 self.last_error = None;
+                self.committed = self.committed.max(Some(progress));
                 report(format!(
-                    "checkpoint {} committed to {} (step {step}, {:.1} MB, {:.2}s)",
+                    "checkpoint {} committed to {} (step {}, {:.1} MB, {:.2}s)",
                     record.sequence,
                     self.store.name(),
+                    progress.0,
                     record.bytes as f64 / 1e6,
                     started.elapsed().as_secs_f64()
                 ));
+                Some(record.sequence)
             }
             Ok(Err(e)) => {
-                let message = format!("checkpoint at step {step} failed: {e}");
+                let message = format!("checkpoint at step {} failed: {e}", progress.0);
                 tracing::error!("{message}");
                 report(format!("warning: {message}; training goes on, the last good commit stays"));
                 self.last_error = Some(message);
+                None
             }
             Err(_) => {
-                self.last_error = Some(format!("checkpoint at step {step}: the commit thread panicked"));
+                self.last_error = Some(format!("checkpoint at step {}: the commit thread panicked", progress.0));
+                None
             }
         }
     }
 
-    /// Snapshots the state into host memory and starts committing it (after the previous
-    /// commit finishes).
-    pub fn commit(
-        &mut self,
-        params: &[(String, Tensor)],
-        optimizer_state: &[(String, Tensor)],
-        meta: &Meta,
-        report: &mut dyn FnMut(String),
-    ) -> Result<(), String> {
+    /// Starts committing `blobs` (a snapshot in host memory) with `meta`, after the previous
+    /// commit finishes.
+    pub fn commit(&mut self, blobs: Vec<Blob>, meta: &Meta, report: &mut dyn FnMut(String)) -> Result<(), String> {
         self.wait(report);
-        let snapshot = |ts: &[(String, Tensor)]| ts.iter().map(|(n, t)| host_copy(n, t)).collect::<Result<Vec<_>, _>>();
+        let position = &meta.position;
         let checkpoint = NewCheckpoint {
             generation: self.generation,
-            global_step: meta.position.global_step,
-            epoch: u64::from(meta.position.epoch),
+            writer: self.writer,
+            global_step: position.global_step,
+            epoch: u64::from(position.epoch),
             meta: serde_json::to_value(meta).map_err(|e| e.to_string())?,
-            blobs: vec![
-                Blob { name: MODEL_BLOB.into(), tensors: snapshot(params)? },
-                Blob { name: OPTIMIZER_BLOB.into(), tensors: snapshot(optimizer_state)? },
-            ],
+            blobs,
         };
         let (store, runtime, keep) = (self.store.clone(), Arc::clone(&self.runtime), self.keep);
         let handle = std::thread::Builder::new()
@@ -268,7 +299,7 @@ impl Checkpointer {
                 runtime.block_on(store.commit(&checkpoint, keep))
             })
             .map_err(|e| e.to_string())?;
-        self.in_flight = Some((meta.position.global_step, Instant::now(), handle));
+        self.in_flight = Some(((position.global_step, u64::from(position.epoch)), Instant::now(), handle));
         Ok(())
     }
 }
@@ -285,11 +316,11 @@ mod tests {
         let back = to_tensor(&d).unwrap();
         assert_eq!(back, t);
         let mut dst = vec![("t".to_string(), Tensor::zeros([3, 4], (Kind::Float, Device::Cpu)))];
-        copy_into(&mut dst, std::slice::from_ref(&d), "model").unwrap();
+        copy_into(&mut dst, std::slice::from_ref(&d), "the checkpoint's model").unwrap();
         assert_eq!(dst[0].1, t);
         let mut wrong = vec![("t".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
         assert_eq!(
-            copy_into(&mut wrong, &[d], "model").unwrap_err(),
+            copy_into(&mut wrong, &[d], "the checkpoint's model").unwrap_err(),
             "the checkpoint's model tensor t has shape [3, 4], the model's has [4]"
         );
     }

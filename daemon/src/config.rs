@@ -2,7 +2,6 @@
 //! A flag wins over the plugin's default; a flag that does not apply to the chosen optimizer is
 //! an error rather than silently ignored.
 
-use tch::Device;
 use trainerd_sdk::OptimizerConfig;
 
 /// Optimizer overrides from the command line.
@@ -75,28 +74,6 @@ fn set(field: &mut f64, flag: Option<f64>) {
     }
 }
 
-/// Parses `--device`: `auto` (CUDA device 0 when libtorch sees one, else the CPU), `cpu`,
-/// `cuda` or `cuda:N`.
-pub fn device(text: &str) -> Result<Device, String> {
-    let cuda_count = tch::Cuda::device_count();
-    let cuda = |n: usize| {
-        if (n as i64) < cuda_count {
-            Ok(Device::Cuda(n))
-        } else {
-            Err(format!("--device {text}: libtorch sees {cuda_count} CUDA device(s)"))
-        }
-    };
-    match text {
-        "auto" => Ok(if cuda_count > 0 { Device::Cuda(0) } else { Device::Cpu }),
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => cuda(0),
-        _ => match text.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(n)) => cuda(n),
-            _ => Err(format!("--device {text}: expected auto, cpu, cuda or cuda:N")),
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,15 +101,5 @@ mod tests {
         assert_eq!(optimizer(&default, &flags).unwrap_err(), "--optimizer lamb: expected sgd, adam or rmsprop");
         let flags = OptimizerFlags { lr: Some(-1.0), ..Default::default() };
         assert_eq!(optimizer(&default, &flags).unwrap_err(), "--lr -1: expected a positive number");
-    }
-
-    #[test]
-    fn devices() {
-        assert_eq!(device("cpu"), Ok(Device::Cpu));
-        assert_eq!(device("gpu").unwrap_err(), "--device gpu: expected auto, cpu, cuda or cuda:N");
-        if tch::Cuda::device_count() == 0 {
-            assert_eq!(device("auto"), Ok(Device::Cpu));
-            assert_eq!(device("cuda:1").unwrap_err(), "--device cuda:1: libtorch sees 0 CUDA device(s)");
-        }
     }
 }

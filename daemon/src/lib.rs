@@ -2,6 +2,7 @@
 //! libtorch, on one worker or with synchronous data parallelism across a TF_CONFIG cluster.
 //! The binary (`main.rs`) is a thin command line over these modules.
 
+pub mod accel;
 pub mod atomic;
 pub mod check;
 pub mod checkpoint;

@@ -2,17 +2,19 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
-use trainerd::cluster::control::Timeouts;
-use trainerd::cluster::{tf_config, ClusterConfig};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use trainerd::accel::{self, CudaLibrary};
+use trainerd::cluster::{tf_config, ClusterConfig, Timeouts};
 use trainerd::collective::buckets::DEFAULT_BUCKET_BYTES;
 use trainerd::config::{self, OptimizerFlags};
 use trainerd::plugin::Plugin;
 use trainerd::progress::Progress;
-use trainerd::train::{self, CheckpointConfig, RunConfig};
+use trainerd::train::{self, CheckpointConfig, Outcome, RunConfig};
 use trainerd_sdk::LrSchedule;
 use trainerd_storage::{CheckpointStore, Location, S3Options};
 
@@ -28,11 +30,15 @@ enum Command {
     /// Train a model plugin on a dataset: one worker, or a member of the TF_CONFIG cluster.
     Run(Box<RunArgs>),
     /// Start N workers on 127.0.0.1 as one cluster (each `trainerd run` with its own
-    /// TF_CONFIG), prefix their output, and stop them together.
+    /// TF_CONFIG), prefix their output, restart any that dies (as systemd would), and stop them
+    /// together on Ctrl-C.
     Local {
         /// Number of workers.
         #[arg(long)]
         workers: usize,
+        /// Seconds before a worker that died is started again (systemd's RestartSec).
+        #[arg(long, default_value_t = 1.0)]
+        restart_delay: f64,
         /// Arguments for `trainerd run` (every flag of `run` except --tf-config).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -206,13 +212,23 @@ struct RunArgs {
     /// none means one worker).
     #[arg(long)]
     tf_config: Option<String>,
-    /// Seconds to wait for every worker to join.
+    /// Seconds to wait for every worker to join at the start.
     #[arg(long, default_value_t = 300.0)]
     rendezvous_timeout: f64,
-    /// Seconds a collective may wait for a peer before the step fails (no collective waits
-    /// forever).
+    /// Seconds between heartbeats to the chief.
+    #[arg(long, default_value_t = 0.1)]
+    heartbeat_interval: f64,
+    /// Seconds without a heartbeat after which a worker (or the chief) counts as failed.
+    #[arg(long, default_value_t = 1.5)]
+    heartbeat_deadline: f64,
+    /// Seconds a socket may carry no bytes before its collective fails (a backstop: failures
+    /// are normally detected by the heartbeats and pushed notices first).
     #[arg(long, default_value_t = 120.0)]
     collective_timeout: f64,
+    /// Seconds the survivors wait for a lost worker to return before they exit non-zero (so
+    /// that their supervisor restarts them); long enough for a node to reboot.
+    #[arg(long, default_value_t = 600.0)]
+    rejoin_deadline: f64,
     /// Commit checkpoints here (a directory, file:///path, s3://bucket/prefix) and resume from
     /// the newest one at start.
     #[arg(long)]
@@ -227,24 +243,49 @@ struct RunArgs {
     s3: S3Args,
 }
 
+/// Whether the command line asks for a CUDA device (`--device cuda`, `--device=cuda:1`).
+fn asks_for_cuda(args: &[String]) -> bool {
+    args.iter().enumerate().any(|(i, a)| {
+        let value = a.strip_prefix("--device=").or_else(|| (i > 0 && args[i - 1] == "--device").then_some(a.as_str()));
+        value.is_some_and(|v| v == "cuda" || v.starts_with("cuda:"))
+    })
+}
+
 fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    // Before anything asks libtorch about CUDA (it caches the answer).
+    let cuda = accel::load_cuda(asks_for_cuda(&argv));
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TRAINERD_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let mut command = Cli::command();
+    if argv.iter().skip(1).any(|a| a == "--version" || a == "-V") {
+        let facts = accel::facts(cuda.clone());
+        let version = format!("{}\n{}", env!("CARGO_PKG_VERSION"), facts.line());
+        // Once per process, and clap wants a 'static string.
+        command = command.version(&*Box::leak(version.into_boxed_str()));
+    }
+    let cli = match Cli::from_arg_matches(&command.get_matches_from(&argv)) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     let result = match cli.command {
-        Command::Run(args) => run(*args).map(|()| 0),
-        Command::Local { workers, args } => trainerd::local::run(workers, &args),
+        Command::Run(args) => run(*args, cuda),
+        Command::Local { workers, restart_delay, args } => Duration::try_from_secs_f64(restart_delay)
+            .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))
+            .and_then(|delay| trainerd::local::run(workers, delay, &args)),
         Command::Ckpt { command } => ckpt(command),
         Command::Plugin { command: PluginCommand::Check { path, in_process } } => {
             if in_process {
-                Plugin::load(&path).map_err(anyhow::Error::from).and_then(|p| Ok(trainerd::check::describe(&p)?)).map(
-                    |text| {
+                let facts = accel::facts(cuda);
+                Plugin::load(&path)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|p| Ok(trainerd::check::describe(&p, &facts)?))
+                    .map(|text| {
                         println!("{text}");
                         0
-                    },
-                )
+                    })
             } else {
                 trainerd::check::check_in_child(&path).context("running the plugin check")
             }
@@ -281,9 +322,37 @@ fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
         .ok_or_else(|| anyhow::anyhow!("{flag} {value}: expected a positive number of seconds"))
 }
 
-fn run(args: RunArgs) -> anyhow::Result<()> {
+/// Exit status of a run that finished but whose final checkpoint failed to commit: restarting it
+/// cannot help (the other workers are done), so the systemd unit does not.
+const EXIT_FINISHED_UNCOMMITTED: i32 = 3;
+
+fn run(args: RunArgs, cuda: CudaLibrary) -> anyhow::Result<i32> {
+    // SIGTERM or SIGINT: stop at the next step boundary after the cluster's commit; a second one
+    // ends the process at once.
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&stop))?;
+        signal_hook::flag::register(signal, Arc::clone(&stop))?;
+    }
+    let timeouts = Timeouts {
+        rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?,
+        heartbeat_interval: seconds("--heartbeat-interval", args.heartbeat_interval)?,
+        heartbeat_deadline: seconds("--heartbeat-deadline", args.heartbeat_deadline)?,
+        collective: seconds("--collective-timeout", args.collective_timeout)?,
+        rejoin: seconds("--rejoin-deadline", args.rejoin_deadline)?,
+    };
+    timeouts.check().map_err(anyhow::Error::msg)?;
     let cluster = cluster(args.tf_config.as_deref())?;
-    let device = config::device(&args.device).map_err(anyhow::Error::msg)?;
+    let facts = accel::facts(cuda);
+    // A worker's place among the workers of its node, as torchrun's LOCAL_RANK (`trainerd local`
+    // sets it): `--device auto` is cuda:(LOCAL_RANK mod GPUs).
+    let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
+    let device = facts.device(&args.device, local_rank).map_err(anyhow::Error::msg)?;
+    if device.is_cuda() {
+        for missing in accel::make_deterministic() {
+            eprintln!("warning: this libtorch has no switch for {missing}; results on CUDA may not be reproducible");
+        }
+    }
     let threads = match args.threads {
         Some(0) => anyhow::bail!("--threads 0: expected at least 1"),
         Some(n) => n,
@@ -312,11 +381,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         steps_per_epoch: args.steps_per_epoch,
         threads,
         cluster: cluster.clone(),
-        timeouts: Timeouts {
-            rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?,
-            barrier: seconds("--collective-timeout", args.collective_timeout)?,
-        },
-        collective_timeout: seconds("--collective-timeout", args.collective_timeout)?,
+        timeouts,
         bucket_bytes: DEFAULT_BUCKET_BYTES,
         metrics_log: args.metrics_log,
         checkpoint: match &args.checkpoint_dir {
@@ -340,15 +405,22 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         "trainerd: {} {} on {} with {threads} thread(s); {who}, batch {} per worker, {} epoch(s), optimizer {} lr {}, seed {}",
         info.name,
         info.version,
-        train::device_name(cfg.device),
+        facts.describe(cfg.device),
         cfg.batch_size,
         cfg.epochs,
         cfg.optimizer.name(),
         cfg.optimizer.lr(),
         cfg.seed
     );
+    println!("trainerd: {}", facts.line());
     let progress = if rank == 0 { Progress::stdout() } else { Progress::stdout().without_step_lines() };
-    let summary = train::run(&plugin, &cfg, &mut { progress })?;
+    let summary = match train::run(&plugin, &cfg, &mut { progress }, &stop)? {
+        Outcome::Finished(summary) => summary,
+        Outcome::Stopped { step, saved } => {
+            println!("trainerd: stopped by signal at global step {step}; the state is {saved}");
+            return Ok(0);
+        }
+    };
     println!(
         "done: {} steps, test loss {:.4}{}, {:.0} examples/s, params sha256 {}",
         summary.steps,
@@ -361,7 +433,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         summary.write(path).with_context(|| format!("writing the summary to {}", path.display()))?;
     }
     if let Some(e) = &summary.checkpoint_error {
-        anyhow::bail!("training finished, but its last checkpoint was not committed: {e}");
+        eprintln!("error: training finished, but its last checkpoint was not committed: {e}");
+        return Ok(EXIT_FINISHED_UNCOMMITTED);
     }
-    Ok(())
+    Ok(0)
 }

@@ -294,4 +294,31 @@ fn bad_flags_are_refused_with_the_flag_named() {
         "error: the training split gives no batch: with batch size 1000 per worker and 1 worker(s) the input \
          pipeline yields 0 steps per epoch"
     );
+    let out = run_with(&linear, data.path(), &["--heartbeat-deadline", "200"], None);
+    assert_eq!(
+        error_of(&out),
+        "error: --heartbeat-deadline 200s must be less than --collective-timeout 120s (the timeouts must grow: \
+         heartbeat interval < heartbeat deadline < collective timeout < rejoin deadline)"
+    );
+    let out = run_with(&linear, data.path(), &["--rejoin-deadline", "0"], None);
+    assert_eq!(error_of(&out), "error: --rejoin-deadline 0: expected a positive number of seconds");
+}
+
+/// Rust links with `--as-needed`, so a plain link drops `libtorch_cuda.so` and libtorch never
+/// registers CUDA: `--device auto` then trains on the CPU on a GPU node without a word. A CUDA
+/// device asked for loads it; only libtorch's CUDA library knows the CUDA runtime's version, so
+/// the refusal of a GPU that does not exist proves it was loaded (on any machine).
+#[test]
+fn a_cuda_device_loads_libtorchs_cuda_and_a_missing_gpu_is_one_line_naming_it() {
+    let out = trainerd()
+        .args(["run", "--device", "cuda:99", "--plugin"])
+        .arg(plugin("linear"))
+        .arg("--data")
+        .arg(fashion_mnist())
+        .output()
+        .unwrap();
+    let err = error_of(&out);
+    assert!(err.starts_with("error: --device cuda:99: there is no cuda:99; libtorch "), "{err}");
+    assert!(err.contains(" (CUDA 1") && err.contains(", cuDNN "), "libtorch's CUDA was not loaded: {err}");
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", text(&out));
 }

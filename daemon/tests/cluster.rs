@@ -197,15 +197,22 @@ fn a_peer_that_never_comes_is_named_after_the_deadline() {
     let one = spawn_worker(&ports, 1, &["--rendezvous-timeout", "2"], &[]);
     let chief = chief.wait_with_output().unwrap();
     let one = one.wait_with_output().unwrap();
-    assert_eq!(
-        error_line(&chief),
-        format!("error: rendezvous: worker 2 (127.0.0.1:{}) did not join within 2s", ports[2])
-    );
-    let err = error_line(&one);
+    // The chief gives up, and tells the member that waits with it whom they waited for.
+    let expected = format!("error: rendezvous: worker 2 (127.0.0.1:{}) did not join within 2s", ports[2]);
+    assert_eq!(error_of(&chief), expected);
+    assert_eq!(error_of(&one), expected);
+}
+
+#[test]
+fn a_member_whose_chief_never_comes_names_it_after_the_deadline() {
+    let ports = free_ports(2);
+    let out = spawn_worker(&ports, 1, &["--rendezvous-timeout", "2"], &[]).wait_with_output().unwrap();
+    let err = error_of(&out);
     assert!(
         err.starts_with(&format!(
-            "error: rendezvous: no answer from the chief, worker 0 (127.0.0.1:{}), within 2s",
-            ports[0]
+            "error: rendezvous: no answer from the chief, worker 0 (127.0.0.1:{}), within 2s: cannot connect to \
+             127.0.0.1:{}",
+            ports[0], ports[0]
         )),
         "{err}"
     );

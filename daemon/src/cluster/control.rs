@@ -1,22 +1,23 @@
-//! The gRPC control plane. Every daemon serves it on its TF_CONFIG address; the chief's copy
-//! coordinates: it answers `Join` once every member has joined with the same cluster, plugin
-//! and run configuration (refusing a mismatch with both values shown), releases barriers, and
-//! collects heartbeats. A generation number, fixed at rendezvous, and each process's random
-//! incarnation tell messages of an older incarnation of a worker apart.
+//! The gRPC control plane's server. Every daemon serves it on its TF_CONFIG address and takes
+//! pushed abort notices from its peers there; the chief's copy also holds the [`Coordinator`]:
+//! it stores what joins, heartbeats, reports and departures say into a
+//! [`membership::State`], runs [`membership::decide`] after every event and on a fine tick,
+//! and applies the decisions (ending a generation and pushing the notice, forming the next one
+//! and answering the waiting joins, giving up). It decides nothing itself.
 //!
-//! The training loop is synchronous; this module runs a small tokio runtime of its own and
-//! offers blocking calls.
+//! The client side, what a member calls, is [`super::member`].
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{oneshot, watch};
-use tonic::transport::{Channel, Endpoint};
-use tonic::{Request, Response, Status};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
 
-use super::tf_config::ClusterConfig;
+use super::membership::{self, Decision, Gone, Report};
+use crate::collective::AbortSignal;
 
 /// Generated gRPC code.
 #[allow(missing_docs, clippy::all)]
@@ -24,8 +25,15 @@ pub mod proto {
     tonic::include_proto!("trainerd.control.v1");
 }
 
-use proto::control_client::ControlClient;
-use proto::control_server::{Control, ControlServer};
+pub use proto::control_client::ControlClient;
+use proto::control_server::Control;
+pub use proto::control_server::ControlServer;
+use proto::notice::Kind;
+
+/// The barrier after which members may leave freely: the run is over.
+pub const FINAL_BARRIER: &str = "finished";
+/// Barrier names are bounded (a peer cannot grow the chief's memory with new names).
+const MAX_BARRIER_NAME: usize = 64;
 
 /// What every member must agree on for the replicas to stay identical.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,101 +46,289 @@ pub struct Identity {
     pub run_config_json: String,
 }
 
-/// The result of a rendezvous.
+/// A formed generation, as a member learns it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Membership {
-    /// Rendezvous round.
+pub struct Formed {
+    /// Its number.
     pub generation: u64,
     /// Data-plane address of each rank.
     pub data_addresses: Vec<String>,
+    /// The rank whose state everyone continues from.
+    pub source: usize,
+    /// That state's progress.
+    pub progress: (u64, u64),
+    /// That state's sha256.
+    pub digest: String,
+    /// Ranks that receive the source's state.
+    pub receivers: Vec<usize>,
+    /// A generation had formed before: this one is a recovery.
+    pub recovery: bool,
+    /// Steps the cluster had trained that this formation does not continue from.
+    pub steps_lost: u64,
 }
 
-/// A control-plane failure.
-#[derive(Debug, thiserror::Error)]
-pub enum ClusterError {
-    /// This daemon's own address cannot be served.
-    #[error("cannot listen on {address} ({member}'s address in TF_CONFIG): {reason}")]
-    Bind {
-        /// The address.
-        address: String,
-        /// Whose address it is.
-        member: String,
-        /// Why.
-        reason: String,
-    },
-    /// The chief refused this worker.
-    #[error("rendezvous refused by the chief: {0}")]
-    Refused(String),
-    /// Members missing when the deadline passed.
-    #[error("rendezvous: {missing} did not join within {timeout:?}")]
-    NotJoined {
-        /// The missing members, named.
-        missing: String,
-        /// The deadline.
-        timeout: Duration,
-    },
-    /// The chief did not answer in time.
-    #[error("rendezvous: no answer from the chief, {chief}, within {timeout:?}: {detail}")]
-    ChiefSilent {
-        /// The chief, named.
-        chief: String,
-        /// The deadline.
-        timeout: Duration,
-        /// What happened last.
-        detail: String,
-    },
-    /// A barrier did not complete.
-    #[error("barrier {name:?}: {detail}")]
-    Barrier {
-        /// Barrier name.
-        name: String,
-        /// What happened.
-        detail: String,
-    },
-    /// Anything else from the runtime.
-    #[error("control plane: {0}")]
-    Other(String),
+impl From<&Formed> for proto::JoinReply {
+    fn from(f: &Formed) -> proto::JoinReply {
+        proto::JoinReply {
+            generation: f.generation,
+            data_addresses: f.data_addresses.clone(),
+            source: f.source as u32,
+            progress_major: f.progress.0,
+            progress_minor: f.progress.1,
+            sha256: f.digest.clone(),
+            receivers: f.receivers.iter().map(|&r| r as u32).collect(),
+            recovery: f.recovery,
+            steps_lost: f.steps_lost,
+        }
+    }
 }
 
-/// Chief-side state.
-struct Coordinator {
+impl From<proto::JoinReply> for Formed {
+    fn from(r: proto::JoinReply) -> Formed {
+        Formed {
+            generation: r.generation,
+            data_addresses: r.data_addresses,
+            source: r.source as usize,
+            progress: (r.progress_major, r.progress_minor),
+            digest: r.sha256,
+            receivers: r.receivers.into_iter().map(|r| r as usize).collect(),
+            recovery: r.recovery,
+            steps_lost: r.steps_lost,
+        }
+    }
+}
+
+fn report_of(r: Option<proto::StateReport>) -> Report {
+    let r = r.unwrap_or_default();
+    Report { generation: r.generation, progress: (r.progress_major, r.progress_minor), digest: r.sha256 }
+}
+
+/// A notice for a member's heartbeat stream.
+fn notice(kind: Kind, generation: u64, reason: &str) -> proto::Notice {
+    proto::Notice { kind: kind as i32, generation, reason: reason.into() }
+}
+
+type NoticeSink = mpsc::UnboundedSender<Result<proto::Notice, Status>>;
+
+/// The coordinator's stored state: the membership state the decisions read, and what the
+/// control plane needs to carry them out.
+struct Coord {
+    state: membership::State,
+    /// Data-plane addresses from the joins.
+    addresses: Vec<String>,
+    /// Each member's heartbeat stream, with the incarnation it belongs to.
+    sinks: Vec<Option<(u64, NoticeSink)>>,
+    /// The latest formation.
+    formation: Option<Formed>,
+    /// Counts give-ups; a join waiting since before the latest one fails with its message.
+    give_ups: u64,
+    gave_up: String,
+    barriers: HashMap<(u64, String), HashSet<usize>>,
+    /// The furthest global step heard of (beats, joins).
+    high_water: u64,
+    /// Why the latest generation ended, for members that missed the notice.
+    ended: BTreeMap<u64, String>,
+}
+
+/// The chief's coordinator.
+pub struct Coordinator {
     expected: Identity,
     names: Vec<String>,
-    state: Mutex<CoordState>,
-    /// Bumped on every state change that a waiting call may care about.
+    opts: membership::Options,
+    inner: Mutex<Coord>,
+    /// Bumped on every change a waiting call may care about.
     version: watch::Sender<u64>,
 }
 
-#[derive(Default)]
-struct CoordState {
-    joined: Vec<Option<(u64, String)>>,
-    membership: Option<Membership>,
-    generation: u64,
-    barriers: HashMap<(u64, String), HashSet<u32>>,
-    last_heartbeat: Vec<Option<Instant>>,
-}
-
 impl Coordinator {
-    fn bump(&self) {
+    /// A coordinator for `names.len()` members that admits only `expected`.
+    pub fn new(expected: Identity, names: Vec<String>, opts: membership::Options) -> Arc<Coordinator> {
+        let world = names.len();
+        let now = Instant::now();
+        Arc::new(Coordinator {
+            expected,
+            opts,
+            inner: Mutex::new(Coord {
+                state: membership::State::new(world, 0, now),
+                addresses: vec![String::new(); world],
+                sinks: vec![None; world],
+                formation: None,
+                give_ups: 0,
+                gave_up: String::new(),
+                barriers: HashMap::new(),
+                high_water: 0,
+                ended: BTreeMap::new(),
+            }),
+            names,
+            version: watch::channel(0).0,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Coord> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// After the final barrier: whether every member other than the chief has left or
+    /// disconnected (so that the chief's exit can no longer cut off a reply they wait for).
+    pub fn departed(&self) -> bool {
+        let c = self.lock();
+        c.state.finished && c.state.members.iter().skip(1).all(|m| m.gone.is_some() || !m.connected)
+    }
+
+    /// The next formation must exceed `generation` (the latest commit's).
+    pub fn set_floor(&self, generation: u64) {
+        let mut c = self.lock();
+        c.state.floor = c.state.floor.max(generation);
+    }
+
+    /// Runs the decisions until none is due, and wakes every waiting call (after an event, or
+    /// when a decision changed something).
+    fn settle(&self, c: &mut Coord) {
+        self.decide(c);
         self.version.send_modify(|v| *v += 1);
     }
 
-    /// Waits (without losing a wakeup) until `done` holds.
-    async fn wait_until(&self, done: impl Fn(&CoordState) -> bool) {
-        let mut rx = self.version.subscribe();
-        loop {
-            if done(&self.state.lock().expect("coordinator state")) {
-                return;
+    /// Runs the decisions until none is due; true if any was.
+    fn decide(&self, c: &mut Coord) -> bool {
+        let now = Instant::now();
+        let mut any = false;
+        while let Some(decision) = membership::decide(&c.state, now, &self.opts) {
+            self.apply(c, decision, now);
+            any = true;
+        }
+        c.state.last_tick = now;
+        any
+    }
+
+    fn apply(&self, c: &mut Coord, decision: Decision, now: Instant) {
+        match decision {
+            Decision::Grace => {
+                tracing::warn!(
+                    "coordinator: did not run for a while (paused?); counting every member as just heard from"
+                );
+                c.state.members.iter_mut().for_each(|m| m.last_seen = now);
+                c.state.last_tick = now;
             }
-            if rx.changed().await.is_err() {
-                return;
+            Decision::Fail(failed) => {
+                let ended = c.state.generation;
+                let reason = failed
+                    .iter()
+                    .map(|(rank, why)| format!("{} {why}", self.names[*rank]))
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                tracing::info!("generation {ended} ended: {reason}");
+                c.state.generation += 1;
+                c.state.formed = false;
+                c.state.gathering_since = now;
+                for m in &mut c.state.members {
+                    m.active = false;
+                    m.gone = None;
+                }
+                c.barriers.retain(|(g, _), _| *g > ended);
+                for (_, sink) in c.sinks.iter().flatten() {
+                    let _ = sink.send(Ok(notice(Kind::Ended, ended, &reason)));
+                }
+                c.ended.insert(ended, reason);
+                while c.ended.len() > 16 {
+                    c.ended.pop_first();
+                }
+            }
+            Decision::Form(f) => {
+                c.state.generation = f.generation;
+                c.state.formed = true;
+                c.state.ever_formed = true;
+                for m in &mut c.state.members {
+                    m.active = true;
+                    m.joined = None;
+                    m.gone = None;
+                }
+                let steps_lost = c.high_water.saturating_sub(f.progress.0);
+                c.high_water = c.high_water.max(f.progress.0);
+                tracing::info!("generation {} formed from {}'s state", f.generation, self.names[f.source]);
+                c.formation = Some(Formed {
+                    generation: f.generation,
+                    data_addresses: c.addresses.clone(),
+                    source: f.source,
+                    progress: f.progress,
+                    digest: f.digest,
+                    receivers: f.receivers,
+                    recovery: f.recovery,
+                    steps_lost,
+                });
+            }
+            Decision::GiveUp { missing, waited } => {
+                let names: Vec<&str> = missing.iter().map(|&r| self.names[r].as_str()).collect();
+                c.gave_up = format!("{} did not join within {waited:?}", names.join(", "));
+                c.give_ups += 1;
+                c.state.gathering_since = now;
             }
         }
     }
 
-    fn missing(&self) -> Vec<String> {
-        let st = self.state.lock().expect("coordinator state");
-        st.joined.iter().enumerate().filter(|(_, j)| j.is_none()).map(|(r, _)| self.names[r].clone()).collect()
+    /// Runs the decisions every `interval` (deadlines pass without any message).
+    pub async fn tick(self: Arc<Self>, interval: Duration) {
+        loop {
+            tokio::time::sleep(interval).await;
+            let mut c = self.lock();
+            if self.decide(&mut c) {
+                self.version.send_modify(|v| *v += 1);
+            }
+        }
+    }
+
+    /// Waits (without losing a wakeup) until `done` returns a value.
+    async fn wait_for<T>(&self, mut done: impl FnMut(&Coord) -> Option<T>) -> T {
+        let mut rx = self.version.subscribe();
+        loop {
+            if let Some(v) = done(&self.lock()) {
+                return v;
+            }
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Records that `incarnation` holds `rank`. Incarnations grow with each process start, so
+    /// a newer process replaces an older one, and an older one (frozen, then resumed) is
+    /// refused.
+    fn claim(&self, c: &mut Coord, rank: usize, incarnation: u64) -> Result<(), Status> {
+        let m = &mut c.state.members[rank];
+        match m.incarnation {
+            Some(current) if current == incarnation => return Ok(()),
+            Some(current) if current > incarnation => {
+                return Err(Status::failed_precondition(format!(
+                    "a newer process (incarnation {current:x}) holds {}; this one ({incarnation:x}) is stale",
+                    self.names[rank]
+                )))
+            }
+            _ => {}
+        }
+        if m.incarnation.is_some() && m.active {
+            m.gone = Some(Gone::Restarted);
+        }
+        m.incarnation = Some(incarnation);
+        m.joined = None;
+        m.connected = false;
+        if let Some((old, sink)) = c.sinks[rank].take() {
+            let _ = sink.send(Ok(notice(
+                Kind::Replaced,
+                0,
+                &format!(
+                    "a newer process (incarnation {incarnation:x}) took {}; this one ({old:x}) stops",
+                    self.names[rank]
+                ),
+            )));
+        }
+        Ok(())
+    }
+
+    fn current(&self, c: &Coord, rank: usize, incarnation: u64) -> Result<(), Status> {
+        if c.state.members[rank].incarnation == Some(incarnation) {
+            Ok(())
+        } else {
+            Err(Status::failed_precondition(format!("{} is held by another process", self.names[rank])))
+        }
     }
 
     /// Why `req` cannot join, naming the member and both values.
@@ -159,6 +355,144 @@ impl Coordinator {
         }
         None
     }
+
+    async fn join(&self, req: proto::JoinRequest) -> Result<proto::JoinReply, Status> {
+        let rank = check_rank(req.rank, self.names.len())?;
+        if let Some(why) = self.mismatch(&req) {
+            tracing::warn!("refused {}: {why}", self.names[rank]);
+            eprintln!("trainerd: refused {}: {why}", self.names[rank]);
+            return Err(Status::failed_precondition(why));
+        }
+        let incarnation = req.incarnation;
+        let (since_generation, since_give_ups) = {
+            let mut c = self.lock();
+            self.claim(&mut c, rank, incarnation)?;
+            let report = report_of(req.report);
+            c.high_water = c.high_water.max(report.progress.0);
+            c.addresses[rank] = req.data_address;
+            let m = &mut c.state.members[rank];
+            m.joined = Some(report);
+            m.last_seen = Instant::now();
+            let seen = (c.formation.as_ref().map_or(0, |f| f.generation), c.give_ups);
+            self.settle(&mut c);
+            seen
+        };
+        self.wait_for(|c| {
+            if c.state.members[rank].incarnation != Some(incarnation) {
+                return Some(Err(Status::failed_precondition(format!(
+                    "another process took {} while this one was joining",
+                    self.names[rank]
+                ))));
+            }
+            if let Some(f) = c.formation.as_ref().filter(|f| f.generation > since_generation) {
+                return Some(Ok(proto::JoinReply::from(f)));
+            }
+            (c.give_ups > since_give_ups).then(|| Err(Status::aborted(c.gave_up.clone())))
+        })
+        .await
+    }
+
+    /// A beat on `rank`'s stream: the stream now speaks for `incarnation`.
+    fn beat(&self, beat: &proto::Beat, sink: &NoticeSink, registered: &mut Option<(usize, u64)>) -> bool {
+        let Ok(rank) = check_rank(beat.rank, self.names.len()) else { return false };
+        let mut c = self.lock();
+        if registered.is_none() {
+            // The first beat of a stream: a process that already joined, or a new one.
+            if let Err(stale) = self.claim(&mut c, rank, beat.incarnation) {
+                let _ = sink.send(Ok(notice(Kind::Replaced, 0, stale.message())));
+                return false;
+            }
+            c.sinks[rank] = Some((beat.incarnation, sink.clone()));
+            *registered = Some((rank, beat.incarnation));
+        } else if c.state.members[rank].incarnation != Some(beat.incarnation) {
+            return false; // replaced; the Replaced notice was sent on this stream
+        }
+        c.high_water = c.high_water.max(beat.step);
+        let generation = c.state.generation;
+        let m = &mut c.state.members[rank];
+        let newly = !m.connected;
+        m.connected = true;
+        m.last_seen = Instant::now();
+        // A member still in a generation that ended (it missed the notice, or was frozen) is told.
+        let stale = beat.generation > 0 && beat.generation < generation && !m.active && m.joined.is_none();
+        let reply = match c.ended.range(beat.generation..).next().filter(|_| stale) {
+            Some((&ended, why)) => notice(Kind::Ended, ended, why),
+            None => notice(Kind::Ack, generation, ""),
+        };
+        let _ = sink.send(Ok(reply));
+        if newly {
+            self.settle(&mut c);
+        }
+        true
+    }
+
+    fn disconnected(&self, rank: usize, incarnation: u64) {
+        let mut c = self.lock();
+        if c.state.members[rank].incarnation == Some(incarnation) {
+            c.state.members[rank].connected = false;
+            c.sinks[rank] = None;
+            self.settle(&mut c);
+        }
+    }
+
+    fn report(&self, req: proto::ReportRequest) -> Result<(), Status> {
+        let rank = check_rank(req.rank, self.names.len())?;
+        let suspect = check_rank(req.suspect, self.names.len())?;
+        let mut c = self.lock();
+        self.current(&c, rank, req.incarnation)?;
+        if c.state.formed && req.generation == c.state.generation && c.state.members[suspect].active {
+            let why = format!("was reported by {}: {}", self.names[rank], req.reason);
+            c.state.members[suspect].gone.get_or_insert(Gone::Reported(why));
+            self.settle(&mut c);
+        }
+        Ok(())
+    }
+
+    fn leave(&self, req: proto::LeaveRequest) -> Result<(), Status> {
+        let rank = check_rank(req.rank, self.names.len())?;
+        let mut c = self.lock();
+        self.current(&c, rank, req.incarnation)?;
+        let finished = c.state.finished;
+        let m = &mut c.state.members[rank];
+        m.joined = None;
+        if m.active || finished {
+            m.gone = Some(Gone::Left(req.reason.chars().take(200).collect()));
+        }
+        self.settle(&mut c);
+        Ok(())
+    }
+
+    async fn barrier(&self, req: proto::BarrierRequest) -> Result<(), Status> {
+        let rank = check_rank(req.rank, self.names.len())?;
+        if req.name.len() > MAX_BARRIER_NAME {
+            return Err(Status::invalid_argument(format!("barrier names are at most {MAX_BARRIER_NAME} bytes")));
+        }
+        let key = (req.generation, req.name.clone());
+        {
+            let mut c = self.lock();
+            self.current(&c, rank, req.incarnation)?;
+            if !c.state.formed || req.generation != c.state.generation {
+                let why = c.ended.get(&req.generation).cloned().unwrap_or_else(|| "it is not current".into());
+                return Err(Status::aborted(why));
+            }
+            let world = self.names.len();
+            let arrived = c.barriers.entry(key.clone()).or_default();
+            arrived.insert(rank);
+            if arrived.len() == world && req.name == FINAL_BARRIER {
+                c.state.finished = true;
+            }
+            self.settle(&mut c);
+        }
+        let world = self.names.len();
+        self.wait_for(|c| {
+            if c.barriers.get(&key).is_some_and(|s| s.len() == world) {
+                return Some(Ok(()));
+            }
+            (c.state.generation != req.generation)
+                .then(|| Err(Status::aborted(c.ended.get(&req.generation).cloned().unwrap_or_default())))
+        })
+        .await
+    }
 }
 
 /// `key = theirs on WHO, ours` for the first differing key of two JSON objects.
@@ -176,10 +510,24 @@ fn json_difference(theirs: &str, ours: &str, who: &str) -> String {
     format!("{theirs} on {who}, {ours}")
 }
 
-struct Service {
-    rank: usize,
-    names: Vec<String>,
-    coordinator: Option<Arc<Coordinator>>,
+fn check_rank(rank: u32, world: usize) -> Result<usize, Status> {
+    let r = rank as usize;
+    if r >= world {
+        return Err(Status::invalid_argument(format!("rank {rank} is out of range for {world} members")));
+    }
+    Ok(r)
+}
+
+/// The service every daemon serves.
+pub struct Service {
+    /// This member's rank.
+    pub rank: usize,
+    /// Every member's name.
+    pub names: Vec<String>,
+    /// The coordinator, on the chief.
+    pub coordinator: Option<Arc<Coordinator>>,
+    /// This member's collectives, for pushed aborts.
+    pub abort: AbortSignal,
 }
 
 impl Service {
@@ -193,428 +541,55 @@ impl Service {
     }
 }
 
-fn check_rank(rank: u32, world: usize) -> Result<usize, Status> {
-    let r = rank as usize;
-    if r >= world {
-        return Err(Status::invalid_argument(format!("rank {rank} is out of range for {world} members")));
-    }
-    Ok(r)
-}
+type NoticeStream = Pin<Box<dyn Stream<Item = Result<proto::Notice, Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
 impl Control for Service {
     async fn join(&self, request: Request<proto::JoinRequest>) -> Result<Response<proto::JoinReply>, Status> {
         let c = self.coordinator()?.clone();
-        let req = request.into_inner();
-        let rank = check_rank(req.rank, c.names.len())?;
-        if let Some(why) = c.mismatch(&req) {
-            tracing::warn!("refused {}: {why}", c.names[rank]);
-            eprintln!("trainerd: refused {}: {why}", c.names[rank]);
-            return Err(Status::failed_precondition(why));
-        }
-        {
-            let mut st = c.state.lock().expect("coordinator state");
-            if st.membership.is_some() && st.joined[rank].as_ref().map(|j| j.0) != Some(req.incarnation) {
-                return Err(Status::failed_precondition(format!(
-                    "the run's rendezvous already completed (generation {}); {} cannot rejoin a running run",
-                    st.generation, c.names[rank]
-                )));
-            }
-            st.joined[rank] = Some((req.incarnation, req.data_address.clone()));
-            if st.membership.is_none() && st.joined.iter().all(Option::is_some) {
-                st.generation += 1;
-                let data_addresses = st.joined.iter().map(|j| j.as_ref().expect("all joined").1.clone()).collect();
-                st.membership = Some(Membership { generation: st.generation, data_addresses });
-            }
-        }
-        c.bump();
-        c.wait_until(|st| st.membership.is_some()).await;
-        let st = c.state.lock().expect("coordinator state");
-        let m = st.membership.clone().expect("complete");
-        Ok(Response::new(proto::JoinReply { generation: m.generation, data_addresses: m.data_addresses }))
+        c.join(request.into_inner()).await.map(Response::new)
     }
 
-    async fn barrier(&self, request: Request<proto::BarrierRequest>) -> Result<Response<proto::BarrierReply>, Status> {
+    type HeartbeatStream = NoticeStream;
+
+    async fn heartbeat(&self, request: Request<Streaming<proto::Beat>>) -> Result<Response<NoticeStream>, Status> {
         let c = self.coordinator()?.clone();
+        let mut inbound = request.into_inner();
+        let (sink, notices) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut registered = None;
+            while let Ok(Some(beat)) = inbound.message().await {
+                if !c.beat(&beat, &sink, &mut registered) {
+                    break;
+                }
+            }
+            if let Some((rank, incarnation)) = registered {
+                c.disconnected(rank, incarnation);
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(notices))))
+    }
+
+    async fn report(&self, request: Request<proto::ReportRequest>) -> Result<Response<proto::Empty>, Status> {
+        self.coordinator()?.report(request.into_inner()).map(|()| Response::new(proto::Empty {}))
+    }
+
+    async fn leave(&self, request: Request<proto::LeaveRequest>) -> Result<Response<proto::Empty>, Status> {
+        self.coordinator()?.leave(request.into_inner()).map(|()| Response::new(proto::Empty {}))
+    }
+
+    async fn barrier(&self, request: Request<proto::BarrierRequest>) -> Result<Response<proto::Empty>, Status> {
+        let c = self.coordinator()?.clone();
+        c.barrier(request.into_inner()).await.map(|()| Response::new(proto::Empty {}))
+    }
+
+    async fn abort(&self, request: Request<proto::AbortRequest>) -> Result<Response<proto::Empty>, Status> {
         let req = request.into_inner();
-        check_rank(req.rank, c.names.len())?;
-        let key = (req.generation, req.name.clone());
-        {
-            let mut st = c.state.lock().expect("coordinator state");
-            if req.generation != st.generation {
-                return Err(Status::failed_precondition(format!(
-                    "stale barrier from {}: generation {}, current {}",
-                    c.names[req.rank as usize], req.generation, st.generation
-                )));
-            }
-            st.barriers.entry(key.clone()).or_default().insert(req.rank);
+        let from = check_rank(req.rank, self.names.len())?;
+        let reason: String = req.reason.chars().take(300).collect();
+        if self.abort.trigger(req.generation, &format!("{}: {reason}", self.names[from])) {
+            tracing::info!("generation {} aborted by {}: {reason}", req.generation, self.names[from]);
         }
-        c.bump();
-        let world = c.names.len();
-        c.wait_until(|st| st.barriers.get(&key).is_some_and(|s| s.len() == world)).await;
-        Ok(Response::new(proto::BarrierReply {}))
-    }
-
-    async fn heartbeat(
-        &self,
-        request: Request<proto::HeartbeatRequest>,
-    ) -> Result<Response<proto::HeartbeatReply>, Status> {
-        let c = self.coordinator()?;
-        let req = request.into_inner();
-        let rank = check_rank(req.rank, c.names.len())?;
-        let mut st = c.state.lock().expect("coordinator state");
-        let current = st.joined[rank].as_ref().map(|j| j.0);
-        if req.generation != st.generation || current != Some(req.incarnation) {
-            return Err(Status::failed_precondition(format!(
-                "stale heartbeat from {}: generation {} incarnation {:x}, current generation {} incarnation {}",
-                c.names[rank],
-                req.generation,
-                req.incarnation,
-                st.generation,
-                current.map_or("(none)".into(), |i| format!("{i:x}"))
-            )));
-        }
-        st.last_heartbeat[rank] = Some(Instant::now());
-        Ok(Response::new(proto::HeartbeatReply { generation: st.generation }))
-    }
-}
-
-/// Timeouts of the control plane.
-#[derive(Clone, Copy, Debug)]
-pub struct Timeouts {
-    /// How long a rendezvous may wait for every member.
-    pub rendezvous: Duration,
-    /// How long a barrier may wait.
-    pub barrier: Duration,
-}
-
-/// This daemon's control plane: its server, and a client to the chief.
-pub struct ControlPlane {
-    runtime: tokio::runtime::Runtime,
-    cluster: ClusterConfig,
-    names: Vec<String>,
-    coordinator: Option<Arc<Coordinator>>,
-    shutdown: Option<oneshot::Sender<()>>,
-    incarnation: u64,
-    membership: Option<Membership>,
-    timeouts: Timeouts,
-    heartbeat: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl ControlPlane {
-    /// Serves the control plane on this member's TF_CONFIG address (the chief also
-    /// coordinates).
-    pub fn start(
-        cluster: &ClusterConfig,
-        identity: Identity,
-        timeouts: Timeouts,
-    ) -> Result<ControlPlane, ClusterError> {
-        let names: Vec<String> = cluster.members.iter().map(|m| m.to_string()).collect();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("trainerd-control")
-            .enable_all()
-            .build()
-            .map_err(|e| ClusterError::Other(e.to_string()))?;
-        let me = cluster.me();
-        let bind_error = |reason: String| ClusterError::Bind {
-            address: me.address.clone(),
-            member: names[cluster.rank].clone(),
-            reason,
-        };
-        let addr = resolve(&me.address).map_err(bind_error)?;
-        let listener = std::net::TcpListener::bind(addr).map_err(|e| bind_error(e.to_string()))?;
-        listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
-        let world = cluster.world_size();
-        let coordinator = (cluster.rank == 0).then(|| {
-            Arc::new(Coordinator {
-                expected: identity,
-                names: names.clone(),
-                state: Mutex::new(CoordState {
-                    joined: vec![None; world],
-                    last_heartbeat: vec![None; world],
-                    ..Default::default()
-                }),
-                version: watch::channel(0).0,
-            })
-        });
-        let service = Service { rank: cluster.rank, names: names.clone(), coordinator: coordinator.clone() };
-        let (shutdown, shutdown_rx) = oneshot::channel::<()>();
-        let _guard = runtime.enter();
-        let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| bind_error(e.to_string()))?;
-        runtime.spawn(async move {
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-            let served = tonic::transport::Server::builder()
-                .add_service(ControlServer::new(service))
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = shutdown_rx.await;
-                })
-                .await;
-            if let Err(e) = served {
-                tracing::error!("control plane server stopped: {e}");
-            }
-        });
-        Ok(ControlPlane {
-            runtime,
-            cluster: cluster.clone(),
-            names,
-            coordinator,
-            shutdown: Some(shutdown),
-            incarnation: rand::random(),
-            membership: None,
-            timeouts,
-            heartbeat: None,
-        })
-    }
-
-    /// Names of the members, by rank (`worker 1 (host:port)`).
-    pub fn names(&self) -> &[String] {
-        &self.names
-    }
-
-    /// Joins the run through the chief and waits until every member has joined. On success,
-    /// starts sending heartbeats.
-    pub fn rendezvous(&mut self, identity: &Identity, data_address: String) -> Result<Membership, ClusterError> {
-        let timeout = self.timeouts.rendezvous;
-        let deadline = Instant::now() + timeout;
-        let chief = self.cluster.members[0].address.clone();
-        let request = proto::JoinRequest {
-            rank: self.cluster.rank as u32,
-            incarnation: self.incarnation,
-            cluster_json: identity.cluster_json.clone(),
-            plugin_identity: identity.plugin.clone(),
-            run_config_json: identity.run_config_json.clone(),
-            data_address,
-        };
-        let result = self.runtime.block_on(async {
-            let mut client = connect(&chief, deadline).await?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, client.join(request)).await {
-                Err(_) => Err("timed out waiting for the other members".to_string()),
-                Ok(Ok(reply)) => Ok(Ok(reply.into_inner())),
-                Ok(Err(status)) if status.code() == tonic::Code::FailedPrecondition => {
-                    Ok(Err(status.message().to_string()))
-                }
-                Ok(Err(status)) => Err(status.message().to_string()),
-            }
-        });
-        let reply = match result {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(refusal)) => return Err(ClusterError::Refused(refusal)),
-            Err(detail) => {
-                if let Some(c) = &self.coordinator {
-                    let missing = c.missing();
-                    if !missing.is_empty() {
-                        return Err(ClusterError::NotJoined { missing: missing.join(", "), timeout });
-                    }
-                }
-                return Err(ClusterError::ChiefSilent { chief: self.names[0].clone(), timeout, detail });
-            }
-        };
-        let membership = Membership { generation: reply.generation, data_addresses: reply.data_addresses };
-        self.membership = Some(membership.clone());
-        self.start_heartbeats(membership.generation);
-        Ok(membership)
-    }
-
-    fn start_heartbeats(&mut self, generation: u64) {
-        let chief = self.cluster.members[0].address.clone();
-        let (rank, incarnation) = (self.cluster.rank as u32, self.incarnation);
-        let chief_name = self.names[0].clone();
-        self.heartbeat = Some(self.runtime.spawn(async move {
-            let mut client: Option<ControlClient<Channel>> = None;
-            let mut warned = false;
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                if client.is_none() {
-                    client = connect(&chief, Instant::now() + Duration::from_secs(2)).await.ok();
-                }
-                let Some(c) = client.as_mut() else { continue };
-                let beat = proto::HeartbeatRequest { generation, rank, incarnation };
-                match tokio::time::timeout(Duration::from_secs(2), c.heartbeat(beat)).await {
-                    Ok(Ok(_)) => warned = false,
-                    Ok(Err(status)) if status.code() == tonic::Code::FailedPrecondition => {
-                        tracing::warn!("heartbeat refused by the chief: {}", status.message());
-                    }
-                    _ if !warned => {
-                        tracing::warn!("no heartbeat answer from the chief, {chief_name}");
-                        warned = true;
-                        client = None;
-                    }
-                    _ => client = None,
-                }
-            }
-        }));
-    }
-
-    /// Waits until every member reaches the barrier `name`.
-    pub fn barrier(&self, name: &str) -> Result<(), ClusterError> {
-        let membership = self
-            .membership
-            .as_ref()
-            .ok_or_else(|| ClusterError::Barrier { name: name.into(), detail: "no rendezvous yet".into() })?;
-        let timeout = self.timeouts.barrier;
-        let deadline = Instant::now() + timeout;
-        let chief = self.cluster.members[0].address.clone();
-        let request = proto::BarrierRequest {
-            generation: membership.generation,
-            rank: self.cluster.rank as u32,
-            incarnation: self.incarnation,
-            name: name.into(),
-        };
-        self.runtime
-            .block_on(async {
-                let mut client = connect(&chief, deadline).await?;
-                let left = deadline.saturating_duration_since(Instant::now());
-                match tokio::time::timeout(left, client.barrier(request)).await {
-                    Err(_) => Err(format!("not every member arrived within {timeout:?}")),
-                    Ok(Err(status)) => Err(status.message().to_string()),
-                    Ok(Ok(_)) => Ok(()),
-                }
-            })
-            .map_err(|detail| ClusterError::Barrier { name: name.into(), detail })
-    }
-}
-
-impl Drop for ControlPlane {
-    fn drop(&mut self) {
-        if let Some(h) = self.heartbeat.take() {
-            h.abort();
-        }
-        if let Some(s) = self.shutdown.take() {
-            let _ = s.send(());
-        }
-    }
-}
-
-/// The first socket address of `host:port`.
-pub fn resolve(address: &str) -> Result<SocketAddr, String> {
-    address
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve: {e}"))?
-        .next()
-        .ok_or_else(|| "resolves to no address".to_string())
-}
-
-/// A client to `address`, retrying until `deadline` (the peer may not be up yet).
-async fn connect(address: &str, deadline: Instant) -> Result<ControlClient<Channel>, String> {
-    let endpoint = Endpoint::from_shared(format!("http://{address}"))
-        .map_err(|e| format!("bad address {address}: {e}"))?
-        .connect_timeout(Duration::from_secs(1))
-        .tcp_nodelay(true);
-    let mut last = String::from("deadline passed before the first attempt");
-    while Instant::now() < deadline {
-        match endpoint.connect().await {
-            Ok(channel) => return Ok(ControlClient::new(channel)),
-            Err(e) => {
-                last = format!("cannot connect to {address}: {}", source_chain(&e));
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-    Err(last)
-}
-
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cluster::tf_config;
-
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-    }
-
-    fn cluster(ports: &[u16], rank: usize) -> ClusterConfig {
-        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let text = serde_json::json!({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": rank}});
-        tf_config::parse(&text.to_string(), "TF_CONFIG").unwrap().unwrap()
-    }
-
-    fn identity(c: &ClusterConfig, run: &str) -> Identity {
-        Identity { cluster_json: c.cluster_json(), plugin: "p 1".into(), run_config_json: run.into() }
-    }
-
-    const T: Timeouts = Timeouts { rendezvous: Duration::from_secs(10), barrier: Duration::from_secs(10) };
-
-    #[test]
-    fn three_members_rendezvous_and_pass_a_barrier() {
-        let ports = [free_port(), free_port(), free_port()];
-        let results: Vec<Membership> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..3)
-                .map(|rank| {
-                    s.spawn(move || {
-                        let c = cluster(&ports, rank);
-                        let id = identity(&c, r#"{"batch":64}"#);
-                        let mut plane = ControlPlane::start(&c, id.clone(), T).unwrap();
-                        let m = plane.rendezvous(&id, format!("127.0.0.1:{}", 1000 + rank)).unwrap();
-                        plane.barrier("done").unwrap();
-                        m
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for m in &results {
-            assert_eq!(m.generation, 1);
-            assert_eq!(m.data_addresses, ["127.0.0.1:1000", "127.0.0.1:1001", "127.0.0.1:1002"]);
-        }
-    }
-
-    #[test]
-    fn a_different_run_configuration_is_refused_with_both_values() {
-        let ports = [free_port(), free_port()];
-        let c0 = cluster(&ports, 0);
-        let id0 = identity(&c0, r#"{"batch_size":64,"seed":0}"#);
-        let chief = ControlPlane::start(&c0, id0, Timeouts { rendezvous: Duration::from_secs(1), ..T }).unwrap();
-        let c1 = cluster(&ports, 1);
-        let id1 = identity(&c1, r#"{"batch_size":32,"seed":0}"#);
-        let mut worker = ControlPlane::start(&c1, id1.clone(), T).unwrap();
-        let err = worker.rendezvous(&id1, "127.0.0.1:1".into()).unwrap_err().to_string();
-        assert_eq!(
-            err,
-            format!(
-                "rendezvous refused by the chief: worker 1 (127.0.0.1:{}) has a different run configuration: \
-                 batch_size = 32 on worker 1 (127.0.0.1:{}), 64 on the chief, worker 0 (127.0.0.1:{})",
-                ports[1], ports[1], ports[0]
-            )
-        );
-        drop(chief);
-    }
-
-    #[test]
-    fn the_chief_names_a_member_that_never_comes() {
-        let ports = [free_port(), free_port()];
-        let c0 = cluster(&ports, 0);
-        let id0 = identity(&c0, "{}");
-        let mut chief =
-            ControlPlane::start(&c0, id0.clone(), Timeouts { rendezvous: Duration::from_millis(800), ..T }).unwrap();
-        let err = chief.rendezvous(&id0, "127.0.0.1:1".into()).unwrap_err().to_string();
-        assert_eq!(err, format!("rendezvous: worker 1 (127.0.0.1:{}) did not join within 800ms", ports[1]));
-    }
-
-    #[test]
-    fn a_port_in_use_is_named() {
-        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = taken.local_addr().unwrap().port();
-        let c = cluster(&[port, free_port()], 0);
-        let err = ControlPlane::start(&c, identity(&c, "{}"), T).err().unwrap().to_string();
-        assert_eq!(
-            err,
-            format!(
-                "cannot listen on 127.0.0.1:{port} (worker 0 (127.0.0.1:{port})'s address in TF_CONFIG): Address \
-                 already in use (os error 98)"
-            )
-        );
+        Ok(Response::new(proto::Empty {}))
     }
 }

@@ -1,7 +1,14 @@
-//! Cluster membership: `TF_CONFIG` ([`tf_config`]) and the gRPC control plane ([`control`]):
-//! rendezvous, barriers, heartbeats and generations.
+//! Cluster membership: `TF_CONFIG` ([`tf_config`]), the membership decisions ([`membership`], a
+//! pure function), the timeout hierarchy ([`timeouts`]), and the gRPC control plane that carries
+//! them out ([`control`], the server and coordinator; [`member`], a member's calls). It knows
+//! nothing of training: a member's state is an opaque ordered progress and a digest.
 
 pub mod control;
+pub mod member;
+pub mod membership;
 pub mod tf_config;
+pub mod timeouts;
 
+pub use member::{ClusterError, ControlPlane};
 pub use tf_config::{ClusterConfig, Member, TfConfigError};
+pub use timeouts::Timeouts;

@@ -1,7 +1,7 @@
-//! Tensors over the ring, staged through host memory as float32: [`broadcast`] of parameters
-//! and optimizer state, and gradient averaging: the parameters' gradients are fused into buckets of at most a fixed size
-//! (small tensors travel together, one collective per bucket), staged through host memory (on
-//! CUDA too, as TensorFlow's RING does), averaged over the ring, and written back.
+//! Gradient averaging over the ring: the parameters' gradients are fused into buckets of at most
+//! a fixed size (small tensors travel together, one collective per bucket), staged through host
+//! memory as float32 (on CUDA too, as TensorFlow's RING does), averaged over the ring, and
+//! written back.
 //!
 //! A few extra values (the step's loss and metric sums) ride along in the last bucket, summed
 //! rather than averaged, so that the progress line shows global figures at no extra cost.
@@ -10,47 +10,38 @@ use tch::{Device, Kind, Tensor};
 
 use super::ring::{CollectiveError, ReduceOp, Ring};
 
-/// Copies `t` (any device, any float kind) into `dst` as float32: the host staging every
-/// collective over tensors goes through.
-fn stage_out(t: &Tensor, dst: &mut [f32]) {
-    t.detach().to_device(Device::Cpu).to_kind(Kind::Float).contiguous().copy_data(dst, dst.len());
-}
-
-/// `src` as a CPU tensor shaped like `like` (`copy_` moves it to `like`'s device and kind).
-fn stage_in(src: &[f32], like: &Tensor) -> Tensor {
-    Tensor::from_slice(src).view(like.size().as_slice())
-}
-
-/// Copies rank 0's values of `tensors` to every rank, in place, as one fused buffer.
-pub fn broadcast(ring: &mut Ring, tensors: &mut [(String, Tensor)]) -> Result<(), CollectiveError> {
-    if ring.world() == 1 {
-        return Ok(());
-    }
-    let numels: Vec<usize> = tensors.iter().map(|(_, t)| t.numel()).collect();
-    let mut flat = vec![0f32; numels.iter().sum()];
-    let mut at = 0;
-    for ((_, t), &n) in tensors.iter().zip(&numels) {
-        stage_out(t, &mut flat[at..at + n]);
-        at += n;
-    }
-    ring.broadcast(&mut flat)?;
-    let _no_grad = tch::no_grad_guard();
-    let mut at = 0;
-    for ((_, t), &n) in tensors.iter_mut().zip(&numels) {
-        t.copy_(&stage_in(&flat[at..at + n], t));
-        at += n;
-    }
-    Ok(())
-}
-
 /// Default bucket size, as PyTorch DDP's `bucket_cap_mb`.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
-/// Which parameters go in which bucket.
+/// Which parameters go in which bucket, and each bucket's host buffer.
 #[derive(Debug)]
 pub struct Buckets {
     /// Parameter indices per bucket, in parameter order.
     groups: Vec<Vec<usize>>,
+    /// Per bucket: a float32 host buffer, pinned when the parameters are on CUDA, made on first
+    /// use and reused every step.
+    staging: Vec<Option<Tensor>>,
+}
+
+/// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
+fn host_buffer(len: usize, device: Device) -> Tensor {
+    let t = Tensor::zeros([len as i64], (Kind::Float, Device::Cpu));
+    if device.is_cuda() {
+        t.pin_memory(device)
+    } else {
+        t
+    }
+}
+
+/// The elements of a contiguous float32 host tensor.
+///
+/// # Safety
+/// `t` must be a contiguous float32 CPU tensor that outlives the slice and that nothing else
+/// reads or writes meanwhile.
+unsafe fn host_slice(t: &mut Tensor) -> &mut [f32] {
+    let len = t.numel();
+    // SAFETY: per the contract, the storage holds `len` f32 values, exclusively ours.
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, len) }
 }
 
 impl Buckets {
@@ -68,7 +59,8 @@ impl Buckets {
             groups.last_mut().expect("one group").push(i);
             bytes += size;
         }
-        Buckets { groups }
+        let staging = groups.iter().map(|_| None).collect();
+        Buckets { groups, staging }
     }
 
     /// Number of buckets.
@@ -82,8 +74,13 @@ impl Buckets {
     }
 
     /// Replaces every gradient with its mean over the ring, and `extra` with its sum.
+    ///
+    /// Each bucket is staged in its host buffer: on CUDA the bucket's gradients are joined on the
+    /// device and cross in one copy each way (the copies back to each gradient stay on the
+    /// device); on the CPU each gradient is copied into the buffer directly. The ring carries
+    /// float32 whatever the device, so the reduction is bit-identical everywhere.
     pub fn all_reduce(
-        &self,
+        &mut self,
         ring: &mut Ring,
         params: &mut [(String, Tensor)],
         extra: &mut [f32],
@@ -91,40 +88,57 @@ impl Buckets {
         if ring.world() == 1 {
             return Ok(());
         }
+        let _no_grad = tch::no_grad_guard();
         let last = self.groups.len() - 1;
         for (b, group) in self.groups.iter().enumerate() {
-            let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
-            let grads_len: usize = numels.iter().sum();
-            let tail = if b == last { extra.len() } else { 0 };
-            let mut flat = vec![0f32; grads_len + tail];
-            let mut at = 0;
-            for (&i, &n) in group.iter().zip(&numels) {
-                let g = params[i].1.grad();
-                if g.defined() {
-                    stage_out(&g, &mut flat[at..at + n]);
-                }
-                at += n;
-            }
-            if tail > 0 {
-                flat[grads_len..].copy_from_slice(extra);
-            }
-            ring.all_reduce(&mut flat, ReduceOp::Sum)?;
-            let scale = 1.0 / ring.world() as f32;
-            flat[..grads_len].iter_mut().for_each(|x| *x *= scale);
-            let mut at = 0;
-            for (&i, &n) in group.iter().zip(&numels) {
-                let p = &mut params[i].1;
-                let mean = stage_in(&flat[at..at + n], p);
+            for &i in group {
+                let p = &params[i].1;
                 if !p.grad().defined() {
                     // A parameter without a gradient here may have one on another worker: give
-                    // it a zero gradient (through autograd, which owns `.grad`) to copy into.
+                    // it a zero gradient (through autograd, which owns `.grad`) to reduce.
                     (p.sum(Kind::Float) * 0.0).backward();
                 }
-                p.grad().copy_(&mean);
-                at += n;
             }
-            if tail > 0 {
-                extra.copy_from_slice(&flat[grads_len..]);
+            let grads: Vec<Tensor> = group.iter().map(|&i| params[i].1.grad().detach().view(-1)).collect();
+            let numels: Vec<usize> = grads.iter().map(Tensor::numel).collect();
+            let grads_len: usize = numels.iter().sum();
+            let tail = if b == last { extra.len() } else { 0 };
+            let device = params[group[0]].1.device();
+            if self.staging[b].as_ref().is_none_or(|t| t.numel() != grads_len + tail) {
+                self.staging[b] = Some(host_buffer(grads_len + tail, device));
+            }
+            let buffer = self.staging[b].as_mut().expect("made above");
+            let joined = if device.is_cuda() { Some(Tensor::cat(&grads, 0).to_kind(Kind::Float)) } else { None };
+            match &joined {
+                Some(on_device) => buffer.narrow(0, 0, grads_len as i64).copy_(on_device),
+                None => {
+                    let mut at = 0;
+                    for (g, &n) in grads.iter().zip(&numels) {
+                        buffer.narrow(0, at, n as i64).copy_(&g.to_kind(Kind::Float));
+                        at += n as i64;
+                    }
+                }
+            }
+            // SAFETY: our own contiguous float32 host buffer; the copies into it have completed
+            // (copy_ waits), and nothing else touches it until the copies back below.
+            let flat = unsafe { host_slice(buffer) };
+            flat[grads_len..].copy_from_slice(&extra[..tail]);
+            ring.all_reduce(flat, ReduceOp::Sum)?;
+            let scale = 1.0 / ring.world() as f32;
+            flat[..grads_len].iter_mut().for_each(|x| *x *= scale);
+            extra[..tail].copy_from_slice(&flat[grads_len..]);
+            let averaged = buffer.narrow(0, 0, grads_len as i64);
+            let averaged = match joined {
+                Some(mut on_device) => {
+                    on_device.copy_(&averaged);
+                    on_device
+                }
+                None => averaged,
+            };
+            let mut at = 0;
+            for (mut g, &n) in grads.into_iter().zip(&numels) {
+                g.copy_(&averaged.narrow(0, at, n as i64));
+                at += n as i64;
             }
         }
         Ok(())

@@ -1,0 +1,429 @@
+//! Workers killed, frozen and stopped in every way the fault-tolerance issue lists, under a
+//! supervisor with systemd's semantics (`Restart=always`, `RestartSec=`). Every scenario must
+//! finish within its outer deadline, and every worker must end with exactly the parameters of a
+//! failure-free run of the same configuration. While the chaos goes on, a sampler keeps checking
+//! that the latest commit verifies; at the end no orphaned checkpoint data may remain.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use futures::TryStreamExt;
+use trainerd_chaos_tests::{dataset, plugin, Cluster};
+use trainerd_storage::testing::S3Server;
+use trainerd_storage::{CheckpointStore, Location, S3Options};
+
+/// Every scenario's outer deadline: a hang fails the test.
+const DEADLINE: Duration = Duration::from_secs(240);
+const RESTART_SEC: Duration = Duration::from_millis(200);
+const WORKERS: usize = 3;
+
+/// A training configuration.
+#[derive(Clone, Copy)]
+struct Job {
+    plugin: &'static str,
+    epochs: u32,
+    steps: u64,
+}
+
+const LINEAR: Job = Job { plugin: "linear", epochs: 2, steps: 300 };
+const CNN: Job = Job { plugin: "mnist-cnn", epochs: 2, steps: 60 };
+
+/// `trainerd run` arguments of `job`, each worker's summary in `dir`, checkpoints in `ckpt`.
+fn args(job: Job, dir: &Path, ckpt: &str) -> Vec<String> {
+    [
+        "--plugin",
+        plugin(job.plugin).to_str().unwrap(),
+        "--data",
+        dataset().to_str().unwrap(),
+        "--epochs",
+        &job.epochs.to_string(),
+        "--steps-per-epoch",
+        &job.steps.to_string(),
+        "--threads",
+        "1",
+        "--seed",
+        "11",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.001",
+        "--summary",
+        dir.join("summary.{rank}.json").to_str().unwrap(),
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "25",
+        "--keep-checkpoints",
+        "3",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The failure-free run's `params_sha256` for `job` (computed once per job).
+fn reference(job: Job) -> String {
+    static CACHE: OnceLock<Mutex<HashMap<&'static str, String>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Mutex::default);
+    let mut cache = cache.lock().unwrap();
+    if let Some(sha) = cache.get(job.plugin) {
+        return sha.clone();
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let mut cluster = Cluster::start(WORKERS, &args(job, tmp.path(), ckpt.to_str().unwrap()), &[], vec![], RESTART_SEC);
+    assert_eq!(cluster.wait_finished(DEADLINE), vec![0; WORKERS], "{}", cluster.transcript());
+    let sha = summary(tmp.path(), 0)["params_sha256"].as_str().unwrap().to_string();
+    cache.insert(job.plugin, sha.clone());
+    sha
+}
+
+fn summary(dir: &Path, rank: usize) -> serde_json::Value {
+    let path = dir.join(format!("summary.{rank}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+/// Where a scenario's checkpoints go: a local directory, or a prefix on a fresh S3 server.
+struct Storage {
+    url: String,
+    env: Vec<(String, String)>,
+    store: CheckpointStore,
+    _s3: Option<S3Server>,
+}
+
+impl Storage {
+    fn local(dir: &Path) -> Storage {
+        let path = dir.join("ckpt");
+        let url = path.to_str().unwrap().to_string();
+        let store = url.parse::<Location>().unwrap().open(&S3Options::default()).unwrap();
+        Storage { url, env: Vec::new(), store, _s3: None }
+    }
+
+    fn s3() -> Storage {
+        let server = S3Server::start().unwrap_or_else(|e| panic!("S3-compatible test server: {e}"));
+        let prefix = "chaos-run";
+        let store = CheckpointStore::new(Arc::new(server.store().unwrap()), prefix.into(), "s3");
+        let env = server.env().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        Storage { url: format!("s3://{}/{prefix}", server.bucket), env, store, _s3: Some(server) }
+    }
+
+    /// Samples the latest commit every 100 ms until dropped; each sample must verify.
+    fn sampler(&self) -> Sampler {
+        let (store, stop, samples) =
+            (self.store.clone(), Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let handle = {
+            let (stop, samples) = (Arc::clone(&stop), Arc::clone(&samples));
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(latest) = rt.block_on(store.latest()).unwrap_or_else(|e| panic!("sampling: {e}")) {
+                        assert!(
+                            latest.fallbacks.is_empty(),
+                            "the latest commit did not verify: {:?}",
+                            latest.fallbacks
+                        );
+                        samples.fetch_add(1, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            })
+        };
+        Sampler { stop, samples, handle: Some(handle) }
+    }
+
+    /// Every data id under the location is named by a commit record, and retention held.
+    fn assert_no_orphans(&self) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let records = rt.block_on(self.store.list()).unwrap();
+        assert!(!records.is_empty() && records.len() <= 3, "{} commits kept", records.len());
+        let referenced: BTreeSet<String> = records.iter().filter_map(|r| r.data_id().map(String::from)).collect();
+        let ids = rt.block_on(data_ids(&self.store));
+        assert_eq!(ids, referenced, "data not named by any commit record remains");
+        for r in &records {
+            rt.block_on(self.store.load(r.sequence)).unwrap_or_else(|e| panic!("commit {}: {e}", r.sequence));
+        }
+    }
+}
+
+/// Data ids present under a checkpoint location.
+async fn data_ids(store: &CheckpointStore) -> BTreeSet<String> {
+    let (raw, root) = store.raw();
+    let prefix = root.clone().join("data");
+    let objects: Vec<_> = raw.list(Some(&prefix)).try_collect().await.unwrap();
+    objects
+        .iter()
+        .filter_map(|o| {
+            let rel = o.location.as_ref().strip_prefix(prefix.as_ref())?.trim_start_matches('/');
+            rel.split('/').next().map(String::from)
+        })
+        .collect()
+}
+
+struct Sampler {
+    stop: Arc<AtomicBool>,
+    samples: Arc<AtomicUsize>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Sampler {
+    /// Stops sampling; how many samples verified.
+    fn finish(mut self) -> usize {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Err(panic) = self.handle.take().unwrap().join() {
+            std::panic::resume_unwind(panic);
+        }
+        self.samples.load(Ordering::Relaxed)
+    }
+}
+
+/// Starts `job` on `storage`, with `first_env` for each worker's first start.
+fn start(job: Job, dir: &Path, storage: &Storage, first_env: Vec<Vec<(String, String)>>) -> Cluster {
+    Cluster::start(WORKERS, &args(job, dir, &storage.url), &storage.env, first_env, RESTART_SEC)
+}
+
+/// The furthest global step the chief's progress lines have shown (any of its processes).
+fn chief_step(c: &Cluster, job: Job) -> u64 {
+    let (mut epoch, mut best) = (1u64, 0u64);
+    for (_, _, line) in c.seen.iter().filter(|(r, _, _)| *r == 0) {
+        if let Some(rest) = line.strip_prefix("Epoch ") {
+            epoch = rest.split('/').next().and_then(|e| e.parse().ok()).unwrap_or(epoch);
+        } else if line.contains(&format!("/{} - ", job.steps)) {
+            if let Some(n) = line.trim_start().split('/').next().and_then(|n| n.parse::<u64>().ok()) {
+                best = best.max((epoch - 1) * job.steps + n);
+            }
+        }
+    }
+    best
+}
+
+/// Waits until the chief has shown step `step` (1-based) of epoch `epoch` (1-based) or later.
+fn wait_for_step(c: &mut Cluster, job: Job, epoch: u64, step: u64) {
+    let target = (epoch - 1) * job.steps + step;
+    while chief_step(c, job) < target {
+        c.wait_for(|r, _| r == 0, DEADLINE);
+    }
+}
+
+/// Every worker exited 0 with the failure-free run's parameters; the chief's summary.
+fn assert_finished_exactly(c: &mut Cluster, job: Job, dir: &Path) -> serde_json::Value {
+    let codes = c.wait_finished(DEADLINE);
+    assert_eq!(codes, vec![0; WORKERS], "{}", c.transcript());
+    let expected = reference(job);
+    for rank in 0..WORKERS {
+        assert_eq!(summary(dir, rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
+    }
+    summary(dir, 0)
+}
+
+fn recovery(s: &serde_json::Value, key: &str) -> u64 {
+    s["fault_tolerance"][key].as_u64().unwrap()
+}
+
+#[test]
+fn sigkill_of_a_worker_mid_epoch_loses_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::local(tmp.path());
+    let sampler = storage.sampler();
+    let mut c = start(CNN, tmp.path(), &storage, vec![]);
+    wait_for_step(&mut c, CNN, 1, 30);
+    c.signal(1, libc::SIGKILL);
+    c.wait_for(|r, l| r == 1 && l.starts_with("trainerd: recovered at step "), DEADLINE);
+    let chief = assert_finished_exactly(&mut c, CNN, tmp.path());
+    assert_eq!(c.starts(1), 2);
+    // (A heartbeat starved on a loaded machine may add a harmless recovery: at least one.)
+    assert!(recovery(&chief, "failures_seen") >= 1 && recovery(&chief, "recoveries") >= 1, "{}", c.transcript());
+    assert_eq!(recovery(&chief, "steps_lost"), 0);
+    assert!(sampler.finish() > 0);
+    storage.assert_no_orphans();
+}
+
+#[test]
+fn sigkill_of_the_chief_mid_epoch_on_s3_loses_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::s3();
+    let sampler = storage.sampler();
+    let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
+    wait_for_step(&mut c, LINEAR, 2, 60);
+    c.signal(0, libc::SIGKILL);
+    // The restarted chief takes the state from a survivor, not from its older commit.
+    let (_, _, line) = c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: generation "), DEADLINE);
+    assert!(line.contains(": 0 step(s) lost; state from worker "), "{line}");
+    let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
+    assert_eq!(c.starts(0), 2);
+    assert_eq!(recovery(&summary(tmp.path(), 1), "steps_lost"), 0);
+    assert!(recovery(&chief, "recoveries") >= 1);
+    assert!(sampler.finish() > 0);
+    storage.assert_no_orphans();
+}
+
+#[test]
+fn sigkill_of_the_chief_in_the_middle_of_a_commit_never_publishes_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::local(tmp.path());
+    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "commit-before-record@4".to_string())];
+    let mut c = start(LINEAR, tmp.path(), &storage, vec![failpoint]);
+    c.wait_for(|r, l| r == 0 && l == "trainerd: failpoint commit-before-record reached", DEADLINE);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let before = rt.block_on(storage.store.list()).unwrap();
+    c.signal(0, libc::SIGKILL);
+    // The half-written commit (its blobs and manifest, not its record) is never visible.
+    assert_eq!(rt.block_on(storage.store.list()).unwrap(), before);
+    assert!(rt.block_on(data_ids(&storage.store)).len() > before.len(), "the cut commit left its data behind");
+    let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
+    assert_eq!(recovery(&chief, "steps_lost"), 0);
+    storage.assert_no_orphans();
+}
+
+#[test]
+fn sigkill_during_an_all_reduce_leaves_one_state_for_everyone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::local(tmp.path());
+    // Worker 1 stops after the first hop of an all-gather: worker 0 completes that step, worker
+    // 2 does not. Everyone must continue from worker 0's state.
+    // (linear's chunks are small enough to sit in the socket buffers whatever worker 1 does.)
+    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "all-gather@100".to_string())];
+    let mut c = start(LINEAR, tmp.path(), &storage, vec![vec![], failpoint]);
+    c.wait_for(|r, l| r == 1 && l == "trainerd: failpoint all-gather reached", DEADLINE);
+    std::thread::sleep(Duration::from_millis(300));
+    c.signal(1, libc::SIGKILL);
+    let (_, _, abandoned) = c.wait_for(|r, l| r == 2 && l.starts_with("trainerd: step "), DEADLINE);
+    let (_, _, formed) = c.wait_for(|r, l| r == 2 && l.starts_with("trainerd: generation "), DEADLINE);
+    let number = |l: &str, after: &str| -> u64 {
+        l.split(after).nth(1).and_then(|s| s.split([' ', ':']).next()).and_then(|n| n.parse().ok()).unwrap()
+    };
+    // Worker 2 abandoned the very step it then received from worker 0.
+    assert_eq!(number(&abandoned, "trainerd: step "), number(&formed, " formed at step "), "{abandoned} / {formed}");
+    assert!(formed.contains("state from worker 0 "), "{formed}");
+    let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
+    assert_eq!(recovery(&chief, "steps_lost"), 0);
+}
+
+#[test]
+fn two_workers_at_once_then_every_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::local(tmp.path());
+    let sampler = storage.sampler();
+    let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
+    wait_for_step(&mut c, LINEAR, 1, 90);
+    c.signal(1, libc::SIGKILL);
+    c.signal(2, libc::SIGKILL);
+    c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: recovered at step "), DEADLINE);
+    wait_for_step(&mut c, LINEAR, 2, 60);
+    // Every worker at once: nobody holds the state, so the run goes on from the latest commit.
+    for rank in 0..WORKERS {
+        c.signal(rank, libc::SIGKILL);
+    }
+    c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: resumed from checkpoint "), DEADLINE);
+    assert_finished_exactly(&mut c, LINEAR, tmp.path());
+    assert!(sampler.finish() > 0);
+    storage.assert_no_orphans();
+}
+
+#[test]
+fn ten_random_kills_in_one_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::s3();
+    let sampler = storage.sampler();
+    let job = Job { plugin: "linear", epochs: 2, steps: 300 };
+    let mut c = start(job, tmp.path(), &storage, vec![]);
+    wait_for_step(&mut c, job, 1, 30);
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut random = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut kills = 0;
+    while kills < 10 {
+        let victim = random(WORKERS as u64) as usize;
+        if c.pid(victim).is_none() {
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        }
+        c.signal(victim, libc::SIGKILL);
+        kills += 1;
+        // Some kills land while the cluster is still recovering from the previous one.
+        std::thread::sleep(Duration::from_millis(150 + random(900)));
+    }
+    assert_finished_exactly(&mut c, job, tmp.path());
+    assert!(sampler.finish() > 0);
+    storage.assert_no_orphans();
+}
+
+#[test]
+fn sigterm_preempts_one_worker_and_its_return_loses_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::local(tmp.path());
+    let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
+    wait_for_step(&mut c, LINEAR, 1, 150);
+    let sent = Instant::now();
+    c.signal(2, libc::SIGTERM);
+    let (_, at, stopped) =
+        c.wait_for(|r, l| r == 2 && l.starts_with("trainerd: stopped by signal at global step "), DEADLINE);
+    c.wait_for(|r, l| r == 2 && l.starts_with("supervisor: worker 2 exited: exit status: 0"), DEADLINE);
+    assert!(at - sent < Duration::from_secs(10), "it took {:?} to stop", at - sent);
+    assert!(stopped.contains("committed as checkpoint") || stopped.contains("held by the chief"), "{stopped}");
+    // The others wait for it; the node comes back.
+    std::thread::sleep(Duration::from_secs(1));
+    c.bring_back(2);
+    let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
+    assert_eq!(recovery(&chief, "steps_lost"), 0);
+    storage.assert_no_orphans();
+}
+
+#[test]
+fn sigterm_to_every_worker_commits_once_and_the_next_start_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::local(tmp.path());
+    let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
+    wait_for_step(&mut c, LINEAR, 1, 200);
+    for rank in 0..WORKERS {
+        c.signal(rank, libc::SIGTERM);
+    }
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    let stopped = c.lines_of(0, "trainerd: stopped by signal at global step ");
+    assert_eq!(stopped.len(), 1, "{}", c.transcript());
+    // Either this stop committed the state, or a periodic commit had already taken it.
+    assert!(
+        stopped[0].contains("committed as checkpoint") || stopped[0].contains("the state is already committed in"),
+        "{}",
+        stopped[0]
+    );
+    drop(c);
+    // The whole job starts again and resumes at the very step it stopped at.
+    let step: u64 =
+        stopped[0]["trainerd: stopped by signal at global step ".len()..].split(';').next().unwrap().parse().unwrap();
+    let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
+    let (_, _, resumed) = c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: resumed from checkpoint "), DEADLINE);
+    assert!(resumed.ends_with(&format!("(global step {step})")), "{resumed}");
+    assert_finished_exactly(&mut c, LINEAR, tmp.path());
+    storage.assert_no_orphans();
+}
+
+#[test]
+fn a_frozen_worker_is_abandoned_within_the_heartbeat_deadline_and_rejoins_after_sigcont() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::local(tmp.path());
+    let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
+    wait_for_step(&mut c, LINEAR, 1, 120);
+    let frozen = Instant::now();
+    c.signal(1, libc::SIGSTOP);
+    let mut abandoned = Vec::new();
+    for (_, at, line) in c.wait_for_each(&[0, 2], |l| l.starts_with("trainerd: step "), DEADLINE) {
+        assert!(line.contains("worker 1 ") && line.contains("sent no heartbeat"), "{line}");
+        abandoned.push(at - frozen);
+    }
+    // Heartbeats every 0.1 s, deadline 1.5 s (the defaults); the notice travels on loopback.
+    for took in &abandoned {
+        assert!(*took < Duration::from_millis(2500), "a survivor abandoned the step {took:?} after the freeze");
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    c.signal(1, libc::SIGCONT);
+    c.wait_for(|r, l| r == 1 && l.starts_with("trainerd: generation "), DEADLINE);
+    let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
+    assert_eq!(c.starts(1), 1, "the frozen worker rejoined without a restart");
+    assert_eq!(recovery(&chief, "steps_lost"), 0);
+}

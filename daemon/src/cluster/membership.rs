@@ -1,0 +1,468 @@
+//! Membership decisions, as a pure function: [`decide`] maps (state, now, options) to what the
+//! coordinator must do next, with no I/O and no clock, the way torchft's `quorum_compute` does,
+//! so that every corner (heartbeat expiry, a paused coordinator, a member that never returns) is
+//! a plain unit test with injected time. The control plane ([`super::control`]) only stores the
+//! state that messages report and applies the decisions. The protocol is described in
+//! `docs/fault-tolerance.md`.
+//!
+//! The world size is fixed: a generation trains only with every member present. Every change of
+//! membership (a failure, a formation) is a new generation.
+
+use std::time::{Duration, Instant};
+
+/// What a member says about its training state when it joins. The cluster does not know what
+/// training is: progress is an opaque ordered key, the digest an opaque fingerprint.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Report {
+    /// The last generation this member trained in (0: none).
+    pub generation: u64,
+    /// How far its state is; larger is further.
+    pub progress: (u64, u64),
+    /// sha256 of its state; empty when it has none (a fresh process).
+    pub digest: String,
+}
+
+impl Report {
+    /// Whether the member holds a state.
+    pub fn has_state(&self) -> bool {
+        !self.digest.is_empty()
+    }
+}
+
+/// Why an active member is out of its generation (reported by messages).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Gone {
+    /// Its heartbeat stream closed.
+    Disconnected(String),
+    /// A peer reported it failed.
+    Reported(String),
+    /// It left on purpose (stopped).
+    Left(String),
+    /// A new process took its rank.
+    Restarted,
+}
+
+/// What the coordinator knows about one rank.
+#[derive(Clone, Debug)]
+pub struct MemberState {
+    /// The process holding the rank (random per process start), once one has come.
+    pub incarnation: Option<u64>,
+    /// Its heartbeat stream is open.
+    pub connected: bool,
+    /// When it was last heard from.
+    pub last_seen: Instant,
+    /// Its pending join, if it asked to be in the next generation.
+    pub joined: Option<Report>,
+    /// It is in the current generation, which is formed.
+    pub active: bool,
+    /// Why it is out, when something said so.
+    pub gone: Option<Gone>,
+}
+
+impl MemberState {
+    /// A rank nobody has claimed yet.
+    pub fn absent(now: Instant) -> MemberState {
+        MemberState { incarnation: None, connected: false, last_seen: now, joined: None, active: false, gone: None }
+    }
+}
+
+/// The coordinator's state.
+#[derive(Clone, Debug)]
+pub struct State {
+    /// The current generation.
+    pub generation: u64,
+    /// Whether it is formed (training) or gathering members.
+    pub formed: bool,
+    /// The next formation's generation must exceed this (the latest commit's generation).
+    pub floor: u64,
+    /// Per rank.
+    pub members: Vec<MemberState>,
+    /// When the current gathering began.
+    pub gathering_since: Instant,
+    /// A generation was formed before (here, or by a coordinator before this one, as the
+    /// members' reports tell): missing members are then given the rejoin deadline.
+    pub ever_formed: bool,
+    /// When the coordinator last ran its decisions.
+    pub last_tick: Instant,
+    /// The members passed the final barrier: nobody's departure is a failure any more.
+    pub finished: bool,
+}
+
+impl State {
+    /// A coordinator that has just started, with nobody joined.
+    pub fn new(world: usize, floor: u64, now: Instant) -> State {
+        State {
+            generation: 0,
+            formed: false,
+            floor,
+            members: (0..world).map(|_| MemberState::absent(now)).collect(),
+            gathering_since: now,
+            ever_formed: false,
+            last_tick: now,
+            finished: false,
+        }
+    }
+}
+
+/// Deadlines the decisions use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// A member silent for longer has failed.
+    pub heartbeat_deadline: Duration,
+    /// How long the first formation may wait for every member.
+    pub rendezvous_timeout: Duration,
+    /// How long a formed cluster waits for a missing member to return.
+    pub rejoin_deadline: Duration,
+}
+
+/// A generation to form.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Formation {
+    /// Its number.
+    pub generation: u64,
+    /// The member whose state everyone continues from.
+    pub source: usize,
+    /// That state's progress.
+    pub progress: (u64, u64),
+    /// That state's digest.
+    pub digest: String,
+    /// Members whose state differs from the source's: they receive it.
+    pub receivers: Vec<usize>,
+    /// A generation had been formed before: this one is a recovery.
+    pub recovery: bool,
+}
+
+/// What the coordinator must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// The coordinator itself did not run for longer than the heartbeat deadline (it was
+    /// frozen, or starved): count everyone as just heard from rather than failing them all.
+    Grace,
+    /// End the current generation: these active members failed (rank, why).
+    Fail(Vec<(usize, String)>),
+    /// Every member has joined: form the next generation.
+    Form(Formation),
+    /// These members stayed away past the deadline: the waiting members give up.
+    GiveUp {
+        /// Missing ranks.
+        missing: Vec<usize>,
+        /// The deadline that passed.
+        waited: Duration,
+    },
+}
+
+/// What the coordinator must do now, if anything.
+pub fn decide(state: &State, now: Instant, opts: &Options) -> Option<Decision> {
+    if now.saturating_duration_since(state.last_tick) > opts.heartbeat_deadline {
+        return Some(Decision::Grace);
+    }
+    if state.finished {
+        return None;
+    }
+    if state.formed {
+        let failed: Vec<(usize, String)> = state
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.active)
+            .filter_map(|(rank, m)| failure(m, now, opts).map(|why| (rank, why)))
+            .collect();
+        return (!failed.is_empty()).then_some(Decision::Fail(failed));
+    }
+    let live = |m: &MemberState| m.connected && now.saturating_duration_since(m.last_seen) <= opts.heartbeat_deadline;
+    if state.members.iter().all(|m| m.joined.is_some() && live(m)) {
+        return Some(Decision::Form(form(state)));
+    }
+    let rejoin = state.ever_formed || state.members.iter().any(|m| m.joined.as_ref().is_some_and(|r| r.generation > 0));
+    let waited = if rejoin { opts.rejoin_deadline } else { opts.rendezvous_timeout };
+    if now.saturating_duration_since(state.gathering_since) > waited {
+        let missing: Vec<usize> =
+            state.members.iter().enumerate().filter(|(_, m)| m.joined.is_none() || !live(m)).map(|(r, _)| r).collect();
+        return Some(Decision::GiveUp { missing, waited });
+    }
+    None
+}
+
+/// Why an active member has failed, if it has.
+fn failure(m: &MemberState, now: Instant, opts: &Options) -> Option<String> {
+    if let Some(gone) = &m.gone {
+        return Some(match gone {
+            Gone::Disconnected(why) | Gone::Reported(why) | Gone::Left(why) => why.clone(),
+            Gone::Restarted => "was restarted (a new process took its place)".into(),
+        });
+    }
+    if m.joined.is_some() {
+        return Some("abandoned the generation and asked to rejoin".into());
+    }
+    if !m.connected {
+        return Some("lost its connection to the chief".into());
+    }
+    let silent = now.saturating_duration_since(m.last_seen);
+    (silent > opts.heartbeat_deadline).then(|| {
+        format!(
+            "sent no heartbeat for {:.1}s (deadline {:.1}s)",
+            silent.as_secs_f64(),
+            opts.heartbeat_deadline.as_secs_f64()
+        )
+    })
+}
+
+/// The formation when everyone has joined: the generation above every one seen, and the
+/// furthest state as the source.
+fn form(state: &State) -> Formation {
+    let reports: Vec<&Report> = state.members.iter().map(|m| m.joined.as_ref().expect("everyone joined")).collect();
+    let seen = reports.iter().map(|r| r.generation).max().unwrap_or(0);
+    let generation = state.generation.max(state.floor).max(seen) + 1;
+    // The furthest state that exists; on a tie the lowest rank (the chief first).
+    let source = (0..reports.len())
+        .filter(|&r| reports[r].has_state())
+        .max_by(|&a, &b| reports[a].progress.cmp(&reports[b].progress).then(b.cmp(&a)))
+        .unwrap_or(0);
+    let chosen = reports[source];
+    let receivers = (0..reports.len())
+        .filter(|&r| reports[r].progress != chosen.progress || reports[r].digest != chosen.digest)
+        .collect();
+    Formation {
+        generation,
+        source,
+        progress: chosen.progress,
+        digest: chosen.digest.clone(),
+        receivers,
+        recovery: state.ever_formed || seen > 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const OPTS: Options = Options {
+        heartbeat_deadline: Duration::from_millis(1500),
+        rendezvous_timeout: Duration::from_secs(300),
+        rejoin_deadline: Duration::from_secs(600),
+    };
+
+    fn report(generation: u64, step: u64, digest: &str) -> Report {
+        Report { generation, progress: (step, 0), digest: digest.into() }
+    }
+
+    /// Three members, formed at generation 4, all just heard from.
+    fn formed(t0: Instant) -> State {
+        let mut s = State::new(3, 0, t0);
+        s.generation = 4;
+        s.formed = true;
+        s.ever_formed = true;
+        for (i, m) in s.members.iter_mut().enumerate() {
+            *m = MemberState {
+                incarnation: Some(i as u64 + 10),
+                connected: true,
+                last_seen: t0,
+                joined: None,
+                active: true,
+                gone: None,
+            };
+        }
+        s
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_healthy_formed_generation_needs_nothing() {
+        let t0 = Instant::now();
+        let s = formed(t0);
+        assert_eq!(decide(&s, t0 + ms(100), &OPTS), None);
+    }
+
+    #[test]
+    fn a_silent_member_fails_only_after_the_deadline() {
+        let t0 = Instant::now();
+        let mut s = formed(t0);
+        s.last_tick = t0 + ms(1400);
+        s.members[0].last_seen = t0 + ms(1400);
+        s.members[1].last_seen = t0 + ms(1400);
+        assert_eq!(decide(&s, t0 + ms(1500), &OPTS), None, "exactly at the deadline is not past it");
+        s.last_tick = t0 + ms(1590);
+        assert_eq!(
+            decide(&s, t0 + ms(1600), &OPTS),
+            Some(Decision::Fail(vec![(2, "sent no heartbeat for 1.6s (deadline 1.5s)".into())]))
+        );
+    }
+
+    #[test]
+    fn a_coordinator_that_was_paused_gives_grace_instead_of_failing_everyone() {
+        let t0 = Instant::now();
+        let s = formed(t0);
+        // Nobody ticked for 20 s (the chief was SIGSTOPped): every heartbeat looks stale.
+        assert_eq!(decide(&s, t0 + Duration::from_secs(20), &OPTS), Some(Decision::Grace));
+    }
+
+    #[test]
+    fn reports_disconnects_departures_and_rejoins_end_the_generation() {
+        let t0 = Instant::now();
+        let now = t0 + ms(10);
+        let mut s = formed(t0);
+        s.members[1].gone = Some(Gone::Reported("worker 0 lost its connection to it".into()));
+        s.members[2].connected = false;
+        assert_eq!(
+            decide(&s, now, &OPTS),
+            Some(Decision::Fail(vec![
+                (1, "worker 0 lost its connection to it".into()),
+                (2, "lost its connection to the chief".into())
+            ]))
+        );
+        let mut s = formed(t0);
+        s.members[0].joined = Some(report(4, 10, "a"));
+        s.members[2].gone = Some(Gone::Restarted);
+        assert_eq!(
+            decide(&s, now, &OPTS),
+            Some(Decision::Fail(vec![
+                (0, "abandoned the generation and asked to rejoin".into()),
+                (2, "was restarted (a new process took its place)".into())
+            ]))
+        );
+        let mut s = formed(t0);
+        s.members[1].gone = Some(Gone::Left("was stopped (SIGTERM)".into()));
+        assert_eq!(decide(&s, now, &OPTS), Some(Decision::Fail(vec![(1, "was stopped (SIGTERM)".into())])));
+    }
+
+    #[test]
+    fn after_the_final_barrier_departures_are_not_failures() {
+        let t0 = Instant::now();
+        let mut s = formed(t0);
+        s.finished = true;
+        s.members[1].connected = false;
+        assert_eq!(decide(&s, t0 + ms(10), &OPTS), None);
+    }
+
+    /// Three members gathering after a failure of generation 4.
+    fn gathering(t0: Instant, reports: [Option<Report>; 3]) -> State {
+        let mut s = formed(t0);
+        s.formed = false;
+        s.generation = 5;
+        for (m, r) in s.members.iter_mut().zip(reports) {
+            m.active = false;
+            m.joined = r;
+        }
+        s
+    }
+
+    #[test]
+    fn the_furthest_state_is_the_source_and_only_the_others_receive_it() {
+        let t0 = Instant::now();
+        // Worker 1 finished step 41's all-gather before the failure, worker 0 did not, and
+        // worker 2 is a fresh process.
+        let s = gathering(t0, [Some(report(4, 40, "s40")), Some(report(4, 41, "s41")), Some(report(0, 0, ""))]);
+        assert_eq!(
+            decide(&s, t0 + ms(10), &OPTS),
+            Some(Decision::Form(Formation {
+                generation: 6,
+                source: 1,
+                progress: (41, 0),
+                digest: "s41".into(),
+                receivers: vec![0, 2],
+                recovery: true,
+            }))
+        );
+    }
+
+    #[test]
+    fn identical_states_need_no_transfer_and_ties_go_to_the_lowest_rank() {
+        let t0 = Instant::now();
+        let s = gathering(t0, [Some(report(4, 7, "x")), Some(report(4, 7, "x")), Some(report(4, 7, "x"))]);
+        let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
+        assert_eq!((f.source, f.receivers), (0, vec![]));
+    }
+
+    #[test]
+    fn the_generation_exceeds_every_one_reported_and_the_latest_commits() {
+        let t0 = Instant::now();
+        // A restarted chief's coordinator starts at 0; its members were in generation 9, and the
+        // latest commit was made by generation 12.
+        let mut s = State::new(2, 12, t0);
+        for (m, r) in s.members.iter_mut().zip([report(0, 0, ""), report(9, 30, "z")]) {
+            m.connected = true;
+            m.joined = Some(r);
+        }
+        let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
+        assert_eq!((f.generation, f.source, f.recovery), (13, 1, true));
+    }
+
+    #[test]
+    fn a_member_that_is_not_connected_or_silent_holds_the_formation_back() {
+        let t0 = Instant::now();
+        let mut s = gathering(t0, [Some(report(4, 1, "a")), Some(report(4, 1, "a")), Some(report(0, 0, ""))]);
+        s.members[2].connected = false;
+        assert_eq!(decide(&s, t0 + ms(10), &OPTS), None);
+        s.members[2].connected = true;
+        s.last_tick = t0 + ms(1590);
+        assert_eq!(decide(&s, t0 + ms(1600), &OPTS), None, "worker 2 joined but went silent");
+    }
+
+    /// The coordinator ticks at `now` and has just heard from every member.
+    fn tick(s: &mut State, now: Instant) {
+        s.last_tick = now;
+        s.members.iter_mut().for_each(|m| m.last_seen = now);
+    }
+
+    #[test]
+    fn a_missing_member_is_given_up_on_after_the_rejoin_deadline() {
+        let t0 = Instant::now();
+        let mut s = gathering(t0, [Some(report(4, 1, "a")), Some(report(4, 1, "a")), None]);
+        let at = t0 + Duration::from_secs(600);
+        tick(&mut s, at);
+        assert_eq!(decide(&s, at, &OPTS), None);
+        tick(&mut s, at + ms(1));
+        assert_eq!(
+            decide(&s, at + ms(1), &OPTS),
+            Some(Decision::GiveUp { missing: vec![2], waited: OPTS.rejoin_deadline })
+        );
+    }
+
+    #[test]
+    fn the_first_formation_uses_the_rendezvous_timeout() {
+        let t0 = Instant::now();
+        let mut s = State::new(2, 0, t0);
+        s.members[0].connected = true;
+        s.members[0].joined = Some(report(0, 0, "init"));
+        let at = t0 + Duration::from_secs(301);
+        s.last_tick = at;
+        s.members[0].last_seen = at;
+        assert_eq!(decide(&s, at, &OPTS), Some(Decision::GiveUp { missing: vec![1], waited: OPTS.rendezvous_timeout }));
+    }
+
+    proptest! {
+        /// Whatever the reports, a formation's source holds the furthest state there is, every
+        /// member whose state differs from it receives it, and the generation grows past
+        /// every one seen.
+        #[test]
+        fn formations_take_the_furthest_state(
+            steps in proptest::collection::vec((0u64..5, 0u64..3, any::<bool>()), 1..6),
+            current in 0u64..20,
+            floor in 0u64..20,
+        ) {
+            let t0 = Instant::now();
+            let mut s = State::new(steps.len(), floor, t0);
+            s.generation = current;
+            for (m, &(step, generation, has)) in s.members.iter_mut().zip(&steps) {
+                m.connected = true;
+                m.joined = Some(if has { report(generation, step, &format!("d{step}")) } else { report(generation, 0, "") });
+            }
+            let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!("everyone joined") };
+            let reports: Vec<&Report> = s.members.iter().map(|m| m.joined.as_ref().unwrap()).collect();
+            prop_assert!(f.generation > current.max(floor));
+            prop_assert!(reports.iter().all(|r| f.generation > r.generation));
+            if reports.iter().any(|r| r.has_state()) {
+                prop_assert!(reports[f.source].has_state());
+                prop_assert!(reports.iter().filter(|r| r.has_state()).all(|r| r.progress <= f.progress));
+            }
+            for (rank, r) in reports.iter().enumerate() {
+                let same = r.progress == f.progress && r.digest == f.digest;
+                prop_assert_eq!(f.receivers.contains(&rank), !same);
+            }
+        }
+    }
+}

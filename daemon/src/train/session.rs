@@ -1,0 +1,271 @@
+//! A member's place in the cluster across generations: it joins the next generation, forms its
+//! ring, and moves the training state from the generation's source to the members that lack it,
+//! verified by sha256. A failure on the way (a peer dies, the generation is aborted) is an
+//! [`Interrupt::Abandoned`]: the member keeps its process and its state, and joins again.
+//!
+//! A run of one worker is a session too, whose every generation forms at once.
+
+use std::sync::atomic::AtomicBool;
+
+use sha2::{Digest, Sha256};
+
+use super::state::{hex, TrainState};
+use super::TrainError;
+use crate::cluster::control::{Formed, Identity};
+use crate::cluster::membership::Report;
+use crate::cluster::{ClusterConfig, ClusterError, ControlPlane, Timeouts};
+use crate::collective::{CollectiveError, DataListener, Ring};
+
+/// How long a broken link waits for a peer's pushed notice before it blames the neighbour.
+const NOTICE_GRACE: std::time::Duration = std::time::Duration::from_millis(30);
+
+/// Why a formation, a step or a barrier did not go through.
+#[derive(Debug)]
+pub enum Interrupt {
+    /// The generation was abandoned (a peer failed, or the cluster moved on): join again.
+    Abandoned(String),
+    /// A stop signal arrived while waiting for the cluster.
+    Stopped,
+    /// The run cannot go on.
+    Fatal(TrainError),
+}
+
+impl From<TrainError> for Interrupt {
+    fn from(e: TrainError) -> Interrupt {
+        match e {
+            TrainError::Collective(CollectiveError::Aborted { reason, .. }) => Interrupt::Abandoned(reason),
+            TrainError::Collective(c) => Interrupt::Abandoned(c.to_string()),
+            other => Interrupt::Fatal(other),
+        }
+    }
+}
+
+/// A generation this member has joined, its ring formed.
+#[derive(Debug)]
+pub struct Joined {
+    /// The formation.
+    pub formed: Formed,
+    /// The source's state, when this member is one of its receivers (verified).
+    pub received: Option<Vec<u8>>,
+}
+
+/// A member of a cluster (or a worker alone).
+pub struct Session {
+    cluster: Option<Box<Member>>,
+    ring: Ring,
+    /// Alone: the generation of the latest commit, which the next must exceed.
+    floor: u64,
+}
+
+struct Member {
+    plane: ControlPlane,
+    listener: DataListener,
+    data_address: String,
+    timeouts: Timeouts,
+}
+
+impl Session {
+    /// A worker alone.
+    pub fn single() -> Session {
+        Session { cluster: None, ring: Ring::single(), floor: 0 }
+    }
+
+    /// Serves the control plane and the data listener at once (peers can reach this member while
+    /// it loads), for `cluster` with `identity`.
+    pub fn start(cluster: &ClusterConfig, identity: Identity, timeouts: Timeouts) -> Result<Session, TrainError> {
+        let plane = ControlPlane::start(cluster, identity, timeouts)?;
+        let me = cluster.me();
+        let name = plane.names()[cluster.rank].clone();
+        let bind = |reason: String| {
+            TrainError::Cluster(ClusterError::Bind { address: me.address.clone(), member: name.clone(), reason })
+        };
+        let ip = crate::cluster::member::resolve(&me.address).map_err(&bind)?.ip();
+        let listener = DataListener::bind((ip, 0).into()).map_err(|e| bind(format!("data-plane listener: {e}")))?;
+        let host = me.address.rsplit_once(':').map_or(me.address.as_str(), |(h, _)| h);
+        let data_address = format!("{host}:{}", listener.local_addr().port());
+        let member = Member { plane, listener, data_address, timeouts };
+        Ok(Session { cluster: Some(Box::new(member)), ring: Ring::single(), floor: 0 })
+    }
+
+    /// This member's rank.
+    pub fn rank(&self) -> usize {
+        self.cluster.as_ref().map_or(0, |m| m.plane.rank())
+    }
+
+    /// Members in all.
+    pub fn world(&self) -> usize {
+        self.cluster.as_ref().map_or(1, |m| m.plane.names().len())
+    }
+
+    /// Every member's name, by rank.
+    pub fn name(&self, rank: usize) -> String {
+        self.cluster.as_ref().map_or_else(|| "this worker".into(), |m| m.plane.names()[rank].clone())
+    }
+
+    /// The current generation's ring.
+    pub fn ring(&mut self) -> &mut Ring {
+        &mut self.ring
+    }
+
+    /// The current generation (0 before the first).
+    pub fn generation(&self) -> u64 {
+        match &self.cluster {
+            Some(_) => self.ring.generation(),
+            None => self.floor,
+        }
+    }
+
+    /// On the chief: generations must exceed `generation` (the latest commit's).
+    pub fn set_floor(&mut self, generation: u64) {
+        match &self.cluster {
+            Some(m) => m.plane.set_floor(generation),
+            None => self.floor = self.floor.max(generation),
+        }
+    }
+
+    /// The global step heartbeats carry.
+    pub fn set_step(&self, step: u64) {
+        if let Some(m) = &self.cluster {
+            m.plane.set_step(step);
+        }
+    }
+
+    /// Joins the next generation with `state` (`None`: a fresh process with nothing to report),
+    /// forms its ring, and receives the source's state if this member lacks it. Waits while the
+    /// cluster gathers; `stop` ends the wait.
+    pub fn join(&mut self, state: Option<&TrainState>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
+        let Some(m) = self.cluster.as_mut() else {
+            let progress = state.map_or((0, 0), TrainState::progress);
+            self.floor += 1;
+            let formed = Formed {
+                generation: self.floor,
+                data_addresses: Vec::new(),
+                source: 0,
+                progress,
+                digest: String::new(),
+                receivers: Vec::new(),
+                recovery: false,
+                steps_lost: 0,
+            };
+            return Ok(Joined { formed, received: None });
+        };
+        let report = match state {
+            Some(s) => s.report(self.ring.generation()).map_err(|e| Interrupt::Fatal(TrainError::State(e)))?,
+            None => Report::default(),
+        };
+        let formed = match m.plane.join(&m.data_address, &report, stop) {
+            Ok(f) => f,
+            Err(ClusterError::Stopped) => return Err(Interrupt::Stopped),
+            Err(e) => return Err(Interrupt::Fatal(e.into())),
+        };
+        let rank = m.plane.rank();
+        let names = m.plane.names().to_vec();
+        let abort = m.plane.abort_signal();
+        let world = names.len();
+        let next = &formed.data_addresses[(rank + 1) % world];
+        let next_addr = crate::cluster::member::resolve(next)
+            .map_err(|e| Interrupt::Fatal(ClusterError::Other(format!("data address {next}: {e}")).into()))?;
+        let generation = formed.generation;
+        let ring = Ring::form(&m.listener, rank, &names, next_addr, generation, m.timeouts.collective, &abort);
+        self.ring = match ring {
+            Ok(ring) => ring,
+            Err(e) => return Err(self.abandon(generation, e)),
+        };
+        let received = if formed.receivers.is_empty() {
+            None
+        } else {
+            let mine = if rank == formed.source {
+                let state = state.filter(|s| s.live).ok_or_else(|| {
+                    Interrupt::Fatal(TrainError::State("chosen as the state's source without a state".into()))
+                })?;
+                state.encode().map_err(|e| Interrupt::Fatal(TrainError::State(e)))?
+            } else {
+                Vec::new()
+            };
+            let bytes = match self.ring.broadcast_bytes(formed.source, mine) {
+                Ok(b) => b,
+                Err(e) => return Err(self.abandon(generation, e)),
+            };
+            if formed.receivers.contains(&rank) {
+                let found = hex(&Sha256::digest(&bytes));
+                if found != formed.digest {
+                    let why = format!(
+                        "the state received from {} has sha256 {found}, its report said {}",
+                        names[formed.source], formed.digest
+                    );
+                    self.abandon_with(generation, &why, Some(formed.source));
+                    return Err(Interrupt::Abandoned(why));
+                }
+                Some(bytes)
+            } else {
+                None
+            }
+        };
+        Ok(Joined { formed, received })
+    }
+
+    /// A collective of `generation` failed here: abort the generation everywhere, and say why.
+    pub fn abandon(&self, generation: u64, e: CollectiveError) -> Interrupt {
+        if let CollectiveError::Aborted { reason, .. } = &e {
+            return Interrupt::Abandoned(reason.clone());
+        }
+        // A neighbour that abandoned first shuts its sockets, which can reach us before its
+        // notice does: give the notice a moment before blaming the neighbour.
+        if let Some(m) = &self.cluster {
+            let abort = m.plane.abort_signal();
+            let until = std::time::Instant::now() + NOTICE_GRACE;
+            while std::time::Instant::now() < until {
+                if let Err(reason) = abort.check(generation) {
+                    return Interrupt::Abandoned(reason);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        }
+        let reason = e.to_string();
+        self.abandon_with(generation, &reason, e.suspect());
+        Interrupt::Abandoned(reason)
+    }
+
+    fn abandon_with(&self, generation: u64, reason: &str, suspect: Option<usize>) {
+        if let Some(m) = &self.cluster {
+            m.plane.abandon(generation, reason, suspect);
+        }
+    }
+
+    /// Turns a step's error into an interrupt, abandoning the generation on a collective failure.
+    pub fn interrupt(&self, e: TrainError) -> Interrupt {
+        match e {
+            TrainError::Collective(c) => self.abandon(self.generation(), c),
+            other => Interrupt::Fatal(other),
+        }
+    }
+
+    /// Waits until every member reaches the barrier `name` of the current generation.
+    pub fn barrier(&self, name: &str) -> Result<(), Interrupt> {
+        let Some(m) = &self.cluster else { return Ok(()) };
+        match m.plane.barrier(self.generation(), name) {
+            Ok(()) => Ok(()),
+            Err(ClusterError::Aborted { reason, .. }) => Err(Interrupt::Abandoned(reason)),
+            Err(e) => Err(Interrupt::Fatal(e.into())),
+        }
+    }
+
+    /// The run is over for every member (the final barrier passed): leave in an orderly way.
+    pub fn finish(&self) {
+        if let Some(m) = &self.cluster {
+            m.plane.finish();
+        }
+    }
+
+    /// Tells the chief this member leaves on purpose.
+    pub fn leave(&self, reason: &str) {
+        if let Some(m) = &self.cluster {
+            m.plane.leave(reason);
+        }
+    }
+
+    /// Why this process no longer counts (a newer one took its rank), if so.
+    pub fn replaced(&self) -> Option<String> {
+        self.cluster.as_ref().and_then(|m| m.plane.replaced())
+    }
+}
