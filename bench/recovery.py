@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Recovery after a lost worker, in one session: trainerd beside torchrun.
+
+torchrun (../shared/bench/torchrun_recovery.py): DDP over gloo on the tutorials' CNN; one worker is
+SIGKILLed, torchrun restarts every worker, and they resume from rank 0's last torch.save (every
+CKPT_EVERY steps).
+
+trainerd: `trainerd local --workers WORLD --restart-delay 0` (a supervisor with systemd's semantics)
+on mnist-cnn, the same model, data, optimizer and batch, committing every CKPT_EVERY steps. Many
+kills land in one long run, at random moments, each after the previous recovery:
+  - SIGKILL of a worker that is not the chief, and of the chief;
+  - SIGSTOP of a worker (frozen; SIGCONT after its detection).
+Measured from the moment of the signal:
+  recovery  = until every worker has completed a step again (each worker's metrics log has a
+              timestamp per step);
+  detection = until every survivor has abandoned the step in flight (its output line);
+  lost      = the furthest step any worker had completed before the signal, minus the step the
+              cluster continued from;
+  hang      = no recovery within HANG_S.
+
+Usage: bench/recovery.sh [--kills N] [--chief-kills N] [--freezes N] [--torchrun-trials N]
+                         [--world N] [--ckpt-every N]
+"""
+import argparse, json, os, random, re, signal, statistics, subprocess, sys, tempfile, threading, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.environ.get("TRAINERD_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
+DATA = os.environ.get("DATA", "/usr/share/datasets/fashion-mnist")
+HANG_S = 60
+
+
+class Cluster:
+    """A `trainerd local` run whose output lines are timestamped as they arrive."""
+
+    def __init__(self, d, world, ckpt_every):
+        self.d, self.world = d, world
+        self.lines, self.pids, self.lock = [], {}, threading.Lock()
+        cmd = [os.path.join(ROOT, "target/release/trainerd"), "local", "--workers", str(world), "--restart-delay", "0",
+               "--plugin", os.path.join(ROOT, "target/release/libmnist_cnn.so"), "--data", DATA,
+               "--epochs", "1000", "--batch-size", "64", "--threads", "1", "--optimizer", "adam", "--lr", "0.001",
+               "--checkpoint-dir", os.path.join(d, "ckpt"), "--checkpoint-every", str(ckpt_every),
+               "--metrics-log", os.path.join(d, "m.jsonl")]
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for stream in (self.p.stdout, self.p.stderr):
+            threading.Thread(target=self.read, args=(stream,), daemon=True).start()
+
+    def read(self, stream):
+        for line in stream:
+            now = time.time()
+            line = line.rstrip("\n")
+            with self.lock:
+                self.lines.append((now, line))
+                for w, pid in re.findall(r"worker (\d+) \(pid (\d+)\)", line) + re.findall(r"worker (\d+) restarted \(pid (\d+)\)", line):
+                    self.pids[int(w)] = int(pid)
+
+    def steps(self, worker):
+        """(time, global_step) of every step worker `worker` logged."""
+        try:
+            with open(os.path.join(self.d, f"m.worker{worker}.jsonl")) as f:
+                return [(j["time"], j["global_step"]) for j in map(json.loads, filter(None, f.read().splitlines()))]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            return []
+
+    def wait_steps(self, n, timeout=120):
+        """Waits until every worker has logged at least `n` steps after now."""
+        since, deadline = time.time(), time.time() + timeout
+        while time.time() < deadline:
+            if all(sum(1 for t, _ in self.steps(w) if t > since) >= n for w in range(self.world)):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def event(self, victim, sig):
+        """Sends `sig` to worker `victim` (SIGCONT once a SIGSTOP is detected); measures the recovery."""
+        before = max((s for w in range(self.world) for _, s in self.steps(w)), default=0)
+        with self.lock:
+            mark, pid = len(self.lines), self.pids[victim]
+        t0 = time.time()
+        os.kill(pid, sig)
+        survivors = [w for w in range(self.world) if w != victim]
+        detected, resumed, frozen = {}, None, sig == signal.SIGSTOP
+        while time.time() < t0 + HANG_S:
+            with self.lock:
+                new = self.lines[mark:]
+            for t, line in new:
+                m = re.match(r"\[worker (\d+)\] trainerd: step \d+ abandoned", line)
+                if m and int(m.group(1)) in survivors:
+                    detected.setdefault(int(m.group(1)), t - t0)
+                m = re.match(r"\[worker \d+\] trainerd: generation \d+ formed at step (\d+)", line)
+                if m and resumed is None:
+                    resumed = int(m.group(1))
+            if frozen and len(detected) == len(survivors):
+                os.kill(pid, signal.SIGCONT)
+                frozen = False
+            if resumed is not None:
+                # A step past the one the cluster continued from belongs to the new generation.
+                firsts = [min((t for t, s in self.steps(w) if t > t0 and s > resumed), default=None) for w in range(self.world)]
+                if None not in firsts:
+                    return {"recovery_s": max(firsts) - t0, "detection_s": max(detected.values(), default=None),
+                            "steps_lost": max(0, before - resumed)}
+            time.sleep(0.01)
+        return {"hang": True}
+
+    def stop(self):
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait()
+
+
+def trainerd(args):
+    results = {"worker": [], "chief": [], "frozen": []}
+    plan = ["worker"] * args.kills + ["chief"] * args.chief_kills + ["frozen"] * args.freezes
+    random.Random(7).shuffle(plan)
+    with tempfile.TemporaryDirectory() as d:
+        c = Cluster(d, args.world, args.ckpt_every)
+        try:
+            if not c.wait_steps(30, timeout=300):
+                sys.exit("trainerd did not start training")
+            for i, kind in enumerate(plan):
+                time.sleep(random.uniform(0.2, 1.0))
+                victim = 0 if kind == "chief" else random.randrange(1, args.world)
+                r = c.event(victim, signal.SIGSTOP if kind == "frozen" else signal.SIGKILL)
+                results[kind].append(r)
+                print(f"trainerd {i + 1}/{len(plan)}: {kind} {victim}: {r}", flush=True)
+                if r.get("hang"):
+                    break
+                c.wait_steps(20)
+        finally:
+            c.stop()
+    return results
+
+
+def torchrun(args):
+    out = subprocess.run([sys.executable, os.path.join(SHARED, "bench", "torchrun_recovery.py"), str(args.torchrun_trials),
+                          str(args.world), str(args.ckpt_every)], capture_output=True, text=True,
+                         env={**os.environ, "DATA": DATA}).stdout
+    print(out, end="", flush=True)
+    trials = [eval(m) for m in re.findall(r"trial \d+: (\{.*\})", out)]
+    return [t for t in trials if "error" not in t]
+
+
+def median(rs, key):
+    xs = [r[key] for r in rs if r.get(key) is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--kills", type=int, default=100, help="SIGKILLs of a worker that is not the chief")
+    p.add_argument("--chief-kills", type=int, default=20)
+    p.add_argument("--freezes", type=int, default=5, help="SIGSTOPs of a worker (SIGCONT once detected)")
+    p.add_argument("--torchrun-trials", type=int, default=20)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    args = p.parse_args()
+    ours = trainerd(args)
+    peer = torchrun(args)
+    ok = lambda rs: [r for r in rs if not r.get("hang")]
+    w, c, f = ok(ours["worker"]), ok(ours["chief"]), ok(ours["frozen"])
+    hangs = lambda rs: f"{sum(1 for r in rs if r.get('hang'))} in {len(rs)}"
+    print()
+    print(f"Recovery after one lost worker: {args.world} workers, mnist-cnn, a commit every {args.ckpt_every} steps, "
+          f"restart delay 0 (medians)")
+    print("| | trainerd: a worker killed | trainerd: the chief killed | trainerd: a worker frozen | torchrun: a worker killed |")
+    print("|---|---|---|---|---|")
+    print(f"| recovery (signal until every worker steps again) | {median(w, 'recovery_s'):.2f} s | "
+          f"{median(c, 'recovery_s'):.2f} s | {median(f, 'recovery_s'):.2f} s | {median(peer, 'recovery_s'):.2f} s |")
+    print(f"| steps lost per failure | {median(w, 'steps_lost'):g} | {median(c, 'steps_lost'):g} | "
+          f"{median(f, 'steps_lost'):g} | {median(peer, 'steps_lost'):g} |")
+    print(f"| detection (signal until every survivor abandoned the step) | {median(w, 'detection_s') * 1e3:.0f} ms | "
+          f"{median(c, 'detection_s') * 1e3:.0f} ms | {median(f, 'detection_s'):.2f} s | - |")
+    print(f"| hangs | {hangs(ours['worker'])} | {hangs(ours['chief'])} | {hangs(ours['frozen'])} | "
+          f"{sum(1 for t in peer if t.get('hang'))} in {len(peer)} |")
+
+
+if __name__ == "__main__":
+    main()
