@@ -5,9 +5,16 @@
 #              to the GPU, forward, backward, Adam, and read the step's loss and correct count (the
 #              progress line's global figures);
 #   best-case: the whole dataset on the GPU as floats, no per-step read (one sync at the end).
-# Usage: python gpu_eager.py DATA_DIR BATCH STEPS [DEVICE]
+# With --deterministic, the same-work loop alone, under the guarantees trainerd gives (bitwise
+# repeatable): torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8.
+# Usage: python gpu_eager.py DATA_DIR BATCH STEPS [DEVICE] [--deterministic]
 # Prints: torch_eager loop=... batch=... steps=... examples_per_s=...
 import gzip, os, sys, time
+
+DETERMINISTIC = "--deterministic" in sys.argv
+if DETERMINISTIC:
+    sys.argv.remove("--deterministic")
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before CUDA starts, as trainerd does
 import numpy as np
 import torch
 import torch.nn as nn
@@ -72,8 +79,11 @@ if __name__ == "__main__":
     device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cuda:0")
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     x, y = load(data, "train")
-    for loop in ["same-work", "best-case"]:
+    if DETERMINISTIC:
+        torch.use_deterministic_algorithms(True)
+    for loop in ["same-work"] if DETERMINISTIC else ["same-work", "best-case"]:
         eps = run(loop, x, y, batch, steps, device)
-        print(f"torch_eager loop={loop} batch={batch} steps={steps} examples_per_s={eps:.0f} "
+        name = loop + ("-deterministic" if DETERMINISTIC else "")
+        print(f"torch_eager loop={name} batch={batch} steps={steps} examples_per_s={eps:.0f} "
               f"torch={torch.__version__} device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
               flush=True)

@@ -34,12 +34,56 @@ impl Slots {
     }
 }
 
+/// Adam over flat buffers: its state, the parameters and their gradients each live in one
+/// tensor, and every parameter (and its gradient, once it has one) is a view into it, as
+/// PyTorch's `p.data = flat[a:b].view_as(p)` makes it. One update of the whole model is then a
+/// dozen kernels rather than a dozen per parameter: on a GPU the launches, not the arithmetic,
+/// are what a small model's optimizer costs.
+#[derive(Debug)]
+struct FlatAdam {
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    params: Tensor,
+    /// Made at the first step, from the gradients the first backward produced.
+    grads: Option<Tensor>,
+    /// Each parameter's element count, in order.
+    numels: Vec<i64>,
+}
+
+impl FlatAdam {
+    /// Whether each of `tensors` is the matching view of `flat`.
+    fn aliases(&self, flat: &Tensor, tensors: &[Tensor]) -> bool {
+        let elt = flat.kind().elt_size_in_bytes();
+        let mut at = flat.data_ptr() as usize;
+        tensors.iter().zip(&self.numels).all(|(t, &n)| {
+            let ok = t.data_ptr() as usize == at;
+            at += n as usize * elt;
+            ok
+        })
+    }
+
+    /// Makes each of `tensors` a view of `flat` (one flat tensor with their values when
+    /// `flat` is `None`).
+    fn alias(&self, flat: Option<Tensor>, tensors: &[Tensor]) -> Tensor {
+        let flat = flat.unwrap_or_else(|| Tensor::cat(&tensors.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0));
+        let mut at = 0;
+        for (t, &n) in tensors.iter().zip(&self.numels) {
+            let mut view = flat.narrow(0, at, n).view(t.size().as_slice());
+            tch::no_grad(|| view.copy_(t));
+            t.shallow_clone().set_data(&view);
+            at += n;
+        }
+        flat
+    }
+}
+
 /// An optimizer over a fixed, ordered list of parameters.
 #[derive(Debug)]
 pub struct Optimizer {
     config: OptimizerConfig,
     names: Vec<String>,
     slots: Vec<Slots>,
+    flat: Option<FlatAdam>,
     steps: u64,
 }
 
@@ -51,6 +95,26 @@ pub struct StateError(String);
 impl Optimizer {
     /// A fresh optimizer for `params` (name, tensor), zero state.
     pub fn new(config: OptimizerConfig, params: &[(String, Tensor)]) -> Optimizer {
+        if let (OptimizerConfig::Adam { .. }, Some(numels)) = (&config, flat_layout(params)) {
+            let first = &params[0].1;
+            let zeros = || Tensor::zeros([numels.iter().sum::<i64>()], (first.kind(), first.device()));
+            let (exp_avg, exp_avg_sq) = (zeros(), zeros());
+            let mut at = 0;
+            let slots = params
+                .iter()
+                .zip(&numels)
+                .map(|((_, p), &n)| {
+                    let view = |flat: &Tensor| flat.narrow(0, at, n).view(p.size().as_slice());
+                    let slots = Slots::Adam { exp_avg: view(&exp_avg), exp_avg_sq: view(&exp_avg_sq) };
+                    at += n;
+                    slots
+                })
+                .collect();
+            let names = params.iter().map(|(n, _)| n.clone()).collect();
+            let mut flat = FlatAdam { exp_avg, exp_avg_sq, params: Tensor::new(), grads: None, numels };
+            flat.params = flat.alias(None, &params.iter().map(|(_, p)| p.shallow_clone()).collect::<Vec<_>>());
+            return Optimizer { config, names, slots, flat: Some(flat), steps: 0 };
+        }
         let zeros = |t: &Tensor| t.zeros_like();
         let slots = params
             .iter()
@@ -64,7 +128,7 @@ impl Optimizer {
                 },
             })
             .collect();
-        Optimizer { config, names: params.iter().map(|(n, _)| n.clone()).collect(), slots, steps: 0 }
+        Optimizer { config, names: params.iter().map(|(n, _)| n.clone()).collect(), slots, flat: None, steps: 0 }
     }
 
     /// The configuration.
@@ -150,7 +214,51 @@ impl Optimizer {
     pub fn step(&mut self, params: &mut [(String, Tensor)], lr: f64) {
         let _no_grad = tch::no_grad_guard();
         self.steps += 1;
-        let t = self.steps as i32;
+        if !self.step_flat(params, lr) {
+            self.step_each(params, lr);
+        }
+    }
+
+    /// Adam over the whole model at once, on the flat buffers (the parameters are views into
+    /// them, so nothing is copied back). The same element-wise arithmetic as
+    /// [`Optimizer::step_each`], so the same bits. False (nothing done) unless every parameter
+    /// has a gradient of its own kind and device.
+    fn step_flat(&mut self, params: &mut [(String, Tensor)], lr: f64) -> bool {
+        let (Some(flat), &OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, .. }) =
+            (&mut self.flat, &self.config)
+        else {
+            return false;
+        };
+        let grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
+        let kind = params[0].1.kind();
+        if grads.iter().any(|g| !g.defined() || g.kind() != kind || g.device() != flat.exp_avg.device()) {
+            return false;
+        }
+        // Someone replaced a parameter's or a gradient's storage (a gradient set to None and
+        // made anew, say): its current values go back into the flat buffer.
+        let params: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
+        if !flat.aliases(&flat.params, &params) {
+            flat.params = flat.alias(None, &params);
+        }
+        if !flat.grads.as_ref().is_some_and(|g| flat.aliases(g, &grads)) {
+            let old = flat.grads.take();
+            flat.grads = Some(flat.alias(old, &grads));
+        }
+        let grad = flat.grads.as_ref().expect("made above").shallow_clone();
+        adam_update(
+            &mut flat.params,
+            grad,
+            &mut flat.exp_avg,
+            &mut flat.exp_avg_sq,
+            (beta1, beta2, eps, weight_decay),
+            lr,
+            self.steps,
+        );
+        true
+    }
+
+    /// Each parameter on its own.
+    fn step_each(&mut self, params: &mut [(String, Tensor)], lr: f64) {
         for ((_, p), slots) in params.iter_mut().zip(self.slots.iter_mut()) {
             let grad = p.grad();
             if !grad.defined() {
@@ -178,13 +286,7 @@ impl Optimizer {
                     &OptimizerConfig::Adam { beta1, beta2, eps, weight_decay, .. },
                     Slots::Adam { exp_avg, exp_avg_sq },
                 ) => {
-                    let grad = with_decay(grad, p, weight_decay);
-                    let bias1 = 1.0 - beta1.powi(t);
-                    let bias2 = 1.0 - beta2.powi(t);
-                    let _ = exp_avg.g_mul_scalar_(beta1).g_add_(&(&grad * (1.0 - beta1)));
-                    let _ = exp_avg_sq.g_mul_scalar_(beta2).addcmul_(&(&grad * (1.0 - beta2)), &grad);
-                    let denom = exp_avg_sq.sqrt() / bias2.sqrt() + eps;
-                    let _ = p.addcdiv_(&(&*exp_avg * (-lr / bias1)), &denom);
+                    adam_update(p, grad, exp_avg, exp_avg_sq, (beta1, beta2, eps, weight_decay), lr, self.steps);
                 }
                 (
                     &OptimizerConfig::Rmsprop { alpha, eps, momentum, weight_decay, .. },
@@ -213,6 +315,38 @@ impl Optimizer {
             }
         }
     }
+}
+
+/// Adam's update of `p` (PyTorch's rule) at step `t` (1-based), in place.
+fn adam_update(
+    p: &mut Tensor,
+    grad: Tensor,
+    exp_avg: &mut Tensor,
+    exp_avg_sq: &mut Tensor,
+    (beta1, beta2, eps, weight_decay): (f64, f64, f64, f64),
+    lr: f64,
+    t: u64,
+) {
+    let t = t as i32;
+    let grad = with_decay(grad, p, weight_decay);
+    let bias1 = 1.0 - beta1.powi(t);
+    let bias2 = 1.0 - beta2.powi(t);
+    let _ = exp_avg.g_mul_scalar_(beta1).g_add_(&(&grad * (1.0 - beta1)));
+    let _ = exp_avg_sq.g_mul_scalar_(beta2).addcmul_(&(&grad * (1.0 - beta2)), &grad);
+    let denom = exp_avg_sq.sqrt() / bias2.sqrt() + eps;
+    let _ = p.addcdiv_(&(&*exp_avg * (-lr / bias1)), &denom);
+}
+
+/// Each parameter's element count, when they can share flat buffers (one kind, one device,
+/// contiguous); `None` otherwise.
+fn flat_layout(params: &[(String, Tensor)]) -> Option<Vec<i64>> {
+    let (_, first) = params.first()?;
+    params
+        .iter()
+        .map(|(_, p)| {
+            (p.kind() == first.kind() && p.device() == first.device() && p.is_contiguous()).then(|| p.numel() as i64)
+        })
+        .collect()
 }
 
 /// `grad + weight_decay * param` (L2 penalty), as PyTorch adds it.
@@ -357,6 +491,53 @@ mod tests {
             }
             assert_eq!(max_diff(&params, &expected), 0.0, "{config:?}");
         }
+    }
+
+    /// Adam's whole-model update gives the bits of the per-parameter one, and falls back to it
+    /// when a parameter has no gradient.
+    #[test]
+    fn flat_adam_is_bitwise_the_per_parameter_update() {
+        let config = OptimizerConfig::Adam { lr: 1e-2, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 1e-2 };
+        let (vs_a, net, x, y) = problem(9);
+        let (mut vs_b, net_b, ..) = problem(9);
+        vs_b.copy(&vs_a).unwrap();
+        let (mut a, mut b) = (sorted_params(&vs_a), sorted_params(&vs_b));
+        let mut flat = Optimizer::new(config.clone(), &a);
+        let mut each = Optimizer::new(config.clone(), &b);
+        assert!(flat.flat.is_some());
+        for step in 0..10 {
+            for params in [&mut a, &mut b] {
+                for (_, p) in params.iter_mut() {
+                    p.zero_grad();
+                }
+            }
+            net.forward(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+            net_b.forward(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+            let grads: Vec<_> = a.iter().map(|(_, p)| p.grad().copy()).collect();
+            tch::no_grad(|| b.iter().zip(&grads).for_each(|((_, p), g)| p.grad().copy_(g)));
+            flat.step(&mut a, config.lr());
+            each.steps += 1;
+            tch::no_grad(|| each.step_each(&mut b, config.lr()));
+            assert_eq!(max_diff(&a, &b), 0.0, "step {step}");
+            // The parameters and their gradients stay views of the flat buffers: backward
+            // accumulates in place, nothing is gathered or copied back.
+            let f = flat.flat.as_ref().unwrap();
+            assert!(f.aliases(&f.params, &a.iter().map(|(_, p)| p.shallow_clone()).collect::<Vec<_>>()));
+            assert!(f.aliases(f.grads.as_ref().unwrap(), &a.iter().map(|(_, p)| p.grad()).collect::<Vec<_>>()));
+        }
+        let state = |o: &Optimizer| o.state().into_iter().map(|(n, t)| (n, t.copy())).collect::<Vec<_>>();
+        assert_eq!(max_diff(&state(&flat), &state(&each)), 0.0);
+        // A parameter without a gradient: the per-parameter path, which leaves it alone.
+        let unused = Tensor::zeros([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        a.push(("unused".into(), unused.shallow_clone()));
+        let mut opt = Optimizer::new(config.clone(), &a);
+        assert!(opt.flat.is_some());
+        net.forward(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+        let before = a[0].1.detach().copy();
+        assert!(!opt.step_flat(&mut a, config.lr()));
+        opt.step(&mut a, config.lr());
+        assert!(max_diff(&a[..1], &[("".into(), before)]) > 0.0);
+        assert_eq!(unused.abs().sum(Kind::Float).double_value(&[]), 0.0);
     }
 
     #[test]

@@ -27,7 +27,9 @@ pub struct Buckets {
 fn host_buffer(len: usize, device: Device) -> Tensor {
     let t = Tensor::zeros([len as i64], (Kind::Float, Device::Cpu));
     if device.is_cuda() {
-        t.pin_memory(device)
+        // `_pin_memory`, not `pin_memory`: tch passes a device, which `pin_memory` warns about
+        // on every call since PyTorch 2.5.
+        t.internal_pin_memory(device)
     } else {
         t
     }

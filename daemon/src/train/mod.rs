@@ -410,7 +410,6 @@ pub fn run(
         cfg,
         info: &info,
         model: &model,
-        train_data: &train_data,
         test_data: &test_data,
         buckets,
         ctx,
@@ -419,9 +418,10 @@ pub fn run(
         metrics_log,
         checkpointer,
         stop: Arc::clone(stop),
-        cursor: None,
+        batches: Batches { data: &train_data, device: cfg.device, cursor: None },
         shown_epoch: None,
         epoch_time: Duration::ZERO,
+        phases: Phases::default(),
         epoch_examples: 0.0,
         train_time: Duration::ZERO,
         examples: 0.0,
@@ -455,13 +455,97 @@ pub fn run(
     trainer.summary(&state, &session)
 }
 
-/// An epoch's input pipeline, positioned at a step, keeping the batch it handed out last (a
-/// step abandoned and taken again needs it again).
+/// An epoch's input pipeline, positioned at a step, keeping the last two batches it handed out
+/// (already on the device): the step in flight's, which a step abandoned and taken again needs
+/// again, and the next one, taken while the device computes the current step.
 struct Cursor<'d> {
     epoch: u32,
     next: u64,
     pipeline: InputPipeline<'d>,
-    last: Option<(u64, Tensor, Tensor)>,
+    recent: Vec<(u64, Tensor, Tensor)>,
+}
+
+/// Batches `(epoch, step)` (0-based step) from `data`, on `device`, reopening the pipeline only
+/// when it is not positioned there.
+struct Batches<'d> {
+    data: &'d Dataset<'d>,
+    device: Device,
+    cursor: Option<Cursor<'d>>,
+}
+
+impl<'d> Batches<'d> {
+    fn get(&mut self, ctx: &InputContext, step: u64) -> Result<(Tensor, Tensor), TrainError> {
+        let epoch = ctx.epoch as u32;
+        if let Some(c) = self.cursor.as_ref().filter(|c| c.epoch == epoch) {
+            if let Some((_, xs, ys)) = c.recent.iter().find(|(s, ..)| *s == step) {
+                return Ok((xs.shallow_clone(), ys.shallow_clone()));
+            }
+        }
+        if !self.cursor.as_ref().is_some_and(|c| c.epoch == epoch && c.next == step) {
+            let mut pipeline = self.data.pipeline(ctx)?;
+            for _ in 0..step {
+                pipeline.next_batch()?;
+            }
+            self.cursor = Some(Cursor { epoch, next: step, pipeline, recent: Vec::new() });
+        }
+        let c = self.cursor.as_mut().expect("positioned");
+        let next = match c.pipeline.next_batch() {
+            Ok(next) => next,
+            Err(e) => {
+                // A pipeline that failed is not trusted to go on: the next request starts afresh
+                // (and meets the same error, if a prefetch swallowed it).
+                self.cursor = None;
+                return Err(e.into());
+            }
+        };
+        let (xs, ys) = next.ok_or(TrainError::NoSteps {
+            batch_size: ctx.per_replica_batch_size,
+            workers: ctx.num_input_pipelines as usize,
+        })?;
+        let (xs, ys) = (to_device(xs, self.device)?, to_device(ys, self.device)?);
+        c.next = step + 1;
+        if c.recent.len() == 2 {
+            let _ = c.recent.remove(0);
+        }
+        c.recent.push((step, xs.shallow_clone(), ys.shallow_clone()));
+        Ok((xs, ys))
+    }
+}
+
+/// `t` on `device`; to a GPU from page-locked memory without waiting, so the copy queues behind
+/// the step in flight instead of stalling the host.
+fn to_device(t: Tensor, device: Device) -> Result<Tensor, TrainError> {
+    let moved = match device {
+        // `_pin_memory`: see `collective::buckets`.
+        Device::Cuda(_) => t.f_internal_pin_memory(device).and_then(|p| p.f_to_device_(device, p.kind(), true, false)),
+        _ => t.f_to_device(device),
+    };
+    moved.map_err(|source| TrainError::Torch { what: "moving the batch to the device", source })
+}
+
+/// Host time per step, by phase, over an epoch.
+#[derive(Default)]
+struct Phases {
+    steps: u32,
+    /// Forward, loss, backward, waiting for the device, the all-reduce (the prefetch excluded).
+    step: Duration,
+    /// Making the next batch and queueing its copy to the device.
+    prefetch: Duration,
+    optimizer: Duration,
+}
+
+impl Phases {
+    fn report(self, epoch: u32) {
+        let per = |d: Duration| d.as_secs_f64() * 1e6 / f64::from(self.steps.max(1));
+        tracing::debug!(
+            "epoch {}: {} steps; per step: {:.0} us forward+backward+all-reduce, {:.0} us next batch, {:.0} us optimizer",
+            epoch + 1,
+            self.steps,
+            per(self.step.saturating_sub(self.prefetch)),
+            per(self.prefetch),
+            per(self.optimizer)
+        );
+    }
 }
 
 /// Everything the loop needs besides the state and the session.
@@ -469,7 +553,6 @@ struct Trainer<'a> {
     cfg: &'a RunConfig,
     info: &'a PluginInfo,
     model: &'a ModelInstance<'a>,
-    train_data: &'a Dataset<'a>,
     test_data: &'a Dataset<'a>,
     buckets: Buckets,
     ctx: InputContext,
@@ -478,9 +561,11 @@ struct Trainer<'a> {
     metrics_log: Option<std::io::BufWriter<std::fs::File>>,
     checkpointer: Option<Checkpointer>,
     stop: Arc<AtomicBool>,
-    cursor: Option<Cursor<'a>>,
+    batches: Batches<'a>,
     shown_epoch: Option<u32>,
     epoch_time: Duration,
+    /// Where this epoch's step time went (`TRAINERD_LOG=trainerd=debug` shows it).
+    phases: Phases,
     epoch_examples: f64,
     train_time: Duration,
     examples: f64,
@@ -556,31 +641,6 @@ impl<'a> Trainer<'a> {
         ));
     }
 
-    /// The batch of `step` (0-based) of `epoch`, reopening the pipeline only when it is not
-    /// positioned there.
-    fn batch(&mut self, epoch: u32, step: u64) -> Result<(Tensor, Tensor), TrainError> {
-        if let Some(Cursor { epoch: e, last: Some((s, xs, ys)), .. }) = &self.cursor {
-            if *e == epoch && *s == step {
-                return Ok((xs.shallow_clone(), ys.shallow_clone()));
-            }
-        }
-        if !self.cursor.as_ref().is_some_and(|c| c.epoch == epoch && c.next == step) {
-            let mut pipeline = self.train_data.pipeline(&self.ctx(epoch, true))?;
-            for _ in 0..step {
-                pipeline.next_batch()?;
-            }
-            self.cursor = Some(Cursor { epoch, next: step, pipeline, last: None });
-        }
-        let c = self.cursor.as_mut().expect("positioned");
-        let (xs, ys) = c.pipeline.next_batch()?.ok_or(TrainError::NoSteps {
-            batch_size: self.cfg.batch_size,
-            workers: self.ctx.num_input_pipelines as usize,
-        })?;
-        c.next = step + 1;
-        c.last = Some((step, xs.shallow_clone(), ys.shallow_clone()));
-        Ok((xs, ys))
-    }
-
     fn meta(&self, position: Position, world: usize) -> Meta {
         Meta {
             position,
@@ -626,7 +686,19 @@ impl<'a> Trainer<'a> {
                 continue;
             }
             let step = state.position.step_in_epoch + 1;
-            let batch = self.batch(epoch, step - 1).map_err(Interrupt::Fatal)?;
+            let ctx = self.ctx(epoch, true);
+            let batch = self.batches.get(&ctx, step - 1).map_err(Interrupt::Fatal)?;
+            let batches = &mut self.batches;
+            let phases = &mut self.phases;
+            // The next batch is made while the device computes this step (an error shows when
+            // that step asks for it).
+            let mut prefetch = || {
+                let began = Instant::now();
+                if step < spe {
+                    let _ = batches.get(&ctx, step);
+                }
+                phases.prefetch += began.elapsed();
+            };
             let global_step = state.position.global_step;
             let lr = lr_at(&cfg.schedule, cfg.optimizer.lr(), global_step, total_steps);
             tch::manual_seed(checkpoint::step_seed(cfg.seed, global_step));
@@ -637,12 +709,16 @@ impl<'a> Trainer<'a> {
                 &mut state.params,
                 &mut self.buckets,
                 session.ring(),
-                cfg.device,
                 (&batch.0, &batch.1),
                 stopping,
+                &mut prefetch,
             )
             .map_err(|e| session.interrupt(e))?;
+            let stepped = Instant::now();
             state.optimizer.step(&mut state.params, lr);
+            self.phases.step += stepped - began;
+            self.phases.optimizer += stepped.elapsed();
+            self.phases.steps += 1;
             let position = &mut state.position;
             position.global_step += 1;
             position.step_in_epoch = step;
@@ -729,6 +805,7 @@ impl<'a> Trainer<'a> {
         let mut values = totals.named(&self.info.metrics, "");
         values.extend(eval.named(&self.info.metrics, "val_"));
         let rate = self.epoch_examples / self.epoch_time.as_secs_f64().max(1e-9);
+        std::mem::take(&mut self.phases).report(epoch);
         self.progress.epoch_end(self.steps_per_epoch, self.epoch_time, &values, rate);
         self.commit(state, session.world())
     }

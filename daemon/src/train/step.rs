@@ -97,27 +97,27 @@ pub struct StepResult {
     pub stopping: Vec<usize>,
 }
 
-/// Forward, loss and backward on this worker's slice of the global batch, then the gradients
-/// averaged over the ring (with `stop` as this rank's stop flag). The parameters are untouched:
-/// the caller applies the update once this returns.
+/// Forward, loss and backward on this worker's slice of the global batch (on the device), then the gradients
+/// averaged over the ring (with `stop` as this rank's stop flag). `meanwhile` runs once the
+/// device has its work and before the host waits for it. The parameters are untouched: the
+/// caller applies the update once this returns.
 pub fn train_step(
     model: &ModelInstance<'_>,
     params: &mut [(String, Tensor)],
     buckets: &mut Buckets,
     ring: &mut Ring,
-    device: Device,
     (xs, labels): (&Tensor, &Tensor),
     stop: bool,
+    meanwhile: &mut dyn FnMut(),
 ) -> Result<StepResult, TrainError> {
-    let xs = xs.f_to_device(device).map_err(torch("moving the batch to the device"))?;
-    let labels = labels.f_to_device(device).map_err(torch("moving the batch to the device"))?;
-    let logits = model.forward(&xs, true)?;
-    let loss = model.loss(&logits, &labels)?;
-    let metrics = model.metrics(&logits.detach(), &labels)?;
+    let logits = model.forward(xs, true)?;
+    let loss = model.loss(&logits, labels)?;
+    let metrics = model.metrics(&logits.detach(), labels)?;
     for (_, p) in params.iter_mut() {
         p.zero_grad();
     }
     loss.f_backward().map_err(torch("backward"))?;
+    meanwhile();
     let sums = step_sums(xs.size()[0], &loss, &metrics)?;
     let (rank, world) = (ring.rank(), ring.world());
     if world == 1 {
