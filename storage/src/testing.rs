@@ -224,7 +224,7 @@ impl S3Server {
         for (flag, port) in flags.iter().zip(&ports) {
             cmd.arg(format!("-{flag}={port}"));
         }
-        let child = cmd.spawn().map_err(|e| format!("starting {}: {e}", weed.display()))?;
+        let child = spawn_tied_to_this_process(cmd).map_err(|e| format!("starting {}: {e}", weed.display()))?;
         let s3_port = ports[3];
         let mut server =
             S3Server { child, dir, endpoint: format!("http://127.0.0.1:{s3_port}"), bucket: "ckpt".into() };
@@ -241,6 +241,11 @@ impl S3Server {
             }
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// True once the bucket answers a signed request.
@@ -289,6 +294,48 @@ impl Drop for S3Server {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Spawns `cmd` so that it is killed when this process ends, however it ends: a server in a
+/// `static` is never dropped, and a test binary that aborts or is killed drops nothing.
+///
+/// The kernel's parent-death signal (`PR_SET_PDEATHSIG`) fires when the *thread* that forked
+/// the child exits, and test threads come and go; so every child is forked by one spawner
+/// thread that lives as long as the process.
+fn spawn_tied_to_this_process(mut cmd: std::process::Command) -> std::io::Result<std::process::Child> {
+    use std::os::unix::process::CommandExt;
+    use std::sync::mpsc;
+    type Request = (std::process::Command, mpsc::Sender<std::io::Result<std::process::Child>>);
+    static SPAWNER: std::sync::OnceLock<std::sync::Mutex<mpsc::Sender<Request>>> = std::sync::OnceLock::new();
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: prctl and getppid are async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before the signal was armed.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other("the test process ended before its server started"));
+            }
+            Ok(())
+        })
+    };
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Request>();
+        std::thread::Builder::new()
+            .name("test-server-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .expect("a thread");
+        std::sync::Mutex::new(tx)
+    });
+    let (reply, answer) = mpsc::channel();
+    spawner.lock().expect("not poisoned").send((cmd, reply)).expect("the spawner lives as long as the process");
+    answer.recv().expect("the spawner answers")
 }
 
 /// `n` ports below 55000, each free together with its +10000 twin.
