@@ -4,7 +4,8 @@
 //! Layout under a checkpoint location:
 //!
 //! ```text
-//! data/<id>/<blob>.safetensors   tensors of one checkpoint (id: a fresh UUID per commit)
+//! data/<id>/<blob>.safetensors   tensors of one checkpoint (id: g<generation>-w<writer>-<uuid>,
+//!                                 generation and writer in 16 hex digits, a fresh UUID per commit)
 //! data/<id>/manifest.json        each blob's size and sha256, and the training position
 //! commits/<sequence>.json        the commit record: points at a manifest (with its sha256)
 //! ```
@@ -16,6 +17,16 @@
 //! and so does one of the same generation when the latest commit is another writer's (each
 //! writer, a process, has its own id): of two chiefs that read the same latest commit, the
 //! first to commit fences the other.
+//!
+//! Collection (after each commit) never deletes data that a commit record names, readable or
+//! not: while any record cannot be read, no data is deleted at all, and retention, which
+//! removes the oldest records whatever their state, ends that. Of the data no record names it
+//! deletes only what can never be published: the collector's own (but the commit in flight),
+//! and the data of every writer the newest record fences (an older generation, or the same
+//! generation and another writer). A newer writer's data, or the newest record's writer's when
+//! that is not the collector, may be a commit in flight: it is spared until it is older than
+//! the grace period, as object stores' lifecycle rules treat unfinished multipart uploads. So is
+//! data whose id names no writer (written by trainerd before ids did).
 
 use std::collections::BTreeSet;
 
@@ -95,10 +106,58 @@ pub fn retention(sequences: &BTreeSet<u64>, keep: usize) -> Vec<u64> {
     sequences.iter().copied().take(sequences.len() - keep).collect()
 }
 
-/// Data ids that no commit record references and that are not being written: blobs of commits
-/// that never completed, or whose records retention removed.
-pub fn garbage(ids: &BTreeSet<String>, referenced: &BTreeSet<String>, in_flight: Option<&str>) -> Vec<String> {
-    ids.iter().filter(|id| !referenced.contains(*id) && Some(id.as_str()) != in_flight).cloned().collect()
+/// The data id of a new commit by writer `writer` of `generation`; `unique` makes it fresh.
+pub fn data_id(generation: u64, writer: u64, unique: &str) -> String {
+    format!("g{generation:016x}-w{writer:016x}-{unique}")
+}
+
+/// The (generation, writer) a data id names, if it names one.
+pub fn data_owner(id: &str) -> Option<(u64, u64)> {
+    let rest = id.strip_prefix('g')?;
+    let (generation, rest) = rest.split_at_checked(16)?;
+    let writer = rest.strip_prefix("-w")?.get(..16)?;
+    Some((u64::from_str_radix(generation, 16).ok()?, u64::from_str_radix(writer, 16).ok()?))
+}
+
+/// Data present under a location: its id, and when its newest object was written (ms since
+/// the Unix epoch).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DataIds {
+    /// Newest write per id.
+    pub newest_ms: std::collections::BTreeMap<String, u64>,
+}
+
+/// Who collects, and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Collector<'a> {
+    /// The collector's (generation, writer).
+    pub me: (u64, u64),
+    /// The data id of its commit in flight, if any.
+    pub in_flight: Option<&'a str>,
+    /// The newest commit record.
+    pub newest: Option<Latest>,
+    /// Now (ms since the Unix epoch).
+    pub now_ms: u64,
+    /// Unnamed data younger than this is spared (ms).
+    pub grace_ms: u64,
+}
+
+/// Data ids to delete, by the rule in the module docs. `referenced` holds the ids that
+/// readable records name; the caller deletes nothing while any record is unreadable.
+pub fn garbage(data: &DataIds, referenced: &BTreeSet<String>, c: Collector<'_>) -> Vec<String> {
+    let unpublishable = |id: &str| match data_owner(id) {
+        Some(owner) if owner == c.me => true,
+        Some((generation, writer)) => {
+            c.newest.is_some_and(|l| generation < l.generation || (generation == l.generation && writer != l.writer))
+        }
+        None => false,
+    };
+    data.newest_ms
+        .iter()
+        .filter(|(id, _)| !referenced.contains(*id) && Some(id.as_str()) != c.in_flight)
+        .filter(|(id, &newest)| unpublishable(id) || c.now_ms.saturating_sub(newest) >= c.grace_ms)
+        .map(|(id, _)| id.clone())
+        .collect()
 }
 
 #[cfg(test)]
@@ -137,10 +196,58 @@ mod tests {
     }
 
     #[test]
-    fn garbage_spares_referenced_and_in_flight() {
-        let ids: BTreeSet<String> = ["a", "b", "c", "d"].map(String::from).into();
-        let referenced: BTreeSet<String> = ["b"].map(String::from).into();
-        assert_eq!(garbage(&ids, &referenced, Some("d")), ["a", "c"]);
+    fn data_ids_name_their_writer() {
+        let id = data_id(3, 0xabc, "7d0c");
+        assert_eq!(id, "g0000000000000003-w0000000000000abc-7d0c");
+        assert_eq!(data_owner(&id), Some((3, 0xabc)));
+        assert_eq!(data_owner("7d0c5c3e-uuid-of-an-older-trainerd"), None);
+        assert_eq!(data_owner("g0000000000000003-x"), None);
+    }
+
+    #[test]
+    fn garbage_is_only_what_can_never_be_published() {
+        const HOUR: u64 = 3_600_000;
+        let now = 100 * HOUR;
+        let id = |g, w, u: &str| data_id(g, w, u);
+        let data = DataIds {
+            newest_ms: [
+                (id(2, 0xa, "mine-referenced"), now),
+                (id(2, 0xa, "mine-in-flight"), now),
+                (id(2, 0xa, "mine-failed"), now),
+                (id(1, 0xb, "older-generation"), now),
+                (id(2, 0xc, "same-generation-other-writer"), now),
+                (id(3, 0xd, "newer-writer-in-flight"), now),
+                (id(3, 0xd, "newer-writer-long-gone"), now - 2 * HOUR),
+                ("legacy-uuid-fresh".to_string(), now - HOUR / 2),
+                ("legacy-uuid-old".to_string(), now - 2 * HOUR),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        let referenced: BTreeSet<String> = [id(2, 0xa, "mine-referenced")].into();
+        let in_flight = id(2, 0xa, "mine-in-flight");
+        let c = Collector {
+            me: (2, 0xa),
+            in_flight: Some(&in_flight),
+            newest: Some(Latest { sequence: 9, generation: 2, writer: 0xa }),
+            now_ms: now,
+            grace_ms: HOUR,
+        };
+        let doomed = garbage(&data, &referenced, c);
+        assert_eq!(
+            doomed,
+            [
+                id(1, 0xb, "older-generation"),
+                id(2, 0xa, "mine-failed"),
+                id(2, 0xc, "same-generation-other-writer"),
+                id(3, 0xd, "newer-writer-long-gone"),
+                "legacy-uuid-old".to_string(),
+            ]
+        );
+        // A collector that is not the newest record's writer spares that writer's data: it
+        // may be committing right now.
+        let other = Collector { me: (1, 0xb), ..c };
+        assert!(!garbage(&data, &referenced, other).contains(&id(2, 0xa, "mine-failed")));
     }
 
     proptest! {

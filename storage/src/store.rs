@@ -215,12 +215,23 @@ pub struct CheckpointStore {
     root: Path,
     name: String,
     retry: Retry,
+    grace: Duration,
 }
+
+/// How long data that no record names, and that may be another writer's commit in flight, is
+/// spared by collection (see [`crate::protocol`]).
+pub const COLLECT_GRACE: Duration = Duration::from_secs(24 * 3600);
 
 impl CheckpointStore {
     /// A store over `store`, under `root`, called `name` in messages.
     pub fn new(store: Arc<dyn ObjectStore>, root: Path, name: impl Into<String>) -> CheckpointStore {
-        CheckpointStore { store, root, name: name.into(), retry: Retry::default() }
+        CheckpointStore { store, root, name: name.into(), retry: Retry::default(), grace: COLLECT_GRACE }
+    }
+
+    /// The same store with another grace period for data that may be in flight.
+    pub fn with_collect_grace(mut self, grace: Duration) -> CheckpointStore {
+        self.grace = grace;
+        self
     }
 
     /// The same store with another retry policy.
@@ -291,11 +302,21 @@ impl CheckpointStore {
     /// Commit records present, sorted by sequence (unreadable ones are skipped with a warning).
     pub async fn list(&self) -> Result<Vec<CommitRecord>, StorageError> {
         let mut out = Vec::new();
-        for seq in self.sequences().await? {
-            match self.record(seq).await {
+        for (_, record) in self.records().await? {
+            match record {
                 Ok(r) => out.push(r),
                 Err(e) => tracing::warn!("{e}"),
             }
+        }
+        Ok(out)
+    }
+
+    /// Every commit record present, by sequence, each as read: a record that cannot be read
+    /// (damaged, or its read failing after retries) is there with its error.
+    pub async fn records(&self) -> Result<Vec<(u64, Result<CommitRecord, StorageError>)>, StorageError> {
+        let mut out = Vec::new();
+        for seq in self.sequences().await? {
+            out.push((seq, self.record(seq).await));
         }
         Ok(out)
     }
@@ -368,7 +389,7 @@ impl CheckpointStore {
         checkpoint: &NewCheckpoint,
         keep: usize,
     ) -> Result<CommitRecord, StorageError> {
-        let id = uuid::Uuid::new_v4().to_string();
+        let id = protocol::data_id(checkpoint.generation, checkpoint.writer, &uuid::Uuid::new_v4().to_string());
 
         let mut entries = Vec::new();
         for blob in &checkpoint.blobs {
@@ -405,7 +426,7 @@ impl CheckpointStore {
             created_unix_ms: now,
         };
         self.create_record(&record).await?;
-        self.collect(keep, Some(&id)).await;
+        self.collect(keep, (checkpoint.generation, checkpoint.writer), Some(&id)).await;
         Ok(record)
     }
 
@@ -553,37 +574,56 @@ impl CheckpointStore {
     }
 
     /// Deletes all but the newest `keep` commits (record first, so no visible commit ever lacks
-    /// its data) and the data of commits that never completed. Best effort: a failure here is
-    /// logged and retried at the next commit.
-    pub async fn collect(&self, keep: usize, in_flight: Option<&str>) {
-        if let Err(e) = self.try_collect(keep, in_flight).await {
+    /// its data), then the data no commit can ever name (the rule is in [`crate::protocol`]);
+    /// `me` is the collector's (generation, writer), `in_flight` its commit's data id. Best
+    /// effort: a failure here is logged and retried at the next commit.
+    pub async fn collect(&self, keep: usize, me: (u64, u64), in_flight: Option<&str>) {
+        if let Err(e) = self.try_collect(keep, me, in_flight).await {
             tracing::warn!("{}: cleaning up old checkpoints: {e}", self.name);
         }
     }
 
-    async fn try_collect(&self, keep: usize, in_flight: Option<&str>) -> Result<(), StorageError> {
+    async fn try_collect(&self, keep: usize, me: (u64, u64), in_flight: Option<&str>) -> Result<(), StorageError> {
         let sequences = self.sequences().await?;
         for seq in protocol::retention(&sequences, keep) {
             let relative = format!("{COMMITS}/{}", protocol::commit_name(seq));
             let path = self.path(&relative);
             self.retrying("deleting", &relative, || async { self.store.delete(&path).await }).await?;
         }
-        let referenced: BTreeSet<String> =
-            self.list().await?.iter().filter_map(|r| r.data_id().map(String::from)).collect();
+        let records = self.records().await?;
+        if let Some((seq, Err(e))) = records.iter().find(|(_, r)| r.is_err()) {
+            tracing::warn!(
+                "{}: no checkpoint data is deleted while commit {seq} cannot be read (its data is unknown); retention                  removes that record in time: {e}",
+                self.name
+            );
+            return Ok(());
+        }
+        let records: Vec<CommitRecord> = records.into_iter().filter_map(|(_, r)| r.ok()).collect();
+        let referenced: BTreeSet<String> = records.iter().filter_map(|r| r.data_id().map(String::from)).collect();
+        let newest = records.last().map(|r| protocol::Latest {
+            sequence: r.sequence,
+            generation: r.generation,
+            writer: r.writer,
+        });
         // Ids are found from the objects themselves: a backend may keep empty "directories".
         let data = self.path(DATA);
         let objects = self
             .retrying("listing", DATA, || async { self.store.list(Some(&data)).try_collect::<Vec<_>>().await })
             .await?;
         let mut by_id: BTreeMap<String, Vec<Path>> = BTreeMap::new();
+        let mut ids = protocol::DataIds { newest_ms: BTreeMap::new() };
         for object in objects {
             let relative = self.relative(&object.location);
             if let Some(id) = relative.strip_prefix(&format!("{DATA}/")).and_then(|r| r.split('/').next()) {
+                let written = object.last_modified.timestamp_millis().max(0) as u64;
+                let newest = ids.newest_ms.entry(id.to_string()).or_default();
+                *newest = (*newest).max(written);
                 by_id.entry(id.to_string()).or_default().push(object.location);
             }
         }
-        let ids: BTreeSet<String> = by_id.keys().cloned().collect();
-        for id in protocol::garbage(&ids, &referenced, in_flight) {
+        let collector =
+            protocol::Collector { me, in_flight, newest, now_ms: unix_ms(), grace_ms: self.grace.as_millis() as u64 };
+        for id in protocol::garbage(&ids, &referenced, collector) {
             for location in &by_id[&id] {
                 let relative = self.relative(location);
                 self.retrying("deleting", &relative, || async { self.store.delete(location).await }).await?;

@@ -334,6 +334,75 @@ fn no_commit_is_made_over_a_newest_record_that_cannot_be_read() {
     }
 }
 
+/// Collection deletes no data while a record cannot be read (its data is unknown), not even
+/// data nothing could publish; retention removing that record ends it.
+#[test]
+fn while_a_record_cannot_be_read_no_data_is_deleted() {
+    let rt = rt();
+    for b in backends() {
+        let store = b.store();
+        rt.block_on(async {
+            let mut ids = Vec::new();
+            for step in 1..=3 {
+                ids.push(store.commit(&checkpoint(step, 1, false), 0).await.unwrap().data_id().unwrap().to_string());
+            }
+            // Record 2 is damaged, and a fenced writer left data behind.
+            b.raw
+                .put(&b.path("commits/00000000000000000002.json"), PutPayload::from_static(b"{damaged"))
+                .await
+                .unwrap();
+            let fenced = trainerd_storage::protocol::data_id(0, 9, "left-behind");
+            b.raw
+                .put(&b.path(&format!("data/{fenced}/model.safetensors")), PutPayload::from_static(b"x"))
+                .await
+                .unwrap();
+            let before = b.data_ids().await;
+            assert!(before.contains(&ids[1]) && before.contains(&fenced), "{}", b.name);
+            let fourth = store.commit(&checkpoint(4, 1, false), 0).await.unwrap();
+            let mut expected = before.clone();
+            expected.insert(fourth.data_id().unwrap().to_string());
+            assert_eq!(b.data_ids().await, expected, "{}: data was deleted beside an unreadable record", b.name);
+            // Retention removes the damaged record with the others; then collection goes on.
+            let fifth = store.commit(&checkpoint(5, 1, false), 1).await.unwrap();
+            assert_eq!(b.data_ids().await, [fifth.data_id().unwrap().to_string()].into(), "{}", b.name);
+        });
+    }
+}
+
+/// Two writers on one prefix (a restarted chief beside a stale one, or two jobs pointed at one
+/// place), committing at once with retention on: every record left names data that verifies.
+#[test]
+fn two_writers_on_one_prefix_never_lose_a_records_data() {
+    let rt = rt();
+    for b in backends() {
+        let (one, two) = (b.store(), b.store());
+        for round in 0..20u64 {
+            rt.block_on(async {
+                // Each round both writers are newer than every record so far, so both upload and
+                // race; which of the two is the newer alternates.
+                let write = |store: &CheckpointStore, generation: u64, writer: u64| {
+                    let store = store.clone();
+                    async move {
+                        for i in 0..2 {
+                            let c = NewCheckpoint { writer, ..checkpoint(round * 10 + i, generation, false) };
+                            match store.commit(&c, 2).await {
+                                Ok(_) | Err(StorageError::LostRace { .. } | StorageError::Fenced { .. }) => {}
+                                Err(e) => panic!("{e}"),
+                            }
+                        }
+                    }
+                };
+                let (g_one, g_two) = (2 * round + 1 + round % 2, 2 * round + 2 - round % 2);
+                tokio::join!(write(&one, g_one, 0xa), write(&two, g_two, 0xb));
+                for (seq, record) in one.records().await.unwrap() {
+                    record.unwrap_or_else(|e| panic!("{}: round {round}: {e}", b.name));
+                    one.load(seq).await.unwrap_or_else(|e| panic!("{}: round {round}: {e}", b.name));
+                }
+            });
+        }
+    }
+}
+
 #[test]
 fn retention_keeps_the_newest_k_and_their_data() {
     let rt = rt();
