@@ -28,9 +28,10 @@ pub fn utc(ms: u64) -> String {
     format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
-/// Lists commits: sequence, step, epoch, time, size, generation.
+/// Lists commits: sequence, step, epoch, time, size, generation; a record that cannot be read
+/// is listed as damaged, with why.
 pub fn list(store: &CheckpointStore) -> Result<String, StorageError> {
-    let records = runtime().block_on(store.list())?;
+    let records = runtime().block_on(store.records())?;
     if records.is_empty() {
         return Ok(format!("{}: no commits\n", store.name()));
     }
@@ -38,7 +39,14 @@ pub fn list(store: &CheckpointStore) -> Result<String, StorageError> {
         "{:>8}  {:>10}  {:>5}  {:<19}  {:>10}  {:>10}\n",
         "sequence", "step", "epoch", "time (UTC)", "bytes", "generation"
     );
-    for r in records {
+    for (sequence, record) in records {
+        let r = match record {
+            Ok(r) => r,
+            Err(e) => {
+                out.push_str(&format!("{sequence:>8}  DAMAGED: {e}\n"));
+                continue;
+            }
+        };
         out.push_str(&format!(
             "{:>8}  {:>10}  {:>5}  {:<19}  {:>10}  {:>10}\n",
             r.sequence,
@@ -79,7 +87,8 @@ pub fn verify(store: &CheckpointStore, sequence: Option<u64>, out: &mut dyn Writ
     let rt = runtime();
     let sequences: Vec<u64> = match sequence {
         Some(s) => vec![s],
-        None => rt.block_on(store.list())?.iter().map(|r| r.sequence).collect(),
+        // Every record present, the unreadable ones too: they are damage to report.
+        None => rt.block_on(store.records())?.iter().map(|(seq, _)| *seq).collect(),
     };
     if sequences.is_empty() {
         return Err(StorageError::NoCommit { location: store.name().into(), detail: String::new() });

@@ -122,6 +122,20 @@ fn a_damaged_commit_fails_verify_and_the_daemon_resumes_from_the_previous_one() 
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("warning: skipped a damaged checkpoint: "), "{stdout}");
     assert!(stdout.contains("trainerd: resumed from checkpoint 2 in "), "{stdout}");
+
+    // A commit record that cannot be read: verify names it and fails, list shows it damaged.
+    let oldest = std::fs::read_dir(ckpt.join("commits")).unwrap().map(|e| e.unwrap().path()).min().unwrap();
+    let seq: u64 = oldest.file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    std::fs::write(&oldest, "{damaged").unwrap();
+    let out = trainerd().args(["ckpt", "verify"]).arg(&ckpt).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let name = oldest.file_name().unwrap().to_str().unwrap();
+    let damaged = format!("{}: commit {seq}: commit record commits/{name} is not valid: ", ckpt.display());
+    assert!(stdout.contains(&format!("DAMAGED {damaged}")), "{stdout}");
+    let out = trainerd().args(["ckpt", "list"]).arg(&ckpt).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains(&format!("{seq:>8}  DAMAGED: {damaged}")), "{stdout}");
 }
 
 #[test]
