@@ -211,17 +211,26 @@ impl Checkpointer {
         })
     }
 
+    /// Proves that the location's server refuses a second create-if-absent write (see
+    /// [`CheckpointStore::probe_create_if_absent`]); `endpoint` names it.
+    pub fn probe(&self, endpoint: &str) -> Result<(), StorageError> {
+        self.runtime.block_on(self.store.probe_create_if_absent(endpoint))
+    }
+
     /// The location's name.
     pub fn location(&self) -> &str {
         self.store.name()
     }
 
-    /// The newest verified commit, if any, and the generation of the newest commit record (which
-    /// the cluster's next generation must exceed).
+    /// The newest verified commit, if any, and the newest generation the location has seen, in
+    /// a commit record or in data a writer left (which the cluster's next generation must
+    /// exceed, so that every earlier writer is fenced).
     pub fn restore(&mut self) -> Result<(Option<Restored>, u64), StorageError> {
         let latest = self.runtime.block_on(self.store.latest())?;
         let newest = self.runtime.block_on(self.store.latest_record()).ok().flatten();
-        let floor = newest.map_or(0, |r| r.generation).max(latest.as_ref().map_or(0, |r| r.record.generation));
+        let written = self.runtime.block_on(self.store.newest_data_generation())?;
+        let floor =
+            newest.map_or(0, |r| r.generation).max(latest.as_ref().map_or(0, |r| r.record.generation)).max(written);
         self.generation = floor + 1;
         if let Some(r) = &latest {
             self.committed = Some((r.record.global_step, r.record.epoch));

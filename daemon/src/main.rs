@@ -123,11 +123,20 @@ struct S3Args {
     /// Allow plain http to the endpoint (always allowed on loopback).
     #[arg(long)]
     s3_allow_http: bool,
+    /// Do not prove, before the first commit, that the server refuses a second create-if-absent
+    /// write (commits rely on it; a warning says it was skipped).
+    #[arg(long)]
+    s3_skip_probe: bool,
 }
 
 impl S3Args {
     fn options(&self) -> S3Options {
-        S3Options { endpoint: self.s3_endpoint.clone(), region: self.s3_region.clone(), allow_http: self.s3_allow_http }
+        S3Options {
+            endpoint: self.s3_endpoint.clone(),
+            region: self.s3_region.clone(),
+            allow_http: self.s3_allow_http,
+            skip_probe: self.s3_skip_probe,
+        }
     }
 }
 

@@ -92,6 +92,15 @@ pub struct S3Options {
     pub region: Option<String>,
     /// Allow plain http (always allowed for a loopback endpoint).
     pub allow_http: bool,
+    /// Do not prove that the server honours create-if-absent before committing.
+    pub skip_probe: bool,
+}
+
+impl S3Options {
+    /// The endpoint requests go to, as messages name it.
+    pub fn endpoint_name(&self) -> String {
+        self.endpoint.clone().or_else(|| std::env::var("AWS_ENDPOINT_URL").ok()).unwrap_or_else(|| "AWS S3".to_string())
+    }
 }
 
 /// Why a location could not be opened.

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use futures::TryStreamExt;
 use object_store::path::Path;
-use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart};
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -67,6 +67,21 @@ pub enum StorageError {
         sequence: u64,
         /// What is wrong.
         what: String,
+    },
+    /// A server that does not refuse a second create-if-absent write of one object.
+    #[error(
+        "{location}: {endpoint} does not honour create-if-absent writes: a second create of {probe} succeeded, \
+         where it must be refused (If-None-Match: *, HTTP 412 Precondition Failed); two chiefs could then \
+         overwrite each other's commits, so none is made there (use a server with conditional writes, or \
+         --s3-skip-probe at your own risk)"
+    )]
+    NoConditionalWrites {
+        /// The checkpoint location.
+        location: String,
+        /// The server.
+        endpoint: String,
+        /// The probe object.
+        probe: String,
     },
     /// Nothing committed (or nothing that verifies).
     #[error("{location}: no committed checkpoint{detail}")]
@@ -340,6 +355,34 @@ impl CheckpointStore {
         Ok(record)
     }
 
+    /// Proves that the backend refuses a second create-if-absent write of one object, which
+    /// commits rely on: writes a probe object twice (the second must fail with "already
+    /// exists"), then removes it. `endpoint` names the server in the error.
+    pub async fn probe_create_if_absent(&self, endpoint: &str) -> Result<(), StorageError> {
+        let relative = format!(".trainerd-probe-{}", uuid::Uuid::new_v4());
+        let path = self.path(&relative);
+        let create = || async {
+            let opts = PutOptions { mode: PutMode::Create, ..Default::default() };
+            self.store.put_opts(&path, PutPayload::from_static(b"trainerd create-if-absent probe"), opts).await
+        };
+        self.retrying("creating", &relative, create).await?;
+        let second = self.retrying("creating", &relative, create).await;
+        let _ = self.retrying("deleting", &relative, || async { self.store.delete(&path).await }).await;
+        match second {
+            Err(StorageError::Backend { source, .. })
+                if matches!(*source, object_store::Error::AlreadyExists { .. }) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(e),
+            Ok(_) => Err(StorageError::NoConditionalWrites {
+                location: self.name.clone(),
+                endpoint: endpoint.to_string(),
+                probe: relative,
+            }),
+        }
+    }
+
     /// Commits `checkpoint` as the next sequence, then keeps only the newest `keep` commits (0:
     /// all) and collects the blobs of commits that never completed.
     pub async fn commit(&self, checkpoint: &NewCheckpoint, keep: usize) -> Result<CommitRecord, StorageError> {
@@ -371,6 +414,25 @@ impl CheckpointStore {
         };
         protocol::next_sequence(latest, generation, writer)
             .map_err(|source| StorageError::Fenced { location: self.name.clone(), source })
+    }
+
+    /// The newest generation any writer has written data with (0 if none names one): a new
+    /// chief takes a generation above it, so that the data of every earlier writer, committed
+    /// or not, is fenced and collectable.
+    pub async fn newest_data_generation(&self) -> Result<u64, StorageError> {
+        let data = self.path(DATA);
+        let objects = self
+            .retrying("listing", DATA, || async { self.store.list(Some(&data)).try_collect::<Vec<_>>().await })
+            .await?;
+        Ok(objects
+            .iter()
+            .filter_map(|o| {
+                let relative = self.relative(&o.location);
+                let id = relative.strip_prefix(&format!("{DATA}/"))?.split('/').next()?.to_string();
+                protocol::data_owner(&id).map(|(generation, _)| generation)
+            })
+            .max()
+            .unwrap_or(0))
     }
 
     /// The newest commit record, if any (unverified: for the generation fencing starts above).
@@ -471,22 +533,64 @@ impl CheckpointStore {
             let payload: PutPayload = chunks.iter().cloned().collect();
             self.retrying("writing", relative, || async { self.store.put(&path, payload.clone()).await }).await?;
         } else {
-            self.retrying("writing", relative, || async {
-                let upload = self.store.put_multipart(&path).await?;
-                let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
-                for chunk in chunks {
-                    // Bounds the parts in flight; each part references the snapshot, no copy.
-                    writer.wait_for_capacity(4).await?;
-                    writer.put(chunk.clone());
-                }
-                writer.finish().await
-            })
-            .await?;
+            self.retrying("writing", relative, || self.upload_multipart(&path, chunks)).await?;
         }
         let sha256 = hashing
             .await
             .map_err(|e| self.backend("hashing", relative, object_store::Error::JoinError { source: e }))?;
         Ok((size as u64, sha256))
+    }
+
+    /// One multipart upload of `chunks` in parts of [`PART_BYTES`] (each part references the
+    /// snapshot, no copy), at most four in flight. An upload that fails is aborted, so that the
+    /// server drops its parts; one that a killed process leaves behind is the server's lifecycle
+    /// rule's to clean (README: "Checkpoints on S3").
+    async fn upload_multipart(&self, path: &Path, chunks: &[Bytes]) -> object_store::Result<object_store::PutResult> {
+        let mut upload = self.store.put_multipart(path).await?;
+        let mut parts = Vec::new();
+        let mut part: Vec<Bytes> = Vec::new();
+        let mut filled = 0;
+        for chunk in chunks {
+            let mut rest = chunk.clone();
+            while !rest.is_empty() {
+                let take = rest.len().min(PART_BYTES - filled);
+                part.push(rest.split_to(take));
+                filled += take;
+                if filled == PART_BYTES {
+                    parts.push(std::mem::take(&mut part).into_iter().collect::<PutPayload>());
+                    filled = 0;
+                }
+            }
+        }
+        if !part.is_empty() {
+            parts.push(part.into_iter().collect::<PutPayload>());
+        }
+        let mut in_flight = futures::stream::FuturesUnordered::new();
+        let mut sent = Ok(());
+        for payload in parts {
+            if in_flight.len() == 4 {
+                if let Some(Err(e)) = futures::StreamExt::next(&mut in_flight).await {
+                    sent = Err(e);
+                    break;
+                }
+            }
+            in_flight.push(upload.put_part(payload));
+        }
+        while let Some(done) = futures::StreamExt::next(&mut in_flight).await {
+            if let (Ok(()), Err(e)) = (&sent, done) {
+                sent = Err(e);
+            }
+        }
+        let result = match sent {
+            Ok(()) => upload.complete().await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = &result {
+            if let Err(abort) = upload.abort().await {
+                tracing::warn!("{}: aborting the failed upload of {path} ({e}): {abort}", self.name);
+            }
+        }
+        result
     }
 
     /// Reads an object of commit `sequence` and checks it against the `(sha256, size)` that

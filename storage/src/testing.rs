@@ -11,8 +11,8 @@ use async_trait::async_trait;
 use futures::stream::{BoxStream, StreamExt};
 use object_store::path::Path;
 use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore, PutMultipartOptions,
-    PutOptions, PutPayload, PutResult, UploadPart,
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore, PutMode,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult, UploadPart,
 };
 
 #[derive(Debug, Default)]
@@ -20,6 +20,10 @@ struct Counters {
     writes: AtomicUsize,
     crash_at: AtomicUsize,
     transient: AtomicUsize,
+    /// Writes lose their create-if-absent condition (a server that ignores `If-None-Match`).
+    ignore_conditions: std::sync::atomic::AtomicBool,
+    /// Multipart uploads aborted.
+    aborts: AtomicUsize,
 }
 
 impl Counters {
@@ -69,6 +73,17 @@ impl FaultStore {
     pub fn fail_next(&self, n: usize) {
         self.counters.transient.store(n, Ordering::SeqCst);
     }
+
+    /// Multipart uploads aborted so far.
+    pub fn aborts(&self) -> usize {
+        self.counters.aborts.load(Ordering::SeqCst)
+    }
+
+    /// From now on, overwrite where a write asks to create only if absent, as a server that
+    /// ignores `If-None-Match: *` does.
+    pub fn ignore_conditions(&self) {
+        self.counters.ignore_conditions.store(true, Ordering::SeqCst);
+    }
 }
 
 impl fmt::Display for FaultStore {
@@ -98,6 +113,7 @@ impl MultipartUpload for FaultUpload {
     }
 
     async fn abort(&mut self) -> object_store::Result<()> {
+        self.counters.aborts.fetch_add(1, Ordering::SeqCst);
         self.inner.abort().await
     }
 }
@@ -111,6 +127,10 @@ impl ObjectStore for FaultStore {
         opts: PutOptions,
     ) -> object_store::Result<PutResult> {
         self.counters.write(&format!("put {location}"))?;
+        let mut opts = opts;
+        if self.counters.ignore_conditions.load(Ordering::SeqCst) && opts.mode == PutMode::Create {
+            opts.mode = PutMode::Overwrite;
+        }
         self.inner.put_opts(location, payload, opts).await
     }
 

@@ -147,7 +147,8 @@ fn commit_then_restore_is_bit_identical() {
 }
 
 /// Stops a commit at every write point in turn: the visible latest is always a complete,
-/// verified commit (the previous one or the new one), and the next commit cleans up.
+/// verified commit (the previous one or the new one), a multipart upload that failed was
+/// aborted, and the next commit cleans up. Every backend, S3 too, with a multipart blob.
 #[test]
 fn a_commit_stopped_at_any_write_leaves_a_complete_latest() {
     let rt = rt();
@@ -155,19 +156,22 @@ fn a_commit_stopped_at_any_write_leaves_a_complete_latest() {
         rt.block_on(async {
             let base = checkpoint(1, 1, false);
             b.store().commit(&base, 0).await.unwrap();
-            let big = b.name != "s3";
-            let next = checkpoint(2, 1, big);
+            let next = checkpoint(2, 1, true);
             // How many writes a full commit makes.
             let (fault, counting) = b.faulty();
             counting.commit(&next, 0).await.unwrap();
             let writes = fault.writes();
-            // A multipart blob alone is 4 writes (start, two parts, complete): every one of them
-            // is a crash point below.
-            assert!(writes >= if big { 7 } else { 4 }, "{}: {writes} writes", b.name);
+            // The multipart blob comes first: 4 writes (start, two parts, complete), every one
+            // of them a crash point below.
+            assert!(writes >= 7, "{}: {writes} writes", b.name);
+            assert_eq!(fault.aborts(), 0);
             for crash in 0..writes {
                 let (fault, store) = b.faulty();
                 fault.crash_at(crash);
                 let result = store.commit(&next, 0).await;
+                // Once the upload exists, a failed part or completion aborts it.
+                let aborted = usize::from((1..=3).contains(&crash));
+                assert_eq!(fault.aborts(), aborted, "{}: crash at write {crash}", b.name);
                 let latest = b.store().latest().await.unwrap().unwrap_or_else(|| panic!("{}: nothing visible", b.name));
                 assert!(latest.fallbacks.is_empty(), "{}: crash at {crash}: {:?}", b.name, latest.fallbacks);
                 let expected = if result.is_ok() { tensors_of(&next) } else { latest.blobs.clone() };
@@ -331,6 +335,61 @@ fn no_commit_is_made_over_a_newest_record_that_cannot_be_read() {
             "{err}"
         );
         assert!(err.ends_with("; no commit is made over a newest record that cannot be read (its generation is unknown): repair or remove it"), "{err}");
+    }
+}
+
+/// Commits rely on create-if-absent: a server that ignores it is found out before any commit,
+/// and the probe leaves nothing behind.
+#[test]
+fn a_server_that_ignores_create_if_absent_is_found_out() {
+    let rt = rt();
+    for b in backends() {
+        rt.block_on(async {
+            b.store().probe_create_if_absent("the test server").await.unwrap_or_else(|e| panic!("{}: {e}", b.name));
+            let (fault, store) = b.faulty();
+            fault.ignore_conditions();
+            let err = store.probe_create_if_absent("http://127.0.0.1:9").await.unwrap_err().to_string();
+            let start = format!(
+                "{}: http://127.0.0.1:9 does not honour create-if-absent writes: a second create of .trainerd-probe-",
+                b.name
+            );
+            assert!(err.starts_with(&start), "{err}");
+            assert!(
+                err.ends_with(
+                    " succeeded, where it must be refused (If-None-Match: *, HTTP 412 Precondition Failed); two \
+                     chiefs could then overwrite each other's commits, so none is made there (use a server with \
+                     conditional writes, or --s3-skip-probe at your own risk)"
+                ),
+                "{err}"
+            );
+            use futures::TryStreamExt;
+            let left: Vec<_> = b.raw.list(Some(&b.root)).try_collect().await.unwrap();
+            assert!(left.is_empty(), "{}: the probe left {left:?}", b.name);
+        });
+    }
+}
+
+/// A chief starting from storage takes a generation above every writer's, the ones that left
+/// only data too; then their data is fenced and its first commit collects it.
+#[test]
+fn data_left_by_a_newer_writer_raises_the_floor_and_is_then_collected() {
+    let rt = rt();
+    for b in backends() {
+        let store = b.store();
+        rt.block_on(async {
+            assert_eq!(store.newest_data_generation().await.unwrap(), 0);
+            store.commit(&checkpoint(1, 5, false), 0).await.unwrap();
+            // A chief of generation 9 died before its record: only its data is there.
+            let left = trainerd_storage::protocol::data_id(9, 2, "died-mid-commit");
+            b.raw.put(&b.path(&format!("data/{left}/model.safetensors")), PutPayload::from_static(b"x")).await.unwrap();
+            assert_eq!(store.newest_data_generation().await.unwrap(), 9, "{}", b.name);
+            // Below the floor it is another writer's commit in flight: spared.
+            store.commit(&checkpoint(2, 5, false), 0).await.unwrap();
+            assert!(b.data_ids().await.contains(&left), "{}", b.name);
+            // Above it, fenced: collected.
+            store.commit(&checkpoint(3, 10, false), 0).await.unwrap();
+            assert!(!b.data_ids().await.contains(&left), "{}", b.name);
+        });
     }
 }
 

@@ -331,7 +331,19 @@ pub fn run(
     let mut checkpointer = match (&cfg.checkpoint, chief) {
         (Some(c), true) => {
             let store = c.location.open(&c.s3).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-            Some(Checkpointer::new(store, c.every, c.keep).map_err(TrainError::Checkpoint)?)
+            let checkpointer = Checkpointer::new(store, c.every, c.keep).map_err(TrainError::Checkpoint)?;
+            if matches!(c.location, Location::S3 { .. }) {
+                let endpoint = c.s3.endpoint_name();
+                if c.s3.skip_probe {
+                    progress.line(&format!(
+                        "warning: --s3-skip-probe: not checking that {endpoint} refuses a second create-if-absent \
+                         write; if it does not, two chiefs can overwrite each other's commits"
+                    ));
+                } else {
+                    checkpointer.probe(&endpoint).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+                }
+            }
+            Some(checkpointer)
         }
         _ => None,
     };
