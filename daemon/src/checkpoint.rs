@@ -287,6 +287,11 @@ impl Checkpointer {
         }
     }
 
+    /// Whether a commit is still uploading.
+    pub fn busy(&self) -> bool {
+        self.in_flight.as_ref().is_some_and(|(_, _, h)| !h.is_finished())
+    }
+
     /// Starts committing `blobs` (a snapshot in host memory) with `meta`, after the previous
     /// commit finishes.
     pub fn commit(&mut self, blobs: Vec<Blob>, meta: &Meta, report: &mut dyn FnMut(String)) -> Result<(), String> {

@@ -188,3 +188,105 @@ fn checkpoints_on_s3() {
     );
     assert_eq!(first, again);
 }
+
+/// The S3-compatible server goes away for longer than a commit interval in the middle of a run,
+/// then comes back: training never stops (failed or skipped commits are warnings), commits
+/// resume, the run exits 0, its final commit verifies, and the model resumed from it is
+/// bitwise the uninterrupted run's.
+#[test]
+fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
+    use std::io::BufRead;
+    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+    let tmp = tempfile::tempdir().unwrap();
+    let args = |ckpt: &str, summary: &Path| {
+        let mut cmd = trainerd();
+        cmd.args(["run", "--threads", "1", "--seed", "5", "--epochs", "16"])
+            .args(["--checkpoint-every", "200", "--checkpoint-dir", ckpt])
+            .arg("--plugin")
+            .arg(plugin("linear"))
+            .arg("--data")
+            .arg(fashion_mnist())
+            .arg("--summary")
+            .arg(summary);
+        cmd
+    };
+    let reference = args(tmp.path().join("local").to_str().unwrap(), &tmp.path().join("ref.json")).output().unwrap();
+    assert!(reference.status.success(), "{}", text(&reference));
+    let expected = json(&tmp.path().join("ref.json"))["params_sha256"].as_str().unwrap().to_string();
+
+    let mut server = S3Server::start().unwrap_or_else(|e| panic!("S3-compatible test server: {e}"));
+    let env = server.env();
+    let url = format!("s3://{}/outage", server.bucket);
+    let log = tmp.path().join("steps.jsonl");
+    let mut child = args(&url, &tmp.path().join("a.json"))
+        .arg("--metrics-log")
+        .arg(&log)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    for stream in [
+        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(child.stderr.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    drop(tx);
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let next = |seen: &mut Vec<String>| {
+        let line = lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("no more output:\n{}", seen.join("\n")));
+        seen.push(line.clone());
+        line
+    };
+    while !next(&mut seen).starts_with("checkpoint 1 committed") {}
+    let now = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
+    server.stop();
+    let down = now();
+    std::thread::sleep(Duration::from_secs(2));
+    server.restart().unwrap();
+    let up = now();
+    while let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        seen.push(line);
+    }
+    let status = child.wait().unwrap();
+    let transcript = seen.join("\n");
+    assert!(status.success(), "{status}\n{transcript}");
+    // Training went on while the server was away, and said what happened to the commits.
+    let steps_while_down = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["time"].as_f64().unwrap())
+        .filter(|t| *t > down + 0.5 && *t < up)
+        .count();
+    assert!(steps_while_down > 100, "{steps_while_down} steps while storage was down\n{transcript}");
+    assert!(transcript.contains("is still uploading"), "{transcript}");
+    // Commits resumed before the end of training (the last epoch's line comes after them).
+    let after: Vec<&str> =
+        seen.iter().skip_while(|l| !l.starts_with("checkpoint 1 committed")).skip(1).map(String::as_str).collect();
+    let resumed_at = after.iter().position(|l| l.starts_with("checkpoint ") && l.contains(" committed to "));
+    let last_epoch = after.iter().position(|l| l.starts_with("Epoch 16/16"));
+    assert!(resumed_at.is_some() && resumed_at < last_epoch, "{transcript}");
+    assert_eq!(json(&tmp.path().join("a.json"))["params_sha256"].as_str().unwrap(), expected, "{transcript}");
+    let out = trainerd().args(["ckpt", "verify", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    // The model resumed from the final commit is the uninterrupted run's.
+    let resumed = args(&url, &tmp.path().join("b.json")).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+    assert!(resumed.status.success(), "{}", text(&resumed));
+    assert!(String::from_utf8_lossy(&resumed.stdout).contains(" is the end of this run "), "{}", text(&resumed));
+    assert_eq!(
+        json(&tmp.path().join("b.json"))["params_sha256"].as_str().unwrap(),
+        expected,
+        "{}\n{transcript}",
+        text(&resumed)
+    );
+}

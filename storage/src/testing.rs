@@ -183,6 +183,8 @@ impl ObjectStore for FaultStore {
 pub struct S3Server {
     child: std::process::Child,
     dir: std::path::PathBuf,
+    weed: std::path::PathBuf,
+    ports: Vec<u16>,
     /// `http://127.0.0.1:PORT`.
     pub endpoint: String,
     /// The bucket it created.
@@ -221,6 +223,26 @@ impl S3Server {
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         // weed derives gRPC ports as port + 10000: pick ports whose +10000 twin is free too.
         let ports = free_port_pairs(9)?;
+        let child = S3Server::spawn(&weed, &dir, &ports)?;
+        let endpoint = format!("http://127.0.0.1:{}", ports[3]);
+        let mut server = S3Server { child, dir, weed, ports, endpoint, bucket: "ckpt".into() };
+        server.wait_ready()?;
+        Ok(server)
+    }
+
+    /// Stops the server (an outage): it refuses connections until [`S3Server::restart`].
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the stopped server again on the same ports and data.
+    pub fn restart(&mut self) -> Result<(), String> {
+        self.child = S3Server::spawn(&self.weed, &self.dir, &self.ports)?;
+        self.wait_ready()
+    }
+
+    fn spawn(weed: &std::path::Path, dir: &std::path::Path, ports: &[u16]) -> Result<std::process::Child, String> {
         let flags = [
             "master.port",
             "volume.port",
@@ -232,7 +254,7 @@ impl S3Server {
             "debug.port",
             "s3.debug.port",
         ];
-        let mut cmd = std::process::Command::new(&weed);
+        let mut cmd = std::process::Command::new(weed);
         cmd.arg("mini")
             .arg(format!("-dir={}", dir.display()))
             .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-bucket=ckpt", "-admin.ui=false", "-webdav=false"])
@@ -241,20 +263,21 @@ impl S3Server {
             .env("AWS_SECRET_ACCESS_KEY", S3_SECRET)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null());
-        for (flag, port) in flags.iter().zip(&ports) {
+        for (flag, port) in flags.iter().zip(ports) {
             cmd.arg(format!("-{flag}={port}"));
         }
-        let child = spawn_tied_to_this_process(cmd).map_err(|e| format!("starting {}: {e}", weed.display()))?;
-        let s3_port = ports[3];
-        let mut server =
-            S3Server { child, dir, endpoint: format!("http://127.0.0.1:{s3_port}"), bucket: "ckpt".into() };
+        spawn_tied_to_this_process(cmd).map_err(|e| format!("starting {}: {e}", weed.display()))
+    }
+
+    /// Waits until the S3 endpoint answers.
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         loop {
-            if let Ok(Some(status)) = server.child.try_wait() {
+            if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(format!("weed mini exited at start: {status}"));
             }
-            if server.bucket_ready() {
-                return Ok(server);
+            if self.bucket_ready() {
+                return Ok(());
             }
             if std::time::Instant::now() > deadline {
                 return Err("weed mini did not answer within 60s".into());

@@ -664,11 +664,21 @@ impl<'a> Trainer<'a> {
         }
     }
 
-    /// On the chief: starts committing `state` unless it is already committed.
-    fn commit(&mut self, state: &TrainState, world: usize) -> Result<(), Interrupt> {
+    /// On the chief: starts committing `state` unless it is already committed. A periodic
+    /// commit (`last` false) is skipped while the previous one is still uploading (storage slow
+    /// or down): training never waits for storage but at the end of the run or a stop.
+    fn commit(&mut self, state: &TrainState, world: usize, last: bool) -> Result<(), Interrupt> {
         let meta = self.meta(state.position.clone(), world);
         let Some(c) = self.checkpointer.as_mut() else { return Ok(()) };
         if c.has(state.progress()) {
+            return Ok(());
+        }
+        if !last && c.busy() {
+            self.progress.line(&format!(
+                "warning: checkpoint at step {} skipped: the previous commit to {} is still uploading",
+                state.position.global_step,
+                c.location()
+            ));
             return Ok(());
         }
         let fatal = |e: String| Interrupt::Fatal(TrainError::Checkpoint(e));
@@ -798,7 +808,7 @@ impl<'a> Trainer<'a> {
         let progress = &mut *self.progress;
         c.poll(&mut |m| progress.line(&m));
         if c.every > 0 && position.global_step % c.every == 0 && position.step_in_epoch < self.steps_per_epoch {
-            self.commit(state, world)?;
+            self.commit(state, world, false)?;
         }
         Ok(())
     }
@@ -819,7 +829,7 @@ impl<'a> Trainer<'a> {
         let rate = self.epoch_examples / self.epoch_time.as_secs_f64().max(1e-9);
         std::mem::take(&mut self.phases).report(epoch);
         self.progress.epoch_end(self.steps_per_epoch, self.epoch_time, &values, rate);
-        self.commit(state, session.world())
+        self.commit(state, session.world(), false)
     }
 
     /// After `train`: the end of the run (every member's final barrier, the chief's last commit
@@ -836,7 +846,7 @@ impl<'a> Trainer<'a> {
             Ended::Finished => {
                 // The last commit completes before anyone leaves: a chief lost during it is
                 // recovered from a member that still holds the final state.
-                self.commit(state, session.world())?;
+                self.commit(state, session.world(), true)?;
                 self.commit_wait();
                 session.barrier(FINAL_BARRIER)?;
                 session.finish();
@@ -845,7 +855,7 @@ impl<'a> Trainer<'a> {
             Ended::Stop(stopping) => {
                 let names: Vec<String> = stopping.iter().map(|&r| session.name(r)).collect();
                 let step = state.position.global_step;
-                self.commit(state, session.world())?;
+                self.commit(state, session.world(), true)?;
                 let saved = self.commit_wait();
                 session.barrier(&format!("stop@{step}"))?;
                 if stopping.contains(&rank) {
