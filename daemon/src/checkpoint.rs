@@ -181,6 +181,8 @@ pub struct Checkpointer {
     generation: u64,
     writer: u64,
     in_flight: Option<InFlight>,
+    /// The store's transient failures when the commit in flight began.
+    failures_before: u64,
     /// Progress (global step, epoch) of the newest state committed or restored.
     committed: Option<(u64, u64)>,
     /// The last commit's failure, if it failed.
@@ -206,6 +208,7 @@ impl Checkpointer {
             generation: 1,
             writer: rand::random::<u64>() >> 1,
             in_flight: None,
+            failures_before: 0,
             committed: None,
             last_error: None,
         })
@@ -287,9 +290,11 @@ impl Checkpointer {
         }
     }
 
-    /// Whether a commit is still uploading.
-    pub fn busy(&self) -> bool {
+    /// Whether a commit is still uploading and the storage failed under it since it began (a
+    /// slow but healthy store is waited for; a failing one is not).
+    pub fn stuck(&self) -> bool {
         self.in_flight.as_ref().is_some_and(|(_, _, h)| !h.is_finished())
+            && self.store.transient_failures() > self.failures_before
     }
 
     /// Starts committing `blobs` (a snapshot in host memory) with `meta`, after the previous
@@ -313,6 +318,7 @@ impl Checkpointer {
                 runtime.block_on(store.commit(&checkpoint, keep))
             })
             .map_err(|e| e.to_string())?;
+        self.failures_before = self.store.transient_failures();
         self.in_flight = Some(((position.global_step, u64::from(position.epoch)), Instant::now(), handle));
         Ok(())
     }

@@ -200,7 +200,7 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let args = |ckpt: &str, summary: &Path| {
         let mut cmd = trainerd();
-        cmd.args(["run", "--threads", "1", "--seed", "5", "--epochs", "16"])
+        cmd.args(["run", "--threads", "1", "--seed", "5", "--epochs", "40"])
             .args(["--checkpoint-every", "200", "--checkpoint-dir", ckpt])
             .arg("--plugin")
             .arg(plugin("linear"))
@@ -252,7 +252,7 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
     let now = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
     server.stop();
     let down = now();
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(Duration::from_secs(3));
     server.restart().unwrap();
     let up = now();
     while let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
@@ -266,15 +266,15 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["time"].as_f64().unwrap())
-        .filter(|t| *t > down + 0.5 && *t < up)
+        .filter(|t| *t > down + 1.0 && *t < up)
         .count();
     assert!(steps_while_down > 100, "{steps_while_down} steps while storage was down\n{transcript}");
-    assert!(transcript.contains("is still uploading"), "{transcript}");
+    assert!(transcript.contains("is still retrying"), "{transcript}");
     // Commits resumed before the end of training (the last epoch's line comes after them).
     let after: Vec<&str> =
         seen.iter().skip_while(|l| !l.starts_with("checkpoint 1 committed")).skip(1).map(String::as_str).collect();
     let resumed_at = after.iter().position(|l| l.starts_with("checkpoint ") && l.contains(" committed to "));
-    let last_epoch = after.iter().position(|l| l.starts_with("Epoch 16/16"));
+    let last_epoch = after.iter().position(|l| l.starts_with("Epoch 40/40"));
     assert!(resumed_at.is_some() && resumed_at < last_epoch, "{transcript}");
     assert_eq!(json(&tmp.path().join("a.json"))["params_sha256"].as_str().unwrap(), expected, "{transcript}");
     let out = trainerd().args(["ckpt", "verify", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();

@@ -148,13 +148,10 @@ impl Location {
                 builder = builder.with_region(region.unwrap_or_else(|| "us-east-1".into()));
                 // Set last: with_client_options() would reset it.
                 builder = builder.with_allow_http(s3.allow_http || loopback);
-                // object_store's own retries would hold one request for up to 3 minutes; the
-                // store's retry policy (`store::Retry`) takes over sooner and says what it does.
-                builder = builder.with_retry(object_store::RetryConfig {
-                    max_retries: 2,
-                    retry_timeout: std::time::Duration::from_secs(5),
-                    ..Default::default()
-                });
+                // object_store's own retries would hold one request for up to 3 minutes, out of
+                // sight; the store's retry policy (`store::Retry`) retries instead, counts and
+                // logs each failure (a commit stuck on failing storage is then seen at once).
+                builder = builder.with_retry(object_store::RetryConfig { max_retries: 0, ..Default::default() });
                 let store = builder.build().map_err(|e| err(e.to_string()))?;
                 Ok(CheckpointStore::new(Arc::new(store), StorePath::from(prefix.as_str()), name))
             }

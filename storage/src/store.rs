@@ -213,7 +213,8 @@ pub struct Retry {
 
 impl Default for Retry {
     fn default() -> Retry {
-        Retry { attempts: 8, base: Duration::from_millis(200), max: Duration::from_secs(10) }
+        // About 23 s in all; once the backend answers again a retry comes within 2 s.
+        Retry { attempts: 15, base: Duration::from_millis(200), max: Duration::from_secs(2) }
     }
 }
 
@@ -231,6 +232,8 @@ pub struct CheckpointStore {
     name: String,
     retry: Retry,
     grace: Duration,
+    /// Transient failures seen so far (shared by clones).
+    failures: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// How long data that no record names, and that may be another writer's commit in flight, is
@@ -240,7 +243,14 @@ pub const COLLECT_GRACE: Duration = Duration::from_secs(24 * 3600);
 impl CheckpointStore {
     /// A store over `store`, under `root`, called `name` in messages.
     pub fn new(store: Arc<dyn ObjectStore>, root: Path, name: impl Into<String>) -> CheckpointStore {
-        CheckpointStore { store, root, name: name.into(), retry: Retry::default(), grace: COLLECT_GRACE }
+        CheckpointStore {
+            store,
+            root,
+            name: name.into(),
+            retry: Retry::default(),
+            grace: COLLECT_GRACE,
+            failures: Arc::default(),
+        }
     }
 
     /// The same store with another grace period for data that may be in flight.
@@ -253,6 +263,12 @@ impl CheckpointStore {
     pub fn with_retry(mut self, retry: Retry) -> CheckpointStore {
         self.retry = retry;
         self
+    }
+
+    /// Transient storage failures this store (and its clones) met so far, retried or not: a
+    /// count that moves while a commit is in flight says the storage is failing, not slow.
+    pub fn transient_failures(&self) -> u64 {
+        self.failures.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The location's name.
@@ -296,7 +312,11 @@ impl CheckpointStore {
     {
         let mut delay = self.retry.base;
         for attempt in 1..=self.retry.attempts.max(1) {
-            match f().await {
+            let result = f().await;
+            if result.as_ref().is_err_and(transient) {
+                self.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            match result {
                 Ok(v) => return Ok(v),
                 Err(e) if transient(&e) && attempt < self.retry.attempts => {
                     tracing::warn!("{}: {op} {path} failed ({e}); retrying in {delay:?}", self.name);

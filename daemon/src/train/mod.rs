@@ -664,18 +664,19 @@ impl<'a> Trainer<'a> {
         }
     }
 
-    /// On the chief: starts committing `state` unless it is already committed. A periodic
-    /// commit (`last` false) is skipped while the previous one is still uploading (storage slow
-    /// or down): training never waits for storage but at the end of the run or a stop.
+    /// On the chief: starts committing `state` unless it is already committed, after the
+    /// previous commit. A periodic commit (`last` false) is skipped while the previous one is
+    /// stuck on failing storage: training waits for an outage only at the end of the run or a
+    /// stop.
     fn commit(&mut self, state: &TrainState, world: usize, last: bool) -> Result<(), Interrupt> {
         let meta = self.meta(state.position.clone(), world);
         let Some(c) = self.checkpointer.as_mut() else { return Ok(()) };
         if c.has(state.progress()) {
             return Ok(());
         }
-        if !last && c.busy() {
+        if !last && c.stuck() {
             self.progress.line(&format!(
-                "warning: checkpoint at step {} skipped: the previous commit to {} is still uploading",
+                "warning: checkpoint at step {} skipped: the previous commit to {} is still retrying",
                 state.position.global_step,
                 c.location()
             ));
