@@ -440,19 +440,25 @@ impl CheckpointStore {
     /// chief takes a generation above it, so that the data of every earlier writer, committed
     /// or not, is fenced and collectable.
     pub async fn newest_data_generation(&self) -> Result<u64, StorageError> {
+        let objects = self.data_objects().await?;
+        Ok(objects.iter().filter_map(|(id, _)| protocol::data_owner(id).map(|(g, _)| g)).max().unwrap_or(0))
+    }
+
+    /// Every object under the data prefix, with the data id it belongs to. Ids are found from
+    /// the objects themselves: a backend may keep empty "directories".
+    async fn data_objects(&self) -> Result<Vec<(String, object_store::ObjectMeta)>, StorageError> {
         let data = self.path(DATA);
         let objects = self
             .retrying("listing", DATA, || async { self.store.list(Some(&data)).try_collect::<Vec<_>>().await })
             .await?;
         Ok(objects
-            .iter()
+            .into_iter()
             .filter_map(|o| {
                 let relative = self.relative(&o.location);
                 let id = relative.strip_prefix(&format!("{DATA}/"))?.split('/').next()?.to_string();
-                protocol::data_owner(&id).map(|(generation, _)| generation)
+                Some((id, o))
             })
-            .max()
-            .unwrap_or(0))
+            .collect())
     }
 
     /// The newest commit record, if any (unverified: for the generation fencing starts above).
@@ -729,21 +735,13 @@ impl CheckpointStore {
             generation: r.generation,
             writer: r.writer,
         });
-        // Ids are found from the objects themselves: a backend may keep empty "directories".
-        let data = self.path(DATA);
-        let objects = self
-            .retrying("listing", DATA, || async { self.store.list(Some(&data)).try_collect::<Vec<_>>().await })
-            .await?;
         let mut by_id: BTreeMap<String, Vec<Path>> = BTreeMap::new();
         let mut ids = protocol::DataIds { newest_ms: BTreeMap::new() };
-        for object in objects {
-            let relative = self.relative(&object.location);
-            if let Some(id) = relative.strip_prefix(&format!("{DATA}/")).and_then(|r| r.split('/').next()) {
-                let written = object.last_modified.timestamp_millis().max(0) as u64;
-                let newest = ids.newest_ms.entry(id.to_string()).or_default();
-                *newest = (*newest).max(written);
-                by_id.entry(id.to_string()).or_default().push(object.location);
-            }
+        for (id, object) in self.data_objects().await? {
+            let written = object.last_modified.timestamp_millis().max(0) as u64;
+            let newest = ids.newest_ms.entry(id.clone()).or_default();
+            *newest = (*newest).max(written);
+            by_id.entry(id).or_default().push(object.location);
         }
         let collector =
             protocol::Collector { me, in_flight, newest, now_ms: unix_ms(), grace_ms: self.grace.as_millis() as u64 };
