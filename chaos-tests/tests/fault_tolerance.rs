@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use futures::TryStreamExt;
 use trainerd_chaos_tests::{dataset, plugin, Cluster};
 use trainerd_storage::testing::S3Server;
 use trainerd_storage::{CheckpointStore, Location, S3Options};
@@ -150,15 +149,7 @@ impl Storage {
 /// Data ids present under a checkpoint location.
 async fn data_ids(store: &CheckpointStore) -> BTreeSet<String> {
     let (raw, root) = store.raw();
-    let prefix = root.clone().join("data");
-    let objects: Vec<_> = raw.list(Some(&prefix)).try_collect().await.unwrap();
-    objects
-        .iter()
-        .filter_map(|o| {
-            let rel = o.location.as_ref().strip_prefix(prefix.as_ref())?.trim_start_matches('/');
-            rel.split('/').next().map(String::from)
-        })
-        .collect()
+    trainerd_storage::testing::data_ids(raw.as_ref(), &root).await
 }
 
 struct Sampler {

@@ -175,6 +175,22 @@ impl ObjectStore for FaultStore {
     }
 }
 
+/// The checkpoint data ids that hold objects under `root` on `raw`, listed directly (not through
+/// the store, whose collection the tests check). A backend may keep empty "directories", so
+/// ids come from the objects themselves.
+pub async fn data_ids(raw: &dyn ObjectStore, root: &Path) -> std::collections::BTreeSet<String> {
+    let prefix = root.clone().join(crate::protocol::DATA);
+    let objects: Vec<ObjectMeta> =
+        futures::TryStreamExt::try_collect(raw.list(Some(&prefix))).await.expect("listing the data prefix");
+    objects
+        .iter()
+        .filter_map(|o| {
+            let relative = o.location.as_ref().strip_prefix(prefix.as_ref())?.trim_start_matches('/');
+            relative.split('/').next().map(String::from)
+        })
+        .collect()
+}
+
 /// A real S3-compatible server (SeaweedFS `weed mini`) on loopback for tests, with every port
 /// it opens chosen free, telemetry off, and one bucket. Stopped and its data removed on drop.
 ///

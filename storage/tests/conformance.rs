@@ -61,18 +61,9 @@ impl Backend {
         (fault, store)
     }
 
-    /// Checkpoint data ids that still hold objects (a backend may keep empty "directories").
+    /// Checkpoint data ids that still hold objects.
     async fn data_ids(&self) -> std::collections::BTreeSet<String> {
-        use futures::TryStreamExt;
-        let objects: Vec<_> = self.raw.list(Some(&self.path("data"))).try_collect().await.unwrap();
-        let root = self.root.as_ref().len();
-        objects
-            .iter()
-            .map(|o| {
-                let rel = o.location.as_ref()[root..].trim_start_matches('/').to_string();
-                rel.split('/').nth(1).unwrap_or_default().to_string()
-            })
-            .collect()
+        trainerd_storage::testing::data_ids(self.raw.as_ref(), &self.root).await
     }
 
     fn path(&self, relative: &str) -> Path {
