@@ -668,7 +668,7 @@ impl<'a> Trainer<'a> {
     /// previous commit. A periodic commit (`last` false) is skipped while the previous one is
     /// stuck on failing storage: training waits for an outage only at the end of the run or a
     /// stop.
-    fn commit(&mut self, state: &TrainState, world: usize, last: bool) -> Result<(), Interrupt> {
+    fn commit(&mut self, state: &TrainState, world: usize, last: bool) -> Result<(), TrainError> {
         let meta = self.meta(state.position.clone(), world);
         let Some(c) = self.checkpointer.as_mut() else { return Ok(()) };
         if c.has(state.progress()) {
@@ -682,10 +682,9 @@ impl<'a> Trainer<'a> {
             ));
             return Ok(());
         }
-        let fatal = |e: String| Interrupt::Fatal(TrainError::Checkpoint(e));
-        let blobs = state.blobs().map_err(fatal)?;
+        let blobs = state.blobs().map_err(TrainError::State)?;
         let progress = &mut *self.progress;
-        c.commit(blobs, &meta, &mut |m| progress.line(&m)).map_err(fatal)
+        c.commit(blobs, &meta, &mut |m| progress.line(&m)).map_err(TrainError::Checkpoint)
     }
 
     /// Waits for the chief's commit in flight; its sequence, if it committed.
@@ -830,7 +829,7 @@ impl<'a> Trainer<'a> {
         let rate = self.epoch_examples / self.epoch_time.as_secs_f64().max(1e-9);
         std::mem::take(&mut self.phases).report(epoch);
         self.progress.epoch_end(self.steps_per_epoch, self.epoch_time, &values, rate);
-        self.commit(state, session.world(), false)
+        Ok(self.commit(state, session.world(), false)?)
     }
 
     /// After `train`: the end of the run (every member's final barrier, the chief's last commit
@@ -886,14 +885,7 @@ impl<'a> Trainer<'a> {
     fn stopped(&mut self, state: &TrainState, rank: usize) -> Result<Outcome, TrainError> {
         let mut saved = None;
         if rank == 0 && state.live {
-            let meta = self.meta(state.position.clone(), self.ctx.num_input_pipelines as usize);
-            if let Some(c) = self.checkpointer.as_mut() {
-                if !c.has(state.progress()) {
-                    let progress = &mut *self.progress;
-                    c.commit(state.blobs().map_err(TrainError::State)?, &meta, &mut |m| progress.line(&m))
-                        .map_err(TrainError::Checkpoint)?;
-                }
-            }
+            self.commit(state, self.ctx.num_input_pipelines as usize, true)?;
             saved = self.commit_wait();
         }
         Ok(Outcome::Stopped { step: state.position.global_step, saved: self.saved(saved, state) })
