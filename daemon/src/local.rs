@@ -133,6 +133,10 @@ pub fn run(workers: usize, restart_delay: Duration, args: &[String]) -> anyhow::
             .env("TF_CONFIG", tf_config)
             // `--device auto` puts worker i on cuda:(i mod GPUs).
             .env("LOCAL_RANK", i.to_string())
+            // systemd's notifications are the supervisor's to send, not its workers'.
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("WATCHDOG_USEC")
+            .env_remove("WATCHDOG_PID")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

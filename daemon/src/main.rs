@@ -9,9 +9,14 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use trainerd::accel::{self, CudaLibrary};
-use trainerd::cluster::{tf_config, ClusterConfig, Timeouts};
+use trainerd::cluster::auth::ClusterKey;
+use trainerd::cluster::{tf_config, ClusterConfig, Network, Timeouts};
 use trainerd::collective::buckets::DEFAULT_BUCKET_BYTES;
 use trainerd::config::{self, OptimizerFlags};
+use trainerd::ops::log::LogFormat;
+use trainerd::ops::notify::{self, Notifier};
+use trainerd::ops::serve::{self, Token};
+use trainerd::ops::Telemetry;
 use trainerd::plugin::Plugin;
 use trainerd::progress::Progress;
 use trainerd::train::{self, CheckpointConfig, Outcome, RunConfig};
@@ -23,6 +28,10 @@ use trainerd_storage::{CheckpointStore, Location, S3Options};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log and progress lines: plain (coloured only on a terminal; syslog priorities in the
+    /// journal) or json (one object per line).
+    #[arg(long, global = true, value_enum, default_value = "plain", env = "TRAINERD_LOG_FORMAT")]
+    log_format: LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -221,6 +230,31 @@ struct RunArgs {
     /// none means one worker).
     #[arg(long)]
     tf_config: Option<String>,
+    /// The cluster secret: a file (the same on every node, readable only by trainerd's user)
+    /// whose contents every control-plane and data-plane connection proves it knows. Needed
+    /// when TF_CONFIG has a non-loopback address.
+    #[arg(long, env = "TRAINERD_SECRET_FILE")]
+    secret_file: Option<PathBuf>,
+    /// Run a cluster across hosts without a secret: anyone who can reach its ports can join it.
+    #[arg(long)]
+    insecure: bool,
+    /// The address the control plane and the data listener bind (default: every interface for a
+    /// cluster across hosts, the TF_CONFIG address for a loopback one).
+    #[arg(long, env = "TRAINERD_LISTEN")]
+    listen: Option<std::net::IpAddr>,
+    /// Serve Prometheus metrics (`/metrics`) and `/healthz` on this address (e.g.
+    /// 127.0.0.1:9400; port 0 picks one). An address other than loopback needs
+    /// --metrics-token-file (or --insecure).
+    #[arg(long, env = "TRAINERD_METRICS_ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// A file holding the bearer token `/metrics` requires (Prometheus's
+    /// `authorization.credentials_file`).
+    #[arg(long, env = "TRAINERD_METRICS_TOKEN_FILE")]
+    metrics_token_file: Option<PathBuf>,
+    /// Seconds without training progress after which the daemon counts as hung (`/healthz`
+    /// fails, systemd's watchdog pings stop); default: systemd's WatchdogSec, else 120.
+    #[arg(long)]
+    stall_timeout: Option<f64>,
     /// Seconds to wait for every worker to join at the start.
     #[arg(long, default_value_t = 300.0)]
     rendezvous_timeout: f64,
@@ -264,10 +298,6 @@ fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().collect();
     // Before anything asks libtorch about CUDA (it caches the answer).
     let cuda = accel::load_cuda(asks_for_cuda(&argv));
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TRAINERD_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
     let mut command = Cli::command();
     if argv.iter().skip(1).any(|a| a == "--version" || a == "-V") {
         let facts = accel::facts(cuda.clone());
@@ -279,8 +309,9 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    trainerd::ops::log::init(cli.log_format);
     let result = match cli.command {
-        Command::Run(args) => run(*args, cuda),
+        Command::Run(args) => run(*args, cuda, cli.log_format),
         Command::Local { workers, restart_delay, args } => Duration::try_from_secs_f64(restart_delay)
             .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))
             .and_then(|delay| trainerd::local::run(workers, delay, &args)),
@@ -303,7 +334,10 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            match cli.log_format {
+                LogFormat::Json => eprintln!("{}", serde_json::json!({"level": "error", "message": format!("{e:#}")})),
+                LogFormat::Plain => eprintln!("error: {e:#}"),
+            }
             ExitCode::FAILURE
         }
     }
@@ -335,7 +369,7 @@ fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
 /// cannot help (the other workers are done), so the systemd unit does not.
 const EXIT_FINISHED_UNCOMMITTED: i32 = 3;
 
-fn run(args: RunArgs, cuda: CudaLibrary) -> anyhow::Result<i32> {
+fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
     // SIGTERM or SIGINT: stop at the next step boundary after the cluster's commit; a second one
     // ends the process at once.
     let stop = Arc::new(AtomicBool::new(false));
@@ -352,6 +386,14 @@ fn run(args: RunArgs, cuda: CudaLibrary) -> anyhow::Result<i32> {
     };
     timeouts.check().map_err(anyhow::Error::msg)?;
     let cluster = cluster(args.tf_config.as_deref())?;
+    let key = args.secret_file.as_deref().map(ClusterKey::load).transpose()?;
+    let network = match &cluster {
+        Some(c) => Network::plan(c, args.listen, key, args.insecure).map_err(anyhow::Error::msg)?,
+        None => Network::loopback(),
+    };
+    if cluster.is_some() && network.key.is_none() && args.insecure {
+        tracing::warn!("--insecure: the cluster's ports accept anyone who can reach them");
+    }
     let facts = accel::facts(cuda);
     // A worker's place among the workers of its node, as torchrun's LOCAL_RANK (`trainerd local`
     // sets it): `--device auto` is cuda:(LOCAL_RANK mod GPUs).
@@ -359,7 +401,7 @@ fn run(args: RunArgs, cuda: CudaLibrary) -> anyhow::Result<i32> {
     let device = facts.device(&args.device, local_rank).map_err(anyhow::Error::msg)?;
     if device.is_cuda() {
         for missing in accel::make_deterministic() {
-            eprintln!("warning: this libtorch has no switch for {missing}; results on CUDA may not be reproducible");
+            tracing::warn!("this libtorch has no switch for {missing}; results on CUDA may not be reproducible");
         }
     }
     let threads = match args.threads {
@@ -370,6 +412,13 @@ fn run(args: RunArgs, cuda: CudaLibrary) -> anyhow::Result<i32> {
     tch::set_num_threads(threads as i32);
     tch::set_num_interop_threads(1);
 
+    let token = args.metrics_token_file.as_deref().map(Token::load).transpose().map_err(anyhow::Error::msg)?;
+    if let Some(addr) = args.metrics_addr.filter(|a| !a.ip().is_loopback() && token.is_none() && !args.insecure) {
+        anyhow::bail!(
+            "--metrics-addr {addr} is not a loopback address: give --metrics-token-file so that only your \
+             Prometheus can read the metrics, or pass --insecure"
+        );
+    }
     let plugin = Plugin::load(&args.plugin)?;
     let defaults = plugin.info().defaults.clone();
     let flags = OptimizerFlags {
@@ -390,6 +439,7 @@ fn run(args: RunArgs, cuda: CudaLibrary) -> anyhow::Result<i32> {
         steps_per_epoch: args.steps_per_epoch,
         threads,
         cluster: cluster.clone(),
+        network,
         timeouts,
         bucket_bytes: DEFAULT_BUCKET_BYTES,
         metrics_log: args.metrics_log,
@@ -410,7 +460,9 @@ fn run(args: RunArgs, cuda: CudaLibrary) -> anyhow::Result<i32> {
     let info = plugin.info();
     let (rank, workers) = cluster.as_ref().map_or((0, 1), |c| (c.rank, c.world_size()));
     let who = cluster.as_ref().map_or("one worker".to_string(), |c| format!("{} of {workers} workers", c.me()));
-    println!(
+    let progress = Progress::stdout(log_format);
+    let mut progress = if rank == 0 { progress } else { progress.without_step_lines() };
+    progress.line(&format!(
         "trainerd: {} {} on {} with {threads} thread(s); {who}, batch {} per worker, {} epoch(s), optimizer {} lr {}, seed {}",
         info.name,
         info.version,
@@ -420,29 +472,44 @@ fn run(args: RunArgs, cuda: CudaLibrary) -> anyhow::Result<i32> {
         cfg.optimizer.name(),
         cfg.optimizer.lr(),
         cfg.seed
-    );
-    println!("trainerd: {}", facts.line());
-    let progress = if rank == 0 { Progress::stdout() } else { Progress::stdout().without_step_lines() };
-    let summary = match train::run(&plugin, &cfg, &mut { progress }, &stop)? {
+    ));
+    progress.line(&format!("trainerd: {}", facts.line()));
+    let stall = match args.stall_timeout {
+        Some(s) => seconds("--stall-timeout", s)?,
+        None => notify::watchdog_period().unwrap_or(Duration::from_secs(120)),
+    };
+    let telemetry = Arc::new(Telemetry::new(stall, cfg.epochs, workers));
+    if let Some(addr) = args.metrics_addr {
+        let bound = serve::start(addr, Arc::clone(&telemetry), token).map_err(anyhow::Error::msg)?;
+        progress.line(&format!("trainerd: metrics on http://{bound}/metrics, health on http://{bound}/healthz"));
+    }
+    let notifier = Notifier::start(Arc::clone(&telemetry), Arc::clone(&stop));
+    let outcome = train::run(&plugin, &cfg, &mut progress, &stop, &telemetry);
+    // STOPPING=1 before the last lines: the run is over, however it ended.
+    telemetry.set_stopping();
+    if let Some(n) = notifier {
+        n.finish();
+    }
+    let summary = match outcome? {
         Outcome::Finished(summary) => summary,
         Outcome::Stopped { step, saved } => {
-            println!("trainerd: stopped by signal at global step {step}; the state is {saved}");
+            progress.line(&format!("trainerd: stopped by signal at global step {step}; the state is {saved}"));
             return Ok(0);
         }
     };
-    println!(
+    progress.line(&format!(
         "done: {} steps, test loss {:.4}{}, {:.0} examples/s, params sha256 {}",
         summary.steps,
         summary.test_loss,
         summary.test_accuracy.map(|a| format!(", test accuracy {a:.4}")).unwrap_or_default(),
         summary.examples_per_second,
         summary.params_sha256
-    );
+    ));
     if let Some(path) = &args.summary {
         summary.write(path).with_context(|| format!("writing the summary to {}", path.display()))?;
     }
     if let Some(e) = &summary.checkpoint_error {
-        eprintln!("error: training finished, but its last checkpoint was not committed: {e}");
+        progress.line(&format!("error: training finished, but its last checkpoint was not committed: {e}"));
         return Ok(EXIT_FINISHED_UNCOMMITTED);
     }
     Ok(0)

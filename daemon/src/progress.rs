@@ -1,16 +1,32 @@
 //! Keras-style progress: `Epoch 1/3`, then a step counter with loss and metrics. On a terminal
 //! one line is redrawn in place with a bar; otherwise (the journal, a pipe) a plain line is
-//! printed at every tenth of the epoch, and one at its end.
+//! printed at every tenth of the epoch, and one at its end, with no escape codes. In the journal
+//! warnings and errors carry their syslog priority (`<4>`, `<3>`); with `--log-format json`
+//! every line is a JSON object (`message`, or `event` `step`/`epoch_end` with the values).
 
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
+use crate::ops::log::LogFormat;
+
+/// How lines are drawn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Style {
+    /// Redrawn in place, with a bar.
+    Terminal,
+    /// Plain lines; `journal`: with syslog priorities.
+    Lines { journal: bool },
+    /// JSON objects.
+    Json,
+}
+
 /// Where progress goes and how it is drawn.
 pub struct Progress {
     out: Box<dyn Write + Send>,
-    tty: bool,
+    style: Style,
     last_draw: Option<Instant>,
     step_lines: bool,
+    epoch: u32,
 }
 
 /// How often a terminal line is redrawn.
@@ -18,19 +34,20 @@ const REDRAW: Duration = Duration::from_millis(100);
 const BAR_WIDTH: usize = 30;
 
 impl Progress {
-    /// Progress on standard output, drawn for a terminal when it is one.
-    pub fn stdout() -> Progress {
-        Progress {
-            out: Box::new(std::io::stdout()),
-            tty: std::io::stdout().is_terminal(),
-            last_draw: None,
-            step_lines: true,
-        }
+    /// Progress on standard output in `format`, drawn for a terminal when it is one.
+    pub fn stdout(format: LogFormat) -> Progress {
+        let style = match format {
+            LogFormat::Json => Style::Json,
+            LogFormat::Plain if std::io::stdout().is_terminal() => Style::Terminal,
+            LogFormat::Plain => Style::Lines { journal: crate::ops::log::journal(std::io::stdout()) },
+        };
+        Progress { out: Box::new(std::io::stdout()), style, last_draw: None, step_lines: true, epoch: 0 }
     }
 
     /// Progress into any writer, plain lines unless `tty`.
     pub fn to_writer(out: Box<dyn Write + Send>, tty: bool) -> Progress {
-        Progress { out, tty, last_draw: None, step_lines: true }
+        let style = if tty { Style::Terminal } else { Style::Lines { journal: false } };
+        Progress { out, style, last_draw: None, step_lines: true, epoch: 0 }
     }
 
     /// Only epoch lines, no step lines (workers other than the chief print less).
@@ -39,15 +56,50 @@ impl Progress {
         self
     }
 
-    /// Prints a line as it is (for messages between epochs).
+    fn tty(&self) -> bool {
+        self.style == Style::Terminal
+    }
+
+    fn json(&mut self, mut object: serde_json::Value) {
+        let time = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        object["time"] = time.into();
+        let _ = writeln!(self.out, "{object}");
+        let _ = self.out.flush();
+    }
+
+    /// Prints a line as it is (for messages between epochs); one that starts with `warning:` or
+    /// `error:` carries that level.
     pub fn line(&mut self, text: &str) {
-        let _ = writeln!(self.out, "{text}");
+        let level = if text.starts_with("error:") {
+            tracing::Level::ERROR
+        } else if text.starts_with("warning:") {
+            tracing::Level::WARN
+        } else {
+            tracing::Level::INFO
+        };
+        match self.style {
+            Style::Json => {
+                let level = level.as_str().to_lowercase();
+                self.json(serde_json::json!({"level": level, "message": text}));
+                return;
+            }
+            Style::Lines { journal: true } => {
+                let _ = writeln!(self.out, "<{}>{text}", crate::ops::log::priority(level));
+            }
+            _ => {
+                let _ = writeln!(self.out, "{text}");
+            }
+        }
         let _ = self.out.flush();
     }
 
     /// `Epoch i/n` (1-based).
     pub fn epoch_start(&mut self, epoch: u32, epochs: u32) {
         self.last_draw = None;
+        self.epoch = epoch;
+        if self.style == Style::Json {
+            return; // each step and epoch_end object names its epoch
+        }
         self.line(&format!("Epoch {}/{epochs}", epoch + 1));
     }
 
@@ -57,7 +109,7 @@ impl Progress {
         if step == steps || !self.step_lines {
             return false; // the epoch's end line follows
         }
-        if self.tty {
+        if self.tty() {
             self.last_draw.is_none_or(|t| t.elapsed() >= REDRAW)
         } else {
             let tenth = (steps / 10).max(1);
@@ -65,11 +117,37 @@ impl Progress {
         }
     }
 
+    fn values_json(
+        &self,
+        event: &str,
+        step: u64,
+        steps: u64,
+        elapsed: Duration,
+        values: &[(String, f64)],
+    ) -> serde_json::Value {
+        let mut object = serde_json::json!({
+            "level": "info",
+            "event": event,
+            "epoch": self.epoch + 1,
+            "step": step,
+            "steps": steps,
+            "seconds": elapsed.as_secs_f64(),
+        });
+        for (name, value) in values {
+            object[name] = (*value).into();
+        }
+        object
+    }
+
     /// Draws step `step` of `steps` (1-based, done so far) with running values.
     pub fn step(&mut self, step: u64, steps: u64, elapsed: Duration, values: &[(String, f64)]) {
         self.last_draw = Some(Instant::now());
-        let text = step_line(step, steps, elapsed, None, values, self.tty);
-        if self.tty {
+        if self.style == Style::Json {
+            let object = self.values_json("step", step, steps, elapsed, values);
+            return self.json(object);
+        }
+        let text = step_line(step, steps, elapsed, None, values, self.tty());
+        if self.tty() {
             let _ = write!(self.out, "\r{text}\x1b[K");
             let _ = self.out.flush();
         } else {
@@ -80,10 +158,15 @@ impl Progress {
     /// The epoch's last line, as Keras prints it: time, per-step time, values (evaluation
     /// included), and throughput.
     pub fn epoch_end(&mut self, steps: u64, elapsed: Duration, values: &[(String, f64)], examples_per_second: f64) {
+        if self.style == Style::Json {
+            let mut object = self.values_json("epoch_end", steps, steps, elapsed, values);
+            object["examples_per_second"] = examples_per_second.into();
+            return self.json(object);
+        }
         let per_step = elapsed.as_secs_f64() * 1e3 / steps.max(1) as f64;
-        let mut text = step_line(steps, steps, elapsed, Some(per_step), values, self.tty);
+        let mut text = step_line(steps, steps, elapsed, Some(per_step), values, self.tty());
         text.push_str(&format!(" - {} examples/s", thousands(examples_per_second)));
-        if self.tty {
+        if self.tty() {
             let _ = write!(self.out, "\r{text}\x1b[K\n");
             let _ = self.out.flush();
         } else {
@@ -161,6 +244,44 @@ mod tests {
         assert_eq!(thousands(5210.4), "5,210");
         assert_eq!(thousands(999.0), "999");
         assert_eq!(thousands(1234567.0), "1,234,567");
+    }
+
+    /// A writer the test can read back.
+    #[derive(Clone, Default)]
+    struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().write(buf)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_journal_gets_priorities_and_json_gets_objects() {
+        let out = Shared::default();
+        let mut p =
+            Progress { style: Style::Lines { journal: true }, ..Progress::to_writer(Box::new(out.clone()), false) };
+        p.line("trainerd: 2 worker(s) joined");
+        p.line("warning: checkpoint at step 5 skipped");
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(text, "<6>trainerd: 2 worker(s) joined\n<4>warning: checkpoint at step 5 skipped\n");
+
+        let out = Shared::default();
+        let mut p = Progress { style: Style::Json, ..Progress::to_writer(Box::new(out.clone()), false) };
+        p.epoch_start(1, 3);
+        p.step(10, 100, Duration::from_secs(2), &[("loss".into(), 0.5)]);
+        p.line("warning: x");
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(
+            (lines[0]["event"].as_str(), lines[0]["epoch"].as_u64(), lines[0]["loss"].as_f64()),
+            (Some("step"), Some(2), Some(0.5))
+        );
+        assert_eq!((lines[1]["level"].as_str(), lines[1]["message"].as_str()), (Some("warn"), Some("warning: x")));
     }
 
     #[test]

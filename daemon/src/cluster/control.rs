@@ -32,8 +32,10 @@ use proto::notice::Kind;
 
 /// The barrier after which members may leave freely: the run is over.
 pub const FINAL_BARRIER: &str = "finished";
-/// Barrier names are bounded (a peer cannot grow the chief's memory with new names).
+/// Barrier names are bounded, and so are the barriers of a generation (a peer cannot grow the
+/// chief's memory with new names; the training loop uses two per generation at most).
 const MAX_BARRIER_NAME: usize = 64;
+const MAX_BARRIERS: usize = 16;
 
 /// What every member must agree on for the replicas to stay identical.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -476,6 +478,10 @@ impl Coordinator {
                 return Err(Status::aborted(why));
             }
             let world = self.names.len();
+            let open = c.barriers.keys().filter(|(g, _)| *g == req.generation).count();
+            if open >= MAX_BARRIERS && !c.barriers.contains_key(&key) {
+                return Err(Status::resource_exhausted(format!("a generation has at most {MAX_BARRIERS} barriers")));
+            }
             let arrived = c.barriers.entry(key.clone()).or_default();
             arrived.insert(rank);
             if arrived.len() == world && req.name == FINAL_BARRIER {

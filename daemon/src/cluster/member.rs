@@ -13,10 +13,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
+use super::auth::{self, ClusterKey, Plane};
 use super::control::{proto, ControlClient, ControlServer, Coordinator, Formed, Identity, Service};
 use super::membership::Report;
+use super::network::Network;
 use super::tf_config::ClusterConfig;
 use super::timeouts::Timeouts;
 use crate::collective::AbortSignal;
@@ -115,9 +118,10 @@ fn new_incarnation() -> u64 {
 /// This daemon's control plane: its server, and its calls to the chief and its peers.
 pub struct ControlPlane {
     runtime: tokio::runtime::Runtime,
+    listening: std::net::SocketAddr,
     rank: usize,
     names: Vec<String>,
-    chief: String,
+    chief: Dial,
     identity: Identity,
     coordinator: Option<Arc<Coordinator>>,
     shutdown: Option<oneshot::Sender<()>>,
@@ -130,12 +134,13 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
-    /// Serves the control plane on this member's TF_CONFIG address (the chief also
-    /// coordinates) and starts beating to the chief.
+    /// Serves the control plane on this member's TF_CONFIG port (the chief also coordinates),
+    /// bound and authenticated as `network` says, and starts beating to the chief.
     pub fn start(
         cluster: &ClusterConfig,
         identity: Identity,
         timeouts: Timeouts,
+        network: &Network,
     ) -> Result<ControlPlane, ClusterError> {
         let names: Vec<String> = cluster.members.iter().map(|m| m.to_string()).collect();
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -150,9 +155,14 @@ impl ControlPlane {
             member: names[cluster.rank].clone(),
             reason,
         };
-        let addr = resolve(&me.address).map_err(bind_error)?;
-        let listener = std::net::TcpListener::bind(addr).map_err(|e| bind_error(e.to_string()))?;
+        let port =
+            resolve(&me.address).map(|a| a.port()).or_else(|e| port_of(&me.address).ok_or(e)).map_err(bind_error)?;
+        let addr = std::net::SocketAddr::new(network.bind, port);
+        let listener = std::net::TcpListener::bind(addr).map_err(|e| {
+            bind_error(if addr.to_string() == me.address { e.to_string() } else { format!("binding {addr}: {e}") })
+        })?;
         listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
+        let listening = listener.local_addr().map_err(|e| bind_error(e.to_string()))?;
         let abort = AbortSignal::new();
         let coordinator =
             (cluster.rank == 0).then(|| Coordinator::new(identity.clone(), names.clone(), timeouts.options()));
@@ -165,10 +175,10 @@ impl ControlPlane {
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
         let _guard = runtime.enter();
         let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| bind_error(e.to_string()))?;
-        let mut tasks = vec![runtime.spawn(async move {
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let (accepting, incoming) = authenticated(listener, network.key.clone());
+        let mut tasks = vec![accepting];
+        tasks.push(runtime.spawn(async move {
             let served = tonic::transport::Server::builder()
-                .tcp_nodelay(true)
                 .add_service(ControlServer::new(service))
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = shutdown_rx.await;
@@ -177,7 +187,7 @@ impl ControlPlane {
             if let Err(e) = served {
                 tracing::error!("control plane server stopped: {e}");
             }
-        })];
+        }));
         if let Some(c) = &coordinator {
             tasks.push(runtime.spawn(Arc::clone(c).tick(timeouts.heartbeat_interval / 4)));
         }
@@ -185,9 +195,7 @@ impl ControlPlane {
             .members
             .iter()
             .enumerate()
-            .map(|(r, m)| {
-                (r != cluster.rank).then(|| endpoint(&m.address).ok().map(|e| ControlClient::new(e.connect_lazy())))?
-            })
+            .map(|(r, m)| (r != cluster.rank).then(|| Dial::new(&m.address, &network.key).lazy())?)
             .collect();
         let epoch = Instant::now();
         let shared = Arc::new(Shared {
@@ -200,8 +208,9 @@ impl ControlPlane {
         });
         let mut plane = ControlPlane {
             runtime,
+            listening,
             rank: cluster.rank,
-            chief: cluster.members[0].address.clone(),
+            chief: Dial::new(&cluster.members[0].address, &network.key),
             names,
             identity,
             coordinator,
@@ -216,6 +225,11 @@ impl ControlPlane {
         let beating = plane.heartbeats();
         plane.tasks.push(plane.runtime.spawn(beating));
         Ok(plane)
+    }
+
+    /// The address the control plane listens on.
+    pub fn listening(&self) -> std::net::SocketAddr {
+        self.listening
     }
 
     /// Names of the members, by rank (`worker 1 (host:port)`).
@@ -263,7 +277,7 @@ impl ControlPlane {
                 }
             };
             loop {
-                let client = connect(&chief, Instant::now() + t.heartbeat_deadline).await;
+                let client = chief.connect(Instant::now() + t.heartbeat_deadline).await;
                 let Ok(mut client) = client else {
                     lost(format!("cannot reach the chief, {chief_name}"));
                     tokio::time::sleep(t.heartbeat_interval).await;
@@ -382,7 +396,7 @@ impl ControlPlane {
                         detail: last,
                     });
                 }
-                let mut client = match connect(&self.chief, Instant::now() + interval * 5).await {
+                let mut client = match self.chief.connect(Instant::now() + interval * 5).await {
                     Ok(c) => c,
                     Err(e) => {
                         last = e;
@@ -438,7 +452,7 @@ impl ControlPlane {
         self.runtime.block_on(async {
             loop {
                 abort.check(generation).map_err(aborted)?;
-                let Ok(mut client) = connect(&self.chief, Instant::now() + self.timeouts.heartbeat_deadline).await
+                let Ok(mut client) = self.chief.connect(Instant::now() + self.timeouts.heartbeat_deadline).await
                 else {
                     continue; // the heartbeat task notices a lost chief and raises the abort
                 };
@@ -451,6 +465,10 @@ impl ControlPlane {
                             Err(status) if status.code() == tonic::Code::Aborted => {
                                 return Err(aborted(status.message().into()))
                             }
+                            Err(status) if matches!(
+                                status.code(),
+                                tonic::Code::InvalidArgument | tonic::Code::ResourceExhausted | tonic::Code::FailedPrecondition
+                            ) => return Err(ClusterError::Other(format!("barrier {name}: {}", status.message()))),
                             Err(_) => break,
                         },
                         () = tokio::time::sleep(Duration::from_millis(20)) => abort.check(generation).map_err(aborted)?,
@@ -478,7 +496,7 @@ impl ControlPlane {
             };
             let chief = self.chief.clone();
             self.runtime.spawn(async move {
-                if let Ok(mut client) = connect(&chief, Instant::now() + Duration::from_secs(1)).await {
+                if let Ok(mut client) = chief.connect(Instant::now() + Duration::from_secs(1)).await {
                     let _ = tokio::time::timeout(Duration::from_secs(1), client.report(request)).await;
                 }
             });
@@ -504,7 +522,7 @@ impl ControlPlane {
         let request =
             proto::LeaveRequest { rank: self.rank as u32, incarnation: self.incarnation, reason: reason.into() };
         self.runtime.block_on(async {
-            if let Ok(mut client) = connect(&self.chief, Instant::now() + Duration::from_secs(1)).await {
+            if let Ok(mut client) = self.chief.connect(Instant::now() + Duration::from_secs(1)).await {
                 let _ = tokio::time::timeout(Duration::from_secs(2), client.leave(request)).await;
             }
         });
@@ -543,27 +561,120 @@ pub fn resolve(address: &str) -> Result<std::net::SocketAddr, String> {
         .ok_or_else(|| "resolves to no address".to_string())
 }
 
-fn endpoint(address: &str) -> Result<Endpoint, String> {
-    Ok(Endpoint::from_shared(format!("http://{address}"))
-        .map_err(|e| format!("bad address {address}: {e}"))?
-        .connect_timeout(Duration::from_secs(1))
-        .tcp_nodelay(true))
+/// The port of `host:port` (a host that does not resolve yet can still be listened for).
+fn port_of(address: &str) -> Option<u16> {
+    address.rsplit_once(':').and_then(|(_, p)| p.parse().ok())
 }
 
-/// A client to `address`, retrying until `deadline` (the peer may not be up yet).
-async fn connect(address: &str, deadline: Instant) -> Result<ControlClient<Channel>, String> {
-    let endpoint = endpoint(address)?;
-    let mut last = String::from("deadline passed before the first attempt");
-    while Instant::now() < deadline {
-        match endpoint.connect().await {
-            Ok(channel) => return Ok(ControlClient::new(channel)),
-            Err(e) => {
-                last = format!("cannot connect to {address}: {}", source_chain(&e));
-                tokio::time::sleep(Duration::from_millis(20)).await;
+/// Accepted connections that passed the authentication handshake (every one without a key),
+/// for the gRPC server; the task that accepts them. Handshakes run concurrently (at most 64),
+/// each within its timeout, so a silent client holds up nobody.
+fn authenticated(
+    listener: tokio::net::TcpListener,
+    key: Option<ClusterKey>,
+) -> (tokio::task::JoinHandle<()>, ReceiverStream<std::io::Result<tokio::net::TcpStream>>) {
+    let (tx, rx) = mpsc::channel(16);
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(64));
+    let accepting = tokio::spawn(async move {
+        loop {
+            let (mut stream, peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::debug!("control plane: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let Some(key) = key.clone() else {
+                if tx.send(Ok(stream)).await.is_err() {
+                    return;
+                }
+                continue;
+            };
+            let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else {
+                tracing::warn!("control plane: refused a connection from {peer}: too many handshakes in progress");
+                continue;
+            };
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let _permit = permit;
+                match auth::accept(&mut stream, &key, Plane::Control).await {
+                    Ok(()) => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Err(e) => tracing::warn!("control plane: refused a connection from {peer}: {}", auth::refusal(&e)),
+                }
+            });
+        }
+    });
+    (accepting, ReceiverStream::new(rx))
+}
+
+/// How this member calls another: its address, and the secret to prove there.
+#[derive(Clone)]
+struct Dial {
+    address: String,
+    key: Option<ClusterKey>,
+}
+
+impl Dial {
+    fn new(address: &str, key: &Option<ClusterKey>) -> Dial {
+        Dial { address: address.to_string(), key: key.clone() }
+    }
+
+    fn endpoint(&self) -> Result<Endpoint, String> {
+        Ok(Endpoint::from_shared(format!("http://{}", self.address))
+            .map_err(|e| format!("bad address {}: {e}", self.address))?
+            .connect_timeout(Duration::from_secs(1)))
+    }
+
+    /// Opens TCP connections for tonic, each through the handshake when there is a key.
+    fn connector(
+        &self,
+    ) -> impl tower::Service<
+        tonic::transport::Uri,
+        Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>,
+        Error = std::io::Error,
+        Future = impl Send,
+    > + Clone
+           + Send
+           + 'static {
+        let (address, key) = (self.address.clone(), self.key.clone());
+        tower::service_fn(move |_: tonic::transport::Uri| {
+            let (address, key) = (address.clone(), key.clone());
+            async move {
+                let mut stream = tokio::net::TcpStream::connect(address.as_str()).await?;
+                stream.set_nodelay(true)?;
+                if let Some(key) = &key {
+                    auth::connect(&mut stream, key, Plane::Control).await.map_err(std::io::Error::other)?;
+                }
+                Ok(hyper_util::rt::TokioIo::new(stream))
+            }
+        })
+    }
+
+    /// A client that connects on first use.
+    fn lazy(&self) -> Option<ControlClient<Channel>> {
+        let endpoint = self.endpoint().ok()?;
+        Some(ControlClient::new(endpoint.connect_with_connector_lazy(self.connector())))
+    }
+
+    /// A client, retrying until `deadline` (the peer may not be up yet).
+    async fn connect(&self, deadline: Instant) -> Result<ControlClient<Channel>, String> {
+        let endpoint = self.endpoint()?;
+        let mut last = String::from("deadline passed before the first attempt");
+        while Instant::now() < deadline {
+            match endpoint.connect_with_connector(self.connector()).await {
+                Ok(channel) => return Ok(ControlClient::new(channel)),
+                Err(e) => {
+                    last = format!("cannot connect to {}: {}", self.address, source_chain(&e));
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
             }
         }
+        Err(last)
     }
-    Err(last)
 }
 
 fn source_chain(e: &dyn std::error::Error) -> String {
@@ -606,7 +717,7 @@ mod tests {
 
     fn plane(ports: &[u16], rank: usize, t: Timeouts) -> ControlPlane {
         let c = cluster(ports, rank);
-        ControlPlane::start(&c, identity(&c, "{}"), t).unwrap()
+        ControlPlane::start(&c, identity(&c, "{}"), t, &Network::loopback()).unwrap()
     }
 
     fn report(generation: u64, step: u64, digest: &str) -> Report {
@@ -693,12 +804,40 @@ mod tests {
     }
 
     #[test]
+    fn a_generation_holds_a_bounded_number_of_barriers() {
+        let ports = [free_port(), free_port()];
+        let mut planes = vec![plane(&ports, 0, FAST), plane(&ports, 1, FAST)];
+        let generation = join_all(&mut planes, &[report(0, 0, "init"), Report::default()])[0].generation;
+        let worker = Arc::new(planes.pop().unwrap());
+        // 17 barriers the chief never reaches: 16 stay open, one is refused at once.
+        let (tx, rx) = std::sync::mpsc::channel();
+        for i in 0..17 {
+            let (w, tx) = (Arc::clone(&worker), tx.clone());
+            std::thread::spawn(move || tx.send(w.barrier(generation, &format!("b{i:02}"))));
+        }
+        let refused = rx.recv_timeout(Duration::from_secs(10)).expect("one barrier is refused").unwrap_err();
+        let text = refused.to_string();
+        assert!(
+            text.starts_with("control plane: barrier b") && text.ends_with(": a generation has at most 16 barriers"),
+            "{text}"
+        );
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "the other 16 stay open");
+        let long = "x".repeat(65);
+        let err = worker.barrier(generation, &long).unwrap_err().to_string();
+        assert_eq!(err, format!("control plane: barrier {long}: barrier names are at most 64 bytes"));
+    }
+
+    #[test]
     fn a_different_run_configuration_is_refused_with_both_values() {
         let ports = [free_port(), free_port()];
         let c0 = cluster(&ports, 0);
-        let _chief = ControlPlane::start(&c0, identity(&c0, r#"{"batch_size":64,"seed":0}"#), FAST).unwrap();
+        let _chief =
+            ControlPlane::start(&c0, identity(&c0, r#"{"batch_size":64,"seed":0}"#), FAST, &Network::loopback())
+                .unwrap();
         let c1 = cluster(&ports, 1);
-        let mut worker = ControlPlane::start(&c1, identity(&c1, r#"{"batch_size":32,"seed":0}"#), FAST).unwrap();
+        let mut worker =
+            ControlPlane::start(&c1, identity(&c1, r#"{"batch_size":32,"seed":0}"#), FAST, &Network::loopback())
+                .unwrap();
         let err = worker.join("127.0.0.1:1", &Report::default(), &AtomicBool::new(false)).unwrap_err().to_string();
         assert_eq!(
             err,
@@ -715,7 +854,7 @@ mod tests {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = taken.local_addr().unwrap().port();
         let c = cluster(&[port, free_port()], 0);
-        let err = ControlPlane::start(&c, identity(&c, "{}"), FAST).err().unwrap().to_string();
+        let err = ControlPlane::start(&c, identity(&c, "{}"), FAST, &Network::loopback()).err().unwrap().to_string();
         assert_eq!(
             err,
             format!(
@@ -723,5 +862,39 @@ mod tests {
                  already in use (os error 98)"
             )
         );
+    }
+
+    #[test]
+    fn with_a_secret_only_members_that_know_it_are_served() {
+        let ports = [free_port(), free_port()];
+        let key = |k: &[u8]| Network { key: Some(ClusterKey::from_bytes(k)), ..Network::loopback() };
+        let secret = b"a-cluster-secret-0123456789";
+        let start = |rank| {
+            let c = cluster(&ports, rank);
+            ControlPlane::start(&c, identity(&c, "{}"), FAST, &key(secret)).unwrap()
+        };
+        let mut planes = vec![start(0), start(1)];
+        let formed = join_all(&mut planes, &[report(0, 0, ""), report(0, 0, "")]);
+        assert_eq!(formed[0].generation, formed[1].generation);
+        let chief = format!("127.0.0.1:{}", ports[0]);
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let soon = || Instant::now() + Duration::from_millis(500);
+        // Another secret, and none at all: no call gets through.
+        let err =
+            runtime.block_on(Dial::new(&chief, &key(b"another-secret-0123456789").key).connect(soon())).err().unwrap();
+        assert!(err.ends_with("the cluster secrets differ (is the same --secret-file set on every worker?)"), "{err}");
+        let bare = runtime.block_on(async {
+            let mut client = Dial::new(&chief, &None).connect(soon()).await.ok()?;
+            let request = proto::LeaveRequest { rank: 1, incarnation: 0, reason: "x".into() };
+            Some(tokio::time::timeout(Duration::from_secs(5), client.leave(request)).await)
+        });
+        match bare {
+            None | Some(Err(_)) => {} // no connection, or no answer
+            Some(Ok(Ok(_))) => panic!("a client without the secret was served"),
+            Some(Ok(Err(status))) => {
+                let text = status.message();
+                assert!(!text.contains("worker") && !text.contains("127.0.0.1"), "the refusal names nothing: {text}");
+            }
+        }
     }
 }

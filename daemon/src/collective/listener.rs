@@ -3,7 +3,9 @@
 //! are filed by (generation, rank) until the ring of that generation takes them. A connection of
 //! a generation older than the newest one asked for is closed; one of a newer generation waits
 //! (its sender may have learned of the generation first). A connection without a valid hello is
-//! closed and logged.
+//! closed and logged. With a cluster secret, every connection first passes the authentication
+//! handshake ([`crate::cluster::auth`]); one that fails is closed and logged before its hello is
+//! read.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::abort::AbortSignal;
 use super::ring::CollectiveError;
+use crate::cluster::auth::{self, ClusterKey, Plane};
 
 const HELLO_MAGIC: [u8; 8] = *b"TRDRING2";
 /// Bytes of a hello.
@@ -47,6 +50,7 @@ struct Pending {
 }
 
 struct Shared {
+    key: Option<ClusterKey>,
     pending: Mutex<Pending>,
     arrived: Condvar,
     closed: AtomicBool,
@@ -71,16 +75,17 @@ impl std::fmt::Debug for DataListener {
 }
 
 impl DataListener {
-    /// Binds `addr` (port 0 for any) and starts accepting.
-    pub fn bind(addr: SocketAddr) -> std::io::Result<DataListener> {
-        DataListener::from_listener(TcpListener::bind(addr)?)
-    }
-
-    /// Accepts on an already bound listener.
-    pub fn from_listener(listener: TcpListener) -> std::io::Result<DataListener> {
+    /// Binds `addr` (port 0 for any) and starts accepting; with `key`, only peers that prove
+    /// they hold it.
+    pub fn bind(addr: SocketAddr, key: Option<ClusterKey>) -> std::io::Result<DataListener> {
+        let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
-        let shared =
-            Arc::new(Shared { pending: Mutex::default(), arrived: Condvar::new(), closed: AtomicBool::new(false) });
+        let shared = Arc::new(Shared {
+            key,
+            pending: Mutex::default(),
+            arrived: Condvar::new(),
+            closed: AtomicBool::new(false),
+        });
         let accepting = Arc::clone(&shared);
         std::thread::Builder::new().name("trainerd-data-accept".into()).spawn(move || {
             for stream in listener.incoming() {
@@ -149,6 +154,14 @@ impl Drop for DataListener {
 fn file_connection(shared: &Shared, mut stream: TcpStream) {
     let peer = stream.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
     let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
+    if let Some(key) = &shared.key {
+        if let Err(e) = auth::accept_blocking(&mut stream, key, Plane::Data) {
+            if !shared.closed.load(Ordering::SeqCst) {
+                tracing::warn!("data plane: refused a connection from {peer}: {}", auth::refusal(&e));
+            }
+            return;
+        }
+    }
     let mut h = [0u8; HELLO_BYTES];
     let parsed = stream.read_exact(&mut h).ok().and_then(|()| parse_hello(&h));
     let Some((generation, rank)) = parsed else {
@@ -167,35 +180,45 @@ fn file_connection(shared: &Shared, mut stream: TcpStream) {
     shared.arrived.notify_all();
 }
 
-/// Connects to `addr` as `rank` of `generation`, retrying until `deadline` or an abort.
-pub fn connect(
-    addr: SocketAddr,
-    rank: usize,
-    generation: u64,
-    deadline: Instant,
-    abort: &AbortSignal,
-    name: &str,
-) -> Result<TcpStream, CollectiveError> {
-    let mut last_error = None;
-    loop {
-        abort.check(generation).map_err(|reason| CollectiveError::Aborted { generation, reason })?;
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(CollectiveError::Setup(format!(
-                "could not connect to {name} at {addr}: {}",
-                last_error.map_or("deadline passed".into(), |e: std::io::Error| e.to_string())
-            )));
-        }
-        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))) {
-            Ok(mut stream) => {
-                stream
-                    .write_all(&hello(generation, rank))
-                    .map_err(|e| CollectiveError::Setup(format!("sending hello to {name}: {e}")))?;
-                return Ok(stream);
+impl DataListener {
+    /// Connects to `addr` as `rank` of `generation`, retrying until `deadline` or an abort, and
+    /// proves this listener's key there.
+    pub fn connect(
+        &self,
+        addr: SocketAddr,
+        rank: usize,
+        generation: u64,
+        deadline: Instant,
+        abort: &AbortSignal,
+        name: &str,
+    ) -> Result<TcpStream, CollectiveError> {
+        let mut last_error = None;
+        loop {
+            abort.check(generation).map_err(|reason| CollectiveError::Aborted { generation, reason })?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CollectiveError::Setup(format!(
+                    "could not connect to {name} at {addr}: {}",
+                    last_error.map_or("deadline passed".into(), |e: std::io::Error| e.to_string())
+                )));
             }
-            Err(e) => {
-                last_error = Some(e);
-                std::thread::sleep(Duration::from_millis(10));
+            match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))) {
+                Ok(mut stream) => {
+                    if let Some(key) = &self.shared.key {
+                        let _ = stream.set_read_timeout(Some(auth::HANDSHAKE_TIMEOUT));
+                        auth::connect_blocking(&mut stream, key, Plane::Data)
+                            .map_err(|e| CollectiveError::Setup(format!("authenticating to {name} at {addr}: {e}")))?;
+                        let _ = stream.set_read_timeout(None);
+                    }
+                    stream
+                        .write_all(&hello(generation, rank))
+                        .map_err(|e| CollectiveError::Setup(format!("sending hello to {name}: {e}")))?;
+                    return Ok(stream);
+                }
+                Err(e) => {
+                    last_error = Some(e);
+                    std::thread::sleep(Duration::from_millis(10));
+                }
             }
         }
     }
@@ -213,7 +236,7 @@ mod tests {
 
     #[test]
     fn connections_are_filed_by_generation_and_stale_ones_refused() {
-        let l = DataListener::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let l = DataListener::bind("127.0.0.1:0".parse().unwrap(), None).unwrap();
         let abort = AbortSignal::new();
         let soon = || Instant::now() + Duration::from_secs(5);
         // A newer generation's connection waits while an older one is formed.
@@ -235,8 +258,45 @@ mod tests {
     }
 
     #[test]
+    fn with_a_key_only_peers_that_prove_it_are_filed() {
+        let key = ClusterKey::from_bytes(b"the-cluster-secret-0123456789");
+        let l = DataListener::bind("127.0.0.1:0".parse().unwrap(), Some(key)).unwrap();
+        let abort = AbortSignal::new();
+        let soon = || Instant::now() + Duration::from_millis(300);
+        // A hello without the handshake, and a peer with another secret: neither is filed.
+        let mut bare = send_hello(l.local_addr(), 1, 1);
+        let wrong = DataListener::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            Some(ClusterKey::from_bytes(b"another-secret-0123456789")),
+        )
+        .unwrap();
+        let err = wrong.connect(l.local_addr(), 1, 1, soon(), &abort, "worker 0").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "forming the ring: authenticating to worker 0 at {}: the cluster secrets differ (is the same \
+                 --secret-file set on every worker?)",
+                l.local_addr()
+            )
+        );
+        assert!(l.take(1, 1, soon(), &abort, "worker 1").is_err());
+        bare.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut got = Vec::new();
+        let _ = bare.read_to_end(&mut got);
+        assert_eq!(got.len(), auth::CHALLENGE_BYTES, "the refused peer got the challenge and nothing else");
+        // A peer with the key is.
+        let right = DataListener::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            Some(ClusterKey::from_bytes(b"the-cluster-secret-0123456789")),
+        )
+        .unwrap();
+        let _s = right.connect(l.local_addr(), 1, 2, soon(), &abort, "worker 0").unwrap();
+        assert!(l.take(2, 1, soon(), &abort, "worker 1").is_ok());
+    }
+
+    #[test]
     fn waiting_for_a_connection_ends_on_abort() {
-        let l = DataListener::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let l = DataListener::bind("127.0.0.1:0".parse().unwrap(), None).unwrap();
         let abort = AbortSignal::new();
         abort.arm(7);
         let trigger = abort.clone();

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use bytemuck::Pod;
 
 use super::abort::AbortSignal;
-use super::listener::{self, DataListener};
+use super::listener::DataListener;
 
 /// A value the collectives can add.
 pub trait Element: Pod + Send + Sync + std::ops::AddAssign {
@@ -194,7 +194,7 @@ impl Ring {
         let deadline = Instant::now() + timeout;
         let (prev, next) = std::thread::scope(|s| {
             let accept = s.spawn(|| listener.take(generation, prev_rank, deadline, abort, &names[prev_rank]));
-            let next = listener::connect(next_addr, rank, generation, deadline, abort, &names[next_rank]);
+            let next = listener.connect(next_addr, rank, generation, deadline, abort, &names[next_rank]);
             (accept.join().expect("accept thread"), next)
         });
         let (prev, next) = (prev?, next?);
@@ -237,6 +237,7 @@ impl Ring {
         let (n, r) = (self.world, self.rank);
         if n > 1 {
             self.link.check()?;
+            let began = std::time::Instant::now();
             let len = buf.len();
             let chunk = |c: usize| c * len / n..(c + 1) * len / n;
             for s in 0..n - 1 {
@@ -249,6 +250,9 @@ impl Ring {
                     trainerd_storage::failpoint::point("all-gather");
                 }
             }
+            // Each rank sends 2(n-1) chunks of about len/n elements.
+            let sent = 2 * (n - 1) * len / n * std::mem::size_of::<T>();
+            super::count_traffic(sent as u64, began.elapsed());
         }
         if op == ReduceOp::Mean {
             let factor = 1.0 / n as f64;
@@ -388,7 +392,7 @@ pub(crate) mod tests {
         f: impl Fn(&mut Ring, &AbortSignal) -> R + Sync,
     ) -> Vec<R> {
         let listeners: Vec<DataListener> =
-            (0..world).map(|_| DataListener::bind("127.0.0.1:0".parse().unwrap()).unwrap()).collect();
+            (0..world).map(|_| DataListener::bind("127.0.0.1:0".parse().unwrap(), None).unwrap()).collect();
         let addrs: Vec<SocketAddr> = listeners.iter().map(DataListener::local_addr).collect();
         let names: Vec<String> = (0..world).map(|r| format!("worker {r}")).collect();
         std::thread::scope(|s| {

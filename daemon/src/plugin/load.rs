@@ -21,6 +21,14 @@ pub enum LoadError {
         /// The path given.
         path: PathBuf,
     },
+    /// Another user could have written the file (or replaced it).
+    #[error("plugin {path}: refused: {why} (whoever can write a plugin runs code as trainerd)")]
+    Untrusted {
+        /// The path given.
+        path: PathBuf,
+        /// Who can write it, and the fix.
+        why: String,
+    },
     /// The dynamic loader refused the file.
     #[error("plugin {path}: not a loadable shared library: {reason}")]
     NotALibrary {
@@ -96,6 +104,7 @@ pub fn open(path: &Path) -> Result<(&'static PluginVTable, BuildFacts), LoadErro
     if !path.exists() {
         return Err(LoadError::NotFound { path: path_buf() });
     }
+    crate::trust::check_code(path).map_err(|why| LoadError::Untrusted { path: path_buf(), why })?;
     // SAFETY: loading runs the library's initialisers; a plugin is code the operator chose to
     // run. `plugin check` does this in a child process for untrusted files.
     let lib = unsafe { libloading::Library::new(path) }

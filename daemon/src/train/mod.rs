@@ -35,9 +35,10 @@ use trainerd_storage::{Location, Restored, S3Options};
 
 use crate::checkpoint::{self, Checkpointer, Meta, Position};
 use crate::cluster::control::{Formed, Identity, FINAL_BARRIER};
-use crate::cluster::{ClusterConfig, ClusterError, Timeouts};
+use crate::cluster::{ClusterConfig, ClusterError, Network, Timeouts};
 use crate::collective::buckets::Buckets;
 use crate::collective::CollectiveError;
+use crate::ops::Telemetry;
 use crate::optim::Optimizer;
 use crate::plugin::{CallError, Dataset, InputPipeline, ModelInstance, Plugin};
 use crate::progress::Progress;
@@ -69,6 +70,8 @@ pub struct RunConfig {
     pub threads: usize,
     /// The cluster, or `None` for one worker.
     pub cluster: Option<ClusterConfig>,
+    /// Where the cluster's listeners bind, and the secret its connections prove.
+    pub network: Network,
     /// Every deadline of the cluster.
     pub timeouts: Timeouts,
     /// Gradient bucket size in bytes.
@@ -298,6 +301,7 @@ pub fn run(
     cfg: &RunConfig,
     progress: &mut Progress,
     stop: &Arc<AtomicBool>,
+    telemetry: &Arc<Telemetry>,
 ) -> Result<Outcome, TrainError> {
     let started = Instant::now();
     let info = plugin.info().clone();
@@ -310,11 +314,15 @@ pub fn run(
                 plugin: plugin_identity(plugin),
                 run_config_json: cfg.agreement_json(),
             };
-            Session::start(cluster, identity, cfg.timeouts)?
+            Session::start(cluster, identity, cfg.timeouts, &cfg.network)?
         }
     };
     let (rank, world) = (session.rank(), session.world());
     let chief = rank == 0;
+    if let Some(listening) = session.listening() {
+        let how = if cfg.network.key.is_some() { "peers must prove the cluster secret" } else { "no secret" };
+        progress.line(&format!("trainerd: listening on {listening} ({how})"));
+    }
     if chief && world > 1 {
         progress.line(&format!("trainerd: waiting for {world} worker(s) to join"));
     }
@@ -348,6 +356,8 @@ pub fn run(
         _ => None,
     };
     if let Some(c) = checkpointer.as_mut() {
+        c.telemetry = Some(Arc::clone(telemetry));
+        telemetry.waiting(&format!("restoring from {}", c.location()), cfg.timeouts.rejoin);
         let (restored, floor) = c.restore().map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         session.set_floor(floor);
         if let Some(r) = restored {
@@ -380,6 +390,7 @@ pub fn run(
 
     // Join in the background: the rendezvous, the ring and the state transfer go on while the
     // data loads (a fresh worker reports no state; the chief reports what it restored).
+    telemetry.waiting("joining the cluster", cfg.timeouts.rendezvous);
     let early = {
         let stop = Arc::clone(stop);
         std::thread::Builder::new()
@@ -440,6 +451,7 @@ pub fn run(
         recovery: Recovery::default(),
         interrupted_at: None,
         recovering: None,
+        telemetry: Arc::clone(telemetry),
     };
     let (mut session, mut state, joined) = early.join().expect("the joining thread does not panic");
     tracing::debug!("start-up: joined after {:?}", started.elapsed());
@@ -452,6 +464,9 @@ pub fn run(
             Some(joined) => joined,
             None => session.join(Some(&state), stop),
         };
+        if let Ok(j) = &joined {
+            telemetry.joined(j.formed.generation, world);
+        }
         let ended = joined.and_then(|j| trainer.adopt(&mut state, &session, j, started)).and_then(|()| {
             let ended = trainer.train(&mut state, &mut session)?;
             trainer.conclude(&mut state, &session, ended)
@@ -586,6 +601,8 @@ struct Trainer<'a> {
     interrupted_at: Option<Instant>,
     /// A recovery in progress: when it began, and the formation it formed.
     recovering: Option<(Instant, Formed)>,
+    /// What systemd and Prometheus see.
+    telemetry: Arc<Telemetry>,
 }
 
 impl<'a> Trainer<'a> {
@@ -645,6 +662,7 @@ impl<'a> Trainer<'a> {
     /// A step, a formation or a barrier was abandoned: say so once, and go back to join.
     fn abandoned(&mut self, state: &TrainState, session: &Session, why: &str) {
         self.recovery.failures_seen += 1;
+        self.telemetry.abandoned(why, self.cfg.timeouts.rejoin);
         self.interrupted_at.get_or_insert_with(Instant::now);
         self.progress.line(&format!(
             "trainerd: step {} abandoned (generation {}): {why}; waiting for the cluster to re-form",
@@ -689,6 +707,11 @@ impl<'a> Trainer<'a> {
 
     /// Waits for the chief's commit in flight; its sequence, if it committed.
     fn commit_wait(&mut self) -> Option<u64> {
+        if let Some(c) = &self.checkpointer {
+            // The store retries a failing request within a bounded policy; the rejoin deadline
+            // bounds the wait well beyond it.
+            self.telemetry.waiting(&format!("committing to {}", c.location()), self.cfg.timeouts.rejoin);
+        }
         let progress = &mut *self.progress;
         self.checkpointer.as_mut()?.wait(&mut |m| progress.line(&m))
     }
@@ -725,6 +748,8 @@ impl<'a> Trainer<'a> {
             let lr = lr_at(&cfg.schedule, cfg.optimizer.lr(), global_step, total_steps);
             tch::manual_seed(checkpoint::step_seed(cfg.seed, global_step));
             let stopping = self.stop.load(Ordering::Relaxed);
+            // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
+            trainerd_storage::failpoint::point("train-step");
             let began = Instant::now();
             let result = step::train_step(
                 self.model,
@@ -752,6 +777,9 @@ impl<'a> Trainer<'a> {
             self.epoch_examples += result.sums[1];
             self.examples += result.sums[1];
             session.set_step(position.global_step);
+            let named = Totals::from_sums(&result.sums, self.metrics()).named(&self.info.metrics, "");
+            let rate = self.epoch_examples / self.epoch_time.as_secs_f64().max(1e-9);
+            self.telemetry.step((epoch, step, spe), position.global_step, &named, result.sums[1], rate, lr);
             self.after_step(state, session.world(), &result.sums, lr)?;
             if self.progress.wants(step, spe) {
                 let values = totals.named(&self.info.metrics, "");
@@ -771,6 +799,8 @@ impl<'a> Trainer<'a> {
 
     fn evaluate(&mut self, epoch: u32, session: &mut Session) -> Result<Totals, Interrupt> {
         let ctx = self.ctx(epoch, false);
+        // A pass over the test split, each collective bounded by the collective timeout.
+        self.telemetry.waiting(&format!("evaluating epoch {}", epoch + 1), self.cfg.timeouts.collective);
         step::evaluate(self.model, self.test_data, &ctx, session.ring(), self.cfg.device, self.metrics())
             .map_err(|e| session.interrupt(e))
     }
@@ -782,6 +812,7 @@ impl<'a> Trainer<'a> {
             let took = since.elapsed().as_secs_f64();
             tracing::debug!("recovery: first step done after {took:.3}s");
             self.recovery.recovery_seconds.push(took);
+            self.telemetry.recovered(formed.steps_lost, took);
             self.progress.line(&format!(
                 "trainerd: recovered at step {} (generation {}): {} step(s) lost, {took:.2}s",
                 formed.progress.0, formed.generation, formed.steps_lost
@@ -825,6 +856,8 @@ impl<'a> Trainer<'a> {
         p.last_eval = eval.sums();
         p.totals = Totals::new(self.metrics()).sums();
         let mut values = totals.named(&self.info.metrics, "");
+        self.telemetry.evaluated(&eval.named(&self.info.metrics, ""));
+        self.telemetry.progress();
         values.extend(eval.named(&self.info.metrics, "val_"));
         let rate = self.epoch_examples / self.epoch_time.as_secs_f64().max(1e-9);
         std::mem::take(&mut self.phases).report(epoch);
@@ -848,6 +881,7 @@ impl<'a> Trainer<'a> {
                 // recovered from a member that still holds the final state.
                 self.commit(state, session.world(), true)?;
                 self.commit_wait();
+                self.telemetry.waiting("waiting for every worker to finish", self.cfg.timeouts.rejoin);
                 session.barrier(FINAL_BARRIER)?;
                 session.finish();
                 Ok(None)
@@ -857,6 +891,7 @@ impl<'a> Trainer<'a> {
                 let step = state.position.global_step;
                 self.commit(state, session.world(), true)?;
                 let saved = self.commit_wait();
+                self.telemetry.waiting("waiting for every worker to stop", self.cfg.timeouts.rejoin);
                 session.barrier(&format!("stop@{step}"))?;
                 if stopping.contains(&rank) {
                     session.leave("was stopped (SIGTERM)");

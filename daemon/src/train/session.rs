@@ -13,7 +13,7 @@ use super::state::{hex, TrainState};
 use super::TrainError;
 use crate::cluster::control::{Formed, Identity};
 use crate::cluster::membership::Report;
-use crate::cluster::{ClusterConfig, ClusterError, ControlPlane, Timeouts};
+use crate::cluster::{ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
 use crate::collective::{CollectiveError, DataListener, Ring};
 
 /// How long a broken link waits for a peer's pushed notice before it blames the neighbour.
@@ -72,19 +72,30 @@ impl Session {
 
     /// Serves the control plane and the data listener at once (peers can reach this member while
     /// it loads), for `cluster` with `identity`.
-    pub fn start(cluster: &ClusterConfig, identity: Identity, timeouts: Timeouts) -> Result<Session, TrainError> {
-        let plane = ControlPlane::start(cluster, identity, timeouts)?;
+    pub fn start(
+        cluster: &ClusterConfig,
+        identity: Identity,
+        timeouts: Timeouts,
+        network: &Network,
+    ) -> Result<Session, TrainError> {
+        let plane = ControlPlane::start(cluster, identity, timeouts, network)?;
         let me = cluster.me();
         let name = plane.names()[cluster.rank].clone();
         let bind = |reason: String| {
             TrainError::Cluster(ClusterError::Bind { address: me.address.clone(), member: name.clone(), reason })
         };
-        let ip = crate::cluster::member::resolve(&me.address).map_err(&bind)?.ip();
-        let listener = DataListener::bind((ip, 0).into()).map_err(|e| bind(format!("data-plane listener: {e}")))?;
+        let listener = DataListener::bind((network.bind, 0).into(), network.key.clone())
+            .map_err(|e| bind(format!("data-plane listener on {}: {e}", network.bind)))?;
         let host = me.address.rsplit_once(':').map_or(me.address.as_str(), |(h, _)| h);
         let data_address = format!("{host}:{}", listener.local_addr().port());
         let member = Member { plane, listener, data_address, timeouts };
         Ok(Session { cluster: Some(Box::new(member)), ring: Ring::single(), floor: 0 })
+    }
+
+    /// Where this member listens: `control A, data B`; `None` for a lone worker.
+    pub fn listening(&self) -> Option<String> {
+        let m = self.cluster.as_ref()?;
+        Some(format!("control {}, data {}", m.plane.listening(), m.listener.local_addr()))
     }
 
     /// This member's rank.
