@@ -32,7 +32,7 @@ HANG_S = 60
 class Cluster:
     """A `trainerd local` run whose output lines are timestamped as they arrive."""
 
-    def __init__(self, d, world, ckpt_every):
+    def __init__(self, d, world, ckpt_every, secret=False):
         self.d, self.world = d, world
         self.lines, self.pids, self.lock = [], {}, threading.Lock()
         cmd = [os.path.join(ROOT, "target/release/trainerd"), "local", "--workers", str(world), "--restart-delay", "0",
@@ -40,6 +40,12 @@ class Cluster:
                "--epochs", "1000", "--batch-size", "64", "--threads", "1", "--optimizer", "adam", "--lr", "0.001",
                "--checkpoint-dir", os.path.join(d, "ckpt"), "--checkpoint-every", str(ckpt_every),
                "--metrics-log", os.path.join(d, "m.jsonl")]
+        if secret:
+            # Every connection (control plane and ring) then opens with the HMAC challenge.
+            path = os.path.join(d, "secret")
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(os.urandom(32).hex())
+            cmd += ["--secret-file", path]
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         for stream in (self.p.stdout, self.p.stderr):
             threading.Thread(target=self.read, args=(stream,), daemon=True).start()
@@ -114,7 +120,7 @@ def trainerd(args):
     plan = ["worker"] * args.kills + ["chief"] * args.chief_kills + ["frozen"] * args.freezes
     random.Random(7).shuffle(plan)
     with tempfile.TemporaryDirectory() as d:
-        c = Cluster(d, args.world, args.ckpt_every)
+        c = Cluster(d, args.world, args.ckpt_every, args.secret)
         try:
             if not c.wait_steps(30, timeout=300):
                 sys.exit("trainerd did not start training")
@@ -154,15 +160,16 @@ def main():
     p.add_argument("--torchrun-trials", type=int, default=20)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--secret", action="store_true", help="authenticate every connection with a cluster secret")
     args = p.parse_args()
     ours = trainerd(args)
-    peer = torchrun(args)
+    peer = torchrun(args) if args.torchrun_trials > 0 else []
     ok = lambda rs: [r for r in rs if not r.get("hang")]
     w, c, f = ok(ours["worker"]), ok(ours["chief"]), ok(ours["frozen"])
     hangs = lambda rs: f"{sum(1 for r in rs if r.get('hang'))} in {len(rs)}"
     print()
     print(f"Recovery after one lost worker: {args.world} workers, mnist-cnn, a commit every {args.ckpt_every} steps, "
-          f"restart delay 0 (medians)")
+          f"restart delay 0{', every connection authenticated' if args.secret else ''} (medians)")
     print("| | trainerd: a worker killed | trainerd: the chief killed | trainerd: a worker frozen | torchrun: a worker killed |")
     print("|---|---|---|---|---|")
     print(f"| recovery (signal until every worker steps again) | {median(w, 'recovery_s'):.2f} s | "

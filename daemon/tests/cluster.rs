@@ -8,16 +8,6 @@ use std::process::{Child, Command, Stdio};
 
 use common::*;
 
-fn free_ports(n: usize) -> Vec<u16> {
-    let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
-}
-
-fn tf_config(ports: &[u16], index: usize) -> String {
-    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    serde_json::json!({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": index}}).to_string()
-}
-
 /// `trainerd local --workers N` on mnist-cnn for one epoch: accuracy and identical replicas.
 fn cnn_on(workers: usize) {
     let tmp = tempfile::tempdir().unwrap();

@@ -12,17 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{fashion_mnist, plugin, text, trainerd};
-
-fn free_ports(n: usize) -> Vec<u16> {
-    let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
-}
-
-fn tf_config(ports: &[u16], index: usize) -> String {
-    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    serde_json::json!({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": index}}).to_string()
-}
+use common::{fashion_mnist, free_ports, plugin, text, tf_config, trainerd};
 
 /// A `trainerd run` of the fixture plugin: `steps` steps per epoch, one thread.
 fn run_cmd(steps: u32, epochs: u32) -> Command {
@@ -86,6 +76,34 @@ impl NotifySocket {
     /// Watchdog pings received after `since`.
     fn pings_after(&mut self, since: Instant) -> usize {
         self.messages().iter().filter(|(t, m)| *t > since && m.lines().any(|l| l == "WATCHDOG=1")).count()
+    }
+}
+
+/// Where the workers of a test write, printed if the test fails.
+struct Logs(tempfile::TempDir);
+
+impl Logs {
+    fn new() -> Logs {
+        Logs(tempfile::tempdir().unwrap())
+    }
+
+    /// Standard output and error files for worker `i`.
+    fn files(&self, i: usize) -> (std::fs::File, std::fs::File) {
+        let open = |name: String| std::fs::File::create(self.0.path().join(name)).unwrap();
+        (open(format!("{i}.out")), open(format!("{i}.err")))
+    }
+}
+
+impl Drop for Logs {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let mut names: Vec<_> = std::fs::read_dir(self.0.path()).unwrap().map(|e| e.unwrap().path()).collect();
+            names.sort();
+            for path in names {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                eprintln!("--- {}:\n{text}", path.display());
+            }
+        }
     }
 }
 
@@ -204,14 +222,16 @@ fn sigterm_sends_stopping_and_a_hung_step_stops_the_pings() {
 fn a_frozen_peer_stops_pinging_while_the_survivor_pings_through_its_bounded_wait() {
     let ports = free_ports(2);
     let mut sockets = [NotifySocket::new(), NotifySocket::new()];
+    let logs = Logs::new();
     let mut workers: Vec<Child> = (0..2)
         .map(|i| {
+            let (out, err) = logs.files(i);
             run_cmd(2000, 5)
                 .env("TF_CONFIG", tf_config(&ports, i))
                 .env("NOTIFY_SOCKET", &sockets[i].path)
                 .env("WATCHDOG_USEC", "400000")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
+                .stdout(out)
+                .stderr(err)
                 .spawn()
                 .unwrap()
         })
