@@ -1,8 +1,8 @@
 //! Cluster membership: `TF_CONFIG` ([`tf_config`]), the membership decisions ([`membership`], a
-//! pure function), the timeout hierarchy ([`timeouts`]), and the gRPC control plane that carries
+//! pure function), the timeout hierarchy ([`timeouts`]), the gRPC control plane that carries
 //! them out ([`control`], the server and coordinator; [`member`], a member's calls), and who may
-//! talk to it ([`network`], [`auth`]). It knows
-//! nothing of training: a member's state is an opaque ordered progress and a digest.
+//! talk to it ([`network`]: where to listen; [`auth`]: the cluster secret). It knows nothing of
+//! training: a member's state is an opaque ordered progress and a digest.
 
 pub mod auth;
 pub mod control;
