@@ -25,6 +25,23 @@ pub fn check_file(path: &Path, meta: &std::fs::Metadata, private: bool) -> Resul
     Ok(())
 }
 
+/// The trimmed contents of a secret file (surrounding white space, such as a trailing newline,
+/// is not part of it): a regular file that passes [`check_file`] as private and holds at least
+/// `min` bytes; `what` names it in the error, `hint` says how to make one.
+pub fn read_secret(path: &Path, what: &str, min: usize, hint: &str) -> Result<Vec<u8>, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    check_file(path, &meta, true)?;
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let secret = bytes.trim_ascii();
+    if secret.len() < min {
+        return Err(format!("holds {} byte(s); {what} needs at least {min}{hint}", secret.len()));
+    }
+    Ok(secret.to_vec())
+}
+
 /// [`check_file`] for a file that is code: also refuses it when its directory lets others
 /// replace it (writable by group or others, without the sticky bit).
 pub fn check_code(path: &Path) -> Result<(), String> {

@@ -95,22 +95,10 @@ impl ClusterKey {
     /// else can write or read, holding at least [`MIN_SECRET_BYTES`] (surrounding white space,
     /// such as a trailing newline, is not part of the secret).
     pub fn load(path: &Path) -> Result<ClusterKey, SecretFileError> {
-        let fail = |why: String| SecretFileError { path: path.to_path_buf(), why };
-        let meta = std::fs::metadata(path).map_err(|e| fail(format!("cannot read it: {e}")))?;
-        if !meta.is_file() {
-            return Err(fail("not a regular file".into()));
-        }
-        crate::trust::check_file(path, &meta, true).map_err(fail)?;
-        let bytes = std::fs::read(path).map_err(|e| fail(format!("cannot read it: {e}")))?;
-        let secret = bytes.trim_ascii();
-        if secret.len() < MIN_SECRET_BYTES {
-            return Err(fail(format!(
-                "holds {} byte(s); a cluster secret needs at least {MIN_SECRET_BYTES} (make one with `head -c 32 \
-                 /dev/urandom | base64 > FILE`)",
-                secret.len()
-            )));
-        }
-        Ok(ClusterKey::from_bytes(secret))
+        let hint = " (make one with `head -c 32 /dev/urandom | base64 > FILE`)";
+        crate::trust::read_secret(path, "a cluster secret", MIN_SECRET_BYTES, hint)
+            .map(|secret| ClusterKey::from_bytes(&secret))
+            .map_err(|why| SecretFileError { path: path.to_path_buf(), why })
     }
 
     fn tag(&self, role: &[u8], plane: Plane, server_nonce: &[u8], client_nonce: &[u8]) -> Hmac<Sha256> {

@@ -22,15 +22,9 @@ pub struct Token(Arc<[u8]>);
 impl Token {
     /// Reads `--metrics-token-file` (held to the same rules as the cluster secret).
     pub fn load(path: &Path) -> Result<Token, String> {
-        let flag = format!("--metrics-token-file {}", path.display());
-        let meta = std::fs::metadata(path).map_err(|e| format!("{flag}: cannot read it: {e}"))?;
-        crate::trust::check_file(path, &meta, true).map_err(|why| format!("{flag}: {why}"))?;
-        let bytes = std::fs::read(path).map_err(|e| format!("{flag}: cannot read it: {e}"))?;
-        let token = bytes.trim_ascii();
-        if token.len() < 16 {
-            return Err(format!("{flag}: holds {} byte(s); a token needs at least 16", token.len()));
-        }
-        Ok(Token(Arc::from(token)))
+        crate::trust::read_secret(path, "a token", crate::cluster::auth::MIN_SECRET_BYTES, "")
+            .map(|token| Token(Arc::from(token)))
+            .map_err(|why| format!("--metrics-token-file {}: {why}", path.display()))
     }
 
     /// Whether `header` is `Bearer <this token>`, compared in constant time.
