@@ -35,10 +35,11 @@ if [ ! -e "$marker" ]; then
 fi
 
 # Test tools in the same venv: prometheus_client parses /metrics as Prometheus would; PyYAML
-# reads the Kubernetes manifest.
-if ! "$TRAINERD_VENV/bin/python" -c "import prometheus_client, yaml" 2>/dev/null; then
-    echo "setup: installing prometheus_client (the metrics tests' parser)"
-    "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "prometheus-client==0.21.1" "pyyaml==6.0.2"
+# reads the Kubernetes manifest; tensorboard's own event reader reads the event files.
+if ! "$TRAINERD_VENV/bin/python" -c "import prometheus_client, yaml, tensorboard" 2>/dev/null; then
+    echo "setup: installing prometheus_client, PyYAML and tensorboard (the tests' readers)"
+    "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "prometheus-client==0.21.1" "pyyaml==6.0.2" \
+        "tensorboard==2.20.0"
 fi
 # systemd-analyze checks the unit files.
 if ! command -v systemd-analyze >/dev/null; then

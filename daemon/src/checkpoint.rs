@@ -76,7 +76,7 @@ pub struct Meta {
 }
 
 /// The RNG scheme recorded in checkpoints.
-pub const RNG_SCHEME: &str = "libtorch generator re-seeded from (seed, global_step) before every step";
+pub const RNG_SCHEME: &str = "libtorch generator re-seeded from (seed, global_step, rank) before every step";
 
 /// The seed of libtorch's generator for `global_step` of a run seeded `seed` (SplitMix64).
 pub fn step_seed(seed: u64, global_step: u64) -> i64 {
@@ -84,6 +84,13 @@ pub fn step_seed(seed: u64, global_step: u64) -> i64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     (z ^ (z >> 31)) as i64
+}
+
+/// The seed of libtorch's generator for `global_step` on the replica of `rank`: dropout masks
+/// and any other draws repeat exactly in a resumed run, and differ between replicas (as each
+/// replica's examples do). Rank 0's is [`step_seed`]'s.
+pub fn replica_seed(seed: u64, global_step: u64, rank: usize) -> i64 {
+    step_seed(seed.wrapping_add((rank as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)), global_step)
 }
 
 fn dtype(kind: Kind) -> Option<Dtype> {
@@ -359,5 +366,8 @@ mod tests {
         assert_eq!(step_seed(1, 5), step_seed(1, 5));
         assert_ne!(step_seed(1, 5), step_seed(1, 6));
         assert_ne!(step_seed(1, 5), step_seed(2, 5));
+        assert_eq!(replica_seed(1, 5, 0), step_seed(1, 5));
+        assert_ne!(replica_seed(1, 5, 1), replica_seed(1, 5, 0));
+        assert_eq!(replica_seed(1, 5, 1), replica_seed(1, 5, 1));
     }
 }

@@ -13,6 +13,7 @@ use trainerd::cluster::auth::ClusterKey;
 use trainerd::cluster::{tf_config, ClusterConfig, Network, Timeouts};
 use trainerd::collective::buckets::DEFAULT_BUCKET_BYTES;
 use trainerd::config::{self, OptimizerFlags};
+use trainerd::evaluate::EvalConfig;
 use trainerd::ops::log::LogFormat;
 use trainerd::ops::notify::{self, Notifier};
 use trainerd::ops::serve::{self, Token};
@@ -52,6 +53,9 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Evaluate a committed checkpoint on the test split (as Keras's model.evaluate): alone, or
+    /// sharded over the TF_CONFIG cluster.
+    Evaluate(Box<EvalArgs>),
     /// Inspect a checkpoint location (a directory, file:///path, s3://bucket/prefix).
     Ckpt {
         #[command(subcommand)]
@@ -226,22 +230,15 @@ struct RunArgs {
     /// Write one JSON line per step (global loss, metrics, learning rate) to this file.
     #[arg(long)]
     metrics_log: Option<PathBuf>,
-    /// The cluster, as TensorFlow's TF_CONFIG JSON or @FILE (default: the TF_CONFIG variable;
-    /// none means one worker).
+    /// Write TensorBoard event files here (on the chief), as Keras's TensorBoard callback lays
+    /// them out: DIR/train and DIR/validation.
     #[arg(long)]
-    tf_config: Option<String>,
-    /// The cluster secret: a file (the same on every node, readable only by trainerd's user)
-    /// whose contents every control-plane and data-plane connection proves it knows. Needed
-    /// when TF_CONFIG has a non-loopback address.
-    #[arg(long, env = "TRAINERD_SECRET_FILE")]
-    secret_file: Option<PathBuf>,
-    /// Run a cluster across hosts without a secret: anyone who can reach its ports can join it.
-    #[arg(long)]
-    insecure: bool,
-    /// The address the control plane and the data listener bind (default: every interface for a
-    /// cluster across hosts, the TF_CONFIG address for a loopback one).
-    #[arg(long, env = "TRAINERD_LISTEN")]
-    listen: Option<std::net::IpAddr>,
+    tensorboard_dir: Option<PathBuf>,
+    /// Write the step loss to TensorBoard every N global steps (0: per epoch only).
+    #[arg(long, default_value_t = 100)]
+    tensorboard_every: u64,
+    #[command(flatten)]
+    cluster: ClusterArgs,
     /// Serve Prometheus metrics (`/metrics`) and `/healthz` on this address (e.g.
     /// 127.0.0.1:9400; port 0 picks one). An address other than loopback needs
     /// --metrics-token-file (or --insecure).
@@ -286,6 +283,90 @@ struct RunArgs {
     s3: S3Args,
 }
 
+#[derive(clap::Args)]
+struct EvalArgs {
+    /// Checkpoint location (a directory, file:///path, s3://bucket/prefix).
+    #[arg(long)]
+    checkpoint: String,
+    /// The commit to evaluate (default: the newest that verifies).
+    #[arg(long)]
+    sequence: Option<u64>,
+    /// Path of the model plugin's shared library (.so).
+    #[arg(long)]
+    plugin: PathBuf,
+    /// Dataset directory, handed to the plugin.
+    #[arg(long)]
+    data: PathBuf,
+    /// Per-worker batch size (default: the plugin's).
+    #[arg(long)]
+    batch_size: Option<u32>,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// libtorch threads (default: available cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Write the result as JSON to this file.
+    #[arg(long)]
+    summary: Option<PathBuf>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Seconds to wait for every worker to join.
+    #[arg(long, default_value_t = 300.0)]
+    rendezvous_timeout: f64,
+    #[command(flatten)]
+    s3: S3Args,
+}
+
+/// The cluster flags `run` and `evaluate` share.
+#[derive(clap::Args)]
+struct ClusterArgs {
+    /// The cluster, as TensorFlow's TF_CONFIG JSON or @FILE (default: the TF_CONFIG variable;
+    /// none means one worker).
+    #[arg(long)]
+    tf_config: Option<String>,
+    /// The cluster secret: a file (the same on every node, readable only by trainerd's user)
+    /// whose contents every control-plane and data-plane connection proves it knows. Needed
+    /// when TF_CONFIG has a non-loopback address.
+    #[arg(long, env = "TRAINERD_SECRET_FILE")]
+    secret_file: Option<PathBuf>,
+    /// Run a cluster across hosts without a secret: anyone who can reach its ports can join it.
+    #[arg(long)]
+    insecure: bool,
+    /// The address the control plane and the data listener bind (default: every interface for a
+    /// cluster across hosts, the TF_CONFIG address for a loopback one).
+    #[arg(long, env = "TRAINERD_LISTEN")]
+    listen: Option<std::net::IpAddr>,
+}
+
+impl ClusterArgs {
+    /// The cluster and how its members reach each other.
+    fn plan(&self) -> anyhow::Result<(Option<ClusterConfig>, Network)> {
+        let cluster = cluster(self.tf_config.as_deref())?;
+        let key = self.secret_file.as_deref().map(ClusterKey::load).transpose()?;
+        let network = match &cluster {
+            Some(c) => Network::plan(c, self.listen, key, self.insecure).map_err(anyhow::Error::msg)?,
+            None => Network::loopback(),
+        };
+        if cluster.is_some() && network.key.is_none() && self.insecure {
+            tracing::warn!("--insecure: the cluster's ports accept anyone who can reach them");
+        }
+        Ok((cluster, network))
+    }
+}
+
+/// libtorch's thread counts from `--threads` (default: the available cores); the intra-op count.
+fn set_threads(threads: Option<usize>) -> anyhow::Result<usize> {
+    let threads = match threads {
+        Some(0) => anyhow::bail!("--threads 0: expected at least 1"),
+        Some(n) => n,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    tch::set_num_threads(threads as i32);
+    tch::set_num_interop_threads(1);
+    Ok(threads)
+}
+
 /// Whether the command line asks for a CUDA device (`--device cuda`, `--device=cuda:1`).
 fn asks_for_cuda(args: &[String]) -> bool {
     args.iter().enumerate().any(|(i, a)| {
@@ -315,6 +396,7 @@ fn main() -> ExitCode {
         Command::Local { workers, restart_delay, args } => Duration::try_from_secs_f64(restart_delay)
             .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))
             .and_then(|delay| trainerd::local::run(workers, delay, &args)),
+        Command::Evaluate(args) => evaluate(*args, cuda, cli.log_format),
         Command::Ckpt { command } => ckpt(command),
         Command::Plugin { command: PluginCommand::Check { path, in_process } } => {
             if in_process {
@@ -385,15 +467,7 @@ fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Resul
         rejoin: seconds("--rejoin-deadline", args.rejoin_deadline)?,
     };
     timeouts.check().map_err(anyhow::Error::msg)?;
-    let cluster = cluster(args.tf_config.as_deref())?;
-    let key = args.secret_file.as_deref().map(ClusterKey::load).transpose()?;
-    let network = match &cluster {
-        Some(c) => Network::plan(c, args.listen, key, args.insecure).map_err(anyhow::Error::msg)?,
-        None => Network::loopback(),
-    };
-    if cluster.is_some() && network.key.is_none() && args.insecure {
-        tracing::warn!("--insecure: the cluster's ports accept anyone who can reach them");
-    }
+    let (cluster, network) = args.cluster.plan()?;
     let facts = accel::facts(cuda);
     // A worker's place among the workers of its node, as torchrun's LOCAL_RANK (`trainerd local`
     // sets it): `--device auto` is cuda:(LOCAL_RANK mod GPUs).
@@ -404,16 +478,11 @@ fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Resul
             tracing::warn!("this libtorch has no switch for {missing}; results on CUDA may not be reproducible");
         }
     }
-    let threads = match args.threads {
-        Some(0) => anyhow::bail!("--threads 0: expected at least 1"),
-        Some(n) => n,
-        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
-    };
-    tch::set_num_threads(threads as i32);
-    tch::set_num_interop_threads(1);
+    let threads = set_threads(args.threads)?;
 
     let token = args.metrics_token_file.as_deref().map(Token::load).transpose().map_err(anyhow::Error::msg)?;
-    if let Some(addr) = args.metrics_addr.filter(|a| !a.ip().is_loopback() && token.is_none() && !args.insecure) {
+    if let Some(addr) = args.metrics_addr.filter(|a| !a.ip().is_loopback() && token.is_none() && !args.cluster.insecure)
+    {
         anyhow::bail!(
             "--metrics-addr {addr} is not a loopback address: give --metrics-token-file so that only your \
              Prometheus can read the metrics, or pass --insecure"
@@ -443,6 +512,8 @@ fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Resul
         timeouts,
         bucket_bytes: DEFAULT_BUCKET_BYTES,
         metrics_log: args.metrics_log,
+        tensorboard_dir: args.tensorboard_dir,
+        tensorboard_every: args.tensorboard_every,
         checkpoint: match &args.checkpoint_dir {
             None if args.checkpoint_every > 0 => anyhow::bail!("--checkpoint-every needs --checkpoint-dir"),
             None => None,
@@ -511,6 +582,54 @@ fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Resul
     if let Some(e) = &summary.checkpoint_error {
         progress.line(&format!("error: training finished, but its last checkpoint was not committed: {e}"));
         return Ok(EXIT_FINISHED_UNCOMMITTED);
+    }
+    Ok(0)
+}
+
+fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&stop))?;
+        signal_hook::flag::register(signal, Arc::clone(&stop))?;
+    }
+    let timeouts =
+        Timeouts { rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?, ..Timeouts::default() };
+    let (cluster, network) = args.cluster.plan()?;
+    let facts = accel::facts(cuda);
+    let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
+    let device = facts.device(&args.device, local_rank).map_err(anyhow::Error::msg)?;
+    let threads = set_threads(args.threads)?;
+    let plugin = Plugin::load(&args.plugin)?;
+    let cfg = EvalConfig {
+        data_dir: args.data,
+        location: args.checkpoint.parse()?,
+        s3: args.s3.options(),
+        sequence: args.sequence,
+        batch_size: args.batch_size.unwrap_or(plugin.info().defaults.batch_size),
+        device,
+        threads,
+        cluster,
+        network,
+        timeouts,
+    };
+    if cfg.batch_size == 0 {
+        anyhow::bail!("--batch-size 0: expected at least 1");
+    }
+    let mut progress = Progress::stdout(log_format);
+    let result = trainerd::evaluate::run(&plugin, &cfg, &mut progress, &stop)?;
+    progress.line(&format!(
+        "evaluated checkpoint {} ({} test examples on {} worker(s)): test loss {:.4}{}, params sha256 {}",
+        result.sequence,
+        result.examples,
+        result.workers,
+        result.test_loss,
+        result.test_accuracy.map(|a| format!(", test accuracy {a:.4}")).unwrap_or_default(),
+        result.params_sha256
+    ));
+    if let Some(path) = &args.summary {
+        let json = serde_json::to_string_pretty(&result)? + "\n";
+        trainerd::atomic::write_file(path, &[json.as_bytes()])
+            .with_context(|| format!("writing the summary to {}", path.display()))?;
     }
     Ok(0)
 }

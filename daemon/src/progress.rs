@@ -175,6 +175,19 @@ impl Progress {
     }
 }
 
+/// A value as Keras's progress bar prints it: four decimals, or scientific notation with a
+/// two-digit exponent at or below 1e-3 (`0.4521`, `1.0000e-04`).
+pub fn keras_number(value: f64) -> String {
+    if value.abs() > 1e-3 || !value.is_finite() {
+        return format!("{value:.4}");
+    }
+    let text = format!("{value:.4e}");
+    let (mantissa, exponent) = text.split_once('e').expect("scientific notation");
+    let exponent: i32 = exponent.parse().expect("an integer exponent");
+    let sign = if exponent < 0 { '-' } else { '+' };
+    format!("{mantissa}e{sign}{:02}", exponent.abs())
+}
+
 /// `step/steps [bar] - 3s[ 5ms/step] - loss: 0.4521 - accuracy: 0.8412` (no bar when not a
 /// terminal).
 pub fn step_line(
@@ -195,7 +208,7 @@ pub fn step_line(
         text.push_str(&format!(" {ms:.0}ms/step"));
     }
     for (name, value) in values {
-        text.push_str(&format!(" - {name}: {value:.4}"));
+        text.push_str(&format!(" - {name}: {}", keras_number(*value)));
     }
     text
 }
@@ -225,6 +238,16 @@ pub fn thousands(x: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_are_printed_as_keras_prints_them() {
+        assert_eq!(keras_number(0.45213), "0.4521");
+        assert_eq!(keras_number(0.001), "1.0000e-03");
+        assert_eq!(keras_number(1e-5), "1.0000e-05");
+        assert_eq!(keras_number(0.0), "0.0000e+00");
+        assert_eq!(keras_number(-2.5e-4), "-2.5000e-04");
+        assert_eq!(keras_number(12.0), "12.0000");
+    }
 
     #[test]
     fn keras_style_lines() {

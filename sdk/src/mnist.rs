@@ -125,6 +125,16 @@ impl Mnist {
     }
 }
 
+/// Checks that `xs` is a batch of 28x28 single-channel images (`[batch, 1, 28, 28]`), the input
+/// every MNIST-format model takes; the error names `plugin` and the shape it got.
+pub fn expect_images(plugin: &str, xs: &Tensor) -> Result<(), PluginError> {
+    let shape = xs.size();
+    if shape.len() != 4 || shape[1..] != [1, 28, 28] {
+        return Err(PluginError::Other(format!("{plugin} expects images of shape [batch, 1, 28, 28], got {shape:?}")));
+    }
+    Ok(())
+}
+
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
     move |source| DataError::Io { path: path.to_path_buf(), source }
 }

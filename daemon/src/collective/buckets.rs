@@ -81,6 +81,11 @@ impl Buckets {
     /// device and cross in one copy each way (the copies back to each gradient stay on the
     /// device); on the CPU each gradient is copied into the buffer directly. The ring carries
     /// float32 whatever the device, so the reduction is bit-identical everywhere.
+    ///
+    /// A parameter with no gradient on this member (unused by its forward pass) contributes
+    /// zeros. One flag per parameter rides in the last bucket: a parameter that no member has a
+    /// gradient for keeps none (the optimizer skips it, exactly as it does with one worker); one
+    /// that some member has a gradient for gets the average on every member.
     pub fn all_reduce(
         &mut self,
         ring: &mut Ring,
@@ -91,32 +96,44 @@ impl Buckets {
             return Ok(());
         }
         let _no_grad = tch::no_grad_guard();
+        let used: Vec<bool> = params.iter().map(|(_, p)| p.grad().defined()).collect();
+        let mut tail_values: Vec<f32> = extra.to_vec();
+        tail_values.extend(used.iter().map(|&u| if u { 1.0 } else { 0.0 }));
+        // Parameters without a gradient here: (index, bucket, offset in the bucket).
+        let mut missing = Vec::new();
         let last = self.groups.len() - 1;
         for (b, group) in self.groups.iter().enumerate() {
-            for &i in group {
-                let p = &params[i].1;
-                if !p.grad().defined() {
-                    // A parameter without a gradient here may have one on another worker: give
-                    // it a zero gradient (through autograd, which owns `.grad`) to reduce.
-                    (p.sum(Kind::Float) * 0.0).backward();
-                }
-            }
-            let grads: Vec<Tensor> = group.iter().map(|&i| params[i].1.grad().detach().view(-1)).collect();
-            let numels: Vec<usize> = grads.iter().map(Tensor::numel).collect();
-            let grads_len: usize = numels.iter().sum();
-            let tail = if b == last { extra.len() } else { 0 };
             let device = params[group[0]].1.device();
+            let grads: Vec<Option<Tensor>> =
+                group.iter().map(|&i| used[i].then(|| params[i].1.grad().detach().view(-1))).collect();
+            let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
+            let grads_len: usize = numels.iter().sum();
+            let tail = if b == last { tail_values.len() } else { 0 };
             if self.staging[b].as_ref().is_none_or(|t| t.numel() != grads_len + tail) {
                 self.staging[b] = Some(host_buffer(grads_len + tail, device));
             }
             let buffer = self.staging[b].as_mut().expect("made above");
-            let joined = if device.is_cuda() { Some(Tensor::cat(&grads, 0).to_kind(Kind::Float)) } else { None };
+            let joined = device.is_cuda().then(|| {
+                let parts: Vec<Tensor> = grads
+                    .iter()
+                    .zip(&numels)
+                    .map(|(g, &n)| match g {
+                        Some(g) => g.to_kind(Kind::Float),
+                        None => Tensor::zeros([n as i64], (Kind::Float, device)),
+                    })
+                    .collect();
+                Tensor::cat(&parts, 0)
+            });
             match &joined {
                 Some(on_device) => buffer.narrow(0, 0, grads_len as i64).copy_(on_device),
                 None => {
                     let mut at = 0;
                     for (g, &n) in grads.iter().zip(&numels) {
-                        buffer.narrow(0, at, n as i64).copy_(&g.to_kind(Kind::Float));
+                        let mut slot = buffer.narrow(0, at, n as i64);
+                        match g {
+                            Some(g) => slot.copy_(&g.to_kind(Kind::Float)),
+                            None => _ = slot.fill_(0.0),
+                        }
                         at += n as i64;
                     }
                 }
@@ -124,11 +141,11 @@ impl Buckets {
             // SAFETY: our own contiguous float32 host buffer; the copies into it have completed
             // (copy_ waits), and nothing else touches it until the copies back below.
             let flat = unsafe { host_slice(buffer) };
-            flat[grads_len..].copy_from_slice(&extra[..tail]);
+            flat[grads_len..].copy_from_slice(&tail_values[..tail]);
             ring.all_reduce(flat, ReduceOp::Sum)?;
             let scale = 1.0 / ring.world() as f32;
             flat[..grads_len].iter_mut().for_each(|x| *x *= scale);
-            extra[..tail].copy_from_slice(&flat[grads_len..]);
+            tail_values[..tail].copy_from_slice(&flat[grads_len..]);
             let averaged = buffer.narrow(0, 0, grads_len as i64);
             let averaged = match joined {
                 Some(mut on_device) => {
@@ -138,9 +155,22 @@ impl Buckets {
                 None => averaged,
             };
             let mut at = 0;
-            for (mut g, &n) in grads.into_iter().zip(&numels) {
-                g.copy_(&averaged.narrow(0, at, n as i64));
+            for ((g, &n), &i) in grads.into_iter().zip(&numels).zip(group) {
+                match g {
+                    Some(mut g) => g.copy_(&averaged.narrow(0, at, n as i64)),
+                    None => missing.push((i, averaged.narrow(0, at, n as i64))),
+                }
                 at += n as i64;
+            }
+        }
+        extra.copy_from_slice(&tail_values[..extra.len()]);
+        for (i, averaged) in missing {
+            if tail_values[extra.len() + i] > 0.0 {
+                // Used elsewhere: give it a gradient here (autograd owns `.grad`, so through a
+                // backward of zero) and take the average.
+                let p = &params[i].1;
+                tch::with_grad(|| (p.sum(Kind::Float) * 0.0).backward());
+                p.grad().copy_(&averaged.view_as(p));
             }
         }
         Ok(())
@@ -150,6 +180,31 @@ impl Buckets {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parameter_unused_everywhere_keeps_no_gradient_and_one_used_somewhere_gets_the_average() {
+        let out = crate::collective::ring::tests::with_ring(2, |ring| {
+            let mut ps = params(&[3, 2, 4]);
+            // p0: used by both; p1: used only by rank 1; p2: used by nobody.
+            (ps[0].1.sum(Kind::Float) * 2.0).backward();
+            if ring.rank() == 1 {
+                (ps[1].1.sum(Kind::Float) * 4.0).backward();
+            }
+            let mut extra = [1.0f32];
+            Buckets::new(&ps, 8).all_reduce(ring, &mut ps, &mut extra).unwrap();
+            let grad = |i: usize| {
+                let g = ps[i].1.grad();
+                g.defined().then(|| Vec::<f32>::try_from(g).unwrap())
+            };
+            (grad(0), grad(1), grad(2), extra)
+        });
+        for (g0, g1, g2, extra) in out {
+            assert_eq!(g0, Some(vec![2.0; 3]));
+            assert_eq!(g1, Some(vec![2.0; 2]), "the average of 4 and a zero from the member that did not use it");
+            assert_eq!(g2, None, "unused on every member: no gradient, as with one worker");
+            assert_eq!(extra, [2.0]);
+        }
+    }
 
     fn params(sizes: &[i64]) -> Vec<(String, Tensor)> {
         sizes

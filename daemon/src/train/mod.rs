@@ -37,12 +37,13 @@ use crate::checkpoint::{self, Checkpointer, Meta, Position};
 use crate::cluster::control::{Formed, Identity, FINAL_BARRIER};
 use crate::cluster::{ClusterConfig, ClusterError, Network, Timeouts};
 use crate::collective::buckets::Buckets;
-use crate::collective::CollectiveError;
+use crate::collective::{CollectiveError, ReduceOp};
 use crate::ops::Telemetry;
 use crate::optim::Optimizer;
 use crate::plugin::{CallError, Dataset, InputPipeline, ModelInstance, Plugin};
 use crate::progress::Progress;
 use crate::schedule::lr_at;
+use crate::tensorboard::TensorBoard;
 use session::{Interrupt, Joined, Session};
 use state::TrainState;
 use step::Totals;
@@ -80,6 +81,11 @@ pub struct RunConfig {
     pub metrics_log: Option<PathBuf>,
     /// Checkpoints, if any.
     pub checkpoint: Option<CheckpointConfig>,
+    /// The chief writes TensorBoard event files here: per epoch, and the step loss every
+    /// `tensorboard_every` steps (0: per epoch only).
+    pub tensorboard_dir: Option<PathBuf>,
+    /// See `tensorboard_dir`.
+    pub tensorboard_every: u64,
 }
 
 impl RunConfig {
@@ -138,6 +144,24 @@ pub enum TrainError {
         batch_size: u32,
         /// Workers.
         workers: usize,
+    },
+    /// Members' input pipelines yield different numbers of steps per epoch.
+    #[error(
+        "the workers disagree on steps per epoch: {chief} (the chief) has {chief_steps}, {other} has {other_steps} \
+         (batch size {batch_size} per worker); every worker's input pipeline must yield the same number of steps, \
+         so the plugin's shards of the training split must be the same size"
+    )]
+    StepsDiffer {
+        /// The chief's name.
+        chief: String,
+        /// Its steps per epoch.
+        chief_steps: u64,
+        /// The first member that differs.
+        other: String,
+        /// Its steps per epoch.
+        other_steps: u64,
+        /// Per-worker batch size.
+        batch_size: u32,
     },
     /// Cluster membership failed.
     #[error(transparent)]
@@ -230,7 +254,8 @@ pub struct Summary {
     pub examples_per_second: f64,
     /// Seconds spent in training steps.
     pub train_seconds: f64,
-    /// sha256 over every parameter's bytes (native-endian, contiguous), in name order.
+    /// sha256 over every model variable's bytes (parameters and buffers; native-endian,
+    /// contiguous), in name order.
     pub params_sha256: String,
     /// Failures and recoveries.
     pub fault_tolerance: Recovery,
@@ -249,7 +274,7 @@ impl Summary {
 }
 
 /// What must match on every worker about the plugin.
-fn plugin_identity(plugin: &Plugin) -> String {
+pub(crate) fn plugin_identity(plugin: &Plugin) -> String {
     let (i, f) = (plugin.info(), plugin.facts());
     format!(
         "{} {} (trainerd-sdk {}, tch {}, libtorch {}, {})",
@@ -329,12 +354,11 @@ pub fn run(
     tracing::debug!("start-up: control plane up after {:?}", started.elapsed());
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model("model", cfg.device)?;
-    let params: Vec<(String, Tensor)> =
-        model.parameters().iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let (params, buffers) = split_variables(&model);
     let buckets = Buckets::new(&params, cfg.bucket_bytes);
     let optimizer = Optimizer::new(cfg.optimizer.clone(), &params);
     // The chief's freshly seeded model is the run's state until something better turns up.
-    let mut state = TrainState::new(params, optimizer, metric_count, cfg.device, chief);
+    let mut state = TrainState::new((params, buffers), optimizer, metric_count, cfg.device, chief);
 
     let mut checkpointer = match (&cfg.checkpoint, chief) {
         (Some(c), true) => {
@@ -418,6 +442,15 @@ pub fn run(
     if steps_per_epoch == 0 {
         return Err(TrainError::NoSteps { batch_size: cfg.batch_size, workers: world });
     }
+    let tensorboard = match (&cfg.tensorboard_dir, chief) {
+        (Some(dir), true) => {
+            let tb = TensorBoard::create(dir, cfg.tensorboard_every)
+                .map_err(|source| TrainError::Io { path: dir.clone(), source })?;
+            progress.line(&format!("trainerd: TensorBoard events in {}", dir.display()));
+            Some(tb)
+        }
+        _ => None,
+    };
     let metrics_log = match &cfg.metrics_log {
         Some(path) => Some(std::io::BufWriter::new(
             std::fs::OpenOptions::new()
@@ -439,6 +472,7 @@ pub fn run(
         steps_per_epoch,
         progress,
         metrics_log,
+        tensorboard,
         checkpointer,
         stop: Arc::clone(stop),
         batches: Batches { data: &train_data, device: cfg.device, cursor: None },
@@ -467,7 +501,7 @@ pub fn run(
         if let Ok(j) = &joined {
             telemetry.joined(j.formed.generation, world);
         }
-        let ended = joined.and_then(|j| trainer.adopt(&mut state, &session, j, started)).and_then(|()| {
+        let ended = joined.and_then(|j| trainer.adopt(&mut state, &mut session, j, started)).and_then(|()| {
             let ended = trainer.train(&mut state, &mut session)?;
             trainer.conclude(&mut state, &session, ended)
         });
@@ -586,6 +620,8 @@ struct Trainer<'a> {
     steps_per_epoch: u64,
     progress: &'a mut Progress,
     metrics_log: Option<std::io::BufWriter<std::fs::File>>,
+    /// The chief's TensorBoard writers.
+    tensorboard: Option<TensorBoard>,
     checkpointer: Option<Checkpointer>,
     stop: Arc<AtomicBool>,
     batches: Batches<'a>,
@@ -614,11 +650,28 @@ impl<'a> Trainer<'a> {
         self.info.metrics.len()
     }
 
+    /// The learning rate of global step `global_step` (from 0).
+    fn lr(&self, global_step: u64) -> f64 {
+        let total_steps = self.steps_per_epoch * u64::from(self.cfg.epochs);
+        lr_at(&self.cfg.schedule, self.cfg.optimizer.lr(), global_step, total_steps)
+    }
+
+    /// Writes to TensorBoard; a failure is reported once and ends the TensorBoard output (it
+    /// never stops training).
+    fn tensorboard(&mut self, write: impl FnOnce(&mut TensorBoard) -> std::io::Result<()>) {
+        let Some(tb) = self.tensorboard.as_mut() else { return };
+        if let Err(e) = write(tb) {
+            let dir = tb.dir().display().to_string();
+            self.tensorboard = None;
+            self.progress.line(&format!("warning: TensorBoard events in {dir}: {e}; no more events are written"));
+        }
+    }
+
     /// Takes the state a formation settled on, and says what happened.
     fn adopt(
         &mut self,
         state: &mut TrainState,
-        session: &Session,
+        session: &mut Session,
         joined: Joined,
         started: Instant,
     ) -> Result<(), Interrupt> {
@@ -635,6 +688,7 @@ impl<'a> Trainer<'a> {
         if world == 1 {
             return Ok(());
         }
+        self.agree_on_steps(session)?;
         let (g, step) = (formed.generation, state.position.global_step);
         if !formed.recovery {
             self.progress.line(&if session.rank() == 0 {
@@ -657,6 +711,27 @@ impl<'a> Trainer<'a> {
         self.recovery.steps_lost += formed.steps_lost;
         self.recovering = Some((self.interrupted_at.take().unwrap_or(started), formed));
         Ok(())
+    }
+
+    /// Every member's steps per epoch, exchanged once per generation before any step: members
+    /// whose input pipelines yield different counts would desynchronise the collectives (one
+    /// member would evaluate while the others still train), so the run is refused, naming both
+    /// counts. Every member sees the same counts, so every member refuses.
+    fn agree_on_steps(&mut self, session: &mut Session) -> Result<(), Interrupt> {
+        let (rank, world) = (session.rank(), session.world());
+        let mut counts = vec![0f64; world];
+        counts[rank] = self.steps_per_epoch as f64;
+        session.ring().all_reduce(&mut counts, ReduceOp::Sum).map_err(|e| session.interrupt(e.into()))?;
+        match counts.iter().position(|&c| c != counts[0]) {
+            None => Ok(()),
+            Some(other) => Err(Interrupt::Fatal(TrainError::StepsDiffer {
+                chief: session.name(0),
+                chief_steps: counts[0] as u64,
+                other: session.name(other),
+                other_steps: counts[other] as u64,
+                batch_size: self.cfg.batch_size,
+            })),
+        }
     }
 
     /// A step, a formation or a barrier was abandoned: say so once, and go back to join.
@@ -719,7 +794,6 @@ impl<'a> Trainer<'a> {
     /// Trains until every epoch is done and evaluated, or a member asks to stop.
     fn train(&mut self, state: &mut TrainState, session: &mut Session) -> Result<Ended, Interrupt> {
         let (cfg, spe) = (self.cfg, self.steps_per_epoch);
-        let total_steps = spe * u64::from(cfg.epochs);
         while state.position.epoch < cfg.epochs {
             let epoch = state.position.epoch;
             if self.shown_epoch != Some(epoch) {
@@ -733,6 +807,8 @@ impl<'a> Trainer<'a> {
             let step = state.position.step_in_epoch + 1;
             let ctx = self.ctx(epoch, true);
             let batch = self.batches.get(&ctx, step - 1).map_err(Interrupt::Fatal)?;
+            let global_step = state.position.global_step;
+            let lr = self.lr(global_step);
             let batches = &mut self.batches;
             let phases = &mut self.phases;
             // The next batch is made while the device computes this step (an error shows when
@@ -744,23 +820,27 @@ impl<'a> Trainer<'a> {
                 }
                 phases.prefetch += began.elapsed();
             };
-            let global_step = state.position.global_step;
-            let lr = lr_at(&cfg.schedule, cfg.optimizer.lr(), global_step, total_steps);
-            tch::manual_seed(checkpoint::step_seed(cfg.seed, global_step));
+            tch::manual_seed(checkpoint::replica_seed(cfg.seed, global_step, session.rank()));
             let stopping = self.stop.load(Ordering::Relaxed);
             // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
             trainerd_storage::failpoint::point("train-step");
+            // A forward pass updates buffers in place: an abandoned step puts them back.
+            let saved = if session.world() > 1 { state.save_buffers() } else { Vec::new() };
             let began = Instant::now();
             let result = step::train_step(
                 self.model,
                 &mut state.params,
+                &mut state.buffers,
                 &mut self.buckets,
                 session.ring(),
                 (&batch.0, &batch.1),
                 stopping,
                 &mut prefetch,
-            )
-            .map_err(|e| session.interrupt(e))?;
+            );
+            let result = result.map_err(|e| {
+                state.restore_buffers(&saved);
+                session.interrupt(e)
+            })?;
             let stepped = Instant::now();
             state.optimizer.step(&mut state.params, lr);
             self.phases.step += stepped - began;
@@ -780,6 +860,8 @@ impl<'a> Trainer<'a> {
             let named = Totals::from_sums(&result.sums, self.metrics()).named(&self.info.metrics, "");
             let rate = self.epoch_examples / self.epoch_time.as_secs_f64().max(1e-9);
             self.telemetry.step((epoch, step, spe), position.global_step, &named, result.sums[1], rate, lr);
+            let global_step = position.global_step;
+            self.tensorboard(|tb| tb.step(global_step, &named));
             self.after_step(state, session.world(), &result.sums, lr)?;
             if self.progress.wants(step, spe) {
                 let values = totals.named(&self.info.metrics, "");
@@ -855,11 +937,22 @@ impl<'a> Trainer<'a> {
         p.last_epoch = totals.sums();
         p.last_eval = eval.sums();
         p.totals = Totals::new(self.metrics()).sums();
-        let mut values = totals.named(&self.info.metrics, "");
-        self.telemetry.evaluated(&eval.named(&self.info.metrics, ""));
+        let global_step = p.global_step;
+        let train = totals.named(&self.info.metrics, "");
+        let validation = eval.named(&self.info.metrics, "");
+        self.telemetry.evaluated(&validation);
         self.telemetry.progress();
-        values.extend(eval.named(&self.info.metrics, "val_"));
         let rate = self.epoch_examples / self.epoch_time.as_secs_f64().max(1e-9);
+        // The rate the epoch's last step used (what Keras's PrintLR shows at the epoch's end).
+        let lr = self.lr(global_step.saturating_sub(1));
+        let mut values = train.clone();
+        values.extend(eval.named(&self.info.metrics, "val_"));
+        if self.cfg.schedule != LrSchedule::Constant {
+            values.push(("learning_rate".into(), lr));
+        }
+        let mut scalars = train;
+        scalars.extend([("learning_rate".to_string(), lr), ("examples_per_second".to_string(), rate)]);
+        self.tensorboard(|tb| tb.epoch((epoch, global_step), &scalars, &validation));
         std::mem::take(&mut self.phases).report(epoch);
         self.progress.epoch_end(self.steps_per_epoch, self.epoch_time, &values, rate);
         Ok(self.commit(state, session.world(), false)?)
@@ -955,11 +1048,20 @@ impl<'a> Trainer<'a> {
             test_metrics,
             examples_per_second: self.examples / self.train_time.as_secs_f64().max(1e-9),
             train_seconds: self.train_time.as_secs_f64(),
-            params_sha256: params_sha256(&state.params),
+            params_sha256: params_sha256(
+                &state.variables().map(|(n, t)| (n.clone(), t.shallow_clone())).collect::<Vec<_>>(),
+            ),
             fault_tolerance: self.recovery.clone(),
             checkpoint_error: self.checkpointer.as_ref().and_then(|c| c.last_error.clone()),
         })))
     }
+}
+
+/// The model's variables as (trainable parameters, buffers), each in name order: a variable
+/// that requires no gradient (BatchNorm's running statistics, a frozen layer) is state that the
+/// optimizer never touches.
+pub fn split_variables(model: &ModelInstance<'_>) -> (state::Named, state::Named) {
+    model.parameters().iter().map(|(n, t)| (n.clone(), t.shallow_clone())).partition(|(_, t)| t.requires_grad())
 }
 
 /// `cpu` or `cuda:N`, as `--device` spells it.
@@ -970,7 +1072,7 @@ pub fn device_name(device: Device) -> String {
     }
 }
 
-/// sha256 over every parameter's bytes, in name order.
+/// sha256 over every variable's bytes (parameters and buffers), in name order.
 pub fn params_sha256(params: &[(String, Tensor)]) -> String {
     let mut sorted: Vec<&(String, Tensor)> = params.iter().collect();
     sorted.sort_by(|a, b| a.0.cmp(&b.0));

@@ -9,6 +9,7 @@ use tch::{Device, Kind, Tensor};
 use trainerd_sdk::InputContext;
 
 use super::TrainError;
+use crate::checkpoint;
 use crate::collective::buckets::Buckets;
 use crate::collective::{ReduceOp, Ring};
 use crate::plugin::{Dataset, ModelInstance};
@@ -98,12 +99,15 @@ pub struct StepResult {
 }
 
 /// Forward, loss and backward on this worker's slice of the global batch (on the device), then the gradients
-/// averaged over the ring (with `stop` as this rank's stop flag). `meanwhile` runs once the
-/// device has its work and before the host waits for it. The parameters are untouched: the
-/// caller applies the update once this returns.
+/// averaged over the ring (with `stop` as this rank's stop flag) and the buffers the forward pass
+/// updated made the same on every member ([`sync_buffers`]). `meanwhile` runs once the device
+/// has its work and before the host waits for it. The parameters are untouched: the caller
+/// applies the update once this returns.
+#[allow(clippy::too_many_arguments)]
 pub fn train_step(
     model: &ModelInstance<'_>,
     params: &mut [(String, Tensor)],
+    buffers: &mut [(String, Tensor)],
     buckets: &mut Buckets,
     ring: &mut Ring,
     (xs, labels): (&Tensor, &Tensor),
@@ -127,10 +131,59 @@ pub fn train_step(
     let flags = extra.len();
     extra.extend((0..world).map(|r| if r == rank && stop { 1.0 } else { 0.0 }));
     buckets.all_reduce(ring, params, &mut extra)?;
+    sync_buffers(ring, buffers)?;
     Ok(StepResult {
         sums: extra[..flags].iter().map(|&x| f64::from(x)).collect(),
         stopping: (0..world).filter(|&r| extra[flags + r] > 0.0).collect(),
     })
+}
+
+/// Makes every member's buffers identical after a step. Floating-point buffers (BatchNorm's
+/// running statistics, which each member updated from its own shard) take their mean over the
+/// members, as TensorFlow's MirroredStrategy aggregates BatchNorm's moving statistics; the mean
+/// is taken in float64, so a buffer that is already the same everywhere keeps its exact value.
+/// Other buffers (counters, masks) take the chief's values, bit for bit.
+pub fn sync_buffers(ring: &mut Ring, buffers: &mut [(String, Tensor)]) -> Result<(), TrainError> {
+    if ring.world() == 1 || buffers.is_empty() {
+        return Ok(());
+    }
+    let _no_grad = tch::no_grad_guard();
+    let (floating, other): (Vec<usize>, Vec<usize>) =
+        (0..buffers.len()).partition(|&i| buffers[i].1.is_floating_point());
+    if !floating.is_empty() {
+        let parts: Vec<Tensor> =
+            floating.iter().map(|&i| buffers[i].1.detach().reshape(-1).to_kind(Kind::Double)).collect();
+        let joined = Tensor::cat(&parts, 0).f_to_device(Device::Cpu).map_err(torch("reading the buffers"))?;
+        let mut values = Vec::<f64>::try_from(&joined).map_err(torch("reading the buffers"))?;
+        ring.all_reduce(&mut values, ReduceOp::Sum)?;
+        let world = ring.world() as f64;
+        values.iter_mut().for_each(|v| *v /= world);
+        let mean = Tensor::from_slice(&values);
+        let mut at = 0;
+        for &i in &floating {
+            let b = &mut buffers[i].1;
+            let n = b.numel() as i64;
+            b.f_copy_(&mean.narrow(0, at, n).view_as(b)).map_err(torch("writing the buffers"))?;
+            at += n;
+        }
+    }
+    if !other.is_empty() {
+        let mut bytes = Vec::new();
+        for &i in &other {
+            bytes.extend(checkpoint::host_bytes(&buffers[i].1).map_err(torch("reading the buffers"))?);
+        }
+        ring.broadcast_from(0, &mut bytes)?;
+        let mut at = 0;
+        for &i in &other {
+            let b = &mut buffers[i].1;
+            let len = b.numel() * b.kind().elt_size_in_bytes();
+            let chief = Tensor::f_from_data_size(&bytes[at..at + len], &b.size(), b.kind())
+                .map_err(torch("writing the buffers"))?;
+            b.f_copy_(&chief).map_err(torch("writing the buffers"))?;
+            at += len;
+        }
+    }
+    Ok(())
 }
 
 /// Loss and metrics over one pass of the test split (each worker its shard), without
@@ -159,4 +212,31 @@ pub fn evaluate(
     }
     ring.all_reduce(&mut sums, ReduceOp::Sum)?;
     Ok(Totals::from_sums(&sums, metrics))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_averaged_or_taken_from_the_chief_keeping_their_type() {
+        let out = crate::collective::ring::tests::with_ring(3, |ring| {
+            let r = ring.rank() as i64;
+            let mut buffers = vec![
+                ("mean".to_string(), Tensor::from_slice(&[r as f32, 0.1])),
+                ("var".to_string(), Tensor::from_slice(&[1.0f64 / 3.0, r as f64 * 3.0])),
+                ("count".to_string(), Tensor::from_slice(&[(1i64 << 53) + 1 + r])),
+                ("flag".to_string(), Tensor::from_slice(&[r as u8 + 7])),
+            ];
+            sync_buffers(ring, &mut buffers).unwrap();
+            buffers.into_iter().map(|(_, t)| (t.kind(), checkpoint::host_bytes(&t).unwrap())).collect::<Vec<_>>()
+        });
+        let bytes = |t: Tensor| (t.kind(), checkpoint::host_bytes(&t).unwrap());
+        for got in out {
+            assert_eq!(got[0], bytes(Tensor::from_slice(&[1.0f32, 0.1])), "float32: the mean, 0.1 exactly kept");
+            assert_eq!(got[1], bytes(Tensor::from_slice(&[1.0f64 / 3.0, 3.0])), "float64: the mean");
+            assert_eq!(got[2], bytes(Tensor::from_slice(&[(1i64 << 53) + 1])), "int64: the chief's, exactly");
+            assert_eq!(got[3], bytes(Tensor::from_slice(&[7u8])), "uint8: the chief's");
+        }
+    }
 }

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use trainerd_sdk::mnist::Mnist;
+use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
 use trainerd_sdk::{
     export_plugin, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
@@ -47,12 +47,7 @@ impl Model for MnistCnn {
     }
 
     fn forward(&self, xs: &Tensor, _train: bool) -> Result<Tensor, PluginError> {
-        let shape = xs.size();
-        if shape.len() != 4 || shape[1..] != [1, 28, 28] {
-            return Err(PluginError::Other(format!(
-                "mnist-cnn expects images of shape [batch, 1, 28, 28], got {shape:?}"
-            )));
-        }
+        expect_images("mnist-cnn", xs)?;
         Ok(self
             .conv
             .forward(xs)

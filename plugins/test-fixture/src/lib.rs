@@ -4,7 +4,12 @@
 //! - `abi-version`, `magic`, `tch-version`, `libtorch-version`, `panic-abort`: a header with
 //!   that field wrong (as a plugin built against other versions would have);
 //! - `segfault-on-load`: the entry symbol crashes;
-//! - `panic-forward`, `panic-pipeline`, `panic-load`: plugin code panics in that call.
+//! - `panic-forward`, `panic-pipeline`, `panic-load`: plugin code panics in that call;
+//! - `uneven-shards`: input pipeline `i` yields `i` fewer training batches (shards that differ);
+//! - `unused-param`: the model has a parameter (`model.unused`, ones) its forward never uses;
+//! - `typed-buffers`: the model has non-trainable variables of other dtypes that each training
+//!   forward pass updates: `model.steps` (int64, from 2^40) counts passes, `model.mean` (float64)
+//!   keeps a running mean of the input's mean.
 //!
 //! `TRAINERD_FIXTURE_VERSION` overrides the version it reports. Unset, it is a working softmax
 //! regression like the `linear` plugin.
@@ -27,6 +32,8 @@ fn fault() -> String {
 /// The model.
 pub struct Fixture {
     dense: nn::Linear,
+    /// `typed-buffers`: (steps, mean).
+    buffers: Option<(Tensor, Tensor)>,
 }
 
 impl Model for Fixture {
@@ -49,12 +56,26 @@ impl Model for Fixture {
     }
 
     fn new(root: &nn::Path) -> Result<Self, PluginError> {
-        Ok(Fixture { dense: nn::linear(root / "dense", 28 * 28, 10, Default::default()) })
+        if fault() == "unused-param" {
+            let _ = root.var("unused", &[4], nn::Init::Const(1.0));
+        }
+        let buffers = (fault() == "typed-buffers").then(|| {
+            let steps = root.add("steps", Tensor::from_slice(&[1i64 << 40]), false);
+            let mean = root.add("mean", Tensor::from_slice(&[0.0f64]), false);
+            (steps, mean)
+        });
+        Ok(Fixture { dense: nn::linear(root / "dense", 28 * 28, 10, Default::default()), buffers })
     }
 
-    fn forward(&self, xs: &Tensor, _train: bool) -> Result<Tensor, PluginError> {
+    fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, PluginError> {
         if fault() == "panic-forward" {
             panic!("fixture: forward pass failed on purpose");
+        }
+        if let (Some((steps, mean)), true) = (&self.buffers, train) {
+            let _no_grad = trainerd_sdk::tch::no_grad_guard();
+            let _ = steps.shallow_clone().f_add_scalar_(1)?;
+            let batch_mean = xs.f_mean(trainerd_sdk::tch::Kind::Double)?;
+            let _ = mean.shallow_clone().f_mul_scalar_(0.9)?.f_add_(&(batch_mean * 0.1))?;
         }
         Ok(xs.f_flatten(1, -1)?.apply(&self.dense))
     }
@@ -68,6 +89,11 @@ impl Model for Fixture {
 
     fn input_pipeline(&self, data: &Arc<Mnist>, ctx: &InputContext) -> Result<Pipeline, PluginError> {
         let mut pipeline = data.pipeline(ctx)?;
+        if fault() == "uneven-shards" && ctx.training {
+            pipeline.steps = pipeline.steps.saturating_sub(u64::from(ctx.input_pipeline_id));
+            let batches = pipeline.batches;
+            pipeline.batches = Box::new(batches.take(pipeline.steps as usize));
+        }
         if fault() == "panic-pipeline" {
             let batches = pipeline.batches;
             pipeline.batches = Box::new(batches.enumerate().map(|(i, b)| {

@@ -1,0 +1,222 @@
+//! `trainerd evaluate`: a committed checkpoint's loss and metrics on the test split, as Keras's
+//! `model.evaluate` after loading a checkpoint. Alone, or sharded over a TF_CONFIG cluster: the
+//! chief reads the checkpoint (the newest that verifies, or the one asked for), the members that
+//! lack it receive its model through the same sha256-verified transfer a recovery uses, each
+//! member evaluates its shard, and the sums are added over the ring.
+//!
+//! Only the model (parameters and buffers) is taken: evaluation needs no optimizer state.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::Device;
+use trainerd_sdk::{InputContext, OptimizerConfig, Split};
+use trainerd_storage::{Location, S3Options};
+
+use crate::checkpoint::Meta;
+use crate::cluster::control::{Identity, FINAL_BARRIER};
+use crate::cluster::{ClusterConfig, Network, Timeouts};
+use crate::optim::Optimizer;
+use crate::plugin::Plugin;
+use crate::progress::Progress;
+use crate::train::session::{Interrupt, Session};
+use crate::train::state::TrainState;
+use crate::train::step::{self, Totals};
+use crate::train::{device_name, params_sha256, plugin_identity, split_variables, TrainError};
+
+/// What to evaluate and where.
+#[derive(Clone, Debug)]
+pub struct EvalConfig {
+    /// Dataset directory, handed to the plugin.
+    pub data_dir: PathBuf,
+    /// Where the checkpoints are.
+    pub location: Location,
+    /// S3 settings beyond the AWS variables.
+    pub s3: S3Options,
+    /// The commit to evaluate (default: the newest that verifies).
+    pub sequence: Option<u64>,
+    /// Per-worker batch size.
+    pub batch_size: u32,
+    /// Where the model lives.
+    pub device: Device,
+    /// libtorch intra-op threads.
+    pub threads: usize,
+    /// The cluster, or `None` to evaluate alone.
+    pub cluster: Option<ClusterConfig>,
+    /// Where the cluster's listeners bind, and its secret.
+    pub network: Network,
+    /// The cluster's deadlines.
+    pub timeouts: Timeouts,
+}
+
+impl EvalConfig {
+    /// What every member must agree on.
+    fn agreement_json(&self) -> String {
+        serde_json::json!({
+            "evaluate": self.location.to_string(),
+            "sequence": self.sequence,
+            "batch_size": self.batch_size,
+            "device": if self.device.is_cuda() { "cuda" } else { "cpu" },
+            "threads": self.threads,
+        })
+        .to_string()
+    }
+}
+
+/// The result, written as JSON by `--summary`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Evaluation {
+    /// Plugin name.
+    pub plugin: String,
+    /// Plugin version.
+    pub plugin_version: String,
+    /// The checkpoint location.
+    pub checkpoint: String,
+    /// The commit evaluated.
+    pub sequence: u64,
+    /// Epochs the checkpoint had completed.
+    pub epoch: u32,
+    /// Its global step.
+    pub global_step: u64,
+    /// Workers that evaluated.
+    pub workers: usize,
+    /// Per-worker batch size.
+    pub batch_size: u32,
+    /// Test examples evaluated.
+    pub examples: u64,
+    /// Mean loss on the test split.
+    pub test_loss: f64,
+    /// Accuracy, when the plugin reports `accuracy`.
+    pub test_accuracy: Option<f64>,
+    /// Mean of each metric.
+    pub test_metrics: BTreeMap<String, f64>,
+    /// Seconds the pass took.
+    pub seconds: f64,
+    /// Device.
+    pub device: String,
+    /// sha256 over the model's variables, as a training summary's `params_sha256`.
+    pub params_sha256: String,
+}
+
+/// The interrupt of an evaluation, as an error: there is no state to keep, so a failed member
+/// ends it (run it again).
+fn failed(interrupt: Interrupt) -> TrainError {
+    match interrupt {
+        Interrupt::Fatal(e) => e,
+        Interrupt::Abandoned(why) => {
+            TrainError::State(format!("the evaluation was abandoned: {why}; run trainerd evaluate again"))
+        }
+        Interrupt::Stopped => TrainError::State("stopped by a signal before the evaluation".into()),
+    }
+}
+
+/// Evaluates the checkpoint on the test split; `stop` ends a wait for the cluster.
+pub fn run(
+    plugin: &Plugin,
+    cfg: &EvalConfig,
+    progress: &mut Progress,
+    stop: &AtomicBool,
+) -> Result<Evaluation, TrainError> {
+    let info = plugin.info().clone();
+    let mut session = match &cfg.cluster {
+        None => Session::single(),
+        Some(cluster) => {
+            let identity = Identity {
+                cluster_json: cluster.cluster_json(),
+                plugin: plugin_identity(plugin),
+                run_config_json: cfg.agreement_json(),
+            };
+            Session::start(cluster, identity, cfg.timeouts, &cfg.network)?
+        }
+    };
+    let (rank, world) = (session.rank(), session.world());
+    let model = plugin.create_model("model", cfg.device)?;
+    let (params, buffers) = split_variables(&model);
+    // An optimizer with no state: only the model crosses to the other members.
+    let optimizer = Optimizer::new(OptimizerConfig::sgd(0.0), &params);
+    let mut state = TrainState::new((params, buffers), optimizer, info.metrics.len(), cfg.device, rank == 0);
+    let mut sequence = 0;
+    if rank == 0 {
+        let ckpt = |e: String| TrainError::Checkpoint(format!("{}: {e}", cfg.location));
+        let store = cfg.location.open(&cfg.s3).map_err(|e| ckpt(e.to_string()))?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| TrainError::Io { path: "(runtime)".into(), source })?;
+        let restored = match cfg.sequence {
+            Some(n) => runtime.block_on(store.load(n)).map_err(|e| ckpt(e.to_string()))?,
+            None => runtime
+                .block_on(store.latest())
+                .map_err(|e| ckpt(e.to_string()))?
+                .ok_or_else(|| ckpt("no checkpoint has been committed there".into()))?,
+        };
+        for why in &restored.fallbacks {
+            progress.line(&format!("warning: skipped a damaged checkpoint: {why}"));
+        }
+        sequence = restored.record.sequence;
+        let meta: Meta = serde_json::from_value(restored.manifest.meta.clone())
+            .map_err(|e| ckpt(format!("checkpoint {sequence} was not written by this version of trainerd: {e}")))?;
+        if meta.plugin != info.name {
+            return Err(ckpt(format!(
+                "checkpoint {sequence} was written by plugin {} {}, not by {} {}",
+                meta.plugin, meta.plugin_version, info.name, info.version
+            )));
+        }
+        state.restore_model(&restored, meta.position).map_err(ckpt)?;
+        progress.line(&format!(
+            "trainerd: evaluating checkpoint {sequence} of {} (epoch {}, global step {})",
+            cfg.location, state.position.epoch, state.position.global_step
+        ));
+    }
+    let joined = session.join(Some(&state), stop).map_err(failed)?;
+    if let Some(bytes) = joined.received {
+        state.decode(&bytes).map_err(TrainError::State)?;
+    }
+    // Which commit it is, for every member's summary.
+    let mut seq = [sequence];
+    session.ring().broadcast_from(0, &mut seq).map_err(|e| failed(session.interrupt(e.into())))?;
+    let sequence = seq[0];
+    let test_data = model.load_data(&cfg.data_dir, Split::Test)?;
+    let ctx = InputContext {
+        num_input_pipelines: world as u32,
+        input_pipeline_id: rank as u32,
+        per_replica_batch_size: cfg.batch_size,
+        training: false,
+        epoch: u64::from(state.position.epoch),
+        seed: 0,
+    };
+    let began = Instant::now();
+    let metrics = info.metrics.len();
+    let totals: Totals = step::evaluate(&model, &test_data, &ctx, session.ring(), cfg.device, metrics)
+        .map_err(|e| failed(session.interrupt(e)))?;
+    let seconds = began.elapsed().as_secs_f64();
+    if world > 1 {
+        session.barrier(FINAL_BARRIER).map_err(failed)?;
+        session.finish();
+    }
+    let mut values = totals.named(&info.metrics, "");
+    let steps = (totals.examples() / (f64::from(cfg.batch_size) * world as f64)).ceil() as u64;
+    progress.epoch_end(steps, began.elapsed(), &values, totals.examples() / seconds.max(1e-9));
+    let test_metrics: BTreeMap<String, f64> = values.split_off(1).into_iter().collect();
+    let variables: Vec<_> = state.variables().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    Ok(Evaluation {
+        plugin: info.name.clone(),
+        plugin_version: info.version.clone(),
+        checkpoint: cfg.location.to_string(),
+        sequence,
+        epoch: state.position.epoch,
+        global_step: state.position.global_step,
+        workers: world,
+        batch_size: cfg.batch_size,
+        examples: totals.examples() as u64,
+        test_loss: totals.loss_mean(),
+        test_accuracy: test_metrics.get("accuracy").copied(),
+        test_metrics,
+        seconds,
+        device: device_name(cfg.device),
+        params_sha256: params_sha256(&variables),
+    })
+}
