@@ -25,10 +25,13 @@ struct Job {
     plugin: &'static str,
     epochs: u32,
     steps: u64,
+    workers: usize,
 }
 
-const LINEAR: Job = Job { plugin: "linear", epochs: 2, steps: 300 };
-const CNN: Job = Job { plugin: "mnist-cnn", epochs: 2, steps: 60 };
+const LINEAR: Job = Job { plugin: "linear", epochs: 2, steps: 300, workers: WORKERS };
+const CNN: Job = Job { plugin: "mnist-cnn", epochs: 2, steps: 60, workers: WORKERS };
+/// BatchNorm (running statistics as state) and dropout (masks from the generator), two workers.
+const BN: Job = Job { plugin: "mnist-bn", epochs: 2, steps: 60, workers: 2 };
 
 /// `trainerd run` arguments of `job`, each worker's summary in `dir`, checkpoints in `ckpt`.
 fn args(job: Job, dir: &Path, ckpt: &str) -> Vec<String> {
@@ -72,8 +75,9 @@ fn reference(job: Job) -> String {
     }
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");
-    let mut cluster = Cluster::start(WORKERS, &args(job, tmp.path(), ckpt.to_str().unwrap()), &[], vec![], RESTART_SEC);
-    assert_eq!(cluster.wait_finished(DEADLINE), vec![0; WORKERS], "{}", cluster.transcript());
+    let mut cluster =
+        Cluster::start(job.workers, &args(job, tmp.path(), ckpt.to_str().unwrap()), &[], vec![], RESTART_SEC);
+    assert_eq!(cluster.wait_finished(DEADLINE), vec![0; job.workers], "{}", cluster.transcript());
     let sha = summary(tmp.path(), 0)["params_sha256"].as_str().unwrap().to_string();
     cache.insert(job.plugin, sha.clone());
     sha
@@ -171,7 +175,7 @@ impl Sampler {
 
 /// Starts `job` on `storage`, with `first_env` for each worker's first start.
 fn start(job: Job, dir: &Path, storage: &Storage, first_env: Vec<Vec<(String, String)>>) -> Cluster {
-    Cluster::start(WORKERS, &args(job, dir, &storage.url), &storage.env, first_env, RESTART_SEC)
+    Cluster::start(job.workers, &args(job, dir, &storage.url), &storage.env, first_env, RESTART_SEC)
 }
 
 /// The furthest global step the chief's progress lines have shown (any of its processes).
@@ -200,9 +204,9 @@ fn wait_for_step(c: &mut Cluster, job: Job, epoch: u64, step: u64) {
 /// Every worker exited 0 with the failure-free run's parameters; the chief's summary.
 fn assert_finished_exactly(c: &mut Cluster, job: Job, dir: &Path) -> serde_json::Value {
     let codes = c.wait_finished(DEADLINE);
-    assert_eq!(codes, vec![0; WORKERS], "{}", c.transcript());
+    assert_eq!(codes, vec![0; job.workers], "{}", c.transcript());
     let expected = reference(job);
-    for rank in 0..WORKERS {
+    for rank in 0..job.workers {
         assert_eq!(summary(dir, rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
     }
     summary(dir, 0)
@@ -227,6 +231,30 @@ fn sigkill_of_a_worker_mid_epoch_loses_nothing() {
     assert!(recovery(&chief, "failures_seen") >= 1 && recovery(&chief, "recoveries") >= 1, "{}", c.transcript());
     assert_eq!(recovery(&chief, "steps_lost"), 0);
     assert!(sampler.finish() > 0);
+    storage.assert_no_orphans();
+}
+
+#[test]
+fn a_batchnorm_model_killed_mid_epoch_then_stopped_and_resumed_is_bitwise_the_uninterrupted_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::local(tmp.path());
+    let mut c = start(BN, tmp.path(), &storage, vec![]);
+    // A worker killed mid-epoch: it comes back and takes the survivor's parameters, buffers
+    // (BatchNorm statistics) and position; the survivor's abandoned step put its buffers back.
+    wait_for_step(&mut c, BN, 1, 20);
+    c.signal(1, libc::SIGKILL);
+    c.wait_for(|r, l| r == 1 && l.starts_with("trainerd: recovered at step "), DEADLINE);
+    // Then the whole job stopped and started again: it resumes from the checkpoint.
+    wait_for_step(&mut c, BN, 2, 10);
+    for rank in 0..BN.workers {
+        c.signal(rank, libc::SIGTERM);
+    }
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; BN.workers], "{}", c.transcript());
+    drop(c);
+    let mut c = start(BN, tmp.path(), &storage, vec![]);
+    c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: resumed from checkpoint "), DEADLINE);
+    let chief = assert_finished_exactly(&mut c, BN, tmp.path());
+    assert_eq!(recovery(&chief, "steps_lost"), 0);
     storage.assert_no_orphans();
 }
 
@@ -317,7 +345,7 @@ fn ten_random_kills_in_one_run() {
     let tmp = tempfile::tempdir().unwrap();
     let storage = Storage::s3();
     let sampler = storage.sampler();
-    let job = Job { plugin: "linear", epochs: 2, steps: 300 };
+    let job = Job { plugin: "linear", epochs: 2, steps: 300, workers: WORKERS };
     let mut c = start(job, tmp.path(), &storage, vec![]);
     wait_for_step(&mut c, job, 1, 30);
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;

@@ -4,7 +4,7 @@
 //! tch's own optimizers cannot export their state, so a resumed run could not continue exactly;
 //! these can. Updates run in place on the model's parameters (shared with the plugin).
 
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 use trainerd_sdk::OptimizerConfig;
 
 /// Per-parameter state. `None` where PyTorch creates the buffer lazily.
@@ -328,13 +328,65 @@ fn adam_update(
     t: u64,
 ) {
     let t = t as i32;
-    let grad = with_decay(grad, p, weight_decay);
     let bias1 = 1.0 - beta1.powi(t);
     let bias2 = 1.0 - beta2.powi(t);
+    if adam_fused(p, &grad, exp_avg, exp_avg_sq, (beta1, beta2, eps, weight_decay), (-lr / bias1, bias2.sqrt())) {
+        return;
+    }
+    let grad = with_decay(grad, p, weight_decay);
     let _ = exp_avg.g_mul_scalar_(beta1).g_add_(&(&grad * (1.0 - beta1)));
     let _ = exp_avg_sq.g_mul_scalar_(beta2).addcmul_(&(&grad * (1.0 - beta2)), &grad);
     let denom = exp_avg_sq.sqrt() / bias2.sqrt() + eps;
     let _ = p.addcdiv_(&(&*exp_avg * (-lr / bias1)), &denom);
+}
+
+/// A contiguous float32 CPU tensor's elements.
+///
+/// # Safety
+/// `t` must be a contiguous float32 CPU tensor, and no other slice of its storage may be live
+/// while this one is.
+unsafe fn f32_slice(t: &Tensor) -> &mut [f32] {
+    // SAFETY: per the contract.
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel()) }
+}
+
+/// Adam's update of float32 CPU tensors in one pass over memory (libtorch's kernels make about
+/// twenty, and on a CPU the update is bound by memory, not arithmetic): the same operations in
+/// the same order, each rounded to float32 as the kernels round them, no fused multiply-add.
+/// False (nothing done) for other tensors, which take libtorch's kernels.
+fn adam_fused(
+    p: &mut Tensor,
+    grad: &Tensor,
+    exp_avg: &mut Tensor,
+    exp_avg_sq: &mut Tensor,
+    (beta1, beta2, eps, weight_decay): (f64, f64, f64, f64),
+    (step_size, bias2_sqrt): (f64, f64),
+) -> bool {
+    let tensors = [&*p, grad, &*exp_avg, &*exp_avg_sq];
+    let n = p.numel();
+    if !tensors
+        .iter()
+        .all(|t| t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous() && t.numel() == n)
+    {
+        return false;
+    }
+    let ptrs: Vec<usize> = tensors.iter().map(|t| t.data_ptr() as usize).collect();
+    if (1..4).any(|i| ptrs[..i].contains(&ptrs[i])) {
+        return false; // aliased: leave it to the kernels
+    }
+    // SAFETY: four distinct contiguous float32 CPU tensors of `n` elements, checked above; the
+    // slices live only in this function, and nothing else runs on these tensors meanwhile.
+    let (p, g, m, v) = unsafe { (f32_slice(p), f32_slice(grad), f32_slice(exp_avg), f32_slice(exp_avg_sq)) };
+    let (b1, one_b1, b2, one_b2) = (beta1 as f32, (1.0 - beta1) as f32, beta2 as f32, (1.0 - beta2) as f32);
+    let (eps, wd, step_size, bias2_sqrt) = (eps as f32, weight_decay as f32, step_size as f32, bias2_sqrt as f32);
+    for i in 0..n {
+        let grad = if weight_decay == 0.0 { g[i] } else { g[i] + p[i] * wd };
+        m[i] = m[i] * b1 + grad * one_b1;
+        v[i] = v[i] * b2 + grad * one_b2 * grad;
+        let denom = v[i].sqrt() / bias2_sqrt + eps;
+        p[i] += m[i] * step_size / denom;
+    }
+    true
 }
 
 /// Each parameter's element count, when they can share flat buffers (one kind, one device,

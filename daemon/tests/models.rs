@@ -1,0 +1,328 @@
+//! What the tutorials' users do beyond `fit`, end to end: models with buffers and dropout, alone
+//! and on two workers; evaluating a committed checkpoint; TensorBoard read by TensorBoard's own
+//! reader; the learning rate at each epoch's end; typed state; unused parameters; workers whose
+//! shards differ.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+
+use common::*;
+use trainerd_storage::{tensors, TensorData};
+
+/// `trainerd run` of `plugin` on Fashion-MNIST with `extra` flags.
+fn run(plugin_name: &str, extra: &[&str], fault: Option<&str>) -> Output {
+    let mut cmd = trainerd();
+    cmd.args(["run", "--threads", "2", "--plugin"]).arg(plugin(plugin_name)).arg("--data").arg(fashion_mnist());
+    cmd.args(extra);
+    if let Some(f) = fault {
+        cmd.env("TRAINERD_FIXTURE_FAULT", f);
+    }
+    cmd.output().unwrap()
+}
+
+/// `trainerd local --workers N` of `plugin` with `extra` flags (one thread per worker).
+fn local(workers: usize, plugin_name: &str, extra: &[&str], fault: Option<&str>) -> Output {
+    let mut cmd = trainerd();
+    cmd.args(["local", "--workers", &workers.to_string(), "--threads", "1", "--plugin"])
+        .arg(plugin(plugin_name))
+        .arg("--data")
+        .arg(fashion_mnist())
+        .args(extra);
+    if let Some(f) = fault {
+        cmd.env("TRAINERD_FIXTURE_FAULT", f);
+    }
+    cmd.output().unwrap()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The model tensors of the newest commit in `ckpt`, as `trainerd ckpt export` writes them.
+fn exported(ckpt: &Path) -> Vec<TensorData> {
+    let file = ckpt.parent().unwrap().join("export.safetensors");
+    let out = trainerd().args(["ckpt", "export", path(ckpt), "-o", path(&file)]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    tensors::decode(&std::fs::read(&file).unwrap().into()).unwrap()
+}
+
+fn tensor<'a>(ts: &'a [TensorData], name: &str) -> &'a TensorData {
+    ts.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no {name} in {:?}", ts.iter().map(|t| &t.name)))
+}
+
+#[test]
+fn a_batchnorm_and_dropout_model_trains_as_well_as_the_tutorial_cnn_alone_and_on_two_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = |name: &str| tmp.path().join(name);
+    let budget = ["--epochs", "1", "--steps-per-epoch", "300", "--batch-size", "64"];
+    fn with<'a>(budget: &[&'a str], summary: &'a Path) -> Vec<&'a str> {
+        [budget, &["--summary", path(summary)]].concat()
+    }
+    let cnn = run("mnist-cnn", &with(&budget, &s("cnn.json")), None);
+    assert!(cnn.status.success(), "{}", text(&cnn));
+    let bn = run("mnist-bn", &with(&budget, &s("bn.json")), None);
+    assert!(bn.status.success(), "{}", text(&bn));
+    let cnn_accuracy = json(&s("cnn.json"))["test_accuracy"].as_f64().unwrap();
+    let bn_alone = json(&s("bn.json"));
+    let accuracy = bn_alone["test_accuracy"].as_f64().unwrap();
+    assert!(accuracy >= cnn_accuracy, "mnist-bn {accuracy} < mnist-cnn {cnn_accuracy} after the same 300 steps");
+
+    // Two workers, the same examples (half the steps of twice the batch): the same accuracy, and
+    // identical parameters and BatchNorm statistics on both.
+    let two = local(
+        2,
+        "mnist-bn",
+        &[&budget[..2], &["--steps-per-epoch", "150", "--summary", path(&s("bn2.json"))]].concat(),
+        None,
+    );
+    assert!(two.status.success(), "{}", text(&two));
+    let (w0, w1) = (json(&s("bn2.worker0.json")), json(&s("bn2.worker1.json")));
+    assert_eq!(w0["params_sha256"], w1["params_sha256"], "the replicas (buffers included) differ");
+    let accuracy = w0["test_accuracy"].as_f64().unwrap();
+    assert!(accuracy >= cnn_accuracy - 0.01, "two workers: mnist-bn {accuracy}, mnist-cnn alone {cnn_accuracy}");
+    // Same seed, same everything: the dropout masks and statistics repeat exactly.
+    let again = run("mnist-bn", &with(&budget, &s("again.json")), None);
+    assert!(again.status.success(), "{}", text(&again));
+    assert_eq!(json(&s("again.json"))["params_sha256"], bn_alone["params_sha256"]);
+}
+
+#[test]
+fn tensorboard_reads_the_scalars_and_the_epoch_line_shows_the_learning_rate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (tb, summary) = (tmp.path().join("tb"), tmp.path().join("s.json"));
+    let out = run(
+        "linear",
+        &[
+            "--epochs",
+            "2",
+            "--steps-per-epoch",
+            "40",
+            "--lr-schedule",
+            "step:40:0.1",
+            "--lr",
+            "0.1",
+            "--tensorboard-dir",
+            path(&tb),
+            "--tensorboard-every",
+            "10",
+            "--summary",
+            path(&summary),
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let ends: Vec<String> = stdout(&out).lines().filter(|l| l.starts_with("40/40 - ")).map(String::from).collect();
+    assert_eq!(ends.len(), 2, "{}", stdout(&out));
+    assert!(ends[0].contains(" - learning_rate: 0.1000 - "), "{}", ends[0]);
+    assert!(ends[1].contains(" - learning_rate: 0.0100 - "), "{}", ends[1]);
+    // A constant rate is not repeated on every line (Keras's PrintLR is for schedules).
+    let constant = run("linear", &["--epochs", "1", "--steps-per-epoch", "5"], None);
+    assert!(!stdout(&constant).contains("learning_rate"), "{}", stdout(&constant));
+
+    // TensorBoard's own reader, from the tensorboard package.
+    let script = r#"
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+out = {}
+for run in ("train", "validation"):
+    ea = EventAccumulator(sys.argv[1] + "/" + run)
+    ea.Reload()
+    out[run] = {tag: [[e.step, e.value] for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+print(json.dumps(out))
+"#;
+    let read = Command::new("python3").arg("-c").arg(script).arg(&tb).output().unwrap();
+    assert!(read.status.success(), "{}", text(&read));
+    let scalars: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
+    let (train, validation) = (&scalars["train"], &scalars["validation"]);
+    let steps =
+        |v: &serde_json::Value| -> Vec<u64> { v.as_array().unwrap().iter().map(|p| p[0].as_u64().unwrap()).collect() };
+    assert_eq!(steps(&train["batch_loss"]), [10, 20, 30, 40, 50, 60, 70, 80]);
+    assert_eq!(steps(&train["epoch_loss"]), [0, 1]);
+    assert_eq!(steps(&validation["epoch_accuracy"]), [0, 1]);
+    assert_eq!(steps(&validation["evaluation_loss_vs_iterations"]), [40, 80]);
+    let lr: Vec<f64> =
+        train["epoch_learning_rate"].as_array().unwrap().iter().map(|p| p[1].as_f64().unwrap()).collect();
+    assert!((lr[0] - 0.1).abs() < 1e-7 && (lr[1] - 0.01).abs() < 1e-8, "{lr:?}");
+    assert!(train["epoch_examples_per_second"][1][1].as_f64().unwrap() > 0.0);
+    // The last evaluation is the summary's (as float32).
+    let s = json(&summary);
+    let last = |v: &serde_json::Value| v[1][1].as_f64().unwrap();
+    assert!((last(&validation["epoch_loss"]) - s["test_loss"].as_f64().unwrap()).abs() < 1e-6);
+    assert!((last(&validation["epoch_accuracy"]) - s["test_accuracy"].as_f64().unwrap()).abs() < 1e-6);
+    assert!((last(&train["epoch_loss"]) - s["final_train_loss"].as_f64().unwrap()).abs() < 1e-6);
+}
+
+fn evaluate(extra: &[&str], plugin_name: &str) -> Command {
+    let mut cmd = trainerd();
+    cmd.args(["evaluate", "--threads", "1", "--plugin"])
+        .arg(plugin(plugin_name))
+        .arg("--data")
+        .arg(fashion_mnist())
+        .args(extra);
+    cmd
+}
+
+#[test]
+fn evaluate_gives_the_runs_test_figures_alone_sharded_and_for_an_older_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ckpt, summary) = (tmp.path().join("ckpt"), tmp.path().join("s.json"));
+    let flags = ["--epochs", "1", "--steps-per-epoch", "60", "--batch-size", "50", "--checkpoint-every", "25"];
+    let out = local(
+        2,
+        "mnist-bn",
+        &[&flags[..], &["--checkpoint-dir", path(&ckpt), "--summary", path(&summary)]].concat(),
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let trained = json(&tmp.path().join("s.worker0.json"));
+
+    // Alone, the newest commit (the end of the run): the run's own figures.
+    let alone = tmp.path().join("alone.json");
+    let out = evaluate(&["--checkpoint", path(&ckpt), "--batch-size", "50", "--summary", path(&alone)], "mnist-bn")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(stdout(&out).contains("trainerd: evaluating checkpoint 3 of "), "{}", stdout(&out));
+    let alone = json(&alone);
+    assert_eq!(alone["sequence"], 3);
+    assert_eq!((alone["global_step"].as_u64(), alone["examples"].as_u64()), (Some(60), Some(10_000)));
+    assert_eq!(alone["params_sha256"], trained["params_sha256"]);
+    assert_eq!(alone["test_accuracy"], trained["test_accuracy"]);
+    let loss = |v: &serde_json::Value| v["test_loss"].as_f64().unwrap();
+    assert!((loss(&alone) - loss(&trained)).abs() < 1e-9, "{} vs {}", loss(&alone), loss(&trained));
+
+    // Sharded over a two-worker TF_CONFIG cluster, commit 1 (step 25): both members agree.
+    let ports = free_ports(2);
+    let members: Vec<Child> = (0..2)
+        .map(|i| {
+            let out = tmp.path().join(format!("shard{i}.json"));
+            evaluate(&["--checkpoint", path(&ckpt), "--sequence", "1", "--summary", path(&out)], "mnist-bn")
+                .env("TF_CONFIG", tf_config(&ports, i))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for m in members {
+        let out = m.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let (s0, s1) = (json(&tmp.path().join("shard0.json")), json(&tmp.path().join("shard1.json")));
+    assert_eq!(
+        (s0["sequence"].as_u64(), s0["global_step"].as_u64(), s0["workers"].as_u64()),
+        (Some(1), Some(25), Some(2))
+    );
+    assert_eq!(s0["test_loss"], s1["test_loss"]);
+    assert_eq!(s0["params_sha256"], s1["params_sha256"]);
+    assert_eq!(s0["examples"], 10_000);
+    assert_ne!(s0["params_sha256"], alone["params_sha256"], "commit 1 is not the last commit");
+
+    // What goes wrong is named.
+    let empty = tmp.path().join("empty");
+    let out = evaluate(&["--checkpoint", path(&empty)], "mnist-bn").output().unwrap();
+    assert_eq!(
+        error_of(&out),
+        format!("error: checkpoint: {}: no checkpoint has been committed there", empty.display())
+    );
+    let out = evaluate(&["--checkpoint", path(&ckpt)], "mnist-cnn").output().unwrap();
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(
+        error_of(&out),
+        format!(
+            "error: checkpoint: {}: checkpoint 3 was written by plugin mnist-bn {version}, not by mnist-cnn {version}",
+            ckpt.display()
+        )
+    );
+}
+
+#[test]
+fn workers_whose_shards_differ_are_refused_naming_both_counts() {
+    let ports = free_ports(2);
+    let workers: Vec<Child> = (0..2)
+        .map(|i| {
+            let mut cmd = trainerd();
+            cmd.args(["run", "--threads", "1", "--epochs", "1", "--batch-size", "100", "--plugin"])
+                .arg(plugin("test-fixture"))
+                .arg("--data")
+                .arg(fashion_mnist())
+                .env("TF_CONFIG", tf_config(&ports, i))
+                .env("TRAINERD_FIXTURE_FAULT", "uneven-shards")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let expected = format!(
+        "error: the workers disagree on steps per epoch: worker 0 (127.0.0.1:{}) (the chief) has 300, worker 1 \
+         (127.0.0.1:{}) has 299 (batch size 100 per worker); every worker's input pipeline must yield the same number \
+         of steps, so the plugin's shards of the training split must be the same size",
+        ports[0], ports[1]
+    );
+    for w in workers {
+        let out = w.wait_with_output().unwrap();
+        assert_eq!(error_of(&out), expected);
+        assert!(!stdout(&out).contains("Epoch 1/1"), "no step was taken: {}", stdout(&out));
+    }
+}
+
+#[test]
+fn an_unused_parameter_stays_put_with_one_worker_and_with_two() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Weight decay would move a parameter that got a zero gradient: an unused one must get none.
+    let flags = ["--epochs", "1", "--steps-per-epoch", "20", "--optimizer", "sgd", "--weight-decay", "0.1"];
+    for workers in [1, 2] {
+        let ckpt = tmp.path().join(format!("ckpt{workers}"));
+        let out = local(
+            workers,
+            "test-fixture",
+            &[&flags[..], &["--checkpoint-dir", path(&ckpt)]].concat(),
+            Some("unused-param"),
+        );
+        assert!(out.status.success(), "{}", text(&out));
+        let model = exported(&ckpt);
+        let unused = tensor(&model, "model.unused");
+        assert_eq!(
+            unused.data.as_ref(),
+            1f32.to_ne_bytes().repeat(4),
+            "{workers} worker(s) moved the unused parameter"
+        );
+        let dense = tensor(&model, "model.dense.weight");
+        assert_ne!(dense.data.iter().map(|&b| u64::from(b)).sum::<u64>(), 0, "the used parameters trained");
+    }
+}
+
+#[test]
+fn float64_and_int64_buffers_stay_exact_and_identical_on_every_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ckpt, summary) = (tmp.path().join("ckpt"), tmp.path().join("s.json"));
+    let flags =
+        ["--epochs", "2", "--steps-per-epoch", "15", "--checkpoint-dir", path(&ckpt), "--summary", path(&summary)];
+    let out = local(2, "test-fixture", &flags, Some("typed-buffers"));
+    assert!(out.status.success(), "{}", text(&out));
+    let (w0, w1) = (json(&tmp.path().join("s.worker0.json")), json(&tmp.path().join("s.worker1.json")));
+    assert_eq!(w0["params_sha256"], w1["params_sha256"]);
+    let model = exported(&ckpt);
+    let steps = tensor(&model, "model.steps");
+    assert_eq!(format!("{:?}", steps.dtype), "I64");
+    // 2^40 + 30 training passes: an integer float32 cannot hold, exact through the run, the
+    // per-step synchronisation and the checkpoint.
+    assert_eq!(i64::from_ne_bytes(steps.data.as_ref().try_into().unwrap()), (1 << 40) + 30);
+    let mean = tensor(&model, "model.mean");
+    assert_eq!(format!("{:?}", mean.dtype), "F64");
+    let mean = f64::from_ne_bytes(mean.data.as_ref().try_into().unwrap());
+    assert!(mean > 0.0 && (mean as f32) as f64 != mean, "a float64 value with more than float32's precision: {mean}");
+
+    // A run resumed from that checkpoint continues with the same state (it is the end: nothing to
+    // train, the same parameters and buffers).
+    let again = local(
+        2,
+        "test-fixture",
+        &[&flags[..6], &["--summary", path(&tmp.path().join("r.json"))]].concat(),
+        Some("typed-buffers"),
+    );
+    assert!(again.status.success(), "{}", text(&again));
+    assert_eq!(json(&tmp.path().join("r.worker0.json"))["params_sha256"], w0["params_sha256"]);
+}
