@@ -345,7 +345,7 @@ fn adam_update(
 /// # Safety
 /// `t` must be a contiguous float32 CPU tensor, and no other slice of its storage may be live
 /// while this one is.
-unsafe fn f32_slice(t: &Tensor) -> &mut [f32] {
+unsafe fn f32_slice(t: &mut Tensor) -> &mut [f32] {
     // SAFETY: per the contract.
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel()) }
 }
@@ -376,7 +376,9 @@ fn adam_fused(
     }
     // SAFETY: four distinct contiguous float32 CPU tensors of `n` elements, checked above; the
     // slices live only in this function, and nothing else runs on these tensors meanwhile.
-    let (p, g, m, v) = unsafe { (f32_slice(p), f32_slice(grad), f32_slice(exp_avg), f32_slice(exp_avg_sq)) };
+    let (p, m, v) = unsafe { (f32_slice(p), f32_slice(exp_avg), f32_slice(exp_avg_sq)) };
+    // SAFETY: as above; the gradient is only read.
+    let g = unsafe { std::slice::from_raw_parts(grad.data_ptr() as *const f32, n) };
     let (b1, one_b1, b2, one_b2) = (beta1 as f32, (1.0 - beta1) as f32, beta2 as f32, (1.0 - beta2) as f32);
     let (eps, wd, step_size, bias2_sqrt) = (eps as f32, weight_decay as f32, step_size as f32, bias2_sqrt as f32);
     for i in 0..n {
