@@ -17,7 +17,7 @@ use trainerd_sdk::{InputContext, OptimizerConfig, Split};
 use trainerd_storage::{Location, S3Options};
 
 use crate::checkpoint::Meta;
-use crate::cluster::control::{Identity, FINAL_BARRIER};
+use crate::cluster::control::FINAL_BARRIER;
 use crate::cluster::{ClusterConfig, Network, Timeouts};
 use crate::optim::Optimizer;
 use crate::plugin::Plugin;
@@ -121,17 +121,8 @@ pub fn run(
     stop: &AtomicBool,
 ) -> Result<Evaluation, TrainError> {
     let info = plugin.info().clone();
-    let mut session = match &cfg.cluster {
-        None => Session::single(),
-        Some(cluster) => {
-            let identity = Identity {
-                cluster_json: cluster.cluster_json(),
-                plugin: plugin_identity(plugin),
-                run_config_json: cfg.agreement_json(),
-            };
-            Session::start(cluster, identity, cfg.timeouts, &cfg.network)?
-        }
-    };
+    let identity = (plugin_identity(plugin), cfg.agreement_json());
+    let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network)?;
     let (rank, world) = (session.rank(), session.world());
     let model = plugin.create_model("model", cfg.device)?;
     let (params, buffers) = split_variables(&model);

@@ -101,6 +101,25 @@ pub struct PluginInfo {
     pub defaults: TrainDefaults,
 }
 
+impl PluginInfo {
+    /// An image classifier's identity with the tutorials' defaults: `accuracy` as its metric, 3
+    /// epochs, batch 64 per worker, Adam at 1e-3, a constant rate.
+    pub fn classifier(name: &str, version: &str, description: &str) -> PluginInfo {
+        PluginInfo {
+            name: name.into(),
+            version: version.into(),
+            description: description.into(),
+            metrics: vec!["accuracy".into()],
+            defaults: TrainDefaults {
+                epochs: 3,
+                batch_size: 64,
+                optimizer: OptimizerConfig::adam(1e-3),
+                schedule: LrSchedule::Constant,
+            },
+        }
+    }
+}
+
 /// Defaults the operator may override by flag.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainDefaults {

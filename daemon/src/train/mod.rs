@@ -34,7 +34,7 @@ use trainerd_sdk::{InputContext, LrSchedule, OptimizerConfig, PluginInfo, Split}
 use trainerd_storage::{Location, Restored, S3Options};
 
 use crate::checkpoint::{self, Checkpointer, Meta, Position};
-use crate::cluster::control::{Formed, Identity, FINAL_BARRIER};
+use crate::cluster::control::{Formed, FINAL_BARRIER};
 use crate::cluster::{ClusterConfig, ClusterError, Network, Timeouts};
 use crate::collective::buckets::Buckets;
 use crate::collective::{CollectiveError, ReduceOp};
@@ -331,17 +331,8 @@ pub fn run(
     let started = Instant::now();
     let info = plugin.info().clone();
     let metric_count = info.metrics.len();
-    let mut session = match &cfg.cluster {
-        None => Session::single(),
-        Some(cluster) => {
-            let identity = Identity {
-                cluster_json: cluster.cluster_json(),
-                plugin: plugin_identity(plugin),
-                run_config_json: cfg.agreement_json(),
-            };
-            Session::start(cluster, identity, cfg.timeouts, &cfg.network)?
-        }
-    };
+    let identity = (plugin_identity(plugin), cfg.agreement_json());
+    let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network)?;
     let (rank, world) = (session.rank(), session.world());
     let chief = rank == 0;
     if let Some(listening) = session.listening() {

@@ -70,6 +70,23 @@ impl Session {
         Session { cluster: None, ring: Ring::single(), floor: 0 }
     }
 
+    /// A worker alone when `cluster` is `None`, else a member of it whose peers must agree on
+    /// `plugin` (its identity) and `run_config_json` (what decides the result).
+    pub fn open(
+        cluster: Option<&ClusterConfig>,
+        (plugin, run_config_json): (String, String),
+        timeouts: Timeouts,
+        network: &Network,
+    ) -> Result<Session, TrainError> {
+        match cluster {
+            None => Ok(Session::single()),
+            Some(cluster) => {
+                let identity = Identity { cluster_json: cluster.cluster_json(), plugin, run_config_json };
+                Session::start(cluster, identity, timeouts, network)
+            }
+        }
+    }
+
     /// Serves the control plane and the data listener at once (peers can reach this member while
     /// it loads), for `cluster` with `identity`.
     pub fn start(

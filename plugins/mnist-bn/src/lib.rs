@@ -12,10 +12,7 @@ use std::sync::Arc;
 
 use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
-use trainerd_sdk::{
-    export_plugin, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
-    TrainDefaults,
-};
+use trainerd_sdk::{export_plugin, InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
 
 /// Dropout rate.
 const DROPOUT: f64 = 0.2;
@@ -32,20 +29,12 @@ impl Model for MnistBn {
     type Data = Mnist;
 
     fn info() -> PluginInfo {
-        PluginInfo {
-            name: "mnist-bn".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            description: "Conv2D(32, 3x3) BatchNorm ReLU, MaxPool 2x2, Dense 64 ReLU, Dropout, Dense 10 on 28x28 \
-                          MNIST-format images"
-                .into(),
-            metrics: vec!["accuracy".into()],
-            defaults: TrainDefaults {
-                epochs: 3,
-                batch_size: 64,
-                optimizer: OptimizerConfig::adam(1e-3),
-                schedule: LrSchedule::Constant,
-            },
-        }
+        PluginInfo::classifier(
+            "mnist-bn",
+            env!("CARGO_PKG_VERSION"),
+            "Conv2D(32, 3x3) BatchNorm ReLU, MaxPool 2x2, Dense 64 ReLU, Dropout, Dense 10 on 28x28 \
+                          MNIST-format images",
+        )
     }
 
     fn new(root: &nn::Path) -> Result<Self, PluginError> {

@@ -8,10 +8,7 @@ use std::sync::Arc;
 
 use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
-use trainerd_sdk::{
-    export_plugin, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
-    TrainDefaults,
-};
+use trainerd_sdk::{export_plugin, InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
 
 /// The model.
 pub struct MnistCnnBig {
@@ -24,20 +21,12 @@ impl Model for MnistCnnBig {
     type Data = Mnist;
 
     fn info() -> PluginInfo {
-        PluginInfo {
-            name: "mnist-cnn-big".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            description: "Conv2D(32, 3x3) ReLU, Flatten, Dense 128 ReLU, Dense 10 on 28x28 MNIST-format images \
-                          (2.77 M parameters)"
-                .into(),
-            metrics: vec!["accuracy".into()],
-            defaults: TrainDefaults {
-                epochs: 3,
-                batch_size: 64,
-                optimizer: OptimizerConfig::adam(1e-3),
-                schedule: LrSchedule::Constant,
-            },
-        }
+        PluginInfo::classifier(
+            "mnist-cnn-big",
+            env!("CARGO_PKG_VERSION"),
+            "Conv2D(32, 3x3) ReLU, Flatten, Dense 128 ReLU, Dense 10 on 28x28 MNIST-format images \
+                          (2.77 M parameters)",
+        )
     }
 
     fn new(root: &nn::Path) -> Result<Self, PluginError> {
