@@ -451,14 +451,21 @@ fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
 /// cannot help (the other workers are done), so the systemd unit does not.
 const EXIT_FINISHED_UNCOMMITTED: i32 = 3;
 
-fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
-    // SIGTERM or SIGINT: stop at the next step boundary after the cluster's commit; a second one
-    // ends the process at once.
+/// A flag that SIGTERM or SIGINT raises (stop at the next safe point); a second signal ends the
+/// process at once.
+fn stop_flag() -> anyhow::Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&stop))?;
         signal_hook::flag::register(signal, Arc::clone(&stop))?;
     }
+    Ok(stop)
+}
+
+fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
+    // SIGTERM or SIGINT: stop at the next step boundary after the cluster's commit; a second one
+    // ends the process at once.
+    let stop = stop_flag()?;
     let timeouts = Timeouts {
         rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?,
         heartbeat_interval: seconds("--heartbeat-interval", args.heartbeat_interval)?,
@@ -587,11 +594,7 @@ fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Resul
 }
 
 fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
-    let stop = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&stop))?;
-        signal_hook::flag::register(signal, Arc::clone(&stop))?;
-    }
+    let stop = stop_flag()?;
     let timeouts =
         Timeouts { rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?, ..Timeouts::default() };
     let (cluster, network) = args.cluster.plan()?;
