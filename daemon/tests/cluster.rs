@@ -122,7 +122,8 @@ fn spawn_worker(ports: &[u16], index: usize, extra: &[&str], env: &[(&str, &str)
 #[test]
 fn a_worker_with_a_different_tf_config_is_refused() {
     let ports = free_ports(3);
-    let chief = spawn_worker(&ports[..2], 0, &["--rendezvous-timeout", "3"], &[]);
+    // Long enough for the stray to start on a loaded machine before the chief gives up on it.
+    let chief = spawn_worker(&ports[..2], 0, &["--rendezvous-timeout", "8"], &[]);
     // Worker 1 believes in a third worker.
     let stray = spawn_worker(&ports, 1, &["--rendezvous-timeout", "20"], &[]);
     let stray = stray.wait_with_output().unwrap();
@@ -144,13 +145,13 @@ fn a_worker_with_a_different_tf_config_is_refused() {
             ports[0]
         )
     );
-    assert_eq!(error_line(&chief), format!("error: rendezvous: {w1} did not join within 3s"));
+    assert_eq!(error_line(&chief), format!("error: rendezvous: {w1} did not join within 8s"));
 }
 
 #[test]
 fn a_worker_with_a_different_plugin_version_is_refused() {
     let ports = free_ports(2);
-    let chief = spawn_worker(&ports, 0, &["--rendezvous-timeout", "3"], &[]);
+    let chief = spawn_worker(&ports, 0, &["--rendezvous-timeout", "8"], &[]);
     let other = spawn_worker(&ports, 1, &[], &[("TRAINERD_FIXTURE_VERSION", "9.9.9")]);
     let other = other.wait_with_output().unwrap();
     let _ = chief.wait_with_output().unwrap();
@@ -184,7 +185,9 @@ fn a_port_already_in_use_is_named() {
 fn a_peer_that_never_comes_is_named_after_the_deadline() {
     let ports = free_ports(3);
     let chief = spawn_worker(&ports, 0, &["--rendezvous-timeout", "2"], &[]);
-    let one = spawn_worker(&ports, 1, &["--rendezvous-timeout", "2"], &[]);
+    // The member would wait far longer: a chief slow to start (a loaded machine) must not make it
+    // give up on the chief first.
+    let one = spawn_worker(&ports, 1, &["--rendezvous-timeout", "60"], &[]);
     let chief = chief.wait_with_output().unwrap();
     let one = one.wait_with_output().unwrap();
     // The chief gives up, and tells the member that waits with it whom they waited for.
