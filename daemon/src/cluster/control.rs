@@ -125,6 +125,11 @@ struct Coord {
     /// Counts give-ups; a join waiting since before the latest one fails with its message.
     give_ups: u64,
     gave_up: String,
+    /// A give-up ends the cluster (the chief exits on it): later joins get its message at once.
+    closed: bool,
+    /// Members told of the give-up that have not yet left or disconnected: the chief's exit
+    /// would cut off the answer on its way to them.
+    unanswered: HashSet<usize>,
     barriers: HashMap<(u64, String), HashSet<usize>>,
     /// The furthest global step heard of (beats, joins).
     high_water: u64,
@@ -157,6 +162,8 @@ impl Coordinator {
                 formation: None,
                 give_ups: 0,
                 gave_up: String::new(),
+                closed: false,
+                unanswered: HashSet::new(),
                 barriers: HashMap::new(),
                 high_water: 0,
                 ended: BTreeMap::new(),
@@ -175,6 +182,12 @@ impl Coordinator {
     pub fn departed(&self) -> bool {
         let c = self.lock();
         c.state.finished && c.state.members.iter().skip(1).all(|m| m.gone.is_some() || !m.connected)
+    }
+
+    /// After a give-up: whether every member told of it has left or disconnected (so that the
+    /// chief's exit can no longer cut off the answer on its way).
+    pub fn answered(&self) -> bool {
+        self.lock().unanswered.is_empty()
     }
 
     /// The next formation must exceed `generation` (the latest commit's).
@@ -263,6 +276,9 @@ impl Coordinator {
                 c.gave_up = format!("{} did not join within {waited:?}", names.join(", "));
                 c.give_ups += 1;
                 c.state.gathering_since = now;
+                c.closed = true;
+                let waiting = c.state.members.iter().enumerate().skip(1).filter(|(_, m)| m.joined.is_some());
+                c.unanswered = waiting.map(|(rank, _)| rank).collect();
             }
         }
     }
@@ -372,6 +388,12 @@ impl Coordinator {
             let report = report_of(req.report);
             c.high_water = c.high_water.max(report.progress.0);
             c.addresses[rank] = req.data_address;
+            if c.closed {
+                if rank != 0 {
+                    c.unanswered.insert(rank);
+                }
+                return Err(Status::aborted(c.gave_up.clone()));
+            }
             let m = &mut c.state.members[rank];
             m.joined = Some(report);
             m.last_seen = Instant::now();
@@ -433,6 +455,7 @@ impl Coordinator {
         if c.state.members[rank].incarnation == Some(incarnation) {
             c.state.members[rank].connected = false;
             c.sinks[rank] = None;
+            c.unanswered.remove(&rank);
             self.settle(&mut c);
         }
     }
@@ -455,6 +478,7 @@ impl Coordinator {
         let mut c = self.lock();
         self.current(&c, rank, req.incarnation)?;
         let finished = c.state.finished;
+        c.unanswered.remove(&rank);
         let m = &mut c.state.members[rank];
         m.joined = None;
         if m.active || finished {

@@ -432,7 +432,11 @@ impl ControlPlane {
                     },
                 }
             }
-        })?;
+        });
+        if let Err(ClusterError::GaveUp { detail, .. }) = &result {
+            self.gave_up(detail);
+        }
+        let result = result?;
         self.formed_once = true;
         self.shared.generation.store(result.generation, Ordering::Relaxed);
         Ok(result)
@@ -508,12 +512,26 @@ impl ControlPlane {
     pub fn finish(&self) {
         match &self.coordinator {
             None => self.leave("finished"),
-            Some(c) => {
-                let until = Instant::now() + self.timeouts.heartbeat_deadline * 4;
-                while !c.departed() && Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
+            Some(c) => self.linger(|| c.departed()),
+        }
+    }
+
+    /// After the coordinator gave up: a member says it got the answer (it leaves); the chief
+    /// waits (a bounded while) until every member told has, since its exit would cut off an
+    /// answer still on its way and leave that member waiting out its own timeout.
+    fn gave_up(&self, why: &str) {
+        match &self.coordinator {
+            None => self.leave(&format!("gave up: {why}")),
+            Some(c) => self.linger(|| c.answered()),
+        }
+    }
+
+    /// On the chief, before it exits: waits until `done`, for at most 4 heartbeat deadlines (a
+    /// member that vanished holds nobody up for long).
+    fn linger(&self, done: impl Fn() -> bool) {
+        let until = Instant::now() + self.timeouts.heartbeat_deadline * 4;
+        while !done() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -801,6 +819,36 @@ mod tests {
         assert!(took < Duration::from_secs(5), "the barrier waited {took:?}");
         let why = aborted(&planes[0], generation, Duration::from_secs(1));
         assert!(why.contains("sent no heartbeat for"), "{why}");
+    }
+
+    #[test]
+    fn after_a_give_up_every_member_gets_its_reason_before_the_chief_exits_and_late_ones_at_once() {
+        let ports = [free_port(), free_port(), free_port()];
+        let t = Timeouts { rendezvous: Duration::from_secs(2), ..FAST };
+        let mut planes = [plane(&ports, 0, t), plane(&ports, 1, FAST)];
+        let stop = AtomicBool::new(false);
+        let errors: Vec<String> = std::thread::scope(|s| {
+            let joins: Vec<_> = planes
+                .iter_mut()
+                .map(|p| {
+                    let stop = &stop;
+                    s.spawn(move || p.join("127.0.0.1:1", &Report::default(), stop).unwrap_err().to_string())
+                })
+                .collect();
+            joins.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let expected = format!("rendezvous: worker 2 (127.0.0.1:{}) did not join within 2s", ports[2]);
+        assert_eq!(errors, [expected.clone(), expected.clone()]);
+        let coordinator = planes[0].coordinator.as_ref().unwrap();
+        assert!(coordinator.answered(), "the chief's join returned before worker 1 had its answer");
+        // Worker 2 comes after the give-up, while the chief is on its way out: it is told at once,
+        // not after another rendezvous timeout.
+        let mut late = plane(&ports, 2, FAST);
+        let started = Instant::now();
+        let err = late.join("127.0.0.1:1", &Report::default(), &stop).unwrap_err().to_string();
+        assert_eq!(err, expected);
+        assert!(started.elapsed() < Duration::from_millis(1500), "the late join waited {:?}", started.elapsed());
+        assert!(coordinator.answered(), "worker 2 said it got the answer");
     }
 
     #[test]
