@@ -112,7 +112,7 @@ pub fn params_sha256(summary: &Path) -> String {
 /// without its last commit.
 pub const FINAL_STATUSES: [i32; 2] = [0, 3];
 
-/// Free loopback ports.
+/// `n` free loopback ports (held together while chosen, so they differ).
 pub fn free_ports(n: usize) -> Vec<u16> {
     let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     ls.iter().map(|l| l.local_addr().unwrap().port()).collect()

@@ -28,17 +28,9 @@ pub fn fashion_mnist() -> PathBuf {
     dir
 }
 
-/// `n` free loopback ports (held together while chosen, so they differ).
-pub fn free_ports(n: usize) -> Vec<u16> {
-    let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
-}
-
-/// The TF_CONFIG of worker `index` in a cluster of workers on these loopback ports.
-pub fn tf_config(ports: &[u16], index: usize) -> String {
-    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    serde_json::json!({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": index}}).to_string()
-}
+/// Free loopback ports, and a worker's TF_CONFIG on them: the chaos tests' own.
+#[allow(unused_imports)] // as dead_code above: not every test binary uses them
+pub use trainerd_chaos_tests::{free_ports, tf_config};
 
 /// Standard output and error, for assertion messages.
 pub fn text(out: &Output) -> String {
