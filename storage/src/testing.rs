@@ -2,6 +2,9 @@
 //! it "crashes" at the N-th write (that write and every later one fail, as if the process had
 //! died there), or fails the next N writes with a transient error (a server that comes back).
 //! The storage tests use it to stop a commit at every write point in turn.
+//!
+//! Also: [`S3Server`], a real S3-compatible server for tests, and [`TcpProxy`], a link to a
+//! server that a test cuts and restores (a storage outage).
 
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -199,13 +202,14 @@ pub async fn data_ids(raw: &dyn ObjectStore, root: &Path) -> std::collections::B
 pub struct S3Server {
     child: std::process::Child,
     dir: std::path::PathBuf,
-    weed: std::path::PathBuf,
-    ports: Vec<u16>,
     /// `http://127.0.0.1:PORT`.
     pub endpoint: String,
     /// The bucket it created.
     pub bucket: String,
 }
+
+/// weed's output, in its data directory.
+const WEED_LOG: &str = "weed.log";
 
 /// Credentials the test server accepts.
 pub const S3_KEY_ID: &str = "trainerd-test";
@@ -241,21 +245,9 @@ impl S3Server {
         let ports = free_port_pairs(9)?;
         let child = S3Server::spawn(&weed, &dir, &ports)?;
         let endpoint = format!("http://127.0.0.1:{}", ports[3]);
-        let mut server = S3Server { child, dir, weed, ports, endpoint, bucket: "ckpt".into() };
+        let mut server = S3Server { child, dir, endpoint, bucket: "ckpt".into() };
         server.wait_ready()?;
         Ok(server)
-    }
-
-    /// Stops the server (an outage): it refuses connections until [`S3Server::restart`].
-    pub fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// Starts the stopped server again on the same ports and data.
-    pub fn restart(&mut self) -> Result<(), String> {
-        self.child = S3Server::spawn(&self.weed, &self.dir, &self.ports)?;
-        self.wait_ready()
     }
 
     fn spawn(weed: &std::path::Path, dir: &std::path::Path, ports: &[u16]) -> Result<std::process::Child, String> {
@@ -270,6 +262,12 @@ impl S3Server {
             "debug.port",
             "s3.debug.port",
         ];
+        // Its output, for a failing test to show (`log_tail`).
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(WEED_LOG))
+            .map_err(|e| format!("{}: {e}", dir.join(WEED_LOG).display()))?;
         let mut cmd = std::process::Command::new(weed);
         cmd.arg("mini")
             .arg(format!("-dir={}", dir.display()))
@@ -277,8 +275,8 @@ impl S3Server {
             .arg("-master.telemetry=false")
             .env("AWS_ACCESS_KEY_ID", S3_KEY_ID)
             .env("AWS_SECRET_ACCESS_KEY", S3_SECRET)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log);
         for (flag, port) in flags.iter().zip(ports) {
             cmd.arg(format!("-{flag}={port}"));
         }
@@ -300,6 +298,13 @@ impl S3Server {
             }
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
+    }
+
+    /// The last `n` lines weed wrote, for a failing test's message.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = std::fs::read_to_string(self.dir.join(WEED_LOG)).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
     /// The server's process id.
@@ -419,4 +424,92 @@ fn free_port_pairs(n: usize) -> Result<Vec<u16>, String> {
         return Err("no free ports for weed".into());
     }
     Ok(ports)
+}
+
+/// A loopback TCP forwarder in front of a server, which a test cuts to make the server
+/// unreachable without touching it (an outage of the network or of a load balancer's backend):
+/// while cut, every open connection is shut down and every new one is closed at once; restored,
+/// it forwards again. The server itself keeps running, so it answers at full speed the moment the
+/// link comes back, and how long a real server takes to restart plays no part in a test.
+pub struct TcpProxy {
+    addr: std::net::SocketAddr,
+    state: Arc<ProxyState>,
+}
+
+#[derive(Default)]
+struct ProxyState {
+    cut: std::sync::atomic::AtomicBool,
+    closed: std::sync::atomic::AtomicBool,
+    /// Both ends of every forwarded connection, to shut down on a cut.
+    open: std::sync::Mutex<Vec<std::net::TcpStream>>,
+}
+
+impl ProxyState {
+    fn shut_all(&self) {
+        for s in self.open.lock().expect("not poisoned").drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl TcpProxy {
+    /// Forwards a new port on 127.0.0.1 to `target`.
+    pub fn start(target: std::net::SocketAddr) -> std::io::Result<TcpProxy> {
+        let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(ProxyState::default());
+        let shared = Arc::clone(&state);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if shared.closed.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = client else { continue };
+                if shared.cut.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = std::net::TcpStream::connect(target) else {
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    continue;
+                };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let ends = [client.try_clone(), server.try_clone(), client.try_clone(), server.try_clone()];
+                let [Ok(c1), Ok(s1), Ok(c2), Ok(s2)] = ends else { continue };
+                shared.open.lock().expect("not poisoned").extend([c2, s2]);
+                for (mut from, mut to) in [(client, server), (s1, c1)] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Ok(TcpProxy { addr, state })
+    }
+
+    /// `http://127.0.0.1:PORT` of the forwarder.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Cuts the link: open connections are shut down, new ones closed at once.
+    pub fn cut(&self) {
+        self.state.cut.store(true, Ordering::SeqCst);
+        self.state.shut_all();
+    }
+
+    /// Restores the link.
+    pub fn restore(&self) {
+        self.state.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.state.closed.store(true, Ordering::SeqCst);
+        self.state.shut_all();
+        // Wakes the accept loop so that it sees `closed`.
+        let _ = std::net::TcpStream::connect(self.addr);
+    }
 }
