@@ -435,9 +435,11 @@ fn a_frozen_worker_is_abandoned_within_the_heartbeat_deadline_and_rejoins_after_
         assert!(line.contains("worker 1 ") && line.contains("sent no heartbeat"), "{line}");
         abandoned.push(at - frozen);
     }
-    // Heartbeats every 0.1 s, deadline 1.5 s (the defaults); the notice travels on loopback.
+    // Heartbeats every 0.1 s, deadline 1.5 s (the defaults); the notice travels on loopback. The
+    // bound leaves a loaded 2-core machine room and is far below the 120 s collective timeout,
+    // the only other way a survivor could leave a step with a frozen peer.
     for took in &abandoned {
-        assert!(*took < Duration::from_millis(2500), "a survivor abandoned the step {took:?} after the freeze");
+        assert!(*took < Duration::from_secs(4), "a survivor abandoned the step {took:?} after the freeze");
     }
     std::thread::sleep(Duration::from_secs(2));
     c.signal(1, libc::SIGCONT);
