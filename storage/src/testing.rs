@@ -403,12 +403,18 @@ fn spawn_tied_to_this_process(mut cmd: std::process::Command) -> std::io::Result
 }
 
 /// `n` ports below 55000, each free together with its +10000 twin.
+///
+/// Nothing holds them until weed binds them, so two servers starting at once must not scan the
+/// same ports: the scan starts at a random place (another process, a test's child among them,
+/// starts elsewhere) and goes on, in this process, from where the last one stopped.
 fn free_port_pairs(n: usize) -> Result<Vec<u16>, String> {
     use std::net::TcpListener;
+    static NEXT: std::sync::Mutex<Option<u16>> = std::sync::Mutex::new(None);
+    let mut next = NEXT.lock().expect("not poisoned");
     let mut held = Vec::new();
     let mut ports = Vec::new();
-    let mut candidate = 20000 + (std::process::id() % 20000) as u16;
-    for _ in 0..20000 {
+    let mut candidate = next.unwrap_or_else(|| 20000 + (uuid::Uuid::new_v4().as_u128() % 25000) as u16);
+    for _ in 0..25000 {
         if ports.len() == n {
             break;
         }
@@ -420,6 +426,7 @@ fn free_port_pairs(n: usize) -> Result<Vec<u16>, String> {
             ports.push(candidate);
         }
     }
+    *next = Some(candidate);
     if ports.len() < n {
         return Err("no free ports for weed".into());
     }
@@ -440,13 +447,16 @@ pub struct TcpProxy {
 struct ProxyState {
     cut: std::sync::atomic::AtomicBool,
     closed: std::sync::atomic::AtomicBool,
-    /// Both ends of every forwarded connection, to shut down on a cut.
+    /// Both ends of every connection forwarded since the last cut, to shut down on the next.
     open: std::sync::Mutex<Vec<std::net::TcpStream>>,
 }
 
 impl ProxyState {
-    fn shut_all(&self) {
-        for s in self.open.lock().expect("not poisoned").drain(..) {
+    /// Sets `cut` and shuts every open connection, under the lock new connections register by.
+    fn cut_all(&self) {
+        let mut open = self.open.lock().expect("not poisoned");
+        self.cut.store(true, Ordering::SeqCst);
+        for s in open.drain(..) {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -465,10 +475,6 @@ impl TcpProxy {
                     break;
                 }
                 let Ok(client) = client else { continue };
-                if shared.cut.load(Ordering::SeqCst) {
-                    let _ = client.shutdown(std::net::Shutdown::Both);
-                    continue;
-                }
                 let Ok(server) = std::net::TcpStream::connect(target) else {
                     let _ = client.shutdown(std::net::Shutdown::Both);
                     continue;
@@ -476,7 +482,15 @@ impl TcpProxy {
                 let _ = (client.set_nodelay(true), server.set_nodelay(true));
                 let ends = [client.try_clone(), server.try_clone(), client.try_clone(), server.try_clone()];
                 let [Ok(c1), Ok(s1), Ok(c2), Ok(s2)] = ends else { continue };
-                shared.open.lock().expect("not poisoned").extend([c2, s2]);
+                {
+                    // Under the lock `cut` takes: a connection is either shut by a cut or refused.
+                    let mut open = shared.open.lock().expect("not poisoned");
+                    if shared.cut.load(Ordering::SeqCst) {
+                        let _ = (client.shutdown(std::net::Shutdown::Both), server.shutdown(std::net::Shutdown::Both));
+                        continue;
+                    }
+                    open.extend([c2, s2]);
+                }
                 for (mut from, mut to) in [(client, server), (s1, c1)] {
                     std::thread::spawn(move || {
                         let _ = std::io::copy(&mut from, &mut to);
@@ -495,8 +509,7 @@ impl TcpProxy {
 
     /// Cuts the link: open connections are shut down, new ones closed at once.
     pub fn cut(&self) {
-        self.state.cut.store(true, Ordering::SeqCst);
-        self.state.shut_all();
+        self.state.cut_all();
     }
 
     /// Restores the link.
@@ -508,7 +521,7 @@ impl TcpProxy {
 impl Drop for TcpProxy {
     fn drop(&mut self) {
         self.state.closed.store(true, Ordering::SeqCst);
-        self.state.shut_all();
+        self.state.cut_all();
         // Wakes the accept loop so that it sees `closed`.
         let _ = std::net::TcpStream::connect(self.addr);
     }

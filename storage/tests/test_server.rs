@@ -1,11 +1,14 @@
 //! The S3-compatible test server never outlives the test process that started it, even when
-//! that process ends without dropping anything (a server in a `static`, an abort, a SIGKILL).
+//! that process ends without dropping anything (a server in a `static`, an abort, a SIGKILL); a
+//! cut link to it fails every request until it is restored.
 
 use std::io::Write;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use trainerd_storage::testing::S3Server;
+use object_store::path::Path;
+use object_store::{ObjectStoreExt, PutPayload};
+use trainerd_storage::testing::{S3Server, TcpProxy, S3_KEY_ID, S3_SECRET};
 
 const HELPER: &str = "TRAINERD_TEST_SERVER_HELPER";
 
@@ -54,5 +57,36 @@ fn a_test_process_that_dies_takes_its_server_with_it() {
             panic!("the S3-compatible server (pid {pid}) outlived the test process that started it");
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_cut_link_fails_requests_open_and_new_until_it_is_restored() {
+    let server = S3Server::start().unwrap_or_else(|e| panic!("S3-compatible test server: {e}"));
+    let link = TcpProxy::start(server.endpoint.trim_start_matches("http://").parse().unwrap()).unwrap();
+    let store = object_store::aws::AmazonS3Builder::new()
+        .with_bucket_name(&server.bucket)
+        .with_endpoint(link.endpoint())
+        .with_region("us-east-1")
+        .with_access_key_id(S3_KEY_ID)
+        .with_secret_access_key(S3_SECRET)
+        .with_allow_http(true)
+        .with_retry(object_store::RetryConfig { max_retries: 0, ..Default::default() })
+        .build()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let put = |name: &str| rt.block_on(store.put(&Path::from(name), PutPayload::from_static(b"bytes")));
+    // Through the link, with a pooled connection left open.
+    put("a").unwrap();
+    link.cut();
+    let err = put("b").unwrap_err();
+    assert!(matches!(err, object_store::Error::Generic { .. }), "{err}");
+    put("c").unwrap_err();
+    link.restore();
+    put("d").unwrap();
+    // What went through reached the server; what was cut did not.
+    let direct = server.store().unwrap();
+    for (name, there) in [("a", true), ("b", false), ("c", false), ("d", true)] {
+        assert_eq!(rt.block_on(direct.head(&Path::from(name))).is_ok(), there, "{name}");
     }
 }
