@@ -324,15 +324,24 @@ impl S3Server {
 
     /// An `object_store` client for the bucket.
     pub fn store(&self) -> object_store::Result<object_store::aws::AmazonS3> {
+        self.client(&self.endpoint).build()
+    }
+
+    /// A client for the bucket reached through `endpoint` (a [`TcpProxy`] in front of this
+    /// server) that tries each request once, as the daemon's does (its store retries instead).
+    pub fn store_via(&self, endpoint: &str) -> object_store::Result<object_store::aws::AmazonS3> {
+        self.client(endpoint).with_retry(object_store::RetryConfig { max_retries: 0, ..Default::default() }).build()
+    }
+
+    fn client(&self, endpoint: &str) -> object_store::aws::AmazonS3Builder {
         object_store::aws::AmazonS3Builder::new()
             .with_bucket_name(&self.bucket)
-            .with_endpoint(&self.endpoint)
+            .with_endpoint(endpoint)
             .with_region("us-east-1")
             .with_access_key_id(S3_KEY_ID)
             .with_secret_access_key(S3_SECRET)
             .with_virtual_hosted_style_request(false)
             .with_allow_http(true)
-            .build()
     }
 
     /// Environment for a process that should reach this server through the AWS variables.
