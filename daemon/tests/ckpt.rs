@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 
 use common::*;
 
-use trainerd_storage::testing::{S3Server, TcpProxy};
+use trainerd_storage::testing::S3Server;
 
 /// A short checkpointed run of `plugin` into `ckpt` (one epoch unless `extra` says), returning
 /// its summary's params_sha256.
@@ -218,8 +218,7 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
     let env = server.env();
     // The run reaches the server through a link the test cuts: the server itself stays up, so
     // it answers at once when the link comes back, however slowly a restart would go.
-    let target = server.endpoint.trim_start_matches("http://").parse().unwrap();
-    let link = TcpProxy::start(target).unwrap();
+    let link = server.link().unwrap();
     let url = format!("s3://{}/outage", server.bucket);
     let log = tmp.path().join("steps.jsonl");
     let mut child = args(&url, &tmp.path().join("a.json"))

@@ -322,6 +322,12 @@ impl S3Server {
         })
     }
 
+    /// A link to this server that a test can cut and restore (see [`TcpProxy`]).
+    pub fn link(&self) -> std::io::Result<TcpProxy> {
+        let addr = self.endpoint.trim_start_matches("http://").parse().map_err(std::io::Error::other)?;
+        TcpProxy::start(addr)
+    }
+
     /// An `object_store` client for the bucket.
     pub fn store(&self) -> object_store::Result<object_store::aws::AmazonS3> {
         self.client(&self.endpoint).build()

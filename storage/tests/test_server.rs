@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
-use trainerd_storage::testing::{S3Server, TcpProxy};
+use trainerd_storage::testing::S3Server;
 
 const HELPER: &str = "TRAINERD_TEST_SERVER_HELPER";
 
@@ -63,7 +63,7 @@ fn a_test_process_that_dies_takes_its_server_with_it() {
 #[test]
 fn a_cut_link_fails_requests_open_and_new_until_it_is_restored() {
     let server = S3Server::start().unwrap_or_else(|e| panic!("S3-compatible test server: {e}"));
-    let link = TcpProxy::start(server.endpoint.trim_start_matches("http://").parse().unwrap()).unwrap();
+    let link = server.link().unwrap();
     let store = server.store_via(&link.endpoint()).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let put = |name: &str| rt.block_on(store.put(&Path::from(name), PutPayload::from_static(b"bytes")));
