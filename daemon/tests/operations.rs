@@ -77,6 +77,23 @@ impl NotifySocket {
     fn pings_after(&mut self, since: Instant) -> usize {
         self.messages().iter().filter(|(t, m)| *t > since && m.lines().any(|l| l == "WATCHDOG=1")).count()
     }
+
+    /// Puts a marker datagram in the socket now. The socket keeps the order in which datagrams
+    /// were sent, so [`NotifySocket::pings_sent_after`] tells what a worker sent after this
+    /// instant however late this test's reader gets to it (a loaded machine delays the reader).
+    fn mark(&self) -> String {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let mark = format!("TEST-MARK={nanos}");
+        UnixDatagram::unbound().unwrap().send_to(mark.as_bytes(), &self.path).unwrap();
+        mark
+    }
+
+    /// Watchdog pings sent after the marker `mark` (waits until the marker itself arrives).
+    fn pings_sent_after(&mut self, mark: &str) -> usize {
+        self.wait_for(mark, Duration::from_secs(10));
+        let at = self.seen.iter().position(|(_, m)| m == mark).unwrap();
+        self.seen[at..].iter().filter(|(_, m)| m.lines().any(|l| l == "WATCHDOG=1")).count()
+    }
 }
 
 /// Where the workers of a test write, printed if the test fails.
@@ -207,9 +224,10 @@ fn sigterm_sends_stopping_and_a_hung_step_stops_the_pings() {
     }
     let hung = Instant::now();
     assert!(socket.pings_after(hung - Duration::from_secs(1)) > 0, "pings while training");
-    std::thread::sleep(Duration::from_millis(1500));
-    let quiet_since = hung + Duration::from_millis(600);
-    assert_eq!(socket.pings_after(quiet_since), 0, "pings after the step hung: {:?}", socket.messages());
+    std::thread::sleep(Duration::from_millis(600));
+    let quiet_since = socket.mark();
+    std::thread::sleep(Duration::from_millis(900));
+    assert_eq!(socket.pings_sent_after(&quiet_since), 0, "pings after the step hung: {:?}", socket.messages());
     let (code, body) = http_get(&addr, "/healthz", None);
     assert_eq!(code, 503, "{body}");
     assert!(body.starts_with("unhealthy: no training progress for "), "{body}");
@@ -242,10 +260,11 @@ fn a_frozen_peer_stops_pinging_while_the_survivor_pings_through_its_bounded_wait
     sockets[1].wait_for("STATUS=epoch ", Duration::from_secs(30));
     signal(&workers[1], libc::SIGSTOP);
     let frozen = Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
+    let later = sockets[1].mark();
     sockets[0].wait_for("STATUS=re-forming: ", Duration::from_secs(10));
     std::thread::sleep(Duration::from_secs(2));
-    let later = frozen + Duration::from_millis(300);
-    assert_eq!(sockets[1].pings_after(later), 0, "the frozen worker cannot ping");
+    assert_eq!(sockets[1].pings_sent_after(&later), 0, "the frozen worker cannot ping");
     assert!(
         sockets[0].pings_after(frozen + Duration::from_secs(1)) >= 3,
         "the survivor waits, alive: {:?}",
