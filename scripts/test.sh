@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The whole test suite: installs what is needed, checks formatting and lints, builds every
+# The whole test suite: installs what is needed, checks formatting, sizes and lints, builds every
 # crate (the plugins the tests load included), and runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --no-build
 source scripts/env.sh
 cargo fmt --all --check
+# Sizes: no function over 60 lines (clap's argument structs and tests aside), no file over 600
+# non-test lines, in the daemon, storage and the SDK.
+python3 scripts/rust_sizes.py 60 600 daemon/src storage/src sdk/src
 cargo clippy --workspace --all-targets -- -D warnings
 cargo build --workspace
 cargo test --workspace

@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use trainerd_chaos_tests::{dataset, plugin, Cluster};
-use trainerd_storage::testing::S3Server;
 use trainerd_storage::{CheckpointStore, Location, S3Options};
+use trainerd_testkit::s3::S3Server;
+use trainerd_testkit::{dataset, plugin, Cluster, Event};
 
 /// Every scenario's outer deadline: a hang fails the test.
 const DEADLINE: Duration = Duration::from_secs(240);
@@ -153,7 +153,7 @@ impl Storage {
 /// Data ids present under a checkpoint location.
 async fn data_ids(store: &CheckpointStore) -> BTreeSet<String> {
     let (raw, root) = store.raw();
-    trainerd_storage::testing::data_ids(raw.as_ref(), &root).await
+    trainerd_testkit::fault::data_ids(raw.as_ref(), &root).await
 }
 
 struct Sampler {
@@ -178,27 +178,31 @@ fn start(job: Job, dir: &Path, storage: &Storage, first_env: Vec<Vec<(String, St
     Cluster::start(job.workers, &args(job, dir, &storage.url), &storage.env, first_env, RESTART_SEC)
 }
 
-/// The furthest global step the chief's progress lines have shown (any of its processes).
-fn chief_step(c: &Cluster, job: Job) -> u64 {
-    let (mut epoch, mut best) = (1u64, 0u64);
-    for (_, _, line) in c.seen.iter().filter(|(r, _, _)| *r == 0) {
-        if let Some(rest) = line.strip_prefix("Epoch ") {
-            epoch = rest.split('/').next().and_then(|e| e.parse().ok()).unwrap_or(epoch);
-        } else if line.contains(&format!("/{} - ", job.steps)) {
-            if let Some(n) = line.trim_start().split('/').next().and_then(|n| n.parse::<u64>().ok()) {
-                best = best.max((epoch - 1) * job.steps + n);
-            }
-        }
-    }
-    best
+/// Waits until the chief (any of its processes) has done step `step` (1-based) of epoch `epoch`
+/// (1-based) or later.
+fn wait_for_step(c: &mut Cluster, job: Job, epoch: u64, step: u64) {
+    c.wait_step(0, (epoch - 1) * job.steps + step, DEADLINE);
 }
 
-/// Waits until the chief has shown step `step` (1-based) of epoch `epoch` (1-based) or later.
-fn wait_for_step(c: &mut Cluster, job: Job, epoch: u64, step: u64) {
-    let target = (epoch - 1) * job.steps + step;
-    while chief_step(c, job) < target {
-        c.wait_for(|r, _| r == 0, DEADLINE);
-    }
+fn recovered(e: &Event) -> bool {
+    matches!(e, Event::Recovered { .. })
+}
+
+fn resumed(e: &Event) -> bool {
+    matches!(e, Event::Resumed { .. })
+}
+
+fn rejoined(e: &Event) -> bool {
+    matches!(e, Event::Joined { recovery: true, .. })
+}
+
+fn abandoned(e: &Event) -> bool {
+    matches!(e, Event::Abandoned { .. })
+}
+
+/// Waits for the line worker `rank` printed, `text`, to arrive (a failpoint's).
+fn wait_for_text(c: &mut Cluster, rank: usize, text: &str) {
+    c.wait_for(|e| e.worker == rank && e.line() == Some(text), DEADLINE);
 }
 
 /// Every worker exited 0 with the failure-free run's parameters; the chief's summary.
@@ -224,7 +228,7 @@ fn sigkill_of_a_worker_mid_epoch_loses_nothing() {
     let mut c = start(CNN, tmp.path(), &storage, vec![]);
     wait_for_step(&mut c, CNN, 1, 30);
     c.signal(1, libc::SIGKILL);
-    c.wait_for(|r, l| r == 1 && l.starts_with("trainerd: recovered at step "), DEADLINE);
+    c.wait_event(1, recovered, DEADLINE);
     let chief = assert_finished_exactly(&mut c, CNN, tmp.path());
     assert_eq!(c.starts(1), 2);
     // (A heartbeat starved on a loaded machine may add a harmless recovery: at least one.)
@@ -243,7 +247,7 @@ fn a_batchnorm_model_killed_mid_epoch_then_stopped_and_resumed_is_bitwise_the_un
     // (BatchNorm statistics) and position; the survivor's abandoned step put its buffers back.
     wait_for_step(&mut c, BN, 1, 20);
     c.signal(1, libc::SIGKILL);
-    c.wait_for(|r, l| r == 1 && l.starts_with("trainerd: recovered at step "), DEADLINE);
+    c.wait_event(1, recovered, DEADLINE);
     // Then the whole job stopped and started again: it resumes from the checkpoint.
     wait_for_step(&mut c, BN, 2, 10);
     for rank in 0..BN.workers {
@@ -252,7 +256,7 @@ fn a_batchnorm_model_killed_mid_epoch_then_stopped_and_resumed_is_bitwise_the_un
     assert_eq!(c.wait_finished(DEADLINE), vec![0; BN.workers], "{}", c.transcript());
     drop(c);
     let mut c = start(BN, tmp.path(), &storage, vec![]);
-    c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: resumed from checkpoint "), DEADLINE);
+    c.wait_event(0, resumed, DEADLINE);
     let chief = assert_finished_exactly(&mut c, BN, tmp.path());
     assert_eq!(recovery(&chief, "steps_lost"), 0);
     storage.assert_no_orphans();
@@ -265,9 +269,12 @@ fn sigkill_of_the_chief_mid_epoch_on_s3_loses_nothing() {
     let sampler = storage.sampler();
     let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
     wait_for_step(&mut c, LINEAR, 2, 60);
+    let killed = c.mark();
     c.signal(0, libc::SIGKILL);
     // The restarted chief takes the state from a survivor, not from its older commit.
-    let (_, _, line) = c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: generation "), DEADLINE);
+    let (_, joined) = c.wait_event(0, rejoined, DEADLINE);
+    assert!(matches!(joined, Event::Joined { steps_lost: 0, source: Some(1..), .. }), "{joined:?}");
+    let (_, line) = c.wait_line(0, "trainerd: generation ", killed, DEADLINE);
     assert!(line.contains(": 0 step(s) lost; state from worker "), "{line}");
     let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
     assert_eq!(c.starts(0), 2);
@@ -283,7 +290,7 @@ fn sigkill_of_the_chief_in_the_middle_of_a_commit_never_publishes_it() {
     let storage = Storage::local(tmp.path());
     let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "commit-before-record@4".to_string())];
     let mut c = start(LINEAR, tmp.path(), &storage, vec![failpoint]);
-    c.wait_for(|r, l| r == 0 && l == "trainerd: failpoint commit-before-record reached", DEADLINE);
+    wait_for_text(&mut c, 0, "trainerd: failpoint commit-before-record reached");
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let before = rt.block_on(storage.store.list()).unwrap();
     c.signal(0, libc::SIGKILL);
@@ -304,17 +311,19 @@ fn sigkill_during_an_all_reduce_leaves_one_state_for_everyone() {
     // (linear's chunks are small enough to sit in the socket buffers whatever worker 1 does.)
     let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "all-gather@100".to_string())];
     let mut c = start(LINEAR, tmp.path(), &storage, vec![vec![], failpoint]);
-    c.wait_for(|r, l| r == 1 && l == "trainerd: failpoint all-gather reached", DEADLINE);
+    wait_for_text(&mut c, 1, "trainerd: failpoint all-gather reached");
     std::thread::sleep(Duration::from_millis(300));
+    let killed = c.mark();
     c.signal(1, libc::SIGKILL);
-    let (_, _, abandoned) = c.wait_for(|r, l| r == 2 && l.starts_with("trainerd: step "), DEADLINE);
-    let (_, _, formed) = c.wait_for(|r, l| r == 2 && l.starts_with("trainerd: generation "), DEADLINE);
-    let number = |l: &str, after: &str| -> u64 {
-        l.split(after).nth(1).and_then(|s| s.split([' ', ':']).next()).and_then(|n| n.parse().ok()).unwrap()
-    };
+    let (_, gave_up) = c.wait_event(2, abandoned, DEADLINE);
+    let (_, formed) = c.wait_event(2, rejoined, DEADLINE);
     // Worker 2 abandoned the very step it then received from worker 0.
-    assert_eq!(number(&abandoned, "trainerd: step "), number(&formed, " formed at step "), "{abandoned} / {formed}");
-    assert!(formed.contains("state from worker 0 "), "{formed}");
+    let (Event::Abandoned { step, .. }, Event::Joined { global_step, source, .. }) = (&gave_up, &formed) else {
+        unreachable!("matched above")
+    };
+    assert_eq!((step, source), (global_step, &Some(0)), "{gave_up:?} / {formed:?}");
+    let (_, line) = c.wait_line(2, "trainerd: generation ", killed, DEADLINE);
+    assert!(line.contains(&format!(" formed at step {step}: ")) && line.contains("state from worker 0 "), "{line}");
     let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
     assert_eq!(recovery(&chief, "steps_lost"), 0);
 }
@@ -328,13 +337,13 @@ fn two_workers_at_once_then_every_worker() {
     wait_for_step(&mut c, LINEAR, 1, 90);
     c.signal(1, libc::SIGKILL);
     c.signal(2, libc::SIGKILL);
-    c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: recovered at step "), DEADLINE);
+    c.wait_event(0, recovered, DEADLINE);
     wait_for_step(&mut c, LINEAR, 2, 60);
     // Every worker at once: nobody holds the state, so the run goes on from the latest commit.
     for rank in 0..WORKERS {
         c.signal(rank, libc::SIGKILL);
     }
-    c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: resumed from checkpoint "), DEADLINE);
+    c.wait_event(0, resumed, DEADLINE);
     assert_finished_exactly(&mut c, LINEAR, tmp.path());
     assert!(sampler.finish() > 0);
     storage.assert_no_orphans();
@@ -378,12 +387,13 @@ fn sigterm_preempts_one_worker_and_its_return_loses_nothing() {
     let storage = Storage::local(tmp.path());
     let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
     wait_for_step(&mut c, LINEAR, 1, 150);
-    let sent = Instant::now();
+    let (sent, mark) = (Instant::now(), c.mark());
     c.signal(2, libc::SIGTERM);
-    let (_, at, stopped) =
-        c.wait_for(|r, l| r == 2 && l.starts_with("trainerd: stopped by signal at global step "), DEADLINE);
-    c.wait_for(|r, l| r == 2 && l.starts_with("supervisor: worker 2 exited: exit status: 0"), DEADLINE);
+    let (at, exiting) = c.wait_event(2, |e| matches!(e, Event::Exiting { .. }), DEADLINE);
+    assert_eq!(exiting, Event::Exiting { status: 0 });
+    assert_eq!(c.wait_exit(2, DEADLINE).1, 0);
     assert!(at - sent < Duration::from_secs(10), "it took {:?} to stop", at - sent);
+    let (_, stopped) = c.wait_line(2, "trainerd: stopped by signal at global step ", mark, DEADLINE);
     assert!(stopped.contains("committed as checkpoint") || stopped.contains("held by the chief"), "{stopped}");
     // The others wait for it; the node comes back.
     std::thread::sleep(Duration::from_secs(1));
@@ -416,7 +426,9 @@ fn sigterm_to_every_worker_commits_once_and_the_next_start_resumes_exactly() {
     let step: u64 =
         stopped[0]["trainerd: stopped by signal at global step ".len()..].split(';').next().unwrap().parse().unwrap();
     let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
-    let (_, _, resumed) = c.wait_for(|r, l| r == 0 && l.starts_with("trainerd: resumed from checkpoint "), DEADLINE);
+    let (_, event) = c.wait_event(0, resumed, DEADLINE);
+    assert!(matches!(event, Event::Resumed { global_step, .. } if global_step == step), "{event:?}");
+    let (_, resumed) = c.wait_line(0, "trainerd: resumed from checkpoint ", 0, DEADLINE);
     assert!(resumed.ends_with(&format!("(global step {step})")), "{resumed}");
     assert_finished_exactly(&mut c, LINEAR, tmp.path());
     storage.assert_no_orphans();
@@ -428,22 +440,25 @@ fn a_frozen_worker_is_abandoned_within_the_heartbeat_deadline_and_rejoins_after_
     let storage = Storage::local(tmp.path());
     let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
     wait_for_step(&mut c, LINEAR, 1, 120);
-    let frozen = Instant::now();
+    let (frozen, mark) = (Instant::now(), c.mark());
     c.signal(1, libc::SIGSTOP);
-    let mut abandoned = Vec::new();
-    for (_, at, line) in c.wait_for_each(&[0, 2], |l| l.starts_with("trainerd: step "), DEADLINE) {
+    let mut took = Vec::new();
+    for (at, _) in c.wait_events_each(&[0, 2], abandoned, DEADLINE) {
+        took.push(at - frozen);
+    }
+    for rank in [0, 2] {
+        let (_, line) = c.wait_line(rank, "trainerd: step ", mark, DEADLINE);
         assert!(line.contains("worker 1 ") && line.contains("sent no heartbeat"), "{line}");
-        abandoned.push(at - frozen);
     }
     // Heartbeats every 0.1 s, deadline 1.5 s (the defaults); the notice travels on loopback. The
     // bound leaves a loaded 2-core machine room and is far below the 120 s collective timeout,
     // the only other way a survivor could leave a step with a frozen peer.
-    for took in &abandoned {
+    for took in &took {
         assert!(*took < Duration::from_secs(4), "a survivor abandoned the step {took:?} after the freeze");
     }
     std::thread::sleep(Duration::from_secs(2));
     c.signal(1, libc::SIGCONT);
-    c.wait_for(|r, l| r == 1 && l.starts_with("trainerd: generation "), DEADLINE);
+    c.wait_event(1, rejoined, DEADLINE);
     let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
     assert_eq!(c.starts(1), 1, "the frozen worker rejoined without a restart");
     assert_eq!(recovery(&chief, "steps_lost"), 0);

@@ -4,7 +4,16 @@
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 
-use trainerd_chaos_tests::{dataset, params_sha256, plugin, Worker};
+use trainerd_testkit::events::Record;
+use trainerd_testkit::output::params_sha256;
+use trainerd_testkit::{dataset, plugin, Event, Worker};
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Step `step` of epoch `epoch` (both 1-based, as the progress lines show them) is done.
+fn stepped(epoch: u32, step: u64) -> impl Fn(&Record) -> bool {
+    move |r| matches!(r.event, Event::Step { epoch: e, step: s, .. } if e + 1 == epoch && s == step)
+}
 
 #[test]
 fn sigkill_mid_epoch_then_restart_gives_the_uninterrupted_model() {
@@ -15,8 +24,7 @@ fn sigkill_mid_epoch_then_restart_gives_the_uninterrupted_model() {
 
     let killed = tmp.path().join("killed.json");
     let mut worker = start("run", &[], &linear_run(&killed, None));
-    worker.wait_for_line(|l| l == "Epoch 2/2", Duration::from_secs(120));
-    worker.wait_for_line(|l| l.starts_with("100/500 - "), Duration::from_secs(120));
+    worker.wait_event(stepped(2, 100), WAIT);
     let status = worker.kill(libc::SIGKILL);
     assert_eq!(status.signal(), Some(libc::SIGKILL));
     assert!(!killed.exists(), "a killed run must not leave a summary");
@@ -73,22 +81,21 @@ fn sigkill_mid_epoch_resumes_at_the_committed_step_with_the_uninterrupted_model(
     let (killed, ckpt) = (tmp.path().join("killed.json"), tmp.path().join("ckpt"));
     let args = linear_run(&killed, Some(&ckpt));
     let mut worker = start("run", &[], &args);
-    worker.wait_for_line(|l| l == "Epoch 2/2", Duration::from_secs(120));
+    // A commit in epoch 2, then a step after it: the kill lands mid-epoch, after a commit.
     let committed =
-        worker.wait_for_line(|l| l.starts_with("checkpoint ") && l.contains(" committed"), Duration::from_secs(120));
-    worker.wait_for_line(|l| l.contains("/500 - "), Duration::from_secs(120));
+        worker.wait_event(|r| matches!(r.event, Event::Committed { global_step, .. } if global_step > 500), WAIT);
+    let Event::Committed { sequence: committed, global_step: at } = committed.event else { unreachable!() };
+    worker.wait_event(|r| matches!(r.event, Event::Step { global_step, .. } if global_step > at), WAIT);
     assert_eq!(worker.kill(libc::SIGKILL).signal(), Some(libc::SIGKILL));
     assert!(!killed.exists());
 
     let mut again = start("run", &[], &args);
-    let resumed = again.wait_for_line(|l| l.starts_with("trainerd: resumed from checkpoint "), Duration::from_secs(60));
+    let resumed = again.wait_event(|r| matches!(r.event, Event::Resumed { .. }), Duration::from_secs(60));
     // The restart resumes from the newest commit, at least the one seen before the kill, mid-epoch 2.
-    let seq = |l: &str, prefix: &str| -> u64 { l[prefix.len()..].split(' ').next().unwrap().parse().unwrap() };
-    assert!(
-        seq(&resumed, "trainerd: resumed from checkpoint ") >= seq(&committed, "checkpoint "),
-        "{resumed} / {committed}"
-    );
-    assert!(resumed.contains(" at epoch 2, step "), "{resumed}");
+    let Event::Resumed { sequence, epoch, .. } = resumed.event else { unreachable!() };
+    assert!(sequence >= committed && epoch == 1, "{resumed:?}, committed {committed}");
+    let line = again.wait_line(|l| l.starts_with("trainerd: resumed from checkpoint "), Duration::from_secs(60));
+    assert!(line.contains(" at epoch 2, step "), "{line}");
     assert!(again.wait().success());
     assert_eq!(params_sha256(&killed), params_sha256(&reference));
 }
@@ -104,15 +111,76 @@ fn a_killed_two_worker_cluster_resumes_with_the_uninterrupted_model() {
     let (killed, ckpt) = (tmp.path().join("killed.json"), tmp.path().join("ckpt"));
     let args = linear_run(&killed, Some(&ckpt));
     let mut cluster = start("local", &["--workers", "2"], &args);
-    cluster.wait_for_line(|l| l.starts_with("[worker 0] checkpoint 3 committed"), Duration::from_secs(120));
+    // The launcher forwards its workers' events, each naming its worker.
+    let third = |r: &Record| r.worker == Some(0) && matches!(r.event, Event::Committed { sequence: 3, .. });
+    cluster.wait_event(third, WAIT);
     // SIGTERM to the launcher stops both workers, as systemd stopping the nodes would.
     cluster.kill(libc::SIGTERM);
 
     let mut again = start("local", &["--workers", "2"], &args);
-    again.wait_for_line(|l| l.starts_with("[worker 0] trainerd: resumed from checkpoint "), Duration::from_secs(60));
+    again.wait_event(|r| r.worker == Some(0) && matches!(r.event, Event::Resumed { .. }), Duration::from_secs(60));
     assert!(again.wait().success());
     let summary = |i: usize| tmp.path().join(format!("{}.worker{i}.json", "killed"));
     let reference = |i: usize| tmp.path().join(format!("reference.worker{i}.json"));
     assert_eq!(params_sha256(&summary(0)), params_sha256(&reference(0)));
     assert_eq!(params_sha256(&summary(1)), params_sha256(&reference(0)));
+}
+
+/// The pid of a launcher's worker 0, from its first record.
+fn worker_pid(launcher: &mut Worker) -> u32 {
+    launcher.wait_event(|r| r.worker == Some(0), WAIT).pid
+}
+
+#[test]
+fn local_with_one_worker_restarts_a_killed_worker_and_resumes_from_its_last_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference.json");
+    let status = start(
+        "local",
+        &["--workers", "1", "--restart-delay", "0"],
+        &linear_run(&reference, Some(&tmp.path().join("ckpt-ref"))),
+    )
+    .wait();
+    assert!(status.success());
+
+    let killed = tmp.path().join("killed.json");
+    let mut local = start(
+        "local",
+        &["--workers", "1", "--restart-delay", "0"],
+        &linear_run(&killed, Some(&tmp.path().join("ckpt"))),
+    );
+    let pid = worker_pid(&mut local);
+    local.wait_event(|r| matches!(r.event, Event::Committed { global_step, .. } if global_step > 500), WAIT);
+    local.wait_event(stepped(2, 150), WAIT);
+    // SAFETY: kill(2) on the launcher's worker, a process this test started through it.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+    let resumed = local.wait_event(|r| matches!(r.event, Event::Resumed { .. }), WAIT);
+    assert_ne!(resumed.pid, pid, "the restarted worker resumed");
+    assert!(local.wait().success(), "the launcher exits 0 once its worker finished");
+    assert_eq!(
+        params_sha256(&tmp.path().join("killed.worker0.json")),
+        params_sha256(&tmp.path().join("reference.worker0.json"))
+    );
+}
+
+#[test]
+fn local_with_one_worker_and_no_checkpoints_starts_a_killed_worker_over_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference.json");
+    assert!(start("run", &[], &linear_run(&reference, None)).wait().success());
+
+    let killed = tmp.path().join("killed.json");
+    let mut local = start("local", &["--workers", "1", "--restart-delay", "0"], &linear_run(&killed, None));
+    let pid = worker_pid(&mut local);
+    local.wait_event(stepped(2, 100), WAIT);
+    // SAFETY: kill(2) on the launcher's worker, a process this test started through it.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+    let said = local.wait_line(|l| l.starts_with("trainerd local: worker 0 died (SIGKILL)"), WAIT);
+    assert_eq!(
+        said,
+        "trainerd local: worker 0 died (SIGKILL); restarting in 0.0s; no other worker holds the state and there is \
+         no --checkpoint-dir, so training starts over from the first step"
+    );
+    assert!(local.wait().success());
+    assert_eq!(params_sha256(&tmp.path().join("killed.worker0.json")), params_sha256(&reference));
 }

@@ -9,8 +9,8 @@ use std::process::Command;
 use tch::Device;
 
 use crate::accel::Facts;
-use crate::local::signal_name;
 use crate::plugin::{CallError, Plugin};
+use crate::supervise::signal_name;
 
 /// A human-readable description of a loaded plugin, and of the libtorch it would train on.
 /// Builds one model on the CPU to count its parameters, which also proves that construction

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use trainerd_storage::{CheckpointStore, StorageError};
 
-use crate::checkpoint::MODEL_BLOB;
+use crate::state::MODEL_BLOB;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime")

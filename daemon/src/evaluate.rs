@@ -4,7 +4,8 @@
 //! lack it receive its model through the same sha256-verified transfer a recovery uses, each
 //! member evaluates its shard, and the sums are added over the ring.
 //!
-//! Only the model (parameters and buffers) is taken: evaluation needs no optimizer state.
+//! Only the model's state (position, parameters and buffers) is taken and shared: evaluation
+//! needs no optimizer.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -13,19 +14,18 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tch::Device;
-use trainerd_sdk::{InputContext, OptimizerConfig, Split};
+use trainerd_sdk::{InputContext, PluginInfo, Split};
 use trainerd_storage::{Location, S3Options};
 
-use crate::checkpoint::Meta;
 use crate::cluster::control::FINAL_BARRIER;
 use crate::cluster::{ClusterConfig, Network, Timeouts};
-use crate::optim::Optimizer;
 use crate::plugin::Plugin;
 use crate::progress::Progress;
+use crate::state::{Meta, ModelState, Reader, Shareable, Totals};
 use crate::train::session::{Interrupt, Session};
-use crate::train::state::TrainState;
-use crate::train::step::{self, Totals};
-use crate::train::{device_name, params_sha256, plugin_identity, split_variables, TrainError};
+use crate::train::step;
+use crate::train::summary::device_name;
+use crate::train::TrainError;
 
 /// What to evaluate and where.
 #[derive(Clone, Debug)]
@@ -106,10 +106,8 @@ pub struct Evaluation {
 fn failed(interrupt: Interrupt) -> TrainError {
     match interrupt {
         Interrupt::Fatal(e) => e,
-        Interrupt::Abandoned(why) => {
-            TrainError::State(format!("the evaluation was abandoned: {why}; run trainerd evaluate again"))
-        }
-        Interrupt::Stopped => TrainError::State("stopped by a signal before the evaluation".into()),
+        Interrupt::Abandoned(why) => TrainError::EvaluationAbandoned(why),
+        Interrupt::Stopped => TrainError::Stopped,
     }
 }
 
@@ -120,56 +118,14 @@ pub fn run(
     progress: &mut Progress,
     stop: &AtomicBool,
 ) -> Result<Evaluation, TrainError> {
-    let info = plugin.info().clone();
-    let identity = (plugin_identity(plugin), cfg.agreement_json());
+    let info = plugin.info();
+    let identity = (plugin.identity(), cfg.agreement_json());
     let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network)?;
     let (rank, world) = (session.rank(), session.world());
     let model = plugin.create_model("model", cfg.device)?;
-    let (params, buffers) = split_variables(&model);
-    // An optimizer with no state: only the model crosses to the other members.
-    let optimizer = Optimizer::new(OptimizerConfig::sgd(0.0), &params);
-    let mut state = TrainState::new((params, buffers), optimizer, info.metrics.len(), cfg.device, rank == 0);
-    let mut sequence = 0;
-    if rank == 0 {
-        let ckpt = |e: String| TrainError::Checkpoint(format!("{}: {e}", cfg.location));
-        let store = cfg.location.open(&cfg.s3).map_err(|e| ckpt(e.to_string()))?;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|source| TrainError::Io { path: "(runtime)".into(), source })?;
-        let restored = match cfg.sequence {
-            Some(n) => runtime.block_on(store.load(n)).map_err(|e| ckpt(e.to_string()))?,
-            None => runtime
-                .block_on(store.latest())
-                .map_err(|e| ckpt(e.to_string()))?
-                .ok_or_else(|| ckpt("no checkpoint has been committed there".into()))?,
-        };
-        for why in &restored.fallbacks {
-            progress.line(&format!("warning: skipped a damaged checkpoint: {why}"));
-        }
-        sequence = restored.record.sequence;
-        let meta: Meta = serde_json::from_value(restored.manifest.meta.clone())
-            .map_err(|e| ckpt(format!("checkpoint {sequence} was not written by this version of trainerd: {e}")))?;
-        if meta.plugin != info.name {
-            return Err(ckpt(format!(
-                "checkpoint {sequence} was written by plugin {} {}, not by {} {}",
-                meta.plugin, meta.plugin_version, info.name, info.version
-            )));
-        }
-        state.restore_model(&restored, meta.position).map_err(ckpt)?;
-        progress.line(&format!(
-            "trainerd: evaluating checkpoint {sequence} of {} (epoch {}, global step {})",
-            cfg.location, state.position.epoch, state.position.global_step
-        ));
-    }
-    let joined = session.join(Some(&state), stop).map_err(failed)?;
-    if let Some(bytes) = joined.received {
-        state.decode(&bytes).map_err(TrainError::State)?;
-    }
-    // Which commit it is, for every member's summary.
-    let mut seq = [sequence];
-    session.ring().broadcast_from(0, &mut seq).map_err(|e| failed(session.interrupt(e.into())))?;
-    let sequence = seq[0];
+    let mut state = ModelState::new(model.split_variables(), info.metrics.len(), cfg.device, rank == 0);
+    let sequence = if rank == 0 { restore(cfg, info, &mut state, progress)? } else { 0 };
+    let sequence = share(&mut session, &mut state, sequence, stop)?;
     let test_data = model.load_data(&cfg.data_dir, Split::Test)?;
     let ctx = InputContext {
         num_input_pipelines: world as u32,
@@ -180,34 +136,91 @@ pub fn run(
         seed: 0,
     };
     let began = Instant::now();
-    let metrics = info.metrics.len();
-    let totals: Totals = step::evaluate(&model, &test_data, &ctx, session.ring(), cfg.device, metrics)
+    let totals = step::evaluate(&model, &test_data, &ctx, session.ring(), cfg.device, info.metrics.len())
         .map_err(|e| failed(session.interrupt(e)))?;
     let seconds = began.elapsed().as_secs_f64();
     if world > 1 {
         session.barrier(FINAL_BARRIER).map_err(failed)?;
         session.finish();
     }
-    let mut values = totals.named(&info.metrics, "");
     let steps = (totals.examples() / (f64::from(cfg.batch_size) * world as f64)).ceil() as u64;
+    let values = totals.named(&info.metrics, "");
     progress.epoch_end(steps, began.elapsed(), &values, totals.examples() / seconds.max(1e-9));
-    let test_metrics: BTreeMap<String, f64> = values.split_off(1).into_iter().collect();
-    let variables: Vec<_> = state.variables().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-    Ok(Evaluation {
-        plugin: info.name.clone(),
-        plugin_version: info.version.clone(),
-        checkpoint: cfg.location.to_string(),
-        sequence,
-        epoch: state.position.epoch,
-        global_step: state.position.global_step,
-        workers: world,
-        batch_size: cfg.batch_size,
-        examples: totals.examples() as u64,
-        test_loss: totals.loss_mean(),
-        test_accuracy: test_metrics.get("accuracy").copied(),
-        test_metrics,
-        seconds,
-        device: device_name(cfg.device),
-        params_sha256: params_sha256(&variables),
-    })
+    Ok(Evaluation::new((cfg, info, world), (sequence, &state), &totals, seconds))
+}
+
+/// On the chief: the commit asked for (or the newest that verifies) restored into `state`; its
+/// sequence.
+fn restore(
+    cfg: &EvalConfig,
+    info: &PluginInfo,
+    state: &mut ModelState,
+    progress: &mut Progress,
+) -> Result<u64, TrainError> {
+    let ckpt = |e: String| TrainError::Checkpoint(format!("{}: {e}", cfg.location));
+    let store = cfg.location.open(&cfg.s3).map_err(|e| ckpt(e.to_string()))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| TrainError::Io { path: "(runtime)".into(), source })?;
+    let restored = match cfg.sequence {
+        Some(n) => runtime.block_on(store.load(n)).map_err(|e| ckpt(e.to_string()))?,
+        None => runtime
+            .block_on(store.latest())
+            .map_err(|e| ckpt(e.to_string()))?
+            .ok_or_else(|| ckpt("no checkpoint has been committed there".into()))?,
+    };
+    for why in &restored.fallbacks {
+        progress.line(&format!("warning: skipped a damaged checkpoint: {why}"));
+    }
+    let sequence = restored.record.sequence;
+    let meta = Meta::read(&restored, info, Reader::Evaluation).map_err(ckpt)?;
+    state.restore(&restored, meta.position).map_err(ckpt)?;
+    progress.line(&format!(
+        "trainerd: evaluating checkpoint {sequence} of {} (epoch {}, global step {})",
+        cfg.location, state.position.epoch, state.position.global_step
+    ));
+    Ok(sequence)
+}
+
+/// Joins the cluster: the members that lack the chief's model receive it, and every member
+/// learns which commit it is. Alone, at once.
+fn share(session: &mut Session, state: &mut ModelState, sequence: u64, stop: &AtomicBool) -> Result<u64, TrainError> {
+    let joined = session.join(Some(&*state as &dyn Shareable), stop).map_err(failed)?;
+    if let Some(bytes) = joined.received {
+        state.decode(&bytes).map_err(TrainError::State)?;
+    }
+    let mut seq = [sequence];
+    session.ring().broadcast_from(0, &mut seq).map_err(|e| failed(session.interrupt(e.into())))?;
+    Ok(seq[0])
+}
+
+impl Evaluation {
+    /// The result of evaluating commit `sequence` (`state`) on `world` workers: `totals` in
+    /// `seconds`.
+    fn new(
+        (cfg, info, world): (&EvalConfig, &PluginInfo, usize),
+        (sequence, state): (u64, &ModelState),
+        totals: &Totals,
+        seconds: f64,
+    ) -> Evaluation {
+        let test_metrics: BTreeMap<String, f64> = totals.named(&info.metrics, "").into_iter().skip(1).collect();
+        Evaluation {
+            plugin: info.name.clone(),
+            plugin_version: info.version.clone(),
+            checkpoint: cfg.location.to_string(),
+            sequence,
+            epoch: state.position.epoch,
+            global_step: state.position.global_step,
+            workers: world,
+            batch_size: cfg.batch_size,
+            examples: totals.examples() as u64,
+            test_loss: totals.loss_mean(),
+            test_accuracy: test_metrics.get("accuracy").copied(),
+            test_metrics,
+            seconds,
+            device: device_name(cfg.device),
+            params_sha256: state.params_sha256(),
+        }
+    }
 }

@@ -1,12 +1,15 @@
 //! trainerd, the training daemon: loads a model plugin (see `trainerd-sdk`) and trains it with
 //! libtorch, on one worker or with synchronous data parallelism across a TF_CONFIG cluster.
-//! The binary (`main.rs`) is a thin command line over these modules.
+//! The binary (`main.rs`) only calls [`cli::main`]. `docs/architecture.md` draws the modules and
+//! which way their dependencies run.
 
 pub mod accel;
 pub mod atomic;
+pub mod auth;
 pub mod check;
 pub mod checkpoint;
 pub mod ckpt;
+pub mod cli;
 pub mod cluster;
 pub mod collective;
 pub mod config;
@@ -17,6 +20,10 @@ pub mod optim;
 pub mod plugin;
 pub mod progress;
 pub mod schedule;
+pub mod state;
 pub mod tensorboard;
 pub mod train;
 pub mod trust;
+
+pub use trainerd_supervise::supervisor as supervise;
+pub use trainerd_supervise::{events, exit};

@@ -1,26 +1,25 @@
 //! Checkpoints through the `trainerd` binary: export read by Python's safetensors, verify and
 //! fallback on damage, refusal of a checkpoint that does not fit the run, and S3.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::*;
+use trainerd_testkit::output::{json, stdout, text};
+use trainerd_testkit::{dataset, plugin, trainerd_cmd};
 
-use trainerd_storage::testing::S3Server;
+use trainerd_testkit::s3::S3Server;
 
 /// A short checkpointed run of `plugin` into `ckpt` (one epoch unless `extra` says), returning
 /// its summary's params_sha256.
 fn train(plugin_name: &str, ckpt: &str, summary: &Path, extra: &[&str], env: &[(&str, String)]) -> (Output, String) {
-    let mut cmd = trainerd();
+    let mut cmd = trainerd_cmd();
     let epochs = if extra.contains(&"--epochs") { &[][..] } else { &["--epochs", "1"][..] };
     cmd.args(["run", "--threads", "1", "--steps-per-epoch", "120", "--checkpoint-every", "40"])
         .args(epochs)
         .arg("--plugin")
         .arg(plugin(plugin_name))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .args(["--checkpoint-dir", ckpt])
         .arg("--summary")
         .arg(summary)
@@ -51,7 +50,7 @@ fn python_safetensors_reads_an_exported_checkpoint() {
     let (out, sha) = train("mnist-cnn", ckpt.to_str().unwrap(), &tmp.path().join("s.json"), &[], &[]);
     assert!(out.status.success(), "{}", text(&out));
     let exported = tmp.path().join("model.safetensors");
-    let out = trainerd().args(["ckpt", "export"]).arg(&ckpt).arg("--output").arg(&exported).output().unwrap();
+    let out = trainerd_cmd().args(["ckpt", "export"]).arg(&ckpt).arg("--output").arg(&exported).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("exported commit "), "{}", text(&out));
     let script = r#"
@@ -97,7 +96,7 @@ fn a_damaged_commit_fails_verify_and_the_daemon_resumes_from_the_previous_one() 
     let ckpt = tmp.path().join("ckpt");
     let (out, _) = train("linear", ckpt.to_str().unwrap(), &tmp.path().join("a.json"), &[], &[]);
     assert!(out.status.success(), "{}", text(&out));
-    let out = trainerd().args(["ckpt", "verify"]).arg(&ckpt).output().unwrap();
+    let out = trainerd_cmd().args(["ckpt", "verify"]).arg(&ckpt).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
 
     let blob = newest_model_blob(&ckpt);
@@ -106,7 +105,7 @@ fn a_damaged_commit_fails_verify_and_the_daemon_resumes_from_the_previous_one() 
     bytes[last] ^= 0x80;
     std::fs::write(&blob, bytes).unwrap();
 
-    let out = trainerd().args(["ckpt", "verify"]).arg(&ckpt).output().unwrap();
+    let out = trainerd_cmd().args(["ckpt", "verify"]).arg(&ckpt).output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let relative = blob.strip_prefix(&ckpt).unwrap().display().to_string();
@@ -127,13 +126,13 @@ fn a_damaged_commit_fails_verify_and_the_daemon_resumes_from_the_previous_one() 
     let oldest = std::fs::read_dir(ckpt.join("commits")).unwrap().map(|e| e.unwrap().path()).min().unwrap();
     let seq: u64 = oldest.file_stem().unwrap().to_str().unwrap().parse().unwrap();
     std::fs::write(&oldest, "{damaged").unwrap();
-    let out = trainerd().args(["ckpt", "verify"]).arg(&ckpt).output().unwrap();
+    let out = trainerd_cmd().args(["ckpt", "verify"]).arg(&ckpt).output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let name = oldest.file_name().unwrap().to_str().unwrap();
     let damaged = format!("{}: commit {seq}: commit record commits/{name} is not valid: ", ckpt.display());
     assert!(stdout.contains(&format!("DAMAGED {damaged}")), "{stdout}");
-    let out = trainerd().args(["ckpt", "list"]).arg(&ckpt).output().unwrap();
+    let out = trainerd_cmd().args(["ckpt", "list"]).arg(&ckpt).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains(&format!("{seq:>8}  DAMAGED: {damaged}")), "{stdout}");
 }
@@ -172,12 +171,12 @@ fn checkpoints_on_s3() {
     let url = format!("s3://{}/runs/linear", server.bucket);
     let (out, first) = train("linear", &url, &tmp.path().join("a.json"), &["--epochs", "2"], &env);
     assert!(out.status.success(), "{}", text(&out));
-    let out = trainerd().args(["ckpt", "list", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+    let out = trainerd_cmd().args(["ckpt", "list", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let listing = String::from_utf8_lossy(&out.stdout);
     assert_eq!(listing.lines().count(), 4, "a header and the 3 newest commits:\n{listing}");
     assert!(listing.lines().last().unwrap().trim_start().starts_with("6 "), "{listing}");
-    let out = trainerd().args(["ckpt", "verify", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+    let out = trainerd_cmd().args(["ckpt", "verify", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let (out, again) = train("linear", &url, &tmp.path().join("b.json"), &["--epochs", "2"], &env);
     assert!(out.status.success(), "{}", text(&out));
@@ -199,13 +198,13 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
     use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
     let tmp = tempfile::tempdir().unwrap();
     let args = |ckpt: &str, summary: &Path| {
-        let mut cmd = trainerd();
+        let mut cmd = trainerd_cmd();
         cmd.args(["run", "--threads", "1", "--seed", "5", "--epochs", "40"])
             .args(["--checkpoint-every", "200", "--checkpoint-dir", ckpt])
             .arg("--plugin")
             .arg(plugin("linear"))
             .arg("--data")
-            .arg(fashion_mnist())
+            .arg(dataset())
             .arg("--summary")
             .arg(summary);
         cmd
@@ -281,7 +280,7 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
     let last_epoch = after.iter().position(|l| l.starts_with("Epoch 40/40"));
     assert!(resumed_at.is_some() && resumed_at < last_epoch, "{transcript}");
     assert_eq!(json(&tmp.path().join("a.json"))["params_sha256"].as_str().unwrap(), expected, "{transcript}");
-    let out = trainerd().args(["ckpt", "verify", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+    let out = trainerd_cmd().args(["ckpt", "verify", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     // The model resumed from the final commit is the uninterrupted run's.
     let resumed = args(&url, &tmp.path().join("b.json")).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
@@ -293,4 +292,67 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
         "{}\n{transcript}",
         text(&resumed)
     );
+}
+
+/// A checkpoint committed by trainerd before its running totals were typed and its position moved
+/// (commit 592db11: `daemon/tests/fixtures/checkpoint-592db11`, the linear model at global step
+/// 40, mid-epoch 2, with every total set) resumes, and ends bit for bit as the uninterrupted run,
+/// its summary's figures included.
+#[test]
+fn a_checkpoint_committed_by_an_older_trainerd_resumes_bitwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/checkpoint-592db11");
+    let ckpt = tmp.path().join("old");
+    copy_tree(&fixture, &ckpt);
+    let run = |ckpt: &Path, summary: &Path| {
+        let out = trainerd_cmd()
+            .args([
+                "run",
+                "--epochs",
+                "2",
+                "--steps-per-epoch",
+                "30",
+                "--checkpoint-every",
+                "10",
+                "--keep-checkpoints",
+                "1",
+            ])
+            .args(["--seed", "5", "--threads", "1", "--optimizer", "adam", "--lr", "0.001", "--plugin"])
+            .arg(plugin("linear"))
+            .arg("--data")
+            .arg(dataset())
+            .arg("--checkpoint-dir")
+            .arg(ckpt)
+            .arg("--summary")
+            .arg(summary)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        (stdout(&out), json(summary))
+    };
+    let (said, resumed) = run(&ckpt, &tmp.path().join("resumed.json"));
+    assert!(
+        said.contains(&format!(
+            "trainerd: resumed from checkpoint 4 in {} at epoch 2, step 10 (global step 40)",
+            ckpt.display()
+        )),
+        "{said}"
+    );
+    let (_, uninterrupted) = run(&tmp.path().join("fresh"), &tmp.path().join("fresh.json"));
+    for key in ["params_sha256", "steps", "final_train_loss", "final_train_metrics", "test_loss", "test_metrics"] {
+        assert_eq!(resumed[key], uninterrupted[key], "{key}");
+    }
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
 }

@@ -5,12 +5,11 @@
 //! tests); the accuracy test reads Fashion-MNIST from /usr/share/datasets/fashion-mnist
 //! (scripts/setup.sh installs it) or from `TRAINERD_TEST_DATA`.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use common::*;
+use trainerd_testkit::output::{error_of, json, stderr, stdout, text};
+use trainerd_testkit::{dataset, plugin, trainerd_cmd};
 
 use trainerd_sdk::abi::{LIBTORCH_VERSION, SDK_VERSION, TARGET, TCH_VERSION};
 use trainerd_sdk::mnist::{write_idx, IMAGES_MAGIC, LABELS_MAGIC};
@@ -26,7 +25,7 @@ fn tiny_dataset(dir: &Path, n_train: u32, n_test: u32) {
 }
 
 fn run_with(plugin: &Path, data: &Path, extra: &[&str], fault: Option<&str>) -> Output {
-    let mut cmd = trainerd();
+    let mut cmd = trainerd_cmd();
     cmd.args(["run", "--threads", "1", "--plugin"]).arg(plugin).arg("--data").arg(data).args(extra);
     if let Some(f) = fault {
         cmd.env("TRAINERD_FIXTURE_FAULT", f);
@@ -38,11 +37,11 @@ fn run_with(plugin: &Path, data: &Path, extra: &[&str], fault: Option<&str>) -> 
 fn mnist_cnn_reaches_85_percent_in_one_epoch_on_fashion_mnist() {
     let tmp = tempfile::tempdir().unwrap();
     let s = tmp.path().join("summary.json");
-    let out = trainerd()
+    let out = trainerd_cmd()
         .args(["run", "--epochs", "1", "--batch-size", "64", "--threads", "2", "--plugin"])
         .arg(plugin("mnist-cnn"))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .arg("--summary")
         .arg(&s)
         .output()
@@ -65,7 +64,7 @@ fn mnist_cnn_reaches_85_percent_in_one_epoch_on_fashion_mnist() {
 #[test]
 fn same_seed_gives_the_same_params_sha256() {
     let tmp = tempfile::tempdir().unwrap();
-    let data = fashion_mnist();
+    let data = dataset();
     let hash = |name: &str, seed: &str| {
         let s = tmp.path().join(name);
         let out = run_with(
@@ -89,7 +88,7 @@ fn each_optimizer_trains_the_linear_model() {
         let s = tmp.path().join(format!("{optimizer}.json"));
         let out = run_with(
             &plugin("linear"),
-            &fashion_mnist(),
+            &dataset(),
             &["--optimizer", optimizer, "--lr", lr, "--steps-per-epoch", "300", "--summary", s.to_str().unwrap()],
             None,
         );
@@ -233,7 +232,7 @@ fn data_errors_name_the_file() {
 #[test]
 fn plugin_check_prints_identity() {
     let path = plugin("mnist-cnn");
-    let out = trainerd().args(["plugin", "check"]).arg(&path).output().unwrap();
+    let out = trainerd_cmd().args(["plugin", "check"]).arg(&path).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(
@@ -258,7 +257,7 @@ fn plugin_check_prints_identity() {
 #[test]
 fn plugin_check_reports_a_mismatch_and_survives_a_crash() {
     let fixture = plugin("test-fixture");
-    let out = trainerd()
+    let out = trainerd_cmd()
         .args(["plugin", "check"])
         .arg(&fixture)
         .env("TRAINERD_FIXTURE_FAULT", "abi-version")
@@ -266,7 +265,7 @@ fn plugin_check_reports_a_mismatch_and_survives_a_crash() {
         .unwrap();
     assert_eq!(error_of(&out), expected_mismatch(&fixture, "ABI version", "999", "1"));
 
-    let out = trainerd()
+    let out = trainerd_cmd()
         .args(["plugin", "check"])
         .arg(&fixture)
         .env("TRAINERD_FIXTURE_FAULT", "segfault-on-load")
@@ -310,11 +309,11 @@ fn bad_flags_are_refused_with_the_flag_named() {
 /// the refusal of a GPU that does not exist proves it was loaded (on any machine).
 #[test]
 fn a_cuda_device_loads_libtorchs_cuda_and_a_missing_gpu_is_one_line_naming_it() {
-    let out = trainerd()
+    let out = trainerd_cmd()
         .args(["run", "--device", "cuda:99", "--plugin"])
         .arg(plugin("linear"))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .output()
         .unwrap();
     let err = error_of(&out);

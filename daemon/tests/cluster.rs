@@ -1,22 +1,21 @@
 //! Multi-worker training with real daemons on loopback: results, replica identity, equivalence
 //! with one bigger worker, and every refusal with its message.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
-use common::*;
+use trainerd_testkit::output::{error_line, error_of, json, text};
+use trainerd_testkit::{dataset, free_ports, plugin, tf_config, trainerd_cmd};
 
 /// `trainerd local --workers N` on mnist-cnn for one epoch: accuracy and identical replicas.
 fn cnn_on(workers: usize) {
     let tmp = tempfile::tempdir().unwrap();
     let summary = tmp.path().join("s.json");
-    let out = trainerd()
+    let out = trainerd_cmd()
         .args(["local", "--workers", &workers.to_string(), "--epochs", "1", "--batch-size", "64", "--plugin"])
         .arg(plugin("mnist-cnn"))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .arg("--summary")
         .arg(&summary)
         .output()
@@ -61,7 +60,7 @@ fn step_losses(log: &Path) -> Vec<f64> {
 fn n_workers_follow_one_worker_with_n_times_the_batch() {
     let tmp = tempfile::tempdir().unwrap();
     let common = |cmd: &mut Command| {
-        cmd.arg("--plugin").arg(plugin("linear")).arg("--data").arg(fashion_mnist()).args([
+        cmd.arg("--plugin").arg(plugin("linear")).arg("--data").arg(dataset()).args([
             "--epochs",
             "2",
             "--steps-per-epoch",
@@ -75,14 +74,14 @@ fn n_workers_follow_one_worker_with_n_times_the_batch() {
     for workers in [2usize, 3] {
         let b = 32;
         let single = tmp.path().join(format!("single{workers}.jsonl"));
-        let mut cmd = trainerd();
+        let mut cmd = trainerd_cmd();
         cmd.arg("run").args(["--batch-size", &(b * workers).to_string()]).arg("--metrics-log").arg(&single);
         common(&mut cmd);
         let out = cmd.output().unwrap();
         assert!(out.status.success(), "{}", text(&out));
 
         let multi = tmp.path().join(format!("multi{workers}.jsonl"));
-        let mut cmd = trainerd();
+        let mut cmd = trainerd_cmd();
         cmd.args(["local", "--workers", &workers.to_string(), "--batch-size", &b.to_string()])
             .arg("--metrics-log")
             .arg(&multi);
@@ -104,11 +103,11 @@ fn n_workers_follow_one_worker_with_n_times_the_batch() {
 }
 
 fn spawn_worker(ports: &[u16], index: usize, extra: &[&str], env: &[(&str, &str)]) -> Child {
-    let mut cmd = trainerd();
+    let mut cmd = trainerd_cmd();
     cmd.args(["run", "--threads", "1", "--steps-per-epoch", "20", "--epochs", "1", "--plugin"])
         .arg(plugin("test-fixture"))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .args(extra)
         .env("TF_CONFIG", tf_config(ports, index))
         .stdout(Stdio::piped())
@@ -213,20 +212,20 @@ fn a_member_whose_chief_never_comes_names_it_after_the_deadline() {
 
 #[test]
 fn a_bad_tf_config_is_refused_naming_the_field() {
-    let out = trainerd()
+    let out = trainerd_cmd()
         .args(["run", "--plugin"])
         .arg(plugin("linear"))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .env("TF_CONFIG", r#"{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 4}}"#)
         .output()
         .unwrap();
     assert_eq!(error_line(&out), "error: TF_CONFIG: task index 4 is out of range: cluster.worker has 1 task");
-    let out = trainerd()
+    let out = trainerd_cmd()
         .args(["run", "--tf-config", "{\"cluster\": {\"ps\": [\"a:1\"], \"worker\": [\"b:1\"]}}", "--plugin"])
         .arg(plugin("linear"))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .output()
         .unwrap();
     assert_eq!(
@@ -239,7 +238,7 @@ fn a_bad_tf_config_is_refused_naming_the_field() {
 #[test]
 fn local_stops_every_worker_when_one_fails() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = trainerd()
+    let out = trainerd_cmd()
         .args(["local", "--workers", "2", "--plugin"])
         .arg(plugin("linear"))
         .arg("--data")
@@ -254,11 +253,11 @@ fn local_stops_every_worker_when_one_fails() {
 
 #[test]
 fn local_refuses_a_tf_config_of_its_own() {
-    let out = trainerd()
+    let out = trainerd_cmd()
         .args(["local", "--workers", "2", "--tf-config", "{}", "--plugin"])
         .arg(plugin("linear"))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .output()
         .unwrap();
     assert_eq!(error_of(&out), "error: trainerd local writes each worker's TF_CONFIG itself: remove --tf-config");

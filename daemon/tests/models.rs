@@ -3,18 +3,17 @@
 //! reader; the learning rate at each epoch's end; typed state; unused parameters; workers whose
 //! shards differ.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 
-use common::*;
 use trainerd_storage::{tensors, TensorData};
+use trainerd_testkit::output::{error_of, json, stdout, text};
+use trainerd_testkit::{dataset, free_ports, plugin, tf_config, trainerd_cmd};
 
 /// `trainerd run` of `plugin` on Fashion-MNIST with `extra` flags.
 fn run(plugin_name: &str, extra: &[&str], fault: Option<&str>) -> Output {
-    let mut cmd = trainerd();
-    cmd.args(["run", "--threads", "2", "--plugin"]).arg(plugin(plugin_name)).arg("--data").arg(fashion_mnist());
+    let mut cmd = trainerd_cmd();
+    cmd.args(["run", "--threads", "2", "--plugin"]).arg(plugin(plugin_name)).arg("--data").arg(dataset());
     cmd.args(extra);
     if let Some(f) = fault {
         cmd.env("TRAINERD_FIXTURE_FAULT", f);
@@ -24,11 +23,11 @@ fn run(plugin_name: &str, extra: &[&str], fault: Option<&str>) -> Output {
 
 /// `trainerd local --workers N` of `plugin` with `extra` flags (one thread per worker).
 fn local(workers: usize, plugin_name: &str, extra: &[&str], fault: Option<&str>) -> Output {
-    let mut cmd = trainerd();
+    let mut cmd = trainerd_cmd();
     cmd.args(["local", "--workers", &workers.to_string(), "--threads", "1", "--plugin"])
         .arg(plugin(plugin_name))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .args(extra);
     if let Some(f) = fault {
         cmd.env("TRAINERD_FIXTURE_FAULT", f);
@@ -43,7 +42,7 @@ fn path(p: &Path) -> &str {
 /// The model tensors of the newest commit in `ckpt`, as `trainerd ckpt export` writes them.
 fn exported(ckpt: &Path) -> Vec<TensorData> {
     let file = ckpt.parent().unwrap().join("export.safetensors");
-    let out = trainerd().args(["ckpt", "export", path(ckpt), "-o", path(&file)]).output().unwrap();
+    let out = trainerd_cmd().args(["ckpt", "export", path(ckpt), "-o", path(&file)]).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     tensors::decode(&std::fs::read(&file).unwrap().into()).unwrap()
 }
@@ -155,11 +154,11 @@ print(json.dumps(out))
 }
 
 fn evaluate(extra: &[&str], plugin_name: &str) -> Command {
-    let mut cmd = trainerd();
+    let mut cmd = trainerd_cmd();
     cmd.args(["evaluate", "--threads", "1", "--plugin"])
         .arg(plugin(plugin_name))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .args(extra);
     cmd
 }
@@ -243,11 +242,11 @@ fn workers_whose_shards_differ_are_refused_naming_both_counts() {
     let ports = free_ports(2);
     let workers: Vec<Child> = (0..2)
         .map(|i| {
-            let mut cmd = trainerd();
+            let mut cmd = trainerd_cmd();
             cmd.args(["run", "--threads", "1", "--epochs", "1", "--batch-size", "100", "--plugin"])
                 .arg(plugin("test-fixture"))
                 .arg("--data")
-                .arg(fashion_mnist())
+                .arg(dataset())
                 .env("TF_CONFIG", tf_config(&ports, i))
                 .env("TRAINERD_FIXTURE_FAULT", "uneven-shards")
                 .stdout(Stdio::piped())

@@ -3,8 +3,6 @@
 //! the `prometheus_client` Python package's OpenMetrics parser), authenticated ports, refused
 //! files, and log lines without escape codes.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
@@ -12,16 +10,17 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{fashion_mnist, free_ports, plugin, text, tf_config, trainerd};
+use trainerd_testkit::output::{error_line, error_of, text};
+use trainerd_testkit::{dataset, free_ports, plugin, tf_config, trainerd_cmd};
 
 /// A `trainerd run` of the fixture plugin: `steps` steps per epoch, one thread.
 fn run_cmd(steps: u32, epochs: u32) -> Command {
-    let mut cmd = trainerd();
+    let mut cmd = trainerd_cmd();
     cmd.args(["run", "--threads", "1", "--steps-per-epoch", &steps.to_string(), "--epochs", &epochs.to_string()])
         .arg("--plugin")
         .arg(plugin("test-fixture"))
         .arg("--data")
-        .arg(fashion_mnist())
+        .arg(dataset())
         .env_remove("TF_CONFIG")
         .env_remove("NOTIFY_SOCKET")
         .env_remove("WATCHDOG_USEC")
@@ -445,7 +444,7 @@ fn clients_without_the_secret_are_refused_on_every_port_and_learn_nothing() {
     // A worker with another secret is refused, and says why.
     let impostor = spawn(1, &wrong, "3").wait_with_output().unwrap();
     assert_eq!(impostor.status.code(), Some(1), "{}", text(&impostor));
-    let err = common::error_line(&impostor);
+    let err = error_line(&impostor);
     assert!(err.contains("the cluster secrets differ (is the same --secret-file set on every worker?)"), "{err}");
     // The real worker 1 joins; the run completes.
     let mut worker = spawn(1, &right, "60");
@@ -476,7 +475,7 @@ fn clusters_across_hosts_need_a_secret_and_files_others_can_write_are_refused() 
         r#"{"cluster": {"worker": ["127.0.0.1:1", "192.0.2.7:2222"]}, "task": {"type": "worker", "index": 0}}"#;
     let out = run_cmd(1, 1).env("TF_CONFIG", cluster).output().unwrap();
     assert_eq!(
-        common::error_of(&out),
+        error_of(&out),
         "error: TF_CONFIG puts worker 1 at 192.0.2.7:2222, which is not a loopback address: a cluster across hosts \
          needs a shared secret so that nobody else on the network can join it or read it. Give every worker the \
          same --secret-file (TRAINERD_SECRET_FILE), or pass --insecure to run without one"
@@ -486,27 +485,27 @@ fn clusters_across_hosts_need_a_secret_and_files_others_can_write_are_refused() 
     std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
     let out = run_cmd(1, 1).env("TF_CONFIG", cluster).arg("--secret-file").arg(&open).output().unwrap();
     assert_eq!(
-        common::error_of(&out),
+        error_of(&out),
         format!("error: --secret-file {0}: every user can read it (mode 0644); run `chmod 600 {0}`", open.display())
     );
     // A plugin every user can write.
     let copy = dir.path().join("libtest_fixture.so");
     std::fs::copy(plugin("test-fixture"), &copy).unwrap();
     std::fs::set_permissions(&copy, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    let out = trainerd().args(["run", "--data"]).arg(fashion_mnist()).arg("--plugin").arg(&copy).output().unwrap();
+    let out = trainerd_cmd().args(["run", "--data"]).arg(dataset()).arg("--plugin").arg(&copy).output().unwrap();
     assert_eq!(
-        common::error_of(&out),
+        error_of(&out),
         format!(
             "error: plugin {0}: refused: every user can write it (mode 0777); run `chmod go-w {0}` (whoever can write \
              a plugin runs code as trainerd)",
             copy.display()
         )
     );
-    let out = trainerd().args(["plugin", "check"]).arg(&copy).output().unwrap();
+    let out = trainerd_cmd().args(["plugin", "check"]).arg(&copy).output().unwrap();
     assert!(!out.status.success() && text(&out).contains("refused: every user can write it"), "{}", text(&out));
     let out = run_cmd(1, 1).args(["--metrics-addr", "0.0.0.0:0"]).output().unwrap();
     assert_eq!(
-        common::error_of(&out),
+        error_of(&out),
         "error: --metrics-addr 0.0.0.0:0 is not a loopback address: give --metrics-token-file so that only your \
          Prometheus can read the metrics, or pass --insecure"
     );
@@ -628,7 +627,7 @@ fn the_kubernetes_workers_arguments_run_under_the_tf_config_a_tfjob_gives() {
         let (flag, value) = arg.split_once('=').unwrap();
         let value = match flag {
             "--plugin" => plugin("test-fixture").display().to_string(),
-            "--data" => fashion_mnist().display().to_string(),
+            "--data" => dataset().display().to_string(),
             "--checkpoint-dir" => dir.path().join("ckpt").display().to_string(),
             "--summary" => dir.path().join("summary.json").display().to_string(),
             "--metrics-addr" => "127.0.0.1:0".into(),
@@ -643,7 +642,7 @@ fn the_kubernetes_workers_arguments_run_under_the_tf_config_a_tfjob_gives() {
         format!("{flag}={value}")
     };
     let args: Vec<String> = container["args"].as_array().unwrap().iter().map(|a| local(a.as_str().unwrap())).collect();
-    let out = trainerd()
+    let out = trainerd_cmd()
         .arg("run")
         .args(&args)
         .args(["--listen", "127.0.0.1", "--rendezvous-timeout", "1"])
@@ -651,7 +650,7 @@ fn the_kubernetes_workers_arguments_run_under_the_tf_config_a_tfjob_gives() {
         .output()
         .unwrap();
     // Everything is accepted up to the rendezvous, which needs the chief's pod.
-    let err = common::error_of(&out);
+    let err = error_of(&out);
     assert!(
         err.starts_with(&format!(
             "error: rendezvous: no answer from the chief, worker 0 (trainerd-mnist-worker-0.default.svc:{port}), within 1s"

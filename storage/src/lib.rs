@@ -3,15 +3,13 @@
 //!
 //! This crate is the mechanism; the daemon decides when to commit. [`location`] parses and opens
 //! locations, [`protocol`] holds the commit protocol's pure decisions, [`store`] carries them out,
-//! [`tensors`] encodes tensors as safetensors, [`testing`] wraps a backend to inject faults, and
-//! [`failpoint`] lets chaos tests stop a process at a chosen place.
+//! [`tensors`] encodes tensors as safetensors. Test servers and fault-injecting stores are the
+//! test kit's (`trainerd-testkit`), failpoints their own crate's (`trainerd-failpoint`).
 
-pub mod failpoint;
 pub mod location;
 pub mod protocol;
 pub mod store;
 pub mod tensors;
-pub mod testing;
 
 pub use location::{Location, LocationError, OpenError, S3Options};
 pub use store::{Blob, CheckpointStore, CommitRecord, Manifest, NewCheckpoint, Restored, Retry, StorageError};

@@ -12,8 +12,9 @@ use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use proptest::prelude::*;
-use trainerd_storage::testing::{FaultStore, S3Server};
 use trainerd_storage::{Blob, CheckpointStore, Dtype, NewCheckpoint, Retry, StorageError, TensorData};
+use trainerd_testkit::fault::FaultStore;
+use trainerd_testkit::s3::S3Server;
 
 /// A backend under test: the raw store, the root inside it, and what keeps it alive.
 struct Backend {
@@ -63,7 +64,7 @@ impl Backend {
 
     /// Checkpoint data ids that still hold objects.
     async fn data_ids(&self) -> std::collections::BTreeSet<String> {
-        trainerd_storage::testing::data_ids(self.raw.as_ref(), &self.root).await
+        trainerd_testkit::fault::data_ids(self.raw.as_ref(), &self.root).await
     }
 
     fn path(&self, relative: &str) -> Path {

@@ -7,7 +7,7 @@
 //!
 //! The client side, what a member calls, is [`super::member`].
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::membership::{self, Decision, Gone, Report};
+use super::membership::{self, Effect, Gone, Report};
 use crate::collective::AbortSignal;
 
 /// Generated gRPC code.
@@ -120,21 +120,8 @@ struct Coord {
     addresses: Vec<String>,
     /// Each member's heartbeat stream, with the incarnation it belongs to.
     sinks: Vec<Option<(u64, NoticeSink)>>,
-    /// The latest formation.
+    /// The latest formation, as the waiting joins are answered with it.
     formation: Option<Formed>,
-    /// Counts give-ups; a join waiting since before the latest one fails with its message.
-    give_ups: u64,
-    gave_up: String,
-    /// A give-up ends the cluster (the chief exits on it): later joins get its message at once.
-    closed: bool,
-    /// Members told of the give-up that have not yet left or disconnected: the chief's exit
-    /// would cut off the answer on its way to them.
-    unanswered: HashSet<usize>,
-    barriers: HashMap<(u64, String), HashSet<usize>>,
-    /// The furthest global step heard of (beats, joins).
-    high_water: u64,
-    /// Why the latest generation ended, for members that missed the notice.
-    ended: BTreeMap<u64, String>,
 }
 
 /// The chief's coordinator.
@@ -160,13 +147,6 @@ impl Coordinator {
                 addresses: vec![String::new(); world],
                 sinks: vec![None; world],
                 formation: None,
-                give_ups: 0,
-                gave_up: String::new(),
-                closed: false,
-                unanswered: HashSet::new(),
-                barriers: HashMap::new(),
-                high_water: 0,
-                ended: BTreeMap::new(),
             }),
             names,
             version: watch::channel(0).0,
@@ -187,7 +167,7 @@ impl Coordinator {
     /// After a give-up: whether every member told of it has left or disconnected (so that the
     /// chief's exit can no longer cut off the answer on its way).
     pub fn answered(&self) -> bool {
-        self.lock().unanswered.is_empty()
+        self.lock().state.unanswered.is_empty()
     }
 
     /// The next formation must exceed `generation` (the latest commit's).
@@ -208,57 +188,29 @@ impl Coordinator {
         let now = Instant::now();
         let mut any = false;
         while let Some(decision) = membership::decide(&c.state, now, &self.opts) {
-            self.apply(c, decision, now);
+            let effect = c.state.apply(decision, now, &self.names);
+            self.carry(c, effect);
             any = true;
         }
         c.state.last_tick = now;
         any
     }
 
-    fn apply(&self, c: &mut Coord, decision: Decision, now: Instant) {
-        match decision {
-            Decision::Grace => {
+    /// Carries out what applying a decision requires.
+    fn carry(&self, c: &mut Coord, effect: Effect) {
+        match effect {
+            Effect::Grace => {
                 tracing::warn!(
                     "coordinator: did not run for a while (paused?); counting every member as just heard from"
-                );
-                c.state.members.iter_mut().for_each(|m| m.last_seen = now);
-                c.state.last_tick = now;
+                )
             }
-            Decision::Fail(failed) => {
-                let ended = c.state.generation;
-                let reason = failed
-                    .iter()
-                    .map(|(rank, why)| format!("{} {why}", self.names[*rank]))
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                tracing::info!("generation {ended} ended: {reason}");
-                c.state.generation += 1;
-                c.state.formed = false;
-                c.state.gathering_since = now;
-                for m in &mut c.state.members {
-                    m.active = false;
-                    m.gone = None;
-                }
-                c.barriers.retain(|(g, _), _| *g > ended);
+            Effect::Ended { generation, reason } => {
+                tracing::info!("generation {generation} ended: {reason}");
                 for (_, sink) in c.sinks.iter().flatten() {
-                    let _ = sink.send(Ok(notice(Kind::Ended, ended, &reason)));
-                }
-                c.ended.insert(ended, reason);
-                while c.ended.len() > 16 {
-                    c.ended.pop_first();
+                    let _ = sink.send(Ok(notice(Kind::Ended, generation, &reason)));
                 }
             }
-            Decision::Form(f) => {
-                c.state.generation = f.generation;
-                c.state.formed = true;
-                c.state.ever_formed = true;
-                for m in &mut c.state.members {
-                    m.active = true;
-                    m.joined = None;
-                    m.gone = None;
-                }
-                let steps_lost = c.high_water.saturating_sub(f.progress.0);
-                c.high_water = c.high_water.max(f.progress.0);
+            Effect::Formed(f) => {
                 tracing::info!("generation {} formed from {}'s state", f.generation, self.names[f.source]);
                 c.formation = Some(Formed {
                     generation: f.generation,
@@ -268,18 +220,10 @@ impl Coordinator {
                     digest: f.digest,
                     receivers: f.receivers,
                     recovery: f.recovery,
-                    steps_lost,
+                    steps_lost: f.steps_lost,
                 });
             }
-            Decision::GiveUp { missing, waited } => {
-                let names: Vec<&str> = missing.iter().map(|&r| self.names[r].as_str()).collect();
-                c.gave_up = format!("{} did not join within {waited:?}", names.join(", "));
-                c.give_ups += 1;
-                c.state.gathering_since = now;
-                c.closed = true;
-                let waiting = c.state.members.iter().enumerate().skip(1).filter(|(_, m)| m.joined.is_some());
-                c.unanswered = waiting.map(|(rank, _)| rank).collect();
-            }
+            Effect::GaveUp => tracing::warn!("coordinator gave up: {}", c.state.gave_up),
         }
     }
 
@@ -386,18 +330,18 @@ impl Coordinator {
             let mut c = self.lock();
             self.claim(&mut c, rank, incarnation)?;
             let report = report_of(req.report);
-            c.high_water = c.high_water.max(report.progress.0);
+            c.state.high_water = c.state.high_water.max(report.progress.0);
             c.addresses[rank] = req.data_address;
-            if c.closed {
+            if c.state.closed {
                 if rank != 0 {
-                    c.unanswered.insert(rank);
+                    c.state.unanswered.insert(rank);
                 }
-                return Err(Status::aborted(c.gave_up.clone()));
+                return Err(Status::aborted(c.state.gave_up.clone()));
             }
             let m = &mut c.state.members[rank];
             m.joined = Some(report);
             m.last_seen = Instant::now();
-            let seen = (c.formation.as_ref().map_or(0, |f| f.generation), c.give_ups);
+            let seen = (c.formation.as_ref().map_or(0, |f| f.generation), c.state.give_ups);
             self.settle(&mut c);
             seen
         };
@@ -411,7 +355,7 @@ impl Coordinator {
             if let Some(f) = c.formation.as_ref().filter(|f| f.generation > since_generation) {
                 return Some(Ok(proto::JoinReply::from(f)));
             }
-            (c.give_ups > since_give_ups).then(|| Err(Status::aborted(c.gave_up.clone())))
+            (c.state.give_ups > since_give_ups).then(|| Err(Status::aborted(c.state.gave_up.clone())))
         })
         .await
     }
@@ -431,7 +375,7 @@ impl Coordinator {
         } else if c.state.members[rank].incarnation != Some(beat.incarnation) {
             return false; // replaced; the Replaced notice was sent on this stream
         }
-        c.high_water = c.high_water.max(beat.step);
+        c.state.high_water = c.state.high_water.max(beat.step);
         let generation = c.state.generation;
         let m = &mut c.state.members[rank];
         let newly = !m.connected;
@@ -439,7 +383,7 @@ impl Coordinator {
         m.last_seen = Instant::now();
         // A member still in a generation that ended (it missed the notice, or was frozen) is told.
         let stale = beat.generation > 0 && beat.generation < generation && !m.active && m.joined.is_none();
-        let reply = match c.ended.range(beat.generation..).next().filter(|_| stale) {
+        let reply = match c.state.ended.range(beat.generation..).next().filter(|_| stale) {
             Some((&ended, why)) => notice(Kind::Ended, ended, why),
             None => notice(Kind::Ack, generation, ""),
         };
@@ -455,7 +399,7 @@ impl Coordinator {
         if c.state.members[rank].incarnation == Some(incarnation) {
             c.state.members[rank].connected = false;
             c.sinks[rank] = None;
-            c.unanswered.remove(&rank);
+            c.state.unanswered.remove(&rank);
             self.settle(&mut c);
         }
     }
@@ -478,7 +422,7 @@ impl Coordinator {
         let mut c = self.lock();
         self.current(&c, rank, req.incarnation)?;
         let finished = c.state.finished;
-        c.unanswered.remove(&rank);
+        c.state.unanswered.remove(&rank);
         let m = &mut c.state.members[rank];
         m.joined = None;
         if m.active || finished {
@@ -498,15 +442,15 @@ impl Coordinator {
             let mut c = self.lock();
             self.current(&c, rank, req.incarnation)?;
             if !c.state.formed || req.generation != c.state.generation {
-                let why = c.ended.get(&req.generation).cloned().unwrap_or_else(|| "it is not current".into());
+                let why = c.state.ended.get(&req.generation).cloned().unwrap_or_else(|| "it is not current".into());
                 return Err(Status::aborted(why));
             }
             let world = self.names.len();
-            let open = c.barriers.keys().filter(|(g, _)| *g == req.generation).count();
-            if open >= MAX_BARRIERS && !c.barriers.contains_key(&key) {
+            let open = c.state.barriers.keys().filter(|(g, _)| *g == req.generation).count();
+            if open >= MAX_BARRIERS && !c.state.barriers.contains_key(&key) {
                 return Err(Status::resource_exhausted(format!("a generation has at most {MAX_BARRIERS} barriers")));
             }
-            let arrived = c.barriers.entry(key.clone()).or_default();
+            let arrived = c.state.barriers.entry(key.clone()).or_default();
             arrived.insert(rank);
             if arrived.len() == world && req.name == FINAL_BARRIER {
                 c.state.finished = true;
@@ -515,11 +459,11 @@ impl Coordinator {
         }
         let world = self.names.len();
         self.wait_for(|c| {
-            if c.barriers.get(&key).is_some_and(|s| s.len() == world) {
+            if c.state.barriers.get(&key).is_some_and(|s| s.len() == world) {
                 return Some(Ok(()));
             }
             (c.state.generation != req.generation)
-                .then(|| Err(Status::aborted(c.ended.get(&req.generation).cloned().unwrap_or_default())))
+                .then(|| Err(Status::aborted(c.state.ended.get(&req.generation).cloned().unwrap_or_default())))
         })
         .await
     }

@@ -1,13 +1,15 @@
 //! Membership decisions, as a pure function: [`decide`] maps (state, now, options) to what the
 //! coordinator must do next, with no I/O and no clock, the way torchft's `quorum_compute` does,
 //! so that every corner (heartbeat expiry, a paused coordinator, a member that never returns) is
-//! a plain unit test with injected time. The control plane ([`super::control`]) only stores the
-//! state that messages report and applies the decisions. The protocol is described in
-//! `docs/fault-tolerance.md`.
+//! a plain unit test with injected time; [`State::apply`] makes a decision's changes to the state,
+//! pure too, and says what the coordinator must carry out ([`Effect`]). The control plane
+//! ([`super::control`]) only stores the state that messages report, applies the decisions, and
+//! carries the effects. The protocol is described in `docs/fault-tolerance.md`.
 //!
 //! The world size is fixed: a generation trains only with every member present. Every change of
 //! membership (a failure, a formation) is a new generation.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 /// What a member says about its training state when it joins. The cluster does not know what
@@ -86,6 +88,22 @@ pub struct State {
     pub last_tick: Instant,
     /// The members passed the final barrier: nobody's departure is a failure any more.
     pub finished: bool,
+    /// The furthest global step heard of (beats, joins): what a formation from a state behind it
+    /// loses.
+    pub high_water: u64,
+    /// Why recent generations ended (the newest 16), for members that missed the notice.
+    pub ended: BTreeMap<u64, String>,
+    /// Give-ups so far; a join waiting since before the latest one fails with its message.
+    pub give_ups: u64,
+    /// The latest give-up's message.
+    pub gave_up: String,
+    /// A give-up ends the cluster (the chief exits on it): later joins get its message at once.
+    pub closed: bool,
+    /// Members told of the give-up that have not yet left or disconnected: the chief's exit
+    /// would cut off the answer on its way to them.
+    pub unanswered: BTreeSet<usize>,
+    /// Each open barrier of a generation, by (generation, name): the ranks that arrived.
+    pub barriers: BTreeMap<(u64, String), BTreeSet<usize>>,
 }
 
 impl State {
@@ -100,8 +118,85 @@ impl State {
             ever_formed: false,
             last_tick: now,
             finished: false,
+            high_water: 0,
+            ended: BTreeMap::new(),
+            give_ups: 0,
+            gave_up: String::new(),
+            closed: false,
+            unanswered: BTreeSet::new(),
+            barriers: BTreeMap::new(),
         }
     }
+
+    /// Makes `decision`'s changes, taken at `now` (`names`: every member's, by rank), and says
+    /// what the coordinator must carry out.
+    pub fn apply(&mut self, decision: Decision, now: Instant, names: &[String]) -> Effect {
+        match decision {
+            Decision::Grace => {
+                self.members.iter_mut().for_each(|m| m.last_seen = now);
+                self.last_tick = now;
+                Effect::Grace
+            }
+            Decision::Fail(failed) => {
+                let ended = self.generation;
+                let reason =
+                    failed.iter().map(|(rank, why)| format!("{} {why}", names[*rank])).collect::<Vec<_>>().join("; ");
+                self.generation += 1;
+                self.formed = false;
+                self.gathering_since = now;
+                for m in &mut self.members {
+                    m.active = false;
+                    m.gone = None;
+                }
+                self.barriers.retain(|(g, _), _| *g > ended);
+                self.ended.insert(ended, reason.clone());
+                while self.ended.len() > 16 {
+                    self.ended.pop_first();
+                }
+                Effect::Ended { generation: ended, reason }
+            }
+            Decision::Form(f) => {
+                self.generation = f.generation;
+                self.formed = true;
+                self.ever_formed = true;
+                for m in &mut self.members {
+                    m.active = true;
+                    m.joined = None;
+                    m.gone = None;
+                }
+                self.high_water = self.high_water.max(f.progress.0);
+                Effect::Formed(f)
+            }
+            Decision::GiveUp { missing, waited } => {
+                let missing: Vec<&str> = missing.iter().map(|&r| names[r].as_str()).collect();
+                self.gave_up = format!("{} did not join within {waited:?}", missing.join(", "));
+                self.give_ups += 1;
+                self.gathering_since = now;
+                self.closed = true;
+                let waiting = self.members.iter().enumerate().skip(1).filter(|(_, m)| m.joined.is_some());
+                self.unanswered = waiting.map(|(rank, _)| rank).collect();
+                Effect::GaveUp
+            }
+        }
+    }
+}
+
+/// What the coordinator must carry out after [`State::apply`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Nothing to tell anyone (everyone was counted as just heard from).
+    Grace,
+    /// Tell every member that `generation` ended, and why.
+    Ended {
+        /// The generation that ended.
+        generation: u64,
+        /// Why, naming the members that failed.
+        reason: String,
+    },
+    /// Answer the waiting joins with this formation.
+    Formed(Formation),
+    /// Answer the waiting joins with [`State::gave_up`].
+    GaveUp,
 }
 
 /// Deadlines the decisions use.
@@ -130,6 +225,8 @@ pub struct Formation {
     pub receivers: Vec<usize>,
     /// A generation had been formed before: this one is a recovery.
     pub recovery: bool,
+    /// Steps the cluster had trained (as far as heard of) that the source's state does not hold.
+    pub steps_lost: u64,
 }
 
 /// What the coordinator must do.
@@ -229,6 +326,7 @@ fn form(state: &State) -> Formation {
         digest: chosen.digest.clone(),
         receivers,
         recovery: state.ever_formed || seen > 0,
+        steps_lost: state.high_water.saturating_sub(chosen.progress.0),
     }
 }
 
@@ -365,6 +463,7 @@ mod tests {
                 digest: "s41".into(),
                 receivers: vec![0, 2],
                 recovery: true,
+                steps_lost: 0,
             }))
         );
     }
@@ -432,6 +531,48 @@ mod tests {
         s.last_tick = at;
         s.members[0].last_seen = at;
         assert_eq!(decide(&s, at, &OPTS), Some(Decision::GiveUp { missing: vec![1], waited: OPTS.rendezvous_timeout }));
+    }
+
+    fn names() -> Vec<String> {
+        (0..3).map(|r| format!("worker {r}")).collect()
+    }
+
+    #[test]
+    fn a_failure_ends_the_generation_and_its_barriers_and_keeps_why() {
+        let t0 = Instant::now();
+        let mut s = formed(t0);
+        s.barriers.insert((4, "finished".into()), BTreeSet::from([0]));
+        s.barriers.insert((5, "later".into()), BTreeSet::from([1]));
+        let effect = s.apply(Decision::Fail(vec![(1, "left".into()), (2, "went away".into())]), t0 + ms(5), &names());
+        let reason = "worker 1 left; worker 2 went away".to_string();
+        assert_eq!(effect, Effect::Ended { generation: 4, reason: reason.clone() });
+        assert_eq!((s.generation, s.formed, s.gathering_since), (5, false, t0 + ms(5)));
+        assert!(s.members.iter().all(|m| !m.active && m.gone.is_none()));
+        assert_eq!(s.barriers.keys().cloned().collect::<Vec<_>>(), [(5, "later".to_string())]);
+        assert_eq!(s.ended.get(&4), Some(&reason));
+    }
+
+    #[test]
+    fn a_formation_behind_the_furthest_step_heard_of_counts_the_steps_it_loses() {
+        let t0 = Instant::now();
+        // Every process restarted: the chief restored step 30, but beats had carried step 37.
+        let mut s = gathering(t0, [Some(report(4, 30, "c30")), Some(report(0, 0, "")), Some(report(0, 0, ""))]);
+        s.high_water = 37;
+        let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
+        assert_eq!((f.progress, f.steps_lost), ((30, 0), 7));
+        assert_eq!(s.apply(Decision::Form(f.clone()), t0, &names()), Effect::Formed(f));
+        assert_eq!((s.generation, s.formed, s.ever_formed, s.high_water), (6, true, true, 37));
+        assert!(s.members.iter().all(|m| m.active && m.joined.is_none()));
+    }
+
+    #[test]
+    fn a_give_up_closes_the_cluster_and_remembers_whom_to_answer() {
+        let t0 = Instant::now();
+        let mut s = gathering(t0, [Some(report(4, 1, "a")), Some(report(4, 1, "a")), None]);
+        let effect = s.apply(Decision::GiveUp { missing: vec![2], waited: Duration::from_secs(600) }, t0, &names());
+        assert_eq!(effect, Effect::GaveUp);
+        assert_eq!((s.gave_up.as_str(), s.give_ups, s.closed), ("worker 2 did not join within 600s", 1, true));
+        assert_eq!(s.unanswered, BTreeSet::from([1]), "the chief itself is not waited for");
     }
 
     proptest! {

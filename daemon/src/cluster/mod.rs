@@ -1,18 +1,20 @@
 //! Cluster membership: `TF_CONFIG` ([`tf_config`]), the membership decisions ([`membership`], a
 //! pure function), the timeout hierarchy ([`timeouts`]), the gRPC control plane that carries
-//! them out ([`control`], the server and coordinator; [`member`], a member's calls), and who may
-//! talk to it ([`network`]: where to listen; [`auth`]: the cluster secret). It knows nothing of
-//! training: a member's state is an opaque ordered progress and a digest.
+//! them out ([`control`], the server and coordinator; [`member`], a member's calls; [`error`],
+//! what goes wrong, and the one reading of the chief's answers), and where it listens
+//! ([`network`]; who may talk to it is `crate::auth`'s). It knows nothing of training, plugins or
+//! storage: a member's state is an opaque ordered progress and a digest.
 
-pub mod auth;
 pub mod control;
+pub mod error;
 pub mod member;
 pub mod membership;
 pub mod network;
 pub mod tf_config;
 pub mod timeouts;
 
-pub use member::{ClusterError, ControlPlane};
+pub use error::ClusterError;
+pub use member::ControlPlane;
 pub use network::Network;
 pub use tf_config::{ClusterConfig, Member, TfConfigError};
 pub use timeouts::Timeouts;

@@ -7,8 +7,8 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs};
 
-use super::auth::ClusterKey;
 use super::tf_config::ClusterConfig;
+use crate::auth::ClusterKey;
 
 /// How a member meets the network.
 #[derive(Clone, Debug)]

@@ -78,11 +78,10 @@ pub fn parse(text: &str, source_name: &str) -> Result<Option<ClusterConfig>, TfC
     let Value::Object(top) = value else {
         return Err(err(format!("expected a JSON object with \"cluster\" and \"task\", got {}", brief(&value))));
     };
-    let cluster = top.get("cluster");
     let task = top.get("task");
-    let cluster_empty = match cluster {
-        None | Some(Value::Null) => true,
-        Some(Value::Object(m)) => m.is_empty(),
+    let cluster = match top.get("cluster") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(m)) => Some(m).filter(|m| !m.is_empty()),
         Some(other) => {
             return Err(err(format!(
                 "\"cluster\" must be an object of job -> [\"host:port\", ...], got {}",
@@ -90,93 +89,14 @@ pub fn parse(text: &str, source_name: &str) -> Result<Option<ClusterConfig>, TfC
             )))
         }
     };
-    if cluster_empty {
+    let Some(cluster) = cluster else {
         return match task {
             None | Some(Value::Null) => Ok(None),
             Some(_) => Err(err("\"task\" is set but \"cluster\" is missing or empty".into())),
         };
-    }
-    let Some(Value::Object(cluster)) = cluster else { unreachable!("checked above") };
-
-    let mut jobs: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mut seen: BTreeMap<String, String> = BTreeMap::new();
-    for (job, list) in cluster {
-        if !JOBS.contains(&job.as_str()) {
-            return Err(err(format!(
-                "unknown job type {job:?} in \"cluster\" (expected chief, worker, ps or evaluator)"
-            )));
-        }
-        let Value::Array(list) = list else {
-            return Err(err(format!("cluster.{job} must be a list of \"host:port\" strings, got {}", brief(list))));
-        };
-        let mut addresses = Vec::new();
-        for (i, entry) in list.iter().enumerate() {
-            let Value::String(address) = entry else {
-                return Err(err(format!("cluster.{job}[{i}] must be a \"host:port\" string, got {}", brief(entry))));
-            };
-            check_address(address)
-                .map_err(|why| err(format!("cluster.{job}[{i}]: {address:?} is not host:port ({why})")))?;
-            let name = format!("{job} {i}");
-            if let Some(first) = seen.insert(address.clone(), name.clone()) {
-                return Err(err(format!("address {address} appears twice in \"cluster\" ({first} and {name})")));
-            }
-            addresses.push(address.clone());
-        }
-        jobs.insert(job.clone(), addresses);
-    }
-    if jobs.get("ps").is_some_and(|p| !p.is_empty()) {
-        return Err(err(
-            "parameter-server training is not supported (\"cluster\" has a \"ps\" job); trainerd trains with \
-             synchronous all-reduce among chief and worker tasks"
-                .into(),
-        ));
-    }
-    let chiefs = jobs.get("chief").map_or(0, Vec::len);
-    if chiefs > 1 {
-        return Err(err(format!("cluster.chief has {chiefs} tasks; a cluster has at most one chief")));
-    }
-
-    let task = match task {
-        None | Some(Value::Null) => {
-            return Err(err("missing \"task\" (expected {\"type\": \"worker\", \"index\": N})".into()));
-        }
-        Some(Value::Object(t)) => t,
-        Some(other) => return Err(err(format!("\"task\" must be an object, got {}", brief(other)))),
     };
-    let task_type = match task.get("type") {
-        Some(Value::String(t)) => t.as_str(),
-        None => return Err(err("task.type is missing (expected \"chief\" or \"worker\")".into())),
-        Some(other) => return Err(err(format!("task.type must be a string, got {}", brief(other)))),
-    };
-    let index = match task.get("index") {
-        None => 0, // TensorFlow's default
-        Some(v) => {
-            v.as_u64().ok_or_else(|| err(format!("task.index must be a non-negative integer, got {}", brief(v))))?
-                as usize
-        }
-    };
-    match task_type {
-        "evaluator" => {
-            return Err(err(
-                "task.type \"evaluator\" is not supported: every worker evaluates on the test split after each \
-                 epoch, so no evaluator task is needed"
-                    .into(),
-            ));
-        }
-        "chief" | "worker" => {}
-        "ps" => return Err(err("task.type \"ps\": parameter-server training is not supported".into())),
-        other => {
-            return Err(err(format!("unknown task.type {other:?} (expected \"chief\" or \"worker\")")));
-        }
-    }
-    let count = jobs.get(task_type).map_or(0, Vec::len);
-    if index >= count {
-        return Err(err(format!(
-            "task index {index} is out of range: cluster.{task_type} has {count} task{}",
-            if count == 1 { "" } else { "s" }
-        )));
-    }
-
+    let jobs = jobs(cluster).map_err(err)?;
+    let (task_type, index) = task_of(task, &jobs).map_err(err)?;
     let mut members = Vec::new();
     for job in ["chief", "worker"] {
         for (i, address) in jobs.get(job).into_iter().flatten().enumerate() {
@@ -185,6 +105,87 @@ pub fn parse(text: &str, source_name: &str) -> Result<Option<ClusterConfig>, TfC
     }
     let rank = members.iter().position(|m| m.job == task_type && m.index == index).expect("validated above");
     Ok(Some(ClusterConfig { members, rank, jobs }))
+}
+
+/// The `cluster` object's jobs and addresses, checked: known jobs, `host:port` strings, no address
+/// twice, no `ps`, at most one chief.
+fn jobs(cluster: &serde_json::Map<String, Value>) -> Result<BTreeMap<String, Vec<String>>, String> {
+    let mut jobs: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    for (job, list) in cluster {
+        if !JOBS.contains(&job.as_str()) {
+            return Err(format!("unknown job type {job:?} in \"cluster\" (expected chief, worker, ps or evaluator)"));
+        }
+        let Value::Array(list) = list else {
+            return Err(format!("cluster.{job} must be a list of \"host:port\" strings, got {}", brief(list)));
+        };
+        let mut addresses = Vec::new();
+        for (i, entry) in list.iter().enumerate() {
+            let Value::String(address) = entry else {
+                return Err(format!("cluster.{job}[{i}] must be a \"host:port\" string, got {}", brief(entry)));
+            };
+            check_address(address)
+                .map_err(|why| format!("cluster.{job}[{i}]: {address:?} is not host:port ({why})"))?;
+            let name = format!("{job} {i}");
+            if let Some(first) = seen.insert(address.clone(), name.clone()) {
+                return Err(format!("address {address} appears twice in \"cluster\" ({first} and {name})"));
+            }
+            addresses.push(address.clone());
+        }
+        jobs.insert(job.clone(), addresses);
+    }
+    if jobs.get("ps").is_some_and(|p| !p.is_empty()) {
+        return Err("parameter-server training is not supported (\"cluster\" has a \"ps\" job); trainerd trains with \
+                    synchronous all-reduce among chief and worker tasks"
+            .into());
+    }
+    let chiefs = jobs.get("chief").map_or(0, Vec::len);
+    if chiefs > 1 {
+        return Err(format!("cluster.chief has {chiefs} tasks; a cluster has at most one chief"));
+    }
+    Ok(jobs)
+}
+
+/// This process's `task`: its job (`chief` or `worker`) and index, checked against `jobs`.
+fn task_of<'t>(task: Option<&'t Value>, jobs: &BTreeMap<String, Vec<String>>) -> Result<(&'t str, usize), String> {
+    let task = match task {
+        None | Some(Value::Null) => {
+            return Err("missing \"task\" (expected {\"type\": \"worker\", \"index\": N})".into())
+        }
+        Some(Value::Object(t)) => t,
+        Some(other) => return Err(format!("\"task\" must be an object, got {}", brief(other))),
+    };
+    let task_type = match task.get("type") {
+        Some(Value::String(t)) => t.as_str(),
+        None => return Err("task.type is missing (expected \"chief\" or \"worker\")".into()),
+        Some(other) => return Err(format!("task.type must be a string, got {}", brief(other))),
+    };
+    let index = match task.get("index") {
+        None => 0, // TensorFlow's default
+        Some(v) => {
+            v.as_u64().ok_or_else(|| format!("task.index must be a non-negative integer, got {}", brief(v)))? as usize
+        }
+    };
+    match task_type {
+        "evaluator" => {
+            return Err(
+                "task.type \"evaluator\" is not supported: every worker evaluates on the test split after each \
+                        epoch, so no evaluator task is needed"
+                    .into(),
+            );
+        }
+        "chief" | "worker" => {}
+        "ps" => return Err("task.type \"ps\": parameter-server training is not supported".into()),
+        other => return Err(format!("unknown task.type {other:?} (expected \"chief\" or \"worker\")")),
+    }
+    let count = jobs.get(task_type).map_or(0, Vec::len);
+    if index >= count {
+        return Err(format!(
+            "task index {index} is out of range: cluster.{task_type} has {count} task{}",
+            if count == 1 { "" } else { "s" }
+        ));
+    }
+    Ok((task_type, index))
 }
 
 /// `host:port` with a non-empty host (a name, IPv4, or bracketed IPv6) and a port 1-65535.

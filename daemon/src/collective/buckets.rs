@@ -97,75 +97,18 @@ impl Buckets {
         }
         let _no_grad = tch::no_grad_guard();
         let used: Vec<bool> = params.iter().map(|(_, p)| p.grad().defined()).collect();
-        let mut tail_values: Vec<f32> = extra.to_vec();
-        tail_values.extend(used.iter().map(|&u| if u { 1.0 } else { 0.0 }));
-        // Parameters without a gradient here: (index, bucket, offset in the bucket).
+        let mut tail: Vec<f32> = extra.to_vec();
+        tail.extend(used.iter().map(|&u| if u { 1.0 } else { 0.0 }));
+        // Parameters without a gradient here, with their average.
         let mut missing = Vec::new();
         let last = self.groups.len() - 1;
-        for (b, group) in self.groups.iter().enumerate() {
-            let device = params[group[0]].1.device();
-            let grads: Vec<Option<Tensor>> =
-                group.iter().map(|&i| used[i].then(|| params[i].1.grad().detach().view(-1))).collect();
-            let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
-            let grads_len: usize = numels.iter().sum();
-            let tail = if b == last { tail_values.len() } else { 0 };
-            if self.staging[b].as_ref().is_none_or(|t| t.numel() != grads_len + tail) {
-                self.staging[b] = Some(host_buffer(grads_len + tail, device));
-            }
-            let buffer = self.staging[b].as_mut().expect("made above");
-            let joined = device.is_cuda().then(|| {
-                let parts: Vec<Tensor> = grads
-                    .iter()
-                    .zip(&numels)
-                    .map(|(g, &n)| match g {
-                        Some(g) => g.to_kind(Kind::Float),
-                        None => Tensor::zeros([n as i64], (Kind::Float, device)),
-                    })
-                    .collect();
-                Tensor::cat(&parts, 0)
-            });
-            match &joined {
-                Some(on_device) => buffer.narrow(0, 0, grads_len as i64).copy_(on_device),
-                None => {
-                    let mut at = 0;
-                    for (g, &n) in grads.iter().zip(&numels) {
-                        let mut slot = buffer.narrow(0, at, n as i64);
-                        match g {
-                            Some(g) => slot.copy_(&g.to_kind(Kind::Float)),
-                            None => _ = slot.fill_(0.0),
-                        }
-                        at += n as i64;
-                    }
-                }
-            }
-            // SAFETY: our own contiguous float32 host buffer; the copies into it have completed
-            // (copy_ waits), and nothing else touches it until the copies back below.
-            let flat = unsafe { host_slice(buffer) };
-            flat[grads_len..].copy_from_slice(&tail_values[..tail]);
-            ring.all_reduce(flat, ReduceOp::Sum)?;
-            let scale = 1.0 / ring.world() as f32;
-            flat[..grads_len].iter_mut().for_each(|x| *x *= scale);
-            tail_values[..tail].copy_from_slice(&flat[grads_len..]);
-            let averaged = buffer.narrow(0, 0, grads_len as i64);
-            let averaged = match joined {
-                Some(mut on_device) => {
-                    on_device.copy_(&averaged);
-                    on_device
-                }
-                None => averaged,
-            };
-            let mut at = 0;
-            for ((g, &n), &i) in grads.into_iter().zip(&numels).zip(group) {
-                match g {
-                    Some(mut g) => g.copy_(&averaged.narrow(0, at, n as i64)),
-                    None => missing.push((i, averaged.narrow(0, at, n as i64))),
-                }
-                at += n as i64;
-            }
+        for b in 0..self.groups.len() {
+            let riding = if b == last { tail.as_mut_slice() } else { &mut [] };
+            missing.extend(self.reduce_bucket(b, ring, params, &used, riding)?);
         }
-        extra.copy_from_slice(&tail_values[..extra.len()]);
+        extra.copy_from_slice(&tail[..extra.len()]);
         for (i, averaged) in missing {
-            if tail_values[extra.len() + i] > 0.0 {
+            if tail[extra.len() + i] > 0.0 {
                 // Used elsewhere: give it a gradient here (autograd owns `.grad`, so through a
                 // backward of zero) and take the average.
                 let p = &params[i].1;
@@ -175,6 +118,86 @@ impl Buckets {
         }
         Ok(())
     }
+
+    /// Averages bucket `b`'s gradients over the ring (`used`: which parameters have one here),
+    /// with `tail` summed in the same collective. The parameters of the bucket without a gradient
+    /// here, with their average.
+    fn reduce_bucket(
+        &mut self,
+        b: usize,
+        ring: &mut Ring,
+        params: &[(String, Tensor)],
+        used: &[bool],
+        tail: &mut [f32],
+    ) -> Result<Vec<(usize, Tensor)>, CollectiveError> {
+        let group = &self.groups[b];
+        let device = params[group[0]].1.device();
+        let grads: Vec<Option<Tensor>> =
+            group.iter().map(|&i| used[i].then(|| params[i].1.grad().detach().view(-1))).collect();
+        let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
+        let grads_len: usize = numels.iter().sum();
+        let staging = &mut self.staging[b];
+        if staging.as_ref().is_none_or(|t| t.numel() != grads_len + tail.len()) {
+            *staging = Some(host_buffer(grads_len + tail.len(), device));
+        }
+        let buffer = staging.as_mut().expect("made above");
+        let joined = stage_in(buffer, &grads, &numels, device);
+        // SAFETY: our own contiguous float32 host buffer; the copies into it have completed
+        // (copy_ waits), and nothing else touches it until the copies back below.
+        let flat = unsafe { host_slice(buffer) };
+        flat[grads_len..].copy_from_slice(tail);
+        ring.all_reduce(flat, ReduceOp::Sum)?;
+        let scale = 1.0 / ring.world() as f32;
+        flat[..grads_len].iter_mut().for_each(|x| *x *= scale);
+        tail.copy_from_slice(&flat[grads_len..]);
+        let averaged = buffer.narrow(0, 0, grads_len as i64);
+        let averaged = match joined {
+            Some(mut on_device) => {
+                on_device.copy_(&averaged);
+                on_device
+            }
+            None => averaged,
+        };
+        let mut missing = Vec::new();
+        let mut at = 0;
+        for ((g, &n), &i) in grads.into_iter().zip(&numels).zip(group) {
+            match g {
+                Some(mut g) => g.copy_(&averaged.narrow(0, at, n as i64)),
+                None => missing.push((i, averaged.narrow(0, at, n as i64))),
+            }
+            at += n as i64;
+        }
+        Ok(missing)
+    }
+}
+
+/// Copies a bucket's gradients (zeros for the missing ones) into the front of its host `buffer`
+/// as float32: on CUDA joined on the device first and copied in one piece (the joined tensor is
+/// returned, to take the average back), on the CPU one by one.
+fn stage_in(buffer: &mut Tensor, grads: &[Option<Tensor>], numels: &[usize], device: Device) -> Option<Tensor> {
+    if device.is_cuda() {
+        let parts: Vec<Tensor> = grads
+            .iter()
+            .zip(numels)
+            .map(|(g, &n)| match g {
+                Some(g) => g.to_kind(Kind::Float),
+                None => Tensor::zeros([n as i64], (Kind::Float, device)),
+            })
+            .collect();
+        let joined = Tensor::cat(&parts, 0);
+        buffer.narrow(0, 0, joined.numel() as i64).copy_(&joined);
+        return Some(joined);
+    }
+    let mut at = 0;
+    for (g, &n) in grads.iter().zip(numels) {
+        let mut slot = buffer.narrow(0, at, n as i64);
+        match g {
+            Some(g) => slot.copy_(&g.to_kind(Kind::Float)),
+            None => _ = slot.fill_(0.0),
+        }
+        at += n as i64;
+    }
+    None
 }
 
 #[cfg(test)]

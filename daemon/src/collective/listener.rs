@@ -4,7 +4,7 @@
 //! a generation older than the newest one asked for is closed; one of a newer generation waits
 //! (its sender may have learned of the generation first). A connection without a valid hello is
 //! closed and logged. With a cluster secret, every connection first passes the authentication
-//! handshake ([`crate::cluster::auth`]); one that fails is closed and logged before its hello is
+//! handshake ([`crate::auth`]); one that fails is closed and logged before its hello is
 //! read.
 
 use std::collections::HashMap;
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::abort::AbortSignal;
 use super::ring::CollectiveError;
-use crate::cluster::auth::{self, ClusterKey, Plane};
+use crate::auth::{self, ClusterKey, Plane};
 
 const HELLO_MAGIC: [u8; 8] = *b"TRDRING2";
 /// Bytes of a hello.

@@ -247,7 +247,7 @@ impl Ring {
                 self.exchange("all-reduce", buf, chunk((r + 1 + n - s) % n), chunk((r + n - s) % n), false)?;
                 if s == 0 {
                     // Chaos tests stop a member here: some peers complete this all-reduce, some not.
-                    trainerd_storage::failpoint::point("all-gather");
+                    trainerd_failpoint::point("all-gather");
                 }
             }
             // Each rank sends 2(n-1) chunks of about len/n elements.

@@ -50,8 +50,8 @@ struct Series {
 }
 
 impl Series {
-    fn register(registry: &mut Registry) -> Series {
-        let s = Series {
+    fn new() -> Series {
+        Series {
             steps: Counter::default(),
             examples: Counter::default(),
             examples_per_second: FloatGauge::default(),
@@ -72,69 +72,88 @@ impl Series {
             recovery_seconds: Histogram::new(exponential_buckets(0.1, 2.0, 12)),
             generation: Gauge::default(),
             peers_up: Gauge::default(),
-        };
-        let r = registry;
-        r.register("trainerd_steps", "Optimizer steps this worker took", s.steps.clone());
+        }
+    }
+
+    /// Every series, registered in `registry`.
+    fn register(registry: &mut Registry) -> Series {
+        let s = Series::new();
+        s.register_training(registry);
+        s.register_traffic_and_commits(registry);
+        s.register_recovery(registry);
+        s
+    }
+
+    /// Steps, examples, epoch, loss and metrics, learning rate.
+    fn register_training(&self, r: &mut Registry) {
+        r.register("trainerd_steps", "Optimizer steps this worker took", self.steps.clone());
         r.register(
             "trainerd_examples",
             "Training examples over all workers, as this worker counts them",
-            s.examples.clone(),
+            self.examples.clone(),
         );
         r.register(
             "trainerd_examples_per_second",
             "Training throughput over all workers in the current epoch",
-            s.examples_per_second.clone(),
+            self.examples_per_second.clone(),
         );
-        r.register("trainerd_epoch", "Current epoch, from 1", s.epoch.clone());
-        r.register("trainerd_global_step", "Global step of the state this worker holds", s.global_step.clone());
+        r.register("trainerd_epoch", "Current epoch, from 1", self.epoch.clone());
+        r.register("trainerd_global_step", "Global step of the state this worker holds", self.global_step.clone());
         r.register(
             "trainerd_loss",
             "Loss over all workers: the last step's (split=train), the last evaluation's (split=validation)",
-            s.loss.clone(),
+            self.loss.clone(),
         );
-        r.register("trainerd_metric", "The plugin's metrics, labelled as trainerd_loss", s.metric.clone());
-        r.register("trainerd_learning_rate", "Learning rate of the last step", s.learning_rate.clone());
-        r.register("trainerd_allreduce_bytes", "Bytes this worker sent in all-reduces", s.allreduce_bytes.clone());
+        r.register("trainerd_metric", "The plugin's metrics, labelled as trainerd_loss", self.metric.clone());
+        r.register("trainerd_learning_rate", "Learning rate of the last step", self.learning_rate.clone());
+    }
+
+    /// The all-reduce's traffic and the chief's commits.
+    fn register_traffic_and_commits(&self, r: &mut Registry) {
+        r.register("trainerd_allreduce_bytes", "Bytes this worker sent in all-reduces", self.allreduce_bytes.clone());
         r.register(
             "trainerd_allreduce_seconds",
             "Seconds this worker spent in all-reduces",
-            s.allreduce_seconds.clone(),
+            self.allreduce_seconds.clone(),
         );
-        r.register("trainerd_commits", "Checkpoints committed (chief)", s.commits.clone());
+        r.register("trainerd_commits", "Checkpoints committed (chief)", self.commits.clone());
         r.register(
             "trainerd_commit_seconds",
             "Seconds from a commit's start to its record (chief)",
-            s.commit_seconds.clone(),
+            self.commit_seconds.clone(),
         );
-        r.register("trainerd_commit_bytes", "Bytes committed (chief)", s.commit_bytes.clone());
-        r.register("trainerd_commit_failures", "Commits that failed (chief)", s.commit_failures.clone());
+        r.register("trainerd_commit_bytes", "Bytes committed (chief)", self.commit_bytes.clone());
+        r.register("trainerd_commit_failures", "Commits that failed (chief)", self.commit_failures.clone());
+    }
+
+    /// Failures, recoveries and membership.
+    fn register_recovery(&self, r: &mut Registry) {
         r.register(
             "trainerd_failures_detected",
             "Generations this worker abandoned because a member failed",
-            s.failures.clone(),
+            self.failures.clone(),
         );
         r.register(
             "trainerd_recoveries",
             "Generations formed again after a failure, with this worker",
-            s.recoveries.clone(),
+            self.recoveries.clone(),
         );
-        r.register("trainerd_steps_lost", "Steps the cluster lost in recoveries", s.steps_lost.clone());
+        r.register("trainerd_steps_lost", "Steps the cluster lost in recoveries", self.steps_lost.clone());
         r.register(
             "trainerd_recovery_seconds",
             "Seconds from a failure to the first step after it",
-            s.recovery_seconds.clone(),
+            self.recovery_seconds.clone(),
         );
         r.register(
             "trainerd_generation",
             "The cluster's current generation (0 before the first)",
-            s.generation.clone(),
+            self.generation.clone(),
         );
         r.register(
             "trainerd_peers_up",
             "Workers in the current generation, this one included (0 while the cluster re-forms)",
-            s.peers_up.clone(),
+            self.peers_up.clone(),
         );
-        s
     }
 }
 

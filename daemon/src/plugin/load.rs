@@ -120,31 +120,51 @@ pub fn open(path: &Path) -> Result<(&'static PluginVTable, BuildFacts), LoadErro
     if header.is_null() {
         return Err(LoadError::NotAPlugin { path: path_buf() });
     }
+    // SAFETY: a non-null header returned by the plugin's entry point, static data of the (never
+    // unloaded) plugin.
+    let header = unsafe { checked_header(header, path)? };
+    let facts = check_facts(header, path)?;
+    if header.vtable.is_null() {
+        return Err(LoadError::BadInfo { path: path_buf(), message: "header has no vtable".into() });
+    }
+    // SAFETY: checked non-null; static data of the plugin.
+    Ok((unsafe { &*header.vtable }, facts))
+}
+
+fn mismatch(path: &Path, field: &'static str, found: String, expected: String) -> LoadError {
+    LoadError::Mismatch { path: path.to_path_buf(), field, found, expected }
+}
+
+/// The header, once its magic, ABI version and size say it has this daemon's layout.
+///
+/// # Safety
+/// `header` must point to a plugin's static header, valid for as long as the process lives.
+unsafe fn checked_header(header: *const PluginHeader, path: &Path) -> Result<&'static PluginHeader, LoadError> {
     // SAFETY: the prefix (magic, abi_version, header_size) has the same layout in every ABI
     // version, so it can be read before the version is known.
     let (magic, abi_version, header_size) = unsafe { ((*header).magic, (*header).abi_version, (*header).header_size) };
-    let mismatch =
-        |field, found: String, expected: String| LoadError::Mismatch { path: path_buf(), field, found, expected };
     if magic != MAGIC {
-        return Err(mismatch(
-            "header magic",
-            format!("{:?}", String::from_utf8_lossy(&magic)),
-            format!("{:?}", String::from_utf8_lossy(&MAGIC)),
-        ));
+        let show = |m: &[u8]| format!("{:?}", String::from_utf8_lossy(m));
+        return Err(mismatch(path, "header magic", show(&magic), show(&MAGIC)));
     }
     if abi_version != ABI_VERSION {
-        return Err(mismatch("ABI version", abi_version.to_string(), ABI_VERSION.to_string()));
+        return Err(mismatch(path, "ABI version", abi_version.to_string(), ABI_VERSION.to_string()));
     }
     let expected_size = std::mem::size_of::<PluginHeader>() as u32;
     if header_size != expected_size {
-        return Err(mismatch("header size", header_size.to_string(), expected_size.to_string()));
+        return Err(mismatch(path, "header size", header_size.to_string(), expected_size.to_string()));
     }
     // SAFETY: magic, ABI version and size match, so the whole header has this layout.
-    let header: &'static PluginHeader = unsafe { &*header };
+    Ok(unsafe { &*header })
+}
+
+/// The header's build facts, checked against this daemon's: the SDK (Cargo's compatibility
+/// rule), tch, libtorch and the target must match, and panics must unwind.
+fn check_facts(header: &'static PluginHeader, path: &Path) -> Result<BuildFacts, LoadError> {
     // SAFETY: the header's strings are static data of the (never unloaded) plugin.
     let text = |s: StrRef| unsafe { s.to_string_lossy() };
     let facts = BuildFacts {
-        abi_version,
+        abi_version: header.abi_version,
         sdk_version: text(header.sdk_version),
         tch_version: text(header.tch_version),
         libtorch_version: text(header.libtorch_version),
@@ -152,7 +172,7 @@ pub fn open(path: &Path) -> Result<(&'static PluginVTable, BuildFacts), LoadErro
         panic_strategy: text(header.panic_strategy),
     };
     if !sdk_compatible(&facts.sdk_version, SDK_VERSION) {
-        return Err(mismatch("trainerd-sdk version", facts.sdk_version, SDK_VERSION.into()));
+        return Err(mismatch(path, "trainerd-sdk version", facts.sdk_version, SDK_VERSION.into()));
     }
     for (field, found, expected) in [
         ("tch version", &facts.tch_version, TCH_VERSION),
@@ -160,17 +180,13 @@ pub fn open(path: &Path) -> Result<(&'static PluginVTable, BuildFacts), LoadErro
         ("target", &facts.target, TARGET),
     ] {
         if found != expected {
-            return Err(mismatch(field, found.clone(), expected.into()));
+            return Err(mismatch(path, field, found.clone(), expected.into()));
         }
     }
     if facts.panic_strategy != "unwind" {
-        return Err(LoadError::PanicAbort { path: path_buf() });
+        return Err(LoadError::PanicAbort { path: path.to_path_buf() });
     }
-    if header.vtable.is_null() {
-        return Err(LoadError::BadInfo { path: path_buf(), message: "header has no vtable".into() });
-    }
-    // SAFETY: checked non-null; static data of the plugin.
-    Ok((unsafe { &*header.vtable }, facts))
+    Ok(facts)
 }
 
 /// Cargo's rule: same major version, and for 0.x the same minor version.

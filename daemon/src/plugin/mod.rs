@@ -85,6 +85,15 @@ impl Plugin {
         }
     }
 
+    /// What must match on every worker about the plugin: its name, version and build facts.
+    pub fn identity(&self) -> String {
+        let (i, f) = (&self.info, &self.facts);
+        format!(
+            "{} {} (trainerd-sdk {}, tch {}, libtorch {}, {})",
+            i.name, i.version, f.sdk_version, f.tch_version, f.libtorch_version, f.target
+        )
+    }
+
     /// Builds a model whose parameters live under VarStore path `prefix` on `device`.
     pub fn create_model(&self, prefix: &str, device: Device) -> Result<ModelInstance<'_>, CallError> {
         let raw_device: RawDevice = match device {
@@ -126,6 +135,9 @@ unsafe fn take_status(vtable: &PluginVTable, status: Status) -> Option<String> {
     Some(message)
 }
 
+/// Named tensors, in name order.
+pub type Named = Vec<(String, Tensor)>;
+
 /// A model instance inside a plugin.
 pub struct ModelInstance<'p> {
     plugin: &'p Plugin,
@@ -134,6 +146,13 @@ pub struct ModelInstance<'p> {
 }
 
 impl ModelInstance<'_> {
+    /// The model's variables as (trainable parameters, buffers), each in name order, sharing the
+    /// model's tensors: a variable that requires no gradient (BatchNorm's running statistics, a
+    /// frozen layer) is state that the optimizer never touches.
+    pub fn split_variables(&self) -> (Named, Named) {
+        self.parameters.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).partition(|(_, t)| t.requires_grad())
+    }
+
     /// Named parameters in name order (references to the model's own tensors).
     pub fn parameters(&self) -> &[(String, Tensor)] {
         &self.parameters

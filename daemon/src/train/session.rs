@@ -7,14 +7,12 @@
 
 use std::sync::atomic::AtomicBool;
 
-use sha2::{Digest, Sha256};
-
-use super::state::{hex, TrainState};
 use super::TrainError;
 use crate::cluster::control::{Formed, Identity};
 use crate::cluster::membership::Report;
 use crate::cluster::{ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
 use crate::collective::{CollectiveError, DataListener, Ring};
+use crate::state::{sha256_hex, Shareable};
 
 /// How long a broken link waits for a peer's pushed notice before it blames the neighbour.
 const NOTICE_GRACE: std::time::Duration = std::time::Duration::from_millis(30);
@@ -161,9 +159,9 @@ impl Session {
     /// Joins the next generation with `state` (`None`: a fresh process with nothing to report),
     /// forms its ring, and receives the source's state if this member lacks it. Waits while the
     /// cluster gathers; `stop` ends the wait.
-    pub fn join(&mut self, state: Option<&TrainState>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
+    pub fn join(&mut self, state: Option<&dyn Shareable>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
         let Some(m) = self.cluster.as_mut() else {
-            let progress = state.map_or((0, 0), TrainState::progress);
+            let progress = state.map_or((0, 0), |s| s.progress());
             self.floor += 1;
             let formed = Formed {
                 generation: self.floor,
@@ -178,7 +176,11 @@ impl Session {
             return Ok(Joined { formed, received: None });
         };
         let report = match state {
-            Some(s) => s.report(self.ring.generation()).map_err(|e| Interrupt::Fatal(TrainError::State(e)))?,
+            Some(s) => Report {
+                generation: self.ring.generation(),
+                progress: s.progress(),
+                digest: s.digest().map_err(|e| Interrupt::Fatal(TrainError::State(e)))?,
+            },
             None => Report::default(),
         };
         let formed = match m.plane.join(&m.data_address, &report, stop) {
@@ -199,37 +201,47 @@ impl Session {
             Ok(ring) => ring,
             Err(e) => return Err(self.abandon(generation, e)),
         };
-        let received = if formed.receivers.is_empty() {
-            None
-        } else {
-            let mine = if rank == formed.source {
-                let state = state.filter(|s| s.live).ok_or_else(|| {
-                    Interrupt::Fatal(TrainError::State("chosen as the state's source without a state".into()))
-                })?;
-                state.encode().map_err(|e| Interrupt::Fatal(TrainError::State(e)))?
-            } else {
-                Vec::new()
-            };
-            let bytes = match self.ring.broadcast_bytes(formed.source, mine) {
-                Ok(b) => b,
-                Err(e) => return Err(self.abandon(generation, e)),
-            };
-            if formed.receivers.contains(&rank) {
-                let found = hex(&Sha256::digest(&bytes));
-                if found != formed.digest {
-                    let why = format!(
-                        "the state received from {} has sha256 {found}, its report said {}",
-                        names[formed.source], formed.digest
-                    );
-                    self.abandon_with(generation, &why, Some(formed.source));
-                    return Err(Interrupt::Abandoned(why));
-                }
-                Some(bytes)
-            } else {
-                None
-            }
-        };
+        let received = self.transfer(&formed, state, &names)?;
         Ok(Joined { formed, received })
+    }
+
+    /// Moves the formation's state from its source to the members that lack it, over the new
+    /// ring; what this member received (verified by sha256), if it is a receiver.
+    fn transfer(
+        &mut self,
+        formed: &Formed,
+        state: Option<&dyn Shareable>,
+        names: &[String],
+    ) -> Result<Option<Vec<u8>>, Interrupt> {
+        if formed.receivers.is_empty() {
+            return Ok(None);
+        }
+        let (rank, generation) = (self.rank(), formed.generation);
+        let mine = if rank == formed.source {
+            let state = state.filter(|s| s.live()).ok_or_else(|| {
+                Interrupt::Fatal(TrainError::State("chosen as the state's source without a state".into()))
+            })?;
+            state.encode().map_err(|e| Interrupt::Fatal(TrainError::State(e)))?
+        } else {
+            Vec::new()
+        };
+        let bytes = match self.ring.broadcast_bytes(formed.source, mine) {
+            Ok(b) => b,
+            Err(e) => return Err(self.abandon(generation, e)),
+        };
+        if !formed.receivers.contains(&rank) {
+            return Ok(None);
+        }
+        let found = sha256_hex(&bytes);
+        if found != formed.digest {
+            let why = format!(
+                "the state received from {} has sha256 {found}, its report said {}",
+                names[formed.source], formed.digest
+            );
+            self.abandon_with(generation, &why, Some(formed.source));
+            return Err(Interrupt::Abandoned(why));
+        }
+        Ok(Some(bytes))
     }
 
     /// A collective of `generation` failed here: abort the generation everywhere, and say why.

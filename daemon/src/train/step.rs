@@ -1,4 +1,4 @@
-//! One training step and one evaluation pass, and the running sums they produce.
+//! One training step and one evaluation pass, and the totals they produce.
 //!
 //! A step's all-reduce carries, besides the gradients, the step's loss and metric sums (so the
 //! progress line shows global figures) and one stop flag per rank: a member that received
@@ -9,91 +9,33 @@ use tch::{Device, Kind, Tensor};
 use trainerd_sdk::InputContext;
 
 use super::TrainError;
-use crate::checkpoint;
 use crate::collective::buckets::Buckets;
 use crate::collective::{ReduceOp, Ring};
 use crate::plugin::{Dataset, ModelInstance};
-
-/// Global sums over an epoch or an evaluation: examples, loss × examples, metric sums.
-#[derive(Clone, Debug, Default)]
-pub struct Totals {
-    examples: f64,
-    loss: f64,
-    metrics: Vec<f64>,
-}
-
-impl Totals {
-    /// Zero sums for `metrics` metrics.
-    pub fn new(metrics: usize) -> Totals {
-        Totals { metrics: vec![0.0; metrics], ..Default::default() }
-    }
-
-    /// Totals from sums laid out as [`Totals::sums`] (zeros if empty).
-    pub fn from_sums(sums: &[f64], metrics: usize) -> Totals {
-        let mut t = Totals::new(metrics);
-        if sums.len() == 2 + metrics {
-            t.add(sums);
-        }
-        t
-    }
-
-    /// `[loss × n, n, metric...]`.
-    pub fn sums(&self) -> Vec<f64> {
-        let mut v = vec![self.loss, self.examples];
-        v.extend(&self.metrics);
-        v
-    }
-
-    /// Adds one step's sums, laid out as `[loss × n, n, metric...]`.
-    pub fn add(&mut self, sums: &[f64]) {
-        self.loss += sums[0];
-        self.examples += sums[1];
-        self.metrics.iter_mut().zip(&sums[2..]).for_each(|(m, s)| *m += s);
-    }
-
-    /// Examples counted.
-    pub fn examples(&self) -> f64 {
-        self.examples
-    }
-
-    /// Mean loss.
-    pub fn loss_mean(&self) -> f64 {
-        self.loss / self.examples.max(1.0)
-    }
-
-    /// Mean of each metric.
-    pub fn metric_means(&self) -> Vec<f64> {
-        self.metrics.iter().map(|m| m / self.examples.max(1.0)).collect()
-    }
-
-    /// `(PREFIXloss, mean), (PREFIXmetric, mean)...`.
-    pub fn named(&self, names: &[String], prefix: &str) -> Vec<(String, f64)> {
-        std::iter::once((format!("{prefix}loss"), self.loss_mean()))
-            .chain(names.iter().zip(self.metric_means()).map(|(n, m)| (format!("{prefix}{n}"), m)))
-            .collect()
-    }
-}
+use crate::state::host::host_bytes;
+use crate::state::Totals;
 
 fn torch(what: &'static str) -> impl FnOnce(tch::TchError) -> TrainError {
     move |source| TrainError::Torch { what, source }
 }
 
-/// One step's `[loss × n, n, metric...]` from the plugin's outputs.
-fn step_sums(n: i64, loss: &Tensor, metrics: &Tensor) -> Result<Vec<f64>, TrainError> {
+/// One batch's totals from the plugin's outputs on its `n` examples.
+fn batch_totals(n: i64, loss: &Tensor, metrics: &Tensor) -> Result<Totals, TrainError> {
     let loss = loss.f_double_value(&[]).map_err(torch("reading the loss"))?;
     let metrics = Vec::<f64>::try_from(
         metrics.f_to_device(Device::Cpu).and_then(|m| m.f_to_kind(Kind::Double)).map_err(torch("reading metrics"))?,
     )
     .map_err(torch("reading metrics"))?;
-    let mut sums = vec![loss * n as f64, n as f64];
-    sums.extend(metrics);
-    Ok(sums)
+    Ok(Totals::of_batch(n, loss, metrics))
 }
+
+/// A model's variables as a step changes them: (parameters, buffers).
+pub type Variables<'a> = (&'a mut [(String, Tensor)], &'a mut [(String, Tensor)]);
 
 /// What a step produced, the same on every member.
 pub struct StepResult {
-    /// The step's global `[loss × n, n, metric...]`.
-    pub sums: Vec<f64>,
+    /// The step's totals over every member.
+    pub totals: Totals,
     /// The ranks that asked to stop after this step.
     pub stopping: Vec<usize>,
 }
@@ -103,11 +45,9 @@ pub struct StepResult {
 /// updated made the same on every member ([`sync_buffers`]). `meanwhile` runs once the device
 /// has its work and before the host waits for it. The parameters are untouched: the caller
 /// applies the update once this returns.
-#[allow(clippy::too_many_arguments)]
 pub fn train_step(
     model: &ModelInstance<'_>,
-    params: &mut [(String, Tensor)],
-    buffers: &mut [(String, Tensor)],
+    (params, buffers): Variables<'_>,
     buckets: &mut Buckets,
     ring: &mut Ring,
     (xs, labels): (&Tensor, &Tensor),
@@ -122,18 +62,20 @@ pub fn train_step(
     }
     loss.f_backward().map_err(torch("backward"))?;
     meanwhile();
-    let sums = step_sums(xs.size()[0], &loss, &metrics)?;
+    let totals = batch_totals(xs.size()[0], &loss, &metrics)?;
     let (rank, world) = (ring.rank(), ring.world());
     if world == 1 {
-        return Ok(StepResult { sums, stopping: if stop { vec![0] } else { Vec::new() } });
+        return Ok(StepResult { totals, stopping: if stop { vec![0] } else { Vec::new() } });
     }
-    let mut extra: Vec<f32> = sums.iter().map(|&x| x as f32).collect();
+    // The totals ride in the gradients' all-reduce (as float32), then one stop flag per rank.
+    let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
     let flags = extra.len();
     extra.extend((0..world).map(|r| if r == rank && stop { 1.0 } else { 0.0 }));
     buckets.all_reduce(ring, params, &mut extra)?;
     sync_buffers(ring, buffers)?;
+    let reduced: Vec<f64> = extra[..flags].iter().map(|&x| f64::from(x)).collect();
     Ok(StepResult {
-        sums: extra[..flags].iter().map(|&x| f64::from(x)).collect(),
+        totals: Totals::from_flat(&reduced),
         stopping: (0..world).filter(|&r| extra[flags + r] > 0.0).collect(),
     })
 }
@@ -170,7 +112,7 @@ pub fn sync_buffers(ring: &mut Ring, buffers: &mut [(String, Tensor)]) -> Result
     if !other.is_empty() {
         let mut bytes = Vec::new();
         for &i in &other {
-            bytes.extend(checkpoint::host_bytes(&buffers[i].1).map_err(torch("reading the buffers"))?);
+            bytes.extend(host_bytes(&buffers[i].1).map_err(torch("reading the buffers"))?);
         }
         ring.broadcast_from(0, &mut bytes)?;
         let mut at = 0;
@@ -198,7 +140,7 @@ pub fn evaluate(
 ) -> Result<Totals, TrainError> {
     let _no_grad = tch::no_grad_guard();
     let mut pipeline = data.pipeline(ctx)?;
-    let mut sums = vec![0f64; 2 + metrics];
+    let mut totals = Totals::new(metrics);
     while let Some((xs, labels)) = pipeline.next_batch()? {
         let n = xs.size()[0];
         if n == 0 {
@@ -207,11 +149,11 @@ pub fn evaluate(
         let xs = xs.f_to_device(device).map_err(torch("moving the batch to the device"))?;
         let labels = labels.f_to_device(device).map_err(torch("moving the batch to the device"))?;
         let logits = model.forward(&xs, false)?;
-        let step = step_sums(n, &model.loss(&logits, &labels)?, &model.metrics(&logits, &labels)?)?;
-        sums.iter_mut().zip(step).for_each(|(s, x)| *s += x);
+        totals.add(&batch_totals(n, &model.loss(&logits, &labels)?, &model.metrics(&logits, &labels)?)?);
     }
+    let mut sums = totals.flat();
     ring.all_reduce(&mut sums, ReduceOp::Sum)?;
-    Ok(Totals::from_sums(&sums, metrics))
+    Ok(Totals::from_flat(&sums))
 }
 
 #[cfg(test)]
@@ -229,9 +171,9 @@ mod tests {
                 ("flag".to_string(), Tensor::from_slice(&[r as u8 + 7])),
             ];
             sync_buffers(ring, &mut buffers).unwrap();
-            buffers.into_iter().map(|(_, t)| (t.kind(), checkpoint::host_bytes(&t).unwrap())).collect::<Vec<_>>()
+            buffers.into_iter().map(|(_, t)| (t.kind(), host_bytes(&t).unwrap())).collect::<Vec<_>>()
         });
-        let bytes = |t: Tensor| (t.kind(), checkpoint::host_bytes(&t).unwrap());
+        let bytes = |t: Tensor| (t.kind(), host_bytes(&t).unwrap());
         for got in out {
             assert_eq!(got[0], bytes(Tensor::from_slice(&[1.0f32, 0.1])), "float32: the mean, 0.1 exactly kept");
             assert_eq!(got[1], bytes(Tensor::from_slice(&[1.0f64 / 3.0, 3.0])), "float64: the mean");

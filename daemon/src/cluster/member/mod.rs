@@ -1,83 +1,37 @@
 //! A member's side of the control plane: the server every daemon runs (with the coordinator on
-//! the chief), the heartbeat stream to the chief, and the blocking calls the training thread
-//! makes: [`ControlPlane::join`] (the next generation), [`ControlPlane::barrier`],
+//! the chief), the heartbeat stream to the chief ([`heartbeat`]), and the blocking calls the
+//! training thread makes: [`ControlPlane::join`] (the next generation), [`ControlPlane::barrier`],
 //! [`ControlPlane::abandon`] (a failure seen here: abort the generation and push the notice to
 //! every peer) and [`ControlPlane::leave`].
 //!
-//! The heartbeat stream is also how a member notices that the chief is gone: the stream breaks
-//! (the chief died) or its acks stop (the chief froze). The member then aborts its generation
-//! and tells every peer, so nobody waits for a timeout.
+//! The member's decisions are pure functions ([`watch`]): when the chief counts as lost (the
+//! heartbeat stream breaks because the chief died, or its acks stop because it froze: the member
+//! then aborts its generation and tells every peer, so nobody waits for a timeout), and when a
+//! join stops waiting. The chief's answers are read one way for every call
+//! ([`super::error::from_status`]); [`dial`] is how a member reaches the others.
+
+pub mod dial;
+pub mod heartbeat;
+pub mod watch;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
 
-use super::auth::{self, ClusterKey, Plane};
 use super::control::{proto, ControlClient, ControlServer, Coordinator, Formed, Identity, Service};
+use super::error::{from_status, Call, ClusterError};
 use super::membership::Report;
 use super::network::Network;
 use super::tf_config::ClusterConfig;
 use super::timeouts::Timeouts;
 use crate::collective::AbortSignal;
-
-/// A control-plane failure.
-#[derive(Debug, thiserror::Error)]
-pub enum ClusterError {
-    /// This daemon's own address cannot be served.
-    #[error("cannot listen on {address} ({member}'s address in TF_CONFIG): {reason}")]
-    Bind {
-        /// The address.
-        address: String,
-        /// Whose address it is.
-        member: String,
-        /// Why.
-        reason: String,
-    },
-    /// The chief refused this member.
-    #[error("rendezvous refused by the chief: {0}")]
-    Refused(String),
-    /// The coordinator gave up waiting for missing members.
-    #[error("{phase}: {detail}")]
-    GaveUp {
-        /// `rendezvous` (the first formation) or `recovery`.
-        phase: &'static str,
-        /// Who was missing, and for how long they were waited for.
-        detail: String,
-    },
-    /// The chief could not be reached for the whole deadline.
-    #[error("{phase}: no answer from the chief, {chief}, within {timeout:?}: {detail}")]
-    ChiefSilent {
-        /// `rendezvous` or `recovery`.
-        phase: &'static str,
-        /// The chief, named.
-        chief: String,
-        /// The deadline.
-        timeout: Duration,
-        /// What happened last.
-        detail: String,
-    },
-    /// The generation ended while this member waited in it.
-    #[error("generation {generation} ended: {reason}")]
-    Aborted {
-        /// The generation.
-        generation: u64,
-        /// Why.
-        reason: String,
-    },
-    /// A newer process holds this member's rank.
-    #[error("{0}")]
-    Replaced(String),
-    /// Stopped by a signal while waiting.
-    #[error("stopped while waiting for the cluster")]
-    Stopped,
-    /// Anything else from the runtime.
-    #[error("control plane: {0}")]
-    Other(String),
-}
+pub use dial::resolve;
+use dial::{authenticated, port_of, push_abort, Dial};
+use heartbeat::Beater;
+use watch::{JoinEnd, JoinWait};
 
 /// What the heartbeat task and the training thread share.
 struct Shared {
@@ -95,6 +49,11 @@ struct Shared {
 }
 
 impl Shared {
+    fn new(abort: AbortSignal) -> Shared {
+        let (generation, step, last_contact_ms) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+        Shared { generation, step, abort, replaced: Mutex::new(None), last_contact_ms, epoch: Instant::now() }
+    }
+
     fn touch(&self) {
         self.last_contact_ms.store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
@@ -133,6 +92,20 @@ pub struct ControlPlane {
     formed_once: bool,
 }
 
+/// This member's TF_CONFIG port, bound as `network` says; `name` is this member's.
+fn bind(cluster: &ClusterConfig, network: &Network, name: &str) -> Result<std::net::TcpListener, ClusterError> {
+    let me = cluster.me();
+    let bind_error =
+        |reason: String| ClusterError::Bind { address: me.address.clone(), member: name.to_string(), reason };
+    let port = resolve(&me.address).map(|a| a.port()).or_else(|e| port_of(&me.address).ok_or(e)).map_err(bind_error)?;
+    let addr = std::net::SocketAddr::new(network.bind, port);
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| {
+        bind_error(if addr.to_string() == me.address { e.to_string() } else { format!("binding {addr}: {e}") })
+    })?;
+    listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
+    Ok(listener)
+}
+
 impl ControlPlane {
     /// Serves the control plane on this member's TF_CONFIG port (the chief also coordinates),
     /// bound and authenticated as `network` says, and starts beating to the chief.
@@ -149,20 +122,8 @@ impl ControlPlane {
             .enable_all()
             .build()
             .map_err(|e| ClusterError::Other(e.to_string()))?;
-        let me = cluster.me();
-        let bind_error = |reason: String| ClusterError::Bind {
-            address: me.address.clone(),
-            member: names[cluster.rank].clone(),
-            reason,
-        };
-        let port =
-            resolve(&me.address).map(|a| a.port()).or_else(|e| port_of(&me.address).ok_or(e)).map_err(bind_error)?;
-        let addr = std::net::SocketAddr::new(network.bind, port);
-        let listener = std::net::TcpListener::bind(addr).map_err(|e| {
-            bind_error(if addr.to_string() == me.address { e.to_string() } else { format!("binding {addr}: {e}") })
-        })?;
-        listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
-        let listening = listener.local_addr().map_err(|e| bind_error(e.to_string()))?;
+        let listener = bind(cluster, network, &names[cluster.rank])?;
+        let listening = listener.local_addr().map_err(|e| ClusterError::Other(e.to_string()))?;
         let abort = AbortSignal::new();
         let coordinator =
             (cluster.rank == 0).then(|| Coordinator::new(identity.clone(), names.clone(), timeouts.options()));
@@ -173,39 +134,16 @@ impl ControlPlane {
             abort: abort.clone(),
         };
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
-        let _guard = runtime.enter();
-        let listener = tokio::net::TcpListener::from_std(listener).map_err(|e| bind_error(e.to_string()))?;
-        let (accepting, incoming) = authenticated(listener, network.key.clone());
-        let mut tasks = vec![accepting];
-        tasks.push(runtime.spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(ControlServer::new(service))
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = shutdown_rx.await;
-                })
-                .await;
-            if let Err(e) = served {
-                tracing::error!("control plane server stopped: {e}");
-            }
-        }));
+        // Serving, and the peers' clients (which connect on first use), need the runtime.
+        let (mut tasks, peers) = {
+            let _guard = runtime.enter();
+            let listener =
+                tokio::net::TcpListener::from_std(listener).map_err(|e| ClusterError::Other(e.to_string()))?;
+            (serve(listener, service, network, shutdown_rx), peers(cluster, network))
+        };
         if let Some(c) = &coordinator {
             tasks.push(runtime.spawn(Arc::clone(c).tick(timeouts.heartbeat_interval / 4)));
         }
-        let peers: Vec<Option<ControlClient<Channel>>> = cluster
-            .members
-            .iter()
-            .enumerate()
-            .map(|(r, m)| (r != cluster.rank).then(|| Dial::new(&m.address, &network.key).lazy())?)
-            .collect();
-        let epoch = Instant::now();
-        let shared = Arc::new(Shared {
-            generation: AtomicU64::new(0),
-            step: AtomicU64::new(0),
-            abort,
-            replaced: Mutex::new(None),
-            last_contact_ms: AtomicU64::new(0),
-            epoch,
-        });
         let mut plane = ControlPlane {
             runtime,
             listening,
@@ -217,13 +155,13 @@ impl ControlPlane {
             shutdown: Some(shutdown),
             incarnation: new_incarnation(),
             timeouts,
-            shared,
+            shared: Arc::new(Shared::new(abort)),
             peers: Arc::new(peers),
             tasks,
             formed_once: false,
         };
-        let beating = plane.heartbeats();
-        plane.tasks.push(plane.runtime.spawn(beating));
+        let beater = plane.beater();
+        plane.tasks.push(plane.runtime.spawn(beater.run()));
         Ok(plane)
     }
 
@@ -264,91 +202,16 @@ impl ControlPlane {
         self.shared.replaced()
     }
 
-    /// The heartbeat task: beats to the chief, takes its notices, and notices when it is gone.
-    fn heartbeats(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let (chief, chief_name) = (self.chief.clone(), self.names[0].clone());
-        let (rank, incarnation, t) = (self.rank as u32, self.incarnation, self.timeouts);
-        let (shared, peers) = (Arc::clone(&self.shared), Arc::clone(&self.peers));
-        async move {
-            let lost = |why: String| {
-                let generation = shared.generation.load(Ordering::Relaxed);
-                if generation > 0 && shared.abort.trigger(generation, &why) {
-                    push_abort(&peers, generation, rank, &why);
-                }
-            };
-            loop {
-                let client = chief.connect(Instant::now() + t.heartbeat_deadline).await;
-                let Ok(mut client) = client else {
-                    lost(format!("cannot reach the chief, {chief_name}"));
-                    tokio::time::sleep(t.heartbeat_interval).await;
-                    continue;
-                };
-                let (tx, rx) = mpsc::channel::<proto::Beat>(4);
-                let beater = {
-                    let shared = Arc::clone(&shared);
-                    tokio::spawn(async move {
-                        loop {
-                            let beat = proto::Beat {
-                                rank,
-                                incarnation,
-                                generation: shared.generation.load(Ordering::Relaxed),
-                                step: shared.step.load(Ordering::Relaxed),
-                            };
-                            if tx.send(beat).await.is_err() {
-                                return;
-                            }
-                            tokio::time::sleep(t.heartbeat_interval).await;
-                        }
-                    })
-                };
-                let opened = tokio::time::timeout(
-                    t.heartbeat_deadline,
-                    client.heartbeat(tokio_stream::wrappers::ReceiverStream::new(rx)),
-                )
-                .await;
-                let mut notices = match opened {
-                    Ok(Ok(response)) => response.into_inner(),
-                    _ => {
-                        beater.abort();
-                        lost(format!("the chief, {chief_name}, did not open a heartbeat stream"));
-                        tokio::time::sleep(t.heartbeat_interval).await;
-                        continue;
-                    }
-                };
-                loop {
-                    match tokio::time::timeout(t.heartbeat_deadline, notices.message()).await {
-                        Ok(Ok(Some(n))) => {
-                            shared.touch();
-                            match proto::notice::Kind::try_from(n.kind) {
-                                Ok(proto::notice::Kind::Ended) => {
-                                    shared.abort.trigger(n.generation, &n.reason);
-                                }
-                                Ok(proto::notice::Kind::Replaced) => {
-                                    *shared.replaced.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
-                                        Some(n.reason.clone());
-                                    shared.abort.trigger(u64::MAX, &n.reason);
-                                    beater.abort();
-                                    return;
-                                }
-                                _ => {}
-                            }
-                        }
-                        Ok(Ok(None)) | Ok(Err(_)) => {
-                            lost(format!("lost the connection to the chief, {chief_name}"));
-                            break;
-                        }
-                        Err(_) => {
-                            lost(format!(
-                                "the chief, {chief_name}, did not answer heartbeats for {:?}",
-                                t.heartbeat_deadline
-                            ));
-                            break;
-                        }
-                    }
-                }
-                beater.abort();
-                tokio::time::sleep(t.heartbeat_interval).await;
-            }
+    /// The heartbeat task's part.
+    fn beater(&self) -> Beater {
+        Beater {
+            chief: self.chief.clone(),
+            chief_name: self.names[0].clone(),
+            rank: self.rank as u32,
+            incarnation: self.incarnation,
+            timeouts: self.timeouts,
+            shared: Arc::clone(&self.shared),
+            peers: Arc::clone(&self.peers),
         }
     }
 
@@ -356,11 +219,7 @@ impl ControlPlane {
     /// as the coordinator waits (it enforces the rendezvous timeout and the rejoin deadline), and
     /// at most that long while it is not. `data_address` is this member's ring listener.
     pub fn join(&mut self, data_address: &str, report: &Report, stop: &AtomicBool) -> Result<Formed, ClusterError> {
-        let (phase, timeout) = if self.formed_once {
-            ("recovery", self.timeouts.rejoin)
-        } else {
-            ("rendezvous", self.timeouts.rendezvous)
-        };
+        let wait = JoinWait::new(Instant::now(), self.formed_once, (self.timeouts.rendezvous, self.timeouts.rejoin));
         let request = proto::JoinRequest {
             rank: self.rank as u32,
             incarnation: self.incarnation,
@@ -375,64 +234,7 @@ impl ControlPlane {
                 sha256: report.digest.clone(),
             }),
         };
-        let started = Instant::now();
-        let shared = Arc::clone(&self.shared);
-        let interval = self.timeouts.heartbeat_interval;
-        let result = self.runtime.block_on(async {
-            let mut last = String::from("no attempt finished");
-            loop {
-                if stop.load(Ordering::Relaxed) {
-                    return Err(ClusterError::Stopped);
-                }
-                if let Some(why) = shared.replaced() {
-                    return Err(ClusterError::Replaced(why));
-                }
-                let unreachable_since = shared.last_contact().max(started);
-                if unreachable_since.elapsed() > timeout {
-                    return Err(ClusterError::ChiefSilent {
-                        phase,
-                        chief: self.names[0].clone(),
-                        timeout,
-                        detail: last,
-                    });
-                }
-                let mut client = match self.chief.connect(Instant::now() + interval * 5).await {
-                    Ok(c) => c,
-                    Err(e) => {
-                        last = e;
-                        continue;
-                    }
-                };
-                let call = client.join(request.clone());
-                tokio::pin!(call);
-                let outcome = loop {
-                    tokio::select! {
-                        r = &mut call => break Some(r),
-                        () = tokio::time::sleep(Duration::from_millis(50)) => {
-                            let gone = shared.last_contact().max(started).elapsed() > timeout;
-                            if stop.load(Ordering::Relaxed) || shared.replaced().is_some() || gone {
-                                break None;
-                            }
-                        }
-                    }
-                };
-                match outcome {
-                    None => continue,
-                    Some(Ok(reply)) => return Ok(Formed::from(reply.into_inner())),
-                    Some(Err(status)) => match status.code() {
-                        tonic::Code::FailedPrecondition => return Err(ClusterError::Refused(status.message().into())),
-                        tonic::Code::Aborted => {
-                            return Err(ClusterError::GaveUp { phase, detail: status.message().into() })
-                        }
-                        _ => {
-                            // The chief went away while we waited; wait for it to come back.
-                            last = status.message().to_string();
-                            tokio::time::sleep(interval).await;
-                        }
-                    },
-                }
-            }
-        });
+        let result = self.runtime.block_on(self.ask_to_join(&wait, request, stop));
         if let Err(ClusterError::GaveUp { detail, .. }) = &result {
             self.gave_up(detail);
         }
@@ -440,6 +242,57 @@ impl ControlPlane {
         self.formed_once = true;
         self.shared.generation.store(result.generation, Ordering::Relaxed);
         Ok(result)
+    }
+
+    /// Asks the chief to join until it answers, or [`JoinWait::end`] says the wait is over.
+    async fn ask_to_join(
+        &self,
+        wait: &JoinWait,
+        request: proto::JoinRequest,
+        stop: &AtomicBool,
+    ) -> Result<Formed, ClusterError> {
+        let shared = &self.shared;
+        let over = || wait.end(Instant::now(), shared.last_contact(), stop.load(Ordering::Relaxed), shared.replaced());
+        let interval = self.timeouts.heartbeat_interval;
+        let mut last = String::from("no attempt finished");
+        loop {
+            match over() {
+                Some(JoinEnd::Stopped) => return Err(ClusterError::Stopped),
+                Some(JoinEnd::Replaced(why)) => return Err(ClusterError::Replaced(why)),
+                Some(JoinEnd::ChiefSilent) => {
+                    let (phase, chief, timeout) = (wait.phase, self.names[0].clone(), wait.timeout);
+                    return Err(ClusterError::ChiefSilent { phase, chief, timeout, detail: last });
+                }
+                None => {}
+            }
+            let mut client = match self.chief.connect(Instant::now() + interval * 5).await {
+                Ok(c) => c,
+                Err(e) => {
+                    last = e;
+                    continue;
+                }
+            };
+            let call = client.join(request.clone());
+            tokio::pin!(call);
+            let answer = loop {
+                tokio::select! {
+                    r = &mut call => break Some(r),
+                    () = tokio::time::sleep(Duration::from_millis(50)) => if over().is_some() { break None },
+                }
+            };
+            match answer {
+                None => continue,
+                Some(Ok(reply)) => return Ok(Formed::from(reply.into_inner())),
+                Some(Err(status)) => match from_status(&status, Call::Join { phase: wait.phase }) {
+                    Some(e) => return Err(e),
+                    None => {
+                        // The chief went away while we waited; wait for it to come back.
+                        last = status.message().to_string();
+                        tokio::time::sleep(interval).await;
+                    }
+                },
+            }
+        }
     }
 
     /// Waits until every member of `generation` reaches the barrier `name`; fails if the
@@ -456,8 +309,7 @@ impl ControlPlane {
         self.runtime.block_on(async {
             loop {
                 abort.check(generation).map_err(aborted)?;
-                let Ok(mut client) = self.chief.connect(Instant::now() + self.timeouts.heartbeat_deadline).await
-                else {
+                let Ok(mut client) = self.chief.connect(Instant::now() + self.timeouts.heartbeat_deadline).await else {
                     continue; // the heartbeat task notices a lost chief and raises the abort
                 };
                 let call = client.barrier(request.clone());
@@ -466,14 +318,10 @@ impl ControlPlane {
                     tokio::select! {
                         r = &mut call => match r {
                             Ok(_) => return Ok(()),
-                            Err(status) if status.code() == tonic::Code::Aborted => {
-                                return Err(aborted(status.message().into()))
-                            }
-                            Err(status) if matches!(
-                                status.code(),
-                                tonic::Code::InvalidArgument | tonic::Code::ResourceExhausted | tonic::Code::FailedPrecondition
-                            ) => return Err(ClusterError::Other(format!("barrier {name}: {}", status.message()))),
-                            Err(_) => break,
+                            Err(status) => match from_status(&status, Call::Barrier { generation, name }) {
+                                Some(e) => return Err(e),
+                                None => break,
+                            },
                         },
                         () = tokio::time::sleep(Duration::from_millis(20)) => abort.check(generation).map_err(aborted)?,
                     }
@@ -558,167 +406,49 @@ impl Drop for ControlPlane {
     }
 }
 
-/// Pushes an abort notice for `generation` to every peer (fire and forget, bounded).
-fn push_abort(peers: &Arc<Vec<Option<ControlClient<Channel>>>>, generation: u64, rank: u32, reason: &str) {
-    for client in peers.iter().flatten() {
-        let mut client = client.clone();
-        let request = proto::AbortRequest { generation, rank, reason: reason.into() };
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(1), client.abort(request)).await;
-        });
-    }
+/// A client for every other member (connecting on first use), by rank.
+fn peers(cluster: &ClusterConfig, network: &Network) -> Vec<Option<ControlClient<Channel>>> {
+    let dial = |(r, m): (usize, &super::tf_config::Member)| {
+        (r != cluster.rank).then(|| Dial::new(&m.address, &network.key).lazy())?
+    };
+    cluster.members.iter().enumerate().map(dial).collect()
 }
 
-/// The first socket address of `host:port`.
-pub fn resolve(address: &str) -> Result<std::net::SocketAddr, String> {
-    use std::net::ToSocketAddrs;
-    address
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve: {e}"))?
-        .next()
-        .ok_or_else(|| "resolves to no address".to_string())
-}
-
-/// The port of `host:port` (a host that does not resolve yet can still be listened for).
-fn port_of(address: &str) -> Option<u16> {
-    address.rsplit_once(':').and_then(|(_, p)| p.parse().ok())
-}
-
-/// Accepted connections that passed the authentication handshake (every one without a key),
-/// for the gRPC server; the task that accepts them. Handshakes run concurrently (at most 64),
-/// each within its timeout, so a silent client holds up nobody.
-fn authenticated(
+/// Serves the control plane on `listener` until `shutdown`: connections admitted once they pass
+/// the cluster secret's handshake, answered by `service`. The tasks, to abort on drop.
+fn serve(
     listener: tokio::net::TcpListener,
-    key: Option<ClusterKey>,
-) -> (tokio::task::JoinHandle<()>, ReceiverStream<std::io::Result<tokio::net::TcpStream>>) {
-    let (tx, rx) = mpsc::channel(16);
-    let handshakes = Arc::new(tokio::sync::Semaphore::new(64));
-    let accepting = tokio::spawn(async move {
-        loop {
-            let (mut stream, peer) = match listener.accept().await {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::debug!("control plane: accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
-            };
-            let _ = stream.set_nodelay(true);
-            let Some(key) = key.clone() else {
-                if tx.send(Ok(stream)).await.is_err() {
-                    return;
-                }
-                continue;
-            };
-            let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else {
-                tracing::warn!("control plane: refused a connection from {peer}: too many handshakes in progress");
-                continue;
-            };
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let _permit = permit;
-                match auth::accept(&mut stream, &key, Plane::Control).await {
-                    Ok(()) => {
-                        let _ = tx.send(Ok(stream)).await;
-                    }
-                    Err(e) => tracing::warn!("control plane: refused a connection from {peer}: {}", auth::refusal(&e)),
-                }
-            });
+    service: Service,
+    network: &Network,
+    shutdown: oneshot::Receiver<()>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let (accepting, incoming) = authenticated(listener, network.key.clone());
+    let serving = tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .add_service(ControlServer::new(service))
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = shutdown.await;
+            })
+            .await;
+        if let Err(e) = served {
+            tracing::error!("control plane server stopped: {e}");
         }
     });
-    (accepting, ReceiverStream::new(rx))
-}
-
-/// How this member calls another: its address, and the secret to prove there.
-#[derive(Clone)]
-struct Dial {
-    address: String,
-    key: Option<ClusterKey>,
-}
-
-impl Dial {
-    fn new(address: &str, key: &Option<ClusterKey>) -> Dial {
-        Dial { address: address.to_string(), key: key.clone() }
-    }
-
-    fn endpoint(&self) -> Result<Endpoint, String> {
-        Ok(Endpoint::from_shared(format!("http://{}", self.address))
-            .map_err(|e| format!("bad address {}: {e}", self.address))?
-            .connect_timeout(Duration::from_secs(1)))
-    }
-
-    /// Opens TCP connections for tonic, each through the handshake when there is a key.
-    fn connector(
-        &self,
-    ) -> impl tower::Service<
-        tonic::transport::Uri,
-        Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>,
-        Error = std::io::Error,
-        Future = impl Send,
-    > + Clone
-           + Send
-           + 'static {
-        let (address, key) = (self.address.clone(), self.key.clone());
-        tower::service_fn(move |_: tonic::transport::Uri| {
-            let (address, key) = (address.clone(), key.clone());
-            async move {
-                let mut stream = tokio::net::TcpStream::connect(address.as_str()).await?;
-                stream.set_nodelay(true)?;
-                if let Some(key) = &key {
-                    auth::connect(&mut stream, key, Plane::Control).await.map_err(std::io::Error::other)?;
-                }
-                Ok(hyper_util::rt::TokioIo::new(stream))
-            }
-        })
-    }
-
-    /// A client that connects on first use.
-    fn lazy(&self) -> Option<ControlClient<Channel>> {
-        let endpoint = self.endpoint().ok()?;
-        Some(ControlClient::new(endpoint.connect_with_connector_lazy(self.connector())))
-    }
-
-    /// A client, retrying until `deadline` (the peer may not be up yet).
-    async fn connect(&self, deadline: Instant) -> Result<ControlClient<Channel>, String> {
-        let endpoint = self.endpoint()?;
-        let mut last = String::from("deadline passed before the first attempt");
-        while Instant::now() < deadline {
-            match endpoint.connect_with_connector(self.connector()).await {
-                Ok(channel) => return Ok(ControlClient::new(channel)),
-                Err(e) => {
-                    last = format!("cannot connect to {}: {}", self.address, source_chain(&e));
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
-        Err(last)
-    }
-}
-
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
+    vec![accepting, serving]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::ClusterKey;
     use crate::cluster::tf_config;
 
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    fn ports(n: usize) -> Vec<u16> {
+        trainerd_supervise::loopback::free_ports(n).unwrap()
     }
 
     fn cluster(ports: &[u16], rank: usize) -> ClusterConfig {
-        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let text = serde_json::json!({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": rank}});
-        tf_config::parse(&text.to_string(), "TF_CONFIG").unwrap().unwrap()
+        tf_config::parse(&trainerd_supervise::loopback::tf_config(ports, rank), "TF_CONFIG").unwrap().unwrap()
     }
 
     fn identity(c: &ClusterConfig, run: &str) -> Identity {
@@ -772,7 +502,7 @@ mod tests {
 
     #[test]
     fn a_crashed_member_ends_the_generation_and_its_successor_gets_the_furthest_state() {
-        let ports = [free_port(), free_port(), free_port()];
+        let ports = ports(3);
         let mut planes: Vec<ControlPlane> = (0..3).map(|r| plane(&ports, r, FAST)).collect();
         let first = join_all(&mut planes, &[report(0, 0, "init"), Report::default(), Report::default()]);
         for f in &first {
@@ -796,7 +526,7 @@ mod tests {
 
     #[test]
     fn a_silent_member_is_failed_at_the_heartbeat_deadline_and_barriers_abort() {
-        let ports = [free_port(), free_port()];
+        let ports = ports(2);
         // Worker 1 beats once, then stays silent as a frozen process would.
         let silent = Timeouts {
             heartbeat_interval: Duration::from_secs(60),
@@ -823,7 +553,7 @@ mod tests {
 
     #[test]
     fn after_a_give_up_every_member_gets_its_reason_before_the_chief_exits_and_late_ones_at_once() {
-        let ports = [free_port(), free_port(), free_port()];
+        let ports = ports(3);
         let t = Timeouts { rendezvous: Duration::from_secs(2), ..FAST };
         let mut planes = [plane(&ports, 0, t), plane(&ports, 1, FAST)];
         let stop = AtomicBool::new(false);
@@ -853,7 +583,7 @@ mod tests {
 
     #[test]
     fn a_generation_holds_a_bounded_number_of_barriers() {
-        let ports = [free_port(), free_port()];
+        let ports = ports(2);
         let mut planes = vec![plane(&ports, 0, FAST), plane(&ports, 1, FAST)];
         let generation = join_all(&mut planes, &[report(0, 0, "init"), Report::default()])[0].generation;
         let worker = Arc::new(planes.pop().unwrap());
@@ -877,7 +607,7 @@ mod tests {
 
     #[test]
     fn a_different_run_configuration_is_refused_with_both_values() {
-        let ports = [free_port(), free_port()];
+        let ports = ports(2);
         let c0 = cluster(&ports, 0);
         let _chief =
             ControlPlane::start(&c0, identity(&c0, r#"{"batch_size":64,"seed":0}"#), FAST, &Network::loopback())
@@ -901,7 +631,7 @@ mod tests {
     fn a_port_in_use_is_named() {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = taken.local_addr().unwrap().port();
-        let c = cluster(&[port, free_port()], 0);
+        let c = cluster(&[port, ports(1)[0]], 0);
         let err = ControlPlane::start(&c, identity(&c, "{}"), FAST, &Network::loopback()).err().unwrap().to_string();
         assert_eq!(
             err,
@@ -914,7 +644,7 @@ mod tests {
 
     #[test]
     fn with_a_secret_only_members_that_know_it_are_served() {
-        let ports = [free_port(), free_port()];
+        let ports = ports(2);
         let key = |k: &[u8]| Network { key: Some(ClusterKey::from_bytes(k)), ..Network::loopback() };
         let secret = b"a-cluster-secret-0123456789";
         let start = |rank| {

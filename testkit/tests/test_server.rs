@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
-use trainerd_storage::testing::S3Server;
+use trainerd_testkit::s3::S3Server;
 
 const HELPER: &str = "TRAINERD_TEST_SERVER_HELPER";
 

@@ -1,0 +1,360 @@
+//! The command line's arguments, as clap parses them; what each command does is in its own
+//! module of [`super`].
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use trainerd_sdk::LrSchedule;
+use trainerd_storage::S3Options;
+
+use crate::auth::ClusterKey;
+use crate::cluster::{tf_config, ClusterConfig, Network};
+use crate::ops::log::LogFormat;
+
+/// The command line.
+#[derive(Parser)]
+#[command(name = "trainerd", version, about = "Fault-tolerant data-parallel training daemon")]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+    /// Log and progress lines: plain (coloured only on a terminal; syslog priorities in the
+    /// journal) or json (one object per line).
+    #[arg(long, global = true, value_enum, default_value = "plain", env = "TRAINERD_LOG_FORMAT")]
+    pub log_format: LogFormat,
+}
+
+/// The commands.
+#[derive(Subcommand)]
+pub enum Command {
+    /// Train a model plugin on a dataset: one worker, or a member of the TF_CONFIG cluster.
+    Run(Box<RunArgs>),
+    /// Start N workers on 127.0.0.1 as one cluster (each `trainerd run` with its own
+    /// TF_CONFIG), prefix their output, restart any that dies (as systemd would), and stop them
+    /// together on Ctrl-C.
+    Local {
+        /// Number of workers.
+        #[arg(long)]
+        workers: usize,
+        /// Seconds before a worker that died is started again (systemd's RestartSec).
+        #[arg(long, default_value_t = 1.0)]
+        restart_delay: f64,
+        /// Write every worker's lifecycle events here, each naming its worker (give it before
+        /// the arguments for `trainerd run`).
+        #[arg(long, env = "TRAINERD_EVENTS")]
+        events: Option<PathBuf>,
+        /// Arguments for `trainerd run` (every flag of `run` except --tf-config and --events).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Evaluate a committed checkpoint on the test split (as Keras's model.evaluate): alone, or
+    /// sharded over the TF_CONFIG cluster.
+    Evaluate(Box<EvalArgs>),
+    /// Inspect a checkpoint location (a directory, file:///path, s3://bucket/prefix).
+    Ckpt {
+        /// What to do.
+        #[command(subcommand)]
+        command: CkptCommand,
+    },
+    /// Inspect plugins.
+    Plugin {
+        /// What to do.
+        #[command(subcommand)]
+        command: PluginCommand,
+    },
+}
+
+/// `trainerd plugin ...`.
+#[derive(Subcommand)]
+pub enum PluginCommand {
+    /// Load a plugin (in a child process) and print its identity, or why it is refused.
+    Check {
+        /// Path of the plugin's shared library.
+        path: PathBuf,
+        /// Load in this process (what the child runs).
+        #[arg(long, hide = true)]
+        in_process: bool,
+    },
+}
+
+/// `trainerd ckpt ...`.
+#[derive(Subcommand)]
+pub enum CkptCommand {
+    /// List commits: sequence, step, epoch, time, size, generation.
+    List {
+        /// Checkpoint location.
+        url: String,
+        /// S3 settings.
+        #[command(flatten)]
+        s3: S3Args,
+    },
+    /// Show a commit's record and manifest (default: the newest).
+    Show {
+        /// Checkpoint location.
+        url: String,
+        /// Commit sequence.
+        #[arg(long)]
+        sequence: Option<u64>,
+        /// S3 settings.
+        #[command(flatten)]
+        s3: S3Args,
+    },
+    /// Verify every blob's sha256 of every commit (or one); exits non-zero on damage.
+    Verify {
+        /// Checkpoint location.
+        url: String,
+        /// Commit sequence.
+        #[arg(long)]
+        sequence: Option<u64>,
+        /// S3 settings.
+        #[command(flatten)]
+        s3: S3Args,
+    },
+    /// Write a commit's parameters (default: the newest) as one safetensors file.
+    Export {
+        /// Checkpoint location.
+        url: String,
+        /// Output file.
+        #[arg(long, short)]
+        output: PathBuf,
+        /// Commit sequence.
+        #[arg(long)]
+        sequence: Option<u64>,
+        /// S3 settings.
+        #[command(flatten)]
+        s3: S3Args,
+    },
+}
+
+/// S3 settings beyond the standard AWS variables.
+#[derive(clap::Args, Clone, Default)]
+pub struct S3Args {
+    /// S3 endpoint URL (MinIO, SeaweedFS, R2...); default: AWS_ENDPOINT_URL or AWS.
+    #[arg(long)]
+    pub s3_endpoint: Option<String>,
+    /// S3 region; default: AWS_REGION or us-east-1.
+    #[arg(long)]
+    pub s3_region: Option<String>,
+    /// Allow plain http to the endpoint (always allowed on loopback).
+    #[arg(long)]
+    pub s3_allow_http: bool,
+    /// Do not prove, before the first commit, that the server refuses a second create-if-absent
+    /// write (commits rely on it; a warning says it was skipped).
+    #[arg(long)]
+    pub s3_skip_probe: bool,
+}
+
+impl S3Args {
+    /// The options the storage crate takes.
+    pub fn options(&self) -> S3Options {
+        S3Options {
+            endpoint: self.s3_endpoint.clone(),
+            region: self.s3_region.clone(),
+            allow_http: self.s3_allow_http,
+            skip_probe: self.s3_skip_probe,
+        }
+    }
+}
+
+/// `trainerd run`'s flags.
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// Path of the model plugin's shared library (.so).
+    #[arg(long)]
+    pub plugin: PathBuf,
+    /// Dataset directory, handed to the plugin.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Epochs (default: the plugin's).
+    #[arg(long)]
+    pub epochs: Option<u32>,
+    /// Per-worker batch size (default: the plugin's).
+    #[arg(long)]
+    pub batch_size: Option<u32>,
+    /// Optimizer: sgd, adam or rmsprop (default: the plugin's).
+    #[arg(long)]
+    pub optimizer: Option<String>,
+    /// Learning rate.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Momentum (sgd, rmsprop).
+    #[arg(long)]
+    pub momentum: Option<f64>,
+    /// L2 weight decay.
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Nesterov momentum (sgd).
+    #[arg(long)]
+    pub nesterov: bool,
+    /// Learning-rate schedule: constant, cosine[:MIN_LR], step:EVERY:GAMMA or exp:GAMMA.
+    #[arg(long, value_parser = crate::schedule::parse)]
+    pub lr_schedule: Option<LrSchedule>,
+    /// Seed of initialisation and data order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// libtorch threads (fixed, so results are reproducible; default: available cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Stop each epoch after this many steps.
+    #[arg(long)]
+    pub steps_per_epoch: Option<u64>,
+    /// Write the run's summary as JSON to this file.
+    #[arg(long)]
+    pub summary: Option<PathBuf>,
+    /// Write one JSON line per step (global loss, metrics, learning rate) to this file.
+    #[arg(long)]
+    pub metrics_log: Option<PathBuf>,
+    /// Write one JSON line per lifecycle event (resumed, joined, step, abandoned, recovered,
+    /// committed, exiting) to this file: a supervisor's channel (`trainerd local` hands each worker
+    /// a pipe, /dev/fd/3).
+    #[arg(long, env = "TRAINERD_EVENTS")]
+    pub events: Option<PathBuf>,
+    /// Write TensorBoard event files here (on the chief), as Keras's TensorBoard callback lays
+    /// them out: DIR/train and DIR/validation.
+    #[arg(long)]
+    pub tensorboard_dir: Option<PathBuf>,
+    /// Write the step loss to TensorBoard every N global steps (0: per epoch only).
+    #[arg(long, default_value_t = 100)]
+    pub tensorboard_every: u64,
+    /// The cluster.
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    /// Serve Prometheus metrics (`/metrics`) and `/healthz` on this address (e.g.
+    /// 127.0.0.1:9400; port 0 picks one). An address other than loopback needs
+    /// --metrics-token-file (or --insecure).
+    #[arg(long, env = "TRAINERD_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// A file holding the bearer token `/metrics` requires (Prometheus's
+    /// `authorization.credentials_file`).
+    #[arg(long, env = "TRAINERD_METRICS_TOKEN_FILE")]
+    pub metrics_token_file: Option<PathBuf>,
+    /// Seconds without training progress after which the daemon counts as hung (`/healthz`
+    /// fails, systemd's watchdog pings stop); default: systemd's WatchdogSec, else 120.
+    #[arg(long)]
+    pub stall_timeout: Option<f64>,
+    /// Seconds to wait for every worker to join at the start.
+    #[arg(long, default_value_t = 300.0)]
+    pub rendezvous_timeout: f64,
+    /// Seconds between heartbeats to the chief.
+    #[arg(long, default_value_t = 0.1)]
+    pub heartbeat_interval: f64,
+    /// Seconds without a heartbeat after which a worker (or the chief) counts as failed.
+    #[arg(long, default_value_t = 1.5)]
+    pub heartbeat_deadline: f64,
+    /// Seconds a socket may carry no bytes before its collective fails (a backstop: failures
+    /// are normally detected by the heartbeats and pushed notices first).
+    #[arg(long, default_value_t = 120.0)]
+    pub collective_timeout: f64,
+    /// Seconds the survivors wait for a lost worker to return before they exit non-zero (so
+    /// that their supervisor restarts them); long enough for a node to reboot.
+    #[arg(long, default_value_t = 600.0)]
+    pub rejoin_deadline: f64,
+    /// Commit checkpoints here (a directory, file:///path, s3://bucket/prefix) and resume from
+    /// the newest one at start.
+    #[arg(long)]
+    pub checkpoint_dir: Option<String>,
+    /// Commit every N steps, as well as at each epoch's end.
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: u64,
+    /// Keep the newest K commits (0: all).
+    #[arg(long, default_value_t = 3)]
+    pub keep_checkpoints: usize,
+    /// S3 settings.
+    #[command(flatten)]
+    pub s3: S3Args,
+}
+
+/// `trainerd evaluate`'s flags.
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// Checkpoint location (a directory, file:///path, s3://bucket/prefix).
+    #[arg(long)]
+    pub checkpoint: String,
+    /// The commit to evaluate (default: the newest that verifies).
+    #[arg(long)]
+    pub sequence: Option<u64>,
+    /// Path of the model plugin's shared library (.so).
+    #[arg(long)]
+    pub plugin: PathBuf,
+    /// Dataset directory, handed to the plugin.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Per-worker batch size (default: the plugin's).
+    #[arg(long)]
+    pub batch_size: Option<u32>,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// libtorch threads (default: available cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Write the result as JSON to this file.
+    #[arg(long)]
+    pub summary: Option<PathBuf>,
+    /// The cluster.
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    /// Seconds to wait for every worker to join.
+    #[arg(long, default_value_t = 300.0)]
+    pub rendezvous_timeout: f64,
+    /// S3 settings.
+    #[command(flatten)]
+    pub s3: S3Args,
+}
+
+/// The cluster flags `run` and `evaluate` share.
+#[derive(clap::Args)]
+pub struct ClusterArgs {
+    /// The cluster, as TensorFlow's TF_CONFIG JSON or @FILE (default: the TF_CONFIG variable;
+    /// none means one worker).
+    #[arg(long)]
+    pub tf_config: Option<String>,
+    /// The cluster secret: a file (the same on every node, readable only by trainerd's user)
+    /// whose contents every control-plane and data-plane connection proves it knows. Needed
+    /// when TF_CONFIG has a non-loopback address.
+    #[arg(long, env = "TRAINERD_SECRET_FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// Run a cluster across hosts without a secret: anyone who can reach its ports can join it.
+    #[arg(long)]
+    pub insecure: bool,
+    /// The address the control plane and the data listener bind (default: every interface for a
+    /// cluster across hosts, the TF_CONFIG address for a loopback one).
+    #[arg(long, env = "TRAINERD_LISTEN")]
+    pub listen: Option<std::net::IpAddr>,
+}
+
+impl ClusterArgs {
+    /// The cluster and how its members reach each other.
+    pub fn plan(&self) -> anyhow::Result<(Option<ClusterConfig>, Network)> {
+        let cluster = cluster(self.tf_config.as_deref())?;
+        let key = self.secret_file.as_deref().map(ClusterKey::load).transpose()?;
+        let network = match &cluster {
+            Some(c) => Network::plan(c, self.listen, key, self.insecure).map_err(anyhow::Error::msg)?,
+            None => Network::loopback(),
+        };
+        if cluster.is_some() && network.key.is_none() && self.insecure {
+            // The command line's own warnings keep the binary's target, as the logs have always named them.
+            tracing::warn!(target: "trainerd", "--insecure: the cluster's ports accept anyone who can reach them");
+        }
+        Ok((cluster, network))
+    }
+}
+
+/// The cluster from `--tf-config` (JSON or @FILE) or the TF_CONFIG variable.
+fn cluster(flag: Option<&str>) -> anyhow::Result<Option<ClusterConfig>> {
+    let (text, source) = match flag {
+        Some(f) => match f.strip_prefix('@') {
+            Some(file) => (
+                std::fs::read_to_string(file).with_context(|| format!("--tf-config {f}: cannot read {file}"))?,
+                format!("--tf-config {f}"),
+            ),
+            None => (f.to_string(), "--tf-config".to_string()),
+        },
+        None => (std::env::var("TF_CONFIG").unwrap_or_default(), "TF_CONFIG".to_string()),
+    };
+    Ok(tf_config::parse(&text, &source)?)
+}

@@ -1,0 +1,57 @@
+//! `trainerd evaluate`: a committed checkpoint's loss and metrics on the test split, alone or
+//! sharded over the TF_CONFIG cluster, with its summary.
+
+use anyhow::Context;
+
+use super::args::EvalArgs;
+use super::{device, seconds, set_threads, stop_flag};
+use crate::accel::{self, CudaLibrary};
+use crate::cluster::Timeouts;
+use crate::evaluate::EvalConfig;
+use crate::ops::log::LogFormat;
+use crate::plugin::Plugin;
+use crate::progress::Progress;
+
+/// Runs `trainerd evaluate`; its exit status.
+pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
+    let stop = stop_flag()?;
+    let timeouts =
+        Timeouts { rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?, ..Timeouts::default() };
+    let (cluster, network) = args.cluster.plan()?;
+    let facts = accel::facts(cuda);
+    let device = device(&args.device, &facts)?;
+    let threads = set_threads(args.threads)?;
+    let plugin = Plugin::load(&args.plugin)?;
+    let cfg = EvalConfig {
+        data_dir: args.data,
+        location: args.checkpoint.parse()?,
+        s3: args.s3.options(),
+        sequence: args.sequence,
+        batch_size: args.batch_size.unwrap_or(plugin.info().defaults.batch_size),
+        device,
+        threads,
+        cluster,
+        network,
+        timeouts,
+    };
+    if cfg.batch_size == 0 {
+        anyhow::bail!("--batch-size 0: expected at least 1");
+    }
+    let mut progress = Progress::stdout(log_format);
+    let result = crate::evaluate::run(&plugin, &cfg, &mut progress, &stop)?;
+    progress.line(&format!(
+        "evaluated checkpoint {} ({} test examples on {} worker(s)): test loss {:.4}{}, params sha256 {}",
+        result.sequence,
+        result.examples,
+        result.workers,
+        result.test_loss,
+        result.test_accuracy.map(|a| format!(", test accuracy {a:.4}")).unwrap_or_default(),
+        result.params_sha256
+    ));
+    if let Some(path) = &args.summary {
+        let json = serde_json::to_string_pretty(&result)? + "\n";
+        crate::atomic::write_file(path, &[json.as_bytes()])
+            .with_context(|| format!("writing the summary to {}", path.display()))?;
+    }
+    Ok(0)
+}

@@ -1,0 +1,144 @@
+//! The `trainerd` command line: [`args`] is what clap parses, [`run`] trains, [`evaluate`]
+//! evaluates a commit; `local`, `ckpt` and `plugin check` go to their modules of the crate. The
+//! binary (`main.rs`) only calls [`main`].
+
+pub mod args;
+pub mod evaluate;
+pub mod run;
+
+use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{CommandFactory, FromArgMatches};
+use tch::Device;
+use trainerd_storage::{CheckpointStore, Location};
+
+use crate::accel::{self, CudaLibrary, Facts};
+use crate::ops::log::LogFormat;
+use crate::plugin::Plugin;
+use args::{CkptCommand, Cli, Command, PluginCommand, S3Args};
+
+/// Parses the command line, runs the command, and says how it ended.
+pub fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    // Before anything asks libtorch about CUDA (it caches the answer).
+    let cuda = accel::load_cuda(asks_for_cuda(&argv));
+    let mut command = Cli::command();
+    if argv.iter().skip(1).any(|a| a == "--version" || a == "-V") {
+        let facts = accel::facts(cuda.clone());
+        let version = format!("{}\n{}", env!("CARGO_PKG_VERSION"), facts.line());
+        // Once per process, and clap wants a 'static string.
+        command = command.version(&*Box::leak(version.into_boxed_str()));
+    }
+    let cli = match Cli::from_arg_matches(&command.get_matches_from(&argv)) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    crate::ops::log::init(cli.log_format);
+    let result = match cli.command {
+        Command::Run(args) => run::run(*args, cuda, cli.log_format),
+        Command::Local { workers, restart_delay, events, args } => Duration::try_from_secs_f64(restart_delay)
+            .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))
+            .and_then(|delay| crate::local::run(workers, delay, events.as_deref(), &args)),
+        Command::Evaluate(args) => evaluate::evaluate(*args, cuda, cli.log_format),
+        Command::Ckpt { command } => ckpt(command),
+        Command::Plugin { command: PluginCommand::Check { path, in_process } } => plugin_check(&path, in_process, cuda),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            match cli.log_format {
+                LogFormat::Json => eprintln!("{}", serde_json::json!({"level": "error", "message": format!("{e:#}")})),
+                LogFormat::Plain => eprintln!("error: {e:#}"),
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Whether the command line asks for a CUDA device (`--device cuda`, `--device=cuda:1`).
+fn asks_for_cuda(args: &[String]) -> bool {
+    args.iter().enumerate().any(|(i, a)| {
+        let value = a.strip_prefix("--device=").or_else(|| (i > 0 && args[i - 1] == "--device").then_some(a.as_str()));
+        value.is_some_and(|v| v == "cuda" || v.starts_with("cuda:"))
+    })
+}
+
+/// `trainerd plugin check PATH`: in a child process (a plugin that crashes takes only the child),
+/// or, in that child, here.
+fn plugin_check(path: &std::path::Path, in_process: bool, cuda: CudaLibrary) -> anyhow::Result<i32> {
+    if !in_process {
+        return crate::check::check_in_child(path).context("running the plugin check");
+    }
+    let facts = accel::facts(cuda);
+    let text = crate::check::describe(&Plugin::load(path)?, &facts)?;
+    println!("{text}");
+    Ok(0)
+}
+
+fn open_store(url: &str, s3: &S3Args) -> anyhow::Result<CheckpointStore> {
+    let location: Location = url.parse()?;
+    Ok(location.open(&s3.options())?)
+}
+
+/// `trainerd ckpt list|show|verify|export URL`.
+fn ckpt(command: CkptCommand) -> anyhow::Result<i32> {
+    match command {
+        CkptCommand::List { url, s3 } => print!("{}", crate::ckpt::list(&open_store(&url, &s3)?)?),
+        CkptCommand::Show { url, sequence, s3 } => print!("{}", crate::ckpt::show(&open_store(&url, &s3)?, sequence)?),
+        CkptCommand::Verify { url, sequence, s3 } => {
+            let ok = crate::ckpt::verify(&open_store(&url, &s3)?, sequence, &mut std::io::stdout())?;
+            if !ok {
+                eprintln!("error: {url}: damaged commits (see above)");
+                return Ok(crate::exit::Exit::Failed.code());
+            }
+        }
+        CkptCommand::Export { url, output, sequence, s3 } => {
+            let text = crate::ckpt::export(&open_store(&url, &s3)?, sequence, &output).map_err(anyhow::Error::msg)?;
+            println!("{text}");
+        }
+    }
+    Ok(0)
+}
+
+/// A positive number of seconds from `flag`'s `value`.
+fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| anyhow::anyhow!("{flag} {value}: expected a positive number of seconds"))
+}
+
+/// A flag that SIGTERM or SIGINT raises (stop at the next safe point); a second signal ends the
+/// process at once.
+fn stop_flag() -> anyhow::Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&stop))?;
+        signal_hook::flag::register(signal, Arc::clone(&stop))?;
+    }
+    Ok(stop)
+}
+
+/// libtorch's thread counts from `--threads` (default: the available cores); the intra-op count.
+fn set_threads(threads: Option<usize>) -> anyhow::Result<usize> {
+    let threads = match threads {
+        Some(0) => anyhow::bail!("--threads 0: expected at least 1"),
+        Some(n) => n,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    tch::set_num_threads(threads as i32);
+    tch::set_num_interop_threads(1);
+    Ok(threads)
+}
+
+/// The device `--device` names on this machine. A worker's place among the workers of its node,
+/// as torchrun's LOCAL_RANK (`trainerd local` sets it), picks its GPU: `--device auto` is
+/// cuda:(LOCAL_RANK mod GPUs).
+fn device(flag: &str, facts: &Facts) -> anyhow::Result<Device> {
+    let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
+    facts.device(flag, local_rank).map_err(anyhow::Error::msg)
+}

@@ -1,0 +1,201 @@
+//! `trainerd run`: the flags made into a [`RunConfig`], the operator's surfaces started (metrics,
+//! systemd), the run, and how it ended: the last lines, the summary, the exit status, and the
+//! `exiting` event.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use super::args::RunArgs;
+use super::{device, seconds, set_threads, stop_flag};
+use crate::accel::{self, CudaLibrary, Facts};
+use crate::cluster::{ClusterConfig, Network, Timeouts};
+use crate::collective::buckets::DEFAULT_BUCKET_BYTES;
+use crate::config::{self, OptimizerFlags};
+use crate::events::{Event, Events};
+use crate::exit::Exit;
+use crate::ops::log::LogFormat;
+use crate::ops::notify::{self, Notifier};
+use crate::ops::serve::{self, Token};
+use crate::ops::Telemetry;
+use crate::plugin::Plugin;
+use crate::progress::Progress;
+use crate::train::report::Outputs;
+use crate::train::{self, CheckpointConfig, Outcome, RunConfig};
+
+/// Runs `trainerd run`; its exit status. Every way out, errors included, is an `exiting` event.
+pub fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
+    let events = match &args.events {
+        Some(path) => Events::open(path).with_context(|| format!("--events {}", path.display()))?,
+        None => Events::none(),
+    };
+    let result = train(args, cuda, log_format, &events);
+    let status = result.as_ref().map_or(Exit::Failed.code(), |&code| code);
+    events.emit(Event::Exiting { status });
+    result
+}
+
+fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Events) -> anyhow::Result<i32> {
+    // SIGTERM or SIGINT: stop at the next step boundary after the cluster's commit; a second one
+    // ends the process at once.
+    let stop = stop_flag()?;
+    let timeouts = timeouts(&args)?;
+    let (cluster, network) = args.cluster.plan()?;
+    let facts = accel::facts(cuda);
+    let device = device(&args.device, &facts)?;
+    if device.is_cuda() {
+        for missing in accel::make_deterministic() {
+            tracing::warn!(target: "trainerd", "this libtorch has no switch for {missing}; results on CUDA may not be reproducible");
+        }
+    }
+    let threads = set_threads(args.threads)?;
+    let token = args.metrics_token_file.as_deref().map(Token::load).transpose().map_err(anyhow::Error::msg)?;
+    if let Some(addr) = args.metrics_addr.filter(|a| !a.ip().is_loopback() && token.is_none() && !args.cluster.insecure)
+    {
+        anyhow::bail!(
+            "--metrics-addr {addr} is not a loopback address: give --metrics-token-file so that only your \
+             Prometheus can read the metrics, or pass --insecure"
+        );
+    }
+    let plugin = Plugin::load(&args.plugin)?;
+    let cfg = run_config(&args, &plugin, (cluster, network), (timeouts, device, threads))?;
+    let mut progress = Progress::stdout(log_format);
+    if cfg.cluster.as_ref().is_some_and(|c| c.rank != 0) {
+        progress = progress.without_step_lines();
+    }
+    announce(&mut progress, &plugin, &facts, &cfg);
+    let stall = match args.stall_timeout {
+        Some(s) => seconds("--stall-timeout", s)?,
+        None => notify::watchdog_period().unwrap_or(Duration::from_secs(120)),
+    };
+    let workers = cfg.cluster.as_ref().map_or(1, ClusterConfig::world_size);
+    let telemetry = Arc::new(Telemetry::new(stall, cfg.epochs, workers));
+    if let Some(addr) = args.metrics_addr {
+        let bound = serve::start(addr, Arc::clone(&telemetry), token).map_err(anyhow::Error::msg)?;
+        progress.line(&format!("trainerd: metrics on http://{bound}/metrics, health on http://{bound}/healthz"));
+    }
+    let notifier = Notifier::start(Arc::clone(&telemetry), Arc::clone(&stop));
+    let outputs = Outputs { progress: &mut progress, telemetry: Arc::clone(&telemetry), events: events.clone() };
+    let outcome = train::run(&plugin, &cfg, outputs, &stop);
+    // STOPPING=1 before the last lines: the run is over, however it ended.
+    telemetry.set_stopping();
+    if let Some(n) = notifier {
+        n.finish();
+    }
+    ended(outcome?, &mut progress, args.summary.as_ref())
+}
+
+/// Every deadline of the cluster, from the flags, checked as one hierarchy.
+fn timeouts(args: &RunArgs) -> anyhow::Result<Timeouts> {
+    let timeouts = Timeouts {
+        rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?,
+        heartbeat_interval: seconds("--heartbeat-interval", args.heartbeat_interval)?,
+        heartbeat_deadline: seconds("--heartbeat-deadline", args.heartbeat_deadline)?,
+        collective: seconds("--collective-timeout", args.collective_timeout)?,
+        rejoin: seconds("--rejoin-deadline", args.rejoin_deadline)?,
+    };
+    timeouts.check().map_err(anyhow::Error::msg)?;
+    Ok(timeouts)
+}
+
+/// What to train and how: the flags over the plugin's defaults.
+fn run_config(
+    args: &RunArgs,
+    plugin: &Plugin,
+    (cluster, network): (Option<ClusterConfig>, Network),
+    (timeouts, device, threads): (Timeouts, tch::Device, usize),
+) -> anyhow::Result<RunConfig> {
+    let defaults = plugin.info().defaults.clone();
+    let flags = OptimizerFlags {
+        name: args.optimizer.clone(),
+        lr: args.lr,
+        momentum: args.momentum,
+        weight_decay: args.weight_decay,
+        nesterov: args.nesterov,
+    };
+    let optimizer = config::optimizer(&defaults.optimizer, &flags).map_err(anyhow::Error::msg)?;
+    let checkpoint = match &args.checkpoint_dir {
+        None if args.checkpoint_every > 0 => anyhow::bail!("--checkpoint-every needs --checkpoint-dir"),
+        None => None,
+        Some(url) => Some(CheckpointConfig {
+            location: url.parse()?,
+            s3: args.s3.options(),
+            every: args.checkpoint_every,
+            keep: args.keep_checkpoints,
+        }),
+    };
+    let batch_size = args.batch_size.unwrap_or(defaults.batch_size);
+    if batch_size == 0 {
+        anyhow::bail!("--batch-size 0: expected at least 1");
+    }
+    Ok(RunConfig {
+        data_dir: args.data.clone(),
+        epochs: args.epochs.unwrap_or(defaults.epochs),
+        batch_size,
+        optimizer,
+        schedule: args.lr_schedule.clone().unwrap_or(defaults.schedule),
+        seed: args.seed,
+        device,
+        steps_per_epoch: args.steps_per_epoch,
+        threads,
+        cluster,
+        network,
+        timeouts,
+        bucket_bytes: DEFAULT_BUCKET_BYTES,
+        metrics_log: args.metrics_log.clone(),
+        tensorboard_dir: args.tensorboard_dir.clone(),
+        tensorboard_every: args.tensorboard_every,
+        checkpoint,
+    })
+}
+
+/// The run's first lines: what trains where, and which libtorch.
+fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, cfg: &RunConfig) {
+    let info = plugin.info();
+    let who = match &cfg.cluster {
+        None => "one worker".to_string(),
+        Some(c) => format!("{} of {} workers", c.me(), c.world_size()),
+    };
+    progress.line(&format!(
+        "trainerd: {} {} on {} with {} thread(s); {who}, batch {} per worker, {} epoch(s), optimizer {} lr {}, seed {}",
+        info.name,
+        info.version,
+        facts.describe(cfg.device),
+        cfg.threads,
+        cfg.batch_size,
+        cfg.epochs,
+        cfg.optimizer.name(),
+        cfg.optimizer.lr(),
+        cfg.seed
+    ));
+    progress.line(&format!("trainerd: {}", facts.line()));
+}
+
+/// The last lines of a run that ended with `outcome`, its summary written; its exit status.
+fn ended(outcome: Outcome, progress: &mut Progress, summary_path: Option<&PathBuf>) -> anyhow::Result<i32> {
+    let summary = match outcome {
+        Outcome::Finished(summary) => summary,
+        Outcome::Stopped { step, saved } => {
+            progress.line(&format!("trainerd: stopped by signal at global step {step}; the state is {saved}"));
+            return Ok(Exit::Done.code());
+        }
+    };
+    progress.line(&format!(
+        "done: {} steps, test loss {:.4}{}, {:.0} examples/s, params sha256 {}",
+        summary.steps,
+        summary.test_loss,
+        summary.test_accuracy.map(|a| format!(", test accuracy {a:.4}")).unwrap_or_default(),
+        summary.examples_per_second,
+        summary.params_sha256
+    ));
+    if let Some(path) = summary_path {
+        summary.write(path).with_context(|| format!("writing the summary to {}", path.display()))?;
+    }
+    if let Some(e) = &summary.checkpoint_error {
+        progress.line(&format!("error: training finished, but its last checkpoint was not committed: {e}"));
+        return Ok(Exit::FinishedUncommitted.code());
+    }
+    Ok(Exit::Done.code())
+}

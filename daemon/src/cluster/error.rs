@@ -1,0 +1,147 @@
+//! What can go wrong on the control plane, as one error type, and the one mapping from a gRPC
+//! answer of the chief's to it ([`from_status`]): every call a member makes reads the chief's
+//! answers the same way.
+
+use std::time::Duration;
+
+use tonic::{Code, Status};
+
+/// A control-plane failure.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// This daemon's own address cannot be served.
+    #[error("cannot listen on {address} ({member}'s address in TF_CONFIG): {reason}")]
+    Bind {
+        /// The address.
+        address: String,
+        /// Whose address it is.
+        member: String,
+        /// Why.
+        reason: String,
+    },
+    /// The chief refused this member.
+    #[error("rendezvous refused by the chief: {0}")]
+    Refused(String),
+    /// The coordinator gave up waiting for missing members.
+    #[error("{phase}: {detail}")]
+    GaveUp {
+        /// `rendezvous` (the first formation) or `recovery`.
+        phase: &'static str,
+        /// Who was missing, and for how long they were waited for.
+        detail: String,
+    },
+    /// The chief could not be reached for the whole deadline.
+    #[error("{phase}: no answer from the chief, {chief}, within {timeout:?}: {detail}")]
+    ChiefSilent {
+        /// `rendezvous` or `recovery`.
+        phase: &'static str,
+        /// The chief, named.
+        chief: String,
+        /// The deadline.
+        timeout: Duration,
+        /// What happened last.
+        detail: String,
+    },
+    /// The generation ended while this member waited in it.
+    #[error("generation {generation} ended: {reason}")]
+    Aborted {
+        /// The generation.
+        generation: u64,
+        /// Why.
+        reason: String,
+    },
+    /// A newer process holds this member's rank.
+    #[error("{0}")]
+    Replaced(String),
+    /// Stopped by a signal while waiting.
+    #[error("stopped while waiting for the cluster")]
+    Stopped,
+    /// Anything else from the runtime.
+    #[error("control plane: {0}")]
+    Other(String),
+}
+
+/// A call to the chief, as the mapping names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call<'a> {
+    /// A join, in its phase (`rendezvous` or `recovery`).
+    Join {
+        /// `rendezvous` (the first formation) or `recovery`.
+        phase: &'static str,
+    },
+    /// A barrier of a generation.
+    Barrier {
+        /// The generation.
+        generation: u64,
+        /// The barrier's name.
+        name: &'a str,
+    },
+}
+
+impl std::fmt::Display for Call<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Call::Join { phase } => write!(f, "{phase}: join"),
+            Call::Barrier { name, .. } => write!(f, "barrier {name}"),
+        }
+    }
+}
+
+/// What an error answer from the chief to `call` means: `None` when it is transient (the chief
+/// is not there, or restarting) and the call is tried again while the chief may come back.
+///
+/// - `Aborted`: what the call waited for ended: the coordinator gave up on a join, or the
+///   barrier's generation ended;
+/// - `FailedPrecondition` on a join: the chief refused this member (another run, a stale
+///   process);
+/// - `FailedPrecondition` elsewhere, `InvalidArgument`, `ResourceExhausted`, `OutOfRange`: the
+///   request itself cannot succeed;
+/// - anything else: transient.
+pub fn from_status(status: &Status, call: Call<'_>) -> Option<ClusterError> {
+    let message = status.message().to_string();
+    Some(match (status.code(), call) {
+        (Code::Aborted, Call::Join { phase }) => ClusterError::GaveUp { phase, detail: message },
+        (Code::Aborted, Call::Barrier { generation, .. }) => ClusterError::Aborted { generation, reason: message },
+        (Code::FailedPrecondition, Call::Join { .. }) => ClusterError::Refused(message),
+        (Code::FailedPrecondition | Code::InvalidArgument | Code::ResourceExhausted | Code::OutOfRange, call) => {
+            ClusterError::Other(format!("{call}: {message}"))
+        }
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_call_reads_the_chiefs_answers_one_way() {
+        let join = Call::Join { phase: "recovery" };
+        let barrier = Call::Barrier { generation: 4, name: "finished" };
+        let text = |s: Status, c| from_status(&s, c).map(|e| e.to_string());
+        assert_eq!(
+            text(Status::aborted("worker 2 did not join within 2s"), join).unwrap(),
+            "recovery: worker 2 did not join within 2s"
+        );
+        assert_eq!(text(Status::aborted("worker 1 left"), barrier).unwrap(), "generation 4 ended: worker 1 left");
+        assert_eq!(
+            text(Status::failed_precondition("a different plugin"), join).unwrap(),
+            "rendezvous refused by the chief: a different plugin"
+        );
+        assert_eq!(
+            text(Status::failed_precondition("held by another process"), barrier).unwrap(),
+            "control plane: barrier finished: held by another process"
+        );
+        assert_eq!(
+            text(Status::resource_exhausted("at most 16 barriers"), barrier).unwrap(),
+            "control plane: barrier finished: at most 16 barriers"
+        );
+        assert_eq!(
+            text(Status::invalid_argument("rank 9 is out of range"), join).unwrap(),
+            "control plane: recovery: join: rank 9 is out of range"
+        );
+        for transient in [Status::unavailable("connection refused"), Status::unknown("reset"), Status::cancelled("")] {
+            assert!(from_status(&transient, join).is_none() && from_status(&transient, barrier).is_none());
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! How a member reaches the others: [`Dial`] opens gRPC channels to a peer (through the cluster
+//! secret's handshake when there is one), [`authenticated`] admits incoming connections to the
+//! control plane's server only once they passed it, and [`push_abort`] carries a failure notice
+//! to every peer.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use super::super::control::{proto, ControlClient};
+use crate::auth::{self, ClusterKey, Plane};
+
+/// Pushes an abort notice for `generation` to every peer (fire and forget, bounded).
+pub(super) fn push_abort(peers: &Arc<Vec<Option<ControlClient<Channel>>>>, generation: u64, rank: u32, reason: &str) {
+    for client in peers.iter().flatten() {
+        let mut client = client.clone();
+        let request = proto::AbortRequest { generation, rank, reason: reason.into() };
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(1), client.abort(request)).await;
+        });
+    }
+}
+
+/// The first socket address of `host:port`.
+pub fn resolve(address: &str) -> Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    address
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve: {e}"))?
+        .next()
+        .ok_or_else(|| "resolves to no address".to_string())
+}
+
+/// The port of `host:port` (a host that does not resolve yet can still be listened for).
+pub(super) fn port_of(address: &str) -> Option<u16> {
+    address.rsplit_once(':').and_then(|(_, p)| p.parse().ok())
+}
+
+/// Accepted connections that passed the authentication handshake (every one without a key),
+/// for the gRPC server; the task that accepts them. Handshakes run concurrently (at most 64),
+/// each within its timeout, so a silent client holds up nobody.
+pub(super) fn authenticated(
+    listener: tokio::net::TcpListener,
+    key: Option<ClusterKey>,
+) -> (tokio::task::JoinHandle<()>, ReceiverStream<std::io::Result<tokio::net::TcpStream>>) {
+    let (tx, rx) = mpsc::channel(16);
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(64));
+    let accepting = tokio::spawn(async move {
+        loop {
+            let (mut stream, peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::debug!("control plane: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let Some(key) = key.clone() else {
+                if tx.send(Ok(stream)).await.is_err() {
+                    return;
+                }
+                continue;
+            };
+            let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else {
+                tracing::warn!("control plane: refused a connection from {peer}: too many handshakes in progress");
+                continue;
+            };
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let _permit = permit;
+                match auth::accept(&mut stream, &key, Plane::Control).await {
+                    Ok(()) => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Err(e) => tracing::warn!("control plane: refused a connection from {peer}: {}", auth::refusal(&e)),
+                }
+            });
+        }
+    });
+    (accepting, ReceiverStream::new(rx))
+}
+
+/// How this member calls another: its address, and the secret to prove there.
+#[derive(Clone)]
+pub(super) struct Dial {
+    address: String,
+    key: Option<ClusterKey>,
+}
+
+impl Dial {
+    pub(super) fn new(address: &str, key: &Option<ClusterKey>) -> Dial {
+        Dial { address: address.to_string(), key: key.clone() }
+    }
+
+    fn endpoint(&self) -> Result<Endpoint, String> {
+        Ok(Endpoint::from_shared(format!("http://{}", self.address))
+            .map_err(|e| format!("bad address {}: {e}", self.address))?
+            .connect_timeout(Duration::from_secs(1)))
+    }
+
+    /// Opens TCP connections for tonic, each through the handshake when there is a key.
+    fn connector(
+        &self,
+    ) -> impl tower::Service<
+        tonic::transport::Uri,
+        Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>,
+        Error = std::io::Error,
+        Future = impl Send,
+    > + Clone
+           + Send
+           + 'static {
+        let (address, key) = (self.address.clone(), self.key.clone());
+        tower::service_fn(move |_: tonic::transport::Uri| {
+            let (address, key) = (address.clone(), key.clone());
+            async move {
+                let mut stream = tokio::net::TcpStream::connect(address.as_str()).await?;
+                stream.set_nodelay(true)?;
+                if let Some(key) = &key {
+                    auth::connect(&mut stream, key, Plane::Control).await.map_err(std::io::Error::other)?;
+                }
+                Ok(hyper_util::rt::TokioIo::new(stream))
+            }
+        })
+    }
+
+    /// A client that connects on first use.
+    pub(super) fn lazy(&self) -> Option<ControlClient<Channel>> {
+        let endpoint = self.endpoint().ok()?;
+        Some(ControlClient::new(endpoint.connect_with_connector_lazy(self.connector())))
+    }
+
+    /// A client, retrying until `deadline` (the peer may not be up yet).
+    pub(super) async fn connect(&self, deadline: Instant) -> Result<ControlClient<Channel>, String> {
+        let endpoint = self.endpoint()?;
+        let mut last = String::from("deadline passed before the first attempt");
+        while Instant::now() < deadline {
+            match endpoint.connect_with_connector(self.connector()).await {
+                Ok(channel) => return Ok(ControlClient::new(channel)),
+                Err(e) => {
+                    last = format!("cannot connect to {}: {}", self.address, source_chain(&e));
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+        Err(last)
+    }
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        cur = s.source();
+    }
+    text
+}

@@ -1,0 +1,151 @@
+//! The heartbeat task: beats to the chief every interval, takes the chief's notices (a generation
+//! ended, this process was replaced), and notices when the chief is gone. Whether and why the
+//! chief is lost is [`Watch::lost`]'s to say; this task only carries out the link's steps, each
+//! bounded by [`Watch::deadline`], and tells the watch what it saw. A lost chief aborts this
+//! member's generation and is pushed to every peer, so nobody waits for a timeout.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+use tokio::time::timeout_at;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+
+use super::super::control::{proto, ControlClient};
+use super::super::timeouts::Timeouts;
+use super::dial::{push_abort, Dial};
+use super::watch::{Link, Lost, Seen, Watch};
+use super::Shared;
+
+/// Who beats, and to whom.
+pub(super) struct Beater {
+    pub(super) chief: Dial,
+    pub(super) chief_name: String,
+    pub(super) rank: u32,
+    pub(super) incarnation: u64,
+    pub(super) timeouts: Timeouts,
+    pub(super) shared: Arc<Shared>,
+    pub(super) peers: Arc<Vec<Option<ControlClient<Channel>>>>,
+}
+
+/// How one link to the chief ended.
+enum End {
+    /// The chief is lost.
+    Lost(Lost),
+    /// A newer process took this rank: nothing this one does counts any more.
+    Replaced,
+}
+
+impl Beater {
+    /// Beats until a newer process takes this rank; after each loss of the chief, waits an
+    /// interval and links again.
+    pub(super) async fn run(self) {
+        loop {
+            match self.link().await {
+                End::Replaced => return,
+                End::Lost(lost) => self.lost(&lost.reason(&self.chief_name)),
+            }
+            tokio::time::sleep(self.timeouts.heartbeat_interval).await;
+        }
+    }
+
+    /// The chief is lost: abort this member's generation and tell every peer.
+    fn lost(&self, why: &str) {
+        let generation = self.shared.generation.load(Ordering::Relaxed);
+        if generation > 0 && self.shared.abort.trigger(generation, why) {
+            push_abort(&self.peers, generation, self.rank, why);
+        }
+    }
+
+    /// One link to the chief: connect, open the heartbeat stream, read its notices, until the
+    /// watch says the chief is lost.
+    async fn link(&self) -> End {
+        let deadline = self.timeouts.heartbeat_deadline;
+        let mut watch = Watch::new(Instant::now());
+        let mut client = None;
+        let mut notices = None;
+        let (tx, rx) = mpsc::channel::<proto::Beat>(4);
+        let beats = tokio::spawn(self.beats(tx));
+        let mut rx = Some(rx);
+        let end = loop {
+            let until = watch.deadline(deadline).into();
+            let seen = match watch.link {
+                Link::Connecting(_) => match self.chief.connect(watch.deadline(deadline)).await {
+                    Ok(c) => {
+                        client = Some(c);
+                        Seen::Connected
+                    }
+                    Err(_) => Seen::Nothing,
+                },
+                Link::Opening(_) => {
+                    let c = client.as_mut().expect("connected");
+                    let stream = ReceiverStream::new(rx.take().expect("opened once"));
+                    match timeout_at(until, c.heartbeat(stream)).await {
+                        Ok(Ok(response)) => {
+                            notices = Some(response.into_inner());
+                            Seen::Opened
+                        }
+                        Ok(Err(_)) => Seen::Refused,
+                        Err(_) => Seen::Nothing,
+                    }
+                }
+                Link::Open => match timeout_at(until, notices.as_mut().expect("open").message()).await {
+                    Ok(Ok(Some(n))) => match self.notice(&n) {
+                        Some(end) => break end,
+                        None => Seen::Notice,
+                    },
+                    Ok(Ok(None) | Err(_)) => Seen::Closed,
+                    Err(_) => Seen::Nothing,
+                },
+                Link::Refused | Link::Closed => Seen::Nothing,
+            };
+            let now = Instant::now();
+            watch.saw(seen, now);
+            if let Some(lost) = watch.lost(now, deadline) {
+                break End::Lost(lost);
+            }
+        };
+        beats.abort();
+        end
+    }
+
+    /// Beats into `tx` every interval, carrying this member's generation and global step.
+    fn beats(&self, tx: mpsc::Sender<proto::Beat>) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let (shared, rank, incarnation, interval) =
+            (Arc::clone(&self.shared), self.rank, self.incarnation, self.timeouts.heartbeat_interval);
+        async move {
+            loop {
+                let beat = proto::Beat {
+                    rank,
+                    incarnation,
+                    generation: shared.generation.load(Ordering::Relaxed),
+                    step: shared.step.load(Ordering::Relaxed),
+                };
+                if tx.send(beat).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(interval).await;
+            }
+        }
+    }
+
+    /// Takes a notice from the chief; `Some` when it ends the link for good.
+    fn notice(&self, n: &proto::Notice) -> Option<End> {
+        self.shared.touch();
+        match proto::notice::Kind::try_from(n.kind) {
+            Ok(proto::notice::Kind::Ended) => {
+                self.shared.abort.trigger(n.generation, &n.reason);
+                None
+            }
+            Ok(proto::notice::Kind::Replaced) => {
+                *self.shared.replaced.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    Some(n.reason.clone());
+                self.shared.abort.trigger(u64::MAX, &n.reason);
+                Some(End::Replaced)
+            }
+            _ => None,
+        }
+    }
+}

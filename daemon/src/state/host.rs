@@ -1,0 +1,100 @@
+//! Tensors between libtorch and host memory: a checkpoint's and a state transfer's
+//! [`TensorData`] from a tensor, a tensor from it, and restored values copied into a model's
+//! tensors with their names, types and shapes checked. Every dtype a checkpoint holds keeps its
+//! bits.
+
+use bytes::Bytes;
+use tch::{Device, Kind, Tensor};
+use trainerd_storage::{Dtype, TensorData};
+
+fn dtype(kind: Kind) -> Option<Dtype> {
+    Some(match kind {
+        Kind::Float => Dtype::F32,
+        Kind::Double => Dtype::F64,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Int64 => Dtype::I64,
+        Kind::Int => Dtype::I32,
+        Kind::Uint8 => Dtype::U8,
+        _ => return None,
+    })
+}
+
+fn kind(dtype: Dtype) -> Kind {
+    match dtype {
+        Dtype::F32 => Kind::Float,
+        Dtype::F64 => Kind::Double,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::I64 => Kind::Int64,
+        Dtype::I32 => Kind::Int,
+        Dtype::U8 => Kind::Uint8,
+    }
+}
+
+/// A tensor's elements as contiguous native-endian bytes in host memory.
+pub fn host_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
+    let t = t.detach().to_device(Device::Cpu).contiguous();
+    let numel = t.numel();
+    let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    t.f_copy_data_u8(&mut data, numel)?;
+    Ok(data)
+}
+
+/// Copies a tensor into host memory.
+pub fn host_copy(name: &str, t: &Tensor) -> Result<TensorData, String> {
+    let dtype = dtype(t.kind()).ok_or_else(|| format!("tensor {name}: unsupported kind {:?}", t.kind()))?;
+    let data = host_bytes(t).map_err(|e| format!("tensor {name}: {e}"))?;
+    Ok(TensorData {
+        name: name.into(),
+        dtype,
+        shape: t.size().iter().map(|&d| d as usize).collect(),
+        data: Bytes::from(data),
+    })
+}
+
+/// A tensor (on the CPU) from host memory.
+pub fn to_tensor(t: &TensorData) -> Result<Tensor, String> {
+    let shape: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
+    Tensor::f_from_data_size(&t.data, &shape, kind(t.dtype)).map_err(|e| format!("tensor {}: {e}", t.name))
+}
+
+/// Copies restored values into `dst` (name, tensor) in place, checking names, types and
+/// shapes. `what` names the source in messages ("checkpoint 3's model").
+pub fn copy_into(dst: &mut [(String, Tensor)], src: &[TensorData], what: &str) -> Result<(), String> {
+    let _no_grad = tch::no_grad_guard();
+    for (name, t) in dst.iter_mut() {
+        let s = src.iter().find(|s| &s.name == name).ok_or_else(|| format!("{what} has no tensor {name}"))?;
+        let value = to_tensor(s)?;
+        if value.size() != t.size() {
+            return Err(format!("{what} tensor {name} has shape {:?}, the model's has {:?}", value.size(), t.size()));
+        }
+        if value.kind() != t.kind() {
+            return Err(format!("{what} tensor {name} is {:?}, the model's is {:?}", value.kind(), t.kind()));
+        }
+        t.f_copy_(&value).map_err(|e| format!("{name}: {e}"))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_copies_round_trip() {
+        let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]);
+        let d = host_copy("t", &t).unwrap();
+        assert_eq!((d.dtype, d.shape.clone(), d.data.len()), (Dtype::F32, vec![3, 4], 48));
+        let back = to_tensor(&d).unwrap();
+        assert_eq!(back, t);
+        let mut dst = vec![("t".to_string(), Tensor::zeros([3, 4], (Kind::Float, Device::Cpu)))];
+        copy_into(&mut dst, std::slice::from_ref(&d), "the checkpoint's model").unwrap();
+        assert_eq!(dst[0].1, t);
+        let mut wrong = vec![("t".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
+        assert_eq!(
+            copy_into(&mut wrong, &[d], "the checkpoint's model").unwrap_err(),
+            "the checkpoint's model tensor t has shape [3, 4], the model's has [4]"
+        );
+    }
+}

@@ -1,0 +1,405 @@
+//! A replica's state as one value, in two layers: the model's ([`ModelState`]: where training
+//! stands, the parameters, the buffers such as BatchNorm's running statistics) and, for training,
+//! the optimizer's ([`TrainState`]). An evaluation needs only the first. Either is what a member
+//! receives from a live peer (`encode`, `decode`: raw bytes, every dtype exact, fingerprinted by
+//! sha256), and a [`TrainState`] is what the chief commits ([`TrainState::blobs`],
+//! [`TrainState::restore`]).
+//!
+//! A step changes it only after its all-reduce has completed on this member, so an abandoned step
+//! leaves it exactly at the previous step (buffers that a forward pass updates in place are put
+//! back: [`ModelState::save_buffers`]). Every tensor keeps its dtype: float64 and integer state
+//! crosses encodes, transfers and checkpoints bit for bit.
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use tch::{Device, Tensor};
+use trainerd_storage::{tensors, Blob, Restored, TensorData};
+
+use super::host as checkpoint;
+use super::position::Position;
+use super::{MODEL_BLOB, OPTIMIZER_BLOB};
+use crate::optim::Optimizer;
+
+const MAGIC: &[u8; 8] = b"TRDSTAT1";
+
+/// What a member brings to a formation: how far its state is, and the state itself as bytes for
+/// the members that lack it (a [`TrainState`] in training, a [`ModelState`] in an evaluation).
+pub trait Shareable {
+    /// How far it is: larger is further.
+    fn progress(&self) -> (u64, u64);
+    /// Whether it is a state of the run (a fresh process's model is not, unless it is the
+    /// chief's).
+    fn live(&self) -> bool;
+    /// The state as bytes.
+    fn encode(&self) -> Result<Vec<u8>, String>;
+
+    /// The sha256 of [`Shareable::encode`], lower-case hex; empty when it holds no state of the
+    /// run.
+    fn digest(&self) -> Result<String, String> {
+        if !self.live() {
+            return Ok(String::new());
+        }
+        Ok(sha256_hex(&self.encode()?))
+    }
+}
+
+/// The sha256 of `bytes`, lower-case hex: how a state's report and its receiver fingerprint it.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub use crate::plugin::Named;
+
+/// The model's part of a replica: position, parameters and buffers.
+pub struct ModelState {
+    /// Where training stands.
+    pub position: Position,
+    /// The model's trainable parameters (shared with the plugin's model), in name order.
+    pub params: Named,
+    /// The model's non-trainable variables (shared with the plugin's model), in name order.
+    pub buffers: Named,
+    /// False for a process that has not received or restored a state yet (its freshly built
+    /// model is not the run's state unless it is the chief's).
+    pub live: bool,
+    device: Device,
+}
+
+/// A training replica: the model's state and the optimizer's.
+pub struct TrainState {
+    /// Position, parameters and buffers.
+    pub model: ModelState,
+    /// The optimizer and its state tensors.
+    pub optimizer: Optimizer,
+}
+
+impl ModelState {
+    /// The model's variables `(params, buffers)` at the start of training.
+    pub fn new((params, buffers): (Named, Named), metrics: usize, device: Device, live: bool) -> ModelState {
+        ModelState { position: Position::start(metrics), params, buffers, live, device }
+    }
+
+    /// Every model variable, parameters then buffers.
+    pub fn variables(&self) -> impl Iterator<Item = &(String, Tensor)> {
+        self.params.iter().chain(&self.buffers)
+    }
+
+    /// sha256 over every variable's bytes, in name order (a summary's `params_sha256`).
+    pub fn params_sha256(&self) -> String {
+        let mut sorted: Vec<&(String, Tensor)> = self.variables().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut hasher = Sha256::new();
+        for (name, p) in sorted {
+            hasher.update(checkpoint::host_bytes(p).unwrap_or_else(|e| panic!("reading parameter {name}: {e}")));
+        }
+        format!("{:x}", hasher.finalize())
+    }
+
+    /// A copy of every buffer, to put back with [`ModelState::restore_buffers`] when a step is
+    /// abandoned after its forward pass updated them. Empty when the model has none.
+    pub fn save_buffers(&self) -> Vec<Tensor> {
+        self.buffers.iter().map(|(_, b)| b.detach().copy()).collect()
+    }
+
+    /// Puts back buffers saved by [`ModelState::save_buffers`].
+    pub fn restore_buffers(&mut self, saved: &[Tensor]) {
+        let _no_grad = tch::no_grad_guard();
+        for ((_, b), s) in self.buffers.iter_mut().zip(saved) {
+            b.copy_(s);
+        }
+    }
+
+    /// Parameters and buffers in host memory, each named `PREFIXNAME`.
+    fn host_tensors(&self, prefix: &str) -> Result<Vec<TensorData>, String> {
+        self.variables().map(|(n, t)| checkpoint::host_copy(&format!("{prefix}{n}"), t)).collect()
+    }
+
+    /// Copies parameters and buffers in from `model`, checked against this model (names, types,
+    /// shapes); `what` names the source in messages.
+    fn copy_in(&mut self, model: &[TensorData], what: &str) -> Result<(), String> {
+        checkpoint::copy_into(&mut self.params, model, what)?;
+        checkpoint::copy_into(&mut self.buffers, model, what)
+    }
+
+    /// The variables copied in are the run's state at `position`.
+    fn take(&mut self, position: Position) {
+        self.position = position;
+        self.live = true;
+    }
+
+    /// [`ModelState::copy_in`], then [`ModelState::take`].
+    fn load(&mut self, position: Position, model: &[TensorData], what: &str) -> Result<(), String> {
+        self.copy_in(model, what)?;
+        self.take(position);
+        Ok(())
+    }
+
+    /// Takes only the model of a verified checkpoint, and `position`: what an evaluation needs,
+    /// whatever optimizer trained it.
+    pub fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), String> {
+        let seq = restored.record.sequence;
+        let model = restored.blobs.get(MODEL_BLOB).ok_or_else(|| format!("checkpoint {seq} has no {MODEL_BLOB}"))?;
+        self.load(position, model, &format!("checkpoint {seq}'s model"))
+    }
+
+    /// Takes a peer's model state from `bytes`.
+    pub fn decode(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let (position, model, _) = decode(bytes)?;
+        self.load(position, &model, "the received state's model")
+    }
+}
+
+impl Shareable for ModelState {
+    fn progress(&self) -> (u64, u64) {
+        self.position.progress()
+    }
+
+    fn live(&self) -> bool {
+        self.live
+    }
+
+    fn encode(&self) -> Result<Vec<u8>, String> {
+        encode(&self.position, self.host_tensors("model/")?)
+    }
+}
+
+impl TrainState {
+    /// A state at the start of training.
+    pub fn new(model: ModelState, optimizer: Optimizer) -> Self {
+        TrainState { model, optimizer }
+    }
+
+    /// Where training stands.
+    pub fn position(&self) -> &Position {
+        &self.model.position
+    }
+
+    /// Takes a peer's state from `bytes` (checked against this model: names, types, shapes).
+    pub fn decode(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let (position, model, optim) = decode(bytes)?;
+        self.load(position, &model, &optim, "the received state")
+    }
+
+    /// Copies parameters, buffers and optimizer state in, and takes `position`; `what` names the
+    /// source in messages.
+    fn load(
+        &mut self,
+        position: Position,
+        model: &[TensorData],
+        optim: &[TensorData],
+        what: &str,
+    ) -> Result<(), String> {
+        self.model.copy_in(model, &format!("{what}'s model"))?;
+        let device = self.model.device;
+        let state: Vec<(String, Tensor)> = optim
+            .iter()
+            .map(|t| Ok((t.name.clone(), checkpoint::to_tensor(t)?.to_device(device))))
+            .collect::<Result<_, String>>()?;
+        self.optimizer.restore(position.global_step, &state).map_err(|e| format!("{what}: {e}"))?;
+        self.model.take(position);
+        Ok(())
+    }
+
+    /// Takes a verified checkpoint's state (its metadata already checked against this run).
+    pub fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), String> {
+        let seq = restored.record.sequence;
+        let blob = |name: &str| restored.blobs.get(name).ok_or_else(|| format!("checkpoint {seq} has no {name}"));
+        self.load(position, blob(MODEL_BLOB)?, blob(OPTIMIZER_BLOB)?, &format!("checkpoint {seq}"))
+    }
+
+    /// The state as checkpoint blobs, in host memory.
+    pub fn blobs(&self) -> Result<Vec<Blob>, String> {
+        let snapshot = |ts: &[(String, Tensor)]| {
+            ts.iter().map(|(n, t)| checkpoint::host_copy(n, t)).collect::<Result<Vec<_>, _>>()
+        };
+        let mut model = snapshot(&self.model.params)?;
+        model.extend(snapshot(&self.model.buffers)?);
+        Ok(vec![
+            Blob { name: MODEL_BLOB.into(), tensors: model },
+            Blob { name: OPTIMIZER_BLOB.into(), tensors: snapshot(&self.optimizer.state())? },
+        ])
+    }
+}
+
+impl Shareable for TrainState {
+    fn progress(&self) -> (u64, u64) {
+        self.model.progress()
+    }
+
+    fn live(&self) -> bool {
+        self.model.live
+    }
+
+    fn encode(&self) -> Result<Vec<u8>, String> {
+        let mut all = self.model.host_tensors("model/")?;
+        for (n, t) in self.optimizer.state() {
+            all.push(checkpoint::host_copy(&format!("optimizer/{n}"), &t)?);
+        }
+        encode(&self.model.position, all)
+    }
+}
+
+/// A state as bytes: magic, the position's JSON (length-prefixed), then safetensors.
+fn encode(position: &Position, tensors: Vec<TensorData>) -> Result<Vec<u8>, String> {
+    let position = serde_json::to_vec(position).map_err(|e| e.to_string())?;
+    let chunks = tensors::encode(&tensors).map_err(|e| e.to_string())?;
+    let mut out = Vec::with_capacity(16 + position.len() + chunks.iter().map(Bytes::len).sum::<usize>());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(position.len() as u64).to_le_bytes());
+    out.extend_from_slice(&position);
+    chunks.iter().for_each(|c| out.extend_from_slice(c));
+    Ok(out)
+}
+
+/// The position, the model's tensors and the optimizer's (names without their prefix) of
+/// [`encode`]'s bytes.
+fn decode(bytes: &[u8]) -> Result<(Position, Vec<TensorData>, Vec<TensorData>), String> {
+    let bad = |what: &str| format!("the state received is not valid: {what}");
+    if bytes.len() < 16 || &bytes[..8] != MAGIC {
+        return Err(bad("no header"));
+    }
+    let len = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")) as usize;
+    let position_end = 16usize.checked_add(len).filter(|&e| e <= bytes.len()).ok_or_else(|| bad("short header"))?;
+    let position: Position = serde_json::from_slice(&bytes[16..position_end]).map_err(|e| bad(&e.to_string()))?;
+    let all = tensors::decode(&Bytes::copy_from_slice(&bytes[position_end..])).map_err(|e| bad(&e.to_string()))?;
+    let (model, optim): (Vec<TensorData>, Vec<TensorData>) =
+        all.into_iter().partition(|t| t.name.starts_with("model/"));
+    let strip = |ts: Vec<TensorData>, prefix: &str| -> Vec<TensorData> {
+        ts.into_iter().map(|t| TensorData { name: t.name[prefix.len()..].to_string(), ..t }).collect()
+    };
+    Ok((position, strip(model, "model/"), strip(optim, "optimizer/")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::Totals;
+    use tch::Kind;
+    use trainerd_sdk::OptimizerConfig;
+
+    fn state(seed: i64, config: OptimizerConfig) -> TrainState {
+        tch::manual_seed(seed);
+        let params = vec![
+            ("a".to_string(), Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true)),
+            ("b".to_string(), Tensor::randn([5], (Kind::Double, Device::Cpu)).set_requires_grad(true)),
+        ];
+        let optimizer = Optimizer::new(config, &params);
+        TrainState::new(ModelState::new((params, typed_buffers(seed)), 1, Device::Cpu, true), optimizer)
+    }
+
+    /// Buffers of every dtype a checkpoint holds, with values float32 cannot carry.
+    fn typed_buffers(seed: i64) -> Vec<(String, Tensor)> {
+        vec![
+            ("count".into(), Tensor::from_slice(&[(1i64 << 53) + 1 + seed, i64::MAX - seed])),
+            ("index".into(), Tensor::from_slice(&[(1i32 << 24) + 1 + seed as i32, i32::MIN])),
+            ("mask".into(), Tensor::from_slice(&[1u8, 255 - seed as u8])),
+            ("mean".into(), Tensor::from_slice(&[1.0f64 / 3.0 + seed as f64, 1e-300, f64::MAX])),
+            ("half".into(), Tensor::from_slice(&[0.1f32 * seed as f32, 3.0]).to_kind(Kind::Half)),
+            ("brain".into(), Tensor::from_slice(&[0.7f32 * seed as f32]).to_kind(Kind::BFloat16)),
+        ]
+    }
+
+    fn bytes_of(ts: &[(String, Tensor)]) -> Vec<(String, Kind, Vec<u8>)> {
+        ts.iter().map(|(n, t)| (n.clone(), t.kind(), checkpoint::host_bytes(t).unwrap())).collect()
+    }
+
+    fn digest(s: &dyn Shareable) -> String {
+        s.digest().unwrap()
+    }
+
+    #[test]
+    fn every_dtype_crosses_a_transfer_and_a_checkpoint_bit_exactly() {
+        let mut source = state(1, OptimizerConfig::adam(1e-3));
+        train(&mut source, 2);
+        // A transfer to a peer (what a recovery broadcasts).
+        let mut peer = state(2, OptimizerConfig::adam(1e-3));
+        peer.decode(&source.encode().unwrap()).unwrap();
+        assert_eq!(bytes_of(&peer.model.buffers), bytes_of(&source.model.buffers));
+        assert_eq!(bytes_of(&peer.model.params), bytes_of(&source.model.params));
+        // A checkpoint: the blobs as safetensors files, read back.
+        let blobs = source.blobs().unwrap();
+        let files: Vec<Vec<TensorData>> = blobs
+            .iter()
+            .map(|b| {
+                let chunks = tensors::encode(&b.tensors).unwrap();
+                tensors::decode(&Bytes::from(chunks.concat())).unwrap()
+            })
+            .collect();
+        let mut restored = state(3, OptimizerConfig::adam(1e-3));
+        restored.load(source.position().clone(), &files[0], &files[1], "checkpoint 1").unwrap();
+        assert_eq!(bytes_of(&restored.model.buffers), bytes_of(&source.model.buffers));
+        assert_eq!(digest(&restored), digest(&source));
+        // Values float32 would have rounded are there exactly.
+        let buffers = &restored.model.buffers;
+        assert_eq!(Vec::<i64>::try_from(&buffers[0].1).unwrap(), [(1i64 << 53) + 2, i64::MAX - 1]);
+        assert_eq!(f64::try_from(&buffers[3].1.get(0)).unwrap(), 1.0 / 3.0 + 1.0);
+    }
+
+    #[test]
+    fn buffers_saved_before_a_step_are_put_back_exactly() {
+        let mut s = state(1, OptimizerConfig::adam(1e-3)).model;
+        let before = bytes_of(&s.buffers);
+        let saved = s.save_buffers();
+        for (_, b) in s.buffers.iter_mut() {
+            let _ = b.fill_(7);
+        }
+        assert_ne!(bytes_of(&s.buffers), before);
+        s.restore_buffers(&saved);
+        assert_eq!(bytes_of(&s.buffers), before);
+    }
+
+    fn train(s: &mut TrainState, steps: u64) {
+        for _ in 0..steps {
+            for (_, p) in s.model.params.iter_mut() {
+                p.zero_grad();
+                (p.pow_tensor_scalar(2).sum(p.kind()) * 0.5).backward();
+            }
+            s.optimizer.step(&mut s.model.params, 0.01);
+            s.model.position.stepped(&Totals::of_batch(1, 0.1, vec![0.0]));
+        }
+    }
+
+    #[test]
+    fn a_state_sent_to_a_fresh_replica_is_bit_identical_and_continues_identically() {
+        for config in [
+            OptimizerConfig::adam(1e-3),
+            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.5, weight_decay: 0.0, nesterov: false },
+        ] {
+            let mut source = state(1, config.clone());
+            train(&mut source, 7);
+            let bytes = source.encode().unwrap();
+            let mut fresh = state(2, config.clone());
+            fresh.model.live = false;
+            assert_eq!(fresh.digest().unwrap(), "", "a fresh process reports no state");
+            fresh.decode(&bytes).unwrap();
+            assert_eq!(digest(&fresh), digest(&source));
+            assert_eq!(fresh.position(), source.position());
+            // Both continue with the very same updates (f64 parameters included).
+            train(&mut source, 3);
+            train(&mut fresh, 3);
+            assert_eq!(fresh.encode().unwrap(), source.encode().unwrap(), "{config:?}");
+        }
+    }
+
+    #[test]
+    fn a_model_state_crosses_alone_for_an_evaluation() {
+        let mut source = state(1, OptimizerConfig::adam(1e-3));
+        train(&mut source, 2);
+        let mut fresh = state(2, OptimizerConfig::adam(1e-3)).model;
+        fresh.live = false;
+        fresh.decode(&source.model.encode().unwrap()).unwrap();
+        assert_eq!(fresh.params_sha256(), source.model.params_sha256());
+        assert_eq!((fresh.live, &fresh.position), (true, source.position()));
+    }
+
+    #[test]
+    fn a_state_of_another_model_is_refused_naming_the_tensor() {
+        let source = state(1, OptimizerConfig::adam(1e-3));
+        let mut other = state(1, OptimizerConfig::adam(1e-3));
+        other.model.params[0].1 = Tensor::zeros([4, 3], (Kind::Float, Device::Cpu));
+        assert_eq!(
+            other.decode(&source.encode().unwrap()).unwrap_err(),
+            "the received state's model tensor a has shape [3, 4], the model's has [4, 3]"
+        );
+        assert_eq!(other.decode(b"garbage").unwrap_err(), "the state received is not valid: no header");
+    }
+}

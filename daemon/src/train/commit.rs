@@ -1,0 +1,252 @@
+//! When the chief commits: a pure policy ([`decide`]) maps (the moment, the state's position, the
+//! settings, the last commit) to commit, wait or skip, with no I/O, so that every rule is a plain
+//! unit test; the chief's [`Committer`] carries the decisions out through the [`Checkpointer`]
+//! (which does the how). Only the chief has a committer.
+
+use trainerd_sdk::PluginInfo;
+
+use super::report::Reporter;
+use super::TrainError;
+use crate::checkpoint::{Checkpointer, Finished};
+use crate::state::{Meta, Position, TrainState};
+
+/// Where the loop is when it asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Moment {
+    /// A step is done.
+    Step,
+    /// An epoch is done and evaluated.
+    EpochEnd,
+    /// Every epoch is done: the run's last commit, which the cluster waits for.
+    Finish,
+    /// A stop signal: the state is committed, and waited for, before the members leave.
+    Stop,
+}
+
+impl Moment {
+    /// Whether the loop waits for the commit before it goes on (it is the run's last word).
+    fn last(self) -> bool {
+        matches!(self, Moment::Finish | Moment::Stop)
+    }
+}
+
+/// The settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// Commit every this many global steps (0: only at epoch ends).
+    pub every: u64,
+    /// Steps in an epoch (the epoch's last step is committed at its end, after evaluation).
+    pub steps_per_epoch: u64,
+}
+
+/// The state of the last commit, as the checkpointer knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Last {
+    /// This state (or a later one) is already committed or on its way.
+    pub holds: bool,
+    /// A commit is still uploading and the storage failed under it.
+    pub stuck: bool,
+}
+
+/// What to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Commit the state; for the last moments, then wait for the commit.
+    Commit,
+    /// The state is already on its way: wait for the commit in flight.
+    Wait,
+    /// Nothing now.
+    Skip(Skip),
+}
+
+/// Why nothing is committed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// No commit is due at this step.
+    NotDue,
+    /// This state is already committed or on its way.
+    Held,
+    /// The previous commit is stuck on failing storage: training does not wait for an outage,
+    /// except at the end of the run or a stop.
+    Stuck,
+    /// This process holds no state of the run yet (nothing to commit).
+    NoState,
+}
+
+/// What to do at `moment` with a state at `position` (`live`: a state of the run).
+pub fn decide(moment: Moment, position: &Position, live: bool, policy: Policy, last: Last) -> Action {
+    if !live {
+        return Action::Skip(Skip::NoState);
+    }
+    let due = match moment {
+        Moment::Step => {
+            policy.every > 0
+                && position.global_step % policy.every == 0
+                && position.step_in_epoch < policy.steps_per_epoch
+        }
+        Moment::EpochEnd | Moment::Finish | Moment::Stop => true,
+    };
+    if !due {
+        return Action::Skip(Skip::NotDue);
+    }
+    match (last.holds, moment.last()) {
+        (true, true) => Action::Wait,
+        (true, false) => Action::Skip(Skip::Held),
+        (false, false) if last.stuck => Action::Skip(Skip::Stuck),
+        (false, _) => Action::Commit,
+    }
+}
+
+/// The chief's commits: the policy's decisions, carried out.
+pub struct Committer {
+    checkpointer: Checkpointer,
+    policy: Policy,
+    info: PluginInfo,
+    workers: usize,
+    run_config: String,
+}
+
+impl Committer {
+    /// Commits through `checkpointer` by `policy`, each commit's metadata naming `info`'s
+    /// plugin, `workers` and `run_config` (canonical JSON).
+    pub fn new(
+        checkpointer: Checkpointer,
+        policy: Policy,
+        info: &PluginInfo,
+        workers: usize,
+        run_config: String,
+    ) -> Self {
+        Committer { checkpointer, policy, info: info.clone(), workers, run_config }
+    }
+
+    /// The checkpointer (restoring, its location, the generation commits carry).
+    pub fn checkpointer(&mut self) -> &mut Checkpointer {
+        &mut self.checkpointer
+    }
+
+    /// Reports a commit that has finished, without waiting.
+    pub fn poll(&mut self, report: &mut Reporter<'_>) {
+        if let Some(f) = self.checkpointer.poll() {
+            report.commit_finished(self.checkpointer.location(), &f);
+        }
+    }
+
+    /// Does what the policy decides at `moment` for `state`. For the last moments, returns the
+    /// sequence of the commit waited for, if it committed.
+    pub fn at(
+        &mut self,
+        moment: Moment,
+        state: &TrainState,
+        report: &mut Reporter<'_>,
+    ) -> Result<Option<u64>, TrainError> {
+        let c = &self.checkpointer;
+        let position = state.position();
+        let last = Last { holds: c.has(position.progress()), stuck: c.stuck() };
+        match decide(moment, position, state.model.live, self.policy, last) {
+            Action::Skip(Skip::Stuck) => {
+                report.line(&format!(
+                    "warning: checkpoint at step {} skipped: the previous commit to {} is still retrying",
+                    position.global_step,
+                    c.location()
+                ));
+                Ok(None)
+            }
+            Action::Skip(_) => Ok(None),
+            Action::Wait => Ok(self.wait(report)),
+            Action::Commit => {
+                let meta = Meta::new(position.clone(), &self.info, self.workers, &self.run_config);
+                let blobs = state.blobs().map_err(TrainError::State)?;
+                let previous = self.checkpointer.commit(blobs, &meta).map_err(TrainError::Checkpoint)?;
+                if let Some(f) = previous {
+                    report.commit_finished(self.checkpointer.location(), &f);
+                }
+                Ok(if moment.last() { self.wait(report) } else { None })
+            }
+        }
+    }
+
+    /// Waits for the commit in flight and reports it; its sequence, if it committed.
+    fn wait(&mut self, report: &mut Reporter<'_>) -> Option<u64> {
+        report.committing(self.checkpointer.location());
+        let finished = self.checkpointer.wait()?;
+        report.commit_finished(self.checkpointer.location(), &finished);
+        match finished {
+            Finished::Committed { sequence, .. } => Some(sequence),
+            Finished::Failed { .. } => None,
+        }
+    }
+
+    /// Where the state at `progress` lives on after the run's last commit (`sequence`, if it
+    /// committed).
+    pub fn saved(&self, sequence: Option<u64>, progress: (u64, u64)) -> String {
+        let c = &self.checkpointer;
+        match sequence {
+            Some(seq) => format!("committed as checkpoint {seq} in {}", c.location()),
+            None if c.has(progress) => format!("already committed in {}", c.location()),
+            None => format!(
+                "not committed: {}",
+                c.last_error().map_or_else(|| format!("no commit to {}", c.location()), String::from)
+            ),
+        }
+    }
+
+    /// Why the last commit failed, if it did.
+    pub fn last_error(&self) -> Option<String> {
+        self.checkpointer.last_error().map(String::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POLICY: Policy = Policy { every: 25, steps_per_epoch: 60 };
+    const FREE: Last = Last { holds: false, stuck: false };
+
+    fn at(global_step: u64, step_in_epoch: u64) -> Position {
+        Position { global_step, step_in_epoch, ..Position::start(1) }
+    }
+
+    #[test]
+    fn a_step_commits_every_n_global_steps_but_not_at_an_epochs_last_step() {
+        assert_eq!(decide(Moment::Step, &at(25, 25), true, POLICY, FREE), Action::Commit);
+        assert_eq!(decide(Moment::Step, &at(26, 26), true, POLICY, FREE), Action::Skip(Skip::NotDue));
+        // Global step 75 is step 15 of epoch 2: due.
+        assert_eq!(decide(Moment::Step, &at(75, 15), true, POLICY, FREE), Action::Commit);
+        // The epoch's last step is committed at the epoch's end, after its evaluation.
+        let end = Policy { every: 30, ..POLICY };
+        assert_eq!(decide(Moment::Step, &at(60, 60), true, end, FREE), Action::Skip(Skip::NotDue));
+        let never = Policy { every: 0, ..POLICY };
+        assert_eq!(decide(Moment::Step, &at(50, 50), true, never, FREE), Action::Skip(Skip::NotDue));
+    }
+
+    #[test]
+    fn epoch_ends_finishes_and_stops_are_always_due() {
+        for moment in [Moment::EpochEnd, Moment::Finish, Moment::Stop] {
+            assert_eq!(decide(moment, &at(61, 0), true, POLICY, FREE), Action::Commit, "{moment:?}");
+        }
+    }
+
+    #[test]
+    fn a_state_already_held_is_skipped_or_waited_for_at_the_end() {
+        let held = Last { holds: true, stuck: false };
+        assert_eq!(decide(Moment::Step, &at(25, 25), true, POLICY, held), Action::Skip(Skip::Held));
+        assert_eq!(decide(Moment::EpochEnd, &at(60, 0), true, POLICY, held), Action::Skip(Skip::Held));
+        assert_eq!(decide(Moment::Finish, &at(120, 0), true, POLICY, held), Action::Wait);
+        assert_eq!(decide(Moment::Stop, &at(70, 10), true, POLICY, held), Action::Wait);
+    }
+
+    #[test]
+    fn a_stuck_commit_skips_periodic_commits_but_not_the_last_one() {
+        let stuck = Last { holds: false, stuck: true };
+        assert_eq!(decide(Moment::Step, &at(50, 50), true, POLICY, stuck), Action::Skip(Skip::Stuck));
+        assert_eq!(decide(Moment::EpochEnd, &at(60, 0), true, POLICY, stuck), Action::Skip(Skip::Stuck));
+        assert_eq!(decide(Moment::Finish, &at(120, 0), true, POLICY, stuck), Action::Commit);
+        assert_eq!(decide(Moment::Stop, &at(70, 10), true, POLICY, stuck), Action::Commit);
+    }
+
+    #[test]
+    fn a_process_without_a_state_of_the_run_commits_nothing() {
+        assert_eq!(decide(Moment::Stop, &at(0, 0), false, POLICY, FREE), Action::Skip(Skip::NoState));
+    }
+}

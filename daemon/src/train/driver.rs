@@ -1,0 +1,388 @@
+//! The loop: generations, epochs, steps. Each generation is joined (the state taken from its
+//! source), admitted (every member's steps per epoch agree), and trained until the run is done,
+//! a member asks to stop, or a failure abandons it; then the next generation is joined with the
+//! state as it stands. What to show is the reporter's ([`super::report`]), when to commit the
+//! policy's ([`super::commit`]).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::Tensor;
+use trainerd_sdk::{InputContext, PluginInfo};
+
+use super::batches::Batches;
+use super::commit::{Committer, Moment};
+use super::report::{JoinedGeneration, Reporter, StepDone};
+use super::session::{Interrupt, Joined, Session};
+use super::startup::Data;
+use super::step::{self, StepResult};
+use super::summary::{device_name, Summary};
+use super::{Outcome, RunConfig, TrainError};
+use crate::cluster::control::FINAL_BARRIER;
+use crate::cluster::ClusterError;
+use crate::collective::buckets::Buckets;
+use crate::collective::ReduceOp;
+use crate::plugin::{Dataset, ModelInstance};
+use crate::schedule::lr_at;
+use crate::state::{Shareable, Totals, TrainState};
+
+/// How training in a generation ended.
+enum Ended {
+    /// Every epoch is done and evaluated.
+    Finished,
+    /// These ranks asked to stop after the step just taken.
+    Stop(Vec<usize>),
+}
+
+/// What the loop drives with, besides the state and the session.
+pub(super) struct Driver<'a> {
+    cfg: &'a RunConfig,
+    info: &'a PluginInfo,
+    model: &'a ModelInstance<'a>,
+    test_data: &'a Dataset<'a>,
+    batches: Batches<'a>,
+    buckets: Buckets,
+    ctx: InputContext,
+    steps_per_epoch: u64,
+    stop: Arc<AtomicBool>,
+    report: Reporter<'a>,
+    committer: Option<Committer>,
+}
+
+impl<'a> Driver<'a> {
+    /// A loop over `model` and its `data`.
+    pub(super) fn new(
+        (cfg, info): (&'a RunConfig, &'a PluginInfo),
+        (model, data): (&'a ModelInstance<'a>, &'a Data<'a>),
+        buckets: Buckets,
+        (report, committer): (Reporter<'a>, Option<Committer>),
+        stop: &Arc<AtomicBool>,
+    ) -> Driver<'a> {
+        Driver {
+            cfg,
+            info,
+            model,
+            test_data: &data.test,
+            batches: Batches::new(&data.train, cfg.device),
+            buckets,
+            ctx: data.ctx,
+            steps_per_epoch: data.steps_per_epoch,
+            stop: Arc::clone(stop),
+            report,
+            committer,
+        }
+    }
+
+    /// Trains from the first generation's join (`first`) until the run ends, joining again after
+    /// every failure; `started` is when this process started.
+    pub(super) fn run(
+        mut self,
+        mut session: Session,
+        mut state: TrainState,
+        first: Result<Joined, Interrupt>,
+        started: Instant,
+    ) -> Result<Outcome, TrainError> {
+        let mut first = Some(first);
+        loop {
+            if let Some(why) = session.replaced() {
+                return Err(TrainError::Cluster(ClusterError::Replaced(why)));
+            }
+            let joined = match first.take() {
+                Some(joined) => joined,
+                None => session.join(Some(&state as &dyn Shareable), &self.stop),
+            };
+            let ended = joined.and_then(|j| self.adopt(&mut state, &mut session, j, started)).and_then(|()| {
+                let ended = self.train(&mut state, &mut session)?;
+                self.conclude(&mut state, &session, ended)
+            });
+            match ended {
+                Ok(Some(outcome)) => return Ok(outcome),
+                Ok(None) => break,
+                Err(Interrupt::Abandoned(why)) => {
+                    self.report.abandoned(state.position().global_step + 1, session.generation(), &why)
+                }
+                Err(Interrupt::Stopped) => return self.stopped(&state),
+                Err(Interrupt::Fatal(e)) => return Err(e),
+            }
+        }
+        Ok(Outcome::Finished(Box::new(self.summary(&state, &session))))
+    }
+
+    fn ctx(&self, epoch: u32, training: bool) -> InputContext {
+        InputContext { epoch: u64::from(epoch), training, ..self.ctx }
+    }
+
+    fn metrics(&self) -> usize {
+        self.info.metrics.len()
+    }
+
+    /// The learning rate of global step `global_step` (from 0).
+    fn lr(&self, global_step: u64) -> f64 {
+        let total_steps = self.steps_per_epoch * u64::from(self.cfg.epochs);
+        lr_at(&self.cfg.schedule, self.cfg.optimizer.lr(), global_step, total_steps)
+    }
+
+    /// Takes the state a formation settled on, is admitted, and says what happened.
+    fn adopt(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        joined: Joined,
+        started: Instant,
+    ) -> Result<(), Interrupt> {
+        let Joined { formed, received } = joined;
+        let world = session.world();
+        self.report.formed(formed.generation, world);
+        if let Some(bytes) = received {
+            state.decode(&bytes).map_err(|e| Interrupt::Fatal(TrainError::State(e)))?;
+        }
+        tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
+        state.model.live = true;
+        if let Some(c) = self.committer.as_mut() {
+            c.checkpointer().set_generation(formed.generation);
+        }
+        if world > 1 {
+            self.agree_on_steps(session)?;
+        }
+        let source_name = session.name(formed.source);
+        let generation = JoinedGeneration {
+            generation: formed.generation,
+            rank: session.rank(),
+            workers: world,
+            global_step: state.position().global_step,
+            recovery: formed.recovery,
+            steps_lost: formed.steps_lost,
+            source: (!formed.receivers.is_empty()).then_some((formed.source, source_name.as_str())),
+        };
+        self.report.joined(&generation, started);
+        Ok(())
+    }
+
+    /// Every member's steps per epoch, exchanged once per generation before any step: members
+    /// whose input pipelines yield different counts would desynchronise the collectives (one
+    /// member would evaluate while the others still train), so the run is refused, naming both
+    /// counts. Every member sees the same counts, so every member refuses.
+    fn agree_on_steps(&mut self, session: &mut Session) -> Result<(), Interrupt> {
+        let (rank, world) = (session.rank(), session.world());
+        let mut counts = vec![0f64; world];
+        counts[rank] = self.steps_per_epoch as f64;
+        session.ring().all_reduce(&mut counts, ReduceOp::Sum).map_err(|e| session.interrupt(e.into()))?;
+        match counts.iter().position(|&c| c != counts[0]) {
+            None => Ok(()),
+            Some(other) => Err(Interrupt::Fatal(TrainError::StepsDiffer {
+                chief: session.name(0),
+                chief_steps: counts[0] as u64,
+                other: session.name(other),
+                other_steps: counts[other] as u64,
+                batch_size: self.cfg.batch_size,
+            })),
+        }
+    }
+
+    /// Trains until every epoch is done and evaluated, or a member asks to stop.
+    fn train(&mut self, state: &mut TrainState, session: &mut Session) -> Result<Ended, Interrupt> {
+        let epochs = self.cfg.epochs;
+        while state.position().epoch < epochs {
+            self.report.epoch(state.position().epoch);
+            if state.position().step_in_epoch >= self.steps_per_epoch {
+                self.end_epoch(state, session)?;
+                continue;
+            }
+            let stopping = self.step(state, session)?;
+            if !stopping.is_empty() {
+                return Ok(Ended::Stop(stopping));
+            }
+        }
+        if state.position().last_eval.is_none() && epochs > 0 {
+            // A checkpoint of an older trainerd holds no evaluation: make it.
+            let eval = self.evaluate(epochs - 1, session)?;
+            state.model.position.last_eval = Some(eval);
+        }
+        Ok(Ended::Finished)
+    }
+
+    /// One step on this worker's slice of the global batch, the update, and what follows it;
+    /// the ranks that asked to stop after it.
+    fn step(&mut self, state: &mut TrainState, session: &mut Session) -> Result<Vec<usize>, Interrupt> {
+        let p = state.position();
+        let (epoch, step, global_step) = (p.epoch, p.step_in_epoch + 1, p.global_step);
+        let ctx = self.ctx(epoch, true);
+        let batch = self.batches.get(&ctx, step - 1).map_err(Interrupt::Fatal)?;
+        let lr = self.lr(global_step);
+        tch::manual_seed(p.step_seed(self.cfg.seed, session.rank()));
+        let stopping = self.stop.load(Ordering::Relaxed);
+        // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
+        trainerd_failpoint::point("train-step");
+        let began = Instant::now();
+        let (result, prefetch) = self.gradients(state, session, (&ctx, step), &batch, stopping)?;
+        let stepped = Instant::now();
+        state.optimizer.step(&mut state.model.params, lr);
+        let optimizer = stepped.elapsed();
+        state.model.position.stepped(&result.totals);
+        let took = began.elapsed();
+        session.set_step(state.position().global_step);
+        let steps_per_epoch = self.steps_per_epoch;
+        let (position, totals) = (state.position(), &result.totals);
+        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, took, prefetch, optimizer };
+        self.report.step(&done).map_err(Interrupt::Fatal)?;
+        if let Some(c) = self.committer.as_mut() {
+            c.at(Moment::Step, state, &mut self.report)?;
+        }
+        self.report.step_line(&done);
+        Ok(result.stopping)
+    }
+
+    /// Forward, backward and all-reduce of step `step` (1-based) of `ctx`'s epoch on `batch`,
+    /// with `stopping` as this rank's stop flag; the next batch is made while the device computes
+    /// (the time that took is returned). A forward pass updates buffers in place: an abandoned
+    /// step puts them back.
+    fn gradients(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        (ctx, step): (&InputContext, u64),
+        batch: &(Tensor, Tensor),
+        stopping: bool,
+    ) -> Result<(StepResult, Duration), Interrupt> {
+        let saved = if session.world() > 1 { state.model.save_buffers() } else { Vec::new() };
+        let (mut prefetch, batches, spe) = (Duration::ZERO, &mut self.batches, self.steps_per_epoch);
+        // An error making the next batch shows when that step asks for it.
+        let mut prefetch_next = || {
+            let began = Instant::now();
+            if step < spe {
+                let _ = batches.get(ctx, step);
+            }
+            prefetch += began.elapsed();
+        };
+        let model = &mut state.model;
+        let result = step::train_step(
+            self.model,
+            (&mut model.params, &mut model.buffers),
+            &mut self.buckets,
+            session.ring(),
+            (&batch.0, &batch.1),
+            stopping,
+            &mut prefetch_next,
+        );
+        let result = result.map_err(|e| {
+            model.restore_buffers(&saved);
+            session.interrupt(e)
+        })?;
+        Ok((result, prefetch))
+    }
+
+    /// A pass over the test split after `epoch`, each collective bounded by the collective
+    /// timeout.
+    fn evaluate(&mut self, epoch: u32, session: &mut Session) -> Result<Totals, Interrupt> {
+        let ctx = self.ctx(epoch, false);
+        self.report.evaluating(epoch);
+        step::evaluate(self.model, self.test_data, &ctx, session.ring(), self.cfg.device, self.metrics())
+            .map_err(|e| session.interrupt(e))
+    }
+
+    /// The epoch's evaluation, its last line, and its commit.
+    fn end_epoch(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
+        let epoch = state.position().epoch;
+        let eval = self.evaluate(epoch, session)?;
+        state.model.position.next_epoch(eval.clone());
+        let p = state.position();
+        // The rate the epoch's last step used.
+        let lr = self.lr(p.global_step.saturating_sub(1));
+        self.report.epoch_end((epoch, p.global_step, self.steps_per_epoch), &p.last_epoch, &eval, lr);
+        self.commit(Moment::EpochEnd, state)?;
+        Ok(())
+    }
+
+    /// Asks the chief's committer at `moment`; the sequence of a last commit waited for.
+    fn commit(&mut self, moment: Moment, state: &TrainState) -> Result<Option<u64>, TrainError> {
+        match self.committer.as_mut() {
+            Some(c) => c.at(moment, state, &mut self.report),
+            None => Ok(None),
+        }
+    }
+
+    /// After `train`: the end of the run (every member's final barrier, the chief's last commit
+    /// done before it), or a stop (the chief commits; then the stopped members leave). `None`
+    /// when the run is complete.
+    fn conclude(
+        &mut self,
+        state: &mut TrainState,
+        session: &Session,
+        ended: Ended,
+    ) -> Result<Option<Outcome>, Interrupt> {
+        match ended {
+            Ended::Finished => {
+                // The last commit completes before anyone leaves: a chief lost during it is
+                // recovered from a member that still holds the final state.
+                self.commit(Moment::Finish, state)?;
+                self.report.waiting_for_cluster("waiting for every worker to finish");
+                session.barrier(FINAL_BARRIER)?;
+                session.finish();
+                Ok(None)
+            }
+            Ended::Stop(stopping) => {
+                let names: Vec<String> = stopping.iter().map(|&r| session.name(r)).collect();
+                let step = state.position().global_step;
+                let saved = self.commit(Moment::Stop, state)?;
+                self.report.waiting_for_cluster("waiting for every worker to stop");
+                session.barrier(&format!("stop@{step}"))?;
+                if stopping.contains(&session.rank()) {
+                    session.leave("was stopped (SIGTERM)");
+                    return Ok(Some(Outcome::Stopped { step, saved: self.saved(saved, state) }));
+                }
+                Err(Interrupt::Abandoned(format!("{} stopped (SIGTERM) after step {step}", names.join(", "))))
+            }
+        }
+    }
+
+    /// Stopped while waiting for the cluster: the chief commits what it holds first.
+    fn stopped(&mut self, state: &TrainState) -> Result<Outcome, TrainError> {
+        let saved = self.commit(Moment::Stop, state)?;
+        Ok(Outcome::Stopped { step: state.position().global_step, saved: self.saved(saved, state) })
+    }
+
+    /// Where the state of a stopped worker lives on.
+    fn saved(&self, sequence: Option<u64>, state: &TrainState) -> String {
+        match &self.committer {
+            Some(c) => c.saved(sequence, state.position().progress()),
+            None if self.cfg.checkpoint.is_some() => "held by the chief".into(),
+            None => "not saved (no --checkpoint-dir)".into(),
+        }
+    }
+
+    fn summary(self, state: &TrainState, session: &Session) -> Summary {
+        let (cfg, info, world) = (self.cfg, self.info, session.world());
+        let p = state.position();
+        let last_eval = p.last_eval.clone().unwrap_or_else(|| Totals::new(self.metrics()));
+        let named = |values: Vec<f64>| -> BTreeMap<String, f64> { info.metrics.iter().cloned().zip(values).collect() };
+        let test_metrics = named(last_eval.metric_means());
+        let checkpoint_error = self.committer.as_ref().and_then(Committer::last_error);
+        let (examples_per_second, train_seconds, fault_tolerance) = self.report.finish();
+        Summary {
+            plugin: info.name.clone(),
+            plugin_version: info.version.clone(),
+            workers: world,
+            rank: session.rank(),
+            epochs: cfg.epochs,
+            steps: p.global_step,
+            global_batch_size: u64::from(cfg.batch_size) * world as u64,
+            optimizer: cfg.optimizer.clone(),
+            schedule: cfg.schedule.clone(),
+            seed: cfg.seed,
+            device: device_name(cfg.device),
+            threads: cfg.threads,
+            final_train_loss: p.last_epoch.loss_mean(),
+            final_train_metrics: named(p.last_epoch.metric_means()),
+            test_loss: last_eval.loss_mean(),
+            test_accuracy: test_metrics.get("accuracy").copied(),
+            test_metrics,
+            examples_per_second,
+            train_seconds,
+            params_sha256: state.model.params_sha256(),
+            fault_tolerance,
+            checkpoint_error,
+        }
+    }
+}

@@ -1,0 +1,430 @@
+//! Everything a run tells the outside, in one owner: the progress lines (Keras-style), the metrics
+//! log, TensorBoard (on the chief), the telemetry that systemd and Prometheus read, and the
+//! lifecycle events a supervisor reads. The loop calls one hook per thing that happened (resumed,
+//! joined, a step, an epoch's end, abandoned, committed...); each hook decides what every sink
+//! shows. It also keeps the run's own figures: throughput and the recovery counts of the summary.
+//!
+//! Reporting never stops training, except for the metrics log the user asked for: a TensorBoard
+//! failure is reported once and ends TensorBoard's output; a failing events channel is dropped.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use trainerd_sdk::LrSchedule;
+
+use super::summary::Recovery;
+use super::{RunConfig, TrainError};
+use crate::checkpoint::Finished;
+use crate::events::{Event, Events};
+use crate::ops::Telemetry;
+use crate::progress::Progress;
+use crate::state::{Position, Totals};
+use crate::tensorboard::TensorBoard;
+
+/// The one-line metrics log (`--metrics-log`): one JSON object per step.
+struct MetricsLog {
+    path: PathBuf,
+    out: std::io::BufWriter<std::fs::File>,
+}
+
+/// Host time per step, by phase, over an epoch (`TRAINERD_LOG=trainerd=debug` shows it).
+#[derive(Default)]
+struct Phases {
+    steps: u32,
+    /// Forward, loss, backward, waiting for the device, the all-reduce (the prefetch excluded).
+    step: Duration,
+    /// Making the next batch and queueing its copy to the device.
+    prefetch: Duration,
+    optimizer: Duration,
+}
+
+impl Phases {
+    fn report(self, epoch: u32) {
+        let per = |d: Duration| d.as_secs_f64() * 1e6 / f64::from(self.steps.max(1));
+        tracing::debug!(
+            "epoch {}: {} steps; per step: {:.0} us forward+backward+all-reduce, {:.0} us next batch, {:.0} us optimizer",
+            epoch + 1,
+            self.steps,
+            per(self.step),
+            per(self.prefetch),
+            per(self.optimizer)
+        );
+    }
+}
+
+/// The run's clock: the epoch shown, and the time and examples of training steps.
+#[derive(Default)]
+struct Clock {
+    shown_epoch: Option<u32>,
+    epoch_time: Duration,
+    epoch_examples: f64,
+    train_time: Duration,
+    examples: f64,
+    phases: Phases,
+}
+
+impl Clock {
+    /// Training examples per second in the current epoch.
+    fn epoch_rate(&self) -> f64 {
+        self.epoch_examples / self.epoch_time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// A recovery whose first step is not done yet.
+struct Recovering {
+    since: Instant,
+    generation: u64,
+    step: u64,
+    steps_lost: u64,
+}
+
+/// A step just done, as the hooks see it.
+pub struct StepDone<'t> {
+    /// The epoch (0-based).
+    pub epoch: u32,
+    /// The step in the epoch (1-based).
+    pub step: u64,
+    /// Steps in the epoch.
+    pub steps_per_epoch: u64,
+    /// Where training stands after it.
+    pub position: &'t Position,
+    /// Its totals over every worker.
+    pub totals: &'t Totals,
+    /// The learning rate it used.
+    pub lr: f64,
+    /// The whole step: forward, backward, all-reduce (the prefetch included) and the update.
+    pub took: Duration,
+    /// Of which: making the next batch.
+    pub prefetch: Duration,
+    /// The optimizer's update.
+    pub optimizer: Duration,
+}
+
+/// A generation this worker is in, as the hooks see it.
+pub struct JoinedGeneration<'n> {
+    /// Its number.
+    pub generation: u64,
+    /// This worker's rank, and the workers in it.
+    pub rank: usize,
+    /// Workers in it.
+    pub workers: usize,
+    /// The global step it continues from.
+    pub global_step: u64,
+    /// A generation had formed before.
+    pub recovery: bool,
+    /// Steps lost.
+    pub steps_lost: u64,
+    /// Whom the state came from (its rank and name), when some member received it.
+    pub source: Option<(usize, &'n str)>,
+}
+
+/// Where a run's outputs go: the progress lines, the telemetry, the lifecycle events.
+pub struct Outputs<'p> {
+    /// Progress and messages (standard output).
+    pub progress: &'p mut Progress,
+    /// What systemd and Prometheus see.
+    pub telemetry: Arc<Telemetry>,
+    /// What a supervisor reads.
+    pub events: Events,
+}
+
+/// The one owner of a run's outputs.
+pub struct Reporter<'p> {
+    progress: &'p mut Progress,
+    telemetry: Arc<Telemetry>,
+    events: Events,
+    metrics_log: Option<MetricsLog>,
+    tensorboard: Option<TensorBoard>,
+    metric_names: Vec<String>,
+    epochs: u32,
+    schedule_moves: bool,
+    /// Bounds of the waits the telemetry reports.
+    rejoin: Duration,
+    collective: Duration,
+    clock: Clock,
+    recovery: Recovery,
+    /// When this worker abandoned its last step (a recovery's time counts from there).
+    interrupted_at: Option<Instant>,
+    recovering: Option<Recovering>,
+}
+
+impl<'p> Reporter<'p> {
+    /// The outputs of a run with `cfg` on a worker that is the chief or not; opens the metrics
+    /// log and (on the chief) TensorBoard's event files.
+    pub fn open(
+        cfg: &RunConfig,
+        metric_names: &[String],
+        chief: bool,
+        Outputs { progress, telemetry, events }: Outputs<'p>,
+    ) -> Result<Reporter<'p>, TrainError> {
+        let tensorboard = match (&cfg.tensorboard_dir, chief) {
+            (Some(dir), true) => {
+                let tb = TensorBoard::create(dir, cfg.tensorboard_every)
+                    .map_err(|source| TrainError::Io { path: dir.clone(), source })?;
+                progress.line(&format!("trainerd: TensorBoard events in {}", dir.display()));
+                Some(tb)
+            }
+            _ => None,
+        };
+        let metrics_log = match &cfg.metrics_log {
+            Some(path) => {
+                let file = std::fs::OpenOptions::new().create(true).append(true).open(path);
+                let file = file.map_err(|source| TrainError::Io { path: path.clone(), source })?;
+                Some(MetricsLog { path: path.clone(), out: std::io::BufWriter::new(file) })
+            }
+            None => None,
+        };
+        Ok(Reporter {
+            progress,
+            telemetry,
+            events,
+            metrics_log,
+            tensorboard,
+            metric_names: metric_names.to_vec(),
+            epochs: cfg.epochs,
+            schedule_moves: cfg.schedule != LrSchedule::Constant,
+            rejoin: cfg.timeouts.rejoin,
+            collective: cfg.timeouts.collective,
+            clock: Clock::default(),
+            recovery: Recovery::default(),
+            interrupted_at: None,
+            recovering: None,
+        })
+    }
+
+    /// A line as it is.
+    pub fn line(&mut self, text: &str) {
+        self.progress.line(text);
+    }
+
+    /// A wait the daemon bounds itself (systemd and `/healthz` see it alive until `bound`).
+    pub fn waiting(&self, what: &str, bound: Duration) {
+        self.telemetry.waiting(what, bound);
+    }
+
+    /// A wait bounded by the rejoin deadline (the cluster gathering, a commit, a barrier).
+    pub fn waiting_for_cluster(&self, what: &str) {
+        self.telemetry.waiting(what, self.rejoin);
+    }
+
+    /// The chief restored commit `sequence` from `location`.
+    pub fn resumed(&mut self, sequence: u64, location: &str, position: &Position) {
+        let (epoch, step, global_step) = (position.epoch, position.step_in_epoch, position.global_step);
+        self.progress.line(&if epoch >= self.epochs {
+            format!("trainerd: checkpoint {sequence} in {location} is the end of this run (global step {global_step})")
+        } else {
+            format!(
+                "trainerd: resumed from checkpoint {sequence} in {location} at epoch {}, step {step} (global step \
+                 {global_step})",
+                epoch + 1
+            )
+        });
+        self.events.emit(Event::Resumed { sequence, epoch, step_in_epoch: step, global_step });
+    }
+
+    /// Generation `generation` formed with `workers` workers, this one in it (systemd's
+    /// readiness, the metrics).
+    pub fn formed(&self, generation: u64, workers: usize) {
+        self.telemetry.joined(generation, workers);
+    }
+
+    /// This worker is admitted to generation `g` and trains from here; `started` is when this
+    /// process started (a restarted worker's recovery counts from there).
+    pub fn joined(&mut self, g: &JoinedGeneration<'_>, started: Instant) {
+        self.events.emit(Event::Joined {
+            generation: g.generation,
+            rank: g.rank,
+            workers: g.workers,
+            global_step: g.global_step,
+            recovery: g.recovery,
+            steps_lost: g.steps_lost,
+            source: g.source.map(|(rank, _)| rank),
+        });
+        if g.workers == 1 {
+            return;
+        }
+        let (world, generation, step) = (g.workers, g.generation, g.global_step);
+        if !g.recovery {
+            self.progress.line(&if g.rank == 0 {
+                format!("trainerd: {world} worker(s) joined (generation {generation})")
+            } else {
+                format!("trainerd: joined as worker {} of {world} (generation {generation})", g.rank)
+            });
+            return;
+        }
+        let source = match g.source {
+            None => "every member held it".to_string(),
+            Some((_, name)) => format!("from {name} (sha256 verified)"),
+        };
+        self.progress.line(&format!(
+            "trainerd: generation {generation} formed at step {step}: {} step(s) lost; state {source}",
+            g.steps_lost
+        ));
+        self.recovery.recoveries += 1;
+        self.recovery.steps_lost += g.steps_lost;
+        let since = self.interrupted_at.take().unwrap_or(started);
+        self.recovering = Some(Recovering { since, generation, step, steps_lost: g.steps_lost });
+    }
+
+    /// Step `step` (1-based, global) of `generation` was abandoned because of `why`.
+    pub fn abandoned(&mut self, step: u64, generation: u64, why: &str) {
+        self.recovery.failures_seen += 1;
+        self.telemetry.abandoned(why, self.rejoin);
+        self.interrupted_at.get_or_insert_with(Instant::now);
+        self.progress.line(&format!(
+            "trainerd: step {step} abandoned (generation {generation}): {why}; waiting for the cluster to re-form"
+        ));
+        self.events.emit(Event::Abandoned { generation, step, reason: why.to_string() });
+    }
+
+    /// Training is in `epoch` (0-based): its header, once.
+    pub fn epoch(&mut self, epoch: u32) {
+        if self.clock.shown_epoch != Some(epoch) {
+            self.progress.epoch_start(epoch, self.epochs);
+            let c = &mut self.clock;
+            (c.shown_epoch, c.epoch_time, c.epoch_examples) = (Some(epoch), Duration::ZERO, 0.0);
+        }
+    }
+
+    /// A step is done: the telemetry, TensorBoard, a recovery's report, the metrics log, the
+    /// event. The progress line comes with [`Reporter::step_line`].
+    pub fn step(&mut self, s: &StepDone<'_>) -> Result<(), TrainError> {
+        let c = &mut self.clock;
+        c.phases.steps += 1;
+        c.phases.step += s.took.saturating_sub(s.prefetch + s.optimizer);
+        c.phases.prefetch += s.prefetch;
+        c.phases.optimizer += s.optimizer;
+        let examples = s.totals.examples();
+        (c.epoch_time, c.train_time) = (c.epoch_time + s.took, c.train_time + s.took);
+        c.epoch_examples += examples;
+        c.examples += examples;
+        let global_step = s.position.global_step;
+        let named = s.totals.named(&self.metric_names, "");
+        let rate = self.clock.epoch_rate();
+        self.telemetry.step((s.epoch, s.step, s.steps_per_epoch), global_step, &named, examples, rate, s.lr);
+        self.tensorboard(|tb| tb.step(global_step, &named));
+        self.recovered();
+        self.log_step(s)?;
+        self.events.emit(Event::Step { epoch: s.epoch, step: s.step, global_step });
+        Ok(())
+    }
+
+    /// The step's progress line, when the progress wants one (computing it waits for the
+    /// device).
+    pub fn step_line(&mut self, s: &StepDone<'_>) {
+        if self.progress.wants(s.step, s.steps_per_epoch) {
+            let values = s.position.totals.named(&self.metric_names, "");
+            self.progress.step(s.step, s.steps_per_epoch, self.clock.epoch_time, &values);
+        }
+    }
+
+    /// The first step of a recovery is done: how long it took since the failure.
+    fn recovered(&mut self) {
+        let Some(r) = self.recovering.take() else { return };
+        let took = r.since.elapsed().as_secs_f64();
+        tracing::debug!("recovery: first step done after {took:.3}s");
+        self.recovery.recovery_seconds.push(took);
+        self.telemetry.recovered(r.steps_lost, took);
+        self.progress.line(&format!(
+            "trainerd: recovered at step {} (generation {}): {} step(s) lost, {took:.2}s",
+            r.step, r.generation, r.steps_lost
+        ));
+        self.events.emit(Event::Recovered {
+            generation: r.generation,
+            global_step: r.step,
+            steps_lost: r.steps_lost,
+            seconds: took,
+        });
+    }
+
+    fn log_step(&mut self, s: &StepDone<'_>) -> Result<(), TrainError> {
+        let Some(log) = self.metrics_log.as_mut() else { return Ok(()) };
+        let time = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let p = s.position;
+        let mut line = serde_json::json!({
+            "time": time,
+            "epoch": p.epoch,
+            "step": p.step_in_epoch,
+            "global_step": p.global_step,
+            "lr": s.lr,
+        });
+        for (name, value) in s.totals.named(&self.metric_names, "") {
+            line[name] = value.into();
+        }
+        writeln!(log.out, "{line}")
+            .and_then(|()| log.out.flush())
+            .map_err(|source| TrainError::Io { path: log.path.clone(), source })
+    }
+
+    /// The test split is being evaluated after `epoch` (0-based).
+    pub fn evaluating(&self, epoch: u32) {
+        self.telemetry.waiting(&format!("evaluating epoch {}", epoch + 1), self.collective);
+    }
+
+    /// `epoch` (0-based) is done, with `train` its totals and `eval` the evaluation's, its last
+    /// step at `lr`; `global_step` steps done.
+    pub fn epoch_end(&mut self, (epoch, global_step, steps): (u32, u64, u64), train: &Totals, eval: &Totals, lr: f64) {
+        let train = train.named(&self.metric_names, "");
+        let validation = eval.named(&self.metric_names, "");
+        self.telemetry.evaluated(&validation);
+        self.telemetry.progress();
+        let rate = self.clock.epoch_rate();
+        let mut values = train.clone();
+        values.extend(eval.named(&self.metric_names, "val_"));
+        if self.schedule_moves {
+            // The rate the epoch's last step used (what Keras's PrintLR shows at the epoch's end).
+            values.push(("learning_rate".into(), lr));
+        }
+        let mut scalars = train;
+        scalars.extend([("learning_rate".to_string(), lr), ("examples_per_second".to_string(), rate)]);
+        self.tensorboard(|tb| tb.epoch((epoch, global_step), &scalars, &validation));
+        std::mem::take(&mut self.clock.phases).report(epoch);
+        self.progress.epoch_end(steps, self.clock.epoch_time, &values, rate);
+    }
+
+    /// The chief waits for its commit to `location`.
+    pub fn committing(&self, location: &str) {
+        // The store retries a failing request within a bounded policy; the rejoin deadline
+        // bounds the wait well beyond it.
+        self.waiting_for_cluster(&format!("committing to {location}"));
+    }
+
+    /// A commit to `location` finished.
+    pub fn commit_finished(&mut self, location: &str, finished: &Finished) {
+        match finished {
+            Finished::Committed { sequence, step, bytes, seconds } => {
+                self.telemetry.committed(*seconds, *bytes);
+                self.progress.line(&format!(
+                    "checkpoint {sequence} committed to {location} (step {step}, {:.1} MB, {seconds:.2}s)",
+                    *bytes as f64 / 1e6
+                ));
+                self.events.emit(Event::Committed { sequence: *sequence, global_step: *step });
+            }
+            Finished::Failed { message, .. } => {
+                tracing::error!("{message}");
+                self.telemetry.commit_failed();
+                self.progress.line(&format!("warning: {message}; training goes on, the last good commit stays"));
+            }
+        }
+    }
+
+    /// Writes to TensorBoard; a failure is reported once and ends the TensorBoard output.
+    fn tensorboard(&mut self, write: impl FnOnce(&mut TensorBoard) -> std::io::Result<()>) {
+        let Some(tb) = self.tensorboard.as_mut() else { return };
+        if let Err(e) = write(tb) {
+            let dir = tb.dir().display().to_string();
+            self.tensorboard = None;
+            self.progress.line(&format!("warning: TensorBoard events in {dir}: {e}; no more events are written"));
+        }
+    }
+
+    /// The run is over: closes the metrics log; (examples per second, seconds of training
+    /// steps, failures and recoveries) for the summary.
+    pub fn finish(mut self) -> (f64, f64, Recovery) {
+        self.metrics_log.take();
+        let c = &self.clock;
+        (c.examples / c.train_time.as_secs_f64().max(1e-9), c.train_time.as_secs_f64(), self.recovery)
+    }
+}

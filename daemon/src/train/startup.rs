@@ -1,0 +1,162 @@
+//! A run's start-up, in the order it happens: the control plane (peers can reach this member
+//! while it loads), the model and its initial state, the chief's checkpoint location (probed, and
+//! the newest commit restored), the join of the first generation in the background, and the data
+//! meanwhile. What start-up builds, the loop ([`super::driver`]) drives.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use trainerd_sdk::{InputContext, PluginInfo, Split};
+use trainerd_storage::Location;
+
+use super::commit::{Committer, Policy};
+use super::report::Reporter;
+use super::session::{Interrupt, Joined, Session};
+use super::{CheckpointConfig, RunConfig, TrainError};
+use crate::checkpoint::Checkpointer;
+use crate::optim::Optimizer;
+use crate::plugin::{Dataset, ModelInstance, Plugin};
+use crate::progress::Progress;
+use crate::state::{Meta, ModelState, Reader, Shareable, TrainState};
+
+/// Opens this member's session (alone: at once) and says where it listens and whom it waits for.
+pub(super) fn open_session(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<Session, TrainError> {
+    let identity = (plugin.identity(), cfg.agreement_json());
+    let session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network)?;
+    if let Some(listening) = session.listening() {
+        let how = if cfg.network.key.is_some() { "peers must prove the cluster secret" } else { "no secret" };
+        progress.line(&format!("trainerd: listening on {listening} ({how})"));
+    }
+    if session.rank() == 0 && session.world() > 1 {
+        progress.line(&format!("trainerd: waiting for {} worker(s) to join", session.world()));
+    }
+    Ok(session)
+}
+
+/// The state of a freshly built `model`: the run's state on the chief until something better
+/// turns up (a commit, a survivor's state), a placeholder elsewhere.
+pub(super) fn initial_state(model: &ModelInstance<'_>, cfg: &RunConfig, info: &PluginInfo, chief: bool) -> TrainState {
+    let (params, buffers) = model.split_variables();
+    let optimizer = Optimizer::new(cfg.optimizer.clone(), &params);
+    TrainState::new(ModelState::new((params, buffers), info.metrics.len(), cfg.device, chief), optimizer)
+}
+
+/// On the chief, with checkpoints: the checkpointer, its location checked, and the newest commit
+/// that verifies restored into `state` (the state of last resort; a survivor's is further).
+pub(super) fn restore(
+    cfg: &RunConfig,
+    (info, workers): (&PluginInfo, usize),
+    session: &mut Session,
+    state: &mut TrainState,
+    report: &mut Reporter<'_>,
+) -> Result<Option<Checkpointer>, TrainError> {
+    let Some(c) = cfg.checkpoint.as_ref().filter(|_| session.rank() == 0) else { return Ok(None) };
+    let mut checkpointer = open_checkpointer(c, report)?;
+    let location = checkpointer.location().to_string();
+    report.waiting_for_cluster(&format!("restoring from {location}"));
+    let (restored, floor) = checkpointer.restore().map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+    session.set_floor(floor);
+    let Some(r) = restored else { return Ok(Some(checkpointer)) };
+    for why in &r.fallbacks {
+        report.line(&format!("warning: skipped a damaged checkpoint: {why}"));
+    }
+    let run_config = cfg.agreement_json();
+    Meta::read(&r, info, Reader::Training { workers, run_config: &run_config })
+        .and_then(|meta| state.restore(&r, meta.position))
+        .map_err(|e| TrainError::Checkpoint(format!("{location}: {e}")))?;
+    report.resumed(r.record.sequence, &location, state.position());
+    Ok(Some(checkpointer))
+}
+
+/// The chief's committer over `checkpointer`, once the steps of an epoch are known.
+pub(super) fn committer(
+    checkpointer: Option<Checkpointer>,
+    cfg: &RunConfig,
+    (info, workers): (&PluginInfo, usize),
+    steps_per_epoch: u64,
+) -> Option<Committer> {
+    let every = cfg.checkpoint.as_ref().map_or(0, |c| c.every);
+    let policy = Policy { every, steps_per_epoch };
+    checkpointer.map(|c| Committer::new(c, policy, info, workers, cfg.agreement_json()))
+}
+
+/// The checkpoint location opened; on S3, its server proved to refuse a second create-if-absent
+/// write (unless told not to, with a warning).
+fn open_checkpointer(c: &CheckpointConfig, report: &mut Reporter<'_>) -> Result<Checkpointer, TrainError> {
+    let failed = |e: String| TrainError::Checkpoint(e);
+    let store = c.location.open(&c.s3).map_err(|e| failed(e.to_string()))?;
+    let checkpointer = Checkpointer::new(store, c.keep).map_err(failed)?;
+    if matches!(c.location, Location::S3 { .. }) {
+        let endpoint = c.s3.endpoint_name();
+        if c.s3.skip_probe {
+            report.line(&format!(
+                "warning: --s3-skip-probe: not checking that {endpoint} refuses a second create-if-absent write; if it \
+                 does not, two chiefs can overwrite each other's commits"
+            ));
+        } else {
+            checkpointer.probe(&endpoint).map_err(|e| failed(e.to_string()))?;
+        }
+    }
+    Ok(checkpointer)
+}
+
+/// What the joining thread gives back: the session and the state it took, and how the join went.
+pub(super) type Joining = JoinHandle<(Session, TrainState, Result<Joined, Interrupt>)>;
+
+/// Joins the first generation in the background: the rendezvous, the ring and the state transfer
+/// go on while the data loads (a fresh worker reports no state; the chief reports what it
+/// restored).
+pub(super) fn join_in_background(
+    mut session: Session,
+    state: TrainState,
+    stop: &Arc<AtomicBool>,
+    report: &Reporter<'_>,
+    cfg: &RunConfig,
+) -> Result<Joining, TrainError> {
+    report.waiting("joining the cluster", cfg.timeouts.rendezvous);
+    let stop = Arc::clone(stop);
+    std::thread::Builder::new()
+        .name("trainerd-join".into())
+        .spawn(move || {
+            let joined = session.join(Some(&state as &dyn Shareable), &stop);
+            (session, state, joined)
+        })
+        .map_err(|source| TrainError::Io { path: "(thread)".into(), source })
+}
+
+/// The model's data: both splits, this worker's input context, and the steps of an epoch.
+pub(super) struct Data<'m> {
+    /// The training split.
+    pub train: Dataset<'m>,
+    /// The test split.
+    pub test: Dataset<'m>,
+    /// This worker's input pipeline (its epoch and `training` set per use).
+    pub ctx: InputContext,
+    /// Steps per epoch (the pipeline's, or fewer when the run says so).
+    pub steps_per_epoch: u64,
+}
+
+/// Loads both splits through the plugin, for worker `rank` of `world`.
+pub(super) fn load_data<'m>(
+    model: &'m ModelInstance<'m>,
+    cfg: &RunConfig,
+    (rank, world): (usize, usize),
+) -> Result<Data<'m>, TrainError> {
+    let train = model.load_data(&cfg.data_dir, Split::Train)?;
+    let test = model.load_data(&cfg.data_dir, Split::Test)?;
+    let ctx = InputContext {
+        num_input_pipelines: world as u32,
+        input_pipeline_id: rank as u32,
+        per_replica_batch_size: cfg.batch_size,
+        training: true,
+        epoch: 0,
+        seed: cfg.seed,
+    };
+    let pipeline_steps = train.pipeline(&ctx)?.steps();
+    let steps_per_epoch = cfg.steps_per_epoch.map_or(pipeline_steps, |s| s.min(pipeline_steps));
+    if steps_per_epoch == 0 {
+        return Err(TrainError::NoSteps { batch_size: cfg.batch_size, workers: world });
+    }
+    Ok(Data { train, test, ctx, steps_per_epoch })
+}

@@ -1,0 +1,91 @@
+//! The result of a run, as `--summary` writes it: what trained, how well, how fast, the
+//! parameters' fingerprint, and the failures and recoveries this worker went through.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Serialize;
+use tch::Device;
+use trainerd_sdk::{LrSchedule, OptimizerConfig};
+
+/// Failures and recoveries this worker went through.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Recovery {
+    /// Generations this worker abandoned because a member failed (or was stopped).
+    pub failures_seen: u64,
+    /// Generations formed again after a failure, with this worker in them.
+    pub recoveries: u64,
+    /// Steps the cluster lost in those recoveries (0 whenever a member kept the state).
+    pub steps_lost: u64,
+    /// Seconds from each failure (or this process's start, for a restarted worker) to its first
+    /// step in the recovered generation.
+    pub recovery_seconds: Vec<f64>,
+}
+
+/// The result of a run, written as JSON by `--summary`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    /// Plugin name.
+    pub plugin: String,
+    /// Plugin version.
+    pub plugin_version: String,
+    /// Workers that trained.
+    pub workers: usize,
+    /// This worker's rank.
+    pub rank: usize,
+    /// Epochs run.
+    pub epochs: u32,
+    /// Optimizer steps taken.
+    pub steps: u64,
+    /// Examples per step over all workers.
+    pub global_batch_size: u64,
+    /// Optimizer and hyper-parameters.
+    pub optimizer: OptimizerConfig,
+    /// Learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// Run seed.
+    pub seed: u64,
+    /// Device.
+    pub device: String,
+    /// libtorch intra-op threads.
+    pub threads: usize,
+    /// Mean training loss over the last epoch, over all workers.
+    pub final_train_loss: f64,
+    /// Mean of each metric over the last training epoch, over all workers.
+    pub final_train_metrics: BTreeMap<String, f64>,
+    /// Mean loss on the test split after the last epoch.
+    pub test_loss: f64,
+    /// Test accuracy after the last epoch, when the plugin reports `accuracy`.
+    pub test_accuracy: Option<f64>,
+    /// Mean of each metric on the test split.
+    pub test_metrics: BTreeMap<String, f64>,
+    /// Training examples per second over all workers and epochs (evaluation excluded).
+    pub examples_per_second: f64,
+    /// Seconds spent in training steps.
+    pub train_seconds: f64,
+    /// sha256 over every model variable's bytes (parameters and buffers; native-endian,
+    /// contiguous), in name order.
+    pub params_sha256: String,
+    /// Failures and recoveries.
+    pub fault_tolerance: Recovery,
+    /// Why the last checkpoint commit failed, if it did (the run's result is then not durable).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_error: Option<String>,
+}
+
+impl Summary {
+    /// Writes the summary as JSON, atomically: a reader (or a restart after a crash) sees the
+    /// whole file or none of it.
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)? + "\n";
+        crate::atomic::write_file(path, &[json.as_bytes()])
+    }
+}
+
+/// `cpu` or `cuda:N`, as `--device` spells it.
+pub fn device_name(device: Device) -> String {
+    match device {
+        Device::Cuda(n) => format!("cuda:{n}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}

@@ -1,0 +1,154 @@
+//! The "must never know" rules of `docs/architecture.md`, checked over the source: what a
+//! module's code names (in `use` lines and in paths written out), and what each crate's manifest
+//! depends on. A rule broken here fails with every offending line.
+
+use std::path::{Path, PathBuf};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace").to_path_buf()
+}
+
+/// Every `.rs` file under `dir` (relative to the repository), with comments removed.
+fn sources(dir: &str) -> Vec<(PathBuf, String)> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    let root = repo().join(dir);
+    let mut files = Vec::new();
+    if root.is_dir() {
+        walk(&root, &mut files);
+    } else {
+        files.push(root);
+    }
+    files.sort();
+    files
+        .into_iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            let code: Vec<&str> = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect();
+            (p, code.join("\n"))
+        })
+        .collect()
+}
+
+/// The paths `code` names: every `a::b::c` as written, and each name of a `use a::{b, c::d}`
+/// group as `a::b` and `a::c::d`.
+fn paths(code: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let flat: String = code.split_whitespace().collect::<Vec<_>>().join(" ");
+    for statement in flat.split(';') {
+        let Some(at) = statement.find("::{") else { continue };
+        let prefix_start =
+            statement[..at].rfind(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')).map_or(0, |i| i + 1);
+        let prefix = &statement[prefix_start..at];
+        let inner = statement[at + 3..].split('}').next().unwrap_or("");
+        for name in inner.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            out.push(format!("{prefix}::{name}"));
+        }
+    }
+    let token = |c: char| c.is_alphanumeric() || c == '_' || c == ':';
+    out.extend(code.split(|c: char| !token(c)).filter(|t| t.contains("::")).map(String::from));
+    out
+}
+
+/// Every place under `dirs` that names a path starting with one of `forbidden`.
+fn offences(dirs: &[&str], forbidden: &[&str]) -> Vec<String> {
+    let mut found = Vec::new();
+    for dir in dirs {
+        for (path, code) in sources(dir) {
+            for p in paths(&code) {
+                let hit = forbidden.iter().find(|f| p == **f || p.starts_with(&format!("{f}::")));
+                if let Some(f) = hit {
+                    found.push(format!("{}: names {p} ({f})", path.strip_prefix(repo()).unwrap_or(&path).display()));
+                }
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_cluster_and_the_collectives_know_nothing_of_training_plugins_or_storage() {
+    let training = ["crate::train", "crate::state", "crate::checkpoint", "crate::plugin", "crate::evaluate"];
+    let forbidden = [&training[..], &["trainerd_storage", "trainerd_sdk", "crate::optim"]].concat();
+    let found = offences(&["daemon/src/cluster", "daemon/src/collective"], &forbidden);
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+#[test]
+fn the_collectives_know_nothing_of_membership() {
+    let found = offences(&["daemon/src/collective"], &["crate::cluster"]);
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+#[test]
+fn the_state_knows_nothing_of_the_cluster_the_collectives_or_the_loop() {
+    let found =
+        offences(&["daemon/src/state"], &["crate::cluster", "crate::collective", "crate::train", "crate::checkpoint"]);
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+#[test]
+fn the_launcher_knows_nothing_of_training_or_libtorch() {
+    let found = offences(&["daemon/src/local.rs"], &["crate::train", "crate::state", "crate::plugin", "tch"]);
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+/// The `[dependencies]` (or another section's) names in a manifest.
+fn section(manifest: &str, name: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(repo().join(manifest)).unwrap_or_else(|e| panic!("{manifest}: {e}"));
+    let mut inside = false;
+    let mut names = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('[') {
+            inside = line == format!("[{name}]");
+        } else if inside && !line.is_empty() && !line.starts_with('#') {
+            names.push(line.split(['=', '.']).next().unwrap_or("").trim().to_string());
+        }
+    }
+    names
+}
+
+#[test]
+fn storage_and_the_sdk_stand_alone_and_the_test_kit_is_only_ever_a_dev_dependency() {
+    let storage = section("storage/Cargo.toml", "dependencies");
+    for name in ["trainerd", "trainerd-sdk", "tch", "torch-sys", "trainerd-testkit"] {
+        assert!(!storage.iter().any(|d| d == name), "storage depends on {name}: {storage:?}");
+    }
+    // What supervisors and tests share links nothing of training: neither does the test kit.
+    for manifest in ["supervise/Cargo.toml", "testkit/Cargo.toml"] {
+        let deps = section(manifest, "dependencies");
+        for name in ["trainerd", "trainerd-sdk", "tch", "torch-sys"] {
+            assert!(!deps.iter().any(|d| d == name), "{manifest} depends on {name}: {deps:?}");
+        }
+    }
+    let sdk = section("sdk/Cargo.toml", "dependencies");
+    for name in ["trainerd", "trainerd-storage", "trainerd-testkit"] {
+        assert!(!sdk.iter().any(|d| d == name), "the sdk depends on {name}: {sdk:?}");
+    }
+    for manifest in
+        ["daemon", "storage", "sdk", "failpoint", "testkit", "chaos-tests"].map(|c| format!("{c}/Cargo.toml"))
+    {
+        for kind in ["dependencies", "build-dependencies"] {
+            let deps = section(&manifest, kind);
+            assert!(!deps.iter().any(|d| d == "trainerd-testkit"), "{manifest} [{kind}] holds the test kit");
+            assert!(!deps.iter().any(|d| d == "trainerd-chaos-tests"), "{manifest} [{kind}] holds the chaos tests");
+        }
+    }
+}
+
+#[test]
+fn a_forbidden_name_is_found_in_a_use_group_and_in_a_path_written_out() {
+    let code = "use crate::{cluster::Network, train::{self, RunConfig}};\nfn f() { trainerd_storage::x(); }";
+    let found = paths(code);
+    assert!(found.iter().any(|p| p == "crate::cluster::Network"), "{found:?}");
+    assert!(found.iter().any(|p| p.starts_with("crate::train")), "{found:?}");
+    assert!(found.iter().any(|p| p == "trainerd_storage::x"), "{found:?}");
+}

@@ -1,0 +1,45 @@
+//! Reading what a finished command printed, and the files it wrote.
+
+use std::path::Path;
+use std::process::Output;
+
+/// Standard output and error, for assertion messages.
+pub fn text(out: &Output) -> String {
+    format!("stdout:\n{}\nstderr:\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// Standard output.
+pub fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Standard error.
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The `error: ...` line a run printed.
+pub fn error_line(out: &Output) -> String {
+    stderr(out)
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_else(|| panic!("no error line; {}", text(out)))
+        .to_string()
+}
+
+/// The error line of a run that failed with exit status 1 (an error, not a crash).
+pub fn error_of(out: &Output) -> String {
+    assert_eq!(out.status.code(), Some(1), "{}", text(out));
+    error_line(out)
+}
+
+/// A JSON file (a summary).
+pub fn json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// `params_sha256` from a summary file.
+pub fn params_sha256(summary: &Path) -> String {
+    json(summary)["params_sha256"].as_str().expect("params_sha256").to_string()
+}
