@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tch::Device;
-use trainerd_sdk::{InputContext, PluginInfo, Split};
+use trainerd_sdk::{PluginInfo, Split};
 use trainerd_storage::{Location, S3Options};
 
 use crate::cluster::control::FINAL_BARRIER;
@@ -22,6 +22,7 @@ use crate::cluster::{ClusterConfig, Network, Timeouts};
 use crate::plugin::Plugin;
 use crate::progress::Progress;
 use crate::state::{Meta, ModelState, Reader, Shareable, Totals};
+use crate::train::batches::input_context;
 use crate::train::session::{Interrupt, Session};
 use crate::train::step;
 use crate::train::summary::device_name;
@@ -127,14 +128,7 @@ pub fn run(
     let sequence = if rank == 0 { restore(cfg, info, &mut state, progress)? } else { 0 };
     let sequence = share(&mut session, &mut state, sequence, stop)?;
     let test_data = model.load_data(&cfg.data_dir, Split::Test)?;
-    let ctx = InputContext {
-        num_input_pipelines: world as u32,
-        input_pipeline_id: rank as u32,
-        per_replica_batch_size: cfg.batch_size,
-        training: false,
-        epoch: u64::from(state.position.epoch),
-        seed: 0,
-    };
+    let ctx = input_context((rank, world), cfg.batch_size, (false, u64::from(state.position.epoch), 0));
     let began = Instant::now();
     let totals = step::evaluate(&model, &test_data, &ctx, session.ring(), cfg.device, info.metrics.len())
         .map_err(|e| failed(session.interrupt(e)))?;

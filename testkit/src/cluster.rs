@@ -332,35 +332,29 @@ impl Worker {
         Ok(())
     }
 
-    fn panic(&self, what: &str, timeout: Duration, why: RecvTimeoutError) -> ! {
-        let ended = if why == RecvTimeoutError::Disconnected { "trainerd ended first" } else { "timed out" };
-        panic!("no {what} within {timeout:?} ({ended}); saw:\n{}\n{:?}", self.lines.join("\n"), self.records)
+    /// Takes what the process gives until `find` finds something in what was seen; panics
+    /// naming `what` after `timeout`, or when the process ends first.
+    fn wait_until<T>(&mut self, what: &str, find: impl Fn(&Worker) -> Option<T>, timeout: Duration) -> T {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(found) = find(self) {
+                return found;
+            }
+            if let Err(why) = self.take(deadline.saturating_duration_since(Instant::now())) {
+                let ended = if why == RecvTimeoutError::Disconnected { "trainerd ended first" } else { "timed out" };
+                panic!("no {what} within {timeout:?} ({ended}); saw:\n{}\n{:?}", self.lines.join("\n"), self.records)
+            }
+        }
     }
 
     /// Waits until an event satisfies `pred` (one seen already counts).
     pub fn wait_event(&mut self, pred: impl Fn(&Record) -> bool, timeout: Duration) -> Record {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(r) = self.records.iter().find(|r| pred(r)) {
-                return r.clone();
-            }
-            if let Err(why) = self.take(deadline.saturating_duration_since(Instant::now())) {
-                self.panic("matching event", timeout, why);
-            }
-        }
+        self.wait_until("matching event", |w| w.records.iter().find(|r| pred(r)).cloned(), timeout)
     }
 
     /// Waits until a line satisfies `pred` (one seen already counts).
     pub fn wait_line(&mut self, pred: impl Fn(&str) -> bool, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(l) = self.lines.iter().find(|l| pred(l)) {
-                return l.clone();
-            }
-            if let Err(why) = self.take(deadline.saturating_duration_since(Instant::now())) {
-                self.panic("matching line", timeout, why);
-            }
-        }
+        self.wait_until("matching line", |w| w.lines.iter().find(|l| pred(l)).cloned(), timeout)
     }
 
     /// Sends `signal` and waits for the process to end.

@@ -9,6 +9,23 @@ use trainerd_sdk::InputContext;
 use super::TrainError;
 use crate::plugin::{Dataset, InputPipeline};
 
+/// The input context of worker `rank` of `world`, each taking `batch_size` examples of every
+/// global batch, in `epoch` of a run seeded `seed`.
+pub fn input_context(
+    (rank, world): (usize, usize),
+    batch_size: u32,
+    (training, epoch, seed): (bool, u64, u64),
+) -> InputContext {
+    InputContext {
+        num_input_pipelines: world as u32,
+        input_pipeline_id: rank as u32,
+        per_replica_batch_size: batch_size,
+        training,
+        epoch,
+        seed,
+    }
+}
+
 /// An epoch's input pipeline, positioned at a step, keeping the last two batches it handed out
 /// (already on the device): the step in flight's, which a step abandoned and taken again needs
 /// again, and the next one, taken while the device computes the current step.

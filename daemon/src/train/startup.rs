@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use trainerd_sdk::{InputContext, PluginInfo, Split};
 use trainerd_storage::Location;
 
+use super::batches::input_context;
 use super::commit::{Committer, Policy};
 use super::report::Reporter;
 use super::session::{Interrupt, Joined, Session};
@@ -145,14 +146,7 @@ pub(super) fn load_data<'m>(
 ) -> Result<Data<'m>, TrainError> {
     let train = model.load_data(&cfg.data_dir, Split::Train)?;
     let test = model.load_data(&cfg.data_dir, Split::Test)?;
-    let ctx = InputContext {
-        num_input_pipelines: world as u32,
-        input_pipeline_id: rank as u32,
-        per_replica_batch_size: cfg.batch_size,
-        training: true,
-        epoch: 0,
-        seed: cfg.seed,
-    };
+    let ctx = input_context((rank, world), cfg.batch_size, (true, 0, cfg.seed));
     let pipeline_steps = train.pipeline(&ctx)?.steps();
     let steps_per_epoch = cfg.steps_per_epoch.map_or(pipeline_steps, |s| s.min(pipeline_steps));
     if steps_per_epoch == 0 {
