@@ -125,7 +125,7 @@ impl Committer {
     }
 
     /// Reports a commit that has finished, without waiting.
-    pub fn poll(&mut self, report: &mut Reporter<'_>) {
+    fn poll(&mut self, report: &mut Reporter<'_>) {
         if let Some(f) = self.checkpointer.poll() {
             report.commit_finished(self.checkpointer.location(), &f);
         }
@@ -139,6 +139,11 @@ impl Committer {
         state: &TrainState,
         report: &mut Reporter<'_>,
     ) -> Result<Option<u64>, TrainError> {
+        if moment == Moment::Step {
+            // A commit that finished since the last step is reported now, not when the next one
+            // starts: its line, its event, the metrics and the last error stay current.
+            self.poll(report);
+        }
         let c = &self.checkpointer;
         let position = state.position();
         let last = Last { holds: c.has(position.progress()), stuck: c.stuck() };

@@ -106,7 +106,7 @@ pub struct StepDone<'t> {
 pub struct JoinedGeneration<'n> {
     /// Its number.
     pub generation: u64,
-    /// This worker's rank, and the workers in it.
+    /// This worker's rank.
     pub rank: usize,
     /// Workers in it.
     pub workers: usize,
