@@ -166,7 +166,10 @@ fn alive(child: &mut Child) -> bool {
 #[test]
 fn systemd_sees_ready_status_watchdog_and_stopping_in_order() {
     let mut socket = NotifySocket::new();
-    let out = run_cmd(2000, 3).env("NOTIFY_SOCKET", &socket.path).env("WATCHDOG_USEC", "200000").output().unwrap();
+    // STATUS is sent at most once a second: the run must train well over a second after READY
+    // for a status naming an epoch to come (3 epochs of the fixture took ~1.3 s, and lost that
+    // race about once in ten runs).
+    let out = run_cmd(2000, 6).env("NOTIFY_SOCKET", &socket.path).env("WATCHDOG_USEC", "200000").output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     std::thread::sleep(Duration::from_millis(100));
     let m = socket.messages().to_vec();
