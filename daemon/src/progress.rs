@@ -113,7 +113,7 @@ impl Progress {
             self.last_draw.is_none_or(|t| t.elapsed() >= REDRAW)
         } else {
             let tenth = (steps / 10).max(1);
-            step % tenth == 0
+            step.is_multiple_of(tenth)
         }
     }
 

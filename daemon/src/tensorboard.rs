@@ -159,7 +159,7 @@ impl TensorBoard {
 
     /// After global step `global_step`: `batch_loss` (and the step's metrics) every `every` steps.
     pub fn step(&mut self, global_step: u64, values: &[(String, f64)]) -> std::io::Result<()> {
-        if self.every == 0 || global_step % self.every != 0 {
+        if self.every == 0 || !global_step.is_multiple_of(self.every) {
             return Ok(());
         }
         let scalars: Vec<(String, f64)> = values.iter().map(|(n, v)| (format!("batch_{n}"), *v)).collect();

@@ -113,8 +113,9 @@ fn header_mismatches_are_refused_naming_file_found_and_expected() {
     let data = tempfile::tempdir().unwrap();
     tiny_dataset(data.path(), 64, 16);
     let fixture = plugin("test-fixture");
+    let abi = trainerd_sdk::abi::ABI_VERSION.to_string();
     for (fault, field, found, expected) in [
-        ("abi-version", "ABI version", "999", "1"),
+        ("abi-version", "ABI version", "999", abi.as_str()),
         ("magic", "header magic", "\"NOTAPLUG\"", "\"TRAINERD\""),
         ("tch-version", "tch version", "0.25.0", TCH_VERSION),
         ("libtorch-version", "libtorch version", "2.12.0+cpu", LIBTORCH_VERSION),
@@ -241,7 +242,7 @@ fn plugin_check_prints_identity() {
     );
     assert!(
         text.contains(&format!(
-            "built with: abi 1, trainerd-sdk {SDK_VERSION}, tch {TCH_VERSION}, libtorch {LIBTORCH_VERSION}, {TARGET}, panic=unwind\n"
+            "built with: abi 2, trainerd-sdk {SDK_VERSION}, tch {TCH_VERSION}, libtorch {LIBTORCH_VERSION}, {TARGET}, panic=unwind\n"
         )),
         "{text}"
     );
@@ -263,7 +264,8 @@ fn plugin_check_reports_a_mismatch_and_survives_a_crash() {
         .env("TRAINERD_FIXTURE_FAULT", "abi-version")
         .output()
         .unwrap();
-    assert_eq!(error_of(&out), expected_mismatch(&fixture, "ABI version", "999", "1"));
+    let abi = trainerd_sdk::abi::ABI_VERSION.to_string();
+    assert_eq!(error_of(&out), expected_mismatch(&fixture, "ABI version", "999", &abi));
 
     let out = trainerd_cmd()
         .args(["plugin", "check"])

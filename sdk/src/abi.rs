@@ -19,8 +19,9 @@ pub use torch_sys::C_tensor;
 /// The first eight bytes of every plugin header.
 pub const MAGIC: [u8; 8] = *b"TRAINERD";
 
-/// Version of the layout behind `header_size`: bumped on any change to the header or vtable.
-pub const ABI_VERSION: u32 = 1;
+/// Version of the layout behind `header_size`: bumped on any change to the header, the vtable or
+/// what crosses it. 2: the input context's `first_step`, and the plugin info's `columns`.
+pub const ABI_VERSION: u32 = 2;
 
 /// Name of the one symbol a plugin exports (a `extern "C" fn() -> *const PluginHeader`).
 pub const ENTRY_SYMBOL: &str = "trainerd_plugin_entry";
@@ -138,6 +139,9 @@ pub struct InputContext {
     pub epoch: u64,
     /// Run seed.
     pub seed: u64,
+    /// The step (from 0) of the pipeline's first batch: a resumed or recovered run opens the
+    /// epoch there, without making the batches before it.
+    pub first_step: u64,
 }
 
 impl InputContext {
@@ -188,7 +192,8 @@ pub struct PluginVTable {
     pub data_load: unsafe extern "C" fn(model: Handle, dir: StrRef, split: RawSplit, out: *mut Handle) -> Status,
     /// Drops a loaded dataset (after every pipeline over it is freed).
     pub data_free: unsafe extern "C" fn(data: Handle),
-    /// Opens an input pipeline over a loaded dataset; writes how many batches it will yield.
+    /// Opens an input pipeline over a loaded dataset at `ctx.first_step`; writes how many batches
+    /// the whole epoch has (it yields those from `first_step` on).
     pub pipeline_open: unsafe extern "C" fn(
         model: Handle,
         data: Handle,

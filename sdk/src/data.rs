@@ -86,7 +86,8 @@ pub fn sharded_map(
     let (inputs, labels) = (inputs.shallow_clone(), labels.shallow_clone());
     Ok(Pipeline {
         steps: plan.len() as u64,
-        batches: Box::new(plan.into_iter().map(move |idx| {
+        first_step: ctx.first_step,
+        batches: Box::new(plan.into_iter().skip(ctx.first_step as usize).map(move |idx| {
             let idx = Tensor::from_slice(&idx);
             Ok((prepare(inputs.f_index_select(0, &idx)?)?, labels.f_index_select(0, &idx)?))
         })),
@@ -106,6 +107,7 @@ mod tests {
             training,
             epoch: 3,
             seed: 42,
+            first_step: 0,
         }
     }
 
@@ -159,5 +161,21 @@ mod tests {
         assert_eq!(Vec::<i64>::try_from(&batches[0].1).unwrap(), [2, 3]);
         assert_eq!(Vec::<f32>::try_from(batches[0].0.flatten(0, -1)).unwrap(), [4., 5., 6., 7.]);
         assert_eq!(batches[1].1.size(), [0]);
+    }
+
+    /// A pipeline opened at a step yields what the epoch's pipeline yields from there, and
+    /// counts the whole epoch's steps.
+    #[test]
+    fn a_pipeline_opens_at_its_first_step() {
+        let x = Tensor::arange(40, (tch::Kind::Float, tch::Device::Cpu)).view([20, 2]);
+        let y = Tensor::arange(20, (tch::Kind::Int64, tch::Device::Cpu));
+        let labels = |first_step| {
+            let p = sharded_batches(&x, &y, &InputContext { first_step, ..ctx(2, 1, 3, true) }).unwrap();
+            (p.steps, p.first_step, p.batches.map(|b| Vec::<i64>::try_from(&b.unwrap().1).unwrap()).collect::<Vec<_>>())
+        };
+        let (steps, _, all) = labels(0);
+        assert_eq!(steps, 3);
+        assert_eq!(labels(2), (3, 2, all[2..].to_vec()));
+        assert_eq!(labels(3), (3, 3, Vec::new()));
     }
 }

@@ -277,7 +277,16 @@ unsafe extern "C" fn pipeline_open<M: Model>(
     guard(|| {
         // SAFETY: live handles and pointers from the daemon.
         let (m, data, ctx) = unsafe { (model_mut::<M>(model), &*(data as *const Arc<M::Data>), &*ctx) };
-        let pipeline = m.model.input_pipeline(data, ctx)?;
+        let mut pipeline = m.model.input_pipeline(data, ctx)?;
+        // A pipeline that always starts at the epoch's beginning is brought to the first step
+        // here, by drawing the batches before it.
+        while pipeline.first_step < ctx.first_step {
+            match pipeline.batches.next() {
+                Some(batch) => drop(batch?),
+                None => break,
+            }
+            pipeline.first_step += 1;
+        }
         let steps = pipeline.steps;
         let boxed = Box::new(PipelineBox { pipeline, xs: Tensor::new(), labels: Tensor::new() });
         // SAFETY: valid out pointers.

@@ -15,15 +15,18 @@
 //! (the default): panics are caught inside the plugin and returned as errors.
 //!
 //! [`mnist`] reads MNIST-format datasets and [`data`] gives the per-epoch order and the
-//! TensorFlow-style sharding that input pipelines use.
+//! TensorFlow-style sharding that input pipelines use. [`columns`] declares how a record of a
+//! columnar dataset (Parquet) becomes tensors, for datasets the daemon reads itself.
 
 pub mod abi;
+pub mod columns;
 pub mod data;
 #[doc(hidden)]
 pub mod export;
 pub mod mnist;
 pub mod model;
 
+pub use columns::{Column, Columns, Decode, Side};
 pub use model::{
     Batch, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
 };

@@ -257,6 +257,7 @@ mod tests {
                 training: false,
                 epoch: 0,
                 seed: 0,
+                first_step: 0,
             };
             let (xs, _) = m.pipeline(&ctx).unwrap().batches.next().unwrap().unwrap();
             assert_eq!(xs.kind(), Kind::Float);

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Tensor};
 
 pub use crate::abi::InputContext;
+use crate::columns::Columns;
 
 /// An error raised by plugin code; its message reaches the operator as it is, so it should name
 /// the thing that is wrong (a file, a shape) and what was expected.
@@ -40,10 +41,14 @@ pub enum Split {
 /// One batch: inputs and labels.
 pub type Batch = (Tensor, Tensor);
 
-/// An input pipeline: a known number of batches.
+/// An input pipeline: one epoch of a known number of batches, from its first step on.
 pub struct Pipeline {
-    /// How many batches `batches` yields.
+    /// How many batches the whole epoch has.
     pub steps: u64,
+    /// The step of the first batch `batches` yields: [`InputContext::first_step`] when the
+    /// pipeline starts there itself, 0 when it always starts at the epoch's beginning (the SDK then
+    /// skips to the first step by drawing the batches before it).
+    pub first_step: u64,
     /// The batches.
     pub batches: Box<dyn Iterator<Item = Result<Batch, PluginError>> + Send>,
 }
@@ -78,11 +83,13 @@ pub trait Model: Sized + 'static {
         Ok(correct.f_sum(Kind::Double)?.f_reshape([1])?)
     }
 
-    /// Loads one split from the data directory.
+    /// Loads one split from the data directory (the plugin's own format; a columnar dataset is
+    /// read by the daemon, as [`PluginInfo::columns`] declares).
     fn load_data(&self, dir: &Path, split: Split) -> Result<Self::Data, PluginError>;
 
     /// The batches for one epoch of one pipeline, as `distribute_datasets_from_function` would
-    /// produce them from `ctx`.
+    /// produce them from `ctx`, from `ctx.first_step` on (or from the epoch's start, with
+    /// [`Pipeline::first_step`] 0).
     fn input_pipeline(&self, data: &Arc<Self::Data>, ctx: &InputContext) -> Result<Pipeline, PluginError>;
 }
 
@@ -99,6 +106,10 @@ pub struct PluginInfo {
     pub metrics: Vec<String>,
     /// Training defaults.
     pub defaults: TrainDefaults,
+    /// The columns it trains on when `--data` is a columnar dataset (Parquet); `None` for a plugin
+    /// that reads only its own format (through [`Model::load_data`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub columns: Option<Columns>,
 }
 
 impl PluginInfo {
@@ -116,7 +127,14 @@ impl PluginInfo {
                 optimizer: OptimizerConfig::adam(1e-3),
                 schedule: LrSchedule::Constant,
             },
+            columns: None,
         }
+    }
+
+    /// The same identity, training on `columns` from a columnar dataset.
+    pub fn with_columns(mut self, columns: Columns) -> PluginInfo {
+        self.columns = Some(columns);
+        self
     }
 }
 

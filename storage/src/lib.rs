@@ -11,6 +11,7 @@ pub mod protocol;
 pub mod store;
 pub mod tensors;
 
-pub use location::{Location, LocationError, OpenError, S3Options};
+pub use location::{s3_store, Location, LocationError, OpenError, S3Options};
+pub use store::types::transient;
 pub use store::{Blob, CheckpointStore, CommitRecord, Manifest, NewCheckpoint, Restored, Retry, StorageError};
 pub use tensors::{Dtype, TensorData};

@@ -135,28 +135,33 @@ impl Location {
                 Ok(CheckpointStore::new(Arc::new(object_store::memory::InMemory::new()), StorePath::default(), name))
             }
             Location::S3 { bucket, prefix } => {
-                let mut builder = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
-                let endpoint = s3.endpoint.clone().or_else(|| std::env::var("AWS_ENDPOINT_URL").ok());
-                let loopback = endpoint.as_deref().is_some_and(|e| {
-                    let host = e.split("://").nth(1).unwrap_or(e);
-                    host.starts_with("127.") || host.starts_with("localhost") || host.starts_with("[::1]")
-                });
-                if let Some(endpoint) = &endpoint {
-                    builder = builder.with_endpoint(endpoint).with_virtual_hosted_style_request(false);
-                }
-                let region = s3.region.clone().or_else(|| std::env::var("AWS_REGION").ok());
-                builder = builder.with_region(region.unwrap_or_else(|| "us-east-1".into()));
-                // Set last: with_client_options() would reset it.
-                builder = builder.with_allow_http(s3.allow_http || loopback);
-                // object_store's own retries would hold one request for up to 3 minutes, out of
-                // sight; the store's retry policy (`store::Retry`) retries instead, counts and
-                // logs each failure (a commit stuck on failing storage is then seen at once).
-                builder = builder.with_retry(object_store::RetryConfig { max_retries: 0, ..Default::default() });
-                let store = builder.build().map_err(|e| err(e.to_string()))?;
+                let store = s3_store(bucket, s3).map_err(err)?;
                 Ok(CheckpointStore::new(Arc::new(store), StorePath::from(prefix.as_str()), name))
             }
         }
     }
+}
+
+/// A client for `bucket` on the S3-compatible service `s3` names (the AWS variables underneath),
+/// without object_store's own retries: its callers retry, count and log each failure themselves
+/// (checkpoints through [`crate::Retry`], datasets within their wait bound).
+pub fn s3_store(bucket: &str, s3: &S3Options) -> Result<object_store::aws::AmazonS3, String> {
+    let mut builder = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+    let endpoint = s3.endpoint.clone().or_else(|| std::env::var("AWS_ENDPOINT_URL").ok());
+    let loopback = endpoint.as_deref().is_some_and(|e| {
+        let host = e.split("://").nth(1).unwrap_or(e);
+        host.starts_with("127.") || host.starts_with("localhost") || host.starts_with("[::1]")
+    });
+    if let Some(endpoint) = &endpoint {
+        builder = builder.with_endpoint(endpoint).with_virtual_hosted_style_request(false);
+    }
+    let region = s3.region.clone().or_else(|| std::env::var("AWS_REGION").ok());
+    builder = builder.with_region(region.unwrap_or_else(|| "us-east-1".into()));
+    // Set last: with_client_options() would reset it.
+    builder = builder.with_allow_http(s3.allow_http || loopback);
+    // object_store's own retries would hold one request for up to 3 minutes, out of sight.
+    builder = builder.with_retry(object_store::RetryConfig { max_retries: 0, ..Default::default() });
+    builder.build().map_err(|e| e.to_string())
 }
 
 impl std::fmt::Display for Location {

@@ -125,7 +125,7 @@ pub fn encode(tensors: &[TensorData]) -> Result<Vec<Bytes>, TensorError> {
     }
     let mut json = serde_json::to_vec(&header).expect("plain data");
     // The reference implementation pads the header with spaces to a multiple of 8 bytes.
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut head = (json.len() as u64).to_le_bytes().to_vec();

@@ -59,6 +59,11 @@ impl Plugin {
         let json = unsafe { json.to_string_lossy() };
         let info: PluginInfo =
             serde_json::from_str(&json).map_err(|e| bad_info(format!("info is not valid: {e}: {json}")))?;
+        for c in info.columns.iter().flat_map(|c| [&c.input, &c.label]) {
+            c.decode
+                .validate()
+                .map_err(|why| bad_info(format!("its column `{}` is declared wrongly: {why}", c.name)))?;
+        }
         Ok(Plugin { path: path.to_path_buf(), vtable, facts, info })
     }
 

@@ -23,6 +23,7 @@ pub fn input_context(
         training,
         epoch,
         seed,
+        first_step: 0,
     }
 }
 
@@ -59,10 +60,8 @@ impl<'d> Batches<'d> {
             }
         }
         if !self.cursor.as_ref().is_some_and(|c| c.epoch == epoch && c.next == step) {
-            let mut pipeline = self.data.pipeline(ctx)?;
-            for _ in 0..step {
-                pipeline.next_batch()?;
-            }
+            // Opened at the step: the batches before it are not made.
+            let pipeline = self.data.pipeline(&InputContext { first_step: step, ..*ctx })?;
             self.cursor = Some(Cursor { epoch, next: step, pipeline, recent: Vec::new() });
         }
         let c = self.cursor.as_mut().expect("positioned");

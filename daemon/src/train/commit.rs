@@ -81,7 +81,7 @@ pub fn decide(moment: Moment, position: &Position, live: bool, policy: Policy, l
     let due = match moment {
         Moment::Step => {
             policy.every > 0
-                && position.global_step % policy.every == 0
+                && position.global_step.is_multiple_of(policy.every)
                 && position.step_in_epoch < policy.steps_per_epoch
         }
         Moment::EpochEnd | Moment::Finish | Moment::Stop => true,

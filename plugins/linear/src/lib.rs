@@ -7,7 +7,7 @@ use std::sync::Arc;
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, Tensor};
 use trainerd_sdk::{
-    export_plugin, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
+    export_plugin, Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
     TrainDefaults,
 };
 
@@ -31,6 +31,7 @@ impl Model for Linear {
                 optimizer: OptimizerConfig::sgd(0.1),
                 schedule: LrSchedule::Constant,
             },
+            columns: Some(Columns::image_classification(1, 28, 28)),
         }
     }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
-use trainerd_sdk::{export_plugin, InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
+use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
 
 /// The model.
 pub struct MnistCnnBig {
@@ -27,6 +27,7 @@ impl Model for MnistCnnBig {
             "Conv2D(32, 3x3) ReLU, Flatten, Dense 128 ReLU, Dense 10 on 28x28 MNIST-format images \
                           (2.77 M parameters)",
         )
+        .with_columns(Columns::image_classification(1, 28, 28))
     }
 
     fn new(root: &nn::Path) -> Result<Self, PluginError> {

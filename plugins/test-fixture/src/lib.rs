@@ -4,14 +4,18 @@
 //! - `abi-version`, `magic`, `tch-version`, `libtorch-version`, `panic-abort`: a header with
 //!   that field wrong (as a plugin built against other versions would have);
 //! - `segfault-on-load`: the entry symbol crashes;
-//! - `panic-forward`, `panic-pipeline`, `panic-load`: plugin code panics in that call;
+//! - `panic-forward`, `panic-pipeline` (at step 2 of an epoch), `panic-load`: plugin code panics in
+//!   that call;
 //! - `uneven-shards`: input pipeline `i` yields `i` fewer training batches (shards that differ);
 //! - `unused-param`: the model has a parameter (`model.unused`, ones) its forward never uses;
 //! - `typed-buffers`: the model has non-trainable variables of other dtypes that each training
 //!   forward pass updates: `model.steps` (int64, from 2^40) counts passes, `model.mean` (float64)
 //!   keeps a running mean of the input's mean.
 //!
-//! `TRAINERD_FIXTURE_VERSION` overrides the version it reports. Unset, it is a working softmax
+//! `TRAINERD_FIXTURE_VERSION` overrides the version it reports; `TRAINERD_FIXTURE_COLUMNS` (JSON)
+//! the columns it declares for a columnar dataset (by default an image `[1, 28, 28]` and a label,
+//! in Hugging Face's layout), so that a test can train on a dataset of its own making: the
+//! input, whatever its shape, is flattened into the Dense layer's 784 inputs. Unset, it is a working softmax
 //! regression like the `linear` plugin.
 
 use std::path::Path;
@@ -22,11 +26,20 @@ use trainerd_sdk::export::{header, vtable};
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, Tensor};
 use trainerd_sdk::{
-    InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
+    Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
 };
 
 fn fault() -> String {
     std::env::var("TRAINERD_FIXTURE_FAULT").unwrap_or_default()
+}
+
+/// The columns it declares: Hugging Face's image layout, or the JSON in
+/// `TRAINERD_FIXTURE_COLUMNS` (a test's own dataset).
+fn columns() -> Columns {
+    match std::env::var("TRAINERD_FIXTURE_COLUMNS") {
+        Ok(json) => serde_json::from_str(&json).expect("TRAINERD_FIXTURE_COLUMNS is a Columns JSON"),
+        Err(_) => Columns::image_classification(1, 28, 28),
+    }
 }
 
 /// The model.
@@ -52,6 +65,7 @@ impl Model for Fixture {
                 optimizer: OptimizerConfig::sgd(0.1),
                 schedule: LrSchedule::Constant,
             },
+            columns: Some(columns()),
         }
     }
 
@@ -95,10 +109,10 @@ impl Model for Fixture {
             pipeline.batches = Box::new(batches.take(pipeline.steps as usize));
         }
         if fault() == "panic-pipeline" {
-            let batches = pipeline.batches;
-            pipeline.batches = Box::new(batches.enumerate().map(|(i, b)| {
-                if i == 2 {
-                    panic!("fixture: input pipeline failed on purpose at batch {i}");
+            let (batches, first) = (pipeline.batches, pipeline.first_step as usize);
+            pipeline.batches = Box::new(batches.enumerate().map(move |(i, b)| {
+                if first + i == 2 {
+                    panic!("fixture: input pipeline failed on purpose at batch {}", first + i);
                 }
                 b
             }));

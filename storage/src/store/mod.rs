@@ -21,7 +21,6 @@ use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
-use types::transient;
 pub use types::*;
 
 /// A checkpoint location opened on a backend.

@@ -207,8 +207,8 @@ impl Default for Retry {
     }
 }
 
-/// Errors that another try may cure. Everything definite (not found, already exists, a
-/// precondition, an unsupported operation, a bad path) is not.
-pub(super) fn transient(e: &object_store::Error) -> bool {
+/// Errors that another try may cure (a server down, 5xx, a timeout). Everything definite (not
+/// found, already exists, a precondition, an unsupported operation, a bad path) is not.
+pub fn transient(e: &object_store::Error) -> bool {
     matches!(e, object_store::Error::Generic { .. } | object_store::Error::JoinError { .. })
 }

@@ -1,0 +1,157 @@
+//! What can go wrong with a dataset, each error naming the thing to repair: the location, the
+//! file, the row group, the row, the column, and what was expected and found.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A dataset problem.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DataError {
+    /// `--data` could not be parsed or opened.
+    #[error("data location {location}: {reason}")]
+    Location {
+        /// The location as given.
+        location: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A split has no files.
+    #[error(
+        "data location {location}: no {split} split: expected {split}-00000-of-0000N.parquet files (Hugging Face's \
+         layout) or {split}.parquet{found}"
+    )]
+    NoSplit {
+        /// The location.
+        location: String,
+        /// `train` or `test`.
+        split: &'static str,
+        /// What the location holds instead, as ", found: a, b" (empty when nothing).
+        found: String,
+    },
+    /// A numbered shard is absent.
+    #[error("data location {location}: missing {name} ({split} has {total} files by its names: {present} found)")]
+    MissingShard {
+        /// The location.
+        location: String,
+        /// The split.
+        split: &'static str,
+        /// The missing file's name.
+        name: String,
+        /// Files the names say there are.
+        total: usize,
+        /// Files found.
+        present: usize,
+    },
+    /// A file is not Parquet, or its footer is damaged.
+    #[error("data file {file}: not a readable Parquet file: {reason}")]
+    NotParquet {
+        /// The file.
+        file: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A column the plugin declares is absent.
+    #[error("data file {file}: no column `{column}` (the plugin reads it as {expected}); the file has: {available}")]
+    MissingColumn {
+        /// The file.
+        file: String,
+        /// The column.
+        column: String,
+        /// What the plugin expects of it.
+        expected: String,
+        /// The file's columns.
+        available: String,
+    },
+    /// A column's type does not fit the plugin's declaration.
+    #[error("data file {file}: column `{column}`: expected {expected}, found {found}")]
+    Schema {
+        /// The file.
+        file: String,
+        /// The column.
+        column: String,
+        /// What the plugin declares.
+        expected: String,
+        /// The column's type.
+        found: String,
+    },
+    /// A row group could not be read or decoded.
+    #[error("data file {file}, row group {row_group}: {reason}")]
+    RowGroup {
+        /// The file.
+        file: String,
+        /// The row group (from 0).
+        row_group: usize,
+        /// What failed.
+        reason: String,
+    },
+    /// One row's value does not fit the declaration (an image of another size, a null, a list of
+    /// the wrong length).
+    #[error("data file {file}, row group {row_group}, row {row}: column `{column}`: {reason}")]
+    Row {
+        /// The file.
+        file: String,
+        /// The row group.
+        row_group: usize,
+        /// The row, counted from the file's first.
+        row: u64,
+        /// The column.
+        column: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A file changed (or vanished) under the running job.
+    #[error(
+        "data file {file}: {what} since the run started; a dataset must not change under a running job (restart the \
+         run to train on the new data)"
+    )]
+    Changed {
+        /// The file.
+        file: String,
+        /// What changed.
+        what: String,
+    },
+    /// The data source kept failing for longer than the wait bound.
+    #[error(
+        "data file {file}: the data source failed for {:.0} s (last error: {last}); gave up after --data-timeout",
+        waited.as_secs_f64()
+    )]
+    Unavailable {
+        /// The file being read.
+        file: String,
+        /// How long it was retried.
+        waited: Duration,
+        /// The last error.
+        last: String,
+    },
+    /// The source failed definitely (permissions, a bad request).
+    #[error("data file {file}: {reason}")]
+    Source {
+        /// The file.
+        file: String,
+        /// The store's error.
+        reason: String,
+    },
+    /// The local cache could not be used.
+    #[error("data cache {path}: {source}")]
+    Cache {
+        /// The cache file or directory.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// Writing a dataset (`data convert`).
+    #[error("{what}: {reason}")]
+    Write {
+        /// What was being written.
+        what: String,
+        /// What failed.
+        reason: String,
+    },
+    /// libtorch failed making a batch's tensors.
+    #[error("making a batch: {0}")]
+    Torch(#[from] trainerd_sdk::tch::TchError),
+    /// The pipeline's threads were stopped (the stream was dropped).
+    #[error("the input pipeline was stopped")]
+    Stopped,
+}

@@ -1,0 +1,184 @@
+//! Datasets as users have them: sharded Parquet files (Hugging Face's layout: `train-*` and
+//! `test-*` files) on a local directory or an S3-compatible prefix, read by the daemon for any
+//! plugin that declares its columns ([`trainerd_sdk::Columns`]).
+//!
+//! - [`location`]: what `--data` names, and whether it is a columnar dataset.
+//! - [`index`]: the files of each split, their footers, the fingerprint (made once at start).
+//! - [`schema`]: each file's columns checked against the plugin's declaration, before training.
+//! - [`order`]: the order of an epoch, a pure function of (seed, epoch, row groups, window).
+//! - [`source`] and [`cache`]: byte ranges read against the files as they were at start, retried
+//!   within a bound, remote ones cached on local disk within a bound.
+//! - [`rows`], [`batch`]: a row group's wanted rows, and a batch's tensors.
+//! - [`stream`]: the prefetching pipeline, in bounded memory.
+//! - [`convert`]: an MNIST-format directory written as Parquet in Hugging Face's layout.
+//!
+//! This crate knows nothing of the cluster or of training: a worker hands it its slice and the
+//! step to start at, and gets batches.
+
+pub mod batch;
+pub mod cache;
+pub mod convert;
+pub mod error;
+pub mod index;
+pub mod location;
+pub mod order;
+pub mod rows;
+pub mod schema;
+pub mod source;
+pub mod stream;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use trainerd_sdk::{Columns, Split};
+use trainerd_storage::S3Options;
+
+pub use error::DataError;
+pub use index::SplitIndex;
+pub use location::DataLocation;
+pub use order::{Shuffle, Slice};
+pub use source::{Observer, Quiet, Traffic};
+pub use stream::{Batch, Plan, Stream};
+
+/// How a dataset is read.
+#[derive(Clone)]
+pub struct Options {
+    /// S3 settings (the checkpoints' flags).
+    pub s3: S3Options,
+    /// How long a read waits for a failing source before it is an error.
+    pub timeout: Duration,
+    /// The local cache of remote ranges (directory, bytes), if any.
+    pub cache: Option<(PathBuf, u64)>,
+    /// Loader threads (reading row groups, decoding images).
+    pub threads: usize,
+    /// Told of the source's failures and recoveries.
+    pub observer: Arc<dyn Observer>,
+}
+
+/// An opened dataset: both splits indexed.
+pub struct Dataset {
+    source: Arc<source::Source>,
+    pool: Arc<rayon::ThreadPool>,
+    train: Arc<SplitIndex>,
+    test: Arc<SplitIndex>,
+    fingerprint: String,
+    peak_bytes: Arc<AtomicUsize>,
+    patience: Duration,
+}
+
+impl Dataset {
+    /// Opens the dataset at `location`: lists it, reads every file's footer, and checks that
+    /// both splits are there and whole.
+    pub fn open(location: &DataLocation, options: Options) -> Result<Dataset, DataError> {
+        let cache = match &options.cache {
+            Some((dir, bytes)) if matches!(location, DataLocation::S3 { .. }) => Some(cache::Cache::open(dir, *bytes)?),
+            _ => None,
+        };
+        let source = source::Source::open(location, &options.s3, options.timeout, cache, options.observer)?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(options.threads.max(1))
+            .thread_name(|i| format!("trainerd-loader-{i}"))
+            .build()
+            .map_err(|e| DataError::Location { location: location.to_string(), reason: e.to_string() })?;
+        let listed = source.list()?;
+        let train = index::index_split(&source, &listed, Split::Train, &pool)?;
+        let test = index::index_split(&source, &listed, Split::Test, &pool)?;
+        let fingerprint = index::fingerprint(&[&train, &test]);
+        Ok(Dataset {
+            source: Arc::new(source),
+            pool: Arc::new(pool),
+            train: Arc::new(train),
+            test: Arc::new(test),
+            fingerprint,
+            peak_bytes: Arc::default(),
+            // A batch waits at most for its reads, each bounded by the timeout, and their decoding.
+            patience: options.timeout * 2 + Duration::from_secs(60),
+        })
+    }
+
+    /// The location.
+    pub fn location(&self) -> &DataLocation {
+        self.source.location()
+    }
+
+    /// A split's index.
+    pub fn split(&self, split: Split) -> &SplitIndex {
+        match split {
+            Split::Train => &self.train,
+            Split::Test => &self.test,
+        }
+    }
+
+    /// sha256 of every file's split, name, size and footer (see [`index`]).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// A reader of `split`'s `columns`, every file's schema checked first.
+    pub fn reader(&self, split: Split, columns: &Columns) -> Result<Reader, DataError> {
+        let index = match split {
+            Split::Train => &self.train,
+            Split::Test => &self.test,
+        };
+        let projections = index::check(&self.source, index, columns)?;
+        Ok(Reader {
+            input: Arc::new(stream::Input {
+                source: Arc::clone(&self.source),
+                split: Arc::clone(index),
+                projections,
+                columns: columns.clone(),
+                pool: Arc::clone(&self.pool),
+                peak_bytes: Arc::clone(&self.peak_bytes),
+            }),
+            patience: self.patience,
+        })
+    }
+
+    /// Bytes read so far, by epoch (`None`: the index).
+    pub fn traffic(&self) -> BTreeMap<Option<u32>, Traffic> {
+        self.source.traffic()
+    }
+
+    /// The most bytes of rows held at once by the pipelines (read, not yet batched).
+    pub fn peak_held_bytes(&self) -> usize {
+        self.peak_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of `split`'s row groups that `columns` project: what one worker reads of it in an
+    /// epoch (each row group at most once).
+    pub fn projected_bytes(&self, split: Split, columns: &Columns) -> Result<u64, DataError> {
+        let index = self.split(split);
+        let projections = index::check(&self.source, index, columns)?;
+        Ok(index
+            .groups
+            .iter()
+            .map(|g| {
+                let meta = index.files[g.file].meta.metadata();
+                let r = rows::byte_range(meta, g.index, &projections[g.file].leaves);
+                r.end - r.start
+            })
+            .sum())
+    }
+}
+
+/// One split's rows as a plugin's columns decode them.
+#[derive(Clone)]
+pub struct Reader {
+    input: Arc<stream::Input>,
+    patience: Duration,
+}
+
+impl Reader {
+    /// Rows in the split.
+    pub fn rows(&self) -> u64 {
+        self.input.split.rows()
+    }
+
+    /// The batches of `plan`, made ahead on the loader threads.
+    pub fn open(&self, plan: Plan) -> Stream {
+        Stream::open(Arc::clone(&self.input), plan, self.patience)
+    }
+}
