@@ -1,10 +1,11 @@
 //! A batch's tensors from its rows, as the plugin's columns declare: images decoded (PNG or JPEG,
 //! in parallel on the loader threads) into `[batch, channels, height, width]` and scaled to
 //! [0, 1] exactly as MNIST's idx loader scales its bytes (so both give the same bits), numbers
-//! and token lists stacked, token lists padded or cut.
+//! and token lists stacked, token lists padded or cut. No libtorch operator runs here, only
+//! tensors made from finished buffers (see [`stack`]'s image case).
 
 use rayon::prelude::*;
-use trainerd_sdk::tch::{Kind, Tensor};
+use trainerd_sdk::tch::Tensor;
 use trainerd_sdk::{Column, Decode, Side};
 
 use crate::rows::Value;
@@ -62,13 +63,12 @@ pub fn stack(values: &[&Value], column: &Column) -> Result<Tensor, Failed> {
                     other => Err(mismatch(i, other)),
                 },
             )?;
-            // As `Mnist::pipeline` converts its bytes, op for op: the same bits.
-            let bytes = Tensor::from_slice(&pixels);
-            return bytes
-                .view(shape.as_slice())
-                .f_to_kind(Kind::Float)
-                .and_then(|t| t.f_div_scalar(255.0))
-                .map_err(|e| (0, e.to_string()));
+            // `Mnist::pipeline` divides its bytes as float32 by 255 in libtorch: one correctly
+            // rounded IEEE division each, so the same bits. Done here, not by a libtorch op: on a
+            // loader thread that would start an OpenMP team of its own (OpenMP's thread count is
+            // per thread), whose spinning takes the training threads' cores.
+            let scaled: Vec<f32> = pixels.iter().map(|&p| f32::from(p) / 255.0).collect();
+            Tensor::from_slice(&scaled)
         }
     };
     tensor.f_view(shape.as_slice()).map_err(|e| (0, e.to_string()))

@@ -19,7 +19,7 @@ use trainerd_sdk::{Columns, Split};
 use crate::error::DataError;
 use crate::order::Layout;
 use crate::schema::{self, Projection};
-use crate::source::{FileRef, Source};
+use crate::source::{FileRef, Purpose, Source};
 
 /// Bytes fetched at first from a file's end: most footers fit, so one request reads them.
 const FOOTER_GUESS: u64 = 64 << 10;
@@ -165,7 +165,7 @@ fn read_footer(source: &Source, file: &FileRef) -> Result<(ArrowReaderMetadata, 
         return Err(bad(format!("{} bytes is too short for a Parquet file", file.size)));
     }
     let guess = file.size.min(FOOTER_GUESS);
-    let tail = source.read(file, file.size - guess..file.size, None)?;
+    let tail = source.read(file, file.size - guess..file.size, Purpose::Index)?;
     let last8: [u8; 8] = tail[tail.len() - 8..].try_into().expect("8 bytes");
     let footer =
         FooterTail::try_new(&last8).map_err(|_| bad("it does not end with PAR1 (damaged, or not Parquet)".into()))?;
@@ -179,7 +179,7 @@ fn read_footer(source: &Source, file: &FileRef) -> Result<(ArrowReaderMetadata, 
     let raw = if len + 8 <= guess {
         tail.slice((guess - 8 - len) as usize..(guess - 8) as usize)
     } else {
-        source.read(file, file.size - 8 - len..file.size - 8, None)?
+        source.read(file, file.size - 8 - len..file.size - 8, Purpose::Index)?
     };
     let meta =
         ParquetMetaDataReader::decode_metadata(&raw).map_err(|e| bad(format!("its footer does not decode: {e}")))?;

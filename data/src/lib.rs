@@ -40,7 +40,7 @@ pub use error::DataError;
 pub use index::SplitIndex;
 pub use location::DataLocation;
 pub use order::{Shuffle, Slice};
-pub use source::{Observer, Quiet, Traffic};
+pub use source::{Observer, Purpose, Quiet, Traffic};
 pub use stream::{Batch, Plan, Stream};
 
 /// How a dataset is read.
@@ -81,6 +81,7 @@ impl Dataset {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(options.threads.max(1))
             .thread_name(|i| format!("trainerd-loader-{i}"))
+            .start_handler(|_| single_threaded_openmp())
             .build()
             .map_err(|e| DataError::Location { location: location.to_string(), reason: e.to_string() })?;
         let listed = source.list()?;
@@ -137,8 +138,8 @@ impl Dataset {
         })
     }
 
-    /// Bytes read so far, by epoch (`None`: the index).
-    pub fn traffic(&self) -> BTreeMap<Option<u32>, Traffic> {
+    /// Bytes read so far, by purpose.
+    pub fn traffic(&self) -> BTreeMap<Purpose, Traffic> {
         self.source.traffic()
     }
 
@@ -161,6 +162,24 @@ impl Dataset {
                 r.end - r.start
             })
             .sum())
+    }
+}
+
+/// Makes libtorch run single-threaded on this thread: a loader thread makes tensors (libtorch
+/// fills a new tensor with a parallel kernel), and OpenMP's thread count is per thread, so
+/// without this each loader thread would start a team of its own whose spinning takes the
+/// training threads' cores. ATen sizes its OpenMP regions by the calling thread's count, which
+/// this sets, leaving the training thread's alone. libgomp comes with libtorch, not linked here:
+/// the function is looked up where libtorch loaded it.
+fn single_threaded_openmp() {
+    // SAFETY: dlsym with a NUL-terminated name; a non-null result is libgomp's
+    // `void omp_set_num_threads(int)`, called once with a valid count.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, c"omp_set_num_threads".as_ptr());
+        if !f.is_null() {
+            let set: extern "C" fn(libc::c_int) = std::mem::transmute(f);
+            set(1);
+        }
     }
 }
 

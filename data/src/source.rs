@@ -51,8 +51,20 @@ impl Observer for Quiet {
     fn recovered(&self, _: &str, _: Duration) {}
 }
 
-/// Bytes read by one epoch (or by the index, under `None`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What a read is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Purpose {
+    /// The index (footers).
+    Index,
+    /// An epoch of training.
+    Train(u32),
+    /// An epoch's evaluation.
+    Test(u32),
+}
+
+/// Bytes read for one purpose.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Traffic {
     /// Bytes fetched from the location.
     pub fetched: u64,
@@ -70,7 +82,7 @@ pub struct Source {
     backoff: Retry,
     cache: Option<Cache>,
     observer: Arc<dyn Observer>,
-    traffic: Mutex<BTreeMap<Option<u32>, Traffic>>,
+    traffic: Mutex<BTreeMap<Purpose, Traffic>>,
 }
 
 impl std::fmt::Debug for Source {
@@ -140,19 +152,18 @@ impl Source {
         FileRef { name, size: meta.size, etag: meta.e_tag }
     }
 
-    /// Bytes `range` of `file`, read for `epoch` (`None`: the index), from the cache when it
-    /// holds them.
-    pub fn read(&self, file: &FileRef, range: Range<u64>, epoch: Option<u32>) -> Result<Bytes, DataError> {
+    /// Bytes `range` of `file`, read for `purpose`, from the cache when it holds them.
+    pub fn read(&self, file: &FileRef, range: Range<u64>, purpose: Purpose) -> Result<Bytes, DataError> {
         let len = range.end - range.start;
         let key = self.cache.as_ref().map(|c| c.key(&self.location.to_string(), file, &range));
         if let (Some(cache), Some(key)) = (&self.cache, &key) {
             if let Some(bytes) = cache.get(key, len) {
-                self.count(epoch, Traffic { fetched: 0, from_cache: len });
+                self.count(purpose, Traffic { fetched: 0, from_cache: len });
                 return Ok(bytes);
             }
         }
         let bytes = self.fetch(file, range)?;
-        self.count(epoch, Traffic { fetched: len, from_cache: 0 });
+        self.count(purpose, Traffic { fetched: len, from_cache: 0 });
         if let (Some(cache), Some(key)) = (&self.cache, &key) {
             // A cache that cannot be written (a full disk) costs speed, never the run.
             if let Err(e) = cache.put(key, &bytes) {
@@ -179,14 +190,14 @@ impl Source {
         })
     }
 
-    /// What was read so far, by epoch (`None`: the index).
-    pub fn traffic(&self) -> BTreeMap<Option<u32>, Traffic> {
+    /// What was read so far, by purpose.
+    pub fn traffic(&self) -> BTreeMap<Purpose, Traffic> {
         self.traffic.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
-    fn count(&self, epoch: Option<u32>, t: Traffic) {
+    fn count(&self, purpose: Purpose, t: Traffic) {
         let mut traffic = self.traffic.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let entry = traffic.entry(epoch).or_default();
+        let entry = traffic.entry(purpose).or_default();
         entry.fetched += t.fetched;
         entry.from_cache += t.from_cache;
     }
@@ -230,7 +241,7 @@ impl Source {
             match self.runtime.block_on(f()) {
                 Ok(v) => {
                     if failed {
-                        tracing::info!(
+                        tracing::warn!(
                             "data source {what}: answering again after {:.1} s",
                             started.elapsed().as_secs_f64()
                         );

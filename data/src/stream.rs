@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use trainerd_sdk::tch::Tensor;
-use trainerd_sdk::Columns;
+use trainerd_sdk::{Columns, Split};
 
 use crate::batch::stack;
 use crate::error::DataError;
@@ -31,7 +31,7 @@ use crate::index::SplitIndex;
 use crate::order::{EpochOrder, Shuffle, Slice};
 use crate::rows::{self, Chunk, Place, Row};
 use crate::schema::Projection;
-use crate::source::Source;
+use crate::source::{Purpose, Source};
 
 /// Batches made ahead of the one the step takes.
 pub const DEPTH: usize = 3;
@@ -265,7 +265,9 @@ impl Planner {
                     return false;
                 }
                 let needed_now = (epoch, job.first_step) <= held.consuming;
-                let room = held.rows.len() + held.loading + job.rows.len() <= budget || held.loading == 0;
+                // A row group larger than the whole budget is read when nothing else is held.
+                let alone = held.loading == 0 && held.rows.is_empty();
+                let room = held.rows.len() + held.loading + job.rows.len() <= budget || alone;
                 if held.in_flight < threads && (room || needed_now) {
                     break;
                 }
@@ -301,7 +303,10 @@ fn read_job(input: &Input, shared: &Shared, epoch: u32, job: Job, carried: Optio
     let read = || -> Result<(Vec<Row>, Bytes), DataError> {
         let bytes = match carried {
             Some(bytes) => bytes,
-            None => input.source.read(&file.file, range.clone(), Some(epoch))?,
+            None => {
+                let purpose = if split.split == Split::Train { Purpose::Train(epoch) } else { Purpose::Test(epoch) };
+                input.source.read(&file.file, range.clone(), purpose)?
+            }
         };
         let chunk = Chunk { start: range.start, bytes: bytes.clone(), file_len: file.file.size };
         let shown = input.source.location().file(&file.file.name);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use trainerd_data::convert::{self, Sharding};
-use trainerd_data::{Batch, DataLocation, Dataset, Options, Plan, Quiet, Shuffle, Slice};
+use trainerd_data::{Batch, DataLocation, Dataset, Options, Plan, Purpose, Quiet, Shuffle, Slice};
 use trainerd_sdk::mnist::{write_idx, Mnist, IMAGES_MAGIC, LABELS_MAGIC};
 use trainerd_sdk::tch::Tensor;
 use trainerd_sdk::{Columns, InputContext, Split};
@@ -192,7 +192,7 @@ fn each_worker_reads_every_row_group_once_an_epoch() {
     drain(&ds, Split::Train, plan(slice(1, 2, 12, true), Some(130), (0, 0), 2, 1000));
     let traffic = ds.traffic();
     for epoch in 0..2 {
-        assert_eq!(traffic[&Some(epoch)].fetched, projected, "epoch {epoch}: each row group once");
+        assert_eq!(traffic[&Purpose::Train(epoch)].fetched, projected, "epoch {epoch}: each row group once");
     }
     assert!(ds.peak_held_bytes() > 0);
 }
