@@ -35,11 +35,12 @@ if [ ! -e "$marker" ]; then
 fi
 
 # Test tools in the same venv: prometheus_client parses /metrics as Prometheus would; PyYAML
-# reads the Kubernetes manifest; tensorboard's own event reader reads the event files.
-if ! "$TRAINERD_VENV/bin/python" -c "import prometheus_client, yaml, tensorboard" 2>/dev/null; then
-    echo "setup: installing prometheus_client, PyYAML and tensorboard (the tests' readers)"
+# reads the Kubernetes manifest; tensorboard's own event reader reads the event files; pyarrow,
+# pandas and Pillow write datasets as users' tools do, and are the DataLoader peer's reader.
+if ! "$TRAINERD_VENV/bin/python" -c "import prometheus_client, yaml, tensorboard, pyarrow, pandas, PIL" 2>/dev/null; then
+    echo "setup: installing prometheus_client, PyYAML, tensorboard, pyarrow, pandas and Pillow (the tests' tools)"
     "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "prometheus-client==0.21.1" "pyyaml==6.0.2" \
-        "tensorboard==2.20.0"
+        "tensorboard==2.20.0" "pyarrow==22.0.0" "pandas==2.3.3" "pillow==12.0.0"
 fi
 # systemd-analyze checks the unit files.
 if ! command -v systemd-analyze >/dev/null; then

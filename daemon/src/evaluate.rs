@@ -8,17 +8,17 @@
 //! needs no optimizer.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use serde::Serialize;
 use tch::Device;
-use trainerd_sdk::{PluginInfo, Split};
+use trainerd_sdk::PluginInfo;
 use trainerd_storage::{Location, S3Options};
 
 use crate::cluster::control::FINAL_BARRIER;
 use crate::cluster::{ClusterConfig, Network, Timeouts};
+use crate::input::{Data, DataSource};
 use crate::plugin::Plugin;
 use crate::progress::Progress;
 use crate::state::{Meta, ModelState, Reader, Shareable, Totals};
@@ -31,8 +31,8 @@ use crate::train::TrainError;
 /// What to evaluate and where.
 #[derive(Clone, Debug)]
 pub struct EvalConfig {
-    /// Dataset directory, handed to the plugin.
-    pub data_dir: PathBuf,
+    /// The data: the plugin's own format, or a columnar dataset.
+    pub data: DataSource,
     /// Where the checkpoints are.
     pub location: Location,
     /// S3 settings beyond the AWS variables.
@@ -56,14 +56,17 @@ pub struct EvalConfig {
 impl EvalConfig {
     /// What every member must agree on.
     fn agreement_json(&self) -> String {
-        serde_json::json!({
+        let mut agreement = serde_json::json!({
             "evaluate": self.location.to_string(),
             "sequence": self.sequence,
             "batch_size": self.batch_size,
             "device": if self.device.is_cuda() { "cuda" } else { "cpu" },
             "threads": self.threads,
-        })
-        .to_string()
+        });
+        if let Some(data) = self.data.agreement() {
+            agreement["data"] = data;
+        }
+        agreement.to_string()
     }
 }
 
@@ -127,7 +130,7 @@ pub fn run(
     let mut state = ModelState::new(model.split_variables(), info.metrics.len(), cfg.device, rank == 0);
     let sequence = if rank == 0 { restore(cfg, info, &mut state, progress)? } else { 0 };
     let sequence = share(&mut session, &mut state, sequence, stop)?;
-    let test_data = model.load_data(&cfg.data_dir, Split::Test)?;
+    let test_data = Data::load(&cfg.data, &model)?;
     let ctx = input_context((rank, world), cfg.batch_size, (false, u64::from(state.position.epoch), 0));
     let began = Instant::now();
     let totals = step::evaluate(&model, &test_data, &ctx, session.ring(), cfg.device, info.metrics.len())

@@ -14,6 +14,7 @@ pub mod cluster;
 pub mod collective;
 pub mod config;
 pub mod evaluate;
+pub mod input;
 pub mod local;
 pub mod ops;
 pub mod optim;

@@ -24,7 +24,7 @@ use crate::supervise::{Happening, Options, Stream, Supervisor};
 use trainerd_supervise::loopback;
 
 /// Flags whose file argument each worker gets its own copy of (`out.json` -> `out.worker1.json`).
-const PER_WORKER_FILES: [&str; 2] = ["--summary", "--metrics-log"];
+const PER_WORKER_FILES: [&str; 3] = ["--summary", "--metrics-log", "--log-examples"];
 /// How long stopped workers get to commit and exit before they are killed.
 const STOP_GRACE: Duration = Duration::from_secs(90);
 

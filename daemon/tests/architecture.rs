@@ -77,7 +77,8 @@ fn offences(dirs: &[&str], forbidden: &[&str]) -> Vec<String> {
 #[test]
 fn the_cluster_and_the_collectives_know_nothing_of_training_plugins_or_storage() {
     let training = ["crate::train", "crate::state", "crate::checkpoint", "crate::plugin", "crate::evaluate"];
-    let forbidden = [&training[..], &["trainerd_storage", "trainerd_sdk", "crate::optim"]].concat();
+    let data = ["trainerd_data", "crate::input"];
+    let forbidden = [&training[..], &data[..], &["trainerd_storage", "trainerd_sdk", "crate::optim"]].concat();
     let found = offences(&["daemon/src/cluster", "daemon/src/collective"], &forbidden);
     assert!(found.is_empty(), "{}", found.join("\n"));
 }
@@ -90,9 +91,23 @@ fn the_collectives_know_nothing_of_membership() {
 
 #[test]
 fn the_state_knows_nothing_of_the_cluster_the_collectives_or_the_loop() {
-    let found =
-        offences(&["daemon/src/state"], &["crate::cluster", "crate::collective", "crate::train", "crate::checkpoint"]);
+    let found = offences(
+        &["daemon/src/state"],
+        &["crate::cluster", "crate::collective", "crate::train", "crate::checkpoint", "crate::input"],
+    );
     assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+#[test]
+fn the_data_knows_nothing_of_the_cluster_the_loop_or_the_state() {
+    let forbidden = ["crate::cluster", "crate::collective", "crate::train", "crate::state", "crate::checkpoint"];
+    let found = offences(&["daemon/src/input.rs"], &forbidden);
+    assert!(found.is_empty(), "{}", found.join("\n"));
+    // The data crate reads files for a plugin's declaration: it knows no daemon.
+    let deps = section("data/Cargo.toml", "dependencies");
+    for name in ["trainerd", "trainerd-testkit", "trainerd-supervise"] {
+        assert!(!deps.iter().any(|d| d == name), "the data crate depends on {name}: {deps:?}");
+    }
 }
 
 #[test]
@@ -134,7 +149,7 @@ fn storage_and_the_sdk_stand_alone_and_the_test_kit_is_only_ever_a_dev_dependenc
         assert!(!sdk.iter().any(|d| d == name), "the sdk depends on {name}: {sdk:?}");
     }
     for manifest in
-        ["daemon", "storage", "sdk", "failpoint", "testkit", "chaos-tests"].map(|c| format!("{c}/Cargo.toml"))
+        ["daemon", "storage", "sdk", "data", "failpoint", "testkit", "chaos-tests"].map(|c| format!("{c}/Cargo.toml"))
     {
         for kind in ["dependencies", "build-dependencies"] {
             let deps = section(&manifest, kind);

@@ -303,6 +303,15 @@ fn bad_flags_are_refused_with_the_flag_named() {
     );
     let out = run_with(&linear, data.path(), &["--rejoin-deadline", "0"], None);
     assert_eq!(error_of(&out), "error: --rejoin-deadline 0: expected a positive number of seconds");
+    let out = run_with(&linear, data.path(), &["--data-timeout", "150"], None);
+    assert_eq!(
+        error_of(&out),
+        "error: --data-timeout 150s must be less than --collective-timeout 120s: a worker waiting for its data must \
+         give up before its peers waiting in a collective do"
+    );
+    let out = run_with(&linear, data.path(), &["--data-cache-size", "lots"], None);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(stderr(&out).contains("\"lots\": expected a size such as 512M or 10G"), "{}", text(&out));
 }
 
 /// Rust links with `--as-needed`, so a plain link drops `libtorch_cuda.so` and libtorch never

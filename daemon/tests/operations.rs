@@ -4,12 +4,12 @@
 //! files, and log lines without escape codes.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use trainerd_testkit::notify::NotifySocket;
 use trainerd_testkit::output::{error_line, error_of, text};
 use trainerd_testkit::{dataset, free_ports, plugin, tf_config, trainerd_cmd};
 
@@ -26,73 +26,6 @@ fn run_cmd(steps: u32, epochs: u32) -> Command {
         .env_remove("WATCHDOG_USEC")
         .env_remove("JOURNAL_STREAM");
     cmd
-}
-
-/// A datagram socket standing in for systemd's, and the messages it received with their times.
-struct NotifySocket {
-    _dir: tempfile::TempDir,
-    path: PathBuf,
-    rx: mpsc::Receiver<(Instant, String)>,
-    seen: Vec<(Instant, String)>,
-}
-
-impl NotifySocket {
-    fn new() -> NotifySocket {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("notify.sock");
-        let socket = UnixDatagram::bind(&path).unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 4096];
-            while let Ok(n) = socket.recv(&mut buf) {
-                let message = String::from_utf8_lossy(&buf[..n]).into_owned();
-                if tx.send((Instant::now(), message)).is_err() {
-                    return;
-                }
-            }
-        });
-        NotifySocket { _dir: dir, path, rx, seen: Vec::new() }
-    }
-
-    /// Every message received so far.
-    fn messages(&mut self) -> &[(Instant, String)] {
-        self.seen.extend(self.rx.try_iter());
-        &self.seen
-    }
-
-    /// Waits until a message holds `needle`.
-    fn wait_for(&mut self, needle: &str, timeout: Duration) -> String {
-        let until = Instant::now() + timeout;
-        loop {
-            if let Some((_, m)) = self.messages().iter().find(|(_, m)| m.contains(needle)) {
-                return m.clone();
-            }
-            assert!(Instant::now() < until, "no {needle:?} within {timeout:?}; got {:?}", self.seen);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Watchdog pings received after `since`.
-    fn pings_after(&mut self, since: Instant) -> usize {
-        self.messages().iter().filter(|(t, m)| *t > since && m.lines().any(|l| l == "WATCHDOG=1")).count()
-    }
-
-    /// Puts a marker datagram in the socket now. The socket keeps the order in which datagrams
-    /// were sent, so [`NotifySocket::pings_sent_after`] tells what a worker sent after this
-    /// instant however late this test's reader gets to it (a loaded machine delays the reader).
-    fn mark(&self) -> String {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-        let mark = format!("TEST-MARK={nanos}");
-        UnixDatagram::unbound().unwrap().send_to(mark.as_bytes(), &self.path).unwrap();
-        mark
-    }
-
-    /// Watchdog pings sent after the marker `mark` (waits until the marker itself arrives).
-    fn pings_sent_after(&mut self, mark: &str) -> usize {
-        self.wait_for(mark, Duration::from_secs(10));
-        let at = self.seen.iter().position(|(_, m)| m == mark).unwrap();
-        self.seen[at..].iter().filter(|(_, m)| m.lines().any(|l| l == "WATCHDOG=1")).count()
-    }
 }
 
 /// Where the workers of a test write, printed if the test fails.

@@ -294,8 +294,13 @@ pub struct Worker {
 impl Worker {
     /// Starts `trainerd` with `args`, its events on a pipe of their own.
     pub fn start(args: &[&str]) -> Worker {
+        Worker::start_with(args, &[])
+    }
+
+    /// Starts `trainerd` with `args` and the variables `env` (an S3 server's, say).
+    pub fn start_with(args: &[&str], env: &[(&str, String)]) -> Worker {
         let mut cmd = Command::new(trainerd());
-        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.args(args).envs(env.iter().map(|(k, v)| (k, v))).stdout(Stdio::piped()).stderr(Stdio::piped());
         let pipe = Pipe::new().expect("a pipe");
         pipe.hand_to(&mut cmd);
         let mut child = cmd.spawn().expect("start trainerd");

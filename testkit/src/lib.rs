@@ -4,6 +4,7 @@
 //! - [`ports`]: free loopback ports, and TF_CONFIG on them;
 //! - [`s3`]: a real S3-compatible server on loopback; [`proxy`]: a link to it a test cuts;
 //!   [`fault`]: a store wrapper that fails writes on request;
+//! - [`notify`]: a socket standing in for systemd's notification socket;
 //! - [`cluster`]: real `trainerd run` processes under the daemon's own supervisor (systemd's
 //!   semantics), what they print and the events they emit, and one process watched alone;
 //! - [`output`]: reading what a finished command printed and wrote.
@@ -13,6 +14,7 @@
 
 pub mod cluster;
 pub mod fault;
+pub mod notify;
 pub mod output;
 pub mod paths;
 pub mod ports;
@@ -20,7 +22,7 @@ pub mod proxy;
 pub mod s3;
 
 pub use cluster::{Cluster, Entry, What, Worker};
-pub use paths::{dataset, plugin, trainerd, trainerd_cmd};
+pub use paths::{dataset, parquet_dataset, plugin, trainerd, trainerd_cmd};
 pub use ports::{free_ports, tf_config};
 pub use trainerd_supervise::events::{self, Event};
 pub use trainerd_supervise::exit::Exit;

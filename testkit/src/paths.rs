@@ -34,6 +34,38 @@ pub fn dataset() -> PathBuf {
     dir
 }
 
+/// Fashion-MNIST as Parquet in Hugging Face's layout, as `trainerd data convert` writes it: made
+/// once per build of `trainerd` (its modification time names the copy) and kept beside the build.
+pub fn parquet_dataset() -> PathBuf {
+    static MADE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    MADE.get_or_init(|| {
+        let built = std::fs::metadata(trainerd()).and_then(|m| m.modified()).expect("trainerd's modification time");
+        let key = built.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        // Whole once renamed into place.
+        let dir = build_dir().join(format!("fashion-mnist-parquet-{key}"));
+        if dir.is_dir() {
+            return dir;
+        }
+        let tmp = build_dir().join(format!("fashion-mnist-parquet.tmp{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let out =
+            trainerd_cmd().args(["data", "convert"]).arg(dataset()).arg(&tmp).output().expect("trainerd data convert");
+        assert!(out.status.success(), "trainerd data convert: {}", crate::output::text(&out));
+        // Another test binary may have made it meanwhile: either copy serves.
+        if std::fs::rename(&tmp, &dir).is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        for old in std::fs::read_dir(build_dir()).into_iter().flatten().flatten() {
+            let name = old.file_name().to_string_lossy().into_owned();
+            if name.starts_with("fashion-mnist-parquet-") && old.path() != dir {
+                let _ = std::fs::remove_dir_all(old.path());
+            }
+        }
+        dir
+    })
+    .clone()
+}
+
 /// A command running the workspace's `trainerd`.
 pub fn trainerd_cmd() -> std::process::Command {
     std::process::Command::new(trainerd())

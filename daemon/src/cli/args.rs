@@ -57,6 +57,13 @@ pub enum Command {
         #[command(subcommand)]
         command: CkptCommand,
     },
+    /// Datasets: inspect one, convert an MNIST-format directory to Parquet, read one through the
+    /// input pipeline alone.
+    Data {
+        /// What to do.
+        #[command(subcommand)]
+        command: DataCommand,
+    },
     /// Inspect plugins.
     Plugin {
         /// What to do.
@@ -76,6 +83,74 @@ pub enum PluginCommand {
         #[arg(long, hide = true)]
         in_process: bool,
     },
+}
+
+/// `trainerd data ...`.
+#[derive(Subcommand)]
+pub enum DataCommand {
+    /// Show a dataset's files, rows, row groups, schema, split sizes and fingerprint.
+    Inspect {
+        /// The dataset: a directory or s3://bucket/prefix of Parquet files.
+        url: String,
+        /// S3 settings.
+        #[command(flatten)]
+        s3: S3Args,
+    },
+    /// Write an MNIST-format directory (idx files) as Parquet in Hugging Face's layout: an
+    /// `image` struct of PNG bytes and an int64 `label`, rows in the idx files' order.
+    Convert {
+        /// The MNIST-format directory.
+        from: PathBuf,
+        /// Where the Parquet files go: a directory or s3://bucket/prefix.
+        to: String,
+        /// Rows per file (files are named train-00000-of-0000N.parquet).
+        #[arg(long, default_value_t = 20_000)]
+        rows_per_file: usize,
+        /// Rows per row group (Hugging Face writes image datasets in row groups of 100 rows).
+        #[arg(long, default_value_t = 100)]
+        rows_per_group: usize,
+        /// S3 settings.
+        #[command(flatten)]
+        s3: S3Args,
+    },
+    /// Read the training split for a plugin's columns through the input pipeline alone, as one
+    /// worker reads it in training (the model excluded), and print its throughput.
+    Read(Box<ReadArgs>),
+}
+
+/// `trainerd data read`'s flags.
+#[derive(clap::Args)]
+pub struct ReadArgs {
+    /// The plugin whose columns are read.
+    #[arg(long)]
+    pub plugin: PathBuf,
+    /// The data.
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// Epochs to read.
+    #[arg(long, default_value_t = 1)]
+    pub epochs: u32,
+    /// Per-worker batch size (default: the plugin's).
+    #[arg(long)]
+    pub batch_size: Option<u32>,
+    /// Workers the global batch is shared by.
+    #[arg(long, default_value_t = 1)]
+    pub workers: u64,
+    /// This worker's rank.
+    #[arg(long, default_value_t = 0)]
+    pub rank: u64,
+    /// Rows shuffled together (as `trainerd run`'s).
+    #[arg(long, default_value_t = 65536)]
+    pub shuffle_window: u64,
+    /// The run's seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the figures as JSON to this file.
+    #[arg(long)]
+    pub summary: Option<PathBuf>,
+    /// S3 settings.
+    #[command(flatten)]
+    pub s3: S3Args,
 }
 
 /// `trainerd ckpt ...`.
@@ -163,9 +238,19 @@ pub struct RunArgs {
     /// Path of the model plugin's shared library (.so).
     #[arg(long)]
     pub plugin: PathBuf,
-    /// Dataset directory, handed to the plugin.
-    #[arg(long)]
-    pub data: PathBuf,
+    /// The data.
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// Rows of a Parquet dataset shuffled together in training: row groups are shuffled, then
+    /// each window of this many rows; a window of at least the split's rows shuffles it
+    /// uniformly. Part of the run configuration. Memory: about two windows' worth of each
+    /// worker's share of the rows, still encoded.
+    #[arg(long, default_value_t = 65536)]
+    pub shuffle_window: u64,
+    /// Append every step's example ids (file index in sorted order, row) to this file, one JSON
+    /// line per step (a Parquet dataset only): a debug mode for comparing runs' data.
+    #[arg(long, env = "TRAINERD_LOG_EXAMPLES")]
+    pub log_examples: Option<PathBuf>,
     /// Epochs (default: the plugin's).
     #[arg(long)]
     pub epochs: Option<u32>,
@@ -280,9 +365,9 @@ pub struct EvalArgs {
     /// Path of the model plugin's shared library (.so).
     #[arg(long)]
     pub plugin: PathBuf,
-    /// Dataset directory, handed to the plugin.
-    #[arg(long)]
-    pub data: PathBuf,
+    /// The data.
+    #[command(flatten)]
+    pub data: DataArgs,
     /// Per-worker batch size (default: the plugin's).
     #[arg(long)]
     pub batch_size: Option<u32>,
@@ -304,6 +389,80 @@ pub struct EvalArgs {
     /// S3 settings.
     #[command(flatten)]
     pub s3: S3Args,
+}
+
+/// The data flags `run` and `evaluate` share.
+#[derive(clap::Args)]
+pub struct DataArgs {
+    /// The dataset: a directory in the plugin's own format (MNIST's idx files), or Parquet files
+    /// in Hugging Face's layout (train-*.parquet, test-*.parquet) in a directory or under
+    /// s3://bucket/prefix (with the --s3-* settings).
+    #[arg(long)]
+    pub data: String,
+    /// Threads that read and decode a Parquet dataset ahead of the step (default: a quarter of
+    /// the cores, at least 1: on a machine whose cores all train, each decoding thread slows
+    /// the steps).
+    #[arg(long)]
+    pub loader_threads: Option<usize>,
+    /// Where remote (S3) data is cached; default: systemd's CACHE_DIRECTORY, else
+    /// ~/.cache/trainerd/data. Workers on one host may share it.
+    #[arg(long, env = "TRAINERD_DATA_CACHE")]
+    pub data_cache: Option<PathBuf>,
+    /// The cache's bound (K, M, G, T: powers of 1024); least recently used data goes first.
+    #[arg(long, default_value = "10G", value_parser = parse_bytes)]
+    pub data_cache_size: u64,
+    /// Seconds a read of the data waits for a failing source (retried, logged, shown in STATUS=)
+    /// before the run fails naming the file; less than --collective-timeout, so that peers
+    /// waiting in a collective do not give up first.
+    #[arg(long, default_value_t = 60.0)]
+    pub data_timeout: f64,
+}
+
+impl DataArgs {
+    /// Loader threads: the flag, or a quarter of the cores (at least 1).
+    pub fn loader_threads(&self) -> usize {
+        self.loader_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() / 4).max(1))
+    }
+
+    /// The defaults, for a tool that reads `data` once (`trainerd data inspect`).
+    pub fn for_tools(data: &str) -> DataArgs {
+        DataArgs {
+            data: data.into(),
+            loader_threads: Some(4),
+            data_cache: None,
+            data_cache_size: 10 << 30,
+            data_timeout: 60.0,
+        }
+    }
+
+    /// The cache directory: the flag, systemd's `CacheDirectory=`, or the user's cache.
+    pub fn cache_dir(&self) -> PathBuf {
+        if let Some(dir) = &self.data_cache {
+            return dir.clone();
+        }
+        let base = std::env::var_os("CACHE_DIRECTORY")
+            .map(|d| PathBuf::from(d.to_string_lossy().split(':').next().unwrap_or_default()))
+            .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("trainerd")))
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/trainerd")))
+            .unwrap_or_else(|| PathBuf::from(".cache/trainerd"));
+        base.join("data")
+    }
+}
+
+/// A size in bytes: digits with an optional K, M, G or T (powers of 1024; a trailing `B` or
+/// `iB` allowed).
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let (digits, shift) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 30),
+        Some('T' | 't') => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    let n: u64 = digits.trim().parse().map_err(|_| format!("{text:?}: expected a size such as 512M or 10G"))?;
+    n.checked_mul(1 << shift).ok_or_else(|| format!("{text:?}: too large"))
 }
 
 /// The cluster flags `run` and `evaluate` share.
@@ -357,4 +516,21 @@ fn cluster(flag: Option<&str>) -> anyhow::Result<Option<ClusterConfig>> {
         None => (std::env::var("TF_CONFIG").unwrap_or_default(), "TF_CONFIG".to_string()),
     };
     Ok(tf_config::parse(&text, &source)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_take_binary_suffixes() {
+        assert_eq!(parse_bytes("512"), Ok(512));
+        assert_eq!(parse_bytes("8M"), Ok(8 << 20));
+        assert_eq!(parse_bytes("10G"), Ok(10 << 30));
+        assert_eq!(parse_bytes("10GiB"), Ok(10 << 30));
+        assert_eq!(parse_bytes("1k"), Ok(1024));
+        assert_eq!(parse_bytes("2T"), Ok(2 << 40));
+        assert_eq!(parse_bytes("lots"), Err("\"lots\": expected a size such as 512M or 10G".into()));
+        assert!(parse_bytes("99999999999T").is_err());
+    }
 }

@@ -4,10 +4,13 @@
 use anyhow::Context;
 
 use super::args::EvalArgs;
-use super::{device, seconds, set_threads, stop_flag};
+use std::sync::Arc;
+
+use super::{data_options, device, seconds, set_threads, stop_flag};
 use crate::accel::{self, CudaLibrary};
 use crate::cluster::Timeouts;
 use crate::evaluate::EvalConfig;
+use crate::input::DataSource;
 use crate::ops::log::LogFormat;
 use crate::plugin::Plugin;
 use crate::progress::Progress;
@@ -22,8 +25,12 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
     let device = device(&args.device, &facts)?;
     let threads = set_threads(args.threads)?;
     let plugin = Plugin::load(&args.plugin)?;
+    super::data_wait_fits(&args.data, timeouts.collective)?;
+    let options = data_options(&args.data, &args.s3, Arc::new(trainerd_data::Quiet))?;
+    // Evaluation reads the test split in file order: the window plays no part.
+    let data = DataSource::open(&args.data.data, plugin.info(), u64::MAX, options)?;
     let cfg = EvalConfig {
-        data_dir: args.data,
+        data,
         location: args.checkpoint.parse()?,
         s3: args.s3.options(),
         sequence: args.sequence,

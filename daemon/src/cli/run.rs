@@ -9,13 +9,15 @@ use std::time::Duration;
 use anyhow::Context;
 
 use super::args::RunArgs;
-use super::{device, seconds, set_threads, stop_flag};
+use super::data::bytes;
+use super::{data_options, device, seconds, set_threads, stop_flag};
 use crate::accel::{self, CudaLibrary, Facts};
 use crate::cluster::{ClusterConfig, Network, Timeouts};
 use crate::collective::buckets::DEFAULT_BUCKET_BYTES;
 use crate::config::{self, OptimizerFlags};
 use crate::events::{Event, Events};
 use crate::exit::Exit;
+use crate::input::{DataSource, Watch};
 use crate::ops::log::LogFormat;
 use crate::ops::notify::{self, Notifier};
 use crate::ops::serve::{self, Token};
@@ -60,18 +62,21 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
         );
     }
     let plugin = Plugin::load(&args.plugin)?;
-    let cfg = run_config(&args, &plugin, (cluster, network), (timeouts, device, threads))?;
+    let stall = match args.stall_timeout {
+        Some(s) => seconds("--stall-timeout", s)?,
+        None => notify::watchdog_period().unwrap_or(Duration::from_secs(120)),
+    };
+    let workers = cluster.as_ref().map_or(1, ClusterConfig::world_size);
+    let epochs = args.epochs.unwrap_or(plugin.info().defaults.epochs);
+    // Before the data opens: a failing data source is shown in STATUS= and keeps the watchdog fed.
+    let telemetry = Arc::new(Telemetry::new(stall, epochs, workers));
+    let data = data_source(&args, &plugin, timeouts.collective, &telemetry)?;
+    let cfg = run_config(&args, &plugin, (cluster, network, data), (timeouts, device, threads))?;
     let mut progress = Progress::stdout(log_format);
     if cfg.cluster.as_ref().is_some_and(|c| c.rank != 0) {
         progress = progress.without_step_lines();
     }
     announce(&mut progress, &plugin, &facts, &cfg);
-    let stall = match args.stall_timeout {
-        Some(s) => seconds("--stall-timeout", s)?,
-        None => notify::watchdog_period().unwrap_or(Duration::from_secs(120)),
-    };
-    let workers = cfg.cluster.as_ref().map_or(1, ClusterConfig::world_size);
-    let telemetry = Arc::new(Telemetry::new(stall, cfg.epochs, workers));
     if let Some(addr) = args.metrics_addr {
         let bound = serve::start(addr, Arc::clone(&telemetry), token).map_err(anyhow::Error::msg)?;
         progress.line(&format!("trainerd: metrics on http://{bound}/metrics, health on http://{bound}/healthz"));
@@ -100,11 +105,33 @@ fn timeouts(args: &RunArgs) -> anyhow::Result<Timeouts> {
     Ok(timeouts)
 }
 
+/// The data `--data` names, opened (a columnar dataset: indexed and checked against the
+/// plugin's columns), its failures told to `telemetry`.
+fn data_source(
+    args: &RunArgs,
+    plugin: &Plugin,
+    collective: Duration,
+    telemetry: &Arc<Telemetry>,
+) -> anyhow::Result<DataSource> {
+    super::data_wait_fits(&args.data, collective)?;
+    let options = data_options(&args.data, &args.s3, Arc::new(Watch(Arc::clone(telemetry))))?;
+    let data = DataSource::open(&args.data.data, plugin.info(), args.shuffle_window, options)?;
+    if let (Some(path), DataSource::Plugin(dir)) = (&args.log_examples, &data) {
+        anyhow::bail!(
+            "--log-examples {}: the data at {} is in the plugin's own format, which has no example ids; it needs a \
+             Parquet dataset",
+            path.display(),
+            dir.display()
+        );
+    }
+    Ok(data)
+}
+
 /// What to train and how: the flags over the plugin's defaults.
 fn run_config(
     args: &RunArgs,
     plugin: &Plugin,
-    (cluster, network): (Option<ClusterConfig>, Network),
+    (cluster, network, data): (Option<ClusterConfig>, Network, DataSource),
     (timeouts, device, threads): (Timeouts, tch::Device, usize),
 ) -> anyhow::Result<RunConfig> {
     let defaults = plugin.info().defaults.clone();
@@ -131,7 +158,8 @@ fn run_config(
         anyhow::bail!("--batch-size 0: expected at least 1");
     }
     Ok(RunConfig {
-        data_dir: args.data.clone(),
+        data,
+        log_examples: args.log_examples.clone(),
         epochs: args.epochs.unwrap_or(defaults.epochs),
         batch_size,
         optimizer,
@@ -171,6 +199,7 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, cfg: &RunCo
         cfg.seed
     ));
     progress.line(&format!("trainerd: {}", facts.line()));
+    progress.line(&format!("trainerd: {}", cfg.data.describe()));
 }
 
 /// The last lines of a run that ended with `outcome`, its summary written; its exit status.
@@ -190,6 +219,18 @@ fn ended(outcome: Outcome, progress: &mut Progress, summary_path: Option<&PathBu
         summary.examples_per_second,
         summary.params_sha256
     ));
+    if let Some(d) = &summary.data {
+        let per_epoch = d.train_epochs.iter().map(|(_, t)| t.fetched).max().unwrap_or(0);
+        let cached: u64 = d.train_epochs.iter().map(|(_, t)| t.from_cache).sum();
+        progress.line(&format!(
+            "data: at most {} fetched in an epoch (each row group of the training split's {} once), {} from the \
+             local cache; at most {} of rows held",
+            bytes(per_epoch),
+            bytes(d.train_projected_bytes),
+            bytes(cached),
+            bytes(d.peak_held_bytes)
+        ));
+    }
     if let Some(path) = summary_path {
         summary.write(path).with_context(|| format!("writing the summary to {}", path.display()))?;
     }

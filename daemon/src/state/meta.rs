@@ -78,20 +78,122 @@ impl Meta {
             });
         }
         let Reader::Training { workers, run_config } = reader else { return Ok(()) };
-        if self.workers != workers {
-            return Err(format!(
-                "checkpoint {seq} was written by {} worker(s), this run has {workers}; an exact resume needs the same \
-                 cluster size",
-                self.workers
-            ));
-        }
         let ours: serde_json::Value = serde_json::from_str(run_config).expect("canonical JSON of our own");
-        if self.run_config != ours {
+        let (theirs, ours) = if self.workers == workers {
+            (self.run_config.clone(), ours)
+        } else {
+            // The data order does not depend on the worker count: another count with the same
+            // global batch continues with the same global batches.
+            self.same_global_batch(seq, workers, &ours)?;
+            (without_batch(&self.run_config), without_batch(&ours))
+        };
+        if theirs != ours {
             return Err(format!(
-                "checkpoint {seq} was written with another run configuration: {} in the checkpoint, {} in this run",
-                self.run_config, ours
+                "checkpoint {seq} was written with another run configuration: {}",
+                differences("", &theirs, &ours).join("; ")
             ));
         }
         Ok(())
+    }
+
+    /// Whether this checkpoint's global batch is that of `workers` workers with `ours`'s batch.
+    fn same_global_batch(&self, seq: u64, workers: usize, ours: &serde_json::Value) -> Result<(), String> {
+        let batch = |cfg: &serde_json::Value| cfg["batch_size"].as_u64().unwrap_or(0);
+        let (theirs_each, ours_each) = (batch(&self.run_config), batch(ours));
+        let (theirs_global, ours_global) = (theirs_each * self.workers as u64, ours_each * workers as u64);
+        if theirs_global == ours_global {
+            return Ok(());
+        }
+        let hint = if theirs_global % workers as u64 == 0 {
+            format!("give --batch-size {}", theirs_global / workers as u64)
+        } else {
+            format!("{theirs_global} examples do not divide among {workers} workers")
+        };
+        Err(format!(
+            "checkpoint {seq} was written by {} worker(s) with batch {theirs_each} each (global batch {theirs_global}); \
+             this run has {workers} worker(s) with batch {ours_each} (global batch {ours_global}): a resume with \
+             another worker count needs the same global batch ({hint})",
+            self.workers
+        ))
+    }
+}
+
+/// Where two run configurations differ, key by key (nested keys dotted: `data.fingerprint`), as
+/// "KEY is A in the checkpoint, B in this run" (a key one of them lacks is "absent").
+fn differences(prefix: &str, theirs: &serde_json::Value, ours: &serde_json::Value) -> Vec<String> {
+    use serde_json::Value;
+    match (theirs, ours) {
+        (Value::Object(a), Value::Object(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            let absent = Value::String("absent".into());
+            keys.into_iter()
+                .flat_map(|k| {
+                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    differences(&key, a.get(k).unwrap_or(&absent), b.get(k).unwrap_or(&absent))
+                })
+                .collect()
+        }
+        (a, b) if a == b => Vec::new(),
+        (a, b) => vec![format!("{prefix} is {a} in the checkpoint, {b} in this run")],
+    }
+}
+
+/// A run configuration without its per-worker batch size (what another worker count changes).
+fn without_batch(cfg: &serde_json::Value) -> serde_json::Value {
+    let mut cfg = cfg.clone();
+    if let Some(o) = cfg.as_object_mut() {
+        o.remove("batch_size");
+    }
+    cfg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(workers: usize, batch: u32) -> Meta {
+        let info = PluginInfo::classifier("linear", "0.1.0", "");
+        let cfg = serde_json::json!({"batch_size": batch, "seed": 3, "epochs": 2}).to_string();
+        Meta::new(Position::start(1), &info, workers, &cfg)
+    }
+
+    fn resume(m: &Meta, workers: usize, batch: u32, seed: u64) -> Result<(), String> {
+        let info = PluginInfo::classifier("linear", "0.1.0", "");
+        let cfg = serde_json::json!({"batch_size": batch, "seed": seed, "epochs": 2}).to_string();
+        m.check(7, &info, Reader::Training { workers, run_config: &cfg })
+    }
+
+    #[test]
+    fn a_different_run_configuration_names_each_key_that_differs() {
+        let theirs = serde_json::json!({"batch_size": 64, "data": {"fingerprint": "ab", "shuffle_window": 9}});
+        let ours = serde_json::json!({"batch_size": 32, "data": {"fingerprint": "cd", "shuffle_window": 9}, "x": 1});
+        assert_eq!(
+            differences("", &theirs, &ours),
+            [
+                "batch_size is 64 in the checkpoint, 32 in this run",
+                "data.fingerprint is \"ab\" in the checkpoint, \"cd\" in this run",
+                "x is \"absent\" in the checkpoint, 1 in this run",
+            ]
+        );
+    }
+
+    #[test]
+    fn another_worker_count_resumes_with_the_same_global_batch_only() {
+        let m = meta(4, 32);
+        assert_eq!(resume(&m, 4, 32, 3), Ok(()));
+        assert_eq!(resume(&m, 2, 64, 3), Ok(()), "2 x 64 = 4 x 32");
+        assert_eq!(resume(&m, 1, 128, 3), Ok(()));
+        assert_eq!(
+            resume(&m, 2, 32, 3).unwrap_err(),
+            "checkpoint 7 was written by 4 worker(s) with batch 32 each (global batch 128); this run has 2 worker(s) \
+             with batch 32 (global batch 64): a resume with another worker count needs the same global batch (give \
+             --batch-size 64)"
+        );
+        assert!(resume(&m, 3, 32, 3).unwrap_err().ends_with("(128 examples do not divide among 3 workers)"));
+        assert_eq!(
+            resume(&m, 2, 64, 4).unwrap_err(),
+            "checkpoint 7 was written with another run configuration: seed is 3 in the checkpoint, 4 in this run",
+            "the rest of the configuration must still agree"
+        );
     }
 }

@@ -1,13 +1,13 @@
-//! The training split's batches, by (epoch, step): each epoch's input pipeline, positioned at a
-//! step (a resumed or recovered run starts mid-epoch), with the last two batches kept on the
-//! device: the step in flight's, which a step abandoned and taken again needs again, and the
-//! next one, made while the device computes the current step.
+//! The training split's batches, by (epoch, step): the data's batches positioned at a step (a
+//! resumed or recovered run starts mid-epoch; nothing before it is made), with the last two
+//! batches kept on the device: the step in flight's, which a step abandoned and taken again needs
+//! again, and the next one, made while the device computes the current step.
 
 use tch::{Device, Tensor};
 use trainerd_sdk::InputContext;
 
 use super::TrainError;
-use crate::plugin::{Dataset, InputPipeline};
+use crate::input::{Batch, Data, Epochs};
 
 /// The input context of worker `rank` of `world`, each taking `batch_size` examples of every
 /// global batch, in `epoch` of a run seeded `seed`.
@@ -27,65 +27,91 @@ pub fn input_context(
     }
 }
 
-/// An epoch's input pipeline, positioned at a step, keeping the last two batches it handed out
-/// (already on the device): the step in flight's, which a step abandoned and taken again needs
-/// again, and the next one, taken while the device computes the current step.
+/// The data's batches from some (epoch, step) on, and the last two it handed out (already on the
+/// device).
 struct Cursor<'d> {
-    epoch: u32,
-    next: u64,
-    pipeline: InputPipeline<'d>,
-    recent: Vec<(u64, Tensor, Tensor)>,
+    /// The (epoch, step) of the next batch it yields.
+    next: (u32, u64),
+    epochs: Epochs<'d>,
+    recent: Vec<Batch>,
 }
 
-/// Batches `(epoch, step)` (0-based step) from `data`, on `device`, reopening the pipeline only
-/// when it is not positioned there.
+/// Batches `(epoch, step)` (0-based step) of the training split, on `device`, reopening the data
+/// only when it is not positioned there.
 pub struct Batches<'d> {
-    data: &'d Dataset<'d>,
+    data: &'d Data<'d>,
     device: Device,
+    /// The run's last epoch + 1, and the steps of each epoch.
+    span: (u32, u64),
     cursor: Option<Cursor<'d>>,
 }
 
 impl<'d> Batches<'d> {
-    /// Batches of `data` on `device`.
-    pub fn new(data: &'d Dataset<'d>, device: Device) -> Batches<'d> {
-        Batches { data, device, cursor: None }
+    /// Batches of `data` on `device`, for a run of `span` (epochs, steps per epoch).
+    pub fn new(data: &'d Data<'d>, device: Device, span: (u32, u64)) -> Batches<'d> {
+        Batches { data, device, span, cursor: None }
     }
 
-    /// The batch of step `step` (0-based) of `ctx`'s epoch.
-    pub fn get(&mut self, ctx: &InputContext, step: u64) -> Result<(Tensor, Tensor), TrainError> {
-        let epoch = ctx.epoch as u32;
-        if let Some(c) = self.cursor.as_ref().filter(|c| c.epoch == epoch) {
-            if let Some((_, xs, ys)) = c.recent.iter().find(|(s, ..)| *s == step) {
-                return Ok((xs.shallow_clone(), ys.shallow_clone()));
-            }
+    /// The batch of step `step` (0-based) of `ctx`'s epoch: inputs, labels and (for a columnar
+    /// dataset) example ids.
+    pub fn get(&mut self, ctx: &InputContext, step: u64) -> Result<Batch, TrainError> {
+        let at = (ctx.epoch as u32, step);
+        if let Some(b) = self.cursor.as_ref().and_then(|c| c.recent.iter().find(|b| (b.epoch, b.step) == at)) {
+            return Ok(shallow(b));
         }
-        if !self.cursor.as_ref().is_some_and(|c| c.epoch == epoch && c.next == step) {
-            // Opened at the step: the batches before it are not made.
-            let pipeline = self.data.pipeline(&InputContext { first_step: step, ..*ctx })?;
-            self.cursor = Some(Cursor { epoch, next: step, pipeline, recent: Vec::new() });
-        }
-        let c = self.cursor.as_mut().expect("positioned");
-        let next = match c.pipeline.next_batch() {
-            Ok(next) => next,
+        let batch = match self.pull(ctx, at) {
+            Ok(batch) => batch,
             Err(e) => {
-                // A pipeline that failed is not trusted to go on: the next request starts afresh
-                // (and meets the same error, if a prefetch swallowed it).
+                // Data that failed is not trusted to go on: the next request starts afresh (and
+                // meets the same error, if a prefetch swallowed it).
                 self.cursor = None;
-                return Err(e.into());
+                return Err(e);
             }
         };
-        let (xs, ys) = next.ok_or(TrainError::NoSteps {
-            batch_size: ctx.per_replica_batch_size,
-            workers: ctx.num_input_pipelines as usize,
-        })?;
-        let (xs, ys) = (to_device(xs, self.device)?, to_device(ys, self.device)?);
-        c.next = step + 1;
+        let c = self.cursor.as_mut().expect("positioned");
+        // A columnar dataset's stream goes on into the next epoch; a plugin's pipeline ends with
+        // its epoch, and is found ended there.
+        c.next = if at.1 + 1 < self.span.1 { (at.0, at.1 + 1) } else { (at.0 + 1, 0) };
         if c.recent.len() == 2 {
             let _ = c.recent.remove(0);
         }
-        c.recent.push((step, xs.shallow_clone(), ys.shallow_clone()));
-        Ok((xs, ys))
+        c.recent.push(shallow(&batch));
+        Ok(batch)
     }
+
+    /// The batch at `at`, from the cursor when it is positioned there, else from the data
+    /// reopened there (a plugin's pipeline ends with its epoch: the next one is opened then).
+    fn pull(&mut self, ctx: &InputContext, at: (u32, u64)) -> Result<Batch, TrainError> {
+        for reopened in [false, true] {
+            if reopened || self.cursor.as_ref().is_none_or(|c| c.next != at) {
+                let epochs = self.data.open(&InputContext { first_step: at.1, ..*ctx }, self.span)?;
+                self.cursor = Some(Cursor { next: at, epochs, recent: Vec::new() });
+            }
+            let c = self.cursor.as_mut().expect("just positioned");
+            let next = c.epochs.next_batch()?;
+            match next {
+                Some(b) if (b.epoch, b.step) == at => return self.to_device(b),
+                Some(b) => {
+                    return Err(TrainError::State(format!(
+                        "the data gave epoch {} step {} where epoch {} step {} was asked for",
+                        b.epoch, b.step, at.0, at.1
+                    )))
+                }
+                None if !reopened => continue,
+                None => break,
+            }
+        }
+        Err(TrainError::NoSteps { batch_size: ctx.per_replica_batch_size, workers: ctx.num_input_pipelines as usize })
+    }
+
+    fn to_device(&self, b: Batch) -> Result<Batch, TrainError> {
+        Ok(Batch { xs: to_device(b.xs, self.device)?, ys: to_device(b.ys, self.device)?, ..b })
+    }
+}
+
+/// Another reference to the same batch.
+fn shallow(b: &Batch) -> Batch {
+    Batch { epoch: b.epoch, step: b.step, xs: b.xs.shallow_clone(), ys: b.ys.shallow_clone(), ids: b.ids.clone() }
 }
 
 /// `t` on `device`; to a GPU from page-locked memory without waiting, so the copy queues behind

@@ -24,7 +24,8 @@ use crate::cluster::control::FINAL_BARRIER;
 use crate::cluster::ClusterError;
 use crate::collective::buckets::Buckets;
 use crate::collective::ReduceOp;
-use crate::plugin::{Dataset, ModelInstance};
+use crate::input::Data as Input;
+use crate::plugin::ModelInstance;
 use crate::schedule::lr_at;
 use crate::state::{Shareable, Totals, TrainState};
 
@@ -41,7 +42,7 @@ pub(super) struct Driver<'a> {
     cfg: &'a RunConfig,
     info: &'a PluginInfo,
     model: &'a ModelInstance<'a>,
-    test_data: &'a Dataset<'a>,
+    data: &'a Input<'a>,
     batches: Batches<'a>,
     buckets: Buckets,
     ctx: InputContext,
@@ -64,8 +65,8 @@ impl<'a> Driver<'a> {
             cfg,
             info,
             model,
-            test_data: &data.test,
-            batches: Batches::new(&data.train, cfg.device),
+            data: &data.input,
+            batches: Batches::new(&data.input, cfg.device, (cfg.epochs, data.steps_per_epoch)),
             buckets,
             ctx: data.ctx,
             steps_per_epoch: data.steps_per_epoch,
@@ -216,7 +217,7 @@ impl<'a> Driver<'a> {
         // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
         trainerd_failpoint::point("train-step");
         let began = Instant::now();
-        let (result, prefetch) = self.gradients(state, session, (&ctx, step), &batch, stopping)?;
+        let (result, prefetch) = self.gradients(state, session, (&ctx, step), (&batch.xs, &batch.ys), stopping)?;
         let stepped = Instant::now();
         state.optimizer.step(&mut state.model.params, lr);
         let optimizer = stepped.elapsed();
@@ -225,7 +226,8 @@ impl<'a> Driver<'a> {
         session.set_step(state.position().global_step);
         let steps_per_epoch = self.steps_per_epoch;
         let (position, totals) = (state.position(), &result.totals);
-        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, took, prefetch, optimizer };
+        let ids = batch.ids.as_deref();
+        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, took, prefetch, optimizer, ids };
         self.report.step(&done).map_err(Interrupt::Fatal)?;
         if let Some(c) = self.committer.as_mut() {
             c.at(Moment::Step, state, &mut self.report)?;
@@ -243,7 +245,7 @@ impl<'a> Driver<'a> {
         state: &mut TrainState,
         session: &mut Session,
         (ctx, step): (&InputContext, u64),
-        batch: &(Tensor, Tensor),
+        batch: (&Tensor, &Tensor),
         stopping: bool,
     ) -> Result<(StepResult, Duration), Interrupt> {
         let saved = if session.world() > 1 { state.model.save_buffers() } else { Vec::new() };
@@ -262,7 +264,7 @@ impl<'a> Driver<'a> {
             (&mut model.params, &mut model.buffers),
             &mut self.buckets,
             session.ring(),
-            (&batch.0, &batch.1),
+            batch,
             stopping,
             &mut prefetch_next,
         );
@@ -278,7 +280,7 @@ impl<'a> Driver<'a> {
     fn evaluate(&mut self, epoch: u32, session: &mut Session) -> Result<Totals, Interrupt> {
         let ctx = self.ctx(epoch, false);
         self.report.evaluating(epoch);
-        step::evaluate(self.model, self.test_data, &ctx, session.ring(), self.cfg.device, self.metrics())
+        step::evaluate(self.model, self.data, &ctx, session.ring(), self.cfg.device, self.metrics())
             .map_err(|e| session.interrupt(e))
     }
 
@@ -383,6 +385,8 @@ impl<'a> Driver<'a> {
             params_sha256: state.model.params_sha256(),
             fault_tolerance,
             checkpoint_error,
+            data: cfg.data.figures(),
+            peak_rss_bytes: super::summary::peak_rss_bytes(),
         }
     }
 }

@@ -43,6 +43,7 @@ use crate::cluster::Timeouts;
 use crate::cluster::{ClusterConfig, ClusterError, Network};
 use crate::collective::buckets::Buckets;
 use crate::collective::CollectiveError;
+use crate::input::{DataSource, InputError};
 use crate::plugin::{CallError, Plugin};
 use driver::Driver;
 use report::{Outputs, Reporter};
@@ -51,8 +52,8 @@ pub use summary::{Recovery, Summary};
 /// What to train and how.
 #[derive(Clone, Debug)]
 pub struct RunConfig {
-    /// Dataset directory, handed to the plugin.
-    pub data_dir: PathBuf,
+    /// The data: the plugin's own format, or a columnar dataset.
+    pub data: DataSource,
     /// Epochs to run.
     pub epochs: u32,
     /// Per-worker batch size.
@@ -86,12 +87,15 @@ pub struct RunConfig {
     pub tensorboard_dir: Option<PathBuf>,
     /// See `tensorboard_dir`.
     pub tensorboard_every: u64,
+    /// Append every step's example ids, one JSON line per step, to this file (a columnar dataset
+    /// only): a debug mode for comparing runs' data.
+    pub log_examples: Option<PathBuf>,
 }
 
 impl RunConfig {
     /// What every worker must agree on, as canonical JSON.
     fn agreement_json(&self) -> String {
-        serde_json::json!({
+        let mut agreement = serde_json::json!({
             "epochs": self.epochs,
             "batch_size": self.batch_size,
             "optimizer": self.optimizer,
@@ -102,8 +106,13 @@ impl RunConfig {
             // Bitwise agreement needs the same kind of device and the same thread count.
             "device": if self.device.is_cuda() { "cuda" } else { "cpu" },
             "threads": self.threads,
-        })
-        .to_string()
+        });
+        // Only a columnar dataset adds its identity, so that the run configuration of a run on a
+        // plugin's own format, and of every checkpoint before this, stays as it was.
+        if let Some(data) = self.data.agreement() {
+            agreement["data"] = data;
+        }
+        agreement.to_string()
     }
 }
 
@@ -134,6 +143,9 @@ pub enum TrainError {
         /// libtorch's error.
         source: tch::TchError,
     },
+    /// The data could not be read.
+    #[error(transparent)]
+    Input(#[from] InputError),
     /// The training split cannot fill a single step.
     #[error(
         "the training split gives no batch: with batch size {batch_size} per worker and {workers} worker(s) the \

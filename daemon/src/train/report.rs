@@ -23,10 +23,25 @@ use crate::progress::Progress;
 use crate::state::{Position, Totals};
 use crate::tensorboard::TensorBoard;
 
-/// The one-line metrics log (`--metrics-log`): one JSON object per step.
-struct MetricsLog {
+/// A file of one JSON object per line, appended to: the metrics log (`--metrics-log`) and the
+/// example ids (`--log-examples`), a line per step.
+struct JsonLines {
     path: PathBuf,
     out: std::io::BufWriter<std::fs::File>,
+}
+
+impl JsonLines {
+    fn open(path: &PathBuf) -> Result<JsonLines, TrainError> {
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(path);
+        let file = file.map_err(|source| TrainError::Io { path: path.clone(), source })?;
+        Ok(JsonLines { path: path.clone(), out: std::io::BufWriter::new(file) })
+    }
+
+    fn write(&mut self, line: &serde_json::Value) -> Result<(), TrainError> {
+        writeln!(self.out, "{line}")
+            .and_then(|()| self.out.flush())
+            .map_err(|source| TrainError::Io { path: self.path.clone(), source })
+    }
 }
 
 /// Host time per step, by phase, over an epoch (`TRAINERD_LOG=trainerd=debug` shows it).
@@ -100,6 +115,8 @@ pub struct StepDone<'t> {
     pub prefetch: Duration,
     /// The optimizer's update.
     pub optimizer: Duration,
+    /// This worker's example ids, when the data has them.
+    pub ids: Option<&'t [(u32, u64)]>,
 }
 
 /// A generation this worker is in, as the hooks see it.
@@ -135,7 +152,8 @@ pub struct Reporter<'p> {
     progress: &'p mut Progress,
     telemetry: Arc<Telemetry>,
     events: Events,
-    metrics_log: Option<MetricsLog>,
+    metrics_log: Option<JsonLines>,
+    examples_log: Option<JsonLines>,
     tensorboard: Option<TensorBoard>,
     metric_names: Vec<String>,
     epochs: u32,
@@ -168,19 +186,14 @@ impl<'p> Reporter<'p> {
             }
             _ => None,
         };
-        let metrics_log = match &cfg.metrics_log {
-            Some(path) => {
-                let file = std::fs::OpenOptions::new().create(true).append(true).open(path);
-                let file = file.map_err(|source| TrainError::Io { path: path.clone(), source })?;
-                Some(MetricsLog { path: path.clone(), out: std::io::BufWriter::new(file) })
-            }
-            None => None,
-        };
+        let metrics_log = cfg.metrics_log.as_ref().map(JsonLines::open).transpose()?;
+        let examples_log = cfg.log_examples.as_ref().map(JsonLines::open).transpose()?;
         Ok(Reporter {
             progress,
             telemetry,
             events,
             metrics_log,
+            examples_log,
             tensorboard,
             metric_names: metric_names.to_vec(),
             epochs: cfg.epochs,
@@ -340,6 +353,15 @@ impl<'p> Reporter<'p> {
     }
 
     fn log_step(&mut self, s: &StepDone<'_>) -> Result<(), TrainError> {
+        if let (Some(log), Some(ids)) = (self.examples_log.as_mut(), s.ids) {
+            let line = serde_json::json!({
+                "epoch": s.epoch,
+                "step": s.step,
+                "global_step": s.position.global_step,
+                "ids": ids,
+            });
+            log.write(&line)?;
+        }
         let Some(log) = self.metrics_log.as_mut() else { return Ok(()) };
         let time = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let p = s.position;
@@ -353,9 +375,7 @@ impl<'p> Reporter<'p> {
         for (name, value) in s.totals.named(&self.metric_names, "") {
             line[name] = value.into();
         }
-        writeln!(log.out, "{line}")
-            .and_then(|()| log.out.flush())
-            .map_err(|source| TrainError::Io { path: log.path.clone(), source })
+        log.write(&line)
     }
 
     /// The test split is being evaluated after `epoch` (0-based).

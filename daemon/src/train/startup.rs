@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use trainerd_sdk::{InputContext, PluginInfo, Split};
+use trainerd_sdk::{InputContext, PluginInfo};
 use trainerd_storage::Location;
 
 use super::batches::input_context;
@@ -16,8 +16,9 @@ use super::report::Reporter;
 use super::session::{Interrupt, Joined, Session};
 use super::{CheckpointConfig, RunConfig, TrainError};
 use crate::checkpoint::Checkpointer;
+use crate::input::Data as Input;
 use crate::optim::Optimizer;
-use crate::plugin::{Dataset, ModelInstance, Plugin};
+use crate::plugin::{ModelInstance, Plugin};
 use crate::progress::Progress;
 use crate::state::{Meta, ModelState, Reader, Shareable, TrainState};
 
@@ -63,9 +64,17 @@ pub(super) fn restore(
         report.line(&format!("warning: skipped a damaged checkpoint: {why}"));
     }
     let run_config = cfg.agreement_json();
-    Meta::read(&r, info, Reader::Training { workers, run_config: &run_config })
-        .and_then(|meta| state.restore(&r, meta.position))
+    let meta = Meta::read(&r, info, Reader::Training { workers, run_config: &run_config })
         .map_err(|e| TrainError::Checkpoint(format!("{location}: {e}")))?;
+    if meta.workers != workers {
+        report.line(&format!(
+            "trainerd: checkpoint {} was written by {} worker(s), this run has {workers}: the same global batches \
+             continue, but the gradients are summed in other groups (and dropout drawn per other ranks), so the result \
+             is close to, not bit for bit, a run on {} worker(s)",
+            r.record.sequence, meta.workers, meta.workers
+        ));
+    }
+    state.restore(&r, meta.position).map_err(|e| TrainError::Checkpoint(format!("{location}: {e}")))?;
     report.resumed(r.record.sequence, &location, state.position());
     Ok(Some(checkpointer))
 }
@@ -126,31 +135,29 @@ pub(super) fn join_in_background(
         .map_err(|source| TrainError::Io { path: "(thread)".into(), source })
 }
 
-/// The model's data: both splits, this worker's input context, and the steps of an epoch.
+/// The model's data, this worker's input context, and the steps of an epoch.
 pub(super) struct Data<'m> {
-    /// The training split.
-    pub train: Dataset<'m>,
-    /// The test split.
-    pub test: Dataset<'m>,
+    /// Both splits.
+    pub input: Input<'m>,
     /// This worker's input pipeline (its epoch and `training` set per use).
     pub ctx: InputContext,
     /// Steps per epoch (the pipeline's, or fewer when the run says so).
     pub steps_per_epoch: u64,
 }
 
-/// Loads both splits through the plugin, for worker `rank` of `world`.
+/// Both splits (loaded through the plugin, or the columnar dataset's readers), for worker `rank`
+/// of `world`.
 pub(super) fn load_data<'m>(
     model: &'m ModelInstance<'m>,
     cfg: &RunConfig,
     (rank, world): (usize, usize),
 ) -> Result<Data<'m>, TrainError> {
-    let train = model.load_data(&cfg.data_dir, Split::Train)?;
-    let test = model.load_data(&cfg.data_dir, Split::Test)?;
+    let input = Input::load(&cfg.data, model)?;
     let ctx = input_context((rank, world), cfg.batch_size, (true, 0, cfg.seed));
-    let pipeline_steps = train.pipeline(&ctx)?.steps();
+    let pipeline_steps = input.steps(&ctx)?;
     let steps_per_epoch = cfg.steps_per_epoch.map_or(pipeline_steps, |s| s.min(pipeline_steps));
     if steps_per_epoch == 0 {
         return Err(TrainError::NoSteps { batch_size: cfg.batch_size, workers: world });
     }
-    Ok(Data { train, test, ctx, steps_per_epoch })
+    Ok(Data { input, ctx, steps_per_epoch })
 }

@@ -11,7 +11,8 @@ use trainerd_sdk::InputContext;
 use super::TrainError;
 use crate::collective::buckets::Buckets;
 use crate::collective::{ReduceOp, Ring};
-use crate::plugin::{Dataset, ModelInstance};
+use crate::input::Data;
+use crate::plugin::ModelInstance;
 use crate::state::host::host_bytes;
 use crate::state::Totals;
 
@@ -132,16 +133,16 @@ pub fn sync_buffers(ring: &mut Ring, buffers: &mut [(String, Tensor)]) -> Result
 /// gradients, summed over the ring.
 pub fn evaluate(
     model: &ModelInstance<'_>,
-    data: &Dataset<'_>,
+    data: &Data<'_>,
     ctx: &InputContext,
     ring: &mut Ring,
     device: Device,
     metrics: usize,
 ) -> Result<Totals, TrainError> {
     let _no_grad = tch::no_grad_guard();
-    let mut pipeline = data.pipeline(ctx)?;
+    let mut batches = data.open(ctx, (ctx.epoch as u32 + 1, u64::MAX))?;
     let mut totals = Totals::new(metrics);
-    while let Some((xs, labels)) = pipeline.next_batch()? {
+    while let Some(crate::input::Batch { xs, ys: labels, .. }) = batches.next_batch()? {
         let n = xs.size()[0];
         if n == 0 {
             continue; // this pipeline's share of the last global batch is empty

@@ -8,6 +8,8 @@ use serde::Serialize;
 use tch::Device;
 use trainerd_sdk::{LrSchedule, OptimizerConfig};
 
+use crate::input::DataFigures;
+
 /// Failures and recoveries this worker went through.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Recovery {
@@ -71,6 +73,19 @@ pub struct Summary {
     /// Why the last checkpoint commit failed, if it did (the run's result is then not durable).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint_error: Option<String>,
+    /// What this worker read of a columnar dataset (none for a plugin's own format).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data: Option<DataFigures>,
+    /// This process's peak resident memory (VmHWM), in bytes, where the kernel tells it.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// This process's peak resident memory so far (`VmHWM` in `/proc/self/status`), in bytes.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 impl Summary {

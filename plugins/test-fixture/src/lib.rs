@@ -14,8 +14,8 @@
 //!
 //! `TRAINERD_FIXTURE_VERSION` overrides the version it reports; `TRAINERD_FIXTURE_COLUMNS` (JSON)
 //! the columns it declares for a columnar dataset (by default an image `[1, 28, 28]` and a label,
-//! in Hugging Face's layout), so that a test can train on a dataset of its own making: the
-//! input, whatever its shape, is flattened into the Dense layer's 784 inputs. Unset, it is a working softmax
+//! in Hugging Face's layout; `none` for none), so that a test can train on a dataset of its own
+//! making: the input, whatever its shape, is flattened into the Dense layer's 784 inputs. Unset, it is a working softmax
 //! regression like the `linear` plugin.
 
 use std::path::Path;
@@ -33,12 +33,13 @@ fn fault() -> String {
     std::env::var("TRAINERD_FIXTURE_FAULT").unwrap_or_default()
 }
 
-/// The columns it declares: Hugging Face's image layout, or the JSON in
-/// `TRAINERD_FIXTURE_COLUMNS` (a test's own dataset).
-fn columns() -> Columns {
-    match std::env::var("TRAINERD_FIXTURE_COLUMNS") {
-        Ok(json) => serde_json::from_str(&json).expect("TRAINERD_FIXTURE_COLUMNS is a Columns JSON"),
-        Err(_) => Columns::image_classification(1, 28, 28),
+/// The columns it declares: Hugging Face's image layout, the JSON in `TRAINERD_FIXTURE_COLUMNS`
+/// (a test's own dataset), or none when that is `none` (a plugin that reads only its own format).
+fn columns() -> Option<Columns> {
+    match std::env::var("TRAINERD_FIXTURE_COLUMNS").as_deref() {
+        Ok("none") => None,
+        Ok(json) => Some(serde_json::from_str(json).expect("TRAINERD_FIXTURE_COLUMNS is a Columns JSON")),
+        Err(_) => Some(Columns::image_classification(1, 28, 28)),
     }
 }
 
@@ -65,7 +66,7 @@ impl Model for Fixture {
                 optimizer: OptimizerConfig::sgd(0.1),
                 schedule: LrSchedule::Constant,
             },
-            columns: Some(columns()),
+            columns: columns(),
         }
     }
 

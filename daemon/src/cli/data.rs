@@ -1,0 +1,153 @@
+//! `trainerd data`: what a dataset holds (`inspect`), an MNIST-format directory written as
+//! Parquet in Hugging Face's layout (`convert`), and a dataset read through the input pipeline
+//! alone, as a worker reads it for a plugin, the model excluded (`read`: its throughput).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use trainerd_data::convert::{self, Sharding};
+use trainerd_data::schema::describe;
+use trainerd_data::{DataLocation, Dataset, Plan, Quiet, Shuffle, Slice};
+use trainerd_sdk::Split;
+
+use super::args::{ReadArgs, S3Args};
+use super::data_options;
+use crate::plugin::Plugin;
+use crate::progress::{thousands, Progress};
+
+/// `trainerd data inspect URL`: files, rows, row groups, schema and split sizes.
+pub fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
+    let location: DataLocation = url.parse()?;
+    let data = super::args::DataArgs::for_tools(url);
+    let options = data_options(&data, s3, Arc::new(Quiet))?;
+    let dataset = Dataset::open(&location, options)?;
+    println!("dataset: {location}");
+    println!("fingerprint: {}", dataset.fingerprint());
+    for split in [Split::Train, Split::Test] {
+        let index = dataset.split(split);
+        println!(
+            "{}: {} rows in {} file(s), {} row groups, {}",
+            trainerd_data::index::split_name(split),
+            thousands(index.rows() as f64),
+            index.files.len(),
+            index.groups.len(),
+            bytes(index.bytes())
+        );
+        for f in &index.files {
+            let meta = f.meta.metadata();
+            let rows: i64 = meta.row_groups().iter().map(|g| g.num_rows()).sum();
+            let largest = meta.row_groups().iter().map(|g| g.num_rows()).max().unwrap_or(0);
+            println!(
+                "  {}: {} rows, {} row groups (largest {} rows), {}",
+                f.file.name,
+                thousands(rows as f64),
+                meta.num_row_groups(),
+                thousands(largest as f64),
+                bytes(f.file.size)
+            );
+        }
+    }
+    let first = &dataset.split(Split::Train).files[0];
+    println!("schema (of {}):", first.file.name);
+    for field in first.meta.schema().fields() {
+        println!("  {}: {}", field.name(), describe(field.data_type()));
+    }
+    Ok(0)
+}
+
+/// `trainerd data convert FROM TO`: an MNIST-format directory as Parquet, with progress.
+pub fn convert(from: &Path, to: &str, sharding: Sharding, s3: &S3Args) -> anyhow::Result<i32> {
+    let location: DataLocation = to.parse()?;
+    let mut progress = Progress::stdout(crate::ops::log::LogFormat::Plain);
+    let started = Instant::now();
+    let mut last = None;
+    let written = convert::mnist(from, &location, &s3.options(), sharding, &mut |split, done, total| {
+        if last != Some(split) {
+            progress.line(&format!("{}: {} rows", trainerd_data::index::split_name(split), thousands(total as f64)));
+            last = Some(split);
+        }
+        let (done, total) = (done as u64, total as u64);
+        if done == total {
+            progress.epoch_end(total, started.elapsed(), &[], done as f64 / started.elapsed().as_secs_f64().max(1e-9));
+        } else {
+            progress.step(done, total, started.elapsed(), &[]);
+        }
+    })?;
+    for w in written {
+        progress.line(&format!(
+            "{}: {} rows in {} file(s) ({}) at {location}",
+            trainerd_data::index::split_name(w.split),
+            thousands(w.rows as f64),
+            w.files.len(),
+            bytes(w.bytes)
+        ));
+    }
+    Ok(0)
+}
+
+/// `trainerd data read`: the training split read for a plugin's columns by worker `--rank` of
+/// `--workers`, as training would read it, the model excluded; prints examples per second.
+pub fn read(args: &ReadArgs) -> anyhow::Result<i32> {
+    let plugin = Plugin::load(&args.plugin)?;
+    let columns = plugin
+        .info()
+        .columns
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("plugin {} declares no columns", plugin.info().name))?;
+    let location: DataLocation = args.data.data.parse()?;
+    let options = data_options(&args.data, &args.s3, Arc::new(Quiet))?;
+    let opened = Instant::now();
+    let dataset = Dataset::open(&location, options)?;
+    let reader = dataset.reader(Split::Train, &columns)?;
+    let batch = args.batch_size.unwrap_or(plugin.info().defaults.batch_size);
+    let slice = Slice { rank: args.rank, workers: args.workers, batch: u64::from(batch), training: true };
+    let steps_per_epoch = slice.steps(reader.rows());
+    let shuffle = Some(Shuffle { seed: args.seed, window: args.shuffle_window });
+    let opened = opened.elapsed();
+    let started = Instant::now();
+    let mut stream = reader.open(Plan { slice, shuffle, first: (0, 0), end_epoch: args.epochs, steps_per_epoch });
+    let mut examples = 0u64;
+    while let Some(b) = stream.next_batch()? {
+        examples += b.xs.size()[0] as u64;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let rate = examples as f64 / seconds.max(1e-9);
+    let fetched: u64 = dataset.traffic().values().map(|t| t.fetched).sum();
+    println!(
+        "read {} examples ({} epoch(s), batch {batch}, worker {} of {}) in {seconds:.2} s: {} examples/s with {} \
+         loader thread(s); {} fetched, at most {} of rows held; opening took {:.2} s",
+        thousands(examples as f64),
+        args.epochs,
+        args.rank,
+        args.workers,
+        thousands(rate),
+        args.data.loader_threads(),
+        bytes(fetched),
+        bytes(dataset.peak_held_bytes() as u64),
+        opened.as_secs_f64()
+    );
+    if let Some(path) = &args.summary {
+        let json = serde_json::json!({
+            "examples": examples,
+            "seconds": seconds,
+            "examples_per_second": rate,
+            "loader_threads": args.data.loader_threads(),
+            "bytes_fetched": fetched,
+            "peak_held_bytes": dataset.peak_held_bytes(),
+        });
+        crate::atomic::write_file(path, &[format!("{json}\n").as_bytes()])?;
+    }
+    Ok(0)
+}
+
+/// `1.2 MB`, `3.4 GB` (powers of 1000).
+pub fn bytes(n: u64) -> String {
+    let n = n as f64;
+    match n {
+        n if n >= 1e9 => format!("{:.1} GB", n / 1e9),
+        n if n >= 1e6 => format!("{:.1} MB", n / 1e6),
+        n if n >= 1e3 => format!("{:.1} kB", n / 1e3),
+        n => format!("{n:.0} B"),
+    }
+}
