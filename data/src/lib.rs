@@ -81,7 +81,10 @@ impl Dataset {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(options.threads.max(1))
             .thread_name(|i| format!("trainerd-loader-{i}"))
-            .start_handler(|_| single_threaded_openmp())
+            .start_handler(|_| {
+                single_threaded_openmp();
+                batch_scheduling();
+            })
             .build()
             .map_err(|e| DataError::Location { location: location.to_string(), reason: e.to_string() })?;
         let listed = source.list()?;
@@ -179,6 +182,22 @@ fn single_threaded_openmp() {
         if !f.is_null() {
             let set: extern "C" fn(libc::c_int) = std::mem::transmute(f);
             set(1);
+        }
+    }
+}
+
+/// Puts the calling thread under Linux's `SCHED_BATCH` policy: it keeps its fair share of the
+/// CPU but never preempts a thread when it wakes. A loader thread wakes whenever the step takes a
+/// batch; without this it took the training thread's core at once, for the whole time it made
+/// the next batch (360 us a step, seen, with every core training).
+pub(crate) fn batch_scheduling() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sched_setscheduler on the calling thread (pid 0) with a valid parameter; a
+        // refusal leaves the thread as it was, which only costs speed.
+        unsafe {
+            libc::sched_setscheduler(0, libc::SCHED_BATCH, &param);
         }
     }
 }

@@ -118,14 +118,20 @@ impl Stream {
             let (input, shared) = (Arc::clone(&input), Arc::clone(&shared));
             std::thread::Builder::new()
                 .name("trainerd-data-plan".into())
-                .spawn(move || Planner { input, shared, plan }.run())
+                .spawn(move || {
+                    crate::batch_scheduling();
+                    Planner { input, shared, plan }.run()
+                })
                 .expect("a thread for the data planner")
         };
         let assembler = {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
                 .name("trainerd-data-batch".into())
-                .spawn(move || assemble(&input, &shared, plan, &tx))
+                .spawn(move || {
+                    crate::batch_scheduling();
+                    assemble(&input, &shared, plan, &tx)
+                })
                 .expect("a thread for the data assembler")
         };
         Stream { rx: Some(rx), shared, threads: vec![planner, assembler], patience }
