@@ -155,6 +155,15 @@ impl Progress {
         }
     }
 
+    /// Ends a bar drawn in place on a terminal (its line stays; the next starts below it).
+    /// Elsewhere every step was a line of its own: nothing to end.
+    pub fn finish_bar(&mut self) {
+        if self.tty() && self.last_draw.take().is_some() {
+            let _ = writeln!(self.out);
+            let _ = self.out.flush();
+        }
+    }
+
     /// The epoch's last line, as Keras prints it: time, per-step time, values (evaluation
     /// included), and throughput.
     pub fn epoch_end(&mut self, steps: u64, elapsed: Duration, values: &[(String, f64)], examples_per_second: f64) {

@@ -56,22 +56,21 @@ pub fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// `trainerd data convert FROM TO`: an MNIST-format directory as Parquet, with progress.
+/// `trainerd data convert FROM TO`: an MNIST-format directory as Parquet, with progress (a bar
+/// on a terminal, a line per file otherwise).
 pub fn convert(from: &Path, to: &str, sharding: Sharding, s3: &S3Args) -> anyhow::Result<i32> {
     let location: DataLocation = to.parse()?;
     let mut progress = Progress::stdout(crate::ops::log::LogFormat::Plain);
-    let started = Instant::now();
-    let mut last = None;
+    let mut split_started = (None, Instant::now());
     let written = convert::mnist(from, &location, &s3.options(), sharding, &mut |split, done, total| {
-        if last != Some(split) {
-            progress.line(&format!("{}: {} rows", trainerd_data::index::split_name(split), thousands(total as f64)));
-            last = Some(split);
+        if split_started.0 != Some(split) {
+            split_started = (Some(split), Instant::now());
+            let name = trainerd_data::index::split_name(split);
+            progress.line(&format!("{name}: writing {} rows as PNG images", thousands(total as f64)));
         }
-        let (done, total) = (done as u64, total as u64);
+        progress.step(done as u64, total as u64, split_started.1.elapsed(), &[]);
         if done == total {
-            progress.epoch_end(total, started.elapsed(), &[], done as f64 / started.elapsed().as_secs_f64().max(1e-9));
-        } else {
-            progress.step(done, total, started.elapsed(), &[]);
+            progress.finish_bar();
         }
     })?;
     for w in written {
