@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use tch::Tensor;
 use trainerd_data::{DataLocation, Dataset, Options, Plan, Reader, Shuffle, Slice, Stream};
-use trainerd_sdk::{Columns, InputContext, PluginInfo, Split};
+use trainerd_sdk::{InputContext, PluginInfo, Split};
 
 use crate::ops::Telemetry;
 use crate::plugin::{self, CallError, InputPipeline, ModelInstance};
@@ -63,8 +63,6 @@ pub struct Files {
     pub train: Reader,
     /// The test split's reader.
     pub test: Reader,
-    /// The columns read.
-    pub columns: Columns,
 }
 
 impl std::fmt::Debug for DataSource {
@@ -97,7 +95,7 @@ impl DataSource {
         let dataset = Dataset::open(&location, options)?;
         let train = dataset.reader(Split::Train, &columns)?;
         let test = dataset.reader(Split::Test, &columns)?;
-        Ok(DataSource::Files(Arc::new(Files { dataset, window, train, test, columns })))
+        Ok(DataSource::Files(Arc::new(Files { dataset, window, train, test })))
     }
 
     /// What every worker must agree on about the data (none for a plugin's own format, whose
@@ -186,7 +184,7 @@ impl DataSource {
             shuffle_window: f.window,
             train_rows: train.rows(),
             train_bytes: train.bytes(),
-            train_projected_bytes: f.dataset.projected_bytes(Split::Train, &f.columns).unwrap_or(0),
+            train_projected_bytes: f.train.projected_bytes(),
             train_epochs,
             test,
             index: traffic.get(&trainerd_data::Purpose::Index).copied().unwrap_or_default(),

@@ -4,6 +4,25 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// `f`'s result, or its panic as an error saying `what` panicked (a decoder fed damaged bytes
+/// may panic; on the loader's pool that would end the process).
+pub fn caught<T>(
+    what: impl FnOnce(String) -> DataError,
+    f: impl FnOnce() -> Result<T, DataError>,
+) -> Result<T, DataError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|payload| Err(what(format!("the decoder panicked: {}", panic_message(&*payload)))))
+}
+
+/// What a caught panic said.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
 /// A dataset problem.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use trainerd_sdk::{Columns, Split};
 
-use crate::error::DataError;
+use crate::error::{panic_message, DataError};
 use crate::order::Layout;
 use crate::schema::{self, Projection};
 use crate::source::{FileRef, Purpose, Source};
@@ -181,11 +181,20 @@ fn read_footer(source: &Source, file: &FileRef) -> Result<(ArrowReaderMetadata, 
     } else {
         source.read(file, file.size - 8 - len..file.size - 8, Purpose::Index)?
     };
-    let meta =
-        ParquetMetaDataReader::decode_metadata(&raw).map_err(|e| bad(format!("its footer does not decode: {e}")))?;
-    let meta = ArrowReaderMetadata::try_new(Arc::new(meta), ArrowReaderOptions::new())
-        .map_err(|e| bad(format!("its schema has no Arrow form: {e}")))?;
+    let meta = decode_footer(&raw).map_err(bad)?;
     Ok((meta, Sha256::digest(&raw).into()))
+}
+
+/// A raw footer decoded, with its Arrow schema; or why not (a panic of the decoder included).
+fn decode_footer(raw: &[u8]) -> Result<ArrowReaderMetadata, String> {
+    let decode = || {
+        let meta =
+            ParquetMetaDataReader::decode_metadata(raw).map_err(|e| format!("its footer does not decode: {e}"))?;
+        ArrowReaderMetadata::try_new(Arc::new(meta), ArrowReaderOptions::new())
+            .map_err(|e| format!("its schema has no Arrow form: {e}"))
+    };
+    std::panic::catch_unwind(decode)
+        .unwrap_or_else(|p| Err(format!("its footer does not decode: {}", panic_message(&*p))))
 }
 
 /// Checks every file of `split` against `columns`: what to read of each.
@@ -242,6 +251,14 @@ mod tests {
         assert_eq!(names(Split::Test), ["test-00000-of-00001.parquet"]);
         let single = files(&["train.parquet", "test.parquet", "trainer.parquet"]);
         assert_eq!(split_files("loc", &single, Split::Train).unwrap(), files(&["train.parquet"]));
+    }
+
+    proptest::proptest! {
+        /// Whatever bytes a footer holds, decoding it is an answer, never a panic.
+        #[test]
+        fn arbitrary_footers_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            let _ = decode_footer(&bytes);
+        }
     }
 
     #[test]

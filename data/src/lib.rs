@@ -150,22 +150,6 @@ impl Dataset {
     pub fn peak_held_bytes(&self) -> usize {
         self.peak_bytes.load(Ordering::Relaxed)
     }
-
-    /// Bytes of `split`'s row groups that `columns` project: what one worker reads of it in an
-    /// epoch (each row group at most once).
-    pub fn projected_bytes(&self, split: Split, columns: &Columns) -> Result<u64, DataError> {
-        let index = self.split(split);
-        let projections = index::check(&self.source, index, columns)?;
-        Ok(index
-            .groups
-            .iter()
-            .map(|g| {
-                let meta = index.files[g.file].meta.metadata();
-                let r = rows::byte_range(meta, g.index, &projections[g.file].leaves);
-                r.end - r.start
-            })
-            .sum())
-    }
 }
 
 /// Makes libtorch run single-threaded on this thread: a loader thread makes tensors (libtorch
@@ -213,6 +197,20 @@ impl Reader {
     /// Rows in the split.
     pub fn rows(&self) -> u64 {
         self.input.split.rows()
+    }
+
+    /// Bytes of the split's row groups that the columns project: what one worker reads of it in
+    /// an epoch (each row group at most once).
+    pub fn projected_bytes(&self) -> u64 {
+        let (split, projections) = (&self.input.split, &self.input.projections);
+        split
+            .groups
+            .iter()
+            .map(|g| {
+                let r = rows::byte_range(split.files[g.file].meta.metadata(), g.index, &projections[g.file].leaves);
+                r.end - r.start
+            })
+            .sum()
     }
 
     /// The batches of `plan`, made ahead on the loader threads.

@@ -26,7 +26,7 @@ use trainerd_sdk::tch::Tensor;
 use trainerd_sdk::{Columns, Split};
 
 use crate::batch::stack;
-use crate::error::DataError;
+use crate::error::{caught, DataError};
 use crate::index::SplitIndex;
 use crate::order::{EpochOrder, Shuffle, Slice};
 use crate::rows::{self, Chunk, Place, Row};
@@ -320,7 +320,8 @@ fn read_job(input: &Input, shared: &Shared, epoch: u32, job: Job, carried: Optio
         let wanted: Vec<u64> = job.rows.iter().map(|r| r - start).collect();
         Ok((rows::read(place, &file.meta, chunk, (projection, &input.columns), &wanted)?, bytes))
     };
-    let result = read();
+    let shown = || input.source.location().file(&file.file.name);
+    let result = caught(|reason| DataError::RowGroup { file: shown(), row_group: group.index, reason }, read);
     let mut held = shared.lock();
     held.in_flight -= 1;
     held.loading -= job.rows.len();
@@ -358,7 +359,9 @@ fn assemble(input: &Input, shared: &Shared, plan: Plan, tx: &SyncSender<Result<B
                     return;
                 }
             };
-            let batch = input.pool.install(|| make(input, epoch, step, taken));
+            let location = input.source.location().to_string();
+            let failed = |reason| DataError::Location { location: location.clone(), reason };
+            let batch = input.pool.install(|| caught(failed, || make(input, epoch, step, taken)));
             let failed = batch.is_err();
             if tx.send(batch).is_err() || failed {
                 return;

@@ -185,7 +185,7 @@ fn each_worker_reads_every_row_group_once_an_epoch() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, parquet) = dataset(tmp.path());
     let ds = open(&parquet);
-    let projected = ds.projected_bytes(Split::Train, &columns()).unwrap();
+    let projected = ds.reader(Split::Train, &columns()).unwrap().projected_bytes();
     let files: u64 = ds.split(Split::Train).bytes();
     assert!(projected < files, "the footers and the unread path column are not read");
     // Rank 1 of 2, windows of 130 rows straddling row groups.
