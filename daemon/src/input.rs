@@ -42,13 +42,25 @@ pub enum InputError {
     /// A shuffle window of no rows.
     #[error("--shuffle-window 0: expected at least 1 row")]
     NoWindow,
+    /// An evaluation asked of a run that does not evaluate (a bug).
+    #[error("no test split was opened: this run does not evaluate")]
+    NoEvaluation,
+    /// Nothing to evaluate on, and evaluation not turned off.
+    #[error(
+        "data location {location}: no test or validation split (test-00000-of-0000N.parquet or validation-…): every \
+         epoch ends with an evaluation on it; give --no-evaluation to train without one"
+    )]
+    NoTestSplit {
+        /// The dataset.
+        location: String,
+    },
 }
 
 /// What `--data` names.
 #[derive(Clone)]
 pub enum DataSource {
-    /// A directory in the plugin's own format.
-    Plugin(PathBuf),
+    /// A directory in the plugin's own format, and whether its test split is read (evaluated).
+    Plugin(PathBuf, bool),
     /// A columnar dataset, indexed.
     Files(Arc<Files>),
 }
@@ -61,14 +73,15 @@ pub struct Files {
     pub window: u64,
     /// The training split's reader.
     pub train: Reader,
-    /// The test split's reader.
-    pub test: Reader,
+    /// The test split's reader (the validation split's where there is no test split); none when
+    /// the run does not evaluate.
+    pub test: Option<Reader>,
 }
 
 impl std::fmt::Debug for DataSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            DataSource::Plugin(dir) => write!(f, "Plugin({})", dir.display()),
+            DataSource::Plugin(dir, _) => write!(f, "Plugin({})", dir.display()),
             DataSource::Files(files) => {
                 write!(f, "Files({}, {})", files.dataset.location(), files.dataset.fingerprint())
             }
@@ -79,12 +92,17 @@ impl std::fmt::Debug for DataSource {
 impl DataSource {
     /// What `text` names for `info`'s plugin: a columnar dataset (an `s3://` prefix, or a
     /// directory of `.parquet` files), opened and checked against the plugin's columns; else a
-    /// directory the plugin reads itself.
-    pub fn open(text: &str, info: &PluginInfo, window: u64, options: Options) -> Result<DataSource, InputError> {
+    /// directory the plugin reads itself. `evaluate`: the test split is needed.
+    pub fn open(
+        text: &str,
+        info: &PluginInfo,
+        (window, evaluate): (u64, bool),
+        options: Options,
+    ) -> Result<DataSource, InputError> {
         let location: DataLocation = text.parse()?;
         if !location.is_columnar() {
             let DataLocation::Local(dir) = location else { unreachable!("S3 is always columnar") };
-            return Ok(DataSource::Plugin(dir));
+            return Ok(DataSource::Plugin(dir, evaluate));
         }
         let Some(columns) = info.columns.clone() else {
             return Err(InputError::NoColumns { plugin: info.name.clone(), location: location.to_string() });
@@ -94,7 +112,11 @@ impl DataSource {
         }
         let dataset = Dataset::open(&location, options)?;
         let train = dataset.reader(Split::Train, &columns)?;
-        let test = dataset.reader(Split::Test, &columns)?;
+        let test = match (evaluate, dataset.split(Split::Test)) {
+            (false, _) => None,
+            (true, None) => return Err(InputError::NoTestSplit { location: location.to_string() }),
+            (true, Some(_)) => Some(dataset.reader(Split::Test, &columns)?),
+        };
         Ok(DataSource::Files(Arc::new(Files { dataset, window, train, test })))
     }
 
@@ -112,21 +134,29 @@ impl DataSource {
     /// One line on the data, for the run's first lines.
     pub fn describe(&self) -> String {
         match self {
-            DataSource::Plugin(dir) => format!("data: {} (the plugin's own format)", dir.display()),
+            DataSource::Plugin(dir, _) => format!("data: {} (the plugin's own format)", dir.display()),
             DataSource::Files(f) => {
-                let (train, test) = (f.dataset.split(Split::Train), f.dataset.split(Split::Test));
+                let train = f.dataset.split(Split::Train).expect("a dataset always has a training split");
+                let test = match (&f.test, f.dataset.split(Split::Test)) {
+                    (Some(_), Some(t)) => format!(
+                        "{} {} file(s), {} rows{}",
+                        t.files.len(),
+                        t.name,
+                        crate::progress::thousands(t.rows() as f64),
+                        if t.name == "test" { "" } else { ", evaluated as the test split" }
+                    ),
+                    _ => "no evaluation (--no-evaluation)".into(),
+                };
                 let shuffle = if f.window >= train.rows() {
                     "every epoch a uniform shuffle".to_string()
                 } else {
                     format!("row groups shuffled, then windows of {} rows", crate::progress::thousands(f.window as f64))
                 };
                 format!(
-                    "data: Parquet at {} ({} train file(s), {} rows; {} test file(s), {} rows; fingerprint {}); {shuffle}",
+                    "data: Parquet at {} ({} train file(s), {} rows; {test}; fingerprint {}); {shuffle}",
                     f.dataset.location(),
                     train.files.len(),
                     crate::progress::thousands(train.rows() as f64),
-                    test.files.len(),
-                    crate::progress::thousands(test.rows() as f64),
                     &f.dataset.fingerprint()[..16],
                 )
             }
@@ -165,7 +195,7 @@ impl DataSource {
     pub fn figures(&self) -> Option<DataFigures> {
         let DataSource::Files(f) = self else { return None };
         let traffic = f.dataset.traffic();
-        let train = f.dataset.split(Split::Train);
+        let train = f.dataset.split(Split::Train).expect("a dataset always has a training split");
         let mut test = trainerd_data::Traffic::default();
         let mut train_epochs = Vec::new();
         for (purpose, t) in &traffic {
@@ -227,8 +257,8 @@ pub enum Data<'m> {
     Plugin {
         /// The training split.
         train: plugin::Dataset<'m>,
-        /// The test split.
-        test: plugin::Dataset<'m>,
+        /// The test split, when the run evaluates.
+        test: Option<plugin::Dataset<'m>>,
     },
     /// Read by trainerd.
     Files(Arc<Files>),
@@ -238,8 +268,9 @@ impl<'m> Data<'m> {
     /// The data `source` names, for `model`.
     pub fn load(source: &DataSource, model: &'m ModelInstance<'m>) -> Result<Data<'m>, InputError> {
         Ok(match source {
-            DataSource::Plugin(dir) => {
-                Data::Plugin { train: model.load_data(dir, Split::Train)?, test: model.load_data(dir, Split::Test)? }
+            DataSource::Plugin(dir, evaluate) => {
+                let test = evaluate.then(|| model.load_data(dir, Split::Test)).transpose()?;
+                Data::Plugin { train: model.load_data(dir, Split::Train)?, test }
             }
             DataSource::Files(files) => Data::Files(Arc::clone(files)),
         })
@@ -259,7 +290,8 @@ impl<'m> Data<'m> {
     pub fn open(&self, ctx: &InputContext, (end_epoch, steps_per_epoch): (u32, u64)) -> Result<Epochs<'_>, InputError> {
         match self {
             Data::Plugin { train, test } => {
-                let pipeline = if ctx.training { train } else { test }.pipeline(ctx)?;
+                let data = if ctx.training { Some(train) } else { test.as_ref() };
+                let pipeline = data.ok_or(InputError::NoEvaluation)?.pipeline(ctx)?;
                 let steps = pipeline.steps().min(steps_per_epoch);
                 Ok(Epochs::Plugin { pipeline, epoch: ctx.epoch as u32, next: ctx.first_step, steps })
             }
@@ -268,7 +300,8 @@ impl<'m> Data<'m> {
                 let (reader, shuffle, end, steps) = if ctx.training {
                     (&f.train, Some(Shuffle { seed: ctx.seed, window: f.window }), end_epoch, steps_per_epoch)
                 } else {
-                    (&f.test, None, ctx.epoch as u32 + 1, slice.steps(f.test.rows()))
+                    let test = f.test.as_ref().ok_or(InputError::NoEvaluation)?;
+                    (test, None, ctx.epoch as u32 + 1, slice.steps(test.rows()))
                 };
                 let first = (ctx.epoch as u32, ctx.first_step);
                 Ok(Epochs::Files(reader.open(Plan { slice, shuffle, first, end_epoch: end, steps_per_epoch: steps })))

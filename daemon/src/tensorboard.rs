@@ -180,6 +180,9 @@ impl TensorBoard {
             values.iter().map(|(n, v)| (f(n), *v)).collect()
         };
         self.train.scalars(u64::from(epoch), &tagged(train, &|n| format!("epoch_{n}")))?;
+        if validation.is_empty() {
+            return Ok(()); // a run that does not evaluate
+        }
         self.validation.scalars(u64::from(epoch), &tagged(validation, &|n| format!("epoch_{n}")))?;
         self.validation.scalars(global_step, &tagged(validation, &|n| format!("evaluation_{n}_vs_iterations")))
     }

@@ -331,19 +331,7 @@ fn bad_datasets_are_refused_before_training_naming_the_file() {
             first.display()
         )
     );
-    // A missing test split, then a missing shard.
-    std::fs::rename(data.join("test-00000-of-00001.parquet"), tmp.path().join("test.parquet.away")).unwrap();
-    let out = train(None, "linear", &data, &[]);
-    assert_eq!(
-        error_of(&out),
-        format!(
-            "error: data location {}: no test split: expected test-00000-of-0000N.parquet files (Hugging Face's \
-             layout) or test.parquet; found: train-00000-of-00003.parquet, train-00001-of-00003.parquet, \
-             train-00002-of-00003.parquet",
-            data.display()
-        )
-    );
-    std::fs::rename(tmp.path().join("test.parquet.away"), data.join("test-00000-of-00001.parquet")).unwrap();
+    // A missing shard.
     std::fs::rename(data.join("train-00001-of-00003.parquet"), tmp.path().join("away")).unwrap();
     let out = train(None, "linear", &data, &[]);
     assert_eq!(
@@ -434,4 +422,48 @@ for name, (prefix, n) in split.items():
     let s = json(&summary);
     assert_eq!(s["steps"], 3000 / 64);
     assert!(s["test_accuracy"].as_f64().unwrap() > 0.5, "{s}");
+}
+
+/// A dataset without a test split: refused, naming the way out; trained without evaluation when
+/// asked; evaluated on its validation split when it has one.
+#[test]
+fn a_dataset_without_a_test_split_trains_without_evaluation_only_when_asked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("fm");
+    copy_tree(&parquet_dataset(), &data);
+    let test = data.join("test-00000-of-00001.parquet");
+    let away = tmp.path().join("test.parquet");
+    std::fs::rename(&test, &away).unwrap();
+    let short = ["--epochs", "1", "--steps-per-epoch", "20"];
+    let out = train(None, "linear", &data, &short);
+    assert_eq!(
+        error_of(&out),
+        format!(
+            "error: data location {}: no test or validation split (test-00000-of-0000N.parquet or validation-…): every \
+             epoch ends with an evaluation on it; give --no-evaluation to train without one",
+            data.display()
+        )
+    );
+    let summary = tmp.path().join("s.json");
+    let out =
+        ok(train(None, "linear", &data, &[&short[..], &["--no-evaluation", "--summary", path(&summary)]].concat()));
+    let said = stdout(&out);
+    assert!(said.contains("; no evaluation (--no-evaluation); fingerprint "), "{said}");
+    let last = said.lines().find(|l| l.starts_with("20/20 - ")).unwrap_or_else(|| panic!("{said}"));
+    assert!(last.contains(" - accuracy: ") && !last.contains("val_"), "{last}");
+    assert!(said.contains("done: 20 steps, not evaluated (--no-evaluation), "), "{said}");
+    let s = json(&summary);
+    assert!(s["test_loss"].is_null() && s["test_accuracy"].is_null(), "{s}");
+
+    // The validation split serves where there is no test split.
+    std::fs::rename(&away, data.join("validation-00000-of-00001.parquet")).unwrap();
+    let out = ok(train(None, "linear", &data, &[&short[..], &["--summary", path(&summary)]].concat()));
+    assert!(
+        stdout(&out).contains("; 1 validation file(s), 10,000 rows, evaluated as the test split; "),
+        "{}",
+        stdout(&out)
+    );
+    let reference = tmp.path().join("r.json");
+    ok(train(None, "linear", &parquet_dataset(), &[&short[..], &["--summary", path(&reference)]].concat()));
+    assert_eq!(json(&summary)["test_loss"], json(&reference)["test_loss"], "the same rows evaluated");
 }

@@ -43,9 +43,9 @@ pub enum DataError {
     NoSplit {
         /// The location.
         location: String,
-        /// `train` or `test`.
+        /// Which split.
         split: &'static str,
-        /// What the location holds instead, as ", found: a, b" (empty when nothing).
+        /// What the location holds instead, as "; found: a, b" (empty when nothing).
         found: String,
     },
     /// A numbered shard is absent.

@@ -51,8 +51,11 @@ pub struct Group {
 /// A split: its files and row groups.
 #[derive(Debug)]
 pub struct SplitIndex {
-    /// Which split.
+    /// Which split it serves as.
     pub split: Split,
+    /// Its name in the files' names: `train`, `test`, or `validation` (serving as the test split
+    /// of a dataset that has none).
+    pub name: &'static str,
     /// Its files, sorted by name.
     pub files: Vec<ParquetFile>,
     /// Its row groups, in file order.
@@ -87,10 +90,9 @@ pub fn split_name(split: Split) -> &'static str {
     }
 }
 
-/// The files of `split` among `files` (sorted by name), checked complete when their names
-/// number them (`-{i}-of-{n}`).
-pub fn split_files(location: &str, files: &[FileRef], split: Split) -> Result<Vec<FileRef>, DataError> {
-    let name = split_name(split);
+/// The files of the split named `name` among `files` (sorted by name), checked complete when
+/// their names number them (`-{i}-of-{n}`).
+pub fn split_files(location: &str, files: &[FileRef], name: &'static str) -> Result<Vec<FileRef>, DataError> {
     let ours: Vec<FileRef> = files
         .iter()
         .filter(|f| {
@@ -132,14 +134,15 @@ fn shard_number(file: &str, split: &str) -> Option<(usize, usize)> {
     Some((i, n))
 }
 
-/// Indexes `split`: lists its files among `listed`, reads their footers (on `pool`).
+/// Indexes `split` (the files named `name`): lists its files among `listed`, reads their
+/// footers (on `pool`).
 pub fn index_split(
     source: &Source,
     listed: &[FileRef],
-    split: Split,
+    (split, name): (Split, &'static str),
     pool: &rayon::ThreadPool,
 ) -> Result<SplitIndex, DataError> {
-    let files = split_files(&source.location().to_string(), listed, split)?;
+    let files = split_files(&source.location().to_string(), listed, name)?;
     let footers: Vec<_> =
         pool.install(|| files.par_iter().map(|f| read_footer(source, f)).collect::<Result<_, _>>())?;
     let (mut parquet_files, mut groups, mut sizes, mut first_row) = (Vec::new(), Vec::new(), Vec::new(), 0);
@@ -154,7 +157,7 @@ pub fn index_split(
         parquet_files.push(ParquetFile { file, meta, footer_sha256, first_row });
         first_row += in_file;
     }
-    Ok(SplitIndex { split, files: parquet_files, groups, layout: Layout::of_sizes(&sizes) })
+    Ok(SplitIndex { split, name, files: parquet_files, groups, layout: Layout::of_sizes(&sizes) })
 }
 
 /// A file's footer: decoded, and the sha256 of its bytes.
@@ -221,7 +224,7 @@ pub fn fingerprint(splits: &[&SplitIndex]) -> String {
     let mut h = Sha256::new();
     for s in splits {
         for f in &s.files {
-            h.update(format!("{}\t{}\t{}\t", split_name(s.split), f.file.name, f.file.size));
+            h.update(format!("{}\t{}\t{}\t", s.name, f.file.name, f.file.size));
             h.update(f.footer_sha256);
             h.update(b"\n");
         }
@@ -247,10 +250,11 @@ mod tests {
             "validation-00000-of-00001.parquet",
         ]);
         let names = |s| split_files("loc", &all, s).unwrap().into_iter().map(|f| f.name).collect::<Vec<_>>();
-        assert_eq!(names(Split::Train), ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]);
-        assert_eq!(names(Split::Test), ["test-00000-of-00001.parquet"]);
+        assert_eq!(names("train"), ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]);
+        assert_eq!(names("test"), ["test-00000-of-00001.parquet"]);
+        assert_eq!(names("validation"), ["validation-00000-of-00001.parquet"]);
         let single = files(&["train.parquet", "test.parquet", "trainer.parquet"]);
-        assert_eq!(split_files("loc", &single, Split::Train).unwrap(), files(&["train.parquet"]));
+        assert_eq!(split_files("loc", &single, "train").unwrap(), files(&["train.parquet"]));
     }
 
     proptest::proptest! {
@@ -265,11 +269,11 @@ mod tests {
     fn a_missing_shard_or_split_is_named() {
         let gap = files(&["train-00000-of-00003.parquet", "train-00002-of-00003.parquet"]);
         assert_eq!(
-            split_files("/data/fm", &gap, Split::Train).unwrap_err().to_string(),
+            split_files("/data/fm", &gap, "train").unwrap_err().to_string(),
             "data location /data/fm: missing train-00001-of-00003.parquet (train has 3 files by its names: 2 found)"
         );
         assert_eq!(
-            split_files("/data/fm", &gap, Split::Test).unwrap_err().to_string(),
+            split_files("/data/fm", &gap, "test").unwrap_err().to_string(),
             "data location /data/fm: no test split: expected test-00000-of-0000N.parquet files (Hugging Face's \
              layout) or test.parquet; found: train-00000-of-00003.parquet, train-00002-of-00003.parquet"
         );

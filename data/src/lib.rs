@@ -63,7 +63,7 @@ pub struct Dataset {
     source: Arc<source::Source>,
     pool: Arc<rayon::ThreadPool>,
     train: Arc<SplitIndex>,
-    test: Arc<SplitIndex>,
+    test: Option<Arc<SplitIndex>>,
     fingerprint: String,
     peak_bytes: Arc<AtomicUsize>,
     patience: Duration,
@@ -88,14 +88,27 @@ impl Dataset {
             .build()
             .map_err(|e| DataError::Location { location: location.to_string(), reason: e.to_string() })?;
         let listed = source.list()?;
-        let train = index::index_split(&source, &listed, Split::Train, &pool)?;
-        let test = index::index_split(&source, &listed, Split::Test, &pool)?;
-        let fingerprint = index::fingerprint(&[&train, &test]);
+        let train = index::index_split(&source, &listed, (Split::Train, "train"), &pool)?;
+        // Evaluation reads the test split, else the validation split (Hugging Face's datasets
+        // often have one and not the other), else nothing: a run then needs --no-evaluation.
+        let mut test = None;
+        for name in ["test", "validation"] {
+            match index::index_split(&source, &listed, (Split::Test, name), &pool) {
+                Ok(index) => {
+                    test = Some(Arc::new(index));
+                    break;
+                }
+                Err(DataError::NoSplit { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        let splits: Vec<&SplitIndex> = std::iter::once(&train).chain(test.as_deref()).collect();
+        let fingerprint = index::fingerprint(&splits);
         Ok(Dataset {
             source: Arc::new(source),
             pool: Arc::new(pool),
             train: Arc::new(train),
-            test: Arc::new(test),
+            test,
             fingerprint,
             peak_bytes: Arc::default(),
             // A batch waits at most for its reads, each bounded by the timeout, and their decoding.
@@ -108,11 +121,12 @@ impl Dataset {
         self.source.location()
     }
 
-    /// A split's index.
-    pub fn split(&self, split: Split) -> &SplitIndex {
+    /// A split's index: the test split's is the validation split's where there is no test
+    /// split, and none where there is neither.
+    pub fn split(&self, split: Split) -> Option<&SplitIndex> {
         match split {
-            Split::Train => &self.train,
-            Split::Test => &self.test,
+            Split::Train => Some(&self.train),
+            Split::Test => self.test.as_deref(),
         }
     }
 
@@ -125,7 +139,11 @@ impl Dataset {
     pub fn reader(&self, split: Split, columns: &Columns) -> Result<Reader, DataError> {
         let index = match split {
             Split::Train => &self.train,
-            Split::Test => &self.test,
+            Split::Test => self.test.as_ref().ok_or_else(|| DataError::NoSplit {
+                location: self.location().to_string(),
+                split: "test",
+                found: String::new(),
+            })?,
         };
         let projections = index::check(&self.source, index, columns)?;
         Ok(Reader {

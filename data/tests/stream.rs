@@ -86,8 +86,8 @@ fn with_a_window_over_the_split_the_batches_are_the_idx_loaders_bit_for_bit() {
     let tmp = tempfile::tempdir().unwrap();
     let (idx, parquet) = dataset(tmp.path());
     let ds = open(&parquet);
-    assert_eq!((ds.split(Split::Train).rows(), ds.split(Split::Test).rows()), (1000, 210));
-    assert_eq!(ds.split(Split::Train).files.len(), 4);
+    assert_eq!((ds.split(Split::Train).unwrap().rows(), ds.split(Split::Test).unwrap().rows()), (1000, 210));
+    assert_eq!(ds.split(Split::Train).unwrap().files.len(), 4);
     for (split, training) in [(Split::Train, true), (Split::Test, false)] {
         let mnist = Mnist::load(&idx, split).unwrap();
         for rank in 0..2u32 {
@@ -186,7 +186,7 @@ fn each_worker_reads_every_row_group_once_an_epoch() {
     let (_, parquet) = dataset(tmp.path());
     let ds = open(&parquet);
     let projected = ds.reader(Split::Train, &columns()).unwrap().projected_bytes();
-    let files: u64 = ds.split(Split::Train).bytes();
+    let files: u64 = ds.split(Split::Train).unwrap().bytes();
     assert!(projected < files, "the footers and the unread path column are not read");
     // Rank 1 of 2, windows of 130 rows straddling row groups.
     drain(&ds, Split::Train, plan(slice(1, 2, 12, true), Some(130), (0, 0), 2, 1000));
@@ -203,7 +203,7 @@ fn a_damaged_row_group_names_its_file_and_row_group() {
     let (_, parquet) = dataset(tmp.path());
     let file = parquet.join("train-00001-of-00004.parquet");
     let ds = open(&parquet);
-    let meta = ds.split(Split::Train).files[1].meta.metadata().clone();
+    let meta = ds.split(Split::Train).unwrap().files[1].meta.metadata().clone();
     let (start, _) = meta.row_group(2).column(0).byte_range();
     let mut bytes = std::fs::read(&file).unwrap();
     bytes[start as usize..start as usize + 16].fill(0xff);
@@ -242,7 +242,7 @@ fn a_file_changed_under_the_run_is_refused_naming_it() {
             "data file {}: it is not the file it was (its ETag is no longer {}) since the run started; a dataset must \
              not change under a running job (restart the run to train on the new data)",
             file.display(),
-            ds.split(Split::Train).files[2].file.etag.as_deref().unwrap()
+            ds.split(Split::Train).unwrap().files[2].file.etag.as_deref().unwrap()
         )
     );
 }
@@ -289,6 +289,30 @@ fn a_missing_shard_a_wrong_schema_and_a_file_that_is_not_parquet_are_refused_bef
         err,
         format!(
             "data location {}: missing train-00002-of-00004.parquet (train has 4 files by its names: 3 found)",
+            parquet.display()
+        )
+    );
+}
+
+/// Without a test split the validation split serves evaluation; without either, the dataset
+/// opens for training alone, and a reader of the test split says there is none.
+#[test]
+fn the_validation_split_serves_where_there_is_no_test_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, parquet) = dataset(tmp.path());
+    std::fs::rename(parquet.join("test-00000-of-00001.parquet"), parquet.join("validation-00000-of-00001.parquet"))
+        .unwrap();
+    let ds = open(&parquet);
+    let test = ds.split(Split::Test).unwrap();
+    assert_eq!((test.name, test.rows()), ("validation", 210));
+    std::fs::remove_file(parquet.join("validation-00000-of-00001.parquet")).unwrap();
+    let ds = open(&parquet);
+    assert!(ds.split(Split::Test).is_none());
+    assert_eq!(
+        ds.reader(Split::Test, &columns()).err().unwrap().to_string(),
+        format!(
+            "data location {}: no test split: expected test-00000-of-0000N.parquet files (Hugging Face's layout) or \
+             test.parquet",
             parquet.display()
         )
     );

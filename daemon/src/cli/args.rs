@@ -247,6 +247,10 @@ pub struct RunArgs {
     /// worker's share of the rows, still encoded.
     #[arg(long, default_value_t = 65536)]
     pub shuffle_window: u64,
+    /// Train without evaluating after each epoch (a dataset with no test or validation split):
+    /// the epoch lines show training figures only. Part of the run configuration.
+    #[arg(long)]
+    pub no_evaluation: bool,
     /// Append every step's example ids (file index in sorted order, row) to this file, one JSON
     /// line per step (a Parquet dataset only): a debug mode for comparing runs' data.
     #[arg(long, env = "TRAINERD_LOG_EXAMPLES")]

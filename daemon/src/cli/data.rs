@@ -25,10 +25,14 @@ pub fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
     println!("dataset: {location}");
     println!("fingerprint: {}", dataset.fingerprint());
     for split in [Split::Train, Split::Test] {
-        let index = dataset.split(split);
+        let Some(index) = dataset.split(split) else {
+            println!("test: none (no test or validation split: a run needs --no-evaluation)");
+            continue;
+        };
+        let serves = if index.name == "validation" { " (evaluated as the test split)" } else { "" };
         println!(
-            "{}: {} rows in {} file(s), {} row groups, {}",
-            trainerd_data::index::split_name(split),
+            "{}{serves}: {} rows in {} file(s), {} row groups, {}",
+            index.name,
             thousands(index.rows() as f64),
             index.files.len(),
             index.groups.len(),
@@ -48,7 +52,7 @@ pub fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
             );
         }
     }
-    let first = &dataset.split(Split::Train).files[0];
+    let first = &dataset.split(Split::Train).expect("a dataset always has a training split").files[0];
     println!("schema (of {}):", first.file.name);
     for field in first.meta.schema().fields() {
         println!("  {}: {}", field.name(), describe(field.data_type()));

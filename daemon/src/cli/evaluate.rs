@@ -28,7 +28,7 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
     super::data_wait_fits(&args.data, timeouts.collective)?;
     let options = data_options(&args.data, &args.s3, Arc::new(trainerd_data::Quiet))?;
     // Evaluation reads the test split in file order: the window plays no part.
-    let data = DataSource::open(&args.data.data, plugin.info(), u64::MAX, options)?;
+    let data = DataSource::open(&args.data.data, plugin.info(), (u64::MAX, true), options)?;
     let cfg = EvalConfig {
         data,
         location: args.checkpoint.parse()?,

@@ -115,8 +115,8 @@ fn data_source(
 ) -> anyhow::Result<DataSource> {
     super::data_wait_fits(&args.data, collective)?;
     let options = data_options(&args.data, &args.s3, Arc::new(Watch(Arc::clone(telemetry))))?;
-    let data = DataSource::open(&args.data.data, plugin.info(), args.shuffle_window, options)?;
-    if let (Some(path), DataSource::Plugin(dir)) = (&args.log_examples, &data) {
+    let data = DataSource::open(&args.data.data, plugin.info(), (args.shuffle_window, !args.no_evaluation), options)?;
+    if let (Some(path), DataSource::Plugin(dir, _)) = (&args.log_examples, &data) {
         anyhow::bail!(
             "--log-examples {}: the data at {} is in the plugin's own format, which has no example ids; it needs a \
              Parquet dataset",
@@ -159,6 +159,7 @@ fn run_config(
     }
     Ok(RunConfig {
         data,
+        evaluate: !args.no_evaluation,
         log_examples: args.log_examples.clone(),
         epochs: args.epochs.unwrap_or(defaults.epochs),
         batch_size,
@@ -211,13 +212,16 @@ fn ended(outcome: Outcome, progress: &mut Progress, summary_path: Option<&PathBu
             return Ok(Exit::Done.code());
         }
     };
+    let evaluated = match summary.test_loss {
+        Some(loss) => format!(
+            "test loss {loss:.4}{}",
+            summary.test_accuracy.map(|a| format!(", test accuracy {a:.4}")).unwrap_or_default()
+        ),
+        None => "not evaluated (--no-evaluation)".into(),
+    };
     progress.line(&format!(
-        "done: {} steps, test loss {:.4}{}, {:.0} examples/s, params sha256 {}",
-        summary.steps,
-        summary.test_loss,
-        summary.test_accuracy.map(|a| format!(", test accuracy {a:.4}")).unwrap_or_default(),
-        summary.examples_per_second,
-        summary.params_sha256
+        "done: {} steps, {evaluated}, {:.0} examples/s, params sha256 {}",
+        summary.steps, summary.examples_per_second, summary.params_sha256
     ));
     if let Some(d) = &summary.data {
         let per_epoch = d.train_epochs.iter().map(|(_, t)| t.fetched).max().unwrap_or(0);

@@ -58,13 +58,16 @@ impl Position {
         self.totals.add(step);
     }
 
-    /// The epoch is done and evaluated (`eval`): the next one starts with zero totals.
-    pub fn next_epoch(&mut self, eval: Totals) {
+    /// The epoch is done, and evaluated (`eval`) unless the run does not evaluate: the next one
+    /// starts with zero totals.
+    pub fn next_epoch(&mut self, eval: Option<Totals>) {
         let metrics = self.totals.metric_means().len();
         self.epoch += 1;
         self.step_in_epoch = 0;
         self.last_epoch = std::mem::replace(&mut self.totals, Totals::new(metrics));
-        self.last_eval = Some(eval);
+        if eval.is_some() {
+            self.last_eval = eval;
+        }
     }
 
     /// The seed of libtorch's generator for the next step on the replica of `rank` in a run
@@ -129,7 +132,7 @@ mod tests {
         p.stepped(&Totals::of_batch(2, 1.0, vec![1.0]));
         p.stepped(&Totals::of_batch(2, 3.0, vec![2.0]));
         assert_eq!((p.global_step, p.step_in_epoch, p.totals.flat()), (2, 2, vec![8.0, 4.0, 3.0]));
-        p.next_epoch(Totals::of_batch(10, 0.5, vec![7.0]));
+        p.next_epoch(Some(Totals::of_batch(10, 0.5, vec![7.0])));
         assert_eq!((p.epoch, p.step_in_epoch, p.global_step), (1, 0, 2));
         assert_eq!((p.totals.flat(), p.last_epoch.flat()), (vec![0.0, 0.0, 0.0], vec![8.0, 4.0, 3.0]));
     }

@@ -196,7 +196,7 @@ impl<'a> Driver<'a> {
                 return Ok(Ended::Stop(stopping));
             }
         }
-        if state.position().last_eval.is_none() && epochs > 0 {
+        if state.position().last_eval.is_none() && epochs > 0 && self.cfg.evaluate {
             // A checkpoint of an older trainerd holds no evaluation: make it.
             let eval = self.evaluate(epochs - 1, session)?;
             state.model.position.last_eval = Some(eval);
@@ -287,12 +287,12 @@ impl<'a> Driver<'a> {
     /// The epoch's evaluation, its last line, and its commit.
     fn end_epoch(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
         let epoch = state.position().epoch;
-        let eval = self.evaluate(epoch, session)?;
+        let eval = if self.cfg.evaluate { Some(self.evaluate(epoch, session)?) } else { None };
         state.model.position.next_epoch(eval.clone());
         let p = state.position();
         // The rate the epoch's last step used.
         let lr = self.lr(p.global_step.saturating_sub(1));
-        self.report.epoch_end((epoch, p.global_step, self.steps_per_epoch), &p.last_epoch, &eval, lr);
+        self.report.epoch_end((epoch, p.global_step, self.steps_per_epoch), &p.last_epoch, eval.as_ref(), lr);
         self.commit(Moment::EpochEnd, state)?;
         Ok(())
     }
@@ -357,9 +357,8 @@ impl<'a> Driver<'a> {
     fn summary(self, state: &TrainState, session: &Session) -> Summary {
         let (cfg, info, world) = (self.cfg, self.info, session.world());
         let p = state.position();
-        let last_eval = p.last_eval.clone().unwrap_or_else(|| Totals::new(self.metrics()));
         let named = |values: Vec<f64>| -> BTreeMap<String, f64> { info.metrics.iter().cloned().zip(values).collect() };
-        let test_metrics = named(last_eval.metric_means());
+        let test_metrics = p.last_eval.as_ref().map(|e| named(e.metric_means())).unwrap_or_default();
         let checkpoint_error = self.committer.as_ref().and_then(Committer::last_error);
         let (examples_per_second, train_seconds, fault_tolerance) = self.report.finish();
         Summary {
@@ -377,7 +376,7 @@ impl<'a> Driver<'a> {
             threads: cfg.threads,
             final_train_loss: p.last_epoch.loss_mean(),
             final_train_metrics: named(p.last_epoch.metric_means()),
-            test_loss: last_eval.loss_mean(),
+            test_loss: p.last_eval.as_ref().map(Totals::loss_mean),
             test_accuracy: test_metrics.get("accuracy").copied(),
             test_metrics,
             examples_per_second,

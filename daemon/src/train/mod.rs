@@ -54,6 +54,8 @@ pub use summary::{Recovery, Summary};
 pub struct RunConfig {
     /// The data: the plugin's own format, or a columnar dataset.
     pub data: DataSource,
+    /// Evaluate on the test split after each epoch (false: `--no-evaluation`).
+    pub evaluate: bool,
     /// Epochs to run.
     pub epochs: u32,
     /// Per-worker batch size.
@@ -111,6 +113,10 @@ impl RunConfig {
         // plugin's own format, and of every checkpoint before this, stays as it was.
         if let Some(data) = self.data.agreement() {
             agreement["data"] = data;
+        }
+        // An evaluation is a collective: every worker takes it or none does.
+        if !self.evaluate {
+            agreement["evaluate"] = false.into();
         }
         agreement.to_string()
     }

@@ -385,14 +385,20 @@ impl<'p> Reporter<'p> {
 
     /// `epoch` (0-based) is done, with `train` its totals and `eval` the evaluation's, its last
     /// step at `lr`; `global_step` steps done.
-    pub fn epoch_end(&mut self, (epoch, global_step, steps): (u32, u64, u64), train: &Totals, eval: &Totals, lr: f64) {
+    pub fn epoch_end(
+        &mut self,
+        (epoch, global_step, steps): (u32, u64, u64),
+        train: &Totals,
+        eval: Option<&Totals>,
+        lr: f64,
+    ) {
         let train = train.named(&self.metric_names, "");
-        let validation = eval.named(&self.metric_names, "");
+        let validation = eval.map(|e| e.named(&self.metric_names, "")).unwrap_or_default();
         self.telemetry.evaluated(&validation);
         self.telemetry.progress();
         let rate = self.clock.epoch_rate();
         let mut values = train.clone();
-        values.extend(eval.named(&self.metric_names, "val_"));
+        values.extend(eval.map(|e| e.named(&self.metric_names, "val_")).unwrap_or_default());
         if self.schedule_moves {
             // The rate the epoch's last step used (what Keras's PrintLR shows at the epoch's end).
             values.push(("learning_rate".into(), lr));

@@ -55,8 +55,8 @@ pub struct Summary {
     pub final_train_loss: f64,
     /// Mean of each metric over the last training epoch, over all workers.
     pub final_train_metrics: BTreeMap<String, f64>,
-    /// Mean loss on the test split after the last epoch.
-    pub test_loss: f64,
+    /// Mean loss on the test split after the last epoch (none: the run did not evaluate).
+    pub test_loss: Option<f64>,
     /// Test accuracy after the last epoch, when the plugin reports `accuracy`.
     pub test_accuracy: Option<f64>,
     /// Mean of each metric on the test split.
