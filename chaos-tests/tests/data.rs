@@ -234,3 +234,38 @@ fn walk_bytes(dir: &Path) -> u64 {
         })
         .unwrap_or(0)
 }
+
+/// A training file rewritten on the S3 server while the run reads it: its ETag no longer matches
+/// the one listed at start (`If-Match` fails), and the run ends naming it; nothing stale is read.
+#[test]
+fn a_file_rewritten_on_s3_under_the_run_is_refused_naming_it() {
+    let data = on_s3();
+    let tmp = tempfile::tempdir().unwrap();
+    let server = data._server.as_ref().unwrap();
+    let mut worker = outage_run(&data, (&server.endpoint, None), tmp.path(), &[]);
+    worker.wait_event(|r| matches!(r.event, Event::Step { global_step: 60, .. }), WAIT);
+    // Another file's bytes under a training file's name: another size, another ETag.
+    let store = server.store().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        use object_store::ObjectStoreExt;
+        let other =
+            store.get(&"fashion-mnist/test-00000-of-00001.parquet".into()).await.unwrap().bytes().await.unwrap();
+        for i in 0..3 {
+            let name = format!("fashion-mnist/train-{i:05}-of-00003.parquet");
+            store.put(&name.as_str().into(), other.clone().into()).await.unwrap();
+        }
+    });
+    let line = worker.wait_line(|l| l.starts_with("error: "), WAIT);
+    let prefix = format!("error: data file s3://{}/fashion-mnist/train-0000", server.bucket);
+    assert!(line.starts_with(&prefix), "{line}");
+    assert!(
+        line.contains(".parquet: it is not the file it was (its ETag is no longer ")
+            && line.ends_with(
+                ") since the run started; a dataset must not change under a running job (restart the run to train on \
+                 the new data)"
+            ),
+        "{line}"
+    );
+    assert_eq!(worker.wait().code(), Some(1));
+}
