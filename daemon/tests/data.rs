@@ -331,6 +331,25 @@ fn bad_datasets_are_refused_before_training_naming_the_file() {
             first.display()
         )
     );
+    // A codec this build does not read (brotli), refused before training.
+    let brotli = tmp.path().join("brotli");
+    std::fs::create_dir_all(&brotli).unwrap();
+    let script = "import sys, pyarrow as pa, pyarrow.parquet as pq\n\
+image = pa.array([{'bytes': b'x', 'path': None}], pa.struct([('bytes', pa.binary()), ('path', pa.string())]))\n\
+t = pa.table({'image': image, 'label': pa.array([1], pa.int64())})\n\
+for s in ('train', 'test'):\n    pq.write_table(t, f'{sys.argv[1]}/{s}-00000-of-00001.parquet', compression='brotli')";
+    let made = Command::new("python3").args(["-c", script]).arg(&brotli).output().unwrap();
+    assert!(made.status.success(), "{}", text(&made));
+    let out = train(None, "linear", &brotli, &[]);
+    assert_eq!(
+        error_of(&out),
+        format!(
+            "error: data file {}: column `image.bytes` is compressed with BROTLI, which this trainerd does not read (it \
+             reads uncompressed, snappy, gzip, lz4 and zstd); rewrite the file with one of those (pyarrow and pandas \
+             write snappy by default)",
+            brotli.join("train-00000-of-00001.parquet").display()
+        )
+    );
     // A missing shard.
     std::fs::rename(data.join("train-00001-of-00003.parquet"), tmp.path().join("away")).unwrap();
     let out = train(None, "linear", &data, &[]);

@@ -94,6 +94,20 @@ pub enum DataError {
         /// The column's type.
         found: String,
     },
+    /// A column compressed with a codec this build does not read.
+    #[error(
+        "data file {file}: column `{column}` is compressed with {codec}, which this trainerd does not read (it reads \
+         uncompressed, snappy, gzip, lz4 and zstd); rewrite the file with one of those (pyarrow and pandas write \
+         snappy by default)"
+    )]
+    Codec {
+        /// The file.
+        file: String,
+        /// The column (its path in the file).
+        column: String,
+        /// The codec.
+        codec: String,
+    },
     /// A row group could not be read or decoded.
     #[error("data file {file}, row group {row_group}: {reason}")]
     RowGroup {

@@ -11,7 +11,8 @@
 use std::sync::Arc;
 
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions};
-use parquet::file::metadata::{FooterTail, ParquetMetaDataReader};
+use parquet::basic::Compression;
+use parquet::file::metadata::{FooterTail, ParquetMetaData, ParquetMetaDataReader};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use trainerd_sdk::{Columns, Split};
@@ -214,9 +215,30 @@ pub fn check(source: &Source, split: &SplitIndex, columns: &Columns) -> Result<V
         .files
         .iter()
         .map(|f| {
-            schema::check(&source.location().file(&f.file.name), f.meta.schema(), f.meta.parquet_schema(), columns)
+            let shown = source.location().file(&f.file.name);
+            let projection = schema::check(&shown, f.meta.schema(), f.meta.parquet_schema(), columns)?;
+            readable_codecs(&shown, f.meta.metadata(), &projection)?;
+            Ok(projection)
         })
         .collect()
+}
+
+/// Whether every projected column chunk of the file is compressed with a codec this build
+/// reads: a refusal at start, not at the first read of a row group.
+fn readable_codecs(file: &str, meta: &ParquetMetaData, projection: &Projection) -> Result<(), DataError> {
+    for rg in meta.row_groups() {
+        for &leaf in &projection.leaves {
+            let chunk = rg.column(leaf);
+            if matches!(chunk.compression(), Compression::BROTLI(_) | Compression::LZO) {
+                return Err(DataError::Codec {
+                    file: file.to_string(),
+                    column: chunk.column_path().string(),
+                    codec: format!("{:?}", chunk.compression()).split('(').next().unwrap_or("?").to_string(),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The fingerprint of a dataset's splits: sha256 of each file's split, name, size and footer.
