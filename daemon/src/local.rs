@@ -70,8 +70,16 @@ pub fn worker_args(args: &[String], worker: usize, workers: usize, cores: usize)
 
 /// Runs the local cluster, its workers' events forwarded to `events` when given; returns this
 /// process's exit code.
-pub fn run(workers: usize, restart_delay: Duration, events: Option<&Path>, args: &[String]) -> anyhow::Result<i32> {
+pub fn run(
+    workers: usize,
+    (restart_delay, no_restart): (Duration, &[usize]),
+    events: Option<&Path>,
+    args: &[String],
+) -> anyhow::Result<i32> {
     anyhow::ensure!(workers >= 1, "--workers {workers}: expected at least 1");
+    if let Some(w) = no_restart.iter().find(|&&w| w >= workers) {
+        anyhow::bail!("--no-restart {w}: expected a worker index below --workers {workers}");
+    }
     anyhow::ensure!(
         !has_flag(args, "--tf-config"),
         "trainerd local writes each worker's TF_CONFIG itself: remove --tf-config"
@@ -90,6 +98,9 @@ pub fn run(workers: usize, restart_delay: Duration, events: Option<&Path>, args:
     }
     let options = Options { restart_delay, give_up_before_join: true };
     let mut supervisor = Supervisor::start(workers, options, worker_command(workers, args)?)?;
+    for &w in no_restart {
+        supervisor.hold(w);
+    }
     let pids: Vec<String> =
         (0..workers).map(|i| format!("worker {i} (pid {})", supervisor.pid(i).unwrap_or(0))).collect();
     say(&format!("started {}", pids.join(", ")));
@@ -109,7 +120,9 @@ pub fn run(workers: usize, restart_delay: Duration, events: Option<&Path>, args:
             }
         }
         if let Some(codes) = supervisor.finished() {
-            return Ok(codes.into_iter().max().unwrap_or(0));
+            // A worker gone for good (not restarted, as asked) does not make the run fail.
+            let kept = codes.into_iter().enumerate().filter(|&(w, _)| !supervisor.held(w));
+            return Ok(kept.map(|(_, code)| code).max().unwrap_or(0));
         }
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -153,6 +166,9 @@ impl Launcher {
         match h {
             Happening::Line { worker, stream, text, .. } => relay(worker, stream, &text),
             Happening::Event { worker, mut record, .. } => {
+                if let Event::Joined { present: Some(present), layout: Some(layout), workers, .. } = &record.event {
+                    self.short(worker, (*present, *workers), layout, supervisor);
+                }
                 if let Event::Recovered { global_step, generation, steps_lost, .. } = &record.event {
                     if let Some(died) = self.died[worker].take() {
                         say(&format!(
@@ -164,6 +180,13 @@ impl Launcher {
                 }
                 record.worker = Some(worker);
                 self.forward.write(&record);
+            }
+            Happening::Died { worker, how, at } if supervisor.held(worker) => {
+                self.died[worker] = Some(at);
+                say(&format!(
+                    "worker {worker} died ({how}); not restarted (--no-restart): the others go on without it after \
+                     --replace-after, if a majority of the workers remains"
+                ));
             }
             Happening::Died { worker, how, at } => {
                 self.died[worker] = Some(at);
@@ -186,6 +209,28 @@ impl Launcher {
             Happening::Finished { .. } => {}
         }
         None
+    }
+}
+
+impl Launcher {
+    /// The chief (`worker`) formed a generation without some workers: who is gone, for how long,
+    /// and who holds their slots now.
+    fn short(&self, worker: usize, (present, workers): (usize, usize), layout: &str, supervisor: &Supervisor) {
+        if worker != 0 {
+            return;
+        }
+        let gone: Vec<String> = (0..workers)
+            .filter(|&w| supervisor.pid(w).is_none() || !layout.contains(&format!("worker {w}:")))
+            .map(|w| match self.died[w] {
+                Some(at) => format!("worker {w} gone for {:.0} s", at.elapsed().as_secs_f64()),
+                None => format!("worker {w} missing"),
+            })
+            .collect();
+        say(&format!(
+            "{}: its slots move to the others ({layout}); {present} of {workers} workers, {:.2}x speed",
+            gone.join(", "),
+            present as f64 / workers as f64
+        ));
     }
 }
 

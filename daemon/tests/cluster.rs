@@ -183,7 +183,8 @@ fn a_port_already_in_use_is_named() {
 #[test]
 fn a_peer_that_never_comes_is_named_after_the_deadline() {
     let ports = free_ports(3);
-    let chief = spawn_worker(&ports, 0, &["--rendezvous-timeout", "2"], &[]);
+    // Every worker is required (by default 2 of 3 would start without it).
+    let chief = spawn_worker(&ports, 0, &["--rendezvous-timeout", "2", "--min-workers", "3"], &[]);
     // The member would wait far longer: a chief slow to start (a loaded machine) must not make it
     // give up on the chief first.
     let one = spawn_worker(&ports, 1, &["--rendezvous-timeout", "60"], &[]);

@@ -53,6 +53,13 @@ pub enum Event {
         steps_lost: u64,
         /// The rank the state came from, when some member received it.
         source: Option<usize>,
+        /// Workers present in the generation, when fewer than `workers` (the others' slots are
+        /// spread over them).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        present: Option<usize>,
+        /// Who holds which slots, when some worker holds several (`worker 0: slots 0-1, ...`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        layout: Option<String>,
     },
     /// A step is done.
     Step {

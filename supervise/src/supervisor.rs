@@ -120,6 +120,8 @@ struct Slot {
     /// Its final exit status, once it has one.
     done: Option<i32>,
     restart_at: Option<Instant>,
+    /// Not to be restarted when it dies (a node gone for good).
+    held: bool,
 }
 
 /// Workers under supervision. Dropping it kills every worker still running.
@@ -150,6 +152,7 @@ impl Supervisor {
                 exited: None,
                 done: None,
                 restart_at: None,
+                held: false,
             });
         }
         for worker in 0..workers {
@@ -241,6 +244,11 @@ impl Supervisor {
             slot.done = Some(code);
             return Some(Happening::GaveUp { worker, how, code });
         }
+        if slot.held {
+            // Gone for good: its exit is final until it is brought back.
+            slot.done = Some(code);
+            return Some(Happening::Died { worker, how, at });
+        }
         slot.restart_at = Some(Instant::now() + self.options.restart_delay);
         Some(Happening::Died { worker, how, at })
     }
@@ -275,13 +283,25 @@ impl Supervisor {
         Ok(())
     }
 
+    /// Whether worker `worker` is held (not restarted when it dies).
+    pub fn held(&self, worker: usize) -> bool {
+        self.slots[worker].held
+    }
+
+    /// Does not restart worker `worker` when it dies (a node gone for good): its exit status is
+    /// final, until [`Supervisor::bring_back`].
+    pub fn hold(&mut self, worker: usize) {
+        self.slots[worker].held = true;
+    }
+
     /// Starts worker `worker` again after it exited with a final status (a preempted node
-    /// coming back).
+    /// coming back), and restarts it again whenever it dies.
     pub fn bring_back(&mut self, worker: usize) -> std::io::Result<()> {
         let slot = &mut self.slots[worker];
         if slot.child.is_some() || slot.done.is_none() {
             return Err(std::io::Error::other(format!("worker {worker} has not exited for good")));
         }
+        slot.held = false;
         slot.done = None;
         slot.restart_at = Some(Instant::now());
         Ok(())

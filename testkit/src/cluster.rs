@@ -142,6 +142,11 @@ impl Cluster {
         self.supervisor.lock().unwrap().signal(rank, signal).unwrap_or_else(|e| panic!("worker {rank}: {e}"));
     }
 
+    /// Does not restart worker `rank` when it dies (a node gone for good).
+    pub fn hold(&self, rank: usize) {
+        self.supervisor.lock().unwrap().hold(rank);
+    }
+
     /// Starts worker `rank` again after it exited for good (a preempted node coming back).
     pub fn bring_back(&self, rank: usize) {
         self.supervisor.lock().unwrap().bring_back(rank).unwrap_or_else(|e| panic!("{e}"));

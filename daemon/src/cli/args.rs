@@ -40,6 +40,11 @@ pub enum Command {
         /// Seconds before a worker that died is started again (systemd's RestartSec).
         #[arg(long, default_value_t = 1.0)]
         restart_delay: f64,
+        /// Workers not to restart when they die (a node gone for good), for example
+        /// `--no-restart 2`: the others go on without them after `--replace-after`, when a
+        /// majority remains.
+        #[arg(long, value_delimiter = ',')]
+        no_restart: Vec<usize>,
         /// Write every worker's lifecycle events here, each naming its worker (give it before
         /// the arguments for `trainerd run`).
         #[arg(long, env = "TRAINERD_EVENTS")]
@@ -342,6 +347,19 @@ pub struct RunArgs {
     /// that their supervisor restarts them); long enough for a node to reboot.
     #[arg(long, default_value_t = 600.0)]
     pub rejoin_deadline: f64,
+    /// Seconds a worker may be missing before the others go on without it, its slots (virtual
+    /// ranks) spread over them [default: 300, above a systemd restart and a VM's reboot; half
+    /// the rejoin deadline when that is shorter].
+    #[arg(long)]
+    pub replace_after: Option<f64>,
+    /// The fewest workers that train (default: a majority of TF_CONFIG's training tasks, so that
+    /// two sides of a partition never both train); fewer wait, as before.
+    #[arg(long)]
+    pub min_workers: Option<usize>,
+    /// Accept --min-workers of exactly half the workers, and with it the risk that both halves
+    /// of a partition train.
+    #[arg(long)]
+    pub allow_even_split: bool,
     /// Commit checkpoints here (a directory, file:///path, s3://bucket/prefix) and resume from
     /// the newest one at start.
     #[arg(long)]

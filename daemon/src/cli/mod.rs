@@ -42,9 +42,11 @@ pub fn main() -> ExitCode {
     crate::ops::log::init(cli.log_format);
     let result = match cli.command {
         Command::Run(args) => run::run(*args, cuda, cli.log_format),
-        Command::Local { workers, restart_delay, events, args } => Duration::try_from_secs_f64(restart_delay)
-            .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))
-            .and_then(|delay| crate::local::run(workers, delay, events.as_deref(), &args)),
+        Command::Local { workers, restart_delay, no_restart, events, args } => {
+            Duration::try_from_secs_f64(restart_delay)
+                .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))
+                .and_then(|delay| crate::local::run(workers, (delay, &no_restart), events.as_deref(), &args))
+        }
         Command::Evaluate(args) => evaluate::evaluate(*args, cuda, cli.log_format),
         Command::Ckpt { command } => ckpt(command),
         Command::Data { command } => data(command),

@@ -45,6 +45,9 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     let stop = stop_flag()?;
     let timeouts = timeouts(&args)?;
     let (cluster, network) = args.cluster.plan()?;
+    if let Some(c) = &cluster {
+        timeouts.check_min_workers(c.world_size(), args.allow_even_split).map_err(anyhow::Error::msg)?;
+    }
     let facts = accel::facts(cuda);
     let device = device(&args.device, &facts)?;
     if device.is_cuda() {
@@ -100,6 +103,14 @@ fn timeouts(args: &RunArgs) -> anyhow::Result<Timeouts> {
         heartbeat_deadline: seconds("--heartbeat-deadline", args.heartbeat_deadline)?,
         collective: seconds("--collective-timeout", args.collective_timeout)?,
         rejoin: seconds("--rejoin-deadline", args.rejoin_deadline)?,
+        replace_after: match args.replace_after {
+            Some(s) => seconds("--replace-after", s)?,
+            None => Timeouts::default_replace_after(
+                seconds("--heartbeat-deadline", args.heartbeat_deadline)?,
+                seconds("--rejoin-deadline", args.rejoin_deadline)?,
+            ),
+        },
+        min_workers: args.min_workers,
     };
     timeouts.check().map_err(anyhow::Error::msg)?;
     Ok(timeouts)

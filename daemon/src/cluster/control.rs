@@ -67,6 +67,8 @@ pub struct Formed {
     pub recovery: bool,
     /// Steps the cluster had trained that this formation does not continue from.
     pub steps_lost: u64,
+    /// The ranks in the generation, ascending (the ring's order).
+    pub members: Vec<usize>,
 }
 
 impl From<&Formed> for proto::JoinReply {
@@ -81,6 +83,7 @@ impl From<&Formed> for proto::JoinReply {
             receivers: f.receivers.iter().map(|&r| r as u32).collect(),
             recovery: f.recovery,
             steps_lost: f.steps_lost,
+            members: f.members.iter().map(|&r| r as u32).collect(),
         }
     }
 }
@@ -96,6 +99,7 @@ impl From<proto::JoinReply> for Formed {
             receivers: r.receivers.into_iter().map(|r| r as usize).collect(),
             recovery: r.recovery,
             steps_lost: r.steps_lost,
+            members: r.members.into_iter().map(|r| r as usize).collect(),
         }
     }
 }
@@ -161,7 +165,7 @@ impl Coordinator {
     /// disconnected (so that the chief's exit can no longer cut off a reply they wait for).
     pub fn departed(&self) -> bool {
         let c = self.lock();
-        c.state.finished && c.state.members.iter().skip(1).all(|m| m.gone.is_some() || !m.connected)
+        c.state.finished && c.state.members.iter().skip(1).all(|m| m.gone.is_some() || !m.connected || !m.active)
     }
 
     /// After a give-up: whether every member told of it has left or disconnected (so that the
@@ -221,6 +225,7 @@ impl Coordinator {
                     receivers: f.receivers,
                     recovery: f.recovery,
                     steps_lost: f.steps_lost,
+                    members: f.members,
                 });
             }
             Effect::GaveUp => tracing::warn!("coordinator gave up: {}", c.state.gave_up),
@@ -352,7 +357,11 @@ impl Coordinator {
                     self.names[rank]
                 ))));
             }
-            if let Some(f) = c.formation.as_ref().filter(|f| f.generation > since_generation) {
+            // A formation this member is left out of (it was missing too long) is not its answer: it
+            // waits, and its join brings the next generation about once it is live.
+            if let Some(f) =
+                c.formation.as_ref().filter(|f| f.generation > since_generation && f.members.contains(&rank))
+            {
                 return Some(Ok(proto::JoinReply::from(f)));
             }
             (c.state.give_ups > since_give_ups).then(|| Err(Status::aborted(c.state.gave_up.clone())))
@@ -445,7 +454,10 @@ impl Coordinator {
                 let why = c.state.ended.get(&req.generation).cloned().unwrap_or_else(|| "it is not current".into());
                 return Err(Status::aborted(why));
             }
-            let world = self.names.len();
+            if !c.state.members[rank].active {
+                return Err(Status::aborted(format!("{} is not in generation {}", self.names[rank], req.generation)));
+            }
+            let world = c.state.members.iter().filter(|m| m.active).count();
             let open = c.state.barriers.keys().filter(|(g, _)| *g == req.generation).count();
             if open >= MAX_BARRIERS && !c.state.barriers.contains_key(&key) {
                 return Err(Status::resource_exhausted(format!("a generation has at most {MAX_BARRIERS} barriers")));
@@ -457,8 +469,8 @@ impl Coordinator {
             }
             self.settle(&mut c);
         }
-        let world = self.names.len();
         self.wait_for(|c| {
+            let world = c.state.members.iter().filter(|m| m.active).count();
             if c.state.barriers.get(&key).is_some_and(|s| s.len() == world) {
                 return Some(Ok(()));
             }

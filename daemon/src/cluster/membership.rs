@@ -6,8 +6,11 @@
 //! ([`super::control`]) only stores the state that messages report, applies the decisions, and
 //! carries the effects. The protocol is described in `docs/fault-tolerance.md`.
 //!
-//! The world size is fixed: a generation trains only with every member present. Every change of
-//! membership (a failure, a formation) is a new generation.
+//! The run's slots (V, every rank) are fixed; a generation trains with every member present, or,
+//! once the missing ones have been away for longer than `replace_after`, with at least
+//! `min_workers` of them (a majority: two sides of a partition can never both train), their slots
+//! spread over those present. Every change of membership (a failure, a formation, a member coming
+//! back) is a new generation.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -159,9 +162,12 @@ impl State {
                 self.generation = f.generation;
                 self.formed = true;
                 self.ever_formed = true;
-                for m in &mut self.members {
-                    m.active = true;
-                    m.joined = None;
+                for (rank, m) in self.members.iter_mut().enumerate() {
+                    // A member left out keeps its join (if it has one): it counts once it is live.
+                    m.active = f.members.contains(&rank);
+                    if m.active {
+                        m.joined = None;
+                    }
                     m.gone = None;
                 }
                 self.high_water = self.high_water.max(f.progress.0);
@@ -208,6 +214,10 @@ pub struct Options {
     pub rendezvous_timeout: Duration,
     /// How long a formed cluster waits for a missing member to return.
     pub rejoin_deadline: Duration,
+    /// How long a member may be missing before a generation forms without it.
+    pub replace_after: Duration,
+    /// The fewest members a generation forms with.
+    pub min_workers: usize,
 }
 
 /// A generation to form.
@@ -223,6 +233,8 @@ pub struct Formation {
     pub digest: String,
     /// Members whose state differs from the source's: they receive it.
     pub receivers: Vec<usize>,
+    /// The members of the generation, ascending (the ring's order).
+    pub members: Vec<usize>,
     /// A generation had been formed before: this one is a recovery.
     pub recovery: bool,
     /// Steps the cluster had trained (as far as heard of) that the source's state does not hold.
@@ -235,9 +247,9 @@ pub enum Decision {
     /// The coordinator itself did not run for longer than the heartbeat deadline (it was
     /// frozen, or starved): count everyone as just heard from rather than failing them all.
     Grace,
-    /// End the current generation: these active members failed (rank, why).
+    /// End the current generation: these members failed, or came back (rank, why).
     Fail(Vec<(usize, String)>),
-    /// Every member has joined: form the next generation.
+    /// Every member has joined, or those missing were replaced: form the next generation.
     Form(Formation),
     /// These members stayed away past the deadline: the waiting members give up.
     GiveUp {
@@ -256,21 +268,36 @@ pub fn decide(state: &State, now: Instant, opts: &Options) -> Option<Decision> {
     if state.finished {
         return None;
     }
+    let live = |m: &MemberState| m.connected && now.saturating_duration_since(m.last_seen) <= opts.heartbeat_deadline;
     if state.formed {
         let failed: Vec<(usize, String)> = state
             .members
             .iter()
             .enumerate()
-            .filter(|(_, m)| m.active)
-            .filter_map(|(rank, m)| failure(m, now, opts).map(|why| (rank, why)))
+            .filter_map(|(rank, m)| {
+                if m.active {
+                    failure(m, now, opts).map(|why| (rank, why))
+                } else {
+                    // Left out of the generation, and back: it takes its slots back.
+                    (m.joined.is_some() && live(m)).then(|| (rank, "came back: it takes its slots back".to_string()))
+                }
+            })
             .collect();
         return (!failed.is_empty()).then_some(Decision::Fail(failed));
     }
-    let live = |m: &MemberState| m.connected && now.saturating_duration_since(m.last_seen) <= opts.heartbeat_deadline;
-    if state.members.iter().all(|m| m.joined.is_some() && live(m)) {
-        return Some(Decision::Form(form(state)));
+    let present: Vec<usize> =
+        (0..state.members.len()).filter(|&r| state.members[r].joined.is_some() && live(&state.members[r])).collect();
+    if present.len() == state.members.len() {
+        return Some(Decision::Form(form(state, present)));
     }
     let rejoin = state.ever_formed || state.members.iter().any(|m| m.joined.as_ref().is_some_and(|r| r.generation > 0));
+    // Members missing (not joined, or not live) for longer than this are replaced.
+    let replace = if rejoin { opts.replace_after } else { opts.rendezvous_timeout };
+    let gone_long = |m: &MemberState| now.saturating_duration_since(m.last_seen) > replace;
+    let replaceable = state.members.iter().enumerate().all(|(r, m)| present.contains(&r) || gone_long(m));
+    if present.len() >= opts.min_workers && present.contains(&0) && replaceable {
+        return Some(Decision::Form(form(state, present)));
+    }
     let waited = if rejoin { opts.rejoin_deadline } else { opts.rendezvous_timeout };
     if now.saturating_duration_since(state.gathering_since) > waited {
         let missing: Vec<usize> =
@@ -304,20 +331,24 @@ fn failure(m: &MemberState, now: Instant, opts: &Options) -> Option<String> {
     })
 }
 
-/// The formation when everyone has joined: the generation above every one seen, and the
-/// furthest state as the source.
-fn form(state: &State) -> Formation {
-    let reports: Vec<&Report> = state.members.iter().map(|m| m.joined.as_ref().expect("everyone joined")).collect();
-    let seen = reports.iter().map(|r| r.generation).max().unwrap_or(0);
+/// The formation of the `members` present (all joined): the generation above every one seen, and
+/// the furthest state as the source.
+fn form(state: &State, members: Vec<usize>) -> Formation {
+    let report = |r: usize| state.members[r].joined.as_ref().expect("every member joined");
+    let seen = members.iter().map(|&r| report(r).generation).max().unwrap_or(0);
     let generation = state.generation.max(state.floor).max(seen) + 1;
     // The furthest state that exists; on a tie the lowest rank (the chief first).
-    let source = (0..reports.len())
-        .filter(|&r| reports[r].has_state())
-        .max_by(|&a, &b| reports[a].progress.cmp(&reports[b].progress).then(b.cmp(&a)))
-        .unwrap_or(0);
-    let chosen = reports[source];
-    let receivers = (0..reports.len())
-        .filter(|&r| reports[r].progress != chosen.progress || reports[r].digest != chosen.digest)
+    let source = members
+        .iter()
+        .copied()
+        .filter(|&r| report(r).has_state())
+        .max_by(|&a, &b| report(a).progress.cmp(&report(b).progress).then(b.cmp(&a)))
+        .unwrap_or(members[0]);
+    let chosen = report(source);
+    let receivers = members
+        .iter()
+        .copied()
+        .filter(|&r| report(r).progress != chosen.progress || report(r).digest != chosen.digest)
         .collect();
     Formation {
         generation,
@@ -325,6 +356,7 @@ fn form(state: &State) -> Formation {
         progress: chosen.progress,
         digest: chosen.digest.clone(),
         receivers,
+        members,
         recovery: state.ever_formed || seen > 0,
         steps_lost: state.high_water.saturating_sub(chosen.progress.0),
     }
@@ -339,7 +371,13 @@ mod tests {
         heartbeat_deadline: Duration::from_millis(1500),
         rendezvous_timeout: Duration::from_secs(300),
         rejoin_deadline: Duration::from_secs(600),
+        replace_after: Duration::from_secs(300),
+        // Every member: the fixed-size cluster of before.
+        min_workers: 3,
     };
+
+    /// A majority of three, replaced after 10 s.
+    const ELASTIC: Options = Options { replace_after: Duration::from_secs(10), min_workers: 2, ..OPTS };
 
     fn report(generation: u64, step: u64, digest: &str) -> Report {
         Report { generation, progress: (step, 0), digest: digest.into() }
@@ -462,6 +500,7 @@ mod tests {
                 progress: (41, 0),
                 digest: "s41".into(),
                 receivers: vec![0, 2],
+                members: vec![0, 1, 2],
                 recovery: true,
                 steps_lost: 0,
             }))
@@ -603,6 +642,183 @@ mod tests {
             for (rank, r) in reports.iter().enumerate() {
                 let same = r.progress == f.progress && r.digest == f.digest;
                 prop_assert_eq!(f.receivers.contains(&rank), !same);
+            }
+        }
+    }
+
+    #[test]
+    fn a_member_missing_past_replace_after_is_replaced_when_a_majority_is_present() {
+        let t0 = Instant::now();
+        let mut s = gathering(t0, [Some(report(4, 9, "a")), Some(report(4, 9, "a")), None]);
+        s.members[2].connected = false;
+        let at = t0 + Duration::from_secs(10);
+        tick(&mut s, at);
+        s.members[2].last_seen = t0;
+        assert_eq!(decide(&s, at, &ELASTIC), None, "exactly at --replace-after is not past it");
+        tick(&mut s, at + ms(1));
+        s.members[2].last_seen = t0;
+        let Some(Decision::Form(f)) = decide(&s, at + ms(1), &ELASTIC) else { panic!("replaced") };
+        assert_eq!((f.members, f.source, f.receivers), (vec![0, 1], 0, vec![]));
+        // With the fixed-size options it is waited for.
+        assert_eq!(decide(&s, at + ms(1), &OPTS), None);
+    }
+
+    #[test]
+    fn a_live_member_that_has_not_joined_yet_is_waited_for() {
+        let t0 = Instant::now();
+        let mut s = gathering(t0, [Some(report(4, 9, "a")), Some(report(4, 9, "a")), None]);
+        let at = t0 + Duration::from_secs(60);
+        tick(&mut s, at);
+        // Worker 2 beats (it is loading, or abandoning its step): not gone, so not replaced.
+        s.members[2].last_seen = at;
+        assert_eq!(decide(&s, at, &ELASTIC), None);
+    }
+
+    #[test]
+    fn without_a_majority_the_survivors_wait_and_then_give_up() {
+        let t0 = Instant::now();
+        let mut s = gathering(t0, [Some(report(4, 9, "a")), None, None]);
+        s.members[1].connected = false;
+        s.members[2].connected = false;
+        let at = t0 + Duration::from_secs(100);
+        s.last_tick = at;
+        s.members[0].last_seen = at;
+        assert_eq!(decide(&s, at, &ELASTIC), None, "1 of 3 is no majority");
+        let at = t0 + Duration::from_secs(601);
+        s.last_tick = at;
+        s.members[0].last_seen = at;
+        assert_eq!(
+            decide(&s, at, &ELASTIC),
+            Some(Decision::GiveUp { missing: vec![1, 2], waited: OPTS.rejoin_deadline })
+        );
+    }
+
+    #[test]
+    fn a_member_left_out_that_comes_back_ends_the_generation_and_rejoins_all() {
+        let t0 = Instant::now();
+        let mut s = gathering(t0, [Some(report(4, 9, "a")), Some(report(4, 9, "a")), None]);
+        s.members[2].connected = false;
+        let at = t0 + Duration::from_secs(11);
+        tick(&mut s, at);
+        s.members[2].last_seen = t0;
+        let Some(Decision::Form(f)) = decide(&s, at, &ELASTIC) else { panic!("replaced") };
+        s.apply(Decision::Form(f), at, &names());
+        assert_eq!(s.members.iter().map(|m| m.active).collect::<Vec<_>>(), [true, true, false]);
+        assert_eq!(decide(&s, at, &ELASTIC), None, "worker 2's absence is no failure now");
+        // Worker 2 comes back: its stream opens and it joins.
+        let back = at + Duration::from_secs(5);
+        tick(&mut s, back);
+        s.members[2] =
+            MemberState { connected: true, last_seen: back, joined: Some(report(0, 0, "")), ..s.members[2].clone() };
+        assert_eq!(
+            decide(&s, back, &ELASTIC),
+            Some(Decision::Fail(vec![(2, "came back: it takes its slots back".into())]))
+        );
+        s.apply(Decision::Fail(vec![(2, "came back".into())]), back, &names());
+        for m in &mut s.members[..2] {
+            m.joined = Some(report(7, 20, "b"));
+        }
+        let Some(Decision::Form(f)) = decide(&s, back, &ELASTIC) else { panic!("everyone is back") };
+        assert_eq!((f.members, f.source, f.receivers), (vec![0, 1, 2], 0, vec![2]));
+    }
+
+    #[test]
+    fn a_job_starts_short_after_the_rendezvous_timeout_with_a_majority() {
+        let t0 = Instant::now();
+        let mut s = State::new(3, 0, t0);
+        for m in &mut s.members[..2] {
+            m.connected = true;
+            m.joined = Some(report(0, 0, ""));
+        }
+        let at = t0 + Duration::from_secs(300);
+        s.last_tick = at;
+        s.members.iter_mut().take(2).for_each(|m| m.last_seen = at);
+        assert_eq!(decide(&s, at, &ELASTIC), None);
+        let at = at + ms(1);
+        s.last_tick = at;
+        let Some(Decision::Form(f)) = decide(&s, at, &ELASTIC) else { panic!("starts short") };
+        assert_eq!((f.members, f.recovery), (vec![0, 1], false));
+    }
+
+    /// One event in a cluster's life, for the property test.
+    #[derive(Clone, Debug)]
+    enum Event {
+        /// A member's process dies (its stream closes).
+        Lose(usize),
+        /// A member's process starts (again) and joins with no state.
+        Start(usize),
+        /// Every live active member abandons its step and rejoins with its state.
+        Rejoin,
+        /// Time passes.
+        Wait(u64),
+    }
+
+    fn event(world: usize) -> impl Strategy<Value = Event> {
+        prop_oneof![
+            (0..world).prop_map(Event::Lose),
+            (0..world).prop_map(Event::Start),
+            Just(Event::Rejoin),
+            (1u64..30).prop_map(Event::Wait),
+        ]
+    }
+
+    proptest! {
+        /// Whatever the sequence of losses, returns and waits: every formation holds at least
+        /// `min_workers` live members that joined, the chief among them, so the slots of
+        /// `assign` are each held exactly once; generations only grow; a lone side never forms.
+        #[test]
+        fn formations_hold_a_majority_and_generations_grow(
+            world in 2usize..6,
+            events in proptest::collection::vec(event(5), 1..40),
+        ) {
+            let opts = Options { min_workers: world / 2 + 1, ..ELASTIC };
+            let t0 = Instant::now();
+            let mut now = t0;
+            let mut s = State::new(world, 0, t0);
+            let names: Vec<String> = (0..world).map(|r| format!("worker {r}")).collect();
+            let mut incarnation = 1;
+            let mut last_generation = 0;
+            for e in events {
+                match e {
+                    Event::Lose(r) if r < world && r != 0 => {
+                        s.members[r].connected = false;
+                    }
+                    Event::Start(r) if r < world && r != 0 => {
+                        incarnation += 1;
+                        let m = &mut s.members[r];
+                        if m.active {
+                            m.gone = Some(Gone::Restarted);
+                        }
+                        *m = MemberState { incarnation: Some(incarnation), connected: true, last_seen: now, joined: Some(report(0, 0, "")), ..m.clone() };
+                    }
+                    Event::Rejoin => {
+                        for m in s.members.iter_mut().filter(|m| m.connected && (m.active || m.joined.is_none())) {
+                            m.joined = Some(report(s.generation, 1, "x"));
+                        }
+                    }
+                    Event::Wait(secs) => now += Duration::from_secs(secs),
+                    _ => {}
+                }
+                // Live members beat.
+                for m in s.members.iter_mut().filter(|m| m.connected) {
+                    m.last_seen = now;
+                }
+                s.last_tick = now;
+                let mut rounds = 0;
+                while let Some(d) = decide(&s, now, &opts) {
+                    if let Decision::Form(f) = &d {
+                        prop_assert!(f.members.len() >= opts.min_workers, "{:?}", f.members);
+                        prop_assert!(f.members.contains(&0));
+                        prop_assert!(f.members.iter().all(|&r| s.members[r].connected && s.members[r].joined.is_some()));
+                        prop_assert!(f.generation > last_generation);
+                        last_generation = f.generation;
+                        let held: Vec<usize> = crate::collective::slots::assign(world, &f.members).into_iter().flatten().collect();
+                        prop_assert_eq!(held, (0..world).collect::<Vec<_>>());
+                    }
+                    s.apply(d, now, &names);
+                    rounds += 1;
+                    prop_assert!(rounds < 10, "decisions settle");
+                }
             }
         }
     }

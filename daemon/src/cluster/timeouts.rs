@@ -21,6 +21,11 @@ pub struct Timeouts {
     pub collective: Duration,
     /// How long survivors wait for a missing member before giving up.
     pub rejoin: Duration,
+    /// How long a member may be missing before a generation forms without it (its slots spread
+    /// over those present).
+    pub replace_after: Duration,
+    /// The fewest workers a generation forms with; `None`: a majority of TF_CONFIG's.
+    pub min_workers: Option<usize>,
 }
 
 impl Default for Timeouts {
@@ -31,6 +36,8 @@ impl Default for Timeouts {
             heartbeat_deadline: Duration::from_millis(1500),
             collective: Duration::from_secs(120),
             rejoin: Duration::from_secs(600),
+            replace_after: Duration::from_secs(300),
+            min_workers: None,
         }
     }
 }
@@ -56,6 +63,15 @@ impl Timeouts {
                 ));
             }
         }
+        if !(self.heartbeat_deadline < self.replace_after && self.replace_after < self.rejoin) {
+            return Err(format!(
+                "--replace-after {} must be more than --heartbeat-deadline {} and less than --rejoin-deadline {} (a \
+                 member is replaced after it failed, and before the survivors give up)",
+                seconds(self.replace_after),
+                seconds(self.heartbeat_deadline),
+                seconds(self.rejoin)
+            ));
+        }
         if self.heartbeat_deadline < self.heartbeat_interval * 3 {
             return Err(format!(
                 "--heartbeat-deadline {} must be at least 3 heartbeat intervals ({}): one late beat is not a failure",
@@ -66,12 +82,52 @@ impl Timeouts {
         Ok(())
     }
 
-    /// The deadlines the membership decisions use.
-    pub fn options(&self) -> Options {
+    /// `--replace-after` when not given: 300 s (a systemd restart takes seconds, a cloud VM's
+    /// reboot one to three minutes: both come back first), or half the rejoin deadline when that
+    /// is shorter, so that the hierarchy holds whatever deadlines were given.
+    pub fn default_replace_after(heartbeat_deadline: Duration, rejoin: Duration) -> Duration {
+        let half = rejoin / 2;
+        if half >= Duration::from_secs(300) {
+            Duration::from_secs(300)
+        } else if half > heartbeat_deadline {
+            half
+        } else {
+            (heartbeat_deadline + rejoin) / 2
+        }
+    }
+
+    /// The fewest workers of `world` a generation forms with: `--min-workers`, else a majority.
+    pub fn min_workers(&self, world: usize) -> usize {
+        self.min_workers.unwrap_or(world / 2 + 1)
+    }
+
+    /// Whether `--min-workers` fits a cluster of `world` workers: more than half of them (two
+    /// sides of a partition can never both train) and at most all; exactly half only when
+    /// `even_split` (`--allow-even-split`) accepts that two halves may then both train.
+    pub fn check_min_workers(&self, world: usize, even_split: bool) -> Result<(), String> {
+        match self.min_workers {
+            Some(m) if m == 0 || m > world || m * 2 < world || (m * 2 == world && !even_split) => Err(format!(
+                "--min-workers {m} must be more than half of TF_CONFIG's {world} training tasks and at most {world} \
+                 (so that two sides of a partition can never both train): {}..={world}{}",
+                world / 2 + 1,
+                if m * 2 == world {
+                    "; --allow-even-split accepts exactly half, and the risk that two halves both train"
+                } else {
+                    ""
+                }
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The deadlines the membership decisions use, in a cluster of `world` workers.
+    pub fn options(&self, world: usize) -> Options {
         Options {
             heartbeat_deadline: self.heartbeat_deadline,
             rendezvous_timeout: self.rendezvous,
             rejoin_deadline: self.rejoin,
+            replace_after: self.replace_after,
+            min_workers: self.min_workers(world),
         }
     }
 }
@@ -100,5 +156,31 @@ mod tests {
             "--heartbeat-deadline 0.25s must be at least 3 heartbeat intervals (0.3s): one late beat \
              is not a failure"
         );
+        let t = Timeouts { replace_after: Duration::from_secs(700), ..Timeouts::default() };
+        assert_eq!(
+            t.check().unwrap_err(),
+            "--replace-after 700s must be more than --heartbeat-deadline 1.5s and less than --rejoin-deadline 600s (a \
+             member is replaced after it failed, and before the survivors give up)"
+        );
+    }
+
+    #[test]
+    fn min_workers_is_a_majority_unless_told_and_then_must_be_one() {
+        let t = Timeouts::default();
+        assert_eq!((t.min_workers(2), t.min_workers(3), t.min_workers(4), t.min_workers(5)), (2, 2, 3, 3));
+        assert_eq!(Timeouts { min_workers: Some(2), ..t }.check_min_workers(3, false), Ok(()));
+        assert_eq!(
+            Timeouts { min_workers: Some(2), ..t }.check_min_workers(4, false).unwrap_err(),
+            "--min-workers 2 must be more than half of TF_CONFIG's 4 training tasks and at most 4 (so that two sides \
+             of a partition can never both train): 3..=4; --allow-even-split accepts exactly half, and the risk that \
+             two halves both train"
+        );
+        assert_eq!(Timeouts { min_workers: Some(2), ..t }.check_min_workers(4, true), Ok(()));
+        assert!(Timeouts { min_workers: Some(1), ..t }.check_min_workers(4, true).is_err());
+        assert!(Timeouts { min_workers: Some(4), ..t }.check_min_workers(3, false).is_err());
+        let secs = Duration::from_secs_f64;
+        assert_eq!(Timeouts::default_replace_after(secs(1.5), secs(600.0)), secs(300.0));
+        assert_eq!(Timeouts::default_replace_after(secs(1.5), secs(60.0)), secs(30.0));
+        assert_eq!(Timeouts::default_replace_after(secs(1.5), secs(2.5)), secs(2.0));
     }
 }

@@ -1,7 +1,7 @@
 //! Gradient averaging over the ring: the parameters' gradients are fused into buckets of at most
 //! a fixed size (small tensors travel together, one collective per bucket), staged through host
-//! memory as float32 (on CUDA too, as TensorFlow's RING does), averaged over the ring, and
-//! written back.
+//! memory as float32 (on CUDA too, as TensorFlow's RING does), one copy per slot this worker
+//! holds, averaged over the run's slots, and written back.
 //!
 //! A few extra values (the step's loss and metric sums) ride along in the last bucket, summed
 //! rather than averaged, so that the progress line shows global figures at no extra cost.
@@ -13,14 +13,16 @@ use super::ring::{CollectiveError, ReduceOp, Ring};
 /// Default bucket size, as PyTorch DDP's `bucket_cap_mb`.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
-/// Which parameters go in which bucket, and each bucket's host buffer.
+/// Which parameters go in which bucket, and each bucket's host buffer per slot held.
 #[derive(Debug)]
 pub struct Buckets {
     /// Parameter indices per bucket, in parameter order.
     groups: Vec<Vec<usize>>,
-    /// Per bucket: a float32 host buffer, pinned when the parameters are on CUDA, made on first
-    /// use and reused every step.
-    staging: Vec<Option<Tensor>>,
+    /// Per slot held, per bucket: a float32 host buffer, pinned when the parameters are on CUDA,
+    /// made on first use and reused every step.
+    staging: Vec<Vec<Option<Tensor>>>,
+    /// Per slot staged: the length of its extra values.
+    extras: Vec<usize>,
 }
 
 /// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
@@ -61,8 +63,7 @@ impl Buckets {
             groups.last_mut().expect("one group").push(i);
             bytes += size;
         }
-        let staging = groups.iter().map(|_| None).collect();
-        Buckets { groups, staging }
+        Buckets { groups, staging: Vec::new(), extras: Vec::new() }
     }
 
     /// Number of buckets.
@@ -75,40 +76,106 @@ impl Buckets {
         self.groups.iter().all(Vec::is_empty)
     }
 
-    /// Replaces every gradient with its mean over the ring, and `extra` with its sum.
-    ///
-    /// Each bucket is staged in its host buffer: on CUDA the bucket's gradients are joined on the
-    /// device and cross in one copy each way (the copies back to each gradient stay on the
-    /// device); on the CPU each gradient is copied into the buffer directly. The ring carries
-    /// float32 whatever the device, so the reduction is bit-identical everywhere.
-    ///
-    /// A parameter with no gradient on this member (unused by its forward pass) contributes
-    /// zeros. One flag per parameter rides in the last bucket: a parameter that no member has a
-    /// gradient for keeps none (the optimizer skips it, exactly as it does with one worker); one
-    /// that some member has a gradient for gets the average on every member.
+    /// Replaces every gradient with its mean over the ring's slots, and `extra` with its sum:
+    /// [`Buckets::stage`] then [`Buckets::reduce`] for a worker holding one slot.
     pub fn all_reduce(
         &mut self,
         ring: &mut Ring,
         params: &mut [(String, Tensor)],
         extra: &mut [f32],
     ) -> Result<(), CollectiveError> {
-        if ring.world() == 1 {
-            return Ok(());
-        }
+        self.stage(0, params, extra);
+        let reduced = self.reduce(ring, params, 1)?;
+        extra.copy_from_slice(&reduced);
+        Ok(())
+    }
+
+    /// Copies the gradients of the `i`th slot held here (zeros for parameters without one) and
+    /// its `extra` values into that slot's host buffers, as float32, with one used-flag per
+    /// parameter after `extra` in the last bucket. On CUDA each bucket's gradients are joined on
+    /// the device and cross in one copy; on the CPU each is copied into the buffer directly.
+    pub fn stage(&mut self, i: usize, params: &[(String, Tensor)], extra: &[f32]) {
         let _no_grad = tch::no_grad_guard();
+        while self.staging.len() <= i {
+            self.staging.push(self.groups.iter().map(|_| None).collect());
+            self.extras.push(0);
+        }
+        self.extras[i] = extra.len();
         let used: Vec<bool> = params.iter().map(|(_, p)| p.grad().defined()).collect();
         let mut tail: Vec<f32> = extra.to_vec();
         tail.extend(used.iter().map(|&u| if u { 1.0 } else { 0.0 }));
+        let last = self.groups.len() - 1;
+        for (b, group) in self.groups.iter().enumerate() {
+            let riding: &[f32] = if b == last { &tail } else { &[] };
+            let device = params[group[0]].1.device();
+            let grads: Vec<Option<Tensor>> =
+                group.iter().map(|&i| used[i].then(|| params[i].1.grad().detach().view(-1))).collect();
+            let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
+            let grads_len: usize = numels.iter().sum();
+            let staging = &mut self.staging[i][b];
+            if staging.as_ref().is_none_or(|t| t.numel() != grads_len + riding.len()) {
+                *staging = Some(host_buffer(grads_len + riding.len(), device));
+            }
+            let buffer = staging.as_mut().expect("made above");
+            stage_in(buffer, &grads, &numels, device);
+            // SAFETY: our own contiguous float32 host buffer; the copies into it have completed
+            // (copy_ waits), and nothing else touches it.
+            let flat = unsafe { host_slice(buffer) };
+            flat[grads_len..].copy_from_slice(riding);
+        }
+    }
+
+    /// Reduces what the first `held` slots staged over every slot of the ring (the gradients
+    /// averaged over the run's V slots, the extra values summed), in the V-slot ring's order;
+    /// writes the averages into every parameter's gradient and returns the summed extras.
+    ///
+    /// A parameter that no slot has a gradient for keeps none (the optimizer skips it, exactly as
+    /// it does with one worker); one that some slot has a gradient for gets the average here.
+    pub fn reduce(
+        &mut self,
+        ring: &mut Ring,
+        params: &mut [(String, Tensor)],
+        held: usize,
+    ) -> Result<Vec<f32>, CollectiveError> {
+        let _no_grad = tch::no_grad_guard();
+        let scale = 1.0 / ring.slots().count as f32;
+        let extra = self.extras[0];
+        let last = self.groups.len() - 1;
+        let mut tail = Vec::new();
         // Parameters without a gradient here, with their average.
         let mut missing = Vec::new();
-        let last = self.groups.len() - 1;
         for b in 0..self.groups.len() {
-            let riding = if b == last { tail.as_mut_slice() } else { &mut [] };
-            missing.extend(self.reduce_bucket(b, ring, params, &used, riding)?);
+            let mut views: Vec<&mut [f32]> = self.staging[..held]
+                .iter_mut()
+                // SAFETY: each slot's own staging buffer, filled by `stage`, touched by nothing else.
+                .map(|per_slot| unsafe { host_slice(per_slot[b].as_mut().expect("staged")) })
+                .collect();
+            ring.all_reduce_slots(&mut views, ReduceOp::Sum)?;
+            let group = &self.groups[b];
+            let grads_len: usize = group.iter().map(|&i| params[i].1.numel()).sum();
+            let flat = &mut views[0];
+            flat[..grads_len].iter_mut().for_each(|x| *x *= scale);
+            if b == last {
+                tail = flat[grads_len..].to_vec();
+            }
+            let buffer = self.staging[0][b].as_ref().expect("staged");
+            let device = params[group[0]].1.device();
+            let averaged = buffer.narrow(0, 0, grads_len as i64);
+            let averaged = if device.is_cuda() { averaged.to_device(device) } else { averaged };
+            let mut at = 0;
+            for &i in group {
+                let n = params[i].1.numel() as i64;
+                let mut g = params[i].1.grad();
+                if g.defined() {
+                    g.copy_(&averaged.narrow(0, at, n).view_as(&g));
+                } else {
+                    missing.push((i, averaged.narrow(0, at, n)));
+                }
+                at += n;
+            }
         }
-        extra.copy_from_slice(&tail[..extra.len()]);
         for (i, averaged) in missing {
-            if tail[extra.len() + i] > 0.0 {
+            if tail[extra + i] > 0.0 {
                 // Used elsewhere: give it a gradient here (autograd owns `.grad`, so through a
                 // backward of zero) and take the average.
                 let p = &params[i].1;
@@ -116,65 +183,14 @@ impl Buckets {
                 p.grad().copy_(&averaged.view_as(p));
             }
         }
-        Ok(())
-    }
-
-    /// Averages bucket `b`'s gradients over the ring (`used`: which parameters have one here),
-    /// with `tail` summed in the same collective. The parameters of the bucket without a gradient
-    /// here, with their average.
-    fn reduce_bucket(
-        &mut self,
-        b: usize,
-        ring: &mut Ring,
-        params: &[(String, Tensor)],
-        used: &[bool],
-        tail: &mut [f32],
-    ) -> Result<Vec<(usize, Tensor)>, CollectiveError> {
-        let group = &self.groups[b];
-        let device = params[group[0]].1.device();
-        let grads: Vec<Option<Tensor>> =
-            group.iter().map(|&i| used[i].then(|| params[i].1.grad().detach().view(-1))).collect();
-        let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
-        let grads_len: usize = numels.iter().sum();
-        let staging = &mut self.staging[b];
-        if staging.as_ref().is_none_or(|t| t.numel() != grads_len + tail.len()) {
-            *staging = Some(host_buffer(grads_len + tail.len(), device));
-        }
-        let buffer = staging.as_mut().expect("made above");
-        let joined = stage_in(buffer, &grads, &numels, device);
-        // SAFETY: our own contiguous float32 host buffer; the copies into it have completed
-        // (copy_ waits), and nothing else touches it until the copies back below.
-        let flat = unsafe { host_slice(buffer) };
-        flat[grads_len..].copy_from_slice(tail);
-        ring.all_reduce(flat, ReduceOp::Sum)?;
-        let scale = 1.0 / ring.world() as f32;
-        flat[..grads_len].iter_mut().for_each(|x| *x *= scale);
-        tail.copy_from_slice(&flat[grads_len..]);
-        let averaged = buffer.narrow(0, 0, grads_len as i64);
-        let averaged = match joined {
-            Some(mut on_device) => {
-                on_device.copy_(&averaged);
-                on_device
-            }
-            None => averaged,
-        };
-        let mut missing = Vec::new();
-        let mut at = 0;
-        for ((g, &n), &i) in grads.into_iter().zip(&numels).zip(group) {
-            match g {
-                Some(mut g) => g.copy_(&averaged.narrow(0, at, n as i64)),
-                None => missing.push((i, averaged.narrow(0, at, n as i64))),
-            }
-            at += n as i64;
-        }
-        Ok(missing)
+        tail.truncate(extra);
+        Ok(tail)
     }
 }
 
 /// Copies a bucket's gradients (zeros for the missing ones) into the front of its host `buffer`
-/// as float32: on CUDA joined on the device first and copied in one piece (the joined tensor is
-/// returned, to take the average back), on the CPU one by one.
-fn stage_in(buffer: &mut Tensor, grads: &[Option<Tensor>], numels: &[usize], device: Device) -> Option<Tensor> {
+/// as float32: on CUDA joined on the device first and copied in one piece, on the CPU one by one.
+fn stage_in(buffer: &mut Tensor, grads: &[Option<Tensor>], numels: &[usize], device: Device) {
     if device.is_cuda() {
         let parts: Vec<Tensor> = grads
             .iter()
@@ -186,7 +202,7 @@ fn stage_in(buffer: &mut Tensor, grads: &[Option<Tensor>], numels: &[usize], dev
             .collect();
         let joined = Tensor::cat(&parts, 0);
         buffer.narrow(0, 0, joined.numel() as i64).copy_(&joined);
-        return Some(joined);
+        return;
     }
     let mut at = 0;
     for (g, &n) in grads.iter().zip(numels) {
@@ -197,7 +213,6 @@ fn stage_in(buffer: &mut Tensor, grads: &[Option<Tensor>], numels: &[usize], dev
         }
         at += n as i64;
     }
-    None
 }
 
 #[cfg(test)]

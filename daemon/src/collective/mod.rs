@@ -6,10 +6,12 @@ pub mod abort;
 pub mod buckets;
 pub mod listener;
 pub mod ring;
+pub mod slots;
 
 pub use abort::AbortSignal;
 pub use listener::DataListener;
 pub use ring::{CollectiveError, ReduceOp, Ring};
+pub use slots::Slots;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -23,6 +23,7 @@ use bytemuck::Pod;
 
 use super::abort::AbortSignal;
 use super::listener::DataListener;
+use super::slots::Slots;
 
 /// A value the collectives can add.
 pub trait Element: Pod + Send + Sync + std::ops::AddAssign {
@@ -113,6 +114,7 @@ pub struct Ring {
     next_peer: Peer,
     prev_peer: Peer,
     link: Link,
+    slots: Slots,
 }
 
 /// A neighbour in the ring: its name (for messages) and rank.
@@ -168,6 +170,7 @@ impl Ring {
             next_peer: Peer::default(),
             prev_peer: Peer::default(),
             link: Link { timeout: Duration::MAX, generation: 0, abort: AbortSignal::new() },
+            slots: Slots::single(),
         }
     }
 
@@ -186,7 +189,7 @@ impl Ring {
         let world = names.len();
         let link = Link { timeout, generation, abort: abort.clone() };
         if world == 1 {
-            return Ok(Ring { generation, link, ..Ring::single() });
+            return Ok(Ring { generation, link, slots: Slots::one(rank, world), ..Ring::single() });
         }
         abort.arm(generation);
         let prev_rank = (rank + world - 1) % world;
@@ -214,6 +217,7 @@ impl Ring {
             next_peer: Peer { name: names[next_rank].clone(), rank: next_rank },
             prev_peer: Peer { name: names[prev_rank].clone(), rank: prev_rank },
             link,
+            slots: Slots::one(rank, world),
         })
     }
 
@@ -232,31 +236,117 @@ impl Ring {
         self.world
     }
 
-    /// Reduces `buf` element-wise over all ranks, in place, on every rank.
+    /// Reduces `buf` element-wise over all ranks (the physical workers of this generation), in
+    /// place, on every rank.
     pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CollectiveError> {
-        let (n, r) = (self.world, self.rank);
-        if n > 1 {
-            self.link.check()?;
-            let began = std::time::Instant::now();
-            let len = buf.len();
-            let chunk = |c: usize| c * len / n..(c + 1) * len / n;
-            for s in 0..n - 1 {
-                self.exchange("all-reduce", buf, chunk((r + n - s) % n), chunk((r + 2 * n - s - 1) % n), true)?;
+        let slots = Slots::one(self.rank, self.world);
+        self.reduce(&slots, &mut [buf], op)
+    }
+
+    /// The all-gather after [`Ring::reduce`]'s reduce-scatter: slot u holds chunk u + 1 complete;
+    /// this worker's chunks are gathered into the first buffer, then passed around the ring (at
+    /// step s, slot u passes chunk u + 1 - s on to slot u + 1; hops inside a worker are no-ops).
+    fn gather_slots<T: Element>(
+        &mut self,
+        slots: &Slots,
+        bufs: &mut [&mut [T]],
+        began: Instant,
+    ) -> Result<(), CollectiveError> {
+        let (v, a, b) = (slots.count, slots.held.start, slots.held.end);
+        let len = bufs[0].len();
+        let chunk = |c: usize| (c % v) * len / v..(c % v + 1) * len / v;
+        for u in a + 1..b {
+            let c = chunk(u + 1);
+            let (first, rest) = bufs.split_at_mut(1);
+            first[0][c.clone()].copy_from_slice(&rest[u - a - 1][c]);
+        }
+        if self.world == 1 {
+            return Ok(());
+        }
+        for s in 0..v - 1 {
+            let (send, recv) = (chunk(b + v - s), chunk(a + v - s));
+            let (first, _) = bufs.split_at_mut(1);
+            self.exchange_slots("all-reduce", first, (send, recv), false)?;
+            if s == 0 {
+                // Chaos tests stop a member here: some peers complete this all-reduce, some not.
+                trainerd_failpoint::point("all-gather");
             }
-            for s in 0..n - 1 {
-                self.exchange("all-reduce", buf, chunk((r + 1 + n - s) % n), chunk((r + n - s) % n), false)?;
-                if s == 0 {
-                    // Chaos tests stop a member here: some peers complete this all-reduce, some not.
-                    trainerd_failpoint::point("all-gather");
+        }
+        // Each worker sends 2(V-1) chunks of about len/V elements.
+        let sent = 2 * (v - 1) * len / v * std::mem::size_of::<T>();
+        super::count_traffic(sent as u64, began.elapsed());
+        Ok(())
+    }
+
+    /// Names the neighbours by the ranks they hold in the cluster (`members`: the rank at each
+    /// place of the ring), for the errors that point at a peer.
+    pub fn set_members(&mut self, members: &[usize]) {
+        if self.world > 1 {
+            self.next_peer.rank = members[(self.rank + 1) % self.world];
+            self.prev_peer.rank = members[(self.rank + self.world - 1) % self.world];
+        }
+    }
+
+    /// The slots of the run and the ones this worker holds (one per worker until told otherwise).
+    pub fn slots(&self) -> &Slots {
+        &self.slots
+    }
+
+    /// Sets which slots this worker holds: every worker of the ring must be told the assignment
+    /// of the same (V, workers present).
+    pub fn set_slots(&mut self, slots: Slots) {
+        self.slots = slots;
+    }
+
+    /// Reduces element-wise over every slot of the run: `bufs` holds this worker's slots' values
+    /// (one buffer per held slot, in slot order, of equal lengths); on return `bufs[0]` holds the
+    /// result on every worker (the others are scratch). The buffer is cut into V chunks and the
+    /// V-slot ring is run step for step (hops between two slots held here are additions in
+    /// memory), so the result is bit for bit the V-worker run's, whoever holds which slots.
+    pub fn all_reduce_slots<T: Element>(&mut self, bufs: &mut [&mut [T]], op: ReduceOp) -> Result<(), CollectiveError> {
+        let slots = self.slots.clone();
+        self.reduce(&slots, bufs, op)
+    }
+
+    fn reduce<T: Element>(
+        &mut self,
+        slots: &Slots,
+        bufs: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let (v, a, b) = (slots.count, slots.held.start, slots.held.end);
+        assert_eq!(bufs.len(), b - a, "one buffer per held slot");
+        let len = bufs[0].len();
+        assert!(bufs.iter().all(|x| x.len() == len), "slot buffers of equal lengths");
+        let alone = self.world == 1;
+        if v > 1 {
+            if !alone {
+                self.link.check()?;
+            }
+            let began = Instant::now();
+            let chunk = |c: usize| (c % v) * len / v..(c % v + 1) * len / v;
+            // Reduce-scatter: at step s, slot u adds its chunk u - s into slot u + 1's.
+            for s in 0..v - 1 {
+                for u in a..b - 1 {
+                    let c = chunk(u + v - s);
+                    let (lo, hi) = bufs.split_at_mut(u - a + 1);
+                    add_into(&mut hi[0][c.clone()], &lo[u - a][c]);
+                }
+                if alone {
+                    // Every slot is here: the ring's last hop (slot V-1 to slot 0) too.
+                    let c = chunk(v - 1 + v - s);
+                    let (first, rest) = bufs.split_at_mut(1);
+                    add_into(&mut first[0][c.clone()], &rest[v - 2][c]);
+                } else {
+                    let (send, recv) = (chunk(b - 1 + v - s), chunk(a + 2 * v - 1 - s));
+                    self.exchange_slots("all-reduce", bufs, (send, recv), true)?;
                 }
             }
-            // Each rank sends 2(n-1) chunks of about len/n elements.
-            let sent = 2 * (n - 1) * len / n * std::mem::size_of::<T>();
-            super::count_traffic(sent as u64, began.elapsed());
+            self.gather_slots(slots, bufs, began)?;
         }
         if op == ReduceOp::Mean {
-            let factor = 1.0 / n as f64;
-            buf.iter_mut().for_each(|x| *x = x.scaled(factor));
+            let factor = 1.0 / v as f64;
+            bufs[0].iter_mut().for_each(|x| *x = x.scaled(factor));
         }
         Ok(())
     }
@@ -296,17 +386,21 @@ impl Ring {
         Ok(buf)
     }
 
-    /// Sends `buf[send]` to the next rank while receiving the previous rank's data into
-    /// `buf[recv]` (added when `add`, copied otherwise).
-    fn exchange<T: Element>(
+    /// Sends the last buffer's `send` elements to the next rank while receiving the previous
+    /// rank's data into the first buffer's `recv` elements (added when `add`, copied otherwise).
+    fn exchange_slots<T: Element>(
         &mut self,
         op: &'static str,
-        buf: &mut [T],
-        send: std::ops::Range<usize>,
-        recv: std::ops::Range<usize>,
+        bufs: &mut [&mut [T]],
+        (send, recv): (std::ops::Range<usize>, std::ops::Range<usize>),
         add: bool,
     ) -> Result<(), CollectiveError> {
-        let (send_part, recv_part) = disjoint(buf, send, recv);
+        let (send_part, recv_part): (&[T], &mut [T]) = if bufs.len() == 1 {
+            disjoint(bufs[0], send, recv)
+        } else {
+            let (first, rest) = bufs.split_at_mut(1);
+            (&rest[rest.len() - 1][send], &mut first[0][recv])
+        };
         let link = &self.link;
         let (next, prev) = (self.next.as_mut().expect("ring"), self.prev.as_mut().expect("ring"));
         let (next_peer, prev_peer) = (&self.next_peer, &self.prev_peer);
@@ -318,6 +412,11 @@ impl Ring {
             received.and(sent)
         })
     }
+}
+
+/// `dst += src`, element-wise (an addition the ring would have made at the receiving rank).
+fn add_into<T: Element>(dst: &mut [T], src: &[T]) {
+    dst.iter_mut().zip(src).for_each(|(x, y)| *x += *y);
 }
 
 /// Receives `dst.len()` elements, adding them into `dst` piece by piece, or copying.
@@ -448,6 +547,53 @@ pub(crate) mod tests {
                     let same = result[t].iter().zip(&results[0][t]).all(|(a, b)| a.to_bits() == b.to_bits());
                     prop_assert!(same, "rank {r} differs from rank 0 in tensor {t}");
                 }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(16))]
+
+        /// However V slots are spread over the workers present, the reduction is bit for bit the
+        /// V-worker ring's (sums and means, float32 and float64), on every worker.
+        #[test]
+        fn slots_reduce_exactly_as_the_full_ring(
+            count in 1usize..=5,
+            workers in 1usize..=5,
+            len in prop_oneof![0usize..7, 0usize..5000],
+            seed in any::<u64>(),
+        ) {
+            let workers = workers.min(count);
+            let value = |slot: usize, i: usize| -> f32 {
+                let x = (seed ^ ((slot as u64) << 40) ^ i as u64).wrapping_mul(0x9E3779B97F4A7C15);
+                ((x >> 40) as f32 / (1u64 << 20) as f32) - 7.5
+            };
+            let full = with_ring(count, |ring| {
+                let mut buf: Vec<f32> = (0..len).map(|i| value(ring.rank(), i)).collect();
+                ring.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                let mut wide: Vec<f64> = (0..len).map(|i| f64::from(value(ring.rank(), i)) / 3.0).collect();
+                ring.all_reduce(&mut wide, ReduceOp::Mean).unwrap();
+                (buf, wide)
+            });
+            let present: Vec<usize> = (0..workers).collect();
+            let ranges = crate::collective::slots::assign(count, &present);
+            let short = with_ring(workers, |ring| {
+                let held = ranges[ring.rank()].clone();
+                ring.set_slots(Slots { count, held: held.clone() });
+                let mut bufs: Vec<Vec<f32>> = held.clone().map(|s| (0..len).map(|i| value(s, i)).collect()).collect();
+                let mut views: Vec<&mut [f32]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+                ring.all_reduce_slots(&mut views, ReduceOp::Sum).unwrap();
+                let mut wide: Vec<Vec<f64>> =
+                    held.map(|s| (0..len).map(|i| f64::from(value(s, i)) / 3.0).collect()).collect();
+                let mut views: Vec<&mut [f64]> = wide.iter_mut().map(Vec::as_mut_slice).collect();
+                ring.all_reduce_slots(&mut views, ReduceOp::Mean).unwrap();
+                (bufs.swap_remove(0), wide.swap_remove(0))
+            });
+            let bits32 = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let bits64 = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (w, (sum, mean)) in short.iter().enumerate() {
+                prop_assert_eq!(bits32(sum), bits32(&full[0].0), "worker {} of {}: sum", w, workers);
+                prop_assert_eq!(bits64(mean), bits64(&full[0].1), "worker {} of {}: mean", w, workers);
             }
         }
     }

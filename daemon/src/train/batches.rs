@@ -3,6 +3,8 @@
 //! batches kept on the device: the step in flight's, which a step abandoned and taken again needs
 //! again, and the next one, made while the device computes the current step.
 
+use std::collections::BTreeMap;
+
 use tch::{Device, Tensor};
 use trainerd_sdk::InputContext;
 
@@ -36,27 +38,34 @@ struct Cursor<'d> {
     recent: Vec<Batch>,
 }
 
-/// Batches `(epoch, step)` (0-based step) of the training split, on `device`, reopening the data
-/// only when it is not positioned there.
+/// Batches `(epoch, step)` (0-based step) of the training split, on `device`, per input pipeline
+/// (one per slot this worker holds), reopening the data only when it is not positioned there.
 pub struct Batches<'d> {
     data: &'d Data<'d>,
     device: Device,
     /// The run's last epoch + 1, and the steps of each epoch.
     span: (u32, u64),
-    cursor: Option<Cursor<'d>>,
+    /// Per input pipeline.
+    cursors: BTreeMap<u32, Cursor<'d>>,
 }
 
 impl<'d> Batches<'d> {
     /// Batches of `data` on `device`, for a run of `span` (epochs, steps per epoch).
     pub fn new(data: &'d Data<'d>, device: Device, span: (u32, u64)) -> Batches<'d> {
-        Batches { data, device, span, cursor: None }
+        Batches { data, device, span, cursors: BTreeMap::new() }
+    }
+
+    /// Closes the pipelines of slots no longer held here (their streams and prefetch threads).
+    pub fn keep(&mut self, held: &std::ops::Range<usize>) {
+        self.cursors.retain(|&pipeline, _| held.contains(&(pipeline as usize)));
     }
 
     /// The batch of step `step` (0-based) of `ctx`'s epoch: inputs, labels and (for a columnar
     /// dataset) example ids.
     pub fn get(&mut self, ctx: &InputContext, step: u64) -> Result<Batch, TrainError> {
         let at = (ctx.epoch as u32, step);
-        if let Some(b) = self.cursor.as_ref().and_then(|c| c.recent.iter().find(|b| (b.epoch, b.step) == at)) {
+        let pipeline = ctx.input_pipeline_id;
+        if let Some(b) = self.cursors.get(&pipeline).and_then(|c| c.recent.iter().find(|b| (b.epoch, b.step) == at)) {
             return Ok(shallow(b));
         }
         let batch = match self.pull(ctx, at) {
@@ -64,11 +73,11 @@ impl<'d> Batches<'d> {
             Err(e) => {
                 // Data that failed is not trusted to go on: the next request starts afresh (and
                 // meets the same error, if a prefetch swallowed it).
-                self.cursor = None;
+                self.cursors.remove(&pipeline);
                 return Err(e);
             }
         };
-        let c = self.cursor.as_mut().expect("positioned");
+        let c = self.cursors.get_mut(&pipeline).expect("positioned");
         // A columnar dataset's stream goes on into the next epoch; a plugin's pipeline ends with
         // its epoch, and is found ended there.
         c.next = if at.1 + 1 < self.span.1 { (at.0, at.1 + 1) } else { (at.0 + 1, 0) };
@@ -83,11 +92,12 @@ impl<'d> Batches<'d> {
     /// reopened there (a plugin's pipeline ends with its epoch: the next one is opened then).
     fn pull(&mut self, ctx: &InputContext, at: (u32, u64)) -> Result<Batch, TrainError> {
         for reopened in [false, true] {
-            if reopened || self.cursor.as_ref().is_none_or(|c| c.next != at) {
+            let pipeline = ctx.input_pipeline_id;
+            if reopened || self.cursors.get(&pipeline).is_none_or(|c| c.next != at) {
                 let epochs = self.data.open(&InputContext { first_step: at.1, ..*ctx }, self.span)?;
-                self.cursor = Some(Cursor { next: at, epochs, recent: Vec::new() });
+                self.cursors.insert(pipeline, Cursor { next: at, epochs, recent: Vec::new() });
             }
-            let c = self.cursor.as_mut().expect("just positioned");
+            let c = self.cursors.get_mut(&pipeline).expect("just positioned");
             let next = c.epochs.next_batch()?;
             match next {
                 Some(b) if (b.epoch, b.step) == at => return self.to_device(b),

@@ -4,12 +4,11 @@
 //! state as it stands. What to show is the reporter's ([`super::report`]), when to commit the
 //! policy's ([`super::commit`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tch::Tensor;
 use trainerd_sdk::{InputContext, PluginInfo};
 
 use super::batches::Batches;
@@ -17,7 +16,7 @@ use super::commit::{Committer, Moment};
 use super::report::{JoinedGeneration, Reporter, StepDone};
 use super::session::{Interrupt, Joined, Session};
 use super::startup::Data;
-use super::step::{self, StepResult};
+use super::step::{self, SlotBatch, StepResult};
 use super::summary::{device_name, Summary};
 use super::{Outcome, RunConfig, TrainError};
 use crate::cluster::control::FINAL_BARRIER;
@@ -33,7 +32,7 @@ use crate::state::{Shareable, Totals, TrainState};
 enum Ended {
     /// Every epoch is done and evaluated.
     Finished,
-    /// These ranks asked to stop after the step just taken.
+    /// The workers of these slots asked to stop after the step just taken.
     Stop(Vec<usize>),
 }
 
@@ -111,8 +110,11 @@ impl<'a> Driver<'a> {
         Ok(Outcome::Finished(Box::new(self.summary(&state, &session))))
     }
 
-    fn ctx(&self, epoch: u32, training: bool) -> InputContext {
-        InputContext { epoch: u64::from(epoch), training, ..self.ctx }
+    /// The input contexts of the slots this worker holds, in slot order.
+    fn ctxs(&self, held: &std::ops::Range<usize>, epoch: u32, training: bool) -> Vec<InputContext> {
+        held.clone()
+            .map(|slot| InputContext { epoch: u64::from(epoch), training, input_pipeline_id: slot as u32, ..self.ctx })
+            .collect()
     }
 
     fn metrics(&self) -> usize {
@@ -135,7 +137,7 @@ impl<'a> Driver<'a> {
     ) -> Result<(), Interrupt> {
         let Joined { formed, received } = joined;
         let world = session.world();
-        self.report.formed(formed.generation, world);
+        self.report.formed(formed.generation, session.members().len());
         if let Some(bytes) = received {
             state.decode(&bytes).map_err(|e| Interrupt::Fatal(TrainError::State(e)))?;
         }
@@ -144,7 +146,8 @@ impl<'a> Driver<'a> {
         if let Some(c) = self.committer.as_mut() {
             c.checkpointer().set_generation(formed.generation);
         }
-        if world > 1 {
+        self.batches.keep(&session.ring().slots().held);
+        if session.ring().world() > 1 {
             self.agree_on_steps(session)?;
         }
         let source_name = session.name(formed.source);
@@ -152,6 +155,8 @@ impl<'a> Driver<'a> {
             generation: formed.generation,
             rank: session.rank(),
             workers: world,
+            present: session.members().len(),
+            layout: (session.members().len() < world).then(|| layout(session)),
             global_step: state.position().global_step,
             recovery: formed.recovery,
             steps_lost: formed.steps_lost,
@@ -166,16 +171,16 @@ impl<'a> Driver<'a> {
     /// member would evaluate while the others still train), so the run is refused, naming both
     /// counts. Every member sees the same counts, so every member refuses.
     fn agree_on_steps(&mut self, session: &mut Session) -> Result<(), Interrupt> {
-        let (rank, world) = (session.rank(), session.world());
-        let mut counts = vec![0f64; world];
-        counts[rank] = self.steps_per_epoch as f64;
+        let (place, present) = (session.ring().rank(), session.ring().world());
+        let mut counts = vec![0f64; present];
+        counts[place] = self.steps_per_epoch as f64;
         session.ring().all_reduce(&mut counts, ReduceOp::Sum).map_err(|e| session.interrupt(e.into()))?;
         match counts.iter().position(|&c| c != counts[0]) {
             None => Ok(()),
             Some(other) => Err(Interrupt::Fatal(TrainError::StepsDiffer {
-                chief: session.name(0),
+                chief: session.name(session.members()[0]),
                 chief_steps: counts[0] as u64,
-                other: session.name(other),
+                other: session.name(session.members()[other]),
                 other_steps: counts[other] as u64,
                 batch_size: self.cfg.batch_size,
             })),
@@ -209,15 +214,19 @@ impl<'a> Driver<'a> {
     fn step(&mut self, state: &mut TrainState, session: &mut Session) -> Result<Vec<usize>, Interrupt> {
         let p = state.position();
         let (epoch, step, global_step) = (p.epoch, p.step_in_epoch + 1, p.global_step);
-        let ctx = self.ctx(epoch, true);
-        let batch = self.batches.get(&ctx, step - 1).map_err(Interrupt::Fatal)?;
+        let held = session.ring().slots().held.clone();
+        let ctxs = self.ctxs(&held, epoch, true);
+        let batches = ctxs.iter().map(|ctx| self.batches.get(ctx, step - 1)).collect::<Result<Vec<_>, _>>();
+        let batches = batches.map_err(Interrupt::Fatal)?;
+        let seeds: Vec<i64> = held.map(|slot| p.step_seed(self.cfg.seed, slot)).collect();
         let lr = self.lr(global_step);
-        tch::manual_seed(p.step_seed(self.cfg.seed, session.rank()));
         let stopping = self.stop.load(Ordering::Relaxed);
         // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
         trainerd_failpoint::point("train-step");
         let began = Instant::now();
-        let (result, prefetch) = self.gradients(state, session, (&ctx, step), (&batch.xs, &batch.ys), stopping)?;
+        let slot_batches: Vec<SlotBatch<'_>> =
+            batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { xs: &b.xs, labels: &b.ys, seed }).collect();
+        let (result, prefetch) = self.gradients(state, session, (&ctxs, step), &slot_batches, stopping)?;
         let stepped = Instant::now();
         state.optimizer.step(&mut state.model.params, lr);
         let optimizer = stepped.elapsed();
@@ -226,7 +235,9 @@ impl<'a> Driver<'a> {
         session.set_step(state.position().global_step);
         let steps_per_epoch = self.steps_per_epoch;
         let (position, totals) = (state.position(), &result.totals);
-        let ids = batch.ids.as_deref();
+        let ids: Option<Vec<(u32, u64)>> =
+            batches.iter().map(|b| b.ids.clone()).collect::<Option<Vec<Vec<_>>>>().map(|v| v.concat());
+        let ids = ids.as_deref();
         let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, took, prefetch, optimizer, ids };
         self.report.step(&done).map_err(Interrupt::Fatal)?;
         if let Some(c) = self.committer.as_mut() {
@@ -236,25 +247,28 @@ impl<'a> Driver<'a> {
         Ok(result.stopping)
     }
 
-    /// Forward, backward and all-reduce of step `step` (1-based) of `ctx`'s epoch on `batch`,
-    /// with `stopping` as this rank's stop flag; the next batch is made while the device computes
-    /// (the time that took is returned). A forward pass updates buffers in place: an abandoned
+    /// Forward, backward and all-reduce of step `step` (1-based) of the epoch of `ctxs` (one per
+    /// slot held) on `batches`, with `stopping` as this worker's stop flag; the next batches are
+    /// made while the device computes (the time that took is returned). A forward pass updates
+    /// buffers in place: each slot starts from their values at the step's start, and an abandoned
     /// step puts them back.
     fn gradients(
         &mut self,
         state: &mut TrainState,
         session: &mut Session,
-        (ctx, step): (&InputContext, u64),
-        batch: (&Tensor, &Tensor),
+        (ctxs, step): (&[InputContext], u64),
+        batches: &[SlotBatch<'_>],
         stopping: bool,
     ) -> Result<(StepResult, Duration), Interrupt> {
-        let saved = if session.world() > 1 { state.model.save_buffers() } else { Vec::new() };
-        let (mut prefetch, batches, spe) = (Duration::ZERO, &mut self.batches, self.steps_per_epoch);
+        let saved = if session.ring().slots().count > 1 { state.model.save_buffers() } else { Vec::new() };
+        let (mut prefetch, next, spe) = (Duration::ZERO, &mut self.batches, self.steps_per_epoch);
         // An error making the next batch shows when that step asks for it.
         let mut prefetch_next = || {
             let began = Instant::now();
             if step < spe {
-                let _ = batches.get(ctx, step);
+                for ctx in ctxs {
+                    let _ = next.get(ctx, step);
+                }
             }
             prefetch += began.elapsed();
         };
@@ -264,7 +278,8 @@ impl<'a> Driver<'a> {
             (&mut model.params, &mut model.buffers),
             &mut self.buckets,
             session.ring(),
-            batch,
+            batches,
+            &saved,
             stopping,
             &mut prefetch_next,
         );
@@ -278,9 +293,9 @@ impl<'a> Driver<'a> {
     /// A pass over the test split after `epoch`, each collective bounded by the collective
     /// timeout.
     fn evaluate(&mut self, epoch: u32, session: &mut Session) -> Result<Totals, Interrupt> {
-        let ctx = self.ctx(epoch, false);
+        let ctxs = self.ctxs(&session.ring().slots().held.clone(), epoch, false);
         self.report.evaluating(epoch);
-        step::evaluate(self.model, self.data, &ctx, session.ring(), self.cfg.device, self.metrics())
+        step::evaluate(self.model, self.data, &ctxs, session.ring(), self.cfg.device, self.metrics())
             .map_err(|e| session.interrupt(e))
     }
 
@@ -324,7 +339,8 @@ impl<'a> Driver<'a> {
                 session.finish();
                 Ok(None)
             }
-            Ended::Stop(stopping) => {
+            Ended::Stop(slots) => {
+                let stopping: BTreeSet<usize> = slots.iter().map(|&slot| session.holder(slot)).collect();
                 let names: Vec<String> = stopping.iter().map(|&r| session.name(r)).collect();
                 let step = state.position().global_step;
                 let saved = self.commit(Moment::Stop, state)?;
@@ -365,6 +381,8 @@ impl<'a> Driver<'a> {
             plugin: info.name.clone(),
             plugin_version: info.version.clone(),
             workers: world,
+            workers_present: session.members().len(),
+            slots: session.slots().held.clone().collect(),
             rank: session.rank(),
             epochs: cfg.epochs,
             steps: p.global_step,
@@ -388,4 +406,19 @@ impl<'a> Driver<'a> {
             peak_rss_bytes: super::summary::peak_rss_bytes(),
         }
     }
+}
+
+/// Who holds which slots in the session's generation: `worker 0: slots 0-1, worker 1: slot 2`.
+fn layout(session: &Session) -> String {
+    let members = session.members();
+    let ranges = crate::collective::slots::assign(session.world(), members);
+    members
+        .iter()
+        .zip(ranges)
+        .map(|(&rank, r)| match r.len() {
+            1 => format!("{}: slot {}", session.name(rank), r.start),
+            _ => format!("{}: slots {}-{}", session.name(rank), r.start, r.end - 1),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }

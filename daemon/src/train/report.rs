@@ -125,8 +125,12 @@ pub struct JoinedGeneration<'n> {
     pub generation: u64,
     /// This worker's rank.
     pub rank: usize,
-    /// Workers in it.
+    /// Slots of the run (every training task of TF_CONFIG).
     pub workers: usize,
+    /// Workers in it.
+    pub present: usize,
+    /// Who holds which slots, when some worker holds more than one (`worker 0: slots 0-1, ...`).
+    pub layout: Option<String>,
     /// The global step it continues from.
     pub global_step: u64,
     /// A generation had formed before.
@@ -254,16 +258,24 @@ impl<'p> Reporter<'p> {
             recovery: g.recovery,
             steps_lost: g.steps_lost,
             source: g.source.map(|(rank, _)| rank),
+            present: (g.present < g.workers).then_some(g.present),
+            layout: g.layout.clone(),
         });
         if g.workers == 1 {
             return;
         }
         let (world, generation, step) = (g.workers, g.generation, g.global_step);
+        let short = match &g.layout {
+            Some(layout) => {
+                format!("; {} of {world} workers ({layout}; {:.2}x speed)", g.present, g.present as f64 / world as f64)
+            }
+            None => String::new(),
+        };
         if !g.recovery {
             self.progress.line(&if g.rank == 0 {
-                format!("trainerd: {world} worker(s) joined (generation {generation})")
+                format!("trainerd: {} worker(s) joined (generation {generation}{short})", g.present)
             } else {
-                format!("trainerd: joined as worker {} of {world} (generation {generation})", g.rank)
+                format!("trainerd: joined as worker {} of {world} (generation {generation}{short})", g.rank)
             });
             return;
         }
@@ -272,7 +284,7 @@ impl<'p> Reporter<'p> {
             Some((_, name)) => format!("from {name} (sha256 verified)"),
         };
         self.progress.line(&format!(
-            "trainerd: generation {generation} formed at step {step}: {} step(s) lost; state {source}",
+            "trainerd: generation {generation} formed at step {step}: {} step(s) lost; state {source}{short}",
             g.steps_lost
         ));
         self.recovery.recoveries += 1;

@@ -11,7 +11,7 @@ use super::TrainError;
 use crate::cluster::control::{Formed, Identity};
 use crate::cluster::membership::Report;
 use crate::cluster::{ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
-use crate::collective::{CollectiveError, DataListener, Ring};
+use crate::collective::{CollectiveError, DataListener, Ring, Slots};
 use crate::state::{sha256_hex, Shareable};
 
 /// How long a broken link waits for a peer's pushed notice before it blames the neighbour.
@@ -51,6 +51,8 @@ pub struct Joined {
 pub struct Session {
     cluster: Option<Box<Member>>,
     ring: Ring,
+    /// The ranks in the current generation, ascending (the ring's order).
+    members: Vec<usize>,
     /// Alone: the generation of the latest commit, which the next must exceed.
     floor: u64,
 }
@@ -65,7 +67,7 @@ struct Member {
 impl Session {
     /// A worker alone.
     pub fn single() -> Session {
-        Session { cluster: None, ring: Ring::single(), floor: 0 }
+        Session { cluster: None, ring: Ring::single(), members: vec![0], floor: 0 }
     }
 
     /// A worker alone when `cluster` is `None`, else a member of it whose peers must agree on
@@ -104,7 +106,7 @@ impl Session {
         let host = me.address.rsplit_once(':').map_or(me.address.as_str(), |(h, _)| h);
         let data_address = format!("{host}:{}", listener.local_addr().port());
         let member = Member { plane, listener, data_address, timeouts };
-        Ok(Session { cluster: Some(Box::new(member)), ring: Ring::single(), floor: 0 })
+        Ok(Session { cluster: Some(Box::new(member)), ring: Ring::single(), members: Vec::new(), floor: 0 })
     }
 
     /// Where this member listens: `control A, data B`; `None` for a lone worker.
@@ -126,6 +128,21 @@ impl Session {
     /// Every member's name, by rank.
     pub fn name(&self, rank: usize) -> String {
         self.cluster.as_ref().map_or_else(|| "this worker".into(), |m| m.plane.names()[rank].clone())
+    }
+
+    /// The rank of the worker holding `slot` in the current generation.
+    pub fn holder(&self, slot: usize) -> usize {
+        self.members[crate::collective::slots::holder(self.ring.slots().count, &self.members, slot)]
+    }
+
+    /// The run's slots, and the ones this worker holds in the current generation.
+    pub fn slots(&self) -> &Slots {
+        self.ring.slots()
+    }
+
+    /// The ranks in the current generation, ascending (the ring's order).
+    pub fn members(&self) -> &[usize] {
+        &self.members
     }
 
     /// The current generation's ring.
@@ -172,6 +189,7 @@ impl Session {
                 receivers: Vec::new(),
                 recovery: false,
                 steps_lost: 0,
+                members: vec![0],
             };
             return Ok(Joined { formed, received: None });
         };
@@ -191,16 +209,27 @@ impl Session {
         let rank = m.plane.rank();
         let names = m.plane.names().to_vec();
         let abort = m.plane.abort_signal();
-        let world = names.len();
-        let next = &formed.data_addresses[(rank + 1) % world];
+        // The ring runs over the generation's members, in rank order; the slots of the run (one
+        // per rank) are spread over them.
+        let members = formed.members.clone();
+        let Some(place) = members.iter().position(|&r| r == rank) else {
+            let why = format!("generation {} was formed without {}", formed.generation, names[rank]);
+            return Err(Interrupt::Abandoned(why));
+        };
+        let ring_names: Vec<String> = members.iter().map(|&r| names[r].clone()).collect();
+        let next = &formed.data_addresses[members[(place + 1) % members.len()]];
         let next_addr = crate::cluster::member::resolve(next)
             .map_err(|e| Interrupt::Fatal(ClusterError::Other(format!("data address {next}: {e}")).into()))?;
         let generation = formed.generation;
-        let ring = Ring::form(&m.listener, rank, &names, next_addr, generation, m.timeouts.collective, &abort);
+        let ring = Ring::form(&m.listener, place, &ring_names, next_addr, generation, m.timeouts.collective, &abort);
         self.ring = match ring {
             Ok(ring) => ring,
             Err(e) => return Err(self.abandon(generation, e)),
         };
+        self.ring.set_members(&members);
+        let held = crate::collective::slots::assign(names.len(), &members).swap_remove(place);
+        self.ring.set_slots(Slots { count: names.len(), held });
+        self.members = members;
         let received = self.transfer(&formed, state, &names)?;
         Ok(Joined { formed, received })
     }
@@ -225,7 +254,8 @@ impl Session {
         } else {
             Vec::new()
         };
-        let bytes = match self.ring.broadcast_bytes(formed.source, mine) {
+        let root = self.members.iter().position(|&r| r == formed.source).unwrap_or(0);
+        let bytes = match self.ring.broadcast_bytes(root, mine) {
             Ok(b) => b,
             Err(e) => return Err(self.abandon(generation, e)),
         };

@@ -1,9 +1,10 @@
 //! One training step and one evaluation pass, and the totals they produce.
 //!
-//! A step's all-reduce carries, besides the gradients, the step's loss and metric sums (so the
-//! progress line shows global figures) and one stop flag per rank: a member that received
-//! SIGTERM raises its flag, and since every member sees the same reduced flags, they all stop at
-//! the same step without another message.
+//! A step is computed per slot (virtual rank, [`crate::collective::slots`]): a worker holding
+//! several computes them one after the other. Its all-reduce carries, besides the gradients, the
+//! step's loss and metric sums (so the progress line shows global figures) and one stop flag per
+//! slot: a member that received SIGTERM raises its slots' flags, and since every member sees the
+//! same reduced flags, they all stop at the same step without another message.
 
 use tch::{Device, Kind, Tensor};
 use trainerd_sdk::InputContext;
@@ -35,73 +36,129 @@ pub type Variables<'a> = (&'a mut [(String, Tensor)], &'a mut [(String, Tensor)]
 
 /// What a step produced, the same on every member.
 pub struct StepResult {
-    /// The step's totals over every member.
+    /// The step's totals over every slot.
     pub totals: Totals,
-    /// The ranks that asked to stop after this step.
+    /// The slots whose workers asked to stop after this step.
     pub stopping: Vec<usize>,
 }
 
-/// Forward, loss and backward on this worker's slice of the global batch (on the device), then the gradients
-/// averaged over the ring (with `stop` as this rank's stop flag) and the buffers the forward pass
-/// updated made the same on every member ([`sync_buffers`]). `meanwhile` runs once the device
-/// has its work and before the host waits for it. The parameters are untouched: the caller
-/// applies the update once this returns.
+/// One slot's part of a step: its slice of the global batch and its dropout seed.
+pub struct SlotBatch<'b> {
+    /// Inputs.
+    pub xs: &'b Tensor,
+    /// Labels.
+    pub labels: &'b Tensor,
+    /// The seed of libtorch's generator for this slot's forward pass.
+    pub seed: i64,
+}
+
+/// Forward, loss and backward of every slot this worker holds (`batches`, in slot order), one
+/// after the other, each from the buffers' values at the step's start (`start`, needed when more
+/// than one slot is held); then the gradients averaged over the run's slots (with `stop` as the
+/// stop flag of this worker's slots) and the buffers made the same on every member
+/// ([`sync_slot_buffers`]). `meanwhile` runs once the device has its work and before the host
+/// waits for it. The parameters are untouched: the caller applies the update once this returns.
+#[allow(clippy::too_many_arguments)]
 pub fn train_step(
     model: &ModelInstance<'_>,
     (params, buffers): Variables<'_>,
     buckets: &mut Buckets,
     ring: &mut Ring,
-    (xs, labels): (&Tensor, &Tensor),
+    batches: &[SlotBatch<'_>],
+    start: &[Tensor],
     stop: bool,
     meanwhile: &mut dyn FnMut(),
 ) -> Result<StepResult, TrainError> {
-    let logits = model.forward(xs, true)?;
-    let loss = model.loss(&logits, labels)?;
-    let metrics = model.metrics(&logits.detach(), labels)?;
-    for (_, p) in params.iter_mut() {
-        p.zero_grad();
+    let slots = ring.slots().clone();
+    debug_assert_eq!(batches.len(), slots.len());
+    let mut captured = Vec::with_capacity(batches.len());
+    let mut flags = 0;
+    for (i, batch) in batches.iter().enumerate() {
+        if i > 0 {
+            let _no_grad = tch::no_grad_guard();
+            for ((_, b), s) in buffers.iter_mut().zip(start) {
+                b.copy_(s);
+            }
+        }
+        tch::manual_seed(batch.seed);
+        let logits = model.forward(batch.xs, true)?;
+        let loss = model.loss(&logits, batch.labels)?;
+        let metrics = model.metrics(&logits.detach(), batch.labels)?;
+        for (_, p) in params.iter_mut() {
+            p.zero_grad();
+        }
+        loss.f_backward().map_err(torch("backward"))?;
+        if i + 1 == batches.len() {
+            meanwhile();
+        }
+        let totals = batch_totals(batch.xs.size()[0], &loss, &metrics)?;
+        if slots.count == 1 {
+            return Ok(StepResult { totals, stopping: if stop { vec![0] } else { Vec::new() } });
+        }
+        // The totals ride in the gradients' all-reduce (as float32), then one stop flag per slot.
+        let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
+        flags = extra.len();
+        extra.extend((0..slots.count).map(|s| if slots.held.contains(&s) && stop { 1.0 } else { 0.0 }));
+        buckets.stage(i, params, &extra);
+        if !buffers.is_empty() {
+            captured.push(capture(buffers)?);
+        }
     }
-    loss.f_backward().map_err(torch("backward"))?;
-    meanwhile();
-    let totals = batch_totals(xs.size()[0], &loss, &metrics)?;
-    let (rank, world) = (ring.rank(), ring.world());
-    if world == 1 {
-        return Ok(StepResult { totals, stopping: if stop { vec![0] } else { Vec::new() } });
-    }
-    // The totals ride in the gradients' all-reduce (as float32), then one stop flag per rank.
-    let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
-    let flags = extra.len();
-    extra.extend((0..world).map(|r| if r == rank && stop { 1.0 } else { 0.0 }));
-    buckets.all_reduce(ring, params, &mut extra)?;
-    sync_buffers(ring, buffers)?;
+    let extra = buckets.reduce(ring, params, batches.len())?;
+    sync_slot_buffers(ring, buffers, captured)?;
     let reduced: Vec<f64> = extra[..flags].iter().map(|&x| f64::from(x)).collect();
     Ok(StepResult {
         totals: Totals::from_flat(&reduced),
-        stopping: (0..world).filter(|&r| extra[flags + r] > 0.0).collect(),
+        stopping: (0..slots.count).filter(|&s| extra[flags + s] > 0.0).collect(),
     })
 }
 
-/// Makes every member's buffers identical after a step. Floating-point buffers (BatchNorm's
-/// running statistics, which each member updated from its own shard) take their mean over the
-/// members, as TensorFlow's MirroredStrategy aggregates BatchNorm's moving statistics; the mean
-/// is taken in float64, so a buffer that is already the same everywhere keeps its exact value.
-/// Other buffers (counters, masks) take the chief's values, bit for bit.
-pub fn sync_buffers(ring: &mut Ring, buffers: &mut [(String, Tensor)]) -> Result<(), TrainError> {
-    if ring.world() == 1 || buffers.is_empty() {
+/// One slot's buffers after its forward pass: the floating-point ones as float64, the others'
+/// bytes.
+pub struct Captured {
+    floating: Vec<f64>,
+    other: Vec<u8>,
+}
+
+/// This slot's buffers as they stand.
+fn capture(buffers: &[(String, Tensor)]) -> Result<Captured, TrainError> {
+    let _no_grad = tch::no_grad_guard();
+    let (mut floating, mut other) = (Vec::new(), Vec::new());
+    let parts: Vec<Tensor> = buffers
+        .iter()
+        .filter(|(_, b)| b.is_floating_point())
+        .map(|(_, b)| b.detach().reshape(-1).to_kind(Kind::Double))
+        .collect();
+    if !parts.is_empty() {
+        let joined = Tensor::cat(&parts, 0).f_to_device(Device::Cpu).map_err(torch("reading the buffers"))?;
+        floating = Vec::<f64>::try_from(&joined).map_err(torch("reading the buffers"))?;
+    }
+    for (_, b) in buffers.iter().filter(|(_, b)| !b.is_floating_point()) {
+        other.extend(host_bytes(b).map_err(torch("reading the buffers"))?);
+    }
+    Ok(Captured { floating, other })
+}
+
+/// Makes every member's buffers identical after a step, from each slot's own: floating-point
+/// buffers (BatchNorm's running statistics, which each slot updated from its own shard) take their
+/// mean over the run's slots, as TensorFlow's MirroredStrategy aggregates BatchNorm's moving
+/// statistics; the mean is taken in float64 in the slots' ring order, so a buffer that is
+/// already the same everywhere keeps its exact value, and the result is the same whoever holds
+/// which slots. Other buffers (counters, masks) take slot 0's values, bit for bit.
+pub fn sync_slot_buffers(
+    ring: &mut Ring,
+    buffers: &mut [(String, Tensor)],
+    mut captured: Vec<Captured>,
+) -> Result<(), TrainError> {
+    if ring.slots().count == 1 || buffers.is_empty() {
         return Ok(());
     }
     let _no_grad = tch::no_grad_guard();
-    let (floating, other): (Vec<usize>, Vec<usize>) =
-        (0..buffers.len()).partition(|&i| buffers[i].1.is_floating_point());
+    let floating: Vec<usize> = (0..buffers.len()).filter(|&i| buffers[i].1.is_floating_point()).collect();
     if !floating.is_empty() {
-        let parts: Vec<Tensor> =
-            floating.iter().map(|&i| buffers[i].1.detach().reshape(-1).to_kind(Kind::Double)).collect();
-        let joined = Tensor::cat(&parts, 0).f_to_device(Device::Cpu).map_err(torch("reading the buffers"))?;
-        let mut values = Vec::<f64>::try_from(&joined).map_err(torch("reading the buffers"))?;
-        ring.all_reduce(&mut values, ReduceOp::Sum)?;
-        let world = ring.world() as f64;
-        values.iter_mut().for_each(|v| *v /= world);
-        let mean = Tensor::from_slice(&values);
+        let mut views: Vec<&mut [f64]> = captured.iter_mut().map(|c| c.floating.as_mut_slice()).collect();
+        ring.all_reduce_slots(&mut views, ReduceOp::Mean)?;
+        let mean = Tensor::from_slice(&*views[0]);
         let mut at = 0;
         for &i in &floating {
             let b = &mut buffers[i].1;
@@ -110,51 +167,61 @@ pub fn sync_buffers(ring: &mut Ring, buffers: &mut [(String, Tensor)]) -> Result
             at += n;
         }
     }
-    if !other.is_empty() {
-        let mut bytes = Vec::new();
-        for &i in &other {
-            bytes.extend(host_bytes(&buffers[i].1).map_err(torch("reading the buffers"))?);
-        }
+    if floating.len() < buffers.len() {
+        // Slot 0 is held by the first worker of the ring.
+        let mut bytes = std::mem::take(&mut captured[0].other);
         ring.broadcast_from(0, &mut bytes)?;
         let mut at = 0;
-        for &i in &other {
-            let b = &mut buffers[i].1;
+        for (_, b) in buffers.iter_mut().filter(|(_, b)| !b.is_floating_point()) {
             let len = b.numel() * b.kind().elt_size_in_bytes();
-            let chief = Tensor::f_from_data_size(&bytes[at..at + len], &b.size(), b.kind())
+            let first = Tensor::f_from_data_size(&bytes[at..at + len], &b.size(), b.kind())
                 .map_err(torch("writing the buffers"))?;
-            b.f_copy_(&chief).map_err(torch("writing the buffers"))?;
+            b.f_copy_(&first).map_err(torch("writing the buffers"))?;
             at += len;
         }
     }
     Ok(())
 }
 
-/// Loss and metrics over one pass of the test split (each worker its shard), without
-/// gradients, summed over the ring.
+/// [`sync_slot_buffers`] for a worker holding one slot, from the buffers as they stand.
+pub fn sync_buffers(ring: &mut Ring, buffers: &mut [(String, Tensor)]) -> Result<(), TrainError> {
+    if ring.slots().count == 1 || buffers.is_empty() {
+        return Ok(());
+    }
+    let captured = vec![capture(buffers)?];
+    sync_slot_buffers(ring, buffers, captured)
+}
+
+/// Loss and metrics over one pass of the test split (each slot held here its shard: `ctxs`, in
+/// slot order), without gradients, summed over the run's slots.
 pub fn evaluate(
     model: &ModelInstance<'_>,
     data: &Data<'_>,
-    ctx: &InputContext,
+    ctxs: &[InputContext],
     ring: &mut Ring,
     device: Device,
     metrics: usize,
 ) -> Result<Totals, TrainError> {
     let _no_grad = tch::no_grad_guard();
-    let mut batches = data.open(ctx, (ctx.epoch as u32 + 1, u64::MAX))?;
-    let mut totals = Totals::new(metrics);
-    while let Some(crate::input::Batch { xs, ys: labels, .. }) = batches.next_batch()? {
-        let n = xs.size()[0];
-        if n == 0 {
-            continue; // this pipeline's share of the last global batch is empty
+    let mut sums = Vec::with_capacity(ctxs.len());
+    for ctx in ctxs {
+        let mut batches = data.open(ctx, (ctx.epoch as u32 + 1, u64::MAX))?;
+        let mut totals = Totals::new(metrics);
+        while let Some(crate::input::Batch { xs, ys: labels, .. }) = batches.next_batch()? {
+            let n = xs.size()[0];
+            if n == 0 {
+                continue; // this pipeline's share of the last global batch is empty
+            }
+            let xs = xs.f_to_device(device).map_err(torch("moving the batch to the device"))?;
+            let labels = labels.f_to_device(device).map_err(torch("moving the batch to the device"))?;
+            let logits = model.forward(&xs, false)?;
+            totals.add(&batch_totals(n, &model.loss(&logits, &labels)?, &model.metrics(&logits, &labels)?)?);
         }
-        let xs = xs.f_to_device(device).map_err(torch("moving the batch to the device"))?;
-        let labels = labels.f_to_device(device).map_err(torch("moving the batch to the device"))?;
-        let logits = model.forward(&xs, false)?;
-        totals.add(&batch_totals(n, &model.loss(&logits, &labels)?, &model.metrics(&logits, &labels)?)?);
+        sums.push(totals.flat());
     }
-    let mut sums = totals.flat();
-    ring.all_reduce(&mut sums, ReduceOp::Sum)?;
-    Ok(Totals::from_flat(&sums))
+    let mut views: Vec<&mut [f64]> = sums.iter_mut().map(Vec::as_mut_slice).collect();
+    ring.all_reduce_slots(&mut views, ReduceOp::Sum)?;
+    Ok(Totals::from_flat(views[0]))
 }
 
 #[cfg(test)]

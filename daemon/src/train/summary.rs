@@ -31,8 +31,12 @@ pub struct Summary {
     pub plugin: String,
     /// Plugin version.
     pub plugin_version: String,
-    /// Workers that trained.
+    /// Workers in TF_CONFIG: the run's slots (virtual ranks), whose math it is.
     pub workers: usize,
+    /// Workers present at the end (fewer than `workers` when some were replaced).
+    pub workers_present: usize,
+    /// The slots this worker held at the end.
+    pub slots: Vec<usize>,
     /// This worker's rank.
     pub rank: usize,
     /// Epochs run.

@@ -125,8 +125,8 @@ impl ControlPlane {
         let listener = bind(cluster, network, &names[cluster.rank])?;
         let listening = listener.local_addr().map_err(|e| ClusterError::Other(e.to_string()))?;
         let abort = AbortSignal::new();
-        let coordinator =
-            (cluster.rank == 0).then(|| Coordinator::new(identity.clone(), names.clone(), timeouts.options()));
+        let coordinator = (cluster.rank == 0)
+            .then(|| Coordinator::new(identity.clone(), names.clone(), timeouts.options(names.len())));
         let service = Service {
             rank: cluster.rank,
             names: names.clone(),
@@ -461,6 +461,8 @@ mod tests {
         heartbeat_deadline: Duration::from_millis(500),
         collective: Duration::from_secs(5),
         rejoin: Duration::from_secs(20),
+        replace_after: Duration::from_secs(10),
+        min_workers: None,
     };
 
     fn plane(ports: &[u16], rank: usize, t: Timeouts) -> ControlPlane {
@@ -554,7 +556,8 @@ mod tests {
     #[test]
     fn after_a_give_up_every_member_gets_its_reason_before_the_chief_exits_and_late_ones_at_once() {
         let ports = ports(3);
-        let t = Timeouts { rendezvous: Duration::from_secs(2), ..FAST };
+        // Every member is needed (a majority would start short without worker 2).
+        let t = Timeouts { rendezvous: Duration::from_secs(2), min_workers: Some(3), ..FAST };
         let mut planes = [plane(&ports, 0, t), plane(&ports, 1, FAST)];
         let stop = AtomicBool::new(false);
         let errors: Vec<String> = std::thread::scope(|s| {

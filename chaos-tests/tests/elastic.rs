@@ -1,0 +1,209 @@
+//! Elastic membership: workers gone for good (not restarted), coming back, and a job started short.
+//! Every scenario must end with exactly the parameters of the failure-free run on all of
+//! TF_CONFIG's workers: the run's math belongs to its slots (virtual ranks), never to the workers
+//! present.
+//!
+//! CI budget: the five scenarios and their two references take about 3 minutes on 2 cores.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use trainerd_testkit::{dataset, plugin, Cluster, Event};
+
+const DEADLINE: Duration = Duration::from_secs(240);
+const RESTART_SEC: Duration = Duration::from_millis(200);
+
+/// A training configuration.
+#[derive(Clone, Copy)]
+struct Job {
+    plugin: &'static str,
+    epochs: u32,
+    steps: u64,
+    workers: usize,
+}
+
+const LINEAR: Job = Job { plugin: "linear", epochs: 2, steps: 120, workers: 3 };
+const LINEAR4: Job = Job { plugin: "linear", epochs: 2, steps: 150, workers: 4 };
+/// BatchNorm (running statistics, one copy per slot) and dropout (masks drawn per slot).
+const BN: Job = Job { plugin: "mnist-bn", epochs: 1, steps: 40, workers: 3 };
+
+/// `trainerd run` arguments of `job`, each worker's summary in `dir`; a worker missing for 3 s is
+/// replaced.
+fn args(job: Job, dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--plugin",
+        plugin(job.plugin).to_str().unwrap(),
+        "--data",
+        dataset().to_str().unwrap(),
+        "--epochs",
+        &job.epochs.to_string(),
+        "--steps-per-epoch",
+        &job.steps.to_string(),
+        "--threads",
+        "1",
+        "--seed",
+        "5",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.001",
+        "--summary",
+        dir.join("summary.{rank}.json").to_str().unwrap(),
+        "--checkpoint-dir",
+        dir.join("ckpt").to_str().unwrap(),
+        "--checkpoint-every",
+        "40",
+        "--replace-after",
+        "3",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// The failure-free run's `params_sha256` on all of `job`'s workers (computed once per job).
+fn reference(job: Job) -> String {
+    static CACHE: OnceLock<Mutex<HashMap<(&'static str, usize), String>>> = OnceLock::new();
+    let mut cache = CACHE.get_or_init(Mutex::default).lock().unwrap();
+    if let Some(sha) = cache.get(&(job.plugin, job.workers)) {
+        return sha.clone();
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cluster = Cluster::start(job.workers, &args(job, tmp.path(), &[]), &[], vec![], RESTART_SEC);
+    assert_eq!(cluster.wait_finished(DEADLINE), vec![0; job.workers], "{}", cluster.transcript());
+    let s = summary(tmp.path(), 0);
+    assert_eq!(
+        (s["workers"].as_u64(), s["workers_present"].as_u64()),
+        (Some(job.workers as u64), Some(job.workers as u64))
+    );
+    let sha = s["params_sha256"].as_str().unwrap().to_string();
+    cache.insert((job.plugin, job.workers), sha.clone());
+    sha
+}
+
+fn summary(dir: &Path, rank: usize) -> serde_json::Value {
+    let path = dir.join(format!("summary.{rank}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+fn wait_for_step(c: &mut Cluster, job: Job, epoch: u64, step: u64) {
+    c.wait_step(0, (epoch - 1) * job.steps + step, DEADLINE);
+}
+
+/// The chief formed a generation of `present` workers.
+fn formed_with(present: usize, workers: usize) -> impl Fn(&Event) -> bool {
+    move |e| match e {
+        Event::Joined { present: p, .. } if present < workers => *p == Some(present),
+        Event::Joined { present: None, .. } => present == workers,
+        _ => false,
+    }
+}
+
+/// The workers in `ranks` exited 0 with the failure-free run's parameters; the others (gone for
+/// good) were killed.
+fn assert_finished_exactly(c: &mut Cluster, job: Job, dir: &Path, ranks: &[usize]) {
+    let codes = c.wait_finished(DEADLINE);
+    for (rank, &code) in codes.iter().enumerate() {
+        let expected = if ranks.contains(&rank) { 0 } else { 128 + libc::SIGKILL };
+        assert_eq!(code, expected, "worker {rank}\n{}", c.transcript());
+    }
+    let expected = reference(job);
+    for &rank in ranks {
+        assert_eq!(summary(dir, rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
+    }
+}
+
+#[test]
+fn a_worker_gone_for_good_is_replaced_and_the_run_is_bitwise_the_full_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &[]), &[], vec![], RESTART_SEC);
+    c.hold(2);
+    wait_for_step(&mut c, LINEAR, 1, 40);
+    let killed = c.mark();
+    c.signal(2, libc::SIGKILL);
+    c.wait_event(0, formed_with(2, 3), DEADLINE);
+    let (_, line) = c.wait_line(0, "trainerd: generation ", killed, DEADLINE);
+    assert!(
+        line.contains("; 2 of 3 workers (")
+            && line.contains(": slots 0-1, ")
+            && line.contains(": slot 2; 0.67x speed)"),
+        "{line}"
+    );
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1]);
+    let chief = summary(tmp.path(), 0);
+    assert_eq!((chief["workers"].as_u64(), chief["workers_present"].as_u64()), (Some(3), Some(2)));
+    assert_eq!(chief["slots"], serde_json::json!([0, 1]));
+    assert_eq!(summary(tmp.path(), 1)["slots"], serde_json::json!([2]));
+}
+
+#[test]
+fn a_replaced_worker_that_comes_back_takes_its_slot_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &[]), &[], vec![], RESTART_SEC);
+    c.hold(2);
+    wait_for_step(&mut c, LINEAR, 1, 30);
+    c.signal(2, libc::SIGKILL);
+    c.wait_event(0, formed_with(2, 3), DEADLINE);
+    wait_for_step(&mut c, LINEAR, 1, 100);
+    c.bring_back(2);
+    // It receives the state from a live peer and the run is back to full size.
+    let (_, joined) = c.wait_event(2, |e| matches!(e, Event::Joined { .. }), DEADLINE);
+    assert!(matches!(joined, Event::Joined { present: None, source: Some(0 | 1), .. }), "{joined:?}");
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
+    let chief = summary(tmp.path(), 0);
+    assert_eq!((chief["workers_present"].as_u64(), &chief["slots"]), (Some(3), &serde_json::json!([0])));
+    assert_eq!(chief["fault_tolerance"]["steps_lost"].as_u64(), Some(0));
+}
+
+#[test]
+fn batchnorm_and_dropout_on_two_of_three_workers_are_bitwise_the_three_worker_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(BN.workers, &args(BN, tmp.path(), &[]), &[], vec![], RESTART_SEC);
+    c.hold(1);
+    wait_for_step(&mut c, BN, 1, 8);
+    c.signal(1, libc::SIGKILL);
+    c.wait_event(0, formed_with(2, 3), DEADLINE);
+    assert_finished_exactly(&mut c, BN, tmp.path(), &[0, 2]);
+    // Worker 0 held slots 0 and 1, worker 2 slot 2.
+    assert_eq!(summary(tmp.path(), 2)["slots"], serde_json::json!([2]));
+}
+
+/// `--min-workers 2` of 4 is exactly half: accepted only with `--allow-even-split`, which takes the
+/// risk that two halves of a partition both train (this test's cluster cannot be partitioned).
+#[test]
+fn four_workers_lose_two_one_after_the_other_and_both_come_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = ["--min-workers", "2", "--allow-even-split"];
+    let mut c = Cluster::start(LINEAR4.workers, &args(LINEAR4, tmp.path(), &extra), &[], vec![], RESTART_SEC);
+    c.hold(1);
+    c.hold(3);
+    wait_for_step(&mut c, LINEAR4, 1, 30);
+    c.signal(3, libc::SIGKILL);
+    c.wait_event(0, formed_with(3, 4), DEADLINE);
+    wait_for_step(&mut c, LINEAR4, 1, 60);
+    c.signal(1, libc::SIGKILL);
+    c.wait_event(0, formed_with(2, 4), DEADLINE);
+    wait_for_step(&mut c, LINEAR4, 1, 100);
+    c.bring_back(1);
+    c.bring_back(3);
+    c.wait_event(0, formed_with(4, 4), DEADLINE);
+    assert_finished_exactly(&mut c, LINEAR4, tmp.path(), &[0, 1, 2, 3]);
+}
+
+#[test]
+fn a_job_starts_with_two_of_three_workers_and_the_third_joins_mid_epoch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = ["--rendezvous-timeout", "4"];
+    // Worker 2's node is down at the start: its first process dies at once and is not restarted.
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], vec![], RESTART_SEC);
+    c.hold(2);
+    c.signal(2, libc::SIGKILL);
+    c.wait_event(0, formed_with(2, 3), DEADLINE);
+    wait_for_step(&mut c, LINEAR, 1, 50);
+    c.bring_back(2);
+    c.wait_event(0, formed_with(3, 3), DEADLINE);
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
+}
