@@ -137,6 +137,11 @@ fn a_worker_gone_for_good_is_replaced_and_the_run_is_bitwise_the_full_runs() {
     assert_eq!((chief["workers"].as_u64(), chief["workers_present"].as_u64()), (Some(3), Some(2)));
     assert_eq!(chief["slots"], serde_json::json!([0, 1]));
     assert_eq!(summary(tmp.path(), 1)["slots"], serde_json::json!([2]));
+    // The time and throughput while short are reported beside the full-size figures.
+    let ft = &chief["fault_tolerance"];
+    assert!(ft["seconds_short"].as_f64().unwrap() > 0.0, "{ft}");
+    assert!(ft["examples_per_second_short"].as_f64().unwrap() > 0.0, "{ft}");
+    assert!(ft["examples_per_second_full"].as_f64().unwrap() > 0.0, "{ft}");
 }
 
 #[test]

@@ -46,6 +46,7 @@ struct Series {
     steps_lost: Counter,
     recovery_seconds: Histogram,
     generation: Gauge,
+    slots_held: Gauge,
     peers_up: Gauge,
 }
 
@@ -71,6 +72,7 @@ impl Series {
             steps_lost: Counter::default(),
             recovery_seconds: Histogram::new(exponential_buckets(0.1, 2.0, 12)),
             generation: Gauge::default(),
+            slots_held: Gauge::default(),
             peers_up: Gauge::default(),
         }
     }
@@ -150,6 +152,11 @@ impl Series {
             self.generation.clone(),
         );
         r.register(
+            "trainerd_slots_held",
+            "Slots (virtual ranks) this worker computes each step: more than 1 while workers are missing",
+            self.slots_held.clone(),
+        );
+        r.register(
             "trainerd_peers_up",
             "Workers in the current generation, this one included (0 while the cluster re-forms)",
             self.peers_up.clone(),
@@ -168,6 +175,8 @@ struct Status {
     generation: u64,
     peers: usize,
     world: usize,
+    /// The slots this worker holds, when it holds more than one.
+    slots: Option<String>,
     waiting: Option<String>,
 }
 
@@ -189,6 +198,9 @@ impl Status {
         if self.world > 1 {
             parts.push(format!("generation {}", self.generation));
             parts.push(format!("{}/{} workers", self.peers, self.world));
+            if let Some(slots) = &self.slots {
+                parts.push(slots.clone());
+            }
         }
         if parts.is_empty() {
             "training".into()
@@ -288,14 +300,16 @@ impl Telemetry {
         self.stopping.load(Ordering::Relaxed)
     }
 
-    /// A generation formed with `world` workers, this one in it.
-    pub fn joined(&self, generation: u64, world: usize) {
+    /// A generation formed with `world` workers, this one in it holding the slots `held`.
+    pub fn joined(&self, generation: u64, world: usize, held: std::ops::Range<usize>) {
         self.series.generation.set(generation as i64);
         self.series.peers_up.set(world as i64);
+        self.series.slots_held.set(held.len() as i64);
         {
             let mut s = self.status();
             s.generation = generation;
             s.peers = world;
+            s.slots = (held.len() > 1).then(|| format!("slots {}-{}", held.start, held.end - 1));
         }
         self.progress();
         self.ready.store(true, Ordering::Relaxed);
@@ -404,7 +418,7 @@ mod tests {
     #[test]
     fn progress_keeps_the_daemon_alive_for_one_stall_period_and_bounded_waits_for_their_bound() {
         let t = Telemetry::new(Duration::from_millis(100), 2, 2);
-        t.joined(3, 2);
+        t.joined(3, 2, 1..2);
         assert_eq!(t.healthy(), Ok(()));
         std::thread::sleep(Duration::from_millis(250));
         assert!(t.healthy().unwrap_err().starts_with("no training progress for "));
@@ -413,6 +427,10 @@ mod tests {
         assert_eq!(t.healthy(), Ok(()), "a bounded wait is alive");
         t.step((0, 5, 10), 5, &[("loss".into(), 0.5), ("accuracy".into(), 0.75)], 64.0, 1000.0, 0.01);
         assert_eq!(t.status_line(), "epoch 1/2, step 5/10, loss 0.5000, generation 3, 2/2 workers");
+        let short = Telemetry::new(Duration::from_millis(100), 2, 3);
+        short.joined(4, 2, 0..2);
+        assert_eq!(short.status_line(), "generation 4, 2/3 workers, slots 0-1");
+        assert!(short.encode().contains("trainerd_slots_held 2"));
         let text = t.encode();
         for line in [
             "trainerd_steps_total 1",

@@ -137,7 +137,7 @@ impl<'a> Driver<'a> {
     ) -> Result<(), Interrupt> {
         let Joined { formed, received } = joined;
         let world = session.world();
-        self.report.formed(formed.generation, session.members().len());
+        self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
         if let Some(bytes) = received {
             state.decode(&bytes).map_err(|e| Interrupt::Fatal(TrainError::State(e)))?;
         }

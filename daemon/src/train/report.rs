@@ -167,6 +167,10 @@ pub struct Reporter<'p> {
     collective: Duration,
     clock: Clock,
     recovery: Recovery,
+    /// Whether the current generation is short of workers, and the (examples, seconds) trained
+    /// short and full.
+    short: bool,
+    trained: [(f64, f64); 2],
     /// When this worker abandoned its last step (a recovery's time counts from there).
     interrupted_at: Option<Instant>,
     recovering: Option<Recovering>,
@@ -206,6 +210,8 @@ impl<'p> Reporter<'p> {
             collective: cfg.timeouts.collective,
             clock: Clock::default(),
             recovery: Recovery::default(),
+            short: false,
+            trained: [(0.0, 0.0); 2],
             interrupted_at: None,
             recovering: None,
         })
@@ -241,10 +247,10 @@ impl<'p> Reporter<'p> {
         self.events.emit(Event::Resumed { sequence, epoch, step_in_epoch: step, global_step });
     }
 
-    /// Generation `generation` formed with `workers` workers, this one in it (systemd's
-    /// readiness, the metrics).
-    pub fn formed(&self, generation: u64, workers: usize) {
-        self.telemetry.joined(generation, workers);
+    /// Generation `generation` formed with `workers` workers, this one in it holding the slots
+    /// `held` (systemd's readiness, the metrics).
+    pub fn formed(&self, generation: u64, workers: usize, held: std::ops::Range<usize>) {
+        self.telemetry.joined(generation, workers, held);
     }
 
     /// This worker is admitted to generation `g` and trains from here; `started` is when this
@@ -261,6 +267,7 @@ impl<'p> Reporter<'p> {
             present: (g.present < g.workers).then_some(g.present),
             layout: g.layout.clone(),
         });
+        self.short = g.present < g.workers;
         if g.workers == 1 {
             return;
         }
@@ -325,6 +332,8 @@ impl<'p> Reporter<'p> {
         (c.epoch_time, c.train_time) = (c.epoch_time + s.took, c.train_time + s.took);
         c.epoch_examples += examples;
         c.examples += examples;
+        let t = &mut self.trained[usize::from(self.short)];
+        (t.0, t.1) = (t.0 + examples, t.1 + s.took.as_secs_f64());
         let global_step = s.position.global_step;
         let named = s.totals.named(&self.metric_names, "");
         let rate = self.clock.epoch_rate();
@@ -463,6 +472,10 @@ impl<'p> Reporter<'p> {
     pub fn finish(mut self) -> (f64, f64, Recovery) {
         self.metrics_log.take();
         let c = &self.clock;
+        let rate = |(examples, seconds): (f64, f64)| (seconds > 0.0).then(|| examples / seconds);
+        self.recovery.seconds_short = self.trained[1].1;
+        self.recovery.examples_per_second_short = rate(self.trained[1]);
+        self.recovery.examples_per_second_full = rate(self.trained[0]);
         (c.examples / c.train_time.as_secs_f64().max(1e-9), c.train_time.as_secs_f64(), self.recovery)
     }
 }

@@ -22,6 +22,13 @@ pub struct Recovery {
     /// Seconds from each failure (or this process's start, for a restarted worker) to its first
     /// step in the recovered generation.
     pub recovery_seconds: Vec<f64>,
+    /// Seconds of training in generations with fewer workers than TF_CONFIG's (their slots
+    /// spread over those present).
+    pub seconds_short: f64,
+    /// Training throughput over those seconds (`null` when the run was never short).
+    pub examples_per_second_short: Option<f64>,
+    /// Training throughput with every worker present (`null` when never).
+    pub examples_per_second_full: Option<f64>,
 }
 
 /// The result of a run, written as JSON by `--summary`.
