@@ -97,11 +97,37 @@ impl Cluster {
         restart_sec: Duration,
     ) -> Cluster {
         let ports = free_ports(workers);
+        let place = move |rank: usize| (Command::new(trainerd()), tf_config(&ports, rank));
+        Cluster::launch(workers, (args, env, first_env), restart_sec, place)
+    }
+
+    /// As [`Cluster::start`], each worker in its namespace of `net` (at port 7000 of its
+    /// address).
+    pub fn start_in(net: &crate::Netns, workers: usize, args: &[String], restart_sec: Duration) -> Cluster {
+        let addrs: Vec<String> = (0..workers).map(|i| format!("{}:7000", net.host(i))).collect();
+        let prefixes: Vec<Vec<String>> = (0..workers).map(|i| net.exec(i)).collect();
+        let place = move |rank: usize| {
+            let mut cmd = Command::new(&prefixes[rank][0]);
+            cmd.args(&prefixes[rank][1..]).arg(trainerd());
+            let tf = serde_json::json!({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": rank}});
+            (cmd, tf.to_string())
+        };
+        Cluster::launch(workers, (args, &[], vec![]), restart_sec, place)
+    }
+
+    /// Starts the workers, worker `rank` as `place(rank)` (its command, before `run`, and its
+    /// TF_CONFIG).
+    fn launch(
+        workers: usize,
+        (args, env, first_env): (&[String], &[(String, String)], Vec<Vec<(String, String)>>),
+        restart_sec: Duration,
+        place: impl Fn(usize) -> (Command, String) + Send + 'static,
+    ) -> Cluster {
         let (args, env) = (args.to_vec(), env.to_vec());
         let command = move |rank: usize, start: usize| {
-            let mut cmd = Command::new(trainerd());
+            let (mut cmd, tf_config) = place(rank);
             cmd.arg("run").args(args.iter().map(|a| a.replace("{rank}", &rank.to_string())));
-            cmd.env("TF_CONFIG", tf_config(&ports, rank)).envs(env.iter().cloned());
+            cmd.env("TF_CONFIG", tf_config).envs(env.iter().cloned());
             if start == 1 {
                 cmd.envs(first_env.get(rank).cloned().unwrap_or_default());
             }
@@ -160,6 +186,14 @@ impl Cluster {
                 Some(e)
             }
             Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
+        }
+    }
+
+    /// Takes what arrives for `d`.
+    pub fn idle(&mut self, d: Duration) {
+        let until = Instant::now() + d;
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            self.take(left.min(Duration::from_millis(50)));
         }
     }
 

@@ -14,6 +14,7 @@
 
 pub mod cluster;
 pub mod fault;
+pub mod netns;
 pub mod notify;
 pub mod output;
 pub mod paths;
@@ -22,6 +23,7 @@ pub mod proxy;
 pub mod s3;
 
 pub use cluster::{Cluster, Entry, What, Worker};
+pub use netns::Netns;
 pub use paths::{dataset, parquet_dataset, plugin, trainerd, trainerd_cmd};
 pub use ports::{free_ports, tf_config};
 pub use trainerd_supervise::events::{self, Event};

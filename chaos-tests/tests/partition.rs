@@ -1,0 +1,170 @@
+//! Network partitions, for real: each worker runs in a network namespace of its own, wired to one
+//! bridge that this test makes (as root); a cut takes a worker's port down, so its packets are
+//! dropped and its peers see only silence. A generation forms only with a majority of TF_CONFIG's
+//! workers, so a minority never trains; only the chief's side commits; and when the link heals,
+//! everyone rejoins and the model is bit for bit the failure-free run's.
+
+use std::path::Path;
+use std::time::Duration;
+
+use trainerd_testkit::{dataset, plugin, Cluster, Event, Netns};
+
+const DEADLINE: Duration = Duration::from_secs(240);
+const RESTART_SEC: Duration = Duration::from_millis(200);
+const WORKERS: usize = 3;
+const STEPS: u64 = 600;
+
+fn args(dir: &Path) -> Vec<String> {
+    [
+        "--plugin",
+        plugin("linear").to_str().unwrap(),
+        "--data",
+        dataset().to_str().unwrap(),
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        &STEPS.to_string(),
+        "--threads",
+        "1",
+        "--seed",
+        "9",
+        "--summary",
+        dir.join("summary.{rank}.json").to_str().unwrap(),
+        "--checkpoint-dir",
+        dir.join("ckpt.{rank}").to_str().unwrap(),
+        "--checkpoint-every",
+        "20",
+        "--replace-after",
+        "3",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// [`args`] with a cluster secret (required off loopback).
+fn secured(dir: &Path) -> Vec<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("secret");
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).unwrap();
+    std::io::Write::write_all(&mut f, b"4f1d2c3b4a5968778695a4b3c2d1e0f00112233445566778899aabbccddeeff").unwrap();
+    let mut args = args(dir);
+    args.extend(["--secret-file".to_string(), path.to_str().unwrap().to_string()]);
+    args
+}
+
+fn summary(dir: &Path, rank: usize) -> serde_json::Value {
+    let path = dir.join(format!("summary.{rank}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+/// The failure-free run's parameters (on loopback).
+fn reference() -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], vec![], RESTART_SEC);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    summary(tmp.path(), 0)["params_sha256"].as_str().unwrap().to_string()
+}
+
+fn namespaces() -> Netns {
+    Netns::create(WORKERS).unwrap_or_else(|e| {
+        panic!("this test partitions its workers in network namespaces it makes, as root, with `ip`: {e}")
+    })
+}
+
+/// What worker `rank` trained between transcript marks `from` and `to`, after it abandoned its
+/// generation there: the steps it completed from the one it abandoned on, and the generations it
+/// joined. (Steps before the one abandoned are the last ones before the cut, arriving late.)
+fn trained_after_abandoning(c: &Cluster, rank: usize, from: usize, to: usize) -> (Vec<u64>, Vec<u64>) {
+    let events: Vec<&Event> = c.seen[from..to].iter().filter(|e| e.worker == rank).filter_map(|e| e.event()).collect();
+    let abandoned = events.iter().find_map(|e| match e {
+        Event::Abandoned { step, .. } => Some(*step),
+        _ => None,
+    });
+    let abandoned =
+        abandoned.unwrap_or_else(|| panic!("worker {rank} never abandoned its generation\n{}", c.transcript()));
+    let steps = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step { global_step, .. } if *global_step >= abandoned => Some(*global_step),
+            _ => None,
+        })
+        .collect();
+    let joined = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Joined { generation, .. } => Some(*generation),
+            _ => None,
+        })
+        .collect();
+    (steps, joined)
+}
+
+/// Commits in worker `rank`'s checkpoint directory.
+fn commits(dir: &Path, rank: usize) -> usize {
+    let out = trainerd_testkit::trainerd_cmd()
+        .args(["ckpt", "list", dir.join(format!("ckpt.{rank}")).to_str().unwrap()])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.trim_start().starts_with(char::is_numeric)).count()
+}
+
+#[test]
+fn a_minority_cut_off_never_trains_the_majority_goes_on_and_after_healing_all_end_bitwise_equal() {
+    let expected = reference();
+    let net = namespaces();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start_in(&net, WORKERS, &secured(tmp.path()), RESTART_SEC);
+    c.wait_step(0, 30, DEADLINE);
+    // Worker 2 alone on one side, the chief and worker 1 on the other.
+    net.cut(2);
+    let cut = c.mark();
+    c.wait_event(0, |e| matches!(e, Event::Joined { present: Some(2), .. }), DEADLINE);
+    let chief_step = |c: &Cluster| {
+        c.seen.iter().rev().find_map(|e| match (e.worker, e.event()) {
+            (0, Some(Event::Step { global_step, .. })) => Some(*global_step),
+            _ => None,
+        })
+    };
+    let before = chief_step(&c).unwrap();
+    c.wait_step(0, before + 40, DEADLINE);
+    let healed = c.mark();
+    // The majority trained on; the minority did not take a single step.
+    assert!(chief_step(&c).unwrap() >= before + 40);
+    let minority = trained_after_abandoning(&c, 2, cut, healed);
+    assert_eq!(minority, (vec![], vec![]), "worker 2 trained while cut off (steps, generations)\n{}", c.transcript());
+    net.heal(2);
+    c.wait_event(0, |e| matches!(e, Event::Joined { present: None, .. }), DEADLINE);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    for rank in 0..WORKERS {
+        assert_eq!(summary(tmp.path(), rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
+    }
+    // Only the chief commits.
+    assert!(commits(tmp.path(), 0) > 0);
+    assert_eq!((commits(tmp.path(), 1), commits(tmp.path(), 2)), (0, 0));
+}
+
+#[test]
+fn a_chief_cut_off_alone_never_trains_and_nobody_does_until_the_link_heals() {
+    let expected = reference();
+    let net = namespaces();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start_in(&net, WORKERS, &secured(tmp.path()), RESTART_SEC);
+    c.wait_step(0, 30, DEADLINE);
+    net.cut(0);
+    let cut = c.mark();
+    // Longer than the heartbeat deadline and --replace-after together: the chief, 1 of 3, is no
+    // majority; the other two have no coordinator (a lost chief is not replaced yet).
+    c.idle(Duration::from_secs(8));
+    let after = c.mark();
+    for rank in 0..WORKERS {
+        let trained = trained_after_abandoning(&c, rank, cut, after);
+        assert_eq!(trained, (vec![], vec![]), "worker {rank} trained during the partition\n{}", c.transcript());
+    }
+    let commits_cut = commits(tmp.path(), 0);
+    net.heal(0);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    for rank in 0..WORKERS {
+        assert_eq!(summary(tmp.path(), rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
+    }
+    assert!(commits(tmp.path(), 0) >= commits_cut);
+}
