@@ -84,6 +84,9 @@ pub struct Cluster {
     poller: Option<std::thread::JoinHandle<()>>,
 }
 
+/// Environment variables for a process.
+type Env = Vec<(String, String)>;
+
 impl Cluster {
     /// Starts `workers` workers with `args` (for `trainerd run`, without TF_CONFIG; `{rank}` in
     /// an argument becomes the worker's index) and `env`, restarting any that dies after
@@ -119,7 +122,7 @@ impl Cluster {
     /// TF_CONFIG).
     fn launch(
         workers: usize,
-        (args, env, first_env): (&[String], &[(String, String)], Vec<Vec<(String, String)>>),
+        (args, env, first_env): (&[String], &[(String, String)], Vec<Env>),
         restart_sec: Duration,
         place: impl Fn(usize) -> (Command, String) + Send + 'static,
     ) -> Cluster {
