@@ -18,8 +18,12 @@ Measured from the moment of the signal:
               cluster continued from;
   hang      = no recovery within HANG_S.
 
+A worker gone for good (--gone, 3 workers, `trainerd local --no-restart 2 --replace-after R`):
+seconds from the SIGKILL until the two survivors train again, and their throughput before and
+while short (steps per second over the chief's metrics log).
+
 Usage: bench/recovery.sh [--kills N] [--chief-kills N] [--freezes N] [--torchrun-trials N]
-                         [--world N] [--ckpt-every N]
+                         [--world N] [--ckpt-every N] [--gone] [--replace-after S]
 """
 import argparse, json, os, random, re, signal, statistics, subprocess, sys, tempfile, threading, time
 
@@ -32,14 +36,15 @@ HANG_S = 60
 class Cluster:
     """A `trainerd local` run whose output lines are timestamped as they arrive."""
 
-    def __init__(self, d, world, ckpt_every, secret=False):
+    def __init__(self, d, world, ckpt_every, secret=False, launcher=(), extra=()):
         self.d, self.world = d, world
         self.lines, self.pids, self.lock = [], {}, threading.Lock()
         cmd = [os.path.join(ROOT, "target/release/trainerd"), "local", "--workers", str(world), "--restart-delay", "0",
+               *launcher,
                "--plugin", os.path.join(ROOT, "target/release/libmnist_cnn.so"), "--data", DATA,
                "--epochs", "1000", "--batch-size", "64", "--threads", "1", "--optimizer", "adam", "--lr", "0.001",
                "--checkpoint-dir", os.path.join(d, "ckpt"), "--checkpoint-every", str(ckpt_every),
-               "--metrics-log", os.path.join(d, "m.jsonl")]
+               "--metrics-log", os.path.join(d, "m.jsonl"), *extra]
         if secret:
             # Every connection (control plane and ring) then opens with the HMAC challenge.
             path = os.path.join(d, "secret")
@@ -103,9 +108,21 @@ class Cluster:
                 firsts = [min((t for t, s in self.steps(w) if t > t0 and s > resumed), default=None) for w in range(self.world)]
                 if None not in firsts:
                     return {"recovery_s": max(firsts) - t0, "detection_s": max(detected.values(), default=None),
-                            "steps_lost": max(0, before - resumed)}
+                            "steps_lost": max(0, before - resumed), "at_step": before,
+                            "phase": self.phase(mark, t0)}
             time.sleep(0.01)
         return {"hang": True}
+
+    def phase(self, mark, t0):
+        """What the cluster was doing when the signal came: an evaluation or epoch end (its lines
+        around the signal), a commit (the chief's commit lines), or a step."""
+        with self.lock:
+            around = [line for t, line in self.lines[max(0, mark - 40):] if t0 - 1.0 <= t <= t0 + 0.2]
+        if any("evaluat" in l or re.search(r"\] Epoch \d+/", l) or "val_loss" in l for l in around):
+            return "epoch end"
+        if any("committed" in l or "commit " in l for l in around):
+            return "commit"
+        return "step"
 
     def stop(self):
         try:
@@ -138,6 +155,47 @@ def trainerd(args):
     return results
 
 
+def gone(args):
+    """A worker of three killed and never restarted: time until the survivors train again, and
+    their throughput before and while short."""
+    with tempfile.TemporaryDirectory() as d:
+        c = Cluster(d, 3, args.ckpt_every, launcher=("--no-restart", "2"), extra=("--replace-after", str(args.replace_after)))
+        try:
+            if not c.wait_steps(60, timeout=300):
+                sys.exit("trainerd did not start training")
+            time.sleep(10)
+            with c.lock:
+                mark, pid = len(c.lines), c.pids[2]
+            t0 = time.time()
+            os.kill(pid, signal.SIGKILL)
+            formed = None
+            while time.time() < t0 + args.replace_after + HANG_S and formed is None:
+                with c.lock:
+                    new = c.lines[mark:]
+                for t, line in new:
+                    m = re.match(r"\[worker 0\] trainerd: generation \d+ formed at step (\d+): .* 2 of 3 workers", line)
+                    if m:
+                        formed = int(m.group(1))
+                time.sleep(0.05)
+            if formed is None:
+                return {"hang": True}
+            while not all(any(t > t0 and s > formed for t, s in c.steps(w)) for w in (0, 1)):
+                time.sleep(0.05)
+            back = max(min(t for t, s in c.steps(w) if t > t0 and s > formed) for w in (0, 1))
+            time.sleep(15)
+            steps = c.steps(0)
+            rate = lambda a, b: sum(1 for t, _ in steps if a < t <= b) / (b - a)
+            return {"continues_s": back - t0, "before_steps_s": rate(t0 - 10, t0),
+                    "short_steps_s": rate(back, back + 10)}
+        finally:
+            c.stop()
+
+
+def percentile(rs, key, q):
+    xs = sorted(r[key] for r in rs if r.get(key) is not None)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
 def torchrun(args):
     out = subprocess.run([sys.executable, os.path.join(SHARED, "bench", "torchrun_recovery.py"), str(args.torchrun_trials),
                           str(args.world), str(args.ckpt_every)], capture_output=True, text=True,
@@ -161,8 +219,11 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--secret", action="store_true", help="authenticate every connection with a cluster secret")
+    p.add_argument("--gone", action="store_true", help="also measure a worker of three gone for good")
+    p.add_argument("--replace-after", type=float, default=5.0, help="--replace-after for --gone (seconds)")
     args = p.parse_args()
-    ours = trainerd(args)
+    ours = trainerd(args) if args.kills + args.chief_kills + args.freezes > 0 else {"worker": [], "chief": [], "frozen": []}
+    lost_for_good = gone(args) if args.gone else None
     peer = torchrun(args) if args.torchrun_trials > 0 else []
     ok = lambda rs: [r for r in rs if not r.get("hang")]
     w, c, f = ok(ours["worker"]), ok(ours["chief"]), ok(ours["frozen"])
@@ -180,6 +241,23 @@ def main():
           f"{median(c, 'detection_s') * 1e3:.0f} ms | {median(f, 'detection_s'):.2f} s | - |")
     print(f"| hangs | {hangs(ours['worker'])} | {hangs(ours['chief'])} | {hangs(ours['frozen'])} | "
           f"{sum(1 for t in peer if t.get('hang'))} in {len(peer)} |")
+    print(f"| recovery p90 / max | {percentile(w, 'recovery_s', 0.9):.2f} / {percentile(w, 'recovery_s', 1.0):.2f} s | "
+          f"{percentile(c, 'recovery_s', 0.9):.2f} / {percentile(c, 'recovery_s', 1.0):.2f} s | "
+          f"{percentile(f, 'recovery_s', 0.9):.2f} / {percentile(f, 'recovery_s', 1.0):.2f} s | "
+          f"{percentile(peer, 'recovery_s', 0.9):.2f} / {percentile(peer, 'recovery_s', 1.0):.2f} s |")
+    slow = sorted((r for r in w if r.get("recovery_s") is not None), key=lambda r: -r["recovery_s"])[:5]
+    if slow:
+        print("\nSlowest worker kills (recovery, detection, what the cluster was doing):")
+        for r in slow:
+            print(f"  {r['recovery_s']:.2f} s, detection {r['detection_s'] or float('nan'):.2f} s, at step {r['at_step']}: {r['phase']}")
+    if lost_for_good is not None:
+        g = lost_for_good
+        print(f"\nA worker of three gone for good (--replace-after {args.replace_after:g} s): ", end="")
+        if g.get("hang"):
+            print("no generation formed without it")
+        else:
+            print(f"training continues {g['continues_s']:.2f} s after the kill; {g['before_steps_s']:.1f} steps/s before, "
+                  f"{g['short_steps_s']:.1f} steps/s on 2 of 3 ({g['short_steps_s'] / g['before_steps_s']:.2f}x)")
 
 
 if __name__ == "__main__":

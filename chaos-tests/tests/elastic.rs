@@ -3,7 +3,7 @@
 //! TF_CONFIG's workers: the run's math belongs to its slots (virtual ranks), never to the workers
 //! present.
 //!
-//! CI budget: the five scenarios and their two references take about 3 minutes on 2 cores.
+//! CI budget: the eight scenarios and their two references take about 2 minutes on 2 cores.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -211,4 +211,32 @@ fn a_job_starts_with_two_of_three_workers_and_the_third_joins_mid_epoch() {
     c.bring_back(2);
     c.wait_event(0, formed_with(3, 3), DEADLINE);
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
+}
+
+/// Worker 2 stopped at `point` (its `n`-th visit), then killed for good: the others replace it
+/// and the run is bitwise the full run's.
+fn killed_for_good_at(point: &str, n: u32) {
+    let tmp = tempfile::tempdir().unwrap();
+    let failpoint = vec![vec![], vec![], vec![("TRAINERD_FAILPOINT".to_string(), format!("{point}@{n}"))]];
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &[]), &[], failpoint, RESTART_SEC);
+    c.hold(2);
+    c.wait_for(|e| e.worker == 2 && e.line() == Some(&format!("trainerd: failpoint {point} reached")), DEADLINE);
+    c.signal(2, libc::SIGKILL);
+    c.wait_event(0, formed_with(2, 3), DEADLINE);
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1]);
+}
+
+#[test]
+fn a_worker_gone_for_good_in_the_middle_of_an_evaluation() {
+    killed_for_good_at("evaluate", 3);
+}
+
+#[test]
+fn a_worker_gone_for_good_while_a_generation_forms() {
+    killed_for_good_at("formed", 1);
+}
+
+#[test]
+fn a_worker_gone_for_good_while_it_receives_the_state() {
+    killed_for_good_at("state-transfer", 1);
 }

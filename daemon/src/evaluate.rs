@@ -133,9 +133,15 @@ pub fn run(
     let test_data = Data::load(&cfg.data, &model)?;
     let ctx = input_context((rank, world), cfg.batch_size, (false, u64::from(state.position.epoch), 0));
     let began = Instant::now();
-    let totals =
-        step::evaluate(&model, &test_data, std::slice::from_ref(&ctx), session.ring(), cfg.device, info.metrics.len())
-            .map_err(|e| failed(session.interrupt(e)))?;
+    let totals = step::evaluate(
+        &model,
+        &test_data,
+        std::slice::from_ref(&ctx),
+        session.ring(),
+        (cfg.device, info.metrics.len()),
+        &mut Default::default(),
+    )
+    .map_err(|e| failed(session.interrupt(e)))?;
     let seconds = began.elapsed().as_secs_f64();
     if world > 1 {
         session.barrier(FINAL_BARRIER).map_err(failed)?;

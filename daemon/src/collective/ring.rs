@@ -221,6 +221,12 @@ impl Ring {
         })
     }
 
+    /// Fails when this ring's generation was aborted (a peer failed, the cluster moved on): long
+    /// work between collectives checks it, so as not to finish what the cluster has abandoned.
+    pub fn check_abort(&self) -> Result<(), CollectiveError> {
+        self.link.check()
+    }
+
     /// The generation this ring belongs to.
     pub fn generation(&self) -> u64 {
         self.generation

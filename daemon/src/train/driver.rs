@@ -49,6 +49,8 @@ pub(super) struct Driver<'a> {
     stop: Arc<AtomicBool>,
     report: Reporter<'a>,
     committer: Option<Committer>,
+    /// The test split's sums per slot already evaluated, and the global step of the parameters.
+    evaluated: (u64, BTreeMap<u32, Vec<f64>>),
 }
 
 impl<'a> Driver<'a> {
@@ -72,6 +74,7 @@ impl<'a> Driver<'a> {
             stop: Arc::clone(stop),
             report,
             committer,
+            evaluated: (u64::MAX, BTreeMap::new()),
         }
     }
 
@@ -203,7 +206,7 @@ impl<'a> Driver<'a> {
         }
         if state.position().last_eval.is_none() && epochs > 0 && self.cfg.evaluate {
             // A checkpoint of an older trainerd holds no evaluation: make it.
-            let eval = self.evaluate(epochs - 1, session)?;
+            let eval = self.evaluate((epochs - 1, state.position().global_step), session)?;
             state.model.position.last_eval = Some(eval);
         }
         Ok(Ended::Finished)
@@ -290,19 +293,25 @@ impl<'a> Driver<'a> {
         Ok((result, prefetch))
     }
 
-    /// A pass over the test split after `epoch`, each collective bounded by the collective
-    /// timeout.
-    fn evaluate(&mut self, epoch: u32, session: &mut Session) -> Result<Totals, Interrupt> {
+    /// A pass over the test split after `epoch`, on the parameters of `global_step`, each
+    /// collective bounded by the collective timeout. The shards already evaluated on these
+    /// parameters (before a failure abandoned the pass) are not evaluated again.
+    fn evaluate(&mut self, (epoch, global_step): (u32, u64), session: &mut Session) -> Result<Totals, Interrupt> {
         let ctxs = self.ctxs(&session.ring().slots().held.clone(), epoch, false);
         self.report.evaluating(epoch);
-        step::evaluate(self.model, self.data, &ctxs, session.ring(), self.cfg.device, self.metrics())
+        if self.evaluated.0 != global_step {
+            self.evaluated = (global_step, BTreeMap::new());
+        }
+        let on = (self.cfg.device, self.metrics());
+        step::evaluate(self.model, self.data, &ctxs, session.ring(), on, &mut self.evaluated.1)
             .map_err(|e| session.interrupt(e))
     }
 
     /// The epoch's evaluation, its last line, and its commit.
     fn end_epoch(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
         let epoch = state.position().epoch;
-        let eval = if self.cfg.evaluate { Some(self.evaluate(epoch, session)?) } else { None };
+        let at = (epoch, state.position().global_step);
+        let eval = if self.cfg.evaluate { Some(self.evaluate(at, session)?) } else { None };
         state.model.position.next_epoch(eval.clone());
         let p = state.position();
         // The rate the epoch's last step used.

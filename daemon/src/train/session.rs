@@ -230,6 +230,8 @@ impl Session {
         let held = crate::collective::slots::assign(names.len(), &members).swap_remove(place);
         self.ring.set_slots(Slots { count: names.len(), held });
         self.members = members;
+        // Chaos tests stop a member here: a failure while a generation forms.
+        trainerd_failpoint::point("formed");
         let received = self.transfer(&formed, state, &names)?;
         Ok(Joined { formed, received })
     }
@@ -254,6 +256,8 @@ impl Session {
         } else {
             Vec::new()
         };
+        // Chaos tests stop a member here: a failure while the state moves.
+        trainerd_failpoint::point("state-transfer");
         let root = self.members.iter().position(|&r| r == formed.source).unwrap_or(0);
         let bytes = match self.ring.broadcast_bytes(root, mine) {
             Ok(b) => b,
