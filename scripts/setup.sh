@@ -22,6 +22,12 @@ if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
     apt_install dataset-fashion-mnist
 fi
 
+# The partition tests make network namespaces with iproute2's `ip`.
+if ! command -v ip >/dev/null; then
+    echo "setup: installing iproute2 (the partition tests' network namespaces)"
+    apt_install iproute2
+fi
+
 # The venv counts as installed only once its marker is written, so an interrupted install is
 # redone rather than trusted.
 marker="$TRAINERD_VENV/.trainerd-complete"
