@@ -3,7 +3,7 @@
 //! TF_CONFIG's workers: the run's math belongs to its slots (virtual ranks), never to the workers
 //! present.
 //!
-//! CI budget: the eight scenarios and their two references take about 2 minutes on 2 cores.
+//! CI budget: the nine scenarios and their two references take about 2 minutes on 2 cores.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -239,4 +239,43 @@ fn a_worker_gone_for_good_while_a_generation_forms() {
 #[test]
 fn a_worker_gone_for_good_while_it_receives_the_state() {
     killed_for_good_at("state-transfer", 1);
+}
+
+/// `trainerd local --no-restart 2`: the launcher leaves worker 2 dead, says so, says who holds its
+/// slot once the others go on, and the run exits 0 with the full run's parameters.
+#[test]
+fn trainerd_local_can_leave_a_worker_dead_and_says_what_happens() {
+    use trainerd_testkit::Worker;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut all: Vec<String> =
+        ["local", "--workers", "3", "--restart-delay", "0", "--no-restart", "2"].map(String::from).to_vec();
+    let mut run = args(LINEAR, tmp.path(), &[]);
+    let summary_at = run.iter().position(|a| a == "--summary").unwrap() + 1;
+    // The launcher gives each worker its own file: s.workerN.json.
+    run[summary_at] = tmp.path().join("s.json").to_str().unwrap().to_string();
+    all.extend(run);
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    let mut local = Worker::start(&all);
+    let at = |r: &trainerd_testkit::events::Record| {
+        r.worker == Some(2) && matches!(r.event, Event::Step { global_step, .. } if global_step > 30)
+    };
+    let pid = local.wait_event(at, DEADLINE).pid;
+    // SAFETY: kill(2) on a process of this test's launcher.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+    let died = local.wait_line(|l| l.starts_with("trainerd local: worker 2 died"), DEADLINE);
+    assert_eq!(
+        died,
+        "trainerd local: worker 2 died (SIGKILL); not restarted (--no-restart): the others go on without it after \
+         --replace-after, if a majority of the workers remains"
+    );
+    let moved = local.wait_line(|l| l.starts_with("trainerd local: worker 2 gone for "), DEADLINE);
+    assert!(moved.contains(" s: its slots move to the others (worker 0 (127.0.0.1:"), "{moved}");
+    assert!(moved.ends_with(": slot 2); 2 of 3 workers, 0.67x speed"), "{moved}");
+    assert!(local.wait().success());
+    let sha = |w: usize| {
+        let path = tmp.path().join(format!("s.worker{w}.json"));
+        let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        s["params_sha256"].as_str().unwrap().to_string()
+    };
+    assert_eq!((sha(0), sha(1)), (reference(LINEAR), reference(LINEAR)));
 }

@@ -167,7 +167,7 @@ impl Launcher {
             Happening::Line { worker, stream, text, .. } => relay(worker, stream, &text),
             Happening::Event { worker, mut record, .. } => {
                 if let Event::Joined { present: Some(present), layout: Some(layout), workers, .. } = &record.event {
-                    self.short(worker, (*present, *workers), layout, supervisor);
+                    self.short(worker, (*present, *workers), layout);
                 }
                 if let Event::Recovered { global_step, generation, steps_lost, .. } = &record.event {
                     if let Some(died) = self.died[worker].take() {
@@ -215,16 +215,13 @@ impl Launcher {
 impl Launcher {
     /// The chief (`worker`) formed a generation without some workers: who is gone, for how long,
     /// and who holds their slots now.
-    fn short(&self, worker: usize, (present, workers): (usize, usize), layout: &str, supervisor: &Supervisor) {
+    fn short(&self, worker: usize, (present, workers): (usize, usize), layout: &str) {
         if worker != 0 {
             return;
         }
+        // The workers that died and are not back.
         let gone: Vec<String> = (0..workers)
-            .filter(|&w| supervisor.pid(w).is_none() || !layout.contains(&format!("worker {w}:")))
-            .map(|w| match self.died[w] {
-                Some(at) => format!("worker {w} gone for {:.0} s", at.elapsed().as_secs_f64()),
-                None => format!("worker {w} missing"),
-            })
+            .filter_map(|w| self.died[w].map(|at| format!("worker {w} gone for {:.0} s", at.elapsed().as_secs_f64())))
             .collect();
         say(&format!(
             "{}: its slots move to the others ({layout}); {present} of {workers} workers, {:.2}x speed",
