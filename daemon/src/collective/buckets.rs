@@ -77,7 +77,9 @@ impl Buckets {
     }
 
     /// Replaces every gradient with its mean over the ring's slots, and `extra` with its sum:
-    /// [`Buckets::stage`] then [`Buckets::reduce`] for a worker holding one slot.
+    /// [`Buckets::stage`] then [`Buckets::reduce`] for a worker holding one slot (the tests' way in;
+    /// a step stages each slot it holds, then reduces).
+    #[cfg(test)]
     pub fn all_reduce(
         &mut self,
         ring: &mut Ring,

@@ -263,7 +263,7 @@ impl Ring {
     ) -> Result<(), CollectiveError> {
         let (v, a, b) = (slots.count, slots.held.start, slots.held.end);
         let len = bufs[0].len();
-        let chunk = |c: usize| (c % v) * len / v..(c % v + 1) * len / v;
+        let chunk = |c: usize| chunk_of(c, v, len);
         for u in a + 1..b {
             let c = chunk(u + 1);
             let (first, rest) = bufs.split_at_mut(1);
@@ -333,7 +333,7 @@ impl Ring {
                 self.link.check()?;
             }
             let began = Instant::now();
-            let chunk = |c: usize| (c % v) * len / v..(c % v + 1) * len / v;
+            let chunk = |c: usize| chunk_of(c, v, len);
             // Reduce-scatter: at step s, slot u adds its chunk u - s into slot u + 1's.
             for s in 0..v - 1 {
                 for u in a..b - 1 {
@@ -421,6 +421,11 @@ impl Ring {
             received.and(sent)
         })
     }
+}
+
+/// Chunk `c` (taken modulo `v`) of a buffer of `len` elements cut into `v` chunks.
+fn chunk_of(c: usize, v: usize, len: usize) -> std::ops::Range<usize> {
+    (c % v) * len / v..(c % v + 1) * len / v
 }
 
 /// `dst += src`, element-wise (an addition the ring would have made at the receiving rank).
