@@ -3,7 +3,7 @@
 //! TF_CONFIG's workers: the run's math belongs to its slots (virtual ranks), never to the workers
 //! present.
 //!
-//! CI budget: the nine scenarios and their two references take about 2 minutes on 2 cores.
+//! CI budget: the eleven scenarios and their two references take about 2.5 minutes on 2 cores.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -161,6 +161,72 @@ fn a_replaced_worker_that_comes_back_takes_its_slot_back() {
     let chief = summary(tmp.path(), 0);
     assert_eq!((chief["workers_present"].as_u64(), &chief["slots"]), (Some(3), &serde_json::json!([0])));
     assert_eq!(chief["fault_tolerance"]["steps_lost"].as_u64(), Some(0));
+}
+
+/// Every worker keeps its vote (for electing a coordinator) in its own directory.
+fn voting(dir: &Path) -> [String; 2] {
+    ["--state-dir".to_string(), dir.join("state.{rank}").to_str().unwrap().to_string()]
+}
+
+/// The chief is SIGKILLed and never restarted: after --replace-after, worker 1 (the lowest live
+/// rank) stands, worker 2 votes for it, and it coordinates a generation of the two survivors,
+/// committing to the shared checkpoint directory; the run is bitwise the three-worker run's.
+#[test]
+fn the_chief_killed_for_good_is_replaced_by_an_elected_coordinator() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = voting(tmp.path());
+    let extra: Vec<&str> = state.iter().map(String::as_str).collect();
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], vec![], RESTART_SEC);
+    c.hold(0);
+    wait_for_step(&mut c, LINEAR, 1, 40);
+    let killed = c.mark();
+    c.signal(0, libc::SIGKILL);
+    let (_, elected) = c.wait_line(1, "trainerd: worker 1 ", killed, DEADLINE);
+    assert!(elected.contains(" coordinates from term ") && elected.contains("elected by 2 of 3"), "{elected}");
+    let (_, line) = c.wait_line(1, "trainerd: generation ", killed, DEADLINE);
+    assert!(line.contains("; 2 of 3 workers (") && line.contains(": slots 0-1, "), "{line}");
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[1, 2]);
+    // The new coordinator committed the final state, in a generation above the chief's.
+    let s = summary(tmp.path(), 1);
+    assert_eq!((s["workers_present"].as_u64(), &s["slots"]), (Some(2), &serde_json::json!([0, 1])));
+    assert_eq!(s["checkpoint_error"], serde_json::Value::Null);
+    let ckpt = |command: &str| {
+        let out = std::process::Command::new(trainerd_testkit::trainerd())
+            .args(["ckpt", command, tmp.path().join("ckpt").to_str().unwrap()])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "ckpt {command}: {text}{}", String::from_utf8_lossy(&out.stderr));
+        text
+    };
+    ckpt("verify");
+    let list = ckpt("list");
+    let newest: Vec<&str> = list.lines().last().unwrap().split_whitespace().collect();
+    assert_eq!(newest[1], (2 * LINEAR.steps).to_string(), "the final commit is the new coordinator's:\n{list}");
+}
+
+/// The chief comes back while its successor coordinates: it hears of the newer term, joins as a
+/// member saying so, takes its slot back, and the run is still bitwise the three-worker run's.
+#[test]
+fn a_chief_that_returns_while_its_successor_coordinates_joins_as_a_member() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = voting(tmp.path());
+    let extra: Vec<&str> = state.iter().map(String::as_str).collect();
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], vec![], RESTART_SEC);
+    c.hold(0);
+    wait_for_step(&mut c, LINEAR, 1, 30);
+    let killed = c.mark();
+    c.signal(0, libc::SIGKILL);
+    c.wait_line(1, "trainerd: worker 1 ", killed, DEADLINE);
+    c.wait_line(1, "trainerd: generation ", killed, DEADLINE);
+    let back = c.mark();
+    c.bring_back(0);
+    let (_, line) = c.wait_line(0, "trainerd: worker 0 ", back, DEADLINE);
+    assert!(line.contains(" coordinates (term ") && line.contains("joining as a member"), "{line}");
+    let (_, joined) = c.wait_event(0, |e| matches!(e, Event::Joined { .. }), DEADLINE);
+    assert!(matches!(joined, Event::Joined { present: None, source: Some(1 | 2), .. }), "{joined:?}");
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
+    assert_eq!(summary(tmp.path(), 0)["slots"], serde_json::json!([0]));
 }
 
 #[test]

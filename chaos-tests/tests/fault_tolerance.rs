@@ -394,7 +394,7 @@ fn sigterm_preempts_one_worker_and_its_return_loses_nothing() {
     assert_eq!(c.wait_exit(2, DEADLINE).1, 0);
     assert!(at - sent < Duration::from_secs(10), "it took {:?} to stop", at - sent);
     let (_, stopped) = c.wait_line(2, "trainerd: stopped by signal at global step ", mark, DEADLINE);
-    assert!(stopped.contains("committed as checkpoint") || stopped.contains("held by the chief"), "{stopped}");
+    assert!(stopped.contains("committed as checkpoint") || stopped.contains("held by the coordinator"), "{stopped}");
     // The others wait for it; the node comes back.
     std::thread::sleep(Duration::from_secs(1));
     c.bring_back(2);

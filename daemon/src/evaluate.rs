@@ -124,7 +124,7 @@ pub fn run(
 ) -> Result<Evaluation, TrainError> {
     let info = plugin.info();
     let identity = (plugin.identity(), cfg.agreement_json());
-    let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network)?;
+    let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, None)?;
     let (rank, world) = (session.rank(), session.world());
     let model = plugin.create_model("model", cfg.device)?;
     let mut state = ModelState::new(model.split_variables(), info.metrics.len(), cfg.device, rank == 0);

@@ -360,6 +360,11 @@ pub struct RunArgs {
     /// of a partition train.
     #[arg(long)]
     pub allow_even_split: bool,
+    /// Keep this worker's vote here (fsynced), so that it can take part in electing a new
+    /// coordinator when the chief is lost for good [default: $STATE_DIRECTORY, which systemd's
+    /// StateDirectory= sets; without either, a lost chief is waited for].
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
     /// Commit checkpoints here (a directory, file:///path, s3://bucket/prefix) and resume from
     /// the newest one at start.
     #[arg(long)]

@@ -172,6 +172,7 @@ fn run_config(
         data,
         evaluate: !args.no_evaluation,
         log_examples: args.log_examples.clone(),
+        state_dir: state_dir(args.state_dir.as_ref())?,
         epochs: args.epochs.unwrap_or(defaults.epochs),
         batch_size,
         optimizer,
@@ -254,4 +255,20 @@ fn ended(outcome: Outcome, progress: &mut Progress, summary_path: Option<&PathBu
         return Ok(Exit::FinishedUncommitted.code());
     }
     Ok(Exit::Done.code())
+}
+
+/// Where this worker keeps its vote for electing a coordinator: `--state-dir`, else systemd's
+/// `$STATE_DIRECTORY` (the unit's `StateDirectory=`); created if missing. None: this worker takes
+/// no part in an election (a chief lost for good is waited for, as before).
+fn state_dir(flag: Option<&PathBuf>) -> anyhow::Result<Option<PathBuf>> {
+    let dir = match flag {
+        Some(d) => d.clone(),
+        None => match std::env::var_os("STATE_DIRECTORY") {
+            // systemd may list several, separated by colons: the first is the unit's own.
+            Some(v) => PathBuf::from(v.to_string_lossy().split(':').next().unwrap_or_default()),
+            None => return Ok(None),
+        },
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("--state-dir {}", dir.display()))?;
+    Ok(Some(dir))
 }

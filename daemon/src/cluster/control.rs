@@ -9,13 +9,14 @@
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::election::{Ballot, Elections};
 use super::membership::{self, Effect, Gone, Report};
 use crate::collective::AbortSignal;
 
@@ -69,6 +70,10 @@ pub struct Formed {
     pub steps_lost: u64,
     /// The ranks in the generation, ascending (the ring's order).
     pub members: Vec<usize>,
+    /// The coordinator's rank (it commits).
+    pub coordinator: usize,
+    /// The coordinator's term (0: the chief's, without a vote).
+    pub term: u64,
 }
 
 impl From<&Formed> for proto::JoinReply {
@@ -84,6 +89,8 @@ impl From<&Formed> for proto::JoinReply {
             recovery: f.recovery,
             steps_lost: f.steps_lost,
             members: f.members.iter().map(|&r| r as u32).collect(),
+            coordinator: f.coordinator as u32,
+            term: f.term,
         }
     }
 }
@@ -100,6 +107,8 @@ impl From<proto::JoinReply> for Formed {
             recovery: r.recovery,
             steps_lost: r.steps_lost,
             members: r.members.into_iter().map(|r| r as usize).collect(),
+            coordinator: r.coordinator as usize,
+            term: r.term,
         }
     }
 }
@@ -126,12 +135,29 @@ struct Coord {
     sinks: Vec<Option<(u64, NoticeSink)>>,
     /// The latest formation, as the waiting joins are answered with it.
     formation: Option<Formed>,
+    /// A coordinator of a newer term exists: this one answers nothing any more, and why.
+    deposed: Option<String>,
 }
 
-/// The chief's coordinator.
+/// Where a coordinator sits and since when: its rank and term, and the ranks already missing
+/// when it took over (with the instant they were lost), which count as missing since then.
+#[derive(Clone, Debug, Default)]
+pub struct Seat {
+    /// The rank of the process it lives in.
+    pub rank: usize,
+    /// Its term (0: the chief's, without a vote).
+    pub term: u64,
+    /// Ranks lost before it took over, and since when.
+    pub lost: Vec<(usize, Instant)>,
+    /// A generation formed before it took over: missing members get the rejoin deadline.
+    pub ever_formed: bool,
+}
+
+/// The coordinator (the chief's, or one elected when the chief was lost for good).
 pub struct Coordinator {
     expected: Identity,
     names: Vec<String>,
+    seat: Seat,
     opts: membership::Options,
     inner: Mutex<Coord>,
     /// Bumped on every change a waiting call may care about.
@@ -139,33 +165,80 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
-    /// A coordinator for `names.len()` members that admits only `expected`.
-    pub fn new(expected: Identity, names: Vec<String>, opts: membership::Options) -> Arc<Coordinator> {
+    /// A coordinator for `names.len()` members that admits only `expected`, sitting in `seat`:
+    /// its generations exceed its term.
+    pub fn new(expected: Identity, names: Vec<String>, opts: membership::Options, seat: Seat) -> Arc<Coordinator> {
         let world = names.len();
         let now = Instant::now();
+        let mut state = membership::State::new(world, seat.term, now);
+        state.own = seat.rank;
+        state.ever_formed = seat.ever_formed;
+        for &(rank, since) in &seat.lost {
+            state.members[rank].last_seen = since;
+        }
         Arc::new(Coordinator {
             expected,
             opts,
             inner: Mutex::new(Coord {
-                state: membership::State::new(world, 0, now),
+                state,
                 addresses: vec![String::new(); world],
                 sinks: vec![None; world],
                 formation: None,
+                deposed: None,
             }),
             names,
+            seat,
             version: watch::channel(0).0,
         })
+    }
+
+    /// Its term.
+    pub fn term(&self) -> u64 {
+        self.seat.term
+    }
+
+    /// A coordinator of a newer term exists: answer nothing more (waiting calls get `why`, the
+    /// heartbeat streams close).
+    pub fn depose(&self, why: &str) {
+        let mut c = self.lock();
+        if c.deposed.is_none() {
+            tracing::warn!("{}", why);
+            c.deposed = Some(why.to_string());
+            c.sinks.iter_mut().for_each(|s| *s = None);
+            self.version.send_modify(|v| *v += 1);
+        }
+    }
+
+    /// Whether it is gathering members (no generation formed, or the last one ended).
+    pub fn gathering(&self) -> bool {
+        !self.lock().state.formed
+    }
+
+    /// Why it was deposed, if it was.
+    pub fn deposed(&self) -> Option<String> {
+        self.lock().deposed.clone()
+    }
+
+    /// The name of this coordinator's role: `the chief, worker 0 (…)` or `the coordinator, …`.
+    fn role(&self) -> String {
+        let name = &self.names[self.seat.rank];
+        if self.seat.term == 0 {
+            format!("the chief, {name}")
+        } else {
+            format!("the coordinator, {name}")
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Coord> {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// After the final barrier: whether every member other than the chief has left or
-    /// disconnected (so that the chief's exit can no longer cut off a reply they wait for).
+    /// After the final barrier: whether every member other than the coordinator's own has left
+    /// or disconnected (so that its exit can no longer cut off a reply they wait for).
     pub fn departed(&self) -> bool {
         let c = self.lock();
-        c.state.finished && c.state.members.iter().skip(1).all(|m| m.gone.is_some() || !m.connected || !m.active)
+        let others = c.state.members.iter().enumerate().filter(|(r, _)| *r != self.seat.rank);
+        c.state.finished && others.map(|(_, m)| m).all(|m| m.gone.is_some() || !m.connected || !m.active)
     }
 
     /// After a give-up: whether every member told of it has left or disconnected (so that the
@@ -190,6 +263,9 @@ impl Coordinator {
     /// Runs the decisions until none is due; true if any was.
     fn decide(&self, c: &mut Coord) -> bool {
         let now = Instant::now();
+        if c.deposed.is_some() {
+            return false;
+        }
         let mut any = false;
         while let Some(decision) = membership::decide(&c.state, now, &self.opts) {
             let effect = c.state.apply(decision, now, &self.names);
@@ -226,6 +302,8 @@ impl Coordinator {
                     recovery: f.recovery,
                     steps_lost: f.steps_lost,
                     members: f.members,
+                    coordinator: self.seat.rank,
+                    term: self.seat.term,
                 });
             }
             Effect::GaveUp => tracing::warn!("coordinator gave up: {}", c.state.gave_up),
@@ -237,6 +315,9 @@ impl Coordinator {
         loop {
             tokio::time::sleep(interval).await;
             let mut c = self.lock();
+            if c.deposed.is_some() {
+                return;
+            }
             if self.decide(&mut c) {
                 self.version.send_modify(|v| *v += 1);
             }
@@ -301,22 +382,22 @@ impl Coordinator {
     /// Why `req` cannot join, naming the member and both values.
     fn mismatch(&self, req: &proto::JoinRequest) -> Option<String> {
         let who = &self.names[req.rank as usize];
-        let chief = &self.names[0];
+        let role = self.role();
         if req.cluster_json != self.expected.cluster_json {
             return Some(format!(
-                "{who} has a different TF_CONFIG cluster: {} on {who}, {} on the chief, {chief}",
+                "{who} has a different TF_CONFIG cluster: {} on {who}, {} on {role}",
                 req.cluster_json, self.expected.cluster_json
             ));
         }
         if req.plugin_identity != self.expected.plugin {
             return Some(format!(
-                "{who} runs a different plugin: {} on {who}, {} on the chief, {chief}",
+                "{who} runs a different plugin: {} on {who}, {} on {role}",
                 req.plugin_identity, self.expected.plugin
             ));
         }
         if req.run_config_json != self.expected.run_config_json {
             return Some(format!(
-                "{who} has a different run configuration: {} on the chief, {chief}",
+                "{who} has a different run configuration: {} on {role}",
                 json_difference(&req.run_config_json, &self.expected.run_config_json, who)
             ));
         }
@@ -337,8 +418,11 @@ impl Coordinator {
             let report = report_of(req.report);
             c.state.high_water = c.state.high_water.max(report.progress.0);
             c.addresses[rank] = req.data_address;
+            if let Some(why) = &c.deposed {
+                return Err(Status::unavailable(why.clone()));
+            }
             if c.state.closed {
-                if rank != 0 {
+                if rank != self.seat.rank {
                     c.state.unanswered.insert(rank);
                 }
                 return Err(Status::aborted(c.state.gave_up.clone()));
@@ -351,6 +435,9 @@ impl Coordinator {
             seen
         };
         self.wait_for(|c| {
+            if let Some(why) = &c.deposed {
+                return Some(Err(Status::unavailable(why.clone())));
+            }
             if c.state.members[rank].incarnation != Some(incarnation) {
                 return Some(Err(Status::failed_precondition(format!(
                     "another process took {} while this one was joining",
@@ -373,6 +460,9 @@ impl Coordinator {
     fn beat(&self, beat: &proto::Beat, sink: &NoticeSink, registered: &mut Option<(usize, u64)>) -> bool {
         let Ok(rank) = check_rank(beat.rank, self.names.len()) else { return false };
         let mut c = self.lock();
+        if c.deposed.is_some() {
+            return false;
+        }
         if registered.is_none() {
             // The first beat of a stream: a process that already joined, or a new one.
             if let Err(stale) = self.claim(&mut c, rank, beat.incarnation) {
@@ -470,6 +560,9 @@ impl Coordinator {
             self.settle(&mut c);
         }
         self.wait_for(|c| {
+            if let Some(why) = &c.deposed {
+                return Some(Err(Status::unavailable(why.clone())));
+            }
             let world = c.state.members.iter().filter(|m| m.active).count();
             if c.state.barriers.get(&key).is_some_and(|s| s.len() == world) {
                 return Some(Ok(()));
@@ -504,27 +597,64 @@ fn check_rank(rank: u32, world: usize) -> Result<usize, Status> {
     Ok(r)
 }
 
+/// Where this process's coordinator sits when it coordinates: the chief's from the start, an
+/// elected one's from its election, empty once deposed.
+pub type Chair = Arc<RwLock<Option<Arc<Coordinator>>>>;
+
+/// The coordinator in `chair`, if any.
+pub fn seated(chair: &Chair) -> Option<Arc<Coordinator>> {
+    chair.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+}
+
 /// The service every daemon serves.
 pub struct Service {
     /// This member's rank.
     pub rank: usize,
     /// Every member's name.
     pub names: Vec<String>,
-    /// The coordinator, on the chief.
-    pub coordinator: Option<Arc<Coordinator>>,
+    /// The coordinator, when this process coordinates.
+    pub chair: Chair,
+    /// This member's vote and what it knows of the coordinator.
+    pub elections: Arc<Elections>,
+    /// How long without a coordinator before this member may vote.
+    pub heartbeat_deadline: Duration,
     /// This member's collectives, for pushed aborts.
     pub abort: AbortSignal,
 }
 
 impl Service {
-    fn coordinator(&self) -> Result<&Arc<Coordinator>, Status> {
-        self.coordinator.as_ref().ok_or_else(|| {
-            Status::failed_precondition(format!(
-                "{} is not the chief; the chief is {}",
-                self.names[self.rank], self.names[0]
-            ))
-        })
+    /// The coordinator here, for a caller that knows `term`: a caller that knows a newer term
+    /// deposes it.
+    fn coordinator(&self, term: u64) -> Result<Arc<Coordinator>, Status> {
+        let Some(c) = seated(&self.chair) else {
+            let follows = match self.elections.coordinator() {
+                Some((t, r)) => format!("; it follows {} (term {t})", self.names[r]),
+                None => String::new(),
+            };
+            return Err(Status::unavailable(format!("{} does not coordinate{follows}", self.names[self.rank])));
+        };
+        if term > c.term() {
+            let why = format!(
+                "{} no longer coordinates (term {}): a member knows term {term}",
+                self.names[self.rank],
+                c.term()
+            );
+            depose(&self.chair, &c, &why);
+            let _ = self.elections.heard(term);
+            return Err(Status::unavailable(why));
+        }
+        Ok(c)
     }
+}
+
+/// Takes `c` out of `chair` (if it still sits there) and deposes it.
+pub fn depose(chair: &Chair, c: &Arc<Coordinator>, why: &str) {
+    let mut seat = chair.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if seat.as_ref().is_some_and(|s| Arc::ptr_eq(s, c)) {
+        *seat = None;
+    }
+    drop(seat);
+    c.depose(why);
 }
 
 type NoticeStream = Pin<Box<dyn Stream<Item = Result<proto::Notice, Status>> + Send + 'static>>;
@@ -532,19 +662,29 @@ type NoticeStream = Pin<Box<dyn Stream<Item = Result<proto::Notice, Status>> + S
 #[tonic::async_trait]
 impl Control for Service {
     async fn join(&self, request: Request<proto::JoinRequest>) -> Result<Response<proto::JoinReply>, Status> {
-        let c = self.coordinator()?.clone();
-        c.join(request.into_inner()).await.map(Response::new)
+        let request = request.into_inner();
+        let c = self.coordinator(request.term)?;
+        c.join(request).await.map(Response::new)
     }
 
     type HeartbeatStream = NoticeStream;
 
     async fn heartbeat(&self, request: Request<Streaming<proto::Beat>>) -> Result<Response<NoticeStream>, Status> {
-        let c = self.coordinator()?.clone();
+        let c = self.coordinator(0)?;
         let mut inbound = request.into_inner();
         let (sink, notices) = mpsc::unbounded_channel();
+        let (chair, elections, me) =
+            (Arc::clone(&self.chair), Arc::clone(&self.elections), self.names[self.rank].clone());
         tokio::spawn(async move {
             let mut registered = None;
             while let Ok(Some(beat)) = inbound.message().await {
+                if beat.term > c.term() {
+                    let why =
+                        format!("{me} no longer coordinates (term {}): a member knows term {}", c.term(), beat.term);
+                    depose(&chair, &c, &why);
+                    let _ = elections.heard(beat.term);
+                    break;
+                }
                 if !c.beat(&beat, &sink, &mut registered) {
                     break;
                 }
@@ -557,15 +697,15 @@ impl Control for Service {
     }
 
     async fn report(&self, request: Request<proto::ReportRequest>) -> Result<Response<proto::Empty>, Status> {
-        self.coordinator()?.report(request.into_inner()).map(|()| Response::new(proto::Empty {}))
+        self.coordinator(0)?.report(request.into_inner()).map(|()| Response::new(proto::Empty {}))
     }
 
     async fn leave(&self, request: Request<proto::LeaveRequest>) -> Result<Response<proto::Empty>, Status> {
-        self.coordinator()?.leave(request.into_inner()).map(|()| Response::new(proto::Empty {}))
+        self.coordinator(0)?.leave(request.into_inner()).map(|()| Response::new(proto::Empty {}))
     }
 
     async fn barrier(&self, request: Request<proto::BarrierRequest>) -> Result<Response<proto::Empty>, Status> {
-        let c = self.coordinator()?.clone();
+        let c = self.coordinator(0)?;
         c.barrier(request.into_inner()).await.map(|()| Response::new(proto::Empty {}))
     }
 
@@ -577,5 +717,38 @@ impl Control for Service {
             tracing::info!("generation {} aborted by {}: {reason}", req.generation, self.names[from]);
         }
         Ok(Response::new(proto::Empty {}))
+    }
+
+    async fn vote(&self, request: Request<proto::VoteRequest>) -> Result<Response<proto::VoteReply>, Status> {
+        let req = request.into_inner();
+        let candidate = check_rank(req.candidate, self.names.len())?;
+        let ballot = Ballot { term: req.term, candidate };
+        let reply = match self.elections.answer(&ballot, Instant::now(), self.heartbeat_deadline, req.pre) {
+            Ok(()) => {
+                if !req.pre {
+                    tracing::info!("voted for {} in term {}", self.names[candidate], req.term);
+                }
+                proto::VoteReply { granted: true, term: req.term, generation: 0, reason: String::new() }
+            }
+            Err((refusal, vote, generation)) => {
+                let coordinator = vote.coordinator.map(|r| self.names[r].as_str());
+                let reason = if self.elections.enabled() {
+                    refusal.reason(coordinator)
+                } else {
+                    "it keeps no vote (no --state-dir)".to_string()
+                };
+                proto::VoteReply { granted: false, term: vote.term, generation, reason }
+            }
+        };
+        Ok(Response::new(reply))
+    }
+
+    async fn who(&self, _: Request<proto::Empty>) -> Result<Response<proto::WhoReply>, Status> {
+        let vote = self.elections.vote();
+        Ok(Response::new(proto::WhoReply {
+            term: vote.term,
+            known: vote.coordinator.is_some(),
+            coordinator: vote.coordinator.unwrap_or(0) as u32,
+        }))
     }
 }

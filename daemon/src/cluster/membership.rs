@@ -74,6 +74,9 @@ impl MemberState {
 /// The coordinator's state.
 #[derive(Clone, Debug)]
 pub struct State {
+    /// The rank of the process the coordinator lives in (the chief's, 0, unless one was
+    /// elected): a formation always holds it.
+    pub own: usize,
     /// The current generation.
     pub generation: u64,
     /// Whether it is formed (training) or gathering members.
@@ -113,6 +116,7 @@ impl State {
     /// A coordinator that has just started, with nobody joined.
     pub fn new(world: usize, floor: u64, now: Instant) -> State {
         State {
+            own: 0,
             generation: 0,
             formed: false,
             floor,
@@ -179,7 +183,8 @@ impl State {
                 self.give_ups += 1;
                 self.gathering_since = now;
                 self.closed = true;
-                let waiting = self.members.iter().enumerate().skip(1).filter(|(_, m)| m.joined.is_some());
+                let own = self.own;
+                let waiting = self.members.iter().enumerate().filter(|(r, m)| *r != own && m.joined.is_some());
                 self.unanswered = waiting.map(|(rank, _)| rank).collect();
                 Effect::GaveUp
             }
@@ -295,7 +300,7 @@ pub fn decide(state: &State, now: Instant, opts: &Options) -> Option<Decision> {
     let replace = if rejoin { opts.replace_after } else { opts.rendezvous_timeout };
     let gone_long = |m: &MemberState| now.saturating_duration_since(m.last_seen) > replace;
     let replaceable = state.members.iter().enumerate().all(|(r, m)| present.contains(&r) || gone_long(m));
-    if present.len() >= opts.min_workers && present.contains(&0) && replaceable {
+    if present.len() >= opts.min_workers && present.contains(&state.own) && replaceable {
         return Some(Decision::Form(form(state, present)));
     }
     let waited = if rejoin { opts.rejoin_deadline } else { opts.rendezvous_timeout };

@@ -6,6 +6,7 @@
 //! storage: a member's state is an opaque ordered progress and a digest.
 
 pub mod control;
+pub mod election;
 pub mod error;
 pub mod member;
 pub mod membership;

@@ -51,6 +51,8 @@ pub(super) struct Driver<'a> {
     committer: Option<Committer>,
     /// The test split's sums per slot already evaluated, and the global step of the parameters.
     evaluated: (u64, BTreeMap<u32, Vec<f64>>),
+    /// This worker coordinates the current generation: it commits.
+    coordinates: bool,
 }
 
 impl<'a> Driver<'a> {
@@ -75,6 +77,7 @@ impl<'a> Driver<'a> {
             report,
             committer,
             evaluated: (u64::MAX, BTreeMap::new()),
+            coordinates: true,
         }
     }
 
@@ -88,6 +91,7 @@ impl<'a> Driver<'a> {
         started: Instant,
     ) -> Result<Outcome, TrainError> {
         let mut first = Some(first);
+        self.coordinates = session.coordinates();
         loop {
             if let Some(why) = session.replaced() {
                 return Err(TrainError::Cluster(ClusterError::Replaced(why)));
@@ -146,6 +150,7 @@ impl<'a> Driver<'a> {
         }
         tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
         state.model.live = true;
+        self.coordinates = formed.coordinator == session.rank();
         if let Some(c) = self.committer.as_mut() {
             c.checkpointer().set_generation(formed.generation);
         }
@@ -243,7 +248,7 @@ impl<'a> Driver<'a> {
         let ids = ids.as_deref();
         let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, took, prefetch, optimizer, ids };
         self.report.step(&done).map_err(Interrupt::Fatal)?;
-        if let Some(c) = self.committer.as_mut() {
+        if let Some(c) = self.committer.as_mut().filter(|_| self.coordinates) {
             c.at(Moment::Step, state, &mut self.report)?;
         }
         self.report.step_line(&done);
@@ -321,9 +326,9 @@ impl<'a> Driver<'a> {
         Ok(())
     }
 
-    /// Asks the chief's committer at `moment`; the sequence of a last commit waited for.
+    /// Asks the coordinator's committer at `moment`; the sequence of a last commit waited for.
     fn commit(&mut self, moment: Moment, state: &TrainState) -> Result<Option<u64>, TrainError> {
-        match self.committer.as_mut() {
+        match self.committer.as_mut().filter(|_| self.coordinates) {
             Some(c) => c.at(moment, state, &mut self.report),
             None => Ok(None),
         }
@@ -372,9 +377,9 @@ impl<'a> Driver<'a> {
 
     /// Where the state of a stopped worker lives on.
     fn saved(&self, sequence: Option<u64>, state: &TrainState) -> String {
-        match &self.committer {
+        match self.committer.as_ref().filter(|_| self.coordinates) {
             Some(c) => c.saved(sequence, state.position().progress()),
-            None if self.cfg.checkpoint.is_some() => "held by the chief".into(),
+            None if self.cfg.checkpoint.is_some() => "held by the coordinator".into(),
             None => "not saved (no --checkpoint-dir)".into(),
         }
     }

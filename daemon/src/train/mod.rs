@@ -92,6 +92,8 @@ pub struct RunConfig {
     /// Append every step's example ids, one JSON line per step, to this file (a columnar dataset
     /// only): a debug mode for comparing runs' data.
     pub log_examples: Option<PathBuf>,
+    /// Where this worker keeps its vote for electing a coordinator (none: it takes no part).
+    pub state_dir: Option<PathBuf>,
 }
 
 impl RunConfig {
@@ -241,7 +243,7 @@ pub fn run(
     let mut report = Reporter::open(cfg, &info.metrics, rank == 0, outputs)?;
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model("model", cfg.device)?;
-    let mut state = startup::initial_state(&model, cfg, &info, rank == 0);
+    let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
     let checkpointer = startup::restore(cfg, (&info, world), &mut session, &mut state, &mut report)?;
     let joining = startup::join_in_background(session, state, stop, &report, cfg)?;

@@ -77,12 +77,13 @@ impl Session {
         (plugin, run_config_json): (String, String),
         timeouts: Timeouts,
         network: &Network,
+        state_dir: Option<&std::path::Path>,
     ) -> Result<Session, TrainError> {
         match cluster {
             None => Ok(Session::single()),
             Some(cluster) => {
                 let identity = Identity { cluster_json: cluster.cluster_json(), plugin, run_config_json };
-                Session::start(cluster, identity, timeouts, network)
+                Session::start(cluster, identity, timeouts, network, state_dir)
             }
         }
     }
@@ -94,8 +95,9 @@ impl Session {
         identity: Identity,
         timeouts: Timeouts,
         network: &Network,
+        state_dir: Option<&std::path::Path>,
     ) -> Result<Session, TrainError> {
-        let plane = ControlPlane::start(cluster, identity, timeouts, network)?;
+        let plane = ControlPlane::start(cluster, identity, timeouts, network, state_dir)?;
         let me = cluster.me();
         let name = plane.names()[cluster.rank].clone();
         let bind = |reason: String| {
@@ -118,6 +120,11 @@ impl Session {
     /// This member's rank.
     pub fn rank(&self) -> usize {
         self.cluster.as_ref().map_or(0, |m| m.plane.rank())
+    }
+
+    /// Whether this member coordinates now (a lone worker always does): it commits.
+    pub fn coordinates(&self) -> bool {
+        self.cluster.as_ref().is_none_or(|m| m.plane.coordinates().is_some())
     }
 
     /// Members in all.
@@ -190,6 +197,8 @@ impl Session {
                 recovery: false,
                 steps_lost: 0,
                 members: vec![0],
+                coordinator: 0,
+                term: 0,
             };
             return Ok(Joined { formed, received: None });
         };

@@ -25,7 +25,7 @@ use crate::state::{Meta, ModelState, Reader, Shareable, TrainState};
 /// Opens this member's session (alone: at once) and says where it listens and whom it waits for.
 pub(super) fn open_session(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<Session, TrainError> {
     let identity = (plugin.identity(), cfg.agreement_json());
-    let session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network)?;
+    let session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, cfg.state_dir.as_deref())?;
     if let Some(listening) = session.listening() {
         let how = if cfg.network.key.is_some() { "peers must prove the cluster secret" } else { "no secret" };
         progress.line(&format!("trainerd: listening on {listening} ({how})"));
@@ -44,8 +44,10 @@ pub(super) fn initial_state(model: &ModelInstance<'_>, cfg: &RunConfig, info: &P
     TrainState::new(ModelState::new((params, buffers), info.metrics.len(), cfg.device, chief), optimizer)
 }
 
-/// On the chief, with checkpoints: the checkpointer, its location checked, and the newest commit
-/// that verifies restored into `state` (the state of last resort; a survivor's is further).
+/// With checkpoints: the checkpointer (every member has one: whoever coordinates commits); on
+/// the coordinator (the chief, or the member its kept vote says won a term), its location
+/// checked and the newest commit that verifies restored into `state` (the state of last resort;
+/// a survivor's is further).
 pub(super) fn restore(
     cfg: &RunConfig,
     (info, workers): (&PluginInfo, usize),
@@ -53,7 +55,11 @@ pub(super) fn restore(
     state: &mut TrainState,
     report: &mut Reporter<'_>,
 ) -> Result<Option<Checkpointer>, TrainError> {
-    let Some(c) = cfg.checkpoint.as_ref().filter(|_| session.rank() == 0) else { return Ok(None) };
+    let Some(c) = cfg.checkpoint.as_ref() else { return Ok(None) };
+    if !session.coordinates() {
+        let store = c.location.open(&c.s3).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        return Ok(Some(Checkpointer::new(store, c.keep).map_err(TrainError::Checkpoint)?));
+    }
     let mut checkpointer = open_checkpointer(c, report)?;
     let location = checkpointer.location().to_string();
     report.waiting_for_cluster(&format!("restoring from {location}"));

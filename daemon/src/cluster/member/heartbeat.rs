@@ -1,5 +1,6 @@
-//! The heartbeat task: beats to the chief every interval, takes the chief's notices (a generation
-//! ended, this process was replaced), and notices when the chief is gone. Whether and why the
+//! The heartbeat task: beats to the coordinator (the chief, or the one elected after it) every
+//! interval, takes its notices (a generation ended, this process was replaced), and notices when
+//! it is gone. Whether and why the
 //! chief is lost is [`Watch::lost`]'s to say; this task only carries out the link's steps, each
 //! bounded by [`Watch::deadline`], and tells the watch what it saw. A lost chief aborts this
 //! member's generation and is pushed to every peer, so nobody waits for a timeout.
@@ -21,8 +22,9 @@ use super::Shared;
 
 /// Who beats, and to whom.
 pub(super) struct Beater {
-    pub(super) chief: Dial,
-    pub(super) chief_name: String,
+    /// How to reach each rank (the coordinator is one of them).
+    pub(super) dials: Arc<Vec<Dial>>,
+    pub(super) names: Arc<Vec<String>>,
     pub(super) rank: u32,
     pub(super) incarnation: u64,
     pub(super) timeouts: Timeouts,
@@ -36,6 +38,8 @@ enum End {
     Lost(Lost),
     /// A newer process took this rank: nothing this one does counts any more.
     Replaced,
+    /// This member now follows another coordinator: link to it at once.
+    Moved,
 }
 
 impl Beater {
@@ -43,15 +47,26 @@ impl Beater {
     /// interval and links again.
     pub(super) async fn run(self) {
         loop {
-            match self.link().await {
+            let Some((term, rank)) = self.shared.elections.coordinator() else {
+                // Voted in an election whose winner is not known yet: nobody to beat to.
+                self.shared.elections.set_lost(Some(Instant::now()));
+                tokio::time::sleep(self.timeouts.heartbeat_interval).await;
+                continue;
+            };
+            match self.link((term, rank)).await {
                 End::Replaced => return,
-                End::Lost(lost) => self.lost(&lost.reason(&self.chief_name)),
+                End::Moved => continue,
+                End::Lost(lost) => {
+                    self.shared.elections.set_lost(Some(Instant::now()));
+                    let role = if term == 0 { "chief" } else { "coordinator" };
+                    self.lost(&lost.reason(role, &self.names[rank]));
+                }
             }
             tokio::time::sleep(self.timeouts.heartbeat_interval).await;
         }
     }
 
-    /// The chief is lost: abort this member's generation and tell every peer.
+    /// The coordinator is lost: abort this member's generation and tell every peer.
     fn lost(&self, why: &str) {
         let generation = self.shared.generation.load(Ordering::Relaxed);
         if generation > 0 && self.shared.abort.trigger(generation, why) {
@@ -59,9 +74,11 @@ impl Beater {
         }
     }
 
-    /// One link to the chief: connect, open the heartbeat stream, read its notices, until the
-    /// watch says the chief is lost.
-    async fn link(&self) -> End {
+    /// One link to the coordinator of `term` (`rank`): connect, open the heartbeat stream, read
+    /// its notices, until the watch says it is lost or this member follows another.
+    async fn link(&self, (term, rank): (u64, usize)) -> End {
+        let dial = &self.dials[rank];
+        let moved = || self.shared.elections.coordinator() != Some((term, rank));
         let deadline = self.timeouts.heartbeat_deadline;
         let mut watch = Watch::new(Instant::now());
         let mut client = None;
@@ -70,9 +87,14 @@ impl Beater {
         let beats = tokio::spawn(self.beats(tx));
         let mut rx = Some(rx);
         let end = loop {
-            let until = watch.deadline(deadline).into();
+            if moved() {
+                break End::Moved;
+            }
+            // Each wait is bounded by the watch's deadline, and (but for the stream's opening, which
+            // cannot be taken up again) by a look for a new coordinator now and then.
+            let until = watch.deadline(deadline).min(Instant::now() + deadline / 4);
             let seen = match watch.link {
-                Link::Connecting(_) => match self.chief.connect(watch.deadline(deadline)).await {
+                Link::Connecting(_) => match dial.connect(until).await {
                     Ok(c) => {
                         client = Some(c);
                         Seen::Connected
@@ -82,16 +104,17 @@ impl Beater {
                 Link::Opening(_) => {
                     let c = client.as_mut().expect("connected");
                     let stream = ReceiverStream::new(rx.take().expect("opened once"));
-                    match timeout_at(until, c.heartbeat(stream)).await {
+                    match timeout_at(watch.deadline(deadline).into(), c.heartbeat(stream)).await {
                         Ok(Ok(response)) => {
                             notices = Some(response.into_inner());
+                            self.shared.elections.set_lost(None);
                             Seen::Opened
                         }
                         Ok(Err(_)) => Seen::Refused,
                         Err(_) => Seen::Nothing,
                     }
                 }
-                Link::Open => match timeout_at(until, notices.as_mut().expect("open").message()).await {
+                Link::Open => match timeout_at(until.into(), notices.as_mut().expect("open").message()).await {
                     Ok(Ok(Some(n))) => match self.notice(&n) {
                         Some(end) => break end,
                         None => Seen::Notice,
@@ -122,6 +145,7 @@ impl Beater {
                     incarnation,
                     generation: shared.generation.load(Ordering::Relaxed),
                     step: shared.step.load(Ordering::Relaxed),
+                    term: shared.elections.vote().term,
                 };
                 if tx.send(beat).await.is_err() {
                     return;
@@ -131,9 +155,10 @@ impl Beater {
         }
     }
 
-    /// Takes a notice from the chief; `Some` when it ends the link for good.
+    /// Takes a notice from the coordinator; `Some` when it ends the link for good.
     fn notice(&self, n: &proto::Notice) -> Option<End> {
         self.shared.touch();
+        self.shared.elections.set_lost(None);
         match proto::notice::Kind::try_from(n.kind) {
             Ok(proto::notice::Kind::Ended) => {
                 self.shared.abort.trigger(n.generation, &n.reason);

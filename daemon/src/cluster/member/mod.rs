@@ -11,6 +11,7 @@
 //! ([`super::error::from_status`]); [`dial`] is how a member reaches the others.
 
 pub mod dial;
+mod elect;
 pub mod heartbeat;
 pub mod watch;
 
@@ -21,7 +22,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
-use super::control::{proto, ControlClient, ControlServer, Coordinator, Formed, Identity, Service};
+use super::control::{
+    proto, seated, Chair, ControlClient, ControlServer, Coordinator, Formed, Identity, Seat, Service,
+};
+use super::election::{vote_file, Elections};
 use super::error::{from_status, Call, ClusterError};
 use super::membership::Report;
 use super::network::Network;
@@ -42,16 +46,21 @@ struct Shared {
     abort: AbortSignal,
     /// Set when a newer process took this rank: nothing this one does counts any more.
     replaced: Mutex<Option<String>>,
-    /// When the chief last answered (ms since `epoch`), so a member waits for an answer as long
-    /// as the chief is alive and gives up only when it is unreachable.
+    /// When the coordinator last answered (ms since `epoch`), so a member waits for an answer
+    /// as long as it is alive and gives up only when it is unreachable.
     last_contact_ms: AtomicU64,
     epoch: Instant,
+    /// This member's vote, and the coordinator it follows.
+    elections: Arc<Elections>,
+    /// The latest commit's generation, which every formation must exceed (whoever coordinates).
+    floor: AtomicU64,
 }
 
 impl Shared {
-    fn new(abort: AbortSignal) -> Shared {
+    fn new(abort: AbortSignal, elections: Arc<Elections>) -> Shared {
         let (generation, step, last_contact_ms) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
-        Shared { generation, step, abort, replaced: Mutex::new(None), last_contact_ms, epoch: Instant::now() }
+        let (replaced, epoch, floor) = (Mutex::new(None), Instant::now(), AtomicU64::new(0));
+        Shared { generation, step, abort, replaced, last_contact_ms, epoch, elections, floor }
     }
 
     fn touch(&self) {
@@ -74,15 +83,16 @@ fn new_incarnation() -> u64 {
     (nanos & !0xffff) | (rand::random::<u64>() & 0xffff)
 }
 
-/// This daemon's control plane: its server, and its calls to the chief and its peers.
+/// This daemon's control plane: its server, and its calls to the coordinator and its peers.
 pub struct ControlPlane {
     runtime: tokio::runtime::Runtime,
     listening: std::net::SocketAddr,
     rank: usize,
     names: Vec<String>,
-    chief: Dial,
+    /// How to reach each rank.
+    dials: Arc<Vec<Dial>>,
     identity: Identity,
-    coordinator: Option<Arc<Coordinator>>,
+    chair: Chair,
     shutdown: Option<oneshot::Sender<()>>,
     incarnation: u64,
     timeouts: Timeouts,
@@ -107,13 +117,16 @@ fn bind(cluster: &ClusterConfig, network: &Network, name: &str) -> Result<std::n
 }
 
 impl ControlPlane {
-    /// Serves the control plane on this member's TF_CONFIG port (the chief also coordinates),
-    /// bound and authenticated as `network` says, and starts beating to the chief.
+    /// Serves the control plane on this member's TF_CONFIG port (the chief also coordinates,
+    /// or the member its kept vote says coordinates), bound and authenticated as `network`
+    /// says, and starts beating to the coordinator. `state_dir` keeps this member's vote (none:
+    /// it takes no part in electing a coordinator when the chief is lost for good).
     pub fn start(
         cluster: &ClusterConfig,
         identity: Identity,
         timeouts: Timeouts,
         network: &Network,
+        state_dir: Option<&std::path::Path>,
     ) -> Result<ControlPlane, ClusterError> {
         let names: Vec<String> = cluster.members.iter().map(|m| m.to_string()).collect();
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -125,12 +138,24 @@ impl ControlPlane {
         let listener = bind(cluster, network, &names[cluster.rank])?;
         let listening = listener.local_addr().map_err(|e| ClusterError::Other(e.to_string()))?;
         let abort = AbortSignal::new();
-        let coordinator = (cluster.rank == 0)
-            .then(|| Coordinator::new(identity.clone(), names.clone(), timeouts.options(names.len())));
+        let run = format!("{}\n{}\n{}", identity.cluster_json, identity.plugin, identity.run_config_json);
+        let file = state_dir.map(|dir| vote_file(dir, cluster.rank, &run));
+        let elections = Arc::new(Elections::open(file).map_err(ClusterError::Other)?);
+        // The chief coordinates term 0; a member whose kept vote says it won a term takes it up again.
+        let coordinator = match elections.coordinator() {
+            Some((term, rank)) if rank == cluster.rank => {
+                let seat = Seat { rank, term, ..Seat::default() };
+                Some(Coordinator::new(identity.clone(), names.clone(), timeouts.options(names.len()), seat))
+            }
+            _ => None,
+        };
+        let chair: Chair = Arc::new(std::sync::RwLock::new(coordinator.clone()));
         let service = Service {
             rank: cluster.rank,
             names: names.clone(),
-            coordinator: coordinator.clone(),
+            chair: Arc::clone(&chair),
+            elections: Arc::clone(&elections),
+            heartbeat_deadline: timeouts.heartbeat_deadline,
             abort: abort.clone(),
         };
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
@@ -144,25 +169,52 @@ impl ControlPlane {
         if let Some(c) = &coordinator {
             tasks.push(runtime.spawn(Arc::clone(c).tick(timeouts.heartbeat_interval / 4)));
         }
+        let dials = cluster.members.iter().map(|m| Dial::new(&m.address, &network.key)).collect();
         let mut plane = ControlPlane {
             runtime,
             listening,
             rank: cluster.rank,
-            chief: Dial::new(&cluster.members[0].address, &network.key),
+            dials: Arc::new(dials),
             names,
             identity,
-            coordinator,
+            chair,
             shutdown: Some(shutdown),
             incarnation: new_incarnation(),
             timeouts,
-            shared: Arc::new(Shared::new(abort)),
+            shared: Arc::new(Shared::new(abort, elections)),
             peers: Arc::new(peers),
             tasks,
             formed_once: false,
         };
         let beater = plane.beater();
         plane.tasks.push(plane.runtime.spawn(beater.run()));
+        let elector = plane.elector();
+        plane.tasks.push(plane.runtime.spawn(elector.run()));
         Ok(plane)
+    }
+
+    /// The coordinator this member follows: its term, rank and how to reach it (`None` while an
+    /// election's winner is unknown).
+    fn coordinator(&self) -> Option<(u64, usize, &Dial)> {
+        self.shared.elections.coordinator().map(|(term, rank)| (term, rank, &self.dials[rank]))
+    }
+
+    /// The coordinator's name, or what stands in for it while none is known.
+    fn coordinator_name(&self) -> String {
+        match self.coordinator() {
+            Some((_, rank, _)) => self.names[rank].clone(),
+            None => "(being elected)".into(),
+        }
+    }
+
+    /// The coordinator in this process, if it coordinates.
+    fn seated(&self) -> Option<Arc<Coordinator>> {
+        seated(&self.chair)
+    }
+
+    /// Whether this process coordinates now, and in which term.
+    pub fn coordinates(&self) -> Option<u64> {
+        self.seated().map(|c| c.term())
     }
 
     /// The address the control plane listens on.
@@ -185,9 +237,11 @@ impl ControlPlane {
         self.shared.abort.clone()
     }
 
-    /// On the chief: the next formation's generation must exceed `generation`.
+    /// The next formation's generation must exceed `generation` (the latest commit's), whoever
+    /// coordinates it.
     pub fn set_floor(&self, generation: u64) {
-        if let Some(c) = &self.coordinator {
+        self.shared.floor.fetch_max(generation, Ordering::Relaxed);
+        if let Some(c) = self.seated() {
             c.set_floor(generation);
         }
     }
@@ -205,13 +259,26 @@ impl ControlPlane {
     /// The heartbeat task's part.
     fn beater(&self) -> Beater {
         Beater {
-            chief: self.chief.clone(),
-            chief_name: self.names[0].clone(),
+            dials: Arc::clone(&self.dials),
+            names: Arc::new(self.names.clone()),
             rank: self.rank as u32,
             incarnation: self.incarnation,
             timeouts: self.timeouts,
             shared: Arc::clone(&self.shared),
             peers: Arc::clone(&self.peers),
+        }
+    }
+
+    /// The elector task's part.
+    fn elector(&self) -> elect::Elector {
+        elect::Elector {
+            rank: self.rank,
+            names: Arc::new(self.names.clone()),
+            peers: Arc::clone(&self.peers),
+            shared: Arc::clone(&self.shared),
+            chair: Arc::clone(&self.chair),
+            identity: self.identity.clone(),
+            timeouts: self.timeouts,
         }
     }
 
@@ -233,6 +300,7 @@ impl ControlPlane {
                 progress_minor: report.progress.1,
                 sha256: report.digest.clone(),
             }),
+            term: 0,
         };
         let result = self.runtime.block_on(self.ask_to_join(&wait, request, stop));
         if let Err(ClusterError::GaveUp { detail, .. }) = &result {
@@ -241,6 +309,7 @@ impl ControlPlane {
         let result = result?;
         self.formed_once = true;
         self.shared.generation.store(result.generation, Ordering::Relaxed);
+        self.shared.elections.saw(result.generation);
         Ok(result)
     }
 
@@ -260,29 +329,45 @@ impl ControlPlane {
                 Some(JoinEnd::Stopped) => return Err(ClusterError::Stopped),
                 Some(JoinEnd::Replaced(why)) => return Err(ClusterError::Replaced(why)),
                 Some(JoinEnd::ChiefSilent) => {
-                    let (phase, chief, timeout) = (wait.phase, self.names[0].clone(), wait.timeout);
+                    let (phase, chief, timeout) = (wait.phase, self.coordinator_name(), wait.timeout);
                     return Err(ClusterError::ChiefSilent { phase, chief, timeout, detail: last });
                 }
                 None => {}
             }
-            let mut client = match self.chief.connect(Instant::now() + interval * 5).await {
+            let Some((term, rank, dial)) = self.coordinator() else {
+                last = "a coordinator is being elected".into();
+                tokio::time::sleep(interval).await;
+                continue;
+            };
+            let following = || self.shared.elections.coordinator() == Some((term, rank));
+            let request = proto::JoinRequest { term: self.shared.elections.vote().term, ..request.clone() };
+            let mut client = match dial.connect(Instant::now() + interval * 5).await {
                 Ok(c) => c,
                 Err(e) => {
                     last = e;
                     continue;
                 }
             };
-            let call = client.join(request.clone());
+            let call = client.join(request);
             tokio::pin!(call);
             let answer = loop {
                 tokio::select! {
                     r = &mut call => break Some(r),
-                    () = tokio::time::sleep(Duration::from_millis(50)) => if over().is_some() { break None },
+                    () = tokio::time::sleep(Duration::from_millis(50)) => if over().is_some() || !following() { break None },
                 }
             };
             match answer {
                 None => continue,
-                Some(Ok(reply)) => return Ok(Formed::from(reply.into_inner())),
+                Some(Ok(reply)) => {
+                    let formed = Formed::from(reply.into_inner());
+                    // Formed by a coordinator this member no longer follows (it voted in a newer
+                    // term meanwhile): not its generation; the others fail it and rejoin.
+                    if formed.term < self.shared.elections.vote().term {
+                        last = format!("{} formed generation {} in an old term", self.names[rank], formed.generation);
+                        continue;
+                    }
+                    return Ok(formed);
+                }
                 Some(Err(status)) => match from_status(&status, Call::Join { phase: wait.phase }) {
                     Some(e) => return Err(e),
                     None => {
@@ -309,8 +394,12 @@ impl ControlPlane {
         self.runtime.block_on(async {
             loop {
                 abort.check(generation).map_err(aborted)?;
-                let Ok(mut client) = self.chief.connect(Instant::now() + self.timeouts.heartbeat_deadline).await else {
-                    continue; // the heartbeat task notices a lost chief and raises the abort
+                let Some((_, _, dial)) = self.coordinator() else {
+                    tokio::time::sleep(self.timeouts.heartbeat_interval).await;
+                    continue;
+                };
+                let Ok(mut client) = dial.connect(Instant::now() + self.timeouts.heartbeat_deadline).await else {
+                    continue; // the heartbeat task notices a lost coordinator and raises the abort
                 };
                 let call = client.barrier(request.clone());
                 tokio::pin!(call);
@@ -346,9 +435,10 @@ impl ControlPlane {
                 suspect: suspect as u32,
                 reason: reason.into(),
             };
-            let chief = self.chief.clone();
+            let Some((_, _, dial)) = self.coordinator() else { return };
+            let dial = dial.clone();
             self.runtime.spawn(async move {
-                if let Ok(mut client) = chief.connect(Instant::now() + Duration::from_secs(1)).await {
+                if let Ok(mut client) = dial.connect(Instant::now() + Duration::from_secs(1)).await {
                     let _ = tokio::time::timeout(Duration::from_secs(1), client.report(request)).await;
                 }
             });
@@ -358,7 +448,7 @@ impl ControlPlane {
     /// After the final barrier: a member says it leaves; the chief waits (a bounded while) until
     /// every member has, since its exit would cut off a barrier reply still on its way.
     pub fn finish(&self) {
-        match &self.coordinator {
+        match self.seated() {
             None => self.leave("finished"),
             Some(c) => self.linger(|| c.departed()),
         }
@@ -368,7 +458,7 @@ impl ControlPlane {
     /// waits (a bounded while) until every member told has, since its exit would cut off an
     /// answer still on its way and leave that member waiting out its own timeout.
     fn gave_up(&self, why: &str) {
-        match &self.coordinator {
+        match self.seated() {
             None => self.leave(&format!("gave up: {why}")),
             Some(c) => self.linger(|| c.answered()),
         }
@@ -387,8 +477,9 @@ impl ControlPlane {
     pub fn leave(&self, reason: &str) {
         let request =
             proto::LeaveRequest { rank: self.rank as u32, incarnation: self.incarnation, reason: reason.into() };
+        let Some((_, _, dial)) = self.coordinator() else { return };
         self.runtime.block_on(async {
-            if let Ok(mut client) = self.chief.connect(Instant::now() + Duration::from_secs(1)).await {
+            if let Ok(mut client) = dial.connect(Instant::now() + Duration::from_secs(1)).await {
                 let _ = tokio::time::timeout(Duration::from_secs(2), client.leave(request)).await;
             }
         });
@@ -467,7 +558,7 @@ mod tests {
 
     fn plane(ports: &[u16], rank: usize, t: Timeouts) -> ControlPlane {
         let c = cluster(ports, rank);
-        ControlPlane::start(&c, identity(&c, "{}"), t, &Network::loopback()).unwrap()
+        ControlPlane::start(&c, identity(&c, "{}"), t, &Network::loopback(), None).unwrap()
     }
 
     fn report(generation: u64, step: u64, digest: &str) -> Report {
@@ -526,6 +617,64 @@ mod tests {
         }
     }
 
+    /// A plane that keeps its vote in `dir`.
+    fn voting(ports: &[u16], rank: usize, t: Timeouts, dir: &std::path::Path) -> ControlPlane {
+        let c = cluster(ports, rank);
+        ControlPlane::start(&c, identity(&c, "{}"), t, &Network::loopback(), Some(dir)).unwrap()
+    }
+
+    #[test]
+    fn a_chief_lost_for_good_is_replaced_by_an_elected_coordinator_and_rejoins_as_a_member() {
+        let ports = ports(3);
+        let dir = tempfile::tempdir().unwrap();
+        let t = Timeouts { replace_after: Duration::from_secs(1), ..FAST };
+        let mut planes: Vec<ControlPlane> = (0..3).map(|r| voting(&ports, r, t, dir.path())).collect();
+        let first = join_all(&mut planes, &[report(0, 0, "init"), Report::default(), Report::default()]);
+        assert_eq!((first[0].coordinator, first[0].term), (0, 0));
+        // The chief dies and does not come back.
+        let chief = planes.remove(0);
+        drop(chief);
+        let started = Instant::now();
+        let second = join_all(&mut planes, &[report(1, 5, "s5"), report(1, 5, "s5")]);
+        let took = started.elapsed();
+        for f in &second {
+            assert_eq!((f.coordinator, f.members.clone()), (1, vec![1, 2]), "{f:?}");
+            assert!(f.term > first[0].generation && f.generation > f.term, "{f:?}");
+        }
+        assert!(took >= Duration::from_secs(1), "elected before --replace-after: {took:?}");
+        assert!(took < Duration::from_secs(6), "the election took {took:?}");
+        assert_eq!(planes[0].coordinates(), Some(second[0].term));
+        assert_eq!(planes[1].coordinates(), None);
+        // The votes are kept: worker 2 voted for worker 1 in that term.
+        let kept = std::fs::read_dir(dir.path()).unwrap().count();
+        assert_eq!(kept, 2, "workers 1 and 2 keep their votes");
+        // The chief comes back: it finds the new coordinator, joins as a member, takes its slot back.
+        // (Workers 1 and 2 join again until a generation holds it, as the training loop does.)
+        planes.insert(0, voting(&ports, 0, t, dir.path()));
+        let theirs = report(second[0].generation, 9, "s9");
+        let stop = AtomicBool::new(false);
+        let third: Vec<Formed> = std::thread::scope(|s| {
+            let handles: Vec<_> = planes
+                .iter_mut()
+                .map(|p| {
+                    let (stop, r) = (&stop, if p.rank() == 0 { Report::default() } else { theirs.clone() });
+                    s.spawn(move || loop {
+                        let f = p.join("127.0.0.1:1", &r, stop).unwrap();
+                        if f.members.len() == 3 {
+                            return f;
+                        }
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for f in &third {
+            assert_eq!((f.coordinator, f.term, f.members.clone()), (1, second[0].term, vec![0, 1, 2]), "{f:?}");
+            assert_eq!((f.source, f.receivers.clone()), (1, vec![0]));
+        }
+        assert_eq!(planes[0].coordinates(), None, "the old chief coordinates no more");
+    }
+
     #[test]
     fn a_silent_member_is_failed_at_the_heartbeat_deadline_and_barriers_abort() {
         let ports = ports(2);
@@ -572,7 +721,7 @@ mod tests {
         });
         let expected = format!("rendezvous: worker 2 (127.0.0.1:{}) did not join within 2s", ports[2]);
         assert_eq!(errors, [expected.clone(), expected.clone()]);
-        let coordinator = planes[0].coordinator.as_ref().unwrap();
+        let coordinator = planes[0].seated().unwrap();
         assert!(coordinator.answered(), "the chief's join returned before worker 1 had its answer");
         // Worker 2 comes after the give-up, while the chief is on its way out: it is told at once,
         // not after another rendezvous timeout.
@@ -613,11 +762,11 @@ mod tests {
         let ports = ports(2);
         let c0 = cluster(&ports, 0);
         let _chief =
-            ControlPlane::start(&c0, identity(&c0, r#"{"batch_size":64,"seed":0}"#), FAST, &Network::loopback())
+            ControlPlane::start(&c0, identity(&c0, r#"{"batch_size":64,"seed":0}"#), FAST, &Network::loopback(), None)
                 .unwrap();
         let c1 = cluster(&ports, 1);
         let mut worker =
-            ControlPlane::start(&c1, identity(&c1, r#"{"batch_size":32,"seed":0}"#), FAST, &Network::loopback())
+            ControlPlane::start(&c1, identity(&c1, r#"{"batch_size":32,"seed":0}"#), FAST, &Network::loopback(), None)
                 .unwrap();
         let err = worker.join("127.0.0.1:1", &Report::default(), &AtomicBool::new(false)).unwrap_err().to_string();
         assert_eq!(
@@ -635,7 +784,8 @@ mod tests {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = taken.local_addr().unwrap().port();
         let c = cluster(&[port, ports(1)[0]], 0);
-        let err = ControlPlane::start(&c, identity(&c, "{}"), FAST, &Network::loopback()).err().unwrap().to_string();
+        let err =
+            ControlPlane::start(&c, identity(&c, "{}"), FAST, &Network::loopback(), None).err().unwrap().to_string();
         assert_eq!(
             err,
             format!(
@@ -652,7 +802,7 @@ mod tests {
         let secret = b"a-cluster-secret-0123456789";
         let start = |rank| {
             let c = cluster(&ports, rank);
-            ControlPlane::start(&c, identity(&c, "{}"), FAST, &key(secret)).unwrap()
+            ControlPlane::start(&c, identity(&c, "{}"), FAST, &key(secret), None).unwrap()
         };
         let mut planes = vec![start(0), start(1)];
         let formed = join_all(&mut planes, &[report(0, 0, ""), report(0, 0, "")]);

@@ -58,13 +58,14 @@ pub enum Lost {
 }
 
 impl Lost {
-    /// Why, naming the chief.
-    pub fn reason(self, chief: &str) -> String {
+    /// Why, naming the coordinator by its `role` (`chief`, or `coordinator` once one was
+    /// elected) and `name`.
+    pub fn reason(self, role: &str, name: &str) -> String {
         match self {
-            Lost::Unreachable => format!("cannot reach the chief, {chief}"),
-            Lost::NoStream => format!("the chief, {chief}, did not open a heartbeat stream"),
-            Lost::Disconnected => format!("lost the connection to the chief, {chief}"),
-            Lost::Silent(deadline) => format!("the chief, {chief}, did not answer heartbeats for {deadline:?}"),
+            Lost::Unreachable => format!("cannot reach the {role}, {name}"),
+            Lost::NoStream => format!("the {role}, {name}, did not open a heartbeat stream"),
+            Lost::Disconnected => format!("lost the connection to the {role}, {name}"),
+            Lost::Silent(deadline) => format!("the {role}, {name}, did not answer heartbeats for {deadline:?}"),
         }
     }
 }
@@ -188,7 +189,7 @@ mod tests {
         assert_eq!(w.lost(t0 + ms(1499), DEADLINE), None);
         assert_eq!(w.deadline(DEADLINE), t0 + DEADLINE);
         assert_eq!(w.lost(t0 + DEADLINE, DEADLINE), Some(Lost::Unreachable));
-        assert_eq!(Lost::Unreachable.reason("worker 0 (h:1)"), "cannot reach the chief, worker 0 (h:1)");
+        assert_eq!(Lost::Unreachable.reason("chief", "worker 0 (h:1)"), "cannot reach the chief, worker 0 (h:1)");
     }
 
     #[test]
@@ -200,7 +201,7 @@ mod tests {
         assert_eq!(w.lost(t0 + ms(1600), DEADLINE), Some(Lost::NoStream));
         w.saw(Seen::Refused, t0 + ms(200));
         assert_eq!(w.lost(t0 + ms(200), DEADLINE), Some(Lost::NoStream));
-        assert_eq!(Lost::NoStream.reason("c"), "the chief, c, did not open a heartbeat stream");
+        assert_eq!(Lost::NoStream.reason("chief", "c"), "the chief, c, did not open a heartbeat stream");
     }
 
     #[test]
@@ -214,10 +215,10 @@ mod tests {
         assert_eq!(w.lost(t0 + ms(2499), DEADLINE), None, "silent for 1.499s");
         assert_eq!(w.deadline(DEADLINE), t0 + ms(2500));
         assert_eq!(w.lost(t0 + ms(2500), DEADLINE), Some(Lost::Silent(DEADLINE)));
-        assert_eq!(Lost::Silent(DEADLINE).reason("c"), "the chief, c, did not answer heartbeats for 1.5s");
+        assert_eq!(Lost::Silent(DEADLINE).reason("chief", "c"), "the chief, c, did not answer heartbeats for 1.5s");
         w.saw(Seen::Closed, t0 + ms(1100));
         assert_eq!(w.lost(t0 + ms(1100), DEADLINE), Some(Lost::Disconnected));
-        assert_eq!(Lost::Disconnected.reason("c"), "lost the connection to the chief, c");
+        assert_eq!(Lost::Disconnected.reason("chief", "c"), "lost the connection to the chief, c");
     }
 
     #[test]

@@ -1,0 +1,465 @@
+//! Electing a coordinator when the one before is lost for good, by a majority of the run's
+//! ranks (TF_CONFIG's static list), with the generation's number line as the term: the chief
+//! coordinates term 0 without a vote; a member that has lost its coordinator for longer than
+//! `--replace-after` asks the others for their vote in a term above every generation and term it
+//! has seen; votes from more than half of the ranks make it the coordinator of that term. Each
+//! member grants at most one vote per term and persists it (fsync) before answering, so a
+//! restart cannot make it vote twice; a coordinator forms a generation only with a majority that
+//! follows its term, so two coordinators can never both form. The rules are pure functions here
+//! ([`answer`], [`stands`], [`follows`], [`won`]); [`Elections`] holds a member's vote and the
+//! facts the rules read; `member/` carries them out. The protocol: `docs/fault-tolerance.md`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// A member's vote and what it knows of the coordinator: persisted before any answer that
+/// depends on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vote {
+    /// The highest term this member knows of.
+    pub term: u64,
+    /// Whom it voted for in that term, if it voted.
+    pub voted_for: Option<usize>,
+    /// The coordinator of that term, once known.
+    pub coordinator: Option<usize>,
+}
+
+impl Default for Vote {
+    /// Term 0: the chief coordinates.
+    fn default() -> Vote {
+        Vote { term: 0, voted_for: None, coordinator: Some(0) }
+    }
+}
+
+/// A candidate's request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ballot {
+    /// The term it stands in.
+    pub term: u64,
+    /// Its rank.
+    pub candidate: usize,
+}
+
+/// What a voter sees when it answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Voter {
+    /// Its vote so far.
+    pub vote: Vote,
+    /// The highest generation it has been in or been told of.
+    pub generation: u64,
+    /// How long it has been without a coordinator (`None`: its coordinator answers).
+    pub lost_for: Option<Duration>,
+}
+
+/// Why a vote is refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The voter knows a term at least as high (and voted in it for someone else, or learned it).
+    Term(u64),
+    /// The voter has been in a generation at least as high.
+    Generation(u64),
+    /// The voter's coordinator answers: a healthy coordinator is never deposed by a member cut
+    /// off alone.
+    Healthy,
+}
+
+impl Refusal {
+    /// The refusal in words.
+    pub fn reason(&self, coordinator: Option<&str>) -> String {
+        match self {
+            Refusal::Term(t) => format!("it knows term {t}"),
+            Refusal::Generation(g) => format!("it has seen generation {g}"),
+            Refusal::Healthy => format!("its coordinator, {}, answers", coordinator.unwrap_or("the chief")),
+        }
+    }
+}
+
+/// The voter's answer to `ballot`: the vote to persist before saying yes, or why not. At most one
+/// vote per term (asking again for the same candidate gets the same yes), never for a term at or
+/// below one it knows or a generation it saw, and only while it too has been without a
+/// coordinator for the heartbeat deadline.
+pub fn answer(voter: &Voter, ballot: &Ballot, heartbeat_deadline: Duration) -> Result<Vote, Refusal> {
+    let mine = voter.vote;
+    if ballot.term == mine.term && mine.voted_for == Some(ballot.candidate) {
+        return Ok(mine);
+    }
+    if ballot.term <= mine.term {
+        return Err(Refusal::Term(mine.term));
+    }
+    if ballot.term <= voter.generation {
+        return Err(Refusal::Generation(voter.generation));
+    }
+    if voter.lost_for.is_none_or(|lost| lost < heartbeat_deadline) {
+        return Err(Refusal::Healthy);
+    }
+    Ok(Vote { term: ballot.term, voted_for: Some(ballot.candidate), coordinator: None })
+}
+
+/// Whether a member stands now: it has been without a coordinator for longer than
+/// `replace_after`, plus a stagger by `place` (its position among the ranks other than the lost
+/// coordinator, so the lowest live rank stands first) and by `tries` (elections it already
+/// lost), two heartbeat deadlines apiece, so that candidates rarely split the votes.
+pub fn stands(lost_for: Duration, place: usize, tries: u32, world: usize, opts: (Duration, Duration)) -> bool {
+    let (replace_after, heartbeat_deadline) = opts;
+    let turns = place as u32 + tries * world as u32;
+    lost_for > replace_after + heartbeat_deadline * 2 * turns
+}
+
+/// The term a candidate stands in: above every term and generation it knows.
+pub fn next_term(vote: &Vote, generation: u64) -> u64 {
+    vote.term.max(generation) + 1
+}
+
+/// Whether `grants` votes (the candidate's own included) of `world` ranks are a majority.
+pub fn won(grants: usize, world: usize) -> bool {
+    grants * 2 > world
+}
+
+/// The vote after hearing that `coordinator` coordinates `term`, if the member should follow it:
+/// a higher term, or its own term whose coordinator it did not know.
+pub fn follows(mine: &Vote, term: u64, coordinator: usize) -> Option<Vote> {
+    let newer = term > mine.term || (term == mine.term && mine.coordinator.is_none());
+    newer.then_some(Vote {
+        term,
+        voted_for: if term == mine.term { mine.voted_for } else { None },
+        coordinator: Some(coordinator),
+    })
+}
+
+/// A member's elections: its vote (persisted in `--state-dir`), and the facts the rules read.
+pub struct Elections {
+    file: Option<PathBuf>,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    vote: Vote,
+    /// The highest generation this member has been in or told of.
+    generation: u64,
+    /// Since when its coordinator has been lost (`None`: it answers).
+    lost_since: Option<Instant>,
+}
+
+impl Elections {
+    /// The elections of the member whose vote lives in `file` (read now; `None`: this member
+    /// keeps no vote, and so neither votes nor stands).
+    pub fn open(file: Option<PathBuf>) -> Result<Elections, String> {
+        let vote = match &file {
+            Some(path) => read(path)?,
+            None => Vote::default(),
+        };
+        Ok(Elections { file, inner: Mutex::new(Inner { vote, generation: 0, lost_since: None }) })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether this member takes part (it has somewhere to keep its vote).
+    pub fn enabled(&self) -> bool {
+        self.file.is_some()
+    }
+
+    /// Its vote.
+    pub fn vote(&self) -> Vote {
+        self.lock().vote
+    }
+
+    /// The coordinator it follows: (term, rank), if known.
+    pub fn coordinator(&self) -> Option<(u64, usize)> {
+        let v = self.lock().vote;
+        v.coordinator.map(|c| (v.term, c))
+    }
+
+    /// The highest generation it has been in or been told of.
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// It has been in, or was told of, `generation`.
+    pub fn saw(&self, generation: u64) {
+        let mut i = self.lock();
+        i.generation = i.generation.max(generation);
+    }
+
+    /// Its coordinator stopped answering at `since` (kept if already lost), or answers again.
+    pub fn set_lost(&self, since: Option<Instant>) {
+        let mut i = self.lock();
+        i.lost_since = since.map(|s| i.lost_since.unwrap_or(s));
+    }
+
+    /// How long it has been without a coordinator at `now`.
+    pub fn lost_for(&self, now: Instant) -> Option<Duration> {
+        self.lock().lost_since.map(|s| now.saturating_duration_since(s))
+    }
+
+    /// Answers `ballot` at `now`; a granted vote is persisted first, and the clock of the lost
+    /// coordinator starts again (the candidate gets its chance before this member stands). A
+    /// pre-vote (`pre`) only says what the answer would be, and changes nothing.
+    pub fn answer(
+        &self,
+        ballot: &Ballot,
+        now: Instant,
+        heartbeat_deadline: Duration,
+        pre: bool,
+    ) -> Result<(), (Refusal, Vote, u64)> {
+        let mut i = self.lock();
+        if self.file.is_none() {
+            return Err((Refusal::Term(u64::MAX), i.vote, i.generation));
+        }
+        let voter = Voter {
+            vote: i.vote,
+            generation: i.generation,
+            lost_for: i.lost_since.map(|s| now.saturating_duration_since(s)),
+        };
+        match answer(&voter, ballot, heartbeat_deadline) {
+            Ok(_) if pre => Ok(()),
+            Ok(vote) => {
+                if vote != i.vote {
+                    self.persist(&vote).map_err(|_| (Refusal::Term(i.vote.term), i.vote, i.generation))?;
+                    i.vote = vote;
+                }
+                i.lost_since = Some(now);
+                Ok(())
+            }
+            Err(r) => Err((r, i.vote, i.generation)),
+        }
+    }
+
+    /// Stands in `term`: votes for itself, persisted first; false if it knows that term already.
+    pub fn stand(&self, term: u64, rank: usize) -> Result<bool, String> {
+        let mut i = self.lock();
+        if term <= i.vote.term {
+            return Ok(false);
+        }
+        let vote = Vote { term, voted_for: Some(rank), coordinator: None };
+        self.persist(&vote)?;
+        i.vote = vote;
+        Ok(true)
+    }
+
+    /// Takes `vote` if it is the one it replaces by the rules (a term won, a coordinator heard
+    /// of); persisted first. Whether it changed anything.
+    pub fn adopt(&self, term: u64, coordinator: usize) -> Result<bool, String> {
+        let mut i = self.lock();
+        let Some(vote) = follows(&i.vote, term, coordinator) else { return Ok(false) };
+        self.persist(&vote)?;
+        i.vote = vote;
+        i.lost_since = None;
+        Ok(true)
+    }
+
+    /// A term higher than its own was heard of (its coordinator unknown): it will vote in no
+    /// lower one.
+    pub fn heard(&self, term: u64) -> Result<bool, String> {
+        let mut i = self.lock();
+        if term <= i.vote.term {
+            return Ok(false);
+        }
+        let vote = Vote { term, voted_for: None, coordinator: None };
+        self.persist(&vote)?;
+        i.vote = vote;
+        Ok(true)
+    }
+
+    fn persist(&self, vote: &Vote) -> Result<(), String> {
+        let Some(path) = &self.file else { return Ok(()) };
+        let bytes = serde_json::to_vec(vote).map_err(|e| e.to_string())?;
+        crate::atomic::write_file(path, &[&bytes]).map_err(|e| format!("{}: {e}", path.display()))
+    }
+}
+
+/// The vote kept in `path` (absent: term 0, the chief).
+fn read(path: &Path) -> Result<Vote, String> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map_err(|e| format!("{}: not a trainerd vote ({e}); remove it to start from term 0", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vote::default()),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+/// Where `rank` keeps its vote for the run `identity` (the cluster, the plugin and the run
+/// configuration, so that another run's votes in the same directory do not count).
+pub fn vote_file(dir: &Path, rank: usize, identity: &str) -> PathBuf {
+    let id = crate::state::sha256_hex(identity.as_bytes());
+    dir.join(format!("vote-rank{rank}-{}.json", &id[..16]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const HB: Duration = Duration::from_millis(1500);
+
+    fn lost(v: Vote, generation: u64) -> Voter {
+        Voter { vote: v, generation, lost_for: Some(Duration::from_secs(10)) }
+    }
+
+    #[test]
+    fn a_vote_is_granted_once_per_term_and_again_to_the_same_candidate() {
+        let v = lost(Vote::default(), 7);
+        let granted = answer(&v, &Ballot { term: 8, candidate: 1 }, HB).unwrap();
+        assert_eq!(granted, Vote { term: 8, voted_for: Some(1), coordinator: None });
+        let after = lost(granted, 7);
+        assert_eq!(answer(&after, &Ballot { term: 8, candidate: 1 }, HB), Ok(granted));
+        assert_eq!(answer(&after, &Ballot { term: 8, candidate: 2 }, HB), Err(Refusal::Term(8)));
+        assert_eq!(answer(&after, &Ballot { term: 7, candidate: 2 }, HB), Err(Refusal::Term(8)));
+        assert_eq!(answer(&after, &Ballot { term: 9, candidate: 2 }, HB).unwrap().voted_for, Some(2));
+    }
+
+    #[test]
+    fn no_vote_below_a_generation_seen_or_while_the_coordinator_answers() {
+        let v = lost(Vote::default(), 12);
+        assert_eq!(answer(&v, &Ballot { term: 12, candidate: 1 }, HB), Err(Refusal::Generation(12)));
+        let healthy = Voter { lost_for: None, ..v };
+        assert_eq!(answer(&healthy, &Ballot { term: 13, candidate: 1 }, HB), Err(Refusal::Healthy));
+        let just = Voter { lost_for: Some(Duration::from_millis(200)), ..v };
+        assert_eq!(answer(&just, &Ballot { term: 13, candidate: 1 }, HB), Err(Refusal::Healthy));
+        assert_eq!(Refusal::Healthy.reason(Some("worker 0 (h:1)")), "its coordinator, worker 0 (h:1), answers");
+    }
+
+    #[test]
+    fn the_lowest_live_rank_stands_first_and_a_lost_election_waits_a_round() {
+        let opts = (Duration::from_secs(10), HB);
+        let secs = Duration::from_secs_f64;
+        assert!(!stands(secs(10.0), 0, 0, 3, opts));
+        assert!(stands(secs(10.1), 0, 0, 3, opts));
+        assert!(!stands(secs(12.9), 1, 0, 3, opts), "the next rank waits two heartbeat deadlines");
+        assert!(stands(secs(13.1), 1, 0, 3, opts));
+        assert!(!stands(secs(18.9), 0, 1, 3, opts), "after a lost election: a round of the others first");
+        assert!(stands(secs(19.1), 0, 1, 3, opts));
+        assert_eq!(next_term(&Vote::default(), 41), 42);
+        assert!(won(2, 3) && !won(1, 3) && !won(2, 4) && won(3, 4));
+    }
+
+    #[test]
+    fn a_member_follows_a_higher_term_or_the_winner_of_its_own() {
+        let mine = Vote { term: 8, voted_for: Some(1), coordinator: None };
+        assert_eq!(follows(&mine, 8, 1), Some(Vote { term: 8, voted_for: Some(1), coordinator: Some(1) }));
+        assert_eq!(follows(&mine, 9, 2), Some(Vote { term: 9, voted_for: None, coordinator: Some(2) }));
+        assert_eq!(follows(&mine, 7, 0), None);
+        let known = Vote { coordinator: Some(1), ..mine };
+        assert_eq!(follows(&known, 8, 2), None, "one coordinator per term");
+    }
+
+    #[test]
+    fn a_vote_survives_a_restart_and_a_damaged_file_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = vote_file(dir.path(), 2, "run");
+        let e = Elections::open(Some(path.clone())).unwrap();
+        assert_eq!(e.vote(), Vote::default());
+        let now = Instant::now();
+        e.set_lost(Some(now - Duration::from_secs(5)));
+        e.answer(&Ballot { term: 4, candidate: 1 }, now, HB, true).unwrap();
+        assert_eq!(e.vote(), Vote::default(), "a pre-vote changes nothing");
+        e.answer(&Ballot { term: 4, candidate: 1 }, now, HB, false).unwrap();
+        drop(e);
+        let again = Elections::open(Some(path.clone())).unwrap();
+        assert_eq!(again.vote(), Vote { term: 4, voted_for: Some(1), coordinator: None });
+        again.set_lost(Some(now - Duration::from_secs(5)));
+        let (refusal, _, _) = again.answer(&Ballot { term: 4, candidate: 3 }, now, HB, false).unwrap_err();
+        assert_eq!(refusal, Refusal::Term(4), "the restarted member does not vote twice in term 4");
+        std::fs::write(&path, b"{").unwrap();
+        let err = Elections::open(Some(path.clone())).err().unwrap();
+        assert!(err.starts_with(&format!("{}: not a trainerd vote", path.display())), "{err}");
+        assert_ne!(vote_file(dir.path(), 2, "another run"), path);
+    }
+
+    /// A model of the cluster's elections: `n` members with persisted votes, candidates asking
+    /// any subset, members restarting (losing everything but the vote file), and coordinators
+    /// forming with whoever follows them.
+    #[derive(Clone, Debug)]
+    enum Event {
+        /// `candidate` stands and asks the members in `asked` (a bit set).
+        Stand { candidate: usize, asked: u8 },
+        /// `member` asks `peer` whom it follows.
+        Who { member: usize, peer: usize },
+        /// `member` restarts.
+        Restart { member: usize },
+        /// The coordinator `member` believes in tries to form with the members in `asked`.
+        Form { member: usize, asked: u8 },
+    }
+
+    fn event(n: usize) -> impl Strategy<Value = Event> {
+        prop_oneof![
+            (0..n, any::<u8>()).prop_map(|(candidate, asked)| Event::Stand { candidate, asked }),
+            (0..n, 0..n).prop_map(|(member, peer)| Event::Who { member, peer }),
+            (0..n).prop_map(|member| Event::Restart { member }),
+            (0..n, any::<u8>()).prop_map(|(member, asked)| Event::Form { member, asked }),
+        ]
+    }
+
+    proptest! {
+        /// Never two coordinators with a majority each: every term has at most one winner, and a
+        /// formation happens only at the highest term that ever formed (a coordinator of an older
+        /// term can never form again once a majority has moved on), through restarts.
+        #[test]
+        fn never_two_coordinators_with_a_majority(
+            n in 2usize..6,
+            events in proptest::collection::vec(event(5), 1..80),
+        ) {
+            // Persisted: each member's vote. Volatile: the generation seen.
+            let mut votes = vec![Vote::default(); n];
+            let mut seen = vec![0u64; n];
+            let mut winners: std::collections::BTreeMap<u64, usize> = Default::default();
+            let mut formed_term = 0u64;
+            for e in events {
+                match e {
+                    Event::Stand { candidate, asked } => {
+                        let c = candidate % n;
+                        let term = next_term(&votes[c], seen[c]);
+                        votes[c] = Vote { term, voted_for: Some(c), coordinator: None };
+                        let mut grants = 1;
+                        for m in (0..n).filter(|&m| m != c && asked & (1 << m) != 0) {
+                            let voter = Voter { vote: votes[m], generation: seen[m], lost_for: Some(HB * 2) };
+                            if let Ok(v) = answer(&voter, &Ballot { term, candidate: c }, HB) {
+                                votes[m] = v;
+                                grants += 1;
+                            }
+                        }
+                        if won(grants, n) {
+                            prop_assert!(winners.insert(term, c).is_none_or(|w| w == c), "two winners in term {term}");
+                            votes[c] = follows(&votes[c], term, c).unwrap();
+                        }
+                    }
+                    Event::Who { member, peer } => {
+                        let (m, p) = (member % n, peer % n);
+                        if let Some(c) = votes[p].coordinator {
+                            if let Some(v) = follows(&votes[m], votes[p].term, c) {
+                                votes[m] = v;
+                            }
+                        }
+                    }
+                    Event::Restart { member } => seen[member % n] = 0,
+                    Event::Form { member, asked } => {
+                        let m = member % n;
+                        // It coordinates the term it follows itself in.
+                        if votes[m].coordinator != Some(m) {
+                            continue;
+                        }
+                        let term = votes[m].term;
+                        let joined: Vec<usize> = (0..n)
+                            .filter(|&r| r == m || asked & (1 << r) != 0)
+                            .filter(|&r| votes[r].term == term && votes[r].coordinator == Some(m))
+                            .collect();
+                        if won(joined.len(), n) {
+                            prop_assert!(term >= formed_term, "term {term} formed after term {formed_term}");
+                            formed_term = term;
+                            // Every member of the formation was in its generation: the next
+                            // candidate stands above it.
+                            let g = joined.iter().map(|&r| seen[r]).max().unwrap().max(term) + 1;
+                            for &r in &joined {
+                                seen[r] = g;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

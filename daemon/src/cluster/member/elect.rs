@@ -1,0 +1,209 @@
+//! The elector task: while this member's coordinator is lost (or while this process coordinates
+//! and gathers), it asks the others whom they follow and follows the highest term it hears of;
+//! once the coordinator has been lost for longer than `--replace-after` (staggered by rank), it
+//! stands: votes from a majority of the run's ranks make it the coordinator of a new term. The
+//! rules are [`super::super::election`]'s; this task asks, persists and carries them out.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinSet;
+use tonic::transport::Channel;
+
+use super::super::control::{depose, proto, seated, Chair, ControlClient, Coordinator, Identity, Seat};
+use super::super::election::{next_term, stands, won};
+use super::super::timeouts::Timeouts;
+use super::Shared;
+
+/// What the elector needs.
+pub(super) struct Elector {
+    pub(super) rank: usize,
+    pub(super) names: Arc<Vec<String>>,
+    pub(super) peers: Arc<Vec<Option<ControlClient<Channel>>>>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) chair: Chair,
+    pub(super) identity: Identity,
+    pub(super) timeouts: Timeouts,
+}
+
+impl Elector {
+    /// Looks every third of a heartbeat deadline, until a newer process takes this rank.
+    pub(super) async fn run(self) {
+        let elections = Arc::clone(&self.shared.elections);
+        let world = self.names.len();
+        let mut tries = 0u32;
+        // The coordinator followed before it was lost, and the term this process coordinated.
+        let mut followed = elections.coordinator().map(|(_, r)| r);
+        let mut coordinated = seated(&self.chair).map(|c| c.term());
+        loop {
+            tokio::time::sleep(self.timeouts.heartbeat_deadline / 3).await;
+            if self.shared.replaced().is_some() {
+                return;
+            }
+            let here = seated(&self.chair);
+            if let Some(c) = &here {
+                coordinated = Some(c.term());
+            }
+            let gathering = here.as_ref().is_some_and(|c| c.gathering());
+            if elections.lost_for(Instant::now()).is_none() && !gathering {
+                tries = 0;
+                if let Some((_, r)) = elections.coordinator() {
+                    followed = Some(r);
+                }
+                continue;
+            }
+            self.ask_who(&mut coordinated).await;
+            let Some(lost_for) = elections.lost_for(Instant::now()) else { continue };
+            // Only a member that has trained holds a state worth coordinating from, and only one
+            // that keeps its vote may stand.
+            if !elections.enabled() || elections.generation() == 0 || seated(&self.chair).is_some() {
+                continue;
+            }
+            let place = (0..world).filter(|&r| Some(r) != followed).position(|r| r == self.rank).unwrap_or(0);
+            let opts = (self.timeouts.replace_after, self.timeouts.heartbeat_deadline);
+            if !stands(lost_for, place, tries, world, opts) {
+                continue;
+            }
+            if self.stand(followed, lost_for).await {
+                tries = 0;
+                coordinated = seated(&self.chair).map(|c| c.term());
+            } else {
+                tries += 1;
+            }
+        }
+    }
+
+    /// Asks every peer whom it follows, and follows the highest term heard of; a coordinator here
+    /// of an older term is deposed, saying so.
+    async fn ask_who(&self, coordinated: &mut Option<u64>) {
+        let answers = self.ask(|mut client| async move { client.who(proto::Empty {}).await }).await;
+        let elections = &self.shared.elections;
+        let mut best: Option<(u64, usize)> = None;
+        for (_, reply) in answers {
+            let Ok(reply) = reply else { continue };
+            let reply = reply.into_inner();
+            let coordinator = reply.coordinator as usize;
+            if reply.known && coordinator < self.names.len() && coordinator != self.rank {
+                best = best.max(Some((reply.term, coordinator)));
+            } else if reply.term > elections.vote().term {
+                let _ = elections.heard(reply.term);
+            }
+        }
+        let Some((term, coordinator)) = best else { return };
+        match elections.adopt(term, coordinator) {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                tracing::error!("cannot keep the vote: {e}");
+                return;
+            }
+        }
+        let (me, them) = (&self.names[self.rank], &self.names[coordinator]);
+        tracing::info!("{me}: following {them} (term {term})");
+        if let Some(old) = coordinated.take() {
+            let why = format!("{me}: {them} coordinates (term {term}); joining as a member");
+            if let Some(c) = seated(&self.chair).filter(|c| c.term() < term) {
+                depose(&self.chair, &c, &why);
+            }
+            eprintln!("trainerd: {why} (this worker coordinated term {old})");
+        }
+    }
+
+    /// Stands in the next term; whether it won.
+    async fn stand(&self, followed: Option<usize>, lost_for: Duration) -> bool {
+        let elections = &self.shared.elections;
+        let world = self.names.len();
+        let me = &self.names[self.rank];
+        let term = next_term(&elections.vote(), elections.generation());
+        // A pre-vote first: a member that cannot win (cut off alone) raises no term.
+        let (voters, refusals) = self.ballot(term, true).await;
+        if !won(voters.len(), world) {
+            tracing::info!("{me} would not win term {term}: {} of {world} ({})", voters.len(), refusals.join("; "));
+            return false;
+        }
+        match elections.stand(term, self.rank) {
+            Ok(true) => {}
+            Ok(false) => return false,
+            Err(e) => {
+                tracing::error!("cannot keep the vote: {e}");
+                return false;
+            }
+        }
+        let lost = followed.map_or_else(|| "no coordinator".to_string(), |r| self.names[r].clone());
+        tracing::info!("{me} stands in term {term}: {lost} lost for {:.1}s", lost_for.as_secs_f64());
+        let (voters, refusals) = self.ballot(term, false).await;
+        if !won(voters.len(), world) {
+            tracing::warn!("{me} stood in term {term}: {} of {world} votes ({})", voters.len(), refusals.join("; "));
+            return false;
+        }
+        if !matches!(elections.adopt(term, self.rank), Ok(true)) {
+            return false;
+        }
+        let since = Instant::now() - lost_for;
+        let seat =
+            Seat { rank: self.rank, term, lost: followed.map(|r| (r, since)).into_iter().collect(), ever_formed: true };
+        let c = Coordinator::new(self.identity.clone(), self.names.to_vec(), self.timeouts.options(world), seat);
+        c.set_floor(self.shared.floor.load(std::sync::atomic::Ordering::Relaxed));
+        *self.chair.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::clone(&c));
+        tokio::spawn(Arc::clone(&c).tick(self.timeouts.heartbeat_interval / 4));
+        let named: Vec<&str> = voters.iter().map(|&r| self.names[r].as_str()).collect();
+        eprintln!(
+            "trainerd: {me} coordinates from term {term}, elected by {} of {world} ({}); {lost} was lost for {:.1}s",
+            voters.len(),
+            named.join(", "),
+            lost_for.as_secs_f64()
+        );
+        true
+    }
+
+    /// Asks every peer for its vote (or pre-vote) in `term`: the ranks that granted it (this one
+    /// included), and why the others did not. A refusal that names a higher term or generation
+    /// is remembered (the next try stands above it).
+    async fn ballot(&self, term: u64, pre: bool) -> (Vec<usize>, Vec<String>) {
+        let elections = &self.shared.elections;
+        let request = proto::VoteRequest { term, candidate: self.rank as u32, pre };
+        let answers = self.ask(move |mut client| async move { client.vote(request).await }).await;
+        let mut voters = vec![self.rank];
+        let mut refusals = Vec::new();
+        for (rank, reply) in answers {
+            match reply.map(tonic::Response::into_inner) {
+                Ok(r) if r.granted => voters.push(rank),
+                Ok(r) => {
+                    let _ = elections.heard(r.term);
+                    elections.saw(r.generation);
+                    refusals.push(format!("{}: {}", self.names[rank], r.reason));
+                }
+                Err(status) => refusals.push(format!("{}: {}", self.names[rank], status.message())),
+            }
+        }
+        voters.sort_unstable();
+        (voters, refusals)
+    }
+
+    /// Calls every peer at once, each bounded by the heartbeat deadline; the answers, by rank.
+    async fn ask<F, Fut, T>(&self, call: F) -> Vec<(usize, Result<T, tonic::Status>)>
+    where
+        F: Fn(ControlClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let deadline = self.timeouts.heartbeat_deadline;
+        let mut calls = JoinSet::new();
+        for (rank, client) in self.peers.iter().enumerate() {
+            let Some(client) = client.clone() else { continue };
+            let fut = call(client);
+            calls.spawn(async move {
+                let answer = tokio::time::timeout(deadline, fut).await;
+                (rank, answer.unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("no answer"))))
+            });
+        }
+        let mut answers = Vec::new();
+        while let Some(done) = calls.join_next().await {
+            if let Ok(a) = done {
+                answers.push(a);
+            }
+        }
+        answers.sort_by_key(|(rank, _)| *rank);
+        answers
+    }
+}
