@@ -307,41 +307,67 @@ fn a_worker_gone_for_good_while_it_receives_the_state() {
     killed_for_good_at("state-transfer", 1);
 }
 
-/// `trainerd local --no-restart 2`: the launcher leaves worker 2 dead, says so, says who holds its
-/// slot once the others go on, and the run exits 0 with the full run's parameters.
-#[test]
-fn trainerd_local_can_leave_a_worker_dead_and_says_what_happens() {
+/// `trainerd local --no-restart W`: the launcher leaves worker `gone` dead, says so, says who
+/// holds its slots once the others go on, and the survivors end with the full run's parameters.
+/// `check` sees the launcher once the others went on.
+fn local_without(gone: usize, check: impl FnOnce(&mut trainerd_testkit::Worker, &str)) {
     use trainerd_testkit::Worker;
     let tmp = tempfile::tempdir().unwrap();
-    let mut all: Vec<String> =
-        ["local", "--workers", "3", "--restart-delay", "0", "--no-restart", "2"].map(String::from).to_vec();
+    let mut all: Vec<String> = ["local", "--workers", "3", "--restart-delay", "0", "--no-restart", &gone.to_string()]
+        .map(String::from)
+        .to_vec();
     let mut run = args(LINEAR, tmp.path(), &[]);
     let summary_at = run.iter().position(|a| a == "--summary").unwrap() + 1;
-    // The launcher gives each worker its own file: s.workerN.json.
+    // The launcher gives each worker its own file: s.workerN.json (and its own vote directory).
     run[summary_at] = tmp.path().join("s.json").to_str().unwrap().to_string();
     all.extend(run);
     let all: Vec<&str> = all.iter().map(String::as_str).collect();
     let mut local = Worker::start(&all);
     let at = |r: &trainerd_testkit::events::Record| {
-        r.worker == Some(2) && matches!(r.event, Event::Step { global_step, .. } if global_step > 30)
+        r.worker == Some(gone) && matches!(r.event, Event::Step { global_step, .. } if global_step > 30)
     };
     let pid = local.wait_event(at, DEADLINE).pid;
     // SAFETY: kill(2) on a process of this test's launcher.
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
-    let died = local.wait_line(|l| l.starts_with("trainerd local: worker 2 died"), DEADLINE);
+    let prefix = format!("trainerd local: worker {gone} died");
+    let died = local.wait_line(|l| l.starts_with(&prefix), DEADLINE);
+    let coordinator = if gone == 0 { ", electing a new coordinator among them" } else { "" };
     assert_eq!(
         died,
-        "trainerd local: worker 2 died (SIGKILL); not restarted (--no-restart): the others go on without it after \
-         --replace-after, if a majority of the workers remains"
+        format!(
+            "trainerd local: worker {gone} died (SIGKILL); not restarted (--no-restart): the others go on without it \
+             after --replace-after, if a majority of the workers remains{coordinator}"
+        )
     );
-    let moved = local.wait_line(|l| l.starts_with("trainerd local: worker 2 gone for "), DEADLINE);
-    assert!(moved.contains(" s: its slots move to the others (worker 0 (127.0.0.1:"), "{moved}");
-    assert!(moved.ends_with(": slot 2); 2 of 3 workers, 0.67x speed"), "{moved}");
+    let prefix = format!("trainerd local: worker {gone} gone for ");
+    let moved = local.wait_line(|l| l.starts_with(&prefix), DEADLINE);
+    assert!(moved.contains(" s: its slots move to the others (worker "), "{moved}");
+    assert!(moved.ends_with("; 2 of 3 workers, 0.67x speed"), "{moved}");
+    check(&mut local, &moved);
     assert!(local.wait().success());
     let sha = |w: usize| {
         let path = tmp.path().join(format!("s.worker{w}.json"));
         let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         s["params_sha256"].as_str().unwrap().to_string()
     };
-    assert_eq!((sha(0), sha(1)), (reference(LINEAR), reference(LINEAR)));
+    for w in (0..3).filter(|&w| w != gone) {
+        assert_eq!(sha(w), reference(LINEAR), "worker {w}");
+    }
+}
+
+/// `trainerd local --no-restart 2`: worker 2's slot moves to worker 1.
+#[test]
+fn trainerd_local_can_leave_a_worker_dead_and_says_what_happens() {
+    local_without(2, |_, moved| assert!(moved.contains(": slot 2); 2 of 3 workers"), "{moved}"));
+}
+
+/// `trainerd local --no-restart 0`: the chief stays dead; the launcher gives every worker a vote
+/// directory, so workers 1 and 2 elect worker 1, which coordinates and holds slots 0-1.
+#[test]
+fn trainerd_local_can_leave_the_chief_dead_and_a_new_coordinator_takes_over() {
+    local_without(0, |local, moved| {
+        assert!(moved.contains(": slots 0-1, worker 2 (127.0.0.1:"), "{moved}");
+        let elected = local.wait_line(|l| l.starts_with("[worker 1] trainerd: worker 1 "), DEADLINE);
+        assert!(elected.contains(" coordinates from term ") && elected.contains("elected by 2 of 3"), "{elected}");
+    });
 }

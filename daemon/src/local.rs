@@ -24,7 +24,7 @@ use crate::supervise::{Happening, Options, Stream, Supervisor};
 use trainerd_supervise::loopback;
 
 /// Flags whose file argument each worker gets its own copy of (`out.json` -> `out.worker1.json`).
-const PER_WORKER_FILES: [&str; 3] = ["--summary", "--metrics-log", "--log-examples"];
+const PER_WORKER_FILES: [&str; 4] = ["--summary", "--metrics-log", "--log-examples", "--state-dir"];
 /// How long stopped workers get to commit and exit before they are killed.
 const STOP_GRACE: Duration = Duration::from_secs(90);
 
@@ -68,14 +68,8 @@ pub fn worker_args(args: &[String], worker: usize, workers: usize, cores: usize)
     out
 }
 
-/// Runs the local cluster, its workers' events forwarded to `events` when given; returns this
-/// process's exit code.
-pub fn run(
-    workers: usize,
-    (restart_delay, no_restart): (Duration, &[usize]),
-    events: Option<&Path>,
-    args: &[String],
-) -> anyhow::Result<i32> {
+/// Refuses what `trainerd local` cannot do, naming the flag.
+fn check(workers: usize, no_restart: &[usize], args: &[String]) -> anyhow::Result<()> {
     anyhow::ensure!(workers >= 1, "--workers {workers}: expected at least 1");
     if let Some(w) = no_restart.iter().find(|&&w| w >= workers) {
         anyhow::bail!("--no-restart {w}: expected a worker index below --workers {workers}");
@@ -88,6 +82,18 @@ pub fn run(
         !has_flag(args, "--events"),
         "trainerd local reads each worker's events itself: give --events before the arguments for trainerd run"
     );
+    Ok(())
+}
+
+/// Runs the local cluster, its workers' events forwarded to `events` when given; returns this
+/// process's exit code.
+pub fn run(
+    workers: usize,
+    (restart_delay, no_restart): (Duration, &[usize]),
+    events: Option<&Path>,
+    args: &[String],
+) -> anyhow::Result<i32> {
+    check(workers, no_restart, args)?;
     let forward = match events {
         Some(path) => Events::open(path).map_err(|e| anyhow::anyhow!("--events {}: {e}", path.display()))?,
         None => Events::none(),
@@ -97,7 +103,13 @@ pub fn run(
         signal_hook::flag::register(signal, Arc::clone(&stop))?;
     }
     let options = Options { restart_delay, give_up_before_join: true };
-    let mut supervisor = Supervisor::start(workers, options, worker_command(workers, args)?)?;
+    // Each worker keeps its vote (for electing a coordinator if the chief is lost for good) for
+    // as long as the launcher runs, unless --state-dir says where.
+    let votes = (!has_flag(args, "--state-dir"))
+        .then(|| tempfile::Builder::new().prefix("trainerd-local-votes.").tempdir())
+        .transpose()?;
+    let command = worker_command(workers, args, votes.as_ref().map(|d| d.path().to_path_buf()))?;
+    let mut supervisor = Supervisor::start(workers, options, command)?;
     for &w in no_restart {
         supervisor.hold(w);
     }
@@ -105,7 +117,7 @@ pub fn run(
         (0..workers).map(|i| format!("worker {i} (pid {})", supervisor.pid(i).unwrap_or(0))).collect();
     say(&format!("started {}", pids.join(", ")));
     let mut launcher =
-        Launcher { forward, restart_delay, checkpoints: has_flag(args, "--checkpoint-dir"), died: Vec::new() };
+        Launcher { forward, restart_delay, checkpoints: has_flag(args, "--checkpoint-dir"), told: 0, died: Vec::new() };
     launcher.died.resize(workers, None);
     loop {
         if stop.load(Ordering::Relaxed) {
@@ -130,16 +142,22 @@ pub fn run(
 
 /// How worker `i`'s `n`-th process is started: `trainerd run` with its TF_CONFIG on free
 /// loopback ports.
-fn worker_command(workers: usize, args: &[String]) -> anyhow::Result<impl FnMut(usize, usize) -> Command + Send> {
+fn worker_command(
+    workers: usize,
+    args: &[String],
+    votes: Option<PathBuf>,
+) -> anyhow::Result<impl FnMut(usize, usize) -> Command + Send> {
     let exe: PathBuf = std::env::current_exe()?;
     let ports = loopback::free_ports(workers)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let args = args.to_vec();
     Ok(move |i: usize, _start: usize| {
         let mut cmd = Command::new(&exe);
-        cmd.arg("run")
-            .args(worker_args(&args, i, workers, cores))
-            .env("TF_CONFIG", loopback::tf_config(&ports, i))
+        cmd.arg("run").args(worker_args(&args, i, workers, cores));
+        if let Some(dir) = &votes {
+            cmd.arg("--state-dir").arg(dir.join(format!("worker{i}")));
+        }
+        cmd.env("TF_CONFIG", loopback::tf_config(&ports, i))
             // `--device auto` puts worker i on cuda:(i mod GPUs).
             .env("LOCAL_RANK", i.to_string())
             // systemd's notifications are the supervisor's to send, not its workers'.
@@ -156,6 +174,8 @@ struct Launcher {
     restart_delay: Duration,
     /// The run commits checkpoints (a worker alone that dies resumes from its last commit).
     checkpoints: bool,
+    /// The latest generation formed short that was told of.
+    told: u64,
     /// When each worker last died, until it is back to training.
     died: Vec<Option<Instant>>,
 }
@@ -166,8 +186,10 @@ impl Launcher {
         match h {
             Happening::Line { worker, stream, text, .. } => relay(worker, stream, &text),
             Happening::Event { worker, mut record, .. } => {
-                if let Event::Joined { present: Some(present), layout: Some(layout), workers, .. } = &record.event {
-                    self.short(worker, (*present, *workers), layout);
+                if let Event::Joined { present: Some(present), layout: Some(layout), workers, generation, .. } =
+                    &record.event
+                {
+                    self.short(*generation, (*present, *workers), layout);
                 }
                 if let Event::Recovered { global_step, generation, steps_lost, .. } = &record.event {
                     if let Some(died) = self.died[worker].take() {
@@ -183,9 +205,10 @@ impl Launcher {
             }
             Happening::Died { worker, how, at } if supervisor.held(worker) => {
                 self.died[worker] = Some(at);
+                let coordinator = if worker == 0 { ", electing a new coordinator among them" } else { "" };
                 say(&format!(
                     "worker {worker} died ({how}); not restarted (--no-restart): the others go on without it after \
-                     --replace-after, if a majority of the workers remains"
+                     --replace-after, if a majority of the workers remains{coordinator}"
                 ));
             }
             Happening::Died { worker, how, at } => {
@@ -213,12 +236,13 @@ impl Launcher {
 }
 
 impl Launcher {
-    /// The chief (`worker`) formed a generation without some workers: who is gone, for how long,
-    /// and who holds their slots now.
-    fn short(&self, worker: usize, (present, workers): (usize, usize), layout: &str) {
-        if worker != 0 {
+    /// A generation formed without some workers (said once per generation, by whichever worker
+    /// tells first): who is gone, for how long, and who holds their slots now.
+    fn short(&mut self, generation: u64, (present, workers): (usize, usize), layout: &str) {
+        if self.told >= generation {
             return;
         }
+        self.told = generation;
         // The workers that died and are not back.
         let gone: Vec<String> = (0..workers)
             .filter_map(|w| self.died[w].map(|at| format!("worker {w} gone for {:.0} s", at.elapsed().as_secs_f64())))

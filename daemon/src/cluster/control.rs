@@ -1,5 +1,6 @@
-//! The gRPC control plane's server. Every daemon serves it on its TF_CONFIG address and takes
-//! pushed abort notices from its peers there; the chief's copy also holds the [`Coordinator`]:
+//! The coordinator, which the chief's process holds (or, once the chief is lost for good, the
+//! process of a member elected by a majority; [`super::election`]); the server every daemon
+//! runs, which hands it the calls, is [`super::service`]. The [`Coordinator`]
 //! it stores what joins, heartbeats, reports and departures say into a
 //! [`membership::State`], runs [`membership::decide`] after every event and on a fine tick,
 //! and applies the decisions (ending a generation and pushing the notice, forming the next one
@@ -8,17 +9,13 @@
 //! The client side, what a member calls, is [`super::member`].
 
 use std::collections::BTreeMap;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
-use tokio_stream::Stream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::Status;
 
-use super::election::{Ballot, Elections};
 use super::membership::{self, Effect, Gone, Report};
-use crate::collective::AbortSignal;
 
 /// Generated gRPC code.
 #[allow(missing_docs, clippy::all)]
@@ -26,8 +23,8 @@ pub mod proto {
     tonic::include_proto!("trainerd.control.v1");
 }
 
+pub use super::service::{depose, seated, Chair, Service};
 pub use proto::control_client::ControlClient;
-use proto::control_server::Control;
 pub use proto::control_server::ControlServer;
 use proto::notice::Kind;
 
@@ -74,6 +71,25 @@ pub struct Formed {
     pub coordinator: usize,
     /// The coordinator's term (0: the chief's, without a vote).
     pub term: u64,
+}
+
+impl Formed {
+    /// The generation of a worker alone, at `progress`.
+    pub fn alone(generation: u64, progress: (u64, u64)) -> Formed {
+        Formed {
+            generation,
+            data_addresses: Vec::new(),
+            source: 0,
+            progress,
+            digest: String::new(),
+            receivers: Vec::new(),
+            recovery: false,
+            steps_lost: 0,
+            members: vec![0],
+            coordinator: 0,
+            term: 0,
+        }
+    }
 }
 
 impl From<&Formed> for proto::JoinReply {
@@ -123,7 +139,7 @@ fn notice(kind: Kind, generation: u64, reason: &str) -> proto::Notice {
     proto::Notice { kind: kind as i32, generation, reason: reason.into() }
 }
 
-type NoticeSink = mpsc::UnboundedSender<Result<proto::Notice, Status>>;
+pub(super) type NoticeSink = mpsc::UnboundedSender<Result<proto::Notice, Status>>;
 
 /// The coordinator's stored state: the membership state the decisions read, and what the
 /// control plane needs to carry them out.
@@ -404,7 +420,7 @@ impl Coordinator {
         None
     }
 
-    async fn join(&self, req: proto::JoinRequest) -> Result<proto::JoinReply, Status> {
+    pub(super) async fn join(&self, req: proto::JoinRequest) -> Result<proto::JoinReply, Status> {
         let rank = check_rank(req.rank, self.names.len())?;
         if let Some(why) = self.mismatch(&req) {
             tracing::warn!("refused {}: {why}", self.names[rank]);
@@ -457,7 +473,7 @@ impl Coordinator {
     }
 
     /// A beat on `rank`'s stream: the stream now speaks for `incarnation`.
-    fn beat(&self, beat: &proto::Beat, sink: &NoticeSink, registered: &mut Option<(usize, u64)>) -> bool {
+    pub(super) fn beat(&self, beat: &proto::Beat, sink: &NoticeSink, registered: &mut Option<(usize, u64)>) -> bool {
         let Ok(rank) = check_rank(beat.rank, self.names.len()) else { return false };
         let mut c = self.lock();
         if c.deposed.is_some() {
@@ -493,7 +509,7 @@ impl Coordinator {
         true
     }
 
-    fn disconnected(&self, rank: usize, incarnation: u64) {
+    pub(super) fn disconnected(&self, rank: usize, incarnation: u64) {
         let mut c = self.lock();
         if c.state.members[rank].incarnation == Some(incarnation) {
             c.state.members[rank].connected = false;
@@ -503,7 +519,7 @@ impl Coordinator {
         }
     }
 
-    fn report(&self, req: proto::ReportRequest) -> Result<(), Status> {
+    pub(super) fn report(&self, req: proto::ReportRequest) -> Result<(), Status> {
         let rank = check_rank(req.rank, self.names.len())?;
         let suspect = check_rank(req.suspect, self.names.len())?;
         let mut c = self.lock();
@@ -516,7 +532,7 @@ impl Coordinator {
         Ok(())
     }
 
-    fn leave(&self, req: proto::LeaveRequest) -> Result<(), Status> {
+    pub(super) fn leave(&self, req: proto::LeaveRequest) -> Result<(), Status> {
         let rank = check_rank(req.rank, self.names.len())?;
         let mut c = self.lock();
         self.current(&c, rank, req.incarnation)?;
@@ -531,7 +547,7 @@ impl Coordinator {
         Ok(())
     }
 
-    async fn barrier(&self, req: proto::BarrierRequest) -> Result<(), Status> {
+    pub(super) async fn barrier(&self, req: proto::BarrierRequest) -> Result<(), Status> {
         let rank = check_rank(req.rank, self.names.len())?;
         if req.name.len() > MAX_BARRIER_NAME {
             return Err(Status::invalid_argument(format!("barrier names are at most {MAX_BARRIER_NAME} bytes")));
@@ -589,166 +605,10 @@ fn json_difference(theirs: &str, ours: &str, who: &str) -> String {
     format!("{theirs} on {who}, {ours}")
 }
 
-fn check_rank(rank: u32, world: usize) -> Result<usize, Status> {
+pub(super) fn check_rank(rank: u32, world: usize) -> Result<usize, Status> {
     let r = rank as usize;
     if r >= world {
         return Err(Status::invalid_argument(format!("rank {rank} is out of range for {world} members")));
     }
     Ok(r)
-}
-
-/// Where this process's coordinator sits when it coordinates: the chief's from the start, an
-/// elected one's from its election, empty once deposed.
-pub type Chair = Arc<RwLock<Option<Arc<Coordinator>>>>;
-
-/// The coordinator in `chair`, if any.
-pub fn seated(chair: &Chair) -> Option<Arc<Coordinator>> {
-    chair.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
-}
-
-/// The service every daemon serves.
-pub struct Service {
-    /// This member's rank.
-    pub rank: usize,
-    /// Every member's name.
-    pub names: Vec<String>,
-    /// The coordinator, when this process coordinates.
-    pub chair: Chair,
-    /// This member's vote and what it knows of the coordinator.
-    pub elections: Arc<Elections>,
-    /// How long without a coordinator before this member may vote.
-    pub heartbeat_deadline: Duration,
-    /// This member's collectives, for pushed aborts.
-    pub abort: AbortSignal,
-}
-
-impl Service {
-    /// The coordinator here, for a caller that knows `term`: a caller that knows a newer term
-    /// deposes it.
-    fn coordinator(&self, term: u64) -> Result<Arc<Coordinator>, Status> {
-        let Some(c) = seated(&self.chair) else {
-            let follows = match self.elections.coordinator() {
-                Some((t, r)) => format!("; it follows {} (term {t})", self.names[r]),
-                None => String::new(),
-            };
-            return Err(Status::unavailable(format!("{} does not coordinate{follows}", self.names[self.rank])));
-        };
-        if term > c.term() {
-            let why = format!(
-                "{} no longer coordinates (term {}): a member knows term {term}",
-                self.names[self.rank],
-                c.term()
-            );
-            depose(&self.chair, &c, &why);
-            let _ = self.elections.heard(term);
-            return Err(Status::unavailable(why));
-        }
-        Ok(c)
-    }
-}
-
-/// Takes `c` out of `chair` (if it still sits there) and deposes it.
-pub fn depose(chair: &Chair, c: &Arc<Coordinator>, why: &str) {
-    let mut seat = chair.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if seat.as_ref().is_some_and(|s| Arc::ptr_eq(s, c)) {
-        *seat = None;
-    }
-    drop(seat);
-    c.depose(why);
-}
-
-type NoticeStream = Pin<Box<dyn Stream<Item = Result<proto::Notice, Status>> + Send + 'static>>;
-
-#[tonic::async_trait]
-impl Control for Service {
-    async fn join(&self, request: Request<proto::JoinRequest>) -> Result<Response<proto::JoinReply>, Status> {
-        let request = request.into_inner();
-        let c = self.coordinator(request.term)?;
-        c.join(request).await.map(Response::new)
-    }
-
-    type HeartbeatStream = NoticeStream;
-
-    async fn heartbeat(&self, request: Request<Streaming<proto::Beat>>) -> Result<Response<NoticeStream>, Status> {
-        let c = self.coordinator(0)?;
-        let mut inbound = request.into_inner();
-        let (sink, notices) = mpsc::unbounded_channel();
-        let (chair, elections, me) =
-            (Arc::clone(&self.chair), Arc::clone(&self.elections), self.names[self.rank].clone());
-        tokio::spawn(async move {
-            let mut registered = None;
-            while let Ok(Some(beat)) = inbound.message().await {
-                if beat.term > c.term() {
-                    let why =
-                        format!("{me} no longer coordinates (term {}): a member knows term {}", c.term(), beat.term);
-                    depose(&chair, &c, &why);
-                    let _ = elections.heard(beat.term);
-                    break;
-                }
-                if !c.beat(&beat, &sink, &mut registered) {
-                    break;
-                }
-            }
-            if let Some((rank, incarnation)) = registered {
-                c.disconnected(rank, incarnation);
-            }
-        });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(notices))))
-    }
-
-    async fn report(&self, request: Request<proto::ReportRequest>) -> Result<Response<proto::Empty>, Status> {
-        self.coordinator(0)?.report(request.into_inner()).map(|()| Response::new(proto::Empty {}))
-    }
-
-    async fn leave(&self, request: Request<proto::LeaveRequest>) -> Result<Response<proto::Empty>, Status> {
-        self.coordinator(0)?.leave(request.into_inner()).map(|()| Response::new(proto::Empty {}))
-    }
-
-    async fn barrier(&self, request: Request<proto::BarrierRequest>) -> Result<Response<proto::Empty>, Status> {
-        let c = self.coordinator(0)?;
-        c.barrier(request.into_inner()).await.map(|()| Response::new(proto::Empty {}))
-    }
-
-    async fn abort(&self, request: Request<proto::AbortRequest>) -> Result<Response<proto::Empty>, Status> {
-        let req = request.into_inner();
-        let from = check_rank(req.rank, self.names.len())?;
-        let reason: String = req.reason.chars().take(300).collect();
-        if self.abort.trigger(req.generation, &format!("{}: {reason}", self.names[from])) {
-            tracing::info!("generation {} aborted by {}: {reason}", req.generation, self.names[from]);
-        }
-        Ok(Response::new(proto::Empty {}))
-    }
-
-    async fn vote(&self, request: Request<proto::VoteRequest>) -> Result<Response<proto::VoteReply>, Status> {
-        let req = request.into_inner();
-        let candidate = check_rank(req.candidate, self.names.len())?;
-        let ballot = Ballot { term: req.term, candidate };
-        let reply = match self.elections.answer(&ballot, Instant::now(), self.heartbeat_deadline, req.pre) {
-            Ok(()) => {
-                if !req.pre {
-                    tracing::info!("voted for {} in term {}", self.names[candidate], req.term);
-                }
-                proto::VoteReply { granted: true, term: req.term, generation: 0, reason: String::new() }
-            }
-            Err((refusal, vote, generation)) => {
-                let coordinator = vote.coordinator.map(|r| self.names[r].as_str());
-                let reason = if self.elections.enabled() {
-                    refusal.reason(coordinator)
-                } else {
-                    "it keeps no vote (no --state-dir)".to_string()
-                };
-                proto::VoteReply { granted: false, term: vote.term, generation, reason }
-            }
-        };
-        Ok(Response::new(reply))
-    }
-
-    async fn who(&self, _: Request<proto::Empty>) -> Result<Response<proto::WhoReply>, Status> {
-        let vote = self.elections.vote();
-        Ok(Response::new(proto::WhoReply {
-            term: vote.term,
-            known: vote.coordinator.is_some(),
-            coordinator: vote.coordinator.unwrap_or(0) as u32,
-        }))
-    }
 }

@@ -669,6 +669,25 @@ mod tests {
     }
 
     #[test]
+    fn an_elected_coordinator_forms_without_the_lost_chief_and_never_without_itself() {
+        let t0 = Instant::now();
+        // Worker 1 coordinates (the chief was lost long ago); it and worker 2 joined.
+        let mut s = gathering(t0, [None, Some(report(4, 9, "a")), Some(report(4, 9, "a"))]);
+        s.own = 1;
+        s.floor = 6;
+        s.members[0].connected = false;
+        s.members[0].last_seen = t0 - Duration::from_secs(11);
+        let Some(Decision::Form(f)) = decide(&s, t0, &ELASTIC) else { panic!("formed without the chief") };
+        assert_eq!((f.members, f.generation), (vec![1, 2], 7), "above the coordinator's term");
+        // Its own member is always in: without it, nothing forms.
+        let mut s = gathering(t0, [Some(report(4, 9, "a")), None, Some(report(4, 9, "a"))]);
+        s.own = 1;
+        s.members[1].connected = false;
+        s.members[1].last_seen = t0 - Duration::from_secs(11);
+        assert_eq!(decide(&s, t0, &ELASTIC), None);
+    }
+
+    #[test]
     fn a_live_member_that_has_not_joined_yet_is_waited_for() {
         let t0 = Instant::now();
         let mut s = gathering(t0, [Some(report(4, 9, "a")), Some(report(4, 9, "a")), None]);

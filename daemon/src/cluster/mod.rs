@@ -1,7 +1,9 @@
 //! Cluster membership: `TF_CONFIG` ([`tf_config`]), the membership decisions ([`membership`], a
-//! pure function), the timeout hierarchy ([`timeouts`]), the gRPC control plane that carries
-//! them out ([`control`], the server and coordinator; [`member`], a member's calls; [`error`],
-//! what goes wrong, and the one reading of the chief's answers), and where it listens
+//! pure function), electing a coordinator when the chief is lost for good ([`election`], pure
+//! rules and the kept vote), the timeout hierarchy ([`timeouts`]), the gRPC control plane that
+//! carries them out ([`control`], the coordinator; [`service`], the server every daemon runs;
+//! [`member`], a member's calls; [`error`], what goes wrong, and the one reading of the
+//! coordinator's answers), and where it listens
 //! ([`network`]; who may talk to it is `crate::auth`'s). It knows nothing of training, plugins or
 //! storage: a member's state is an opaque ordered progress and a digest.
 
@@ -11,6 +13,7 @@ pub mod error;
 pub mod member;
 pub mod membership;
 pub mod network;
+pub mod service;
 pub mod tf_config;
 pub mod timeouts;
 

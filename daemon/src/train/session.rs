@@ -185,22 +185,9 @@ impl Session {
     /// cluster gathers; `stop` ends the wait.
     pub fn join(&mut self, state: Option<&dyn Shareable>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
         let Some(m) = self.cluster.as_mut() else {
-            let progress = state.map_or((0, 0), |s| s.progress());
             self.floor += 1;
-            let formed = Formed {
-                generation: self.floor,
-                data_addresses: Vec::new(),
-                source: 0,
-                progress,
-                digest: String::new(),
-                receivers: Vec::new(),
-                recovery: false,
-                steps_lost: 0,
-                members: vec![0],
-                coordinator: 0,
-                term: 0,
-            };
-            return Ok(Joined { formed, received: None });
+            let progress = state.map_or((0, 0), |s| s.progress());
+            return Ok(Joined { formed: Formed::alone(self.floor, progress), received: None });
         };
         let report = match state {
             Some(s) => Report {

@@ -102,6 +102,38 @@ pub struct ControlPlane {
     formed_once: bool,
 }
 
+/// The control plane's runtime: two threads.
+fn control_runtime() -> Result<tokio::runtime::Runtime, ClusterError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("trainerd-control")
+        .enable_all()
+        .build()
+        .map_err(|e| ClusterError::Other(e.to_string()))
+}
+
+/// This member's vote (kept in `state_dir`, if given) and the coordinator it holds at start: the
+/// chief coordinates term 0; a member whose kept vote says it won a term takes it up again.
+fn seat(
+    cluster: &ClusterConfig,
+    identity: &Identity,
+    timeouts: Timeouts,
+    state_dir: Option<&std::path::Path>,
+) -> Result<(Arc<Elections>, Chair), ClusterError> {
+    let names: Vec<String> = cluster.members.iter().map(|m| m.to_string()).collect();
+    let run = format!("{}\n{}\n{}", identity.cluster_json, identity.plugin, identity.run_config_json);
+    let file = state_dir.map(|dir| vote_file(dir, cluster.rank, &run));
+    let elections = Arc::new(Elections::open(file).map_err(ClusterError::Other)?);
+    let coordinator = match elections.coordinator() {
+        Some((term, rank)) if rank == cluster.rank => {
+            let seat = Seat { rank, term, ..Seat::default() };
+            Some(Coordinator::new(identity.clone(), names.clone(), timeouts.options(names.len()), seat))
+        }
+        _ => None,
+    };
+    Ok((elections, Arc::new(std::sync::RwLock::new(coordinator))))
+}
+
 /// This member's TF_CONFIG port, bound as `network` says; `name` is this member's.
 fn bind(cluster: &ClusterConfig, network: &Network, name: &str) -> Result<std::net::TcpListener, ClusterError> {
     let me = cluster.me();
@@ -129,27 +161,12 @@ impl ControlPlane {
         state_dir: Option<&std::path::Path>,
     ) -> Result<ControlPlane, ClusterError> {
         let names: Vec<String> = cluster.members.iter().map(|m| m.to_string()).collect();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("trainerd-control")
-            .enable_all()
-            .build()
-            .map_err(|e| ClusterError::Other(e.to_string()))?;
+        let runtime = control_runtime()?;
         let listener = bind(cluster, network, &names[cluster.rank])?;
         let listening = listener.local_addr().map_err(|e| ClusterError::Other(e.to_string()))?;
         let abort = AbortSignal::new();
-        let run = format!("{}\n{}\n{}", identity.cluster_json, identity.plugin, identity.run_config_json);
-        let file = state_dir.map(|dir| vote_file(dir, cluster.rank, &run));
-        let elections = Arc::new(Elections::open(file).map_err(ClusterError::Other)?);
-        // The chief coordinates term 0; a member whose kept vote says it won a term takes it up again.
-        let coordinator = match elections.coordinator() {
-            Some((term, rank)) if rank == cluster.rank => {
-                let seat = Seat { rank, term, ..Seat::default() };
-                Some(Coordinator::new(identity.clone(), names.clone(), timeouts.options(names.len()), seat))
-            }
-            _ => None,
-        };
-        let chair: Chair = Arc::new(std::sync::RwLock::new(coordinator.clone()));
+        let (elections, chair) = seat(cluster, &identity, timeouts, state_dir)?;
+        let coordinator = seated(&chair);
         let service = Service {
             rank: cluster.rank,
             names: names.clone(),
@@ -325,14 +342,8 @@ impl ControlPlane {
         let interval = self.timeouts.heartbeat_interval;
         let mut last = String::from("no attempt finished");
         loop {
-            match over() {
-                Some(JoinEnd::Stopped) => return Err(ClusterError::Stopped),
-                Some(JoinEnd::Replaced(why)) => return Err(ClusterError::Replaced(why)),
-                Some(JoinEnd::ChiefSilent) => {
-                    let (phase, chief, timeout) = (wait.phase, self.coordinator_name(), wait.timeout);
-                    return Err(ClusterError::ChiefSilent { phase, chief, timeout, detail: last });
-                }
-                None => {}
+            if let Some(end) = over() {
+                return Err(self.join_ended(end, wait, last));
             }
             let Some((term, rank, dial)) = self.coordinator() else {
                 last = "a coordinator is being elected".into();
@@ -376,6 +387,18 @@ impl ControlPlane {
                         tokio::time::sleep(interval).await;
                     }
                 },
+            }
+        }
+    }
+
+    /// Why a join's wait ended without an answer (`last`: what happened last).
+    fn join_ended(&self, end: JoinEnd, wait: &JoinWait, last: String) -> ClusterError {
+        match end {
+            JoinEnd::Stopped => ClusterError::Stopped,
+            JoinEnd::Replaced(why) => ClusterError::Replaced(why),
+            JoinEnd::ChiefSilent => {
+                let (phase, chief, timeout) = (wait.phase, self.coordinator_name(), wait.timeout);
+                ClusterError::ChiefSilent { phase, chief, timeout, detail: last }
             }
         }
     }

@@ -1,0 +1,173 @@
+//! The gRPC service every daemon serves on its TF_CONFIG address: the coordinator's calls
+//! (joins, heartbeats, reports, departures, barriers) when this process coordinates, the pushed
+//! abort notices from its peers, and the election's calls (`Vote`, `Who`) that every member
+//! answers. A caller that knows a newer term than the coordinator here deposes it.
+
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::control::{check_rank, proto, Coordinator};
+use super::election::{Ballot, Elections};
+use crate::collective::AbortSignal;
+use proto::control_server::Control;
+
+/// Where this process's coordinator sits when it coordinates: the chief's from the start, an
+/// elected one's from its election, empty once deposed.
+pub type Chair = Arc<RwLock<Option<Arc<Coordinator>>>>;
+
+/// The coordinator in `chair`, if any.
+pub fn seated(chair: &Chair) -> Option<Arc<Coordinator>> {
+    chair.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+}
+
+/// The service every daemon serves.
+pub struct Service {
+    /// This member's rank.
+    pub rank: usize,
+    /// Every member's name.
+    pub names: Vec<String>,
+    /// The coordinator, when this process coordinates.
+    pub chair: Chair,
+    /// This member's vote and what it knows of the coordinator.
+    pub elections: Arc<Elections>,
+    /// How long without a coordinator before this member may vote.
+    pub heartbeat_deadline: Duration,
+    /// This member's collectives, for pushed aborts.
+    pub abort: AbortSignal,
+}
+
+impl Service {
+    /// The coordinator here, for a caller that knows `term`: a caller that knows a newer term
+    /// deposes it.
+    fn coordinator(&self, term: u64) -> Result<Arc<Coordinator>, Status> {
+        let Some(c) = seated(&self.chair) else {
+            let follows = match self.elections.coordinator() {
+                Some((t, r)) => format!("; it follows {} (term {t})", self.names[r]),
+                None => String::new(),
+            };
+            return Err(Status::unavailable(format!("{} does not coordinate{follows}", self.names[self.rank])));
+        };
+        if term > c.term() {
+            let why = format!(
+                "{} no longer coordinates (term {}): a member knows term {term}",
+                self.names[self.rank],
+                c.term()
+            );
+            depose(&self.chair, &c, &why);
+            let _ = self.elections.heard(term);
+            return Err(Status::unavailable(why));
+        }
+        Ok(c)
+    }
+}
+
+/// Takes `c` out of `chair` (if it still sits there) and deposes it.
+pub fn depose(chair: &Chair, c: &Arc<Coordinator>, why: &str) {
+    let mut seat = chair.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if seat.as_ref().is_some_and(|s| Arc::ptr_eq(s, c)) {
+        *seat = None;
+    }
+    drop(seat);
+    c.depose(why);
+}
+
+type NoticeStream = Pin<Box<dyn Stream<Item = Result<proto::Notice, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Control for Service {
+    async fn join(&self, request: Request<proto::JoinRequest>) -> Result<Response<proto::JoinReply>, Status> {
+        let request = request.into_inner();
+        let c = self.coordinator(request.term)?;
+        c.join(request).await.map(Response::new)
+    }
+
+    type HeartbeatStream = NoticeStream;
+
+    async fn heartbeat(&self, request: Request<Streaming<proto::Beat>>) -> Result<Response<NoticeStream>, Status> {
+        let c = self.coordinator(0)?;
+        let mut inbound = request.into_inner();
+        let (sink, notices) = mpsc::unbounded_channel();
+        let (chair, elections, me) =
+            (Arc::clone(&self.chair), Arc::clone(&self.elections), self.names[self.rank].clone());
+        tokio::spawn(async move {
+            let mut registered = None;
+            while let Ok(Some(beat)) = inbound.message().await {
+                if beat.term > c.term() {
+                    let why =
+                        format!("{me} no longer coordinates (term {}): a member knows term {}", c.term(), beat.term);
+                    depose(&chair, &c, &why);
+                    let _ = elections.heard(beat.term);
+                    break;
+                }
+                if !c.beat(&beat, &sink, &mut registered) {
+                    break;
+                }
+            }
+            if let Some((rank, incarnation)) = registered {
+                c.disconnected(rank, incarnation);
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(notices))))
+    }
+
+    async fn report(&self, request: Request<proto::ReportRequest>) -> Result<Response<proto::Empty>, Status> {
+        self.coordinator(0)?.report(request.into_inner()).map(|()| Response::new(proto::Empty {}))
+    }
+
+    async fn leave(&self, request: Request<proto::LeaveRequest>) -> Result<Response<proto::Empty>, Status> {
+        self.coordinator(0)?.leave(request.into_inner()).map(|()| Response::new(proto::Empty {}))
+    }
+
+    async fn barrier(&self, request: Request<proto::BarrierRequest>) -> Result<Response<proto::Empty>, Status> {
+        let c = self.coordinator(0)?;
+        c.barrier(request.into_inner()).await.map(|()| Response::new(proto::Empty {}))
+    }
+
+    async fn abort(&self, request: Request<proto::AbortRequest>) -> Result<Response<proto::Empty>, Status> {
+        let req = request.into_inner();
+        let from = check_rank(req.rank, self.names.len())?;
+        let reason: String = req.reason.chars().take(300).collect();
+        if self.abort.trigger(req.generation, &format!("{}: {reason}", self.names[from])) {
+            tracing::info!("generation {} aborted by {}: {reason}", req.generation, self.names[from]);
+        }
+        Ok(Response::new(proto::Empty {}))
+    }
+
+    async fn vote(&self, request: Request<proto::VoteRequest>) -> Result<Response<proto::VoteReply>, Status> {
+        let req = request.into_inner();
+        let candidate = check_rank(req.candidate, self.names.len())?;
+        let ballot = Ballot { term: req.term, candidate };
+        let reply = match self.elections.answer(&ballot, Instant::now(), self.heartbeat_deadline, req.pre) {
+            Ok(()) => {
+                if !req.pre {
+                    tracing::info!("voted for {} in term {}", self.names[candidate], req.term);
+                }
+                proto::VoteReply { granted: true, term: req.term, generation: 0, reason: String::new() }
+            }
+            Err((refusal, vote, generation)) => {
+                let coordinator = vote.coordinator.map(|r| self.names[r].as_str());
+                let reason = if self.elections.enabled() {
+                    refusal.reason(coordinator)
+                } else {
+                    "it keeps no vote (no --state-dir)".to_string()
+                };
+                proto::VoteReply { granted: false, term: vote.term, generation, reason }
+            }
+        };
+        Ok(Response::new(reply))
+    }
+
+    async fn who(&self, _: Request<proto::Empty>) -> Result<Response<proto::WhoReply>, Status> {
+        let vote = self.elections.vote();
+        Ok(Response::new(proto::WhoReply {
+            term: vote.term,
+            known: vote.coordinator.is_some(),
+            coordinator: vote.coordinator.unwrap_or(0) as u32,
+        }))
+    }
+}
