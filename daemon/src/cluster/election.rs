@@ -52,6 +52,9 @@ pub struct Voter {
     pub generation: u64,
     /// How long it has been without a coordinator (`None`: its coordinator answers).
     pub lost_for: Option<Duration>,
+    /// It found no kept vote at start (a new machine, an emptied directory) and has not yet heard
+    /// from a majority of the others: it may have voted before and forgotten.
+    pub forgetful: bool,
 }
 
 /// Why a vote is refused.
@@ -64,6 +67,8 @@ pub enum Refusal {
     /// The voter's coordinator answers: a healthy coordinator is never deposed by a member cut
     /// off alone.
     Healthy,
+    /// The voter lost its kept vote and has not yet heard the current term from a majority.
+    Forgetful,
 }
 
 impl Refusal {
@@ -73,16 +78,20 @@ impl Refusal {
             Refusal::Term(t) => format!("it knows term {t}"),
             Refusal::Generation(g) => format!("it has seen generation {g}"),
             Refusal::Healthy => format!("its coordinator, {}, answers", coordinator.unwrap_or("the chief")),
+            Refusal::Forgetful => "it has no kept vote and has not yet heard the current term from a majority".into(),
         }
     }
 }
 
 /// The voter's answer to `ballot`: the vote to persist before saying yes, or why not. At most one
 /// vote per term (asking again for the same candidate gets the same yes), never for a term at or
-/// below one it knows or a generation it saw, and only while it too has been without a
-/// coordinator for the heartbeat deadline.
+/// below one it knows or a generation it saw, only while it too has been without a coordinator
+/// for the heartbeat deadline, and not while it may have forgotten a vote ([`caught_up`]).
 pub fn answer(voter: &Voter, ballot: &Ballot, heartbeat_deadline: Duration) -> Result<Vote, Refusal> {
     let mine = voter.vote;
+    if voter.forgetful {
+        return Err(Refusal::Forgetful);
+    }
     if ballot.term == mine.term && mine.voted_for == Some(ballot.candidate) {
         return Ok(mine);
     }
@@ -106,6 +115,14 @@ pub fn stands(lost_for: Duration, place: usize, tries: u32, world: usize, opts: 
     let (replace_after, heartbeat_deadline) = opts;
     let turns = place as u32 + tries * world as u32;
     lost_for > replace_after + heartbeat_deadline * 2 * turns
+}
+
+/// Whether a member that lost its kept vote may vote again: `answers` of the other ranks told it
+/// their term, more than half of all `world` ranks. Every term won was kept by a majority, and
+/// the majority without this member still meets any majority of the others, so it has heard of
+/// every term it may have voted in (it takes the highest first).
+pub fn caught_up(answers: usize, world: usize) -> bool {
+    answers * 2 > world
 }
 
 /// The term a candidate stands in: above every term and generation it knows.
@@ -137,6 +154,8 @@ pub struct Elections {
 
 struct Inner {
     vote: Vote,
+    /// No kept vote was found at start.
+    forgetful: bool,
     /// The highest generation this member has been in or told of.
     generation: u64,
     /// Since when its coordinator has been lost (`None`: it answers).
@@ -147,11 +166,12 @@ impl Elections {
     /// The elections of the member whose vote lives in `file` (read now; `None`: this member
     /// keeps no vote, and so neither votes nor stands).
     pub fn open(file: Option<PathBuf>) -> Result<Elections, String> {
-        let vote = match &file {
+        let (vote, forgetful) = match &file {
             Some(path) => read(path)?,
-            None => Vote::default(),
+            None => (Vote::default(), true),
         };
-        Ok(Elections { file, inner: Mutex::new(Inner { vote, generation: 0, lost_since: None }) })
+        let inner = Inner { vote, forgetful, generation: 0, lost_since: None };
+        Ok(Elections { file, inner: Mutex::new(inner) })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -161,6 +181,24 @@ impl Elections {
     /// Whether this member takes part (it has somewhere to keep its vote).
     pub fn enabled(&self) -> bool {
         self.file.is_some()
+    }
+
+    /// Whether it may have voted before and forgotten (no kept vote, not caught up yet).
+    pub fn forgetful(&self) -> bool {
+        self.lock().forgetful
+    }
+
+    /// `answers` of the others told it their terms, the highest `highest`: it takes that term and,
+    /// if they are a majority, may vote again.
+    pub fn heard_from(&self, answers: usize, world: usize, highest: u64) -> Result<(), String> {
+        self.heard(highest)?;
+        let mut i = self.lock();
+        if i.forgetful && caught_up(answers, world) {
+            // Kept from now on: a restart need not ask again.
+            self.persist(&i.vote)?;
+            i.forgetful = false;
+        }
+        Ok(())
     }
 
     /// Its vote.
@@ -211,6 +249,7 @@ impl Elections {
             return Err((Refusal::Term(u64::MAX), i.vote, i.generation));
         }
         let voter = Voter {
+            forgetful: i.forgetful,
             vote: i.vote,
             generation: i.generation,
             lost_for: i.lost_since.map(|s| now.saturating_duration_since(s)),
@@ -272,12 +311,13 @@ impl Elections {
     }
 }
 
-/// The vote kept in `path` (absent: term 0, the chief).
-fn read(path: &Path) -> Result<Vote, String> {
+/// The vote kept in `path`, and whether there was none (term 0, the chief).
+fn read(path: &Path) -> Result<(Vote, bool), String> {
     match std::fs::read(path) {
         Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(|v| (v, false))
             .map_err(|e| format!("{}: not a trainerd vote ({e}); remove it to start from term 0", path.display())),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vote::default()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((Vote::default(), true)),
         Err(e) => Err(format!("{}: {e}", path.display())),
     }
 }
@@ -285,8 +325,9 @@ fn read(path: &Path) -> Result<Vote, String> {
 /// Where `rank` keeps its vote for the run `identity` (the cluster, the plugin and the run
 /// configuration, so that another run's votes in the same directory do not count).
 pub fn vote_file(dir: &Path, rank: usize, identity: &str) -> PathBuf {
-    let id = crate::state::sha256_hex(identity.as_bytes());
-    dir.join(format!("vote-rank{rank}-{}.json", &id[..16]))
+    use sha2::{Digest, Sha256};
+    let id: String = Sha256::digest(identity.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect();
+    dir.join(format!("vote-rank{rank}-{id}.json"))
 }
 
 #[cfg(test)]
@@ -297,7 +338,7 @@ mod tests {
     const HB: Duration = Duration::from_millis(1500);
 
     fn lost(v: Vote, generation: u64) -> Voter {
-        Voter { vote: v, generation, lost_for: Some(Duration::from_secs(10)) }
+        Voter { vote: v, generation, lost_for: Some(Duration::from_secs(10)), forgetful: false }
     }
 
     #[test]
@@ -321,6 +362,22 @@ mod tests {
         let just = Voter { lost_for: Some(Duration::from_millis(200)), ..v };
         assert_eq!(answer(&just, &Ballot { term: 13, candidate: 1 }, HB), Err(Refusal::Healthy));
         assert_eq!(Refusal::Healthy.reason(Some("worker 0 (h:1)")), "its coordinator, worker 0 (h:1), answers");
+    }
+
+    #[test]
+    fn a_member_that_lost_its_vote_file_votes_only_once_a_majority_told_it_the_term() {
+        let fresh = Voter { forgetful: true, ..lost(Vote::default(), 9) };
+        assert_eq!(answer(&fresh, &Ballot { term: 12, candidate: 1 }, HB), Err(Refusal::Forgetful));
+        assert!(!caught_up(1, 3) && caught_up(2, 3) && !caught_up(2, 4) && caught_up(3, 4));
+        assert!(!caught_up(1, 2), "in a 2-worker job the other alone is no majority of the two");
+        let dir = tempfile::tempdir().unwrap();
+        let e = Elections::open(Some(vote_file(dir.path(), 0, "run"))).unwrap();
+        assert!(e.forgetful());
+        e.heard_from(1, 3, 5).unwrap();
+        assert!(e.forgetful(), "one of three is not enough");
+        e.heard_from(2, 3, 7).unwrap();
+        assert!(!e.forgetful());
+        assert_eq!(e.vote().term, 7, "it took the highest term it heard of");
     }
 
     #[test]
@@ -353,6 +410,8 @@ mod tests {
         let path = vote_file(dir.path(), 2, "run");
         let e = Elections::open(Some(path.clone())).unwrap();
         assert_eq!(e.vote(), Vote::default());
+        // No file yet: it votes once a majority of the others told it the term (here, 0).
+        e.heard_from(2, 3, 0).unwrap();
         let now = Instant::now();
         e.set_lost(Some(now - Duration::from_secs(5)));
         e.answer(&Ballot { term: 4, candidate: 1 }, now, HB, true).unwrap();
@@ -381,6 +440,7 @@ mod tests {
         Who { member: usize, peer: usize },
         /// `member` restarts.
         Restart { member: usize },
+
         /// The coordinator `member` believes in tries to form with the members in `asked`.
         Form { member: usize, asked: u8 },
     }
@@ -397,11 +457,12 @@ mod tests {
     proptest! {
         /// Never two coordinators with a majority each: every term has at most one winner, and a
         /// formation happens only at the highest term that ever formed (a coordinator of an older
-        /// term can never form again once a majority has moved on), through restarts.
+        /// term can never form again once a majority has moved on), through restarts (the votes
+        /// are kept; a member that lost its file is `a_member_that_lost_its_vote_file_...`'s).
         #[test]
         fn never_two_coordinators_with_a_majority(
             n in 2usize..6,
-            events in proptest::collection::vec(event(5), 1..80),
+            events in proptest::collection::vec(event(5), 1..120),
         ) {
             // Persisted: each member's vote. Volatile: the generation seen.
             let mut votes = vec![Vote::default(); n];
@@ -412,11 +473,15 @@ mod tests {
                 match e {
                     Event::Stand { candidate, asked } => {
                         let c = candidate % n;
+                        // As the elector: only a member that has been in a generation stands.
+                        if seen[c] == 0 {
+                            continue;
+                        }
                         let term = next_term(&votes[c], seen[c]);
                         votes[c] = Vote { term, voted_for: Some(c), coordinator: None };
                         let mut grants = 1;
                         for m in (0..n).filter(|&m| m != c && asked & (1 << m) != 0) {
-                            let voter = Voter { vote: votes[m], generation: seen[m], lost_for: Some(HB * 2) };
+                            let voter = Voter { vote: votes[m], generation: seen[m], lost_for: Some(HB * 2), forgetful: false };
                             if let Ok(v) = answer(&voter, &Ballot { term, candidate: c }, HB) {
                                 votes[m] = v;
                                 grants += 1;
@@ -436,6 +501,7 @@ mod tests {
                         }
                     }
                     Event::Restart { member } => seen[member % n] = 0,
+
                     Event::Form { member, asked } => {
                         let m = member % n;
                         // It coordinates the term it follows itself in.

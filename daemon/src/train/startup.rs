@@ -30,6 +30,12 @@ pub(super) fn open_session(plugin: &Plugin, cfg: &RunConfig, progress: &mut Prog
         let how = if cfg.network.key.is_some() { "peers must prove the cluster secret" } else { "no secret" };
         progress.line(&format!("trainerd: listening on {listening} ({how})"));
     }
+    if session.world() > 2 && cfg.state_dir.is_none() {
+        progress.line(
+            "trainerd: no --state-dir (or $STATE_DIRECTORY): this worker takes no part in electing a new \
+             coordinator; a chief lost for good is waited for",
+        );
+    }
     if session.rank() == 0 && session.world() > 1 {
         progress.line(&format!("trainerd: waiting for {} worker(s) to join", session.world()));
     }

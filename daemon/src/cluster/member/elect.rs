@@ -45,7 +45,8 @@ impl Elector {
                 coordinated = Some(c.term());
             }
             let gathering = here.as_ref().is_some_and(|c| c.gathering());
-            if elections.lost_for(Instant::now()).is_none() && !gathering {
+            let asking = gathering || (elections.enabled() && elections.forgetful());
+            if elections.lost_for(Instant::now()).is_none() && !asking {
                 tries = 0;
                 if let Some((_, r)) = elections.coordinator() {
                     followed = Some(r);
@@ -56,7 +57,8 @@ impl Elector {
             let Some(lost_for) = elections.lost_for(Instant::now()) else { continue };
             // Only a member that has trained holds a state worth coordinating from, and only one
             // that keeps its vote may stand.
-            if !elections.enabled() || elections.generation() == 0 || seated(&self.chair).is_some() {
+            let unsure = elections.generation() == 0 || elections.forgetful();
+            if !elections.enabled() || unsure || seated(&self.chair).is_some() {
                 continue;
             }
             let place = (0..world).filter(|&r| Some(r) != followed).position(|r| r == self.rank).unwrap_or(0);
@@ -79,15 +81,19 @@ impl Elector {
         let answers = self.ask(|mut client| async move { client.who(proto::Empty {}).await }).await;
         let elections = &self.shared.elections;
         let mut best: Option<(u64, usize)> = None;
+        let (mut heard, mut highest) = (0, 0);
         for (_, reply) in answers {
             let Ok(reply) = reply else { continue };
             let reply = reply.into_inner();
+            (heard, highest) = (heard + 1, highest.max(reply.term));
             let coordinator = reply.coordinator as usize;
             if reply.known && coordinator < self.names.len() && coordinator != self.rank {
                 best = best.max(Some((reply.term, coordinator)));
-            } else if reply.term > elections.vote().term {
-                let _ = elections.heard(reply.term);
             }
+        }
+        // A member without its kept vote may vote again once a majority told it the term.
+        if let Err(e) = elections.heard_from(heard, self.names.len(), highest) {
+            tracing::error!("cannot keep the vote: {e}");
         }
         let Some((term, coordinator)) = best else { return };
         match elections.adopt(term, coordinator) {

@@ -654,6 +654,12 @@ mod tests {
         let mut planes: Vec<ControlPlane> = (0..3).map(|r| voting(&ports, r, t, dir.path())).collect();
         let first = join_all(&mut planes, &[report(0, 0, "init"), Report::default(), Report::default()]);
         assert_eq!((first[0].coordinator, first[0].term), (0, 0));
+        // Fresh vote directories: each member votes once a majority of the others told it the term.
+        let until = Instant::now() + Duration::from_secs(5);
+        while planes.iter().any(|p| p.shared.elections.forgetful()) {
+            assert!(Instant::now() < until, "the members never heard the term from a majority");
+            std::thread::sleep(Duration::from_millis(20));
+        }
         // The chief dies and does not come back.
         let chief = planes.remove(0);
         drop(chief);
@@ -668,9 +674,11 @@ mod tests {
         assert!(took < Duration::from_secs(6), "the election took {took:?}");
         assert_eq!(planes[0].coordinates(), Some(second[0].term));
         assert_eq!(planes[1].coordinates(), None);
-        // The votes are kept: worker 2 voted for worker 1 in that term.
+        // The votes are kept: worker 2 voted for worker 1 in that term, and follows it.
         let kept = std::fs::read_dir(dir.path()).unwrap().count();
-        assert_eq!(kept, 2, "workers 1 and 2 keep their votes");
+        assert_eq!(kept, 3, "every member keeps its vote");
+        let vote = planes[1].shared.elections.vote();
+        assert_eq!((vote.term, vote.voted_for, vote.coordinator), (second[0].term, Some(1), Some(1)));
         // The chief comes back: it finds the new coordinator, joins as a member, takes its slot back.
         // (Workers 1 and 2 join again until a generation holds it, as the training loop does.)
         planes.insert(0, voting(&ports, 0, t, dir.path()));
