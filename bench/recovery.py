@@ -20,10 +20,12 @@ Measured from the moment of the signal:
 
 A worker gone for good (--gone, 3 workers, `trainerd local --no-restart 2 --replace-after R`):
 seconds from the SIGKILL until the two survivors train again, and their throughput before and
-while short (steps per second over the chief's metrics log).
+while short (steps per second over the chief's metrics log). The chief gone for good
+(--chief-gone, `--no-restart 0`): seconds until worker 1 is elected, until it has formed a
+generation of the survivors, and until both train again.
 
 Usage: bench/recovery.sh [--kills N] [--chief-kills N] [--freezes N] [--torchrun-trials N]
-                         [--world N] [--ckpt-every N] [--gone] [--replace-after S]
+                         [--world N] [--ckpt-every N] [--gone] [--chief-gone] [--replace-after S]
 """
 import argparse, json, os, random, re, signal, statistics, subprocess, sys, tempfile, threading, time
 
@@ -155,38 +157,45 @@ def trainerd(args):
     return results
 
 
-def gone(args):
-    """A worker of three killed and never restarted: time until the survivors train again, and
-    their throughput before and while short."""
+def gone(args, victim=2):
+    """Worker `victim` of three killed and never restarted: time until the survivors train again
+    (for the chief: until one of them is elected and forms a generation), and their throughput
+    before and while short."""
+    survivors = [w for w in range(3) if w != victim]
+    lead = survivors[0]
     with tempfile.TemporaryDirectory() as d:
-        c = Cluster(d, 3, args.ckpt_every, launcher=("--no-restart", "2"), extra=("--replace-after", str(args.replace_after)))
+        c = Cluster(d, 3, args.ckpt_every, launcher=("--no-restart", str(victim)),
+                    extra=("--replace-after", str(args.replace_after)))
         try:
             if not c.wait_steps(60, timeout=300):
                 sys.exit("trainerd did not start training")
             time.sleep(10)
             with c.lock:
-                mark, pid = len(c.lines), c.pids[2]
+                mark, pid = len(c.lines), c.pids[victim]
             t0 = time.time()
             os.kill(pid, signal.SIGKILL)
-            formed = None
+            formed, elected = None, None
             while time.time() < t0 + args.replace_after + HANG_S and formed is None:
                 with c.lock:
                     new = c.lines[mark:]
                 for t, line in new:
-                    m = re.match(r"\[worker 0\] trainerd: generation \d+ formed at step (\d+): .* 2 of 3 workers", line)
+                    if re.match(rf"\[worker {lead}\] trainerd: worker {lead} .* coordinates from term", line):
+                        elected = elected or t
+                    m = re.match(rf"\[worker {lead}\] trainerd: generation \d+ formed at step (\d+): .* 2 of 3 workers", line)
                     if m:
-                        formed = int(m.group(1))
+                        formed = (int(m.group(1)), t)
                 time.sleep(0.05)
             if formed is None:
                 return {"hang": True}
-            while not all(any(t > t0 and s > formed for t, s in c.steps(w)) for w in (0, 1)):
+            while not all(any(t > t0 and s > formed[0] for t, s in c.steps(w)) for w in survivors):
                 time.sleep(0.05)
-            back = max(min(t for t, s in c.steps(w) if t > t0 and s > formed) for w in (0, 1))
+            back = max(min(t for t, s in c.steps(w) if t > t0 and s > formed[0]) for w in survivors)
             time.sleep(15)
-            steps = c.steps(0)
+            steps = c.steps(lead)
             rate = lambda a, b: sum(1 for t, _ in steps if a < t <= b) / (b - a)
-            return {"continues_s": back - t0, "before_steps_s": rate(t0 - 10, t0),
-                    "short_steps_s": rate(back, back + 10)}
+            return {"continues_s": back - t0, "formed_s": formed[1] - t0,
+                    "elected_s": elected - t0 if elected else None,
+                    "before_steps_s": rate(t0 - 10, t0), "short_steps_s": rate(back, back + 10)}
         finally:
             c.stop()
 
@@ -220,10 +229,12 @@ def main():
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--secret", action="store_true", help="authenticate every connection with a cluster secret")
     p.add_argument("--gone", action="store_true", help="also measure a worker of three gone for good")
+    p.add_argument("--chief-gone", action="store_true", help="also measure the chief of three gone for good")
     p.add_argument("--replace-after", type=float, default=5.0, help="--replace-after for --gone (seconds)")
     args = p.parse_args()
     ours = trainerd(args) if args.kills + args.chief_kills + args.freezes > 0 else {"worker": [], "chief": [], "frozen": []}
     lost_for_good = gone(args) if args.gone else None
+    chief_for_good = gone(args, victim=0) if args.chief_gone else None
     peer = torchrun(args) if args.torchrun_trials > 0 else []
     ok = lambda rs: [r for r in rs if not r.get("hang")]
     w, c, f = ok(ours["worker"]), ok(ours["chief"]), ok(ours["frozen"])
@@ -258,6 +269,17 @@ def main():
         else:
             print(f"training continues {g['continues_s']:.2f} s after the kill; {g['before_steps_s']:.1f} steps/s before, "
                   f"{g['short_steps_s']:.1f} steps/s on 2 of 3 ({g['short_steps_s'] / g['before_steps_s']:.2f}x)")
+    if chief_for_good is not None:
+        g = chief_for_good
+        print(f"\nThe chief of three gone for good (--replace-after {args.replace_after:g} s): ", end="")
+        if g.get("hang"):
+            print("no coordinator was elected")
+        else:
+            print(f"worker 1 elected {g['elected_s']:.2f} s after the kill, a generation formed at {g['formed_s']:.2f} s "
+                  f"({g['formed_s'] - args.replace_after:.2f} s beyond --replace-after), training continues at "
+                  f"{g['continues_s']:.2f} s; {g['before_steps_s']:.1f} steps/s before, {g['short_steps_s']:.1f} steps/s "
+                  f"on 2 of 3 ({g['short_steps_s'] / g['before_steps_s']:.2f}x); no peer figure (the shared torchrun bench "
+                  f"runs one agent on one host, which restarts every rank from rank 0's last save)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 //! TF_CONFIG's workers: the run's math belongs to its slots (virtual ranks), never to the workers
 //! present.
 //!
-//! CI budget: the eleven scenarios and their two references take about 2.5 minutes on 2 cores.
+//! CI budget: the twelve scenarios and their two references take about 2.5 minutes on 2 cores.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -279,32 +279,44 @@ fn a_job_starts_with_two_of_three_workers_and_the_third_joins_mid_epoch() {
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
 }
 
-/// Worker 2 stopped at `point` (its `n`-th visit), then killed for good: the others replace it
-/// and the run is bitwise the full run's.
-fn killed_for_good_at(point: &str, n: u32) {
+/// Worker `victim` stopped at `point` (its `n`-th visit), then killed for good: the others replace
+/// it (electing a new coordinator when it is the chief) and the run is bitwise the full run's.
+fn killed_for_good_at(point: &str, n: u32, victim: usize) {
     let tmp = tempfile::tempdir().unwrap();
-    let failpoint = vec![vec![], vec![], vec![("TRAINERD_FAILPOINT".to_string(), format!("{point}@{n}"))]];
-    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &[]), &[], failpoint, RESTART_SEC);
-    c.hold(2);
-    c.wait_for(|e| e.worker == 2 && e.line() == Some(&format!("trainerd: failpoint {point} reached")), DEADLINE);
-    c.signal(2, libc::SIGKILL);
-    c.wait_event(0, formed_with(2, 3), DEADLINE);
-    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1]);
+    let state = voting(tmp.path());
+    let extra: Vec<&str> = state.iter().map(String::as_str).collect();
+    let mut failpoint = vec![vec![]; LINEAR.workers];
+    failpoint[victim] = vec![("TRAINERD_FAILPOINT".to_string(), format!("{point}@{n}"))];
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], failpoint, RESTART_SEC);
+    c.hold(victim);
+    c.wait_for(|e| e.worker == victim && e.line() == Some(&format!("trainerd: failpoint {point} reached")), DEADLINE);
+    c.signal(victim, libc::SIGKILL);
+    let lead = if victim == 0 { 1 } else { 0 };
+    c.wait_event(lead, formed_with(2, 3), DEADLINE);
+    let survivors: Vec<usize> = (0..LINEAR.workers).filter(|&w| w != victim).collect();
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &survivors);
 }
 
 #[test]
 fn a_worker_gone_for_good_in_the_middle_of_an_evaluation() {
-    killed_for_good_at("evaluate", 3);
+    killed_for_good_at("evaluate", 3, 2);
 }
 
 #[test]
 fn a_worker_gone_for_good_while_a_generation_forms() {
-    killed_for_good_at("formed", 1);
+    killed_for_good_at("formed", 1, 2);
 }
 
 #[test]
 fn a_worker_gone_for_good_while_it_receives_the_state() {
-    killed_for_good_at("state-transfer", 1);
+    killed_for_good_at("state-transfer", 1, 2);
+}
+
+/// The chief killed for good in the middle of a commit (its data written, its record not): the
+/// elected coordinator commits from then on, and the half-written commit never shows.
+#[test]
+fn the_chief_gone_for_good_in_the_middle_of_a_commit() {
+    killed_for_good_at("commit-before-record", 2, 0);
 }
 
 /// `trainerd local --no-restart W`: the launcher leaves worker `gone` dead, says so, says who
