@@ -23,6 +23,7 @@ pub mod columns;
 pub mod data;
 #[doc(hidden)]
 pub mod export;
+mod inflated;
 pub mod mnist;
 pub mod model;
 

@@ -145,6 +145,9 @@ fn read_file(dir: &Path, name: &str) -> Result<(PathBuf, Vec<u8>), DataError> {
     let plain = dir.join(name);
     if gz.is_file() {
         let compressed = std::fs::read(&gz).map_err(io(&gz))?;
+        if let Some(bytes) = crate::inflated::cached(&compressed) {
+            return Ok((gz, bytes));
+        }
         let bytes = match inflate_whole(&compressed) {
             Some(bytes) => bytes,
             None => {
@@ -153,6 +156,7 @@ fn read_file(dir: &Path, name: &str) -> Result<(PathBuf, Vec<u8>), DataError> {
                 bytes
             }
         };
+        crate::inflated::keep(&compressed, &bytes);
         Ok((gz, bytes))
     } else if plain.is_file() {
         let bytes = std::fs::read(&plain).map_err(io(&plain))?;

@@ -27,7 +27,8 @@ pub(super) struct Elector {
 }
 
 impl Elector {
-    /// Looks every third of a heartbeat deadline, until a newer process takes this rank.
+    /// Looks now and then (more often while the coordinator is lost), until a newer process
+    /// takes this rank.
     pub(super) async fn run(self) {
         let elections = Arc::clone(&self.shared.elections);
         let world = self.names.len();
@@ -35,8 +36,12 @@ impl Elector {
         // The coordinator followed before it was lost, and the term this process coordinated.
         let mut followed = elections.coordinator().map(|(_, r)| r);
         let mut coordinated = seated(&self.chair).map(|c| c.term());
+        let mut busy = false;
         loop {
-            tokio::time::sleep(self.timeouts.heartbeat_deadline / 3).await;
+            // Every heartbeat interval while something is to be found out (a lost coordinator,
+            // a winner not known yet), else every third of a heartbeat deadline.
+            let t = &self.timeouts;
+            tokio::time::sleep(if busy { t.heartbeat_interval } else { t.heartbeat_deadline / 3 }).await;
             if self.shared.replaced().is_some() {
                 return;
             }
@@ -46,7 +51,8 @@ impl Elector {
             }
             let gathering = here.as_ref().is_some_and(|c| c.gathering());
             let asking = gathering || (elections.enabled() && elections.forgetful());
-            if elections.lost_for(Instant::now()).is_none() && !asking {
+            busy = elections.lost_for(Instant::now()).is_some() || elections.coordinator().is_none();
+            if !busy && !asking {
                 tries = 0;
                 if let Some((_, r)) = elections.coordinator() {
                     followed = Some(r);
