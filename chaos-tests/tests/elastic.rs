@@ -168,23 +168,30 @@ fn voting(dir: &Path) -> [String; 2] {
     ["--state-dir".to_string(), dir.join("state.{rank}").to_str().unwrap().to_string()]
 }
 
-/// The chief is SIGKILLed and never restarted: after --replace-after, worker 1 (the lowest live
-/// rank) stands, worker 2 votes for it, and it coordinates a generation of the two survivors,
-/// committing to the shared checkpoint directory; the run is bitwise the three-worker run's.
-#[test]
-fn the_chief_killed_for_good_is_replaced_by_an_elected_coordinator() {
-    let tmp = tempfile::tempdir().unwrap();
-    let state = voting(tmp.path());
+/// Three voting workers; the chief SIGKILLed for good after `step` of epoch 1: worker 1 is elected
+/// and forms a generation of the two survivors (both said, checked).
+fn chief_killed_for_good(dir: &Path, step: u64) -> Cluster {
+    let state = voting(dir);
     let extra: Vec<&str> = state.iter().map(String::as_str).collect();
-    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], vec![], RESTART_SEC);
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, dir, &extra), &[], vec![], RESTART_SEC);
     c.hold(0);
-    wait_for_step(&mut c, LINEAR, 1, 40);
+    wait_for_step(&mut c, LINEAR, 1, step);
     let killed = c.mark();
     c.signal(0, libc::SIGKILL);
     let (_, elected) = c.wait_line(1, "trainerd: worker 1 ", killed, DEADLINE);
     assert!(elected.contains(" coordinates from term ") && elected.contains("elected by 2 of 3"), "{elected}");
     let (_, line) = c.wait_line(1, "trainerd: generation ", killed, DEADLINE);
     assert!(line.contains("; 2 of 3 workers (") && line.contains(": slots 0-1, "), "{line}");
+    c
+}
+
+/// The chief is SIGKILLed and never restarted: after --replace-after, worker 1 (the lowest live
+/// rank) stands, worker 2 votes for it, and it coordinates a generation of the two survivors,
+/// committing to the shared checkpoint directory; the run is bitwise the three-worker run's.
+#[test]
+fn the_chief_killed_for_good_is_replaced_by_an_elected_coordinator() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = chief_killed_for_good(tmp.path(), 40);
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[1, 2]);
     // The new coordinator committed the final state, in a generation above the chief's.
     let s = summary(tmp.path(), 1);
@@ -210,15 +217,7 @@ fn the_chief_killed_for_good_is_replaced_by_an_elected_coordinator() {
 #[test]
 fn a_chief_that_returns_while_its_successor_coordinates_joins_as_a_member() {
     let tmp = tempfile::tempdir().unwrap();
-    let state = voting(tmp.path());
-    let extra: Vec<&str> = state.iter().map(String::as_str).collect();
-    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], vec![], RESTART_SEC);
-    c.hold(0);
-    wait_for_step(&mut c, LINEAR, 1, 30);
-    let killed = c.mark();
-    c.signal(0, libc::SIGKILL);
-    c.wait_line(1, "trainerd: worker 1 ", killed, DEADLINE);
-    c.wait_line(1, "trainerd: generation ", killed, DEADLINE);
+    let mut c = chief_killed_for_good(tmp.path(), 30);
     let back = c.mark();
     c.bring_back(0);
     let (_, line) = c.wait_line(0, "trainerd: worker 0 ", back, DEADLINE);

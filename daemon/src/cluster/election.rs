@@ -217,6 +217,18 @@ impl Elections {
         self.lock().generation
     }
 
+    /// It is in `generation`, formed by a majority that follows its coordinator's term: it
+    /// knows the current term from them, and keeps its vote from now on.
+    pub fn joined(&self, generation: u64) -> Result<(), String> {
+        self.saw(generation);
+        let mut i = self.lock();
+        if i.forgetful && self.file.is_some() {
+            self.persist(&i.vote)?;
+            i.forgetful = false;
+        }
+        Ok(())
+    }
+
     /// It has been in, or was told of, `generation`.
     pub fn saw(&self, generation: u64) {
         let mut i = self.lock();
@@ -365,7 +377,7 @@ mod tests {
     }
 
     #[test]
-    fn a_member_that_lost_its_vote_file_votes_only_once_a_majority_told_it_the_term() {
+    fn a_member_without_its_vote_file_votes_once_a_majority_told_it_the_term_or_it_joined_a_generation() {
         let fresh = Voter { forgetful: true, ..lost(Vote::default(), 9) };
         assert_eq!(answer(&fresh, &Ballot { term: 12, candidate: 1 }, HB), Err(Refusal::Forgetful));
         assert!(!caught_up(1, 3) && caught_up(2, 3) && !caught_up(2, 4) && caught_up(3, 4));
@@ -378,6 +390,10 @@ mod tests {
         e.heard_from(2, 3, 7).unwrap();
         assert!(!e.forgetful());
         assert_eq!(e.vote().term, 7, "it took the highest term it heard of");
+        // Or it is in a generation, formed by a majority that follows its coordinator's term.
+        let other = Elections::open(Some(vote_file(dir.path(), 1, "run"))).unwrap();
+        other.joined(3).unwrap();
+        assert!(!other.forgetful() && vote_file(dir.path(), 1, "run").is_file());
     }
 
     #[test]

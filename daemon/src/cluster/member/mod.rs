@@ -326,7 +326,12 @@ impl ControlPlane {
         let result = result?;
         self.formed_once = true;
         self.shared.generation.store(result.generation, Ordering::Relaxed);
-        self.shared.elections.saw(result.generation);
+        let elections = &self.shared.elections;
+        if let Err(e) =
+            elections.adopt(result.term, result.coordinator).and_then(|_| elections.joined(result.generation))
+        {
+            tracing::error!("cannot keep the vote: {e}");
+        }
         Ok(result)
     }
 
