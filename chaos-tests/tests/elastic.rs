@@ -3,7 +3,8 @@
 //! TF_CONFIG's workers: the run's math belongs to its slots (virtual ranks), never to the workers
 //! present.
 //!
-//! CI budget: the twelve scenarios and their two references take about 2.5 minutes on 2 cores.
+//! CI budget: the fourteen scenarios and their two references take about 70 s on 2 cores alone
+//! (up to 5 minutes beside the other suites).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -226,6 +227,28 @@ fn a_chief_that_returns_while_its_successor_coordinates_joins_as_a_member() {
     assert!(matches!(joined, Event::Joined { present: None, source: Some(1 | 2), .. }), "{joined:?}");
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
     assert_eq!(summary(tmp.path(), 0)["slots"], serde_json::json!([0]));
+}
+
+/// The chief frozen (SIGSTOP) for longer than --replace-after: the others elect worker 1 and go
+/// on; on SIGCONT the old chief finds its generation gone and a newer term, steps down, joins as a
+/// member, and the run is bitwise the three-worker run's.
+#[test]
+fn a_chief_frozen_past_replace_after_is_replaced_and_joins_as_a_member_when_it_wakes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = voting(tmp.path());
+    let extra: Vec<&str> = state.iter().map(String::as_str).collect();
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], vec![], RESTART_SEC);
+    wait_for_step(&mut c, LINEAR, 1, 30);
+    let frozen = c.mark();
+    c.signal(0, libc::SIGSTOP);
+    let (_, elected) = c.wait_line(1, "trainerd: worker 1 ", frozen, DEADLINE);
+    assert!(elected.contains(" coordinates from term ") && elected.contains("elected by 2 of 3"), "{elected}");
+    c.wait_line(1, "trainerd: generation ", frozen, DEADLINE);
+    let woke = c.mark();
+    c.signal(0, libc::SIGCONT);
+    let (_, line) = c.wait_line(0, "trainerd: worker 0 ", woke, DEADLINE);
+    assert!(line.contains(" coordinates (term ") && line.contains("joining as a member"), "{line}");
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
 }
 
 #[test]
