@@ -252,14 +252,31 @@ impl Cluster {
     /// it when it has not arrived yet (after the event that says it was printed, its line can
     /// still be on its way); when it arrived, and the line.
     pub fn wait_line(&mut self, rank: usize, prefix: &str, mark: usize, timeout: Duration) -> (Instant, String) {
-        let matches = |e: &Entry| e.worker == rank && e.line().is_some_and(|l| l.starts_with(prefix));
+        let (_, at, line) = self.wait_line_of(|r| r == rank, prefix, mark, timeout);
+        (at, line)
+    }
+
+    /// The first line at or after `mark` of a worker whose rank `of` accepts, that starts with
+    /// `prefix` (waiting for it); the worker, when it arrived, and the line.
+    pub fn wait_line_of(
+        &mut self,
+        of: impl Fn(usize) -> bool,
+        prefix: &str,
+        mark: usize,
+        timeout: Duration,
+    ) -> (usize, Instant, String) {
+        let matches = |e: &Entry| of(e.worker) && e.line().is_some_and(|l| l.starts_with(prefix));
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(e) = self.seen.iter().skip(mark).find(|e| matches(e)) {
-                return (e.at, e.line().expect("a line").to_string());
+                return (e.worker, e.at, e.line().expect("a line").to_string());
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "no line of worker {rank} starting with {prefix:?}; saw:\n{}", self.transcript());
+            assert!(
+                !left.is_zero(),
+                "no line starting with {prefix:?} at or after mark {mark}; saw:\n{}",
+                self.transcript()
+            );
             self.take(left.min(Duration::from_millis(50)));
         }
     }
