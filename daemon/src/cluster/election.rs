@@ -52,8 +52,9 @@ pub struct Voter {
     pub generation: u64,
     /// How long it has been without a coordinator (`None`: its coordinator answers).
     pub lost_for: Option<Duration>,
-    /// It found no kept vote at start (a new machine, an emptied directory) and has not yet heard
-    /// from a majority of the others: it may have voted before and forgotten.
+    /// It found no kept vote at start (a new machine, an emptied directory) and has since been
+    /// in no generation nor heard the term from a majority of the others: it may have voted
+    /// before and forgotten.
     pub forgetful: bool,
 }
 
@@ -67,7 +68,8 @@ pub enum Refusal {
     /// The voter's coordinator answers: a healthy coordinator is never deposed by a member cut
     /// off alone.
     Healthy,
-    /// The voter lost its kept vote and has not yet heard the current term from a majority.
+    /// The voter lost its kept vote and has since been in no generation nor heard the current
+    /// term from a majority.
     Forgetful,
 }
 
@@ -78,7 +80,10 @@ impl Refusal {
             Refusal::Term(t) => format!("it knows term {t}"),
             Refusal::Generation(g) => format!("it has seen generation {g}"),
             Refusal::Healthy => format!("its coordinator, {}, answers", coordinator.unwrap_or("the chief")),
-            Refusal::Forgetful => "it has no kept vote and has not yet heard the current term from a majority".into(),
+            Refusal::Forgetful => {
+                "it has no kept vote, and has been in no generation nor heard the current term from a majority since"
+                    .into()
+            }
         }
     }
 }
