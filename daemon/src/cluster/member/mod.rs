@@ -671,19 +671,24 @@ mod tests {
         let started = Instant::now();
         let second = join_all(&mut planes, &[report(1, 5, "s5"), report(1, 5, "s5")]);
         let took = started.elapsed();
+        // Worker 1 stands first; on a loaded machine its term can lose to late votes, and worker 2
+        // wins the next one. Either survivor may coordinate, but both follow the same one.
+        let elected = second[0].coordinator;
+        assert!(elected == 1 || elected == 2, "{:?}", second[0]);
         for f in &second {
-            assert_eq!((f.coordinator, f.members.clone()), (1, vec![1, 2]), "{f:?}");
+            assert_eq!((f.coordinator, f.members.clone()), (elected, vec![1, 2]), "{f:?}");
             assert!(f.term > first[0].generation && f.generation > f.term, "{f:?}");
         }
         assert!(took >= Duration::from_secs(1), "elected before --replace-after: {took:?}");
         assert!(took < Duration::from_secs(6), "the election took {took:?}");
-        assert_eq!(planes[0].coordinates(), Some(second[0].term));
-        assert_eq!(planes[1].coordinates(), None);
-        // The votes are kept: worker 2 voted for worker 1 in that term, and follows it.
+        let (winner, voter) = if elected == 1 { (0, 1) } else { (1, 0) };
+        assert_eq!(planes[winner].coordinates(), Some(second[0].term));
+        assert_eq!(planes[voter].coordinates(), None);
+        // The votes are kept: the other survivor voted for the winner in that term, and follows it.
         let kept = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(kept, 3, "every member keeps its vote");
-        let vote = planes[1].shared.elections.vote();
-        assert_eq!((vote.term, vote.voted_for, vote.coordinator), (second[0].term, Some(1), Some(1)));
+        let vote = planes[voter].shared.elections.vote();
+        assert_eq!((vote.term, vote.voted_for, vote.coordinator), (second[0].term, Some(elected), Some(elected)));
         // The chief comes back: it finds the new coordinator, joins as a member, takes its slot back.
         // (Workers 1 and 2 join again until a generation holds it, as the training loop does.)
         planes.insert(0, voting(&ports, 0, t, dir.path()));
@@ -705,7 +710,7 @@ mod tests {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         for f in &third {
-            assert_eq!((f.coordinator, f.term, f.members.clone()), (1, second[0].term, vec![0, 1, 2]), "{f:?}");
+            assert_eq!((f.coordinator, f.term, f.members.clone()), (elected, second[0].term, vec![0, 1, 2]), "{f:?}");
             assert_eq!((f.source, f.receivers.clone()), (1, vec![0]));
         }
         assert_eq!(planes[0].coordinates(), None, "the old chief coordinates no more");
