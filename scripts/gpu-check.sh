@@ -37,12 +37,28 @@ prepare() {
         scripts/patch-torch-sys.sh "$venv" "$sys"
         touch "$sys/.trainerd-complete"
     fi
+    # The patched torch-sys rewrites Cargo.lock's entry for it: put the lock back afterwards.
+    local lock
+    lock=$(mktemp)
+    cp Cargo.lock "$lock"
+    trap 'cp "$lock" Cargo.lock; rm -f "$lock"' RETURN
     echo "gpu-check: building against PyTorch $GPU_TORCH into target/gpu"
     PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv" LIBTORCH_USE_PYTORCH=1 LIBTORCH_BYPASS_VERSION_CHECK=1 \
-        CARGO_TARGET_DIR=target/gpu cargo build --release -p trainerd -p mnist-cnn -p linear \
+        CARGO_TARGET_DIR=target/gpu cargo build --release -p trainerd -p mnist-cnn -p mnist-cnn-big -p linear \
         --config "patch.crates-io.torch-sys.path=\"$sys\""
+    # The all-reduce benchmark (NCCL and the host-staged ring on the GPU's buffers).
+    local bench
+    bench=$(PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv" LIBTORCH_USE_PYTORCH=1 LIBTORCH_BYPASS_VERSION_CHECK=1 \
+        CARGO_TARGET_DIR=target/gpu cargo bench --no-run -p trainerd --bench allreduce --message-format=json \
+        --config "patch.crates-io.torch-sys.path=\"$sys\"" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "allreduce" and m.get("executable"):
+        print(m["executable"])')
     rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin" "$BUNDLE/data"
-    for f in trainerd libmnist_cnn.so liblinear.so; do strip -o "$BUNDLE/bin/$f" "target/gpu/release/$f"; done
+    for f in trainerd libmnist_cnn.so libmnist_cnn_big.so liblinear.so; do strip -o "$BUNDLE/bin/$f" "target/gpu/release/$f"; done
+    strip -o "$BUNDLE/bin/allreduce" "$bench"
     scripts/setup.sh --no-build >/dev/null
     cp /usr/share/datasets/fashion-mnist/*.gz "$BUNDLE/data/"
     echo "gpu-check: $BUNDLE is ready ($(du -sh "$BUNDLE" | cut -f1)); on the GPU machine, with $BUNDLE carried: scripts/gpu-check.sh run"
@@ -74,9 +90,19 @@ run_checks() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$report" || true
     say '```'
     local cnn=(--plugin "$CNN" --data "$D" --threads 1 --seed 7)
-    # GPU_CHECK_ONLY=throughput: the examples/s table alone.
-    [ "${GPU_CHECK_ONLY:-}" = throughput ] || correctness_checks
-    throughput_checks
+    # GPU_CHECK_ONLY=throughput: the examples/s table alone; =nccl: the NCCL checks alone (the
+    # ring's figures beside them are then taken too); =bench: the all-reduce and DDP tables alone.
+    # (The whole set runs past one 600 s command of the device machine: run it in two parts,
+    # GPU_CHECK_ONLY=first then =second.)
+    case "${GPU_CHECK_ONLY:-all}" in
+        throughput) throughput_checks ;;
+        nccl) correctness_checks; nccl_checks ;;
+        bench) nccl_bench ;;
+        train) training_bench ;;
+        first) correctness_checks; nccl_checks ;;
+        second) throughput_checks; nccl_bench ;;
+        *) correctness_checks; nccl_checks; throughput_checks; nccl_bench ;;
+    esac
     say ""
     say "Logs and summaries: $W"
     return $failed
@@ -130,6 +156,124 @@ correctness_checks() {
     check "2 workers, worker 1 killed and rejoined: bitwise equal, 0 steps lost" "${rejoined:-no rejoin line}" \
         "$([ "$f0" = "$s0" ] && [ "$f1" = "$s0" ] && echo "$rejoined" | grep -q " 0 step(s) lost" && echo 1 || echo 0)"
 
+}
+
+free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# Worker RANK of a 2-worker cluster on ports $P0 $P1, over NCCL on the one GPU (its own
+# NCCL_HOSTID, NCCL's sockets on loopback), writing $W/NAME.workerRANK.{log,json}. Run it in the
+# background only: it becomes the trainerd process (so $! is the worker's pid).
+nccl_worker() {
+    local r=$1 name=$2
+    shift 2
+    TF_CONFIG="{\"cluster\":{\"worker\":[\"127.0.0.1:$P0\",\"127.0.0.1:$P1\"]},\"task\":{\"type\":\"worker\",\"index\":$r}}" \
+        NCCL_HOSTID="gpu-check-$r" NCCL_SOCKET_IFNAME=lo \
+        exec "$T" run --device "$DEVICE" --collective nccl --summary "$W/$name.worker$r.json" "$@" >> "$W/$name.worker$r.log" 2>&1
+}
+
+# Both workers of NAME, to the end.
+nccl_pair() {
+    local name=$1
+    shift
+    P0=$(free_port); P1=$(free_port)
+    nccl_worker 0 "$name" "$@" &
+    local a=$!
+    nccl_worker 1 "$name" "$@" &
+    local b=$!
+    wait $a; wait $b
+}
+
+# 2 ranks over NCCL on one GPU: the accuracy bar, identical ranks, the same bits twice and as the
+# ring's, and a rank SIGKILLed mid-epoch and restarted.
+nccl_checks() {
+    local two=(--plugin "$CNN" --data "$D" --threads 1 --seed 7 --batch-size 32 --epochs 1)
+    echo "gpu-check: 2 ranks over NCCL on one GPU (NCCL_HOSTID), twice" >&2
+    nccl_pair n1 "${two[@]}"
+    nccl_pair n2 "${two[@]}"
+    local a0 a1 b0 acc ring
+    a0=$(field "$W/n1.worker0.json" params_sha256); a1=$(field "$W/n1.worker1.json" params_sha256)
+    b0=$(field "$W/n2.worker0.json" params_sha256); acc=$(field "$W/n1.worker0.json" test_accuracy)
+    say ""
+    say "| NCCL check (2 ranks on one GPU, each with its own NCCL_HOSTID) | figure | result |"
+    say "|---|---|---|"
+    check "backend" "$(grep -m1 '^trainerd: gradients over' "$W/n1.worker0.log" | cut -c11-)" \
+        "$(grep -q '^trainerd: gradients over the NCCL' "$W/n1.worker0.log" && echo 1 || echo 0)"
+    check "1 epoch: test accuracy >= 0.85" "$acc" "$("$PY" -c "print(int($acc >= 0.85))")"
+    check "both ranks: identical params_sha256" "${a0:0:16} / ${a1:0:16}" "$([ "$a0" = "$a1" ] && echo 1 || echo 0)"
+    check "same run twice: same params_sha256" "${a0:0:16} / ${b0:0:16}" "$([ "$a0" = "$b0" ] && echo 1 || echo 0)"
+    ring=$(field "$W/two.worker0.json" params_sha256 2>/dev/null || echo none)
+    check "bit for bit the host-staged ring's 2-worker run" "${a0:0:16} / ${ring:0:16}" "$([ "$a0" = "$ring" ] && echo 1 || echo 0)"
+
+    echo "gpu-check: NCCL, rank 1 SIGKILLed mid-epoch and restarted at once" >&2
+    P0=$(free_port); P1=$(free_port)
+    nccl_worker 0 nk "${two[@]}" &
+    local w0=$!
+    nccl_worker 1 nk "${two[@]}" &
+    local w1=$!
+    until grep -q "^372/937" "$W/nk.worker0.log" 2>/dev/null; do sleep 0.05; kill -0 $w0 2>/dev/null || break; done
+    kill -9 $w1 2>/dev/null || true
+    wait $w1 2>/dev/null || true
+    nccl_worker 1 nk "${two[@]}" &
+    w1=$!
+    wait $w0; wait $w1
+    local k0 k1 lost rec ring_rec created
+    k0=$(field "$W/nk.worker0.json" params_sha256 || echo none); k1=$(field "$W/nk.worker1.json" params_sha256 || echo none)
+    lost=$("$PY" -c "import json; print(json.load(open('$W/nk.worker0.json'))['fault_tolerance']['steps_lost'])" || echo "?")
+    rec=$("$PY" -c "import json; r=json.load(open('$W/nk.worker0.json'))['fault_tolerance']['recovery_seconds']; print(f'{r[0]:.2f} s' if r else 'none')" || echo "?")
+    ring_rec=$("$PY" -c "import json; r=json.load(open('$W/ft.worker0.json'))['fault_tolerance']['recovery_seconds']; print(f'{r[0]:.2f} s' if r else 'none')" 2>/dev/null || echo "not run")
+    created=$(grep -h "NCCL communicator ready" "$W/nk.worker0.log" | tail -1 | sed -E 's/.*ready ([0-9.]+s).*/\1/')
+    check "rank 1 killed and restarted: 0 steps lost, bitwise equal to the uninterrupted NCCL run" \
+        "${lost} steps lost; ${k0:0:16} / ${k1:0:16}" "$([ "$k0" = "$a0" ] && [ "$k1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
+    say "| recovery (survivor: failure to its first step again) | NCCL ${rec} (its new communicator ready in ${created:-?}) / ring ${ring_rec} | - |"
+}
+
+# All-reduce on the GPU's buffers (trainerd's NCCL path, its host-staged ring, torch.distributed's
+# NCCL), and mnist-cnn-big's training examples/s with 2 ranks beside DDP over NCCL.
+nccl_bench() {
+    echo "gpu-check: all-reduce, 2 ranks on one GPU" >&2
+    NCCL_SOCKET_IFNAME=lo "$BUNDLE/bin/allreduce" 2 cuda:0 > "$W/ar.ours.log" 2>&1 || true
+    "$PY" bench/nccl_allreduce.py 2 cuda:0 "$(free_port)" > "$W/ar.torch.log" 2>&1 || true
+    say ""
+    say "| all-reduce, 2 ranks on one GPU (NCCL over sockets on loopback) | trainerd NCCL | trainerd host-staged ring | torch.distributed NCCL | NCCL ratio |"
+    say "|---|---|---|---|---|"
+    local size
+    for size in 4096 1048576 26214400 104857600; do
+        local col=busbw_GBps unit="GB/s busbw"
+        [ $size = 4096 ] && col=median_ms && unit="ms"
+        pick() { grep "^$1 world=2 bytes=$size " "$2" | sed -E "s/.*$col=([0-9.]+).*/\1/"; }
+        local n r t ratio
+        n=$(pick trainerd-nccl "$W/ar.ours.log"); r=$(pick trainerd-ring "$W/ar.ours.log"); t=$(pick torch-nccl "$W/ar.torch.log")
+        if [ -n "$n" ] && [ -n "$t" ]; then
+            if [ $size = 4096 ]; then ratio=$("$PY" -c "print(f'{$t/$n:.2f}x (latency, >1 is faster)')"); else ratio=$("$PY" -c "print(f'{$n/$t:.2f}x')"); fi
+        else ratio="-"; fi
+        say "| $((size / 1024)) KiB | ${n:-failed} $unit | ${r:-failed} $unit | ${t:-failed} $unit | $ratio |"
+    done
+    grep -h "^communicator" "$W/ar.ours.log" | sed 's/^/    /' | tee -a "$report" || true
+    training_bench
+}
+
+# mnist-cnn-big's training examples/s with 2 ranks on the GPU: trainerd over NCCL and over the
+# ring, beside DDP over NCCL (with and without deterministic settings).
+training_bench() {
+    echo "gpu-check: mnist-cnn-big, 2 ranks, trainerd (NCCL, ring) and DDP over NCCL" >&2
+    local big=(--plugin "$BUNDLE/bin/libmnist_cnn_big.so" --data "$D" --seed 7 --batch-size 256 --epochs 2 --steps-per-epoch 120 --no-evaluation --threads "${GPU_CHECK_THREADS:-4}")
+    TRAINERD_LOG=trainerd=debug nccl_pair tb "${big[@]}"
+    local ours ring ddp det
+    ours=$(last_rate "$W/tb.worker0.log")
+    "$T" local --workers 2 "${big[@]}" --device "$DEVICE" > "$W/tr.log" 2>&1 || true
+    ring=$(grep -E "^\[worker 0\] [0-9]+/[0-9]+ - .* examples/s$" "$W/tr.log" | tail -1 | sed -E 's/.* - ([0-9,]+) examples\/s$/\1/; s/,//g')
+    # Both with the same intra-op threads per rank (16 per process on a 16-core machine, two
+    # processes and NCCL's proxy threads oversubscribe it: 4x slower batches for both).
+    TORCH_THREADS="${GPU_CHECK_THREADS:-4}" "$PY" bench/gpu_ddp.py "$D" 256 200 cuda:0 "$(free_port)" > "$W/ddp.log" 2>&1 || true
+    TORCH_THREADS="${GPU_CHECK_THREADS:-4}" "$PY" bench/gpu_ddp.py "$D" 256 200 cuda:0 --deterministic "$(free_port)" > "$W/ddpd.log" 2>&1 || true
+    ddp=$(grep -o "examples_per_s=[0-9]*" "$W/ddp.log" | cut -d= -f2); det=$(grep -o "examples_per_s=[0-9]*" "$W/ddpd.log" | cut -d= -f2)
+    say ""
+    say "| mnist-cnn-big, 2 ranks on one GPU, batch 256 per rank | trainerd NCCL | trainerd ring | DDP over NCCL | ratio | DDP, deterministic | ratio |"
+    say "|---|---|---|---|---|---|---|"
+    local r1="-" r2="-"
+    [ -n "$ours" ] && [ -n "$ddp" ] && r1=$("$PY" -c "print(f'{$ours/$ddp:.2f}x')")
+    [ -n "$ours" ] && [ -n "$det" ] && r2=$("$PY" -c "print(f'{$ours/$det:.2f}x')")
+    say "| examples/s (global) | ${ours:-failed} | ${ring:-failed} | ${ddp:-failed} | $r1 | ${det:-failed} | $r2 |"
 }
 
 # examples/s of trainerd and of PyTorch eager, both with their default thread counts.

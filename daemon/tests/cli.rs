@@ -332,3 +332,26 @@ fn a_cuda_device_loads_libtorchs_cuda_and_a_missing_gpu_is_one_line_naming_it() 
     assert!(err.contains(" (CUDA 1") && err.contains(", cuDNN "), "libtorch's CUDA was not loaded: {err}");
     assert_eq!(stderr(&out).lines().count(), 1, "{}", text(&out));
 }
+
+/// `--collective nccl` where the worker trains on the CPU (any machine without a GPU, or
+/// `--device cpu`): one line naming NCCL and CUDA. A backend that does not exist names the three.
+#[test]
+fn nccl_without_cuda_and_an_unknown_backend_are_one_line_each() {
+    let run = |collective: &str| {
+        trainerd_cmd()
+            .args(["run", "--device", "cpu", "--collective", collective, "--plugin"])
+            .arg(plugin("linear"))
+            .arg("--data")
+            .arg(dataset())
+            .output()
+            .unwrap()
+    };
+    let out = run("nccl");
+    assert_eq!(
+        error_of(&out),
+        "error: --collective nccl needs CUDA: NCCL moves CUDA tensors only, and this worker trains on cpu"
+    );
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", text(&out));
+    let out = run("mpi");
+    assert_eq!(error_of(&out), "error: --collective mpi: expected ring, nccl or auto");
+}

@@ -290,6 +290,10 @@ pub struct RunArgs {
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// What carries the gradients: ring (host-staged TCP ring), nccl (NCCL on the GPUs, the same
+    /// bits) or auto (NCCL when every worker trains on CUDA with its own GPU).
+    #[arg(long, default_value = "ring")]
+    pub collective: String,
     /// libtorch threads (fixed, so results are reproducible; default: available cores).
     #[arg(long)]
     pub threads: Option<usize>,

@@ -31,7 +31,14 @@ pub fn main() -> ExitCode {
     let mut command = Cli::command();
     if argv.iter().skip(1).any(|a| a == "--version" || a == "-V") {
         let facts = accel::facts(cuda.clone());
-        let version = format!("{}\n{}", env!("CARGO_PKG_VERSION"), facts.line());
+        let nccl = match crate::collective::nccl::library() {
+            Ok(n) => format!(
+                "NCCL {} (--collective nccl and auto can use it)",
+                crate::collective::nccl::version_text(n.version())
+            ),
+            Err(why) => format!("NCCL not usable: {why}"),
+        };
+        let version = format!("{}\n{}\n{nccl}", env!("CARGO_PKG_VERSION"), facts.line());
         // Once per process, and clap wants a 'static string.
         command = command.version(&*Box::leak(version.into_boxed_str()));
     }

@@ -56,6 +56,13 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
         }
     }
     let threads = set_threads(args.threads)?;
+    let sharing = cluster.as_ref().map_or(0, |c| {
+        let host = |a: &str| a.rsplit_once(':').map_or(a, |(h, _)| h).to_string();
+        let mine = host(&c.me().address);
+        c.members.iter().enumerate().filter(|&(r, m)| r != c.rank && host(&m.address) == mine).count()
+    });
+    let (collective, not_nccl) =
+        crate::collective::choose(&args.collective, device, (sharing, facts.gpus.len())).map_err(anyhow::Error::msg)?;
     let token = args.metrics_token_file.as_deref().map(Token::load).transpose().map_err(anyhow::Error::msg)?;
     if let Some(addr) = args.metrics_addr.filter(|a| !a.ip().is_loopback() && token.is_none() && !args.cluster.insecure)
     {
@@ -74,12 +81,17 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     // Before the data opens: a failing data source is shown in STATUS= and keeps the watchdog fed.
     let telemetry = Arc::new(Telemetry::new(stall, epochs, workers));
     let data = data_source(&args, &plugin, timeouts.collective, &telemetry)?;
-    let cfg = run_config(&args, &plugin, (cluster, network, data), (timeouts, device, threads))?;
+    let mut cfg = run_config(&args, &plugin, (cluster, network, data), (timeouts, device, threads))?;
+    cfg.collective = collective;
     let mut progress = Progress::stdout(log_format);
     if cfg.cluster.as_ref().is_some_and(|c| c.rank != 0) {
         progress = progress.without_step_lines();
     }
     announce(&mut progress, &plugin, &facts, &cfg);
+    if cfg.cluster.is_some() {
+        let why = not_nccl.map(|w| format!(" (--collective auto: not NCCL, {w})")).unwrap_or_default();
+        progress.line(&format!("trainerd: gradients over the {}{why}", cfg.collective.describe()));
+    }
     if let Some(addr) = args.metrics_addr {
         let bound = serve::start(addr, Arc::clone(&telemetry), token).map_err(anyhow::Error::msg)?;
         progress.line(&format!("trainerd: metrics on http://{bound}/metrics, health on http://{bound}/healthz"));
@@ -185,6 +197,7 @@ fn run_config(
         network,
         timeouts,
         bucket_bytes: DEFAULT_BUCKET_BYTES,
+        collective: crate::collective::Backend::Ring,
         metrics_log: args.metrics_log.clone(),
         tensorboard_dir: args.tensorboard_dir.clone(),
         tensorboard_every: args.tensorboard_every,

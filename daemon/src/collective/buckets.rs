@@ -23,6 +23,9 @@ pub struct Buckets {
     staging: Vec<Vec<Option<Tensor>>>,
     /// Per slot staged: the length of its extra values.
     extras: Vec<usize>,
+    /// Whether the buffers live on the parameters' CUDA device (the ring has NCCL) rather than
+    /// on the host.
+    on_device: bool,
 }
 
 /// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
@@ -63,7 +66,7 @@ impl Buckets {
             groups.last_mut().expect("one group").push(i);
             bytes += size;
         }
-        Buckets { groups, staging: Vec::new(), extras: Vec::new() }
+        Buckets { groups, staging: Vec::new(), extras: Vec::new(), on_device: false }
     }
 
     /// Number of buckets.
@@ -92,6 +95,15 @@ impl Buckets {
         Ok(())
     }
 
+    /// Stages on the parameters' CUDA device for NCCL (`true`), or in host memory for the ring:
+    /// as the generation's ring has it. Changing it drops the buffers made for the other.
+    pub fn stage_on_device(&mut self, on_device: bool) {
+        if self.on_device != on_device {
+            self.on_device = on_device;
+            self.staging.clear();
+        }
+    }
+
     /// Copies the gradients of the `i`th slot held here (zeros for parameters without one) and
     /// its `extra` values into that slot's host buffers, as float32, with one used-flag per
     /// parameter after `extra` in the last bucket. On CUDA each bucket's gradients are joined on
@@ -116,10 +128,21 @@ impl Buckets {
             let grads_len: usize = numels.iter().sum();
             let staging = &mut self.staging[i][b];
             if staging.as_ref().is_none_or(|t| t.numel() != grads_len + riding.len()) {
-                *staging = Some(host_buffer(grads_len + riding.len(), device));
+                let len = grads_len + riding.len();
+                *staging = Some(if self.on_device {
+                    Tensor::zeros([len as i64], (Kind::Float, device))
+                } else {
+                    host_buffer(len, device)
+                });
             }
             let buffer = staging.as_mut().expect("made above");
             stage_in(buffer, &grads, &numels, device);
+            if self.on_device {
+                if !riding.is_empty() {
+                    buffer.narrow(0, grads_len as i64, riding.len() as i64).copy_(&Tensor::from_slice(riding));
+                }
+                continue;
+            }
             // SAFETY: our own contiguous float32 host buffer; the copies into it have completed
             // (copy_ waits), and nothing else touches it.
             let flat = unsafe { host_slice(buffer) };
@@ -147,6 +170,25 @@ impl Buckets {
         // Parameters without a gradient here, with their average.
         let mut missing = Vec::new();
         for b in 0..self.groups.len() {
+            if self.on_device {
+                let group = &self.groups[b];
+                let grads_len: usize = group.iter().map(|&i| params[i].1.numel()).sum();
+                let bufs: Vec<Tensor> = self.staging[..held]
+                    .iter()
+                    .map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone())
+                    .collect();
+                ring.nccl_all_reduce_slots(&bufs)?;
+                // As the host does: float32 times the float32 1/V.
+                let averaged = bufs[0].narrow(0, 0, grads_len as i64);
+                let mut scaled = averaged.shallow_clone();
+                scaled *= f64::from(scale);
+                if b == last {
+                    let rest = bufs[0].narrow(0, grads_len as i64, (bufs[0].numel() - grads_len) as i64);
+                    tail = Vec::<f32>::try_from(rest.to_device(Device::Cpu)).expect("float32 values");
+                }
+                write_back(params, group, &averaged, &mut missing);
+                continue;
+            }
             let mut views: Vec<&mut [f32]> = self.staging[..held]
                 .iter_mut()
                 // SAFETY: each slot's own staging buffer, filled by `stage`, touched by nothing else.
@@ -164,17 +206,7 @@ impl Buckets {
             let device = params[group[0]].1.device();
             let averaged = buffer.narrow(0, 0, grads_len as i64);
             let averaged = if device.is_cuda() { averaged.to_device(device) } else { averaged };
-            let mut at = 0;
-            for &i in group {
-                let n = params[i].1.numel() as i64;
-                let mut g = params[i].1.grad();
-                if g.defined() {
-                    g.copy_(&averaged.narrow(0, at, n).view_as(&g));
-                } else {
-                    missing.push((i, averaged.narrow(0, at, n)));
-                }
-                at += n;
-            }
+            write_back(params, group, &averaged, &mut missing);
         }
         for (i, averaged) in missing {
             if tail[extra + i] > 0.0 {
@@ -187,6 +219,22 @@ impl Buckets {
         }
         tail.truncate(extra);
         Ok(tail)
+    }
+}
+
+/// Copies a bucket's `averaged` values into the gradients of its parameters (`group`); those
+/// without a gradient here go to `missing`, with their average.
+fn write_back(params: &[(String, Tensor)], group: &[usize], averaged: &Tensor, missing: &mut Vec<(usize, Tensor)>) {
+    let mut at = 0;
+    for &i in group {
+        let n = params[i].1.numel() as i64;
+        let mut g = params[i].1.grad();
+        if g.defined() {
+            g.copy_(&averaged.narrow(0, at, n).view_as(&g));
+        } else {
+            missing.push((i, averaged.narrow(0, at, n)));
+        }
+        at += n;
     }
 }
 

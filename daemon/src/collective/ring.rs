@@ -79,6 +79,14 @@ pub enum CollectiveError {
         /// What the OS said.
         source: std::io::Error,
     },
+    /// NCCL failed, or did not complete in time (its communicator is then aborted).
+    #[error("{op}: {message}")]
+    Nccl {
+        /// The collective.
+        op: &'static str,
+        /// What NCCL or CUDA said.
+        message: String,
+    },
     /// The ring could not be formed.
     #[error("forming the ring: {0}")]
     Setup(String),
@@ -115,6 +123,10 @@ pub struct Ring {
     prev_peer: Peer,
     link: Link,
     slots: Slots,
+    /// This generation's NCCL communicator, when gradients go over NCCL.
+    nccl: Option<super::nccl::Comm>,
+    /// Whether the ranks may share a GPU (`NCCL_HOSTID` is set): NCCL is then entered together.
+    shared_gpu: bool,
 }
 
 /// A neighbour in the ring: its name (for messages) and rank.
@@ -171,6 +183,8 @@ impl Ring {
             prev_peer: Peer::default(),
             link: Link { timeout: Duration::MAX, generation: 0, abort: AbortSignal::new() },
             slots: Slots::single(),
+            nccl: None,
+            shared_gpu: false,
         }
     }
 
@@ -218,7 +232,61 @@ impl Ring {
             prev_peer: Peer { name: names[prev_rank].clone(), rank: prev_rank },
             link,
             slots: Slots::one(rank, world),
+            nccl: None,
+            shared_gpu: false,
         })
+    }
+
+    /// Starts this generation's NCCL communicator on CUDA device `device`: rank 0 makes its id
+    /// and sends it over the ring; the creation goes on in NCCL's background while the caller
+    /// does other work (the state transfer), and the first NCCL collective waits for it. A ring
+    /// of one needs none.
+    pub fn start_nccl(&mut self, device: usize) -> Result<(), CollectiveError> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        let id = if self.rank == 0 {
+            super::nccl::unique_id()
+                .map_err(|message| CollectiveError::Nccl { op: "creating the communicator", message })?
+        } else {
+            Vec::new()
+        };
+        let id = self.broadcast_bytes(0, id)?;
+        self.nccl = Some(super::nccl::Comm::start(&id, self.world, self.rank, device)?);
+        // TRAINERD_NCCL_ENTER_TOGETHER=0 turns the barrier off (to measure what it does).
+        self.shared_gpu = std::env::var_os("NCCL_HOSTID").is_some()
+            && std::env::var("TRAINERD_NCCL_ENTER_TOGETHER").map_or(true, |v| v != "0");
+        Ok(())
+    }
+
+    /// Whether this ring's gradients go over NCCL.
+    pub fn has_nccl(&self) -> bool {
+        self.nccl.is_some()
+    }
+
+    /// How long this generation's NCCL communicator took to create: once, when first known.
+    pub fn take_nccl_created_in(&mut self) -> Option<Duration> {
+        self.nccl.as_mut().and_then(super::nccl::Comm::take_created_in)
+    }
+
+    /// [`Ring::all_reduce_slots`] (a sum) on CUDA buffers, over NCCL, with the same bits
+    /// ([`super::nccl`]); abortable through this generation's signal, bounded by its timeout.
+    pub fn nccl_all_reduce_slots(&mut self, bufs: &[tch::Tensor]) -> Result<(), CollectiveError> {
+        let began = Instant::now();
+        if self.shared_gpu {
+            // Ranks sharing one GPU (each with its own NCCL_HOSTID) time-slice it, and an NCCL
+            // kernel that waits on the GPU for its peer's slows the peer's backward pass: enter
+            // NCCL together, once both are done computing (a one-float barrier over the ring).
+            let link = &self.link;
+            self.nccl.as_mut().expect("a ring with NCCL").wait_for_device(link.timeout, &|| link.check())?;
+            self.all_reduce(&mut [0f32], ReduceOp::Sum)?;
+        }
+        let (link, slots) = (&self.link, &self.slots);
+        let comm = self.nccl.as_mut().expect("a ring with NCCL");
+        comm.all_reduce_slots(bufs, slots, link.timeout, &|| link.check())?;
+        let (v, len) = (slots.count, bufs[0].numel());
+        super::count_traffic((2 * (v - 1) * len / v * 4) as u64, began.elapsed());
+        Ok(())
     }
 
     /// Fails when this ring's generation was aborted (a peer failed, the cluster moved on): long

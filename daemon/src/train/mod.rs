@@ -42,7 +42,7 @@ use trainerd_storage::{Location, S3Options};
 use crate::cluster::Timeouts;
 use crate::cluster::{ClusterConfig, ClusterError, Network};
 use crate::collective::buckets::Buckets;
-use crate::collective::CollectiveError;
+use crate::collective::{Backend, CollectiveError};
 use crate::input::{DataSource, InputError};
 use crate::plugin::{CallError, Plugin};
 use driver::Driver;
@@ -80,6 +80,8 @@ pub struct RunConfig {
     pub timeouts: Timeouts,
     /// Gradient bucket size in bytes.
     pub bucket_bytes: usize,
+    /// What carries the gradients' all-reduce.
+    pub collective: Backend,
     /// Append one JSON line per step (time, global loss, metrics, learning rate) to this file.
     pub metrics_log: Option<PathBuf>,
     /// Checkpoints, if any.
@@ -115,6 +117,10 @@ impl RunConfig {
         // plugin's own format, and of every checkpoint before this, stays as it was.
         if let Some(data) = self.data.agreement() {
             agreement["data"] = data;
+        }
+        // NCCL gives the ring's bits, but workers must use one backend, and NCCL one version.
+        if let Some(collective) = self.collective.agreement() {
+            agreement["collective"] = collective.into();
         }
         // An evaluation is a collective: every worker takes it or none does.
         if !self.evaluate {

@@ -55,6 +55,8 @@ pub struct Session {
     members: Vec<usize>,
     /// Alone: the generation of the latest commit, which the next must exceed.
     floor: u64,
+    /// The CUDA device whose gradients go over NCCL, if they do.
+    nccl_device: Option<usize>,
 }
 
 struct Member {
@@ -67,7 +69,7 @@ struct Member {
 impl Session {
     /// A worker alone.
     pub fn single() -> Session {
-        Session { cluster: None, ring: Ring::single(), members: vec![0], floor: 0 }
+        Session { cluster: None, ring: Ring::single(), members: vec![0], floor: 0, nccl_device: None }
     }
 
     /// A worker alone when `cluster` is `None`, else a member of it whose peers must agree on
@@ -108,7 +110,19 @@ impl Session {
         let host = me.address.rsplit_once(':').map_or(me.address.as_str(), |(h, _)| h);
         let data_address = format!("{host}:{}", listener.local_addr().port());
         let member = Member { plane, listener, data_address, timeouts };
-        Ok(Session { cluster: Some(Box::new(member)), ring: Ring::single(), members: Vec::new(), floor: 0 })
+        Ok(Session {
+            cluster: Some(Box::new(member)),
+            ring: Ring::single(),
+            members: Vec::new(),
+            floor: 0,
+            nccl_device: None,
+        })
+    }
+
+    /// Sends gradients over NCCL on CUDA device `device` from the next generation on: each
+    /// generation makes its communicator while its state moves.
+    pub fn use_nccl(&mut self, device: usize) {
+        self.nccl_device = Some(device);
     }
 
     /// Where this member listens: `control A, data B`; `None` for a lone worker.
@@ -226,6 +240,11 @@ impl Session {
         let held = crate::collective::slots::assign(names.len(), &members).swap_remove(place);
         self.ring.set_slots(Slots { count: names.len(), held });
         self.members = members;
+        if let Some(device) = self.nccl_device {
+            if let Err(e) = self.ring.start_nccl(device) {
+                return Err(self.abandon(generation, e));
+            }
+        }
         // Chaos tests stop a member here: a failure while a generation forms.
         trainerd_failpoint::point("formed");
         let received = self.transfer(&formed, state, &names)?;

@@ -25,7 +25,11 @@ use crate::state::{Meta, ModelState, Reader, Shareable, TrainState};
 /// Opens this member's session (alone: at once) and says where it listens and whom it waits for.
 pub(super) fn open_session(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<Session, TrainError> {
     let identity = (plugin.identity(), cfg.agreement_json());
-    let session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, cfg.state_dir.as_deref())?;
+    let mut session =
+        Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, cfg.state_dir.as_deref())?;
+    if let (crate::collective::Backend::Nccl(_), tch::Device::Cuda(device)) = (cfg.collective, cfg.device) {
+        session.use_nccl(device);
+    }
     if let Some(listening) = session.listening() {
         let how = if cfg.network.key.is_some() { "peers must prove the cluster secret" } else { "no secret" };
         progress.line(&format!("trainerd: listening on {listening} ({how})"));

@@ -73,6 +73,7 @@ pub fn train_step(
 ) -> Result<StepResult, TrainError> {
     let slots = ring.slots().clone();
     debug_assert_eq!(batches.len(), slots.len());
+    buckets.stage_on_device(ring.has_nccl());
     let mut captured = Vec::with_capacity(batches.len());
     let mut flags = 0;
     for (i, batch) in batches.iter().enumerate() {
