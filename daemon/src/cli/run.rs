@@ -56,13 +56,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
         }
     }
     let threads = set_threads(args.threads)?;
-    let sharing = cluster.as_ref().map_or(0, |c| {
-        let host = |a: &str| a.rsplit_once(':').map_or(a, |(h, _)| h).to_string();
-        let mine = host(&c.me().address);
-        c.members.iter().enumerate().filter(|&(r, m)| r != c.rank && host(&m.address) == mine).count()
-    });
-    let (collective, not_nccl) =
-        crate::collective::choose(&args.collective, device, (sharing, facts.gpus.len())).map_err(anyhow::Error::msg)?;
+    let (collective, not_nccl) = collective(&args.collective, cluster.as_ref(), device, &facts)?;
     let token = args.metrics_token_file.as_deref().map(Token::load).transpose().map_err(anyhow::Error::msg)?;
     if let Some(addr) = args.metrics_addr.filter(|a| !a.ip().is_loopback() && token.is_none() && !args.cluster.insecure)
     {
@@ -105,6 +99,23 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
         n.finish();
     }
     ended(outcome?, &mut progress, args.summary.as_ref())
+}
+
+/// The backend `--collective` gives this worker (and, for `auto`, why not NCCL): NCCL can only
+/// be picked automatically when no two workers can land on one GPU, which is judged from the
+/// workers of TF_CONFIG on this host and the GPUs visible here.
+fn collective(
+    choice: &str,
+    cluster: Option<&ClusterConfig>,
+    device: tch::Device,
+    facts: &Facts,
+) -> anyhow::Result<(crate::collective::Backend, Option<String>)> {
+    let sharing = cluster.map_or(0, |c| {
+        let host = |a: &str| a.rsplit_once(':').map_or(a, |(h, _)| h).to_string();
+        let mine = host(&c.me().address);
+        c.members.iter().enumerate().filter(|&(r, m)| r != c.rank && host(&m.address) == mine).count()
+    });
+    crate::collective::choose(choice, device, (sharing, facts.gpus.len())).map_err(anyhow::Error::msg)
 }
 
 /// Every deadline of the cluster, from the flags, checked as one hierarchy.

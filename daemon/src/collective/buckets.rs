@@ -171,22 +171,10 @@ impl Buckets {
         let mut missing = Vec::new();
         for b in 0..self.groups.len() {
             if self.on_device {
-                let group = &self.groups[b];
-                let grads_len: usize = group.iter().map(|&i| params[i].1.numel()).sum();
-                let bufs: Vec<Tensor> = self.staging[..held]
-                    .iter()
-                    .map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone())
-                    .collect();
-                ring.nccl_all_reduce_slots(&bufs)?;
-                // As the host does: float32 times the float32 1/V.
-                let averaged = bufs[0].narrow(0, 0, grads_len as i64);
-                let mut scaled = averaged.shallow_clone();
-                scaled *= f64::from(scale);
+                let riding = self.reduce_on_device(ring, params, (b, held), &mut missing)?;
                 if b == last {
-                    let rest = bufs[0].narrow(0, grads_len as i64, (bufs[0].numel() - grads_len) as i64);
-                    tail = Vec::<f32>::try_from(rest.to_device(Device::Cpu)).expect("float32 values");
+                    tail = riding;
                 }
-                write_back(params, group, &averaged, &mut missing);
                 continue;
             }
             let mut views: Vec<&mut [f32]> = self.staging[..held]
@@ -219,6 +207,36 @@ impl Buckets {
         }
         tail.truncate(extra);
         Ok(tail)
+    }
+}
+
+impl Buckets {
+    /// Bucket `b` of the first `held` slots, on the device, over NCCL: its gradients averaged
+    /// into the parameters (or into `missing`); returns the values riding after them, summed.
+    fn reduce_on_device(
+        &self,
+        ring: &mut Ring,
+        params: &[(String, Tensor)],
+        (b, held): (usize, usize),
+        missing: &mut Vec<(usize, Tensor)>,
+    ) -> Result<Vec<f32>, CollectiveError> {
+        let group = &self.groups[b];
+        let grads_len: usize = group.iter().map(|&i| params[i].1.numel()).sum();
+        let bufs: Vec<Tensor> =
+            self.staging[..held].iter().map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone()).collect();
+        ring.nccl_all_reduce_slots(&bufs)?;
+        // As the host does: float32 times the float32 1/V.
+        let scale = 1.0 / ring.slots().count as f32;
+        let averaged = bufs[0].narrow(0, 0, grads_len as i64);
+        let mut scaled = averaged.shallow_clone();
+        scaled *= f64::from(scale);
+        write_back(params, group, &averaged, missing);
+        let rest = bufs[0].numel() - grads_len;
+        if rest == 0 {
+            return Ok(Vec::new());
+        }
+        let riding = bufs[0].narrow(0, grads_len as i64, rest as i64).to_device(Device::Cpu);
+        Ok(Vec::<f32>::try_from(riding).expect("float32 values"))
     }
 }
 

@@ -34,237 +34,23 @@
 //!
 //! [`AbortSignal`]: super::AbortSignal
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int};
 use std::ops::Range;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use libloading::os::unix::{Library, RTLD_NOW};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::ring::CollectiveError;
 use super::slots::{assign, Slots};
 
-/// The first NCCL whose `ncclCommAbort` cannot hang (pytorch#149153).
-pub const MIN_VERSION: c_int = 22600;
-/// Bytes of an `ncclUniqueId`.
-pub const UNIQUE_ID_BYTES: usize = 128;
+mod library;
 
-type NcclComm = *mut c_void;
-type CudaStream = *mut c_void;
-type CudaEvent = *mut c_void;
-
-const NCCL_SUCCESS: c_int = 0;
-const NCCL_IN_PROGRESS: c_int = 7;
-const NCCL_FLOAT32: c_int = 7;
-const CUDA_SUCCESS: c_int = 0;
-const CUDA_NOT_READY: c_int = 600;
-const CUDA_EVENT_DISABLE_TIMING: c_uint = 2;
-/// The legacy default stream: libtorch's current stream unless a caller changes it, so NCCL's
-/// work is ordered with the kernels before and after it.
-const DEFAULT_STREAM: CudaStream = std::ptr::null_mut();
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct UniqueId {
-    internal: [c_char; UNIQUE_ID_BYTES],
-}
-
-/// `ncclConfig_t` as NCCL 2.18 laid it out: NCCL reads `size` bytes and the fields its `version`
-/// knows, and gives the newer fields their defaults.
-#[repr(C)]
-struct Config {
-    size: usize,
-    magic: c_uint,
-    version: c_uint,
-    blocking: c_int,
-    cga_cluster_size: c_int,
-    min_ctas: c_int,
-    max_ctas: c_int,
-    net_name: *const c_char,
-    split_share: c_int,
-}
-
-const CONFIG_UNDEF_INT: c_int = c_int::MIN;
-
-impl Config {
-    fn non_blocking() -> Config {
-        Config {
-            size: std::mem::size_of::<Config>(),
-            magic: 0xcafe_beef,
-            version: 21800,
-            blocking: 0,
-            cga_cluster_size: CONFIG_UNDEF_INT,
-            min_ctas: CONFIG_UNDEF_INT,
-            max_ctas: CONFIG_UNDEF_INT,
-            net_name: std::ptr::null(),
-            split_share: CONFIG_UNDEF_INT,
-        }
-    }
-}
-
-/// NCCL's and the CUDA runtime's entry points, from the copies libtorch loaded.
-pub struct Nccl {
-    version: c_int,
-    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
-    comm_init_rank_config: unsafe extern "C" fn(*mut NcclComm, c_int, UniqueId, c_int, *mut Config) -> c_int,
-    comm_get_async_error: unsafe extern "C" fn(NcclComm, *mut c_int) -> c_int,
-    comm_abort: unsafe extern "C" fn(NcclComm) -> c_int,
-    get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
-    get_last_error: unsafe extern "C" fn(NcclComm) -> *const c_char,
-    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm, CudaStream) -> c_int,
-    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> c_int,
-    group_start: unsafe extern "C" fn() -> c_int,
-    group_end: unsafe extern "C" fn() -> c_int,
-    cuda_set_device: unsafe extern "C" fn(c_int) -> c_int,
-    cuda_event_create: unsafe extern "C" fn(*mut CudaEvent, c_uint) -> c_int,
-    cuda_event_record: unsafe extern "C" fn(CudaEvent, CudaStream) -> c_int,
-    cuda_event_query: unsafe extern "C" fn(CudaEvent) -> c_int,
-    cuda_event_destroy: unsafe extern "C" fn(CudaEvent) -> c_int,
-    cuda_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
-    _libraries: (Library, Library),
-}
-
-/// A library this process already loaded, by its soname.
-fn already_loaded(names: &[&str]) -> Result<Library, String> {
-    for name in names {
-        // SAFETY: RTLD_NOLOAD only returns a handle to an object already in the process, whose
-        // initialisers have run; nothing new is loaded.
-        if let Ok(lib) = unsafe { Library::open(Some(name), RTLD_NOW | libc::RTLD_NOLOAD) } {
-            return Ok(lib);
-        }
-    }
-    Err(format!("{} is not loaded in this process", names.join(" or ")))
-}
-
-/// Copies the function pointer `name` out of `lib`.
-///
-/// # Safety
-/// `T` must be the symbol's C signature.
-unsafe fn function<T: Copy>(lib: &Library, name: &str) -> Result<T, String> {
-    let symbol = format!("{name}\0");
-    // SAFETY: per the contract, T is the symbol's type; the library outlives the pointer (both
-    // are kept in the `Nccl` that holds it, for the life of the process).
-    unsafe { lib.get::<T>(symbol.as_bytes()) }.map(|s| *s).map_err(|e| format!("{name}: {e}"))
-}
-
-/// `2.29.7` from NCCL's `22907`.
-pub fn version_text(code: c_int) -> String {
-    format!("{}.{}.{}", code / 10000, code % 10000 / 100, code % 100)
-}
-
-impl Nccl {
-    fn open() -> Result<Nccl, String> {
-        let nccl = already_loaded(&["libnccl.so.2"])
-            .map_err(|e| format!("{e}: this libtorch has no NCCL, or its CUDA library was not loaded"))?;
-        let cudart = already_loaded(&["libcudart.so.13", "libcudart.so.12"])?;
-        // SAFETY: each signature below is the one nccl.h and cuda_runtime_api.h declare.
-        unsafe {
-            let get_version: unsafe extern "C" fn(*mut c_int) -> c_int = function(&nccl, "ncclGetVersion")?;
-            let mut version = 0;
-            if get_version(&mut version) != NCCL_SUCCESS {
-                return Err("ncclGetVersion failed".into());
-            }
-            Ok(Nccl {
-                version,
-                get_unique_id: function(&nccl, "ncclGetUniqueId")?,
-                comm_init_rank_config: function(&nccl, "ncclCommInitRankConfig")?,
-                comm_get_async_error: function(&nccl, "ncclCommGetAsyncError")?,
-                comm_abort: function(&nccl, "ncclCommAbort")?,
-                get_error_string: function(&nccl, "ncclGetErrorString")?,
-                get_last_error: function(&nccl, "ncclGetLastError")?,
-                send: function(&nccl, "ncclSend")?,
-                recv: function(&nccl, "ncclRecv")?,
-                group_start: function(&nccl, "ncclGroupStart")?,
-                group_end: function(&nccl, "ncclGroupEnd")?,
-                cuda_set_device: function(&cudart, "cudaSetDevice")?,
-                cuda_event_create: function(&cudart, "cudaEventCreateWithFlags")?,
-                cuda_event_record: function(&cudart, "cudaEventRecord")?,
-                cuda_event_query: function(&cudart, "cudaEventQuery")?,
-                cuda_event_destroy: function(&cudart, "cudaEventDestroy")?,
-                cuda_error_string: function(&cudart, "cudaGetErrorString")?,
-                _libraries: (nccl, cudart),
-            })
-        }
-    }
-
-    /// The NCCL version, as its code (`22907`).
-    pub fn version(&self) -> c_int {
-        self.version
-    }
-
-    fn nccl_error(&self, code: c_int, comm: NcclComm) -> String {
-        // SAFETY: ncclGetErrorString takes any code and returns a static string (or null).
-        let what = text(unsafe { (self.get_error_string)(code) }).unwrap_or_else(|| format!("error {code}"));
-        if comm.is_null() {
-            return what;
-        }
-        // SAFETY: a communicator that is not yet aborted; its last error is a string it owns.
-        match text(unsafe { (self.get_last_error)(comm) }) {
-            Some(last) if !last.is_empty() => format!("{what} ({last})"),
-            _ => what,
-        }
-    }
-
-    fn cuda_error(&self, code: c_int) -> String {
-        // SAFETY: cudaGetErrorString takes any code and returns a static string (or null).
-        text(unsafe { (self.cuda_error_string)(code) }).unwrap_or_else(|| format!("CUDA error {code}"))
-    }
-}
-
-/// A C string NCCL or CUDA returned, copied (`None` for null).
-fn text(p: *const c_char) -> Option<String> {
-    // SAFETY: non-null pointers here come from NCCL's and CUDA's error functions, which return
-    // NUL-terminated strings that live at least until the next call on this thread.
-    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-}
-
-// SAFETY: plain function pointers and library handles, usable from any thread.
-unsafe impl Send for Nccl {}
-// SAFETY: as for Send: nothing in it is mutated after it is opened.
-unsafe impl Sync for Nccl {}
-
-/// The NCCL in this process, opened once; why not, if it cannot be used.
-pub fn library() -> Result<&'static Nccl, String> {
-    static NCCL: OnceLock<Result<Nccl, String>> = OnceLock::new();
-    NCCL.get_or_init(|| {
-        let nccl = Nccl::open()?;
-        if nccl.version < MIN_VERSION {
-            return Err(format!(
-                "NCCL {} is older than {}: its ncclCommAbort can hang (pytorch#149153), and abort is how trainerd \
-                 survives a lost peer",
-                version_text(nccl.version),
-                version_text(MIN_VERSION)
-            ));
-        }
-        Ok(nccl)
-    })
-    .as_ref()
-    .map_err(Clone::clone)
-}
-
-/// Why `--collective nccl` cannot run on `device` here, if it cannot.
-pub fn usable_on(device: Device) -> Result<&'static Nccl, String> {
-    let Device::Cuda(_) = device else {
-        return Err(format!(
-            "--collective nccl needs CUDA: NCCL moves CUDA tensors only, and this worker trains on {}",
-            format!("{device:?}").to_lowercase()
-        ));
-    };
-    library().map_err(|e| format!("--collective nccl: {e}"))
-}
-
-/// A fresh id for a communicator, made by one worker and sent to the others.
-pub fn unique_id() -> Result<Vec<u8>, String> {
-    let nccl = library()?;
-    let mut id = UniqueId { internal: [0; UNIQUE_ID_BYTES] };
-    // SAFETY: `id` is a valid ncclUniqueId to fill.
-    let code = unsafe { (nccl.get_unique_id)(&mut id) };
-    if code != NCCL_SUCCESS {
-        return Err(format!("ncclGetUniqueId: {}", nccl.nccl_error(code, std::ptr::null_mut())));
-    }
-    Ok(id.internal.iter().map(|&b| b as u8).collect())
-}
+pub use library::{library, unique_id, usable_on, version_text, Nccl, MIN_VERSION, UNIQUE_ID_BYTES};
+use library::{
+    Config, CudaEvent, NcclComm, UniqueId, CUDA_EVENT_DISABLE_TIMING, CUDA_NOT_READY, CUDA_SUCCESS, DEFAULT_STREAM,
+    NCCL_FLOAT32, NCCL_IN_PROGRESS, NCCL_SUCCESS,
+};
 
 /// What a collective checks between polls: `Err` when its generation was aborted.
 pub type AbortCheck<'a> = &'a dyn Fn() -> Result<(), CollectiveError>;
@@ -447,7 +233,7 @@ impl Comm {
     fn exchange(
         &mut self,
         op: &'static str,
-        moves: &[(Tensor, usize, bool)],
+        moves: &[Move],
         deadline: Instant,
         check: AbortCheck<'_>,
     ) -> Result<(), CollectiveError> {
@@ -543,68 +329,18 @@ impl Comm {
         if !self.ready {
             self.settle("creating the communicator", deadline, check)?;
         }
-        let (v, me) = (slots.count, self.place);
-        let len = bufs[0].numel();
+        let (v, me, len) = (slots.count, self.place, bufs[0].numel());
         if self.world == 2 && v == 2 {
             return self.exchange_and_add(&bufs[0], deadline, check);
         }
-        let ranges: Vec<Range<usize>> = assign(v, &(0..self.world).collect::<Vec<_>>());
-        debug_assert_eq!(ranges[me], slots.held);
-        let holder = |s: usize| ranges.iter().position(|r| r.contains(&s)).expect("every slot is held");
-        let a = slots.held.start;
-        let chunk = |c: usize| chunk_of(c, v, len);
-        let part = |t: &Tensor, r: &Range<usize>| t.narrow(0, r.start as i64, r.len() as i64);
+        let layout = Layout::new(slots, self.world, me, len);
         // 1. All-to-all: chunk c of each slot to the holder of slot c.
-        let mut moves = Vec::new();
-        let mut received = std::collections::HashMap::new();
-        for c in 0..v {
-            let r = chunk(c);
-            for s in 0..v {
-                let (owner, from) = (holder(c), holder(s));
-                if owner == from || r.is_empty() {
-                    continue;
-                }
-                if from == me {
-                    moves.push((part(&bufs[s - a], &r), owner, true));
-                } else if owner == me {
-                    let t = Tensor::empty([r.len() as i64], (Kind::Float, bufs[0].device()));
-                    received.insert((c, s), t.shallow_clone());
-                    moves.push((t, from, false));
-                }
-            }
-        }
+        let (moves, received) = layout.all_to_all(bufs);
         self.exchange(OP, &moves, deadline, check)?;
-        // 2. Each chunk held here, added in the ring's order.
-        let _no_grad = tch::no_grad_guard();
-        let mut sums = Vec::new();
-        for c in slots.held.clone() {
-            let r = chunk(c);
-            if r.is_empty() {
-                continue;
-            }
-            let parts: Vec<Tensor> = (0..v)
-                .map(|s| if holder(s) == me { part(&bufs[s - a], &r) } else { received[&(c, s)].shallow_clone() })
-                .collect();
-            sums.push((r, ring_order_sum(&parts, c)));
-        }
-        for (r, sum) in &sums {
-            part(&bufs[0], r).copy_(sum);
-        }
+        // 2. Each chunk held here, added in the ring's order, into the first buffer.
+        let sums = layout.add_held_chunks(bufs, &received);
         // 3. All-gather: each reduced chunk from its holder to every other worker.
-        let mut gather = Vec::new();
-        for c in 0..v {
-            let (r, owner) = (chunk(c), holder(c));
-            if r.is_empty() {
-                continue;
-            }
-            if owner == me {
-                for p in (0..self.world).filter(|&p| p != me) {
-                    gather.push((part(&bufs[0], &r), p, true));
-                }
-            } else {
-                gather.push((part(&bufs[0], &r), owner, false));
-            }
-        }
+        let gather = layout.all_gather(&bufs[0]);
         self.exchange(OP, &gather, deadline, check)?;
         self.complete(OP, deadline, check)?;
         drop((moves, received, sums, gather));
@@ -647,6 +383,106 @@ impl Drop for Comm {
     }
 }
 
+/// One send (`true`) or receive of a tensor with the worker at a place.
+type Move = (Tensor, usize, bool);
+
+/// Who holds what in a V-slot all-reduce over `world` workers (each holding the contiguous slots
+/// [`assign`] gives), seen from the worker at place `me`; buffers of `len` elements.
+struct Layout {
+    v: usize,
+    len: usize,
+    me: usize,
+    world: usize,
+    /// The first slot held here.
+    first: usize,
+    ranges: Vec<Range<usize>>,
+}
+
+fn part(t: &Tensor, r: &Range<usize>) -> Tensor {
+    t.narrow(0, r.start as i64, r.len() as i64)
+}
+
+impl Layout {
+    fn new(slots: &Slots, world: usize, me: usize, len: usize) -> Layout {
+        let ranges: Vec<Range<usize>> = assign(slots.count, &(0..world).collect::<Vec<_>>());
+        debug_assert_eq!(ranges[me], slots.held);
+        Layout { v: slots.count, len, me, world, first: slots.held.start, ranges }
+    }
+
+    fn holder(&self, slot: usize) -> usize {
+        self.ranges.iter().position(|r| r.contains(&slot)).expect("every slot is held")
+    }
+
+    fn chunk(&self, c: usize) -> Range<usize> {
+        chunk_of(c, self.v, self.len)
+    }
+
+    /// The all-to-all's sends and receives, listed in (chunk, slot) order on both sides so that
+    /// each pair of workers matches them in order; the receive buffers by (chunk, slot).
+    fn all_to_all(&self, bufs: &[Tensor]) -> (Vec<Move>, HashMap<(usize, usize), Tensor>) {
+        let (mut moves, mut received) = (Vec::new(), HashMap::new());
+        for c in 0..self.v {
+            let r = self.chunk(c);
+            for s in 0..self.v {
+                let (owner, from) = (self.holder(c), self.holder(s));
+                if owner == from || r.is_empty() {
+                    continue;
+                }
+                if from == self.me {
+                    moves.push((part(&bufs[s - self.first], &r), owner, true));
+                } else if owner == self.me {
+                    let t = Tensor::empty([r.len() as i64], (Kind::Float, bufs[0].device()));
+                    received.insert((c, s), t.shallow_clone());
+                    moves.push((t, from, false));
+                }
+            }
+        }
+        (moves, received)
+    }
+
+    /// Adds each chunk held here over every slot in the ring's order into `bufs[0]`; returns the
+    /// sums (to be kept until the device is done with them).
+    fn add_held_chunks(&self, bufs: &[Tensor], received: &HashMap<(usize, usize), Tensor>) -> Vec<Tensor> {
+        let _no_grad = tch::no_grad_guard();
+        let mut sums = Vec::new();
+        for c in self.ranges[self.me].clone() {
+            let r = self.chunk(c);
+            if r.is_empty() {
+                continue;
+            }
+            let of = |s: usize| {
+                if self.holder(s) == self.me {
+                    part(&bufs[s - self.first], &r)
+                } else {
+                    received[&(c, s)].shallow_clone()
+                }
+            };
+            let parts: Vec<Tensor> = (0..self.v).map(of).collect();
+            let sum = ring_order_sum(&parts, c);
+            part(&bufs[0], &r).copy_(&sum);
+            sums.push(sum);
+        }
+        sums
+    }
+
+    /// The all-gather's sends and receives of `first` (the reduced buffer), in chunk order.
+    fn all_gather(&self, first: &Tensor) -> Vec<Move> {
+        let mut moves = Vec::new();
+        for c in 0..self.v {
+            let (r, owner) = (self.chunk(c), self.holder(c));
+            if r.is_empty() {
+                continue;
+            }
+            if owner == self.me {
+                moves.extend((0..self.world).filter(|&p| p != self.me).map(|p| (part(first, &r), p, true)));
+            } else {
+                moves.push((part(first, &r), owner, false));
+            }
+        }
+        moves
+    }
+}
+
 /// Spins briefly, then yields, then sleeps: completion is usually microseconds away.
 fn pause(spins: &mut u32) {
     *spins += 1;
@@ -679,6 +515,7 @@ pub fn ring_order_sum(parts: &[Tensor], c: usize) -> Tensor {
 mod tests {
     use super::*;
     use crate::collective::{ReduceOp, Ring};
+    use tch::Device;
 
     /// The claim the NCCL path rests on, checked on the CPU: chunk by chunk, the ring order's
     /// sums of libtorch's float32 additions are bit for bit the host ring's, for any V.
@@ -710,6 +547,51 @@ mod tests {
             }
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&ours), bits(&copies[0]), "V = {v}, {len} elements");
+        }
+    }
+
+    /// The three phases over W workers holding V slots, with NCCL's matching of each pair's
+    /// sends and receives in order played on the CPU: every worker ends with the host ring's bits.
+    #[test]
+    fn the_phases_pair_up_and_give_the_host_rings_bits_whoever_holds_the_slots() {
+        for (v, world, len) in [(3, 2, 1000), (4, 3, 999), (5, 5, 4096), (4, 2, 3), (7, 3, 5000)] {
+            let slots: Vec<Tensor> = (0..v).map(|_| Tensor::randn([len as i64], (Kind::Float, Device::Cpu))).collect();
+            let mut ring = Ring::single();
+            ring.set_slots(Slots { count: v, held: 0..v });
+            let mut copies: Vec<Vec<f32>> = slots.iter().map(|t| Vec::<f32>::try_from(t).unwrap()).collect();
+            let mut views: Vec<&mut [f32]> = copies.iter_mut().map(|b| b.as_mut_slice()).collect();
+            ring.all_reduce_slots(&mut views, ReduceOp::Sum).unwrap();
+            let ranges = assign(v, &(0..world).collect::<Vec<_>>());
+            let layouts: Vec<Layout> = (0..world)
+                .map(|me| Layout::new(&Slots { count: v, held: ranges[me].clone() }, world, me, len))
+                .collect();
+            let bufs: Vec<Vec<Tensor>> = ranges.iter().map(|r| r.clone().map(|s| slots[s].copy()).collect()).collect();
+            let (moves, received): (Vec<_>, Vec<_>) = layouts.iter().zip(&bufs).map(|(l, b)| l.all_to_all(b)).unzip();
+            deliver(&moves);
+            for ((l, b), r) in layouts.iter().zip(&bufs).zip(&received) {
+                l.add_held_chunks(b, r);
+            }
+            deliver(&layouts.iter().zip(&bufs).map(|(l, b)| l.all_gather(&b[0])).collect::<Vec<_>>());
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for (w, b) in bufs.iter().enumerate() {
+                let ours = Vec::<f32>::try_from(&b[0]).unwrap();
+                assert_eq!(bits(&ours), bits(&copies[0]), "V = {v}, {world} workers, worker {w}");
+            }
+        }
+    }
+
+    /// NCCL's pairing: the n-th send from place a to b fills the n-th receive at b from a.
+    fn deliver(moves: &[Vec<Move>]) {
+        for (from, sends) in moves.iter().enumerate() {
+            for (to, theirs) in moves.iter().enumerate() {
+                let out: Vec<&Tensor> = sends.iter().filter(|m| m.2 && m.1 == to).map(|m| &m.0).collect();
+                let into: Vec<&Tensor> = theirs.iter().filter(|m| !m.2 && m.1 == from).map(|m| &m.0).collect();
+                assert_eq!(out.len(), into.len(), "sends from {from} to {to} and receives match");
+                for (o, i) in out.iter().zip(into) {
+                    assert_eq!(o.numel(), i.numel());
+                    i.shallow_clone().copy_(o);
+                }
+            }
         }
     }
 
