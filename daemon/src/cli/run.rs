@@ -81,11 +81,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     if cfg.cluster.as_ref().is_some_and(|c| c.rank != 0) {
         progress = progress.without_step_lines();
     }
-    announce(&mut progress, &plugin, &facts, &cfg);
-    if cfg.cluster.is_some() {
-        let why = not_nccl.map(|w| format!(" (--collective auto: not NCCL, {w})")).unwrap_or_default();
-        progress.line(&format!("trainerd: gradients over the {}{why}", cfg.collective.describe()));
-    }
+    announce(&mut progress, &plugin, &facts, (&cfg, not_nccl.as_deref()));
     if let Some(addr) = args.metrics_addr {
         let bound = serve::start(addr, Arc::clone(&telemetry), token).map_err(anyhow::Error::msg)?;
         progress.line(&format!("trainerd: metrics on http://{bound}/metrics, health on http://{bound}/healthz"));
@@ -216,8 +212,9 @@ fn run_config(
     })
 }
 
-/// The run's first lines: what trains where, and which libtorch.
-fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, cfg: &RunConfig) {
+/// The run's first lines: what trains where, which libtorch, and (in a cluster) what carries the
+/// gradients, with why not NCCL when `--collective auto` chose the ring.
+fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_nccl): (&RunConfig, Option<&str>)) {
     let info = plugin.info();
     let who = match &cfg.cluster {
         None => "one worker".to_string(),
@@ -236,6 +233,10 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, cfg: &RunCo
         cfg.seed
     ));
     progress.line(&format!("trainerd: {}", facts.line()));
+    if cfg.cluster.is_some() {
+        let why = not_nccl.map(|w| format!(" (--collective auto: not NCCL, {w})")).unwrap_or_default();
+        progress.line(&format!("trainerd: gradients over the {}{why}", cfg.collective.describe()));
+    }
     progress.line(&format!("trainerd: {}", cfg.data.describe()));
 }
 
