@@ -225,6 +225,48 @@ nccl_checks() {
     check "rank 1 killed and restarted: 0 steps lost, bitwise equal to the uninterrupted NCCL run" \
         "${lost} steps lost; ${k0:0:16} / ${k1:0:16}" "$([ "$k0" = "$a0" ] && [ "$k1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
     say "| recovery (survivor: failure to its first step again) | NCCL ${rec} (its new communicator ready in ${created:-?}) / ring ${ring_rec} | - |"
+    nccl_chaos "${two[@]}"
+}
+
+# The other chaos scenarios over NCCL: the chief SIGKILLed mid-epoch and restarted; rank 1 frozen
+# (SIGSTOP) past the heartbeat deadline, then woken (it rejoins without a restart).
+nccl_chaos() {
+    echo "gpu-check: NCCL, the chief SIGKILLed mid-epoch and restarted at once" >&2
+    P0=$(free_port); P1=$(free_port)
+    nccl_worker 0 nc "$@" &
+    local w0=$!
+    nccl_worker 1 nc "$@" &
+    local w1=$!
+    until grep -q "^372/937" "$W/nc.worker0.log" 2>/dev/null; do sleep 0.05; kill -0 $w0 2>/dev/null || break; done
+    kill -9 $w0 2>/dev/null || true
+    wait $w0 2>/dev/null || true
+    nccl_worker 0 nc "$@" &
+    w0=$!
+    wait $w0; wait $w1
+    local c0 c1 lost rec
+    c0=$(field "$W/nc.worker0.json" params_sha256 || echo none); c1=$(field "$W/nc.worker1.json" params_sha256 || echo none)
+    lost=$("$PY" -c "import json; print(json.load(open('$W/nc.worker1.json'))['fault_tolerance']['steps_lost'])" || echo "?")
+    rec=$("$PY" -c "import json; r=json.load(open('$W/nc.worker1.json'))['fault_tolerance']['recovery_seconds']; print(f'{r[0]:.2f} s' if r else 'none')" || echo "?")
+    check "the chief killed and restarted: 0 steps lost, bitwise equal" "${lost} steps lost, worker 1 training again after ${rec}; ${c0:0:16} / ${c1:0:16}" \
+        "$([ "$c0" = "$a0" ] && [ "$c1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
+
+    echo "gpu-check: NCCL, rank 1 frozen for 3 s (heartbeat deadline 1.5 s), then woken" >&2
+    P0=$(free_port); P1=$(free_port)
+    nccl_worker 0 nf "$@" &
+    w0=$!
+    nccl_worker 1 nf "$@" &
+    w1=$!
+    until grep -q "^372/937" "$W/nf.worker0.log" 2>/dev/null; do sleep 0.05; kill -0 $w0 2>/dev/null || break; done
+    kill -STOP $w1
+    sleep 3
+    kill -CONT $w1
+    wait $w0; wait $w1
+    local f0 f1 why
+    f0=$(field "$W/nf.worker0.json" params_sha256 || echo none); f1=$(field "$W/nf.worker1.json" params_sha256 || echo none)
+    lost=$("$PY" -c "import json; print(json.load(open('$W/nf.worker0.json'))['fault_tolerance']['steps_lost'])" || echo "?")
+    why=$(grep -m1 "abandoned" "$W/nf.worker0.log" | cut -c11-90 || true)
+    check "rank 1 frozen past the heartbeat deadline, woken: it rejoins, 0 steps lost, bitwise equal" "${why:-no abandon line}...; ${lost} steps lost; ${f0:0:16} / ${f1:0:16}" \
+        "$([ "$f0" = "$a0" ] && [ "$f1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
 }
 
 # All-reduce on the GPU's buffers (trainerd's NCCL path, its host-staged ring, torch.distributed's
