@@ -236,12 +236,7 @@ impl<'a> Driver<'a> {
             batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { xs: &b.xs, labels: &b.ys, seed }).collect();
         let (result, prefetch) = self.gradients(state, session, (&ctxs, step), &slot_batches, stopping)?;
         if let Some(created) = session.ring().take_nccl_created_in() {
-            self.report.line(&format!(
-                "trainerd: generation {}: NCCL communicator ready {:.2}s after it was started (alongside the state \
-                 transfer)",
-                session.generation(),
-                created.as_secs_f64()
-            ));
+            self.report.communicator_ready(session.generation(), created);
         }
         let stepped = Instant::now();
         state.optimizer.step(&mut state.model.params, lr);

@@ -354,6 +354,16 @@ impl<'p> Reporter<'p> {
         }
     }
 
+    /// Generation `generation`'s NCCL communicator was ready `took` after its creation began.
+    pub fn communicator_ready(&mut self, generation: u64, took: std::time::Duration) {
+        self.recovery.communicator_seconds.push(took.as_secs_f64());
+        self.progress.line(&format!(
+            "trainerd: generation {generation}: NCCL communicator ready {:.2}s after it was started (alongside the \
+             state transfer)",
+            took.as_secs_f64()
+        ));
+    }
+
     /// The first step of a recovery is done: how long it took since the failure.
     fn recovered(&mut self) {
         let Some(r) = self.recovering.take() else { return };
