@@ -205,68 +205,60 @@ nccl_checks() {
     check "bit for bit the host-staged ring's 2-worker run" "${a0:0:16} / ${ring:0:16}" "$([ "$a0" = "$ring" ] && echo 1 || echo 0)"
 
     echo "gpu-check: NCCL, rank 1 SIGKILLed mid-epoch and restarted at once" >&2
-    P0=$(free_port); P1=$(free_port)
-    nccl_worker 0 nk "${two[@]}" &
-    local w0=$!
-    nccl_worker 1 nk "${two[@]}" &
-    local w1=$!
-    until grep -q "^372/937" "$W/nk.worker0.log" 2>/dev/null; do sleep 0.05; kill -0 $w0 2>/dev/null || break; done
-    kill -9 $w1 2>/dev/null || true
-    wait $w1 2>/dev/null || true
-    nccl_worker 1 nk "${two[@]}" &
-    w1=$!
-    wait $w0; wait $w1
-    local k0 k1 lost rec ring_rec created
-    k0=$(field "$W/nk.worker0.json" params_sha256 || echo none); k1=$(field "$W/nk.worker1.json" params_sha256 || echo none)
-    lost=$("$PY" -c "import json; print(json.load(open('$W/nk.worker0.json'))['fault_tolerance']['steps_lost'])" || echo "?")
-    rec=$("$PY" -c "import json; r=json.load(open('$W/nk.worker0.json'))['fault_tolerance']['recovery_seconds']; print(f'{r[0]:.2f} s' if r else 'none')" || echo "?")
-    ring_rec=$("$PY" -c "import json; r=json.load(open('$W/ft.worker0.json'))['fault_tolerance']['recovery_seconds']; print(f'{r[0]:.2f} s' if r else 'none')" 2>/dev/null || echo "not run")
+    nccl_disturbed nk 1 kill "${two[@]}"
+    local ring_rec created
+    ring_rec=$(recovery "$W/ft.worker0.json" 2>/dev/null || echo "not run")
     created=$(grep -h "NCCL communicator ready" "$W/nk.worker0.log" | tail -1 | sed -E 's/.*ready ([0-9.]+s).*/\1/')
-    check "rank 1 killed and restarted: 0 steps lost, bitwise equal to the uninterrupted NCCL run" \
-        "${lost} steps lost; ${k0:0:16} / ${k1:0:16}" "$([ "$k0" = "$a0" ] && [ "$k1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
-    say "| recovery (survivor: failure to its first step again) | NCCL ${rec} (its new communicator ready in ${created:-?}) / ring ${ring_rec} | - |"
-    nccl_chaos "${two[@]}"
-}
+    survived nk 0 "rank 1 killed and restarted: 0 steps lost, bitwise equal to the uninterrupted NCCL run" ""
+    say "| recovery (survivor: failure to its first step again) | NCCL $(recovery "$W/nk.worker0.json" || echo "?") (its new communicator ready in ${created:-?}) / ring ${ring_rec} | - |"
 
-# The other chaos scenarios over NCCL: the chief SIGKILLed mid-epoch and restarted; rank 1 frozen
-# (SIGSTOP) past the heartbeat deadline, then woken (it rejoins without a restart).
-nccl_chaos() {
     echo "gpu-check: NCCL, the chief SIGKILLed mid-epoch and restarted at once" >&2
-    P0=$(free_port); P1=$(free_port)
-    nccl_worker 0 nc "$@" &
-    local w0=$!
-    nccl_worker 1 nc "$@" &
-    local w1=$!
-    until grep -q "^372/937" "$W/nc.worker0.log" 2>/dev/null; do sleep 0.05; kill -0 $w0 2>/dev/null || break; done
-    kill -9 $w0 2>/dev/null || true
-    wait $w0 2>/dev/null || true
-    nccl_worker 0 nc "$@" &
-    w0=$!
-    wait $w0; wait $w1
-    local c0 c1 lost rec
-    c0=$(field "$W/nc.worker0.json" params_sha256 || echo none); c1=$(field "$W/nc.worker1.json" params_sha256 || echo none)
-    lost=$("$PY" -c "import json; print(json.load(open('$W/nc.worker1.json'))['fault_tolerance']['steps_lost'])" || echo "?")
-    rec=$("$PY" -c "import json; r=json.load(open('$W/nc.worker1.json'))['fault_tolerance']['recovery_seconds']; print(f'{r[0]:.2f} s' if r else 'none')" || echo "?")
-    check "the chief killed and restarted: 0 steps lost, bitwise equal" "${lost} steps lost, worker 1 training again after ${rec}; ${c0:0:16} / ${c1:0:16}" \
-        "$([ "$c0" = "$a0" ] && [ "$c1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
+    nccl_disturbed nc 0 kill "${two[@]}"
+    survived nc 1 "the chief killed and restarted: 0 steps lost, bitwise equal" \
+        "worker 1 training again after $(recovery "$W/nc.worker1.json" || echo "?"); "
 
     echo "gpu-check: NCCL, rank 1 frozen for 3 s (heartbeat deadline 1.5 s), then woken" >&2
+    nccl_disturbed nf 1 freeze "${two[@]}"
+    survived nf 0 "rank 1 frozen past the heartbeat deadline, woken: it rejoins, 0 steps lost, bitwise equal" \
+        "$(grep -m1 "abandoned" "$W/nf.worker0.log" | cut -c11-90 || true)...; "
+}
+
+# A pair NAME whose worker VICTIM is, at step 372 of 937, SIGKILLed and restarted at once (kill)
+# or stopped for 3 s, past the heartbeat deadline, and woken (freeze); to the end.
+nccl_disturbed() {
+    local name=$1 victim=$2 how=$3
+    shift 3
     P0=$(free_port); P1=$(free_port)
-    nccl_worker 0 nf "$@" &
-    w0=$!
-    nccl_worker 1 nf "$@" &
-    w1=$!
-    until grep -q "^372/937" "$W/nf.worker0.log" 2>/dev/null; do sleep 0.05; kill -0 $w0 2>/dev/null || break; done
-    kill -STOP $w1
-    sleep 3
-    kill -CONT $w1
-    wait $w0; wait $w1
-    local f0 f1 why
-    f0=$(field "$W/nf.worker0.json" params_sha256 || echo none); f1=$(field "$W/nf.worker1.json" params_sha256 || echo none)
-    lost=$("$PY" -c "import json; print(json.load(open('$W/nf.worker0.json'))['fault_tolerance']['steps_lost'])" || echo "?")
-    why=$(grep -m1 "abandoned" "$W/nf.worker0.log" | cut -c11-90 || true)
-    check "rank 1 frozen past the heartbeat deadline, woken: it rejoins, 0 steps lost, bitwise equal" "${why:-no abandon line}...; ${lost} steps lost; ${f0:0:16} / ${f1:0:16}" \
-        "$([ "$f0" = "$a0" ] && [ "$f1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
+    local pids=()
+    nccl_worker 0 "$name" "$@" &
+    pids[0]=$!
+    nccl_worker 1 "$name" "$@" &
+    pids[1]=$!
+    until grep -q "^372/937" "$W/$name.worker0.log" 2>/dev/null; do sleep 0.05; kill -0 "${pids[0]}" 2>/dev/null || break; done
+    if [ "$how" = kill ]; then
+        kill -9 "${pids[$victim]}" 2>/dev/null || true
+        wait "${pids[$victim]}" 2>/dev/null || true
+        nccl_worker "$victim" "$name" "$@" &
+        pids[$victim]=$!
+    else
+        kill -STOP "${pids[$victim]}"; sleep 3; kill -CONT "${pids[$victim]}"
+    fi
+    wait "${pids[0]}"; wait "${pids[1]}"
+}
+
+# The survivor's first recovery time in a summary.
+recovery() {
+    "$PY" -c "import json, sys; r = json.load(open(sys.argv[1]))['fault_tolerance']['recovery_seconds']; print(f'{r[0]:.2f} s' if r else 'none')" "$1"
+}
+
+# The check that pair NAME (SURVIVOR: the worker that lived through it) lost no step and ended
+# bitwise equal to the uninterrupted run ($a0), both workers; FIGURE goes before the figures.
+survived() {
+    local name=$1 survivor=$2 what=$3 figure=$4 s0 s1 lost
+    s0=$(field "$W/$name.worker0.json" params_sha256 || echo none); s1=$(field "$W/$name.worker1.json" params_sha256 || echo none)
+    lost=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['fault_tolerance']['steps_lost'])" "$W/$name.worker$survivor.json" || echo "?")
+    check "$what" "${figure}${lost} steps lost; ${s0:0:16} / ${s1:0:16}" \
+        "$([ "$s0" = "$a0" ] && [ "$s1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
 }
 
 # All-reduce on the GPU's buffers (trainerd's NCCL path, its host-staged ring, torch.distributed's
