@@ -272,6 +272,40 @@ fn batchnorm_and_dropout_on_two_of_three_workers_are_bitwise_the_three_worker_ru
     assert_eq!(summary(tmp.path(), 2)["slots"], serde_json::json!([2]));
 }
 
+/// `--devices`: a daemon's replicas are slots of the run, so one daemon of three CPU replicas is,
+/// bit for bit, three workers of one (BatchNorm's statistics and dropout's masks per replica).
+#[test]
+fn one_daemon_of_three_replicas_is_bitwise_three_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(1, &args(BN, tmp.path(), &["--devices", "cpu,cpu,cpu"]), &[], vec![], RESTART_SEC);
+    let (_, line) = c.wait_line(0, "trainerd: mnist-bn ", 0, DEADLINE);
+    assert!(line.contains(" on 3 replicas (cpu, cpu, cpu) ") && line.contains(" per replica, "), "{line}");
+    assert_eq!(c.wait_finished(DEADLINE), vec![0], "{}", c.transcript());
+    let s = summary(tmp.path(), 0);
+    assert_eq!(s["params_sha256"], reference(BN).as_str(), "{}", c.transcript());
+    assert_eq!((s["workers"].as_u64(), s["replicas"].as_u64()), (Some(1), Some(3)));
+    assert_eq!(s["slots"], serde_json::json!([0, 1, 2]));
+}
+
+/// Losing a daemon loses its replicas together: one failure, recovered as any other, and the run
+/// stays bitwise the run of four workers of one replica.
+#[test]
+fn two_daemons_of_two_replicas_lose_one_and_stay_bitwise_four_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(2, &args(LINEAR4, tmp.path(), &["--devices", "cpu,cpu"]), &[], vec![], RESTART_SEC);
+    wait_for_step(&mut c, LINEAR4, 1, 50);
+    let killed = c.mark();
+    c.signal(1, libc::SIGKILL);
+    let (_, line) = c.wait_line(0, "trainerd: generation ", killed, DEADLINE);
+    assert!(line.contains(": 0 step(s) lost;"), "{line}");
+    assert_eq!(c.wait_finished(DEADLINE), vec![0, 0], "{}", c.transcript());
+    for rank in 0..2 {
+        let s = summary(tmp.path(), rank);
+        assert_eq!(s["params_sha256"], reference(LINEAR4).as_str(), "worker {rank}\n{}", c.transcript());
+        assert_eq!(s["slots"], serde_json::json!([2 * rank, 2 * rank + 1]));
+    }
+}
+
 /// `--min-workers 2` of 4 is exactly half: accepted only with `--allow-even-split`, which takes the
 /// risk that two halves of a partition both train (this test's cluster cannot be partitioned).
 #[test]

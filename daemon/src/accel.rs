@@ -200,6 +200,39 @@ impl Facts {
         }
     }
 
+    /// The devices `--devices TEXT` names, one replica each: `all` (every visible GPU, or the
+    /// CPU when none is visible, as MirroredStrategy does) or a comma-separated list of `cpu`,
+    /// `cuda` and `cuda:N`. Every replica must be on one kind of device (a step's bits are the same
+    /// on every device of one kind); a device may be named twice (two replicas on one GPU, to try
+    /// the replica logic on a machine with one).
+    pub fn devices(&self, text: &str) -> Result<Vec<Device>, String> {
+        if text == "all" {
+            let all: Vec<Device> = (0..self.gpus.len()).map(Device::Cuda).collect();
+            return Ok(if all.is_empty() { vec![Device::Cpu] } else { all });
+        }
+        let mut devices = Vec::new();
+        for item in text.split(',').map(str::trim) {
+            match item {
+                "cpu" | "cuda" => {}
+                _ if item.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok()) => {}
+                _ => {
+                    return Err(format!(
+                        "--devices {text}: expected all, or a list of cpu, cuda or cuda:N such as cuda:0,cuda:1"
+                    ))
+                }
+            }
+            let refused = |e: String| e.replacen(&format!("--device {item}:"), &format!("--devices {text}:"), 1);
+            devices.push(self.device(item, 0).map_err(refused)?);
+        }
+        if devices.iter().any(|d| d.is_cuda() != devices[0].is_cuda()) {
+            return Err(format!(
+                "--devices {text}: every replica must be on the same kind of device (all CUDA or all CPU), so that \
+                 every slot's step has the same bits"
+            ));
+        }
+        Ok(devices)
+    }
+
     /// `cuda:0 (NVIDIA H100 80GB HBM3)` or `cpu`.
     pub fn describe(&self, device: Device) -> String {
         match device {
@@ -287,5 +320,35 @@ mod tests {
             "--device cuda: there is no cuda:0; libtorch 2.13.0 (CUDA 13.0); GPUs: none visible"
         );
         assert_eq!(none.device("gpu", 0).unwrap_err(), "--device gpu: expected auto, cpu, cuda or cuda:N");
+    }
+
+    #[test]
+    fn replica_devices_are_all_gpus_or_a_list_of_one_kind() {
+        let two = Facts {
+            libtorch: "2.13.0".into(),
+            cuda_library: CudaLibrary::Loaded("x".into()),
+            cuda: Some("13.0".into()),
+            cudnn: None,
+            gpus: vec!["A".into(), "B".into()],
+        };
+        assert_eq!(two.devices("all"), Ok(vec![Device::Cuda(0), Device::Cuda(1)]));
+        assert_eq!(two.devices("cuda:1,cuda:0"), Ok(vec![Device::Cuda(1), Device::Cuda(0)]));
+        assert_eq!(two.devices("cuda:0,cuda:0"), Ok(vec![Device::Cuda(0), Device::Cuda(0)]));
+        assert_eq!(two.devices("cpu, cpu"), Ok(vec![Device::Cpu, Device::Cpu]));
+        assert_eq!(
+            two.devices("cpu,cuda:0").unwrap_err(),
+            "--devices cpu,cuda:0: every replica must be on the same kind of device (all CUDA or all CPU), so that \
+             every slot's step has the same bits"
+        );
+        assert_eq!(
+            two.devices("cuda:0,cuda:2").unwrap_err(),
+            "--devices cuda:0,cuda:2: there is no cuda:2; libtorch 2.13.0 (CUDA 13.0); GPUs: cuda:0 A, cuda:1 B"
+        );
+        assert_eq!(
+            two.devices("cuda:0,").unwrap_err(),
+            "--devices cuda:0,: expected all, or a list of cpu, cuda or cuda:N such as cuda:0,cuda:1"
+        );
+        let none = Facts { gpus: vec![], ..two };
+        assert_eq!(none.devices("all"), Ok(vec![Device::Cpu]));
     }
 }

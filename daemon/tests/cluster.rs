@@ -165,6 +165,26 @@ fn a_worker_with_a_different_plugin_version_is_refused() {
     assert!(err.contains(&format!("on {w1}, test-fixture 0.1.0 (trainerd-sdk ")), "{err}");
 }
 
+/// The run's slots are every worker's replicas: workers with different `--devices` counts would
+/// disagree on them.
+#[test]
+fn a_worker_with_another_number_of_replicas_is_refused() {
+    let ports = free_ports(2);
+    let chief = spawn_worker(&ports, 0, &["--rendezvous-timeout", "8", "--devices", "cpu,cpu"], &[]);
+    let other = spawn_worker(&ports, 1, &["--device", "cpu"], &[]);
+    let other = other.wait_with_output().unwrap();
+    let _ = chief.wait_with_output().unwrap();
+    let w1 = format!("worker 1 (127.0.0.1:{})", ports[1]);
+    assert_eq!(
+        error_line(&other),
+        format!(
+            "error: rendezvous refused by the chief: {w1} has a different run configuration: replicas_per_worker = \
+             (absent) on {w1}, 2 on the chief, worker 0 (127.0.0.1:{})",
+            ports[0]
+        )
+    );
+}
+
 #[test]
 fn a_port_already_in_use_is_named() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

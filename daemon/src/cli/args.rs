@@ -290,6 +290,11 @@ pub struct RunArgs {
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// One replica per device in this daemon, as TensorFlow's MirroredStrategy: all (every GPU
+    /// visible) or a list such as cuda:0,cuda:1 (cpu,cpu: replicas on the CPU). Each replica is a
+    /// slot of the run with its own batch of --batch-size; the daemon is still one worker.
+    #[arg(long, conflicts_with = "device")]
+    pub devices: Option<String>,
     /// What carries the gradients: ring (host-staged TCP ring), nccl (NCCL on the GPUs, the same
     /// bits) or auto (NCCL when every worker trains on CUDA with its own GPU).
     #[arg(long, default_value = "ring")]

@@ -49,7 +49,8 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
         timeouts.check_min_workers(c.world_size(), args.allow_even_split).map_err(anyhow::Error::msg)?;
     }
     let facts = accel::facts(cuda);
-    let device = device(&args.device, &facts)?;
+    let devices = devices(&args, &facts)?;
+    let device = devices[0];
     if device.is_cuda() {
         for missing in accel::make_deterministic() {
             tracing::warn!(target: "trainerd", "this libtorch has no switch for {missing}; results on CUDA may not be reproducible");
@@ -75,7 +76,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     // Before the data opens: a failing data source is shown in STATUS= and keeps the watchdog fed.
     let telemetry = Arc::new(Telemetry::new(stall, epochs, workers));
     let data = data_source(&args, &plugin, timeouts.collective, &telemetry)?;
-    let mut cfg = run_config(&args, &plugin, (cluster, network, data), (timeouts, device, threads))?;
+    let mut cfg = run_config(&args, &plugin, (cluster, network, data), (timeouts, devices, threads))?;
     cfg.collective = collective;
     let mut progress = Progress::stdout(log_format);
     if cfg.cluster.as_ref().is_some_and(|c| c.rank != 0) {
@@ -95,6 +96,14 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
         n.finish();
     }
     ended(outcome?, &mut progress, args.summary.as_ref())
+}
+
+/// The devices of this worker's replicas: `--devices`, else the one `--device` names.
+fn devices(args: &RunArgs, facts: &Facts) -> anyhow::Result<Vec<tch::Device>> {
+    match &args.devices {
+        Some(list) => facts.devices(list).map_err(anyhow::Error::msg),
+        None => Ok(vec![device(&args.device, facts)?]),
+    }
 }
 
 /// The backend `--collective` gives this worker (and, for `auto`, why not NCCL): NCCL can only
@@ -162,7 +171,7 @@ fn run_config(
     args: &RunArgs,
     plugin: &Plugin,
     (cluster, network, data): (Option<ClusterConfig>, Network, DataSource),
-    (timeouts, device, threads): (Timeouts, tch::Device, usize),
+    (timeouts, devices, threads): (Timeouts, Vec<tch::Device>, usize),
 ) -> anyhow::Result<RunConfig> {
     let defaults = plugin.info().defaults.clone();
     let flags = OptimizerFlags {
@@ -197,7 +206,8 @@ fn run_config(
         optimizer,
         schedule: args.lr_schedule.clone().unwrap_or(defaults.schedule),
         seed: args.seed,
-        device,
+        device: devices[0],
+        devices,
         steps_per_epoch: args.steps_per_epoch,
         threads,
         cluster,
@@ -220,11 +230,17 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_n
         None => "one worker".to_string(),
         Some(c) => format!("{} of {} workers", c.me(), c.world_size()),
     };
+    let (on, each) = match cfg.devices.len() {
+        1 => (facts.describe(cfg.device), "worker"),
+        n => (
+            format!("{n} replicas ({})", cfg.devices.iter().map(|&d| facts.describe(d)).collect::<Vec<_>>().join(", ")),
+            "replica",
+        ),
+    };
     progress.line(&format!(
-        "trainerd: {} {} on {} with {} thread(s); {who}, batch {} per worker, {} epoch(s), optimizer {} lr {}, seed {}",
+        "trainerd: {} {} on {on} with {} thread(s); {who}, batch {} per {each}, {} epoch(s), optimizer {} lr {}, seed {}",
         info.name,
         info.version,
-        facts.describe(cfg.device),
         cfg.threads,
         cfg.batch_size,
         cfg.epochs,

@@ -26,6 +26,8 @@ pub struct Buckets {
     /// Whether the buffers live on the parameters' CUDA device (the ring has NCCL) rather than
     /// on the host.
     on_device: bool,
+    /// The parameters' device (the first replica's, when several stage into these buffers).
+    home: Device,
 }
 
 /// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
@@ -66,7 +68,8 @@ impl Buckets {
             groups.last_mut().expect("one group").push(i);
             bytes += size;
         }
-        Buckets { groups, staging: Vec::new(), extras: Vec::new(), on_device: false }
+        let home = params.first().map_or(Device::Cpu, |(_, p)| p.device());
+        Buckets { groups, staging: Vec::new(), extras: Vec::new(), on_device: false, home }
     }
 
     /// Number of buckets.
@@ -108,6 +111,8 @@ impl Buckets {
     /// its `extra` values into that slot's host buffers, as float32, with one used-flag per
     /// parameter after `extra` in the last bucket. On CUDA each bucket's gradients are joined on
     /// the device and cross in one copy; on the CPU each is copied into the buffer directly.
+    /// `params` may be another replica's, on another device: the buffers stay where the first
+    /// replica's parameters are.
     pub fn stage(&mut self, i: usize, params: &[(String, Tensor)], extra: &[f32]) {
         let _no_grad = tch::no_grad_guard();
         while self.staging.len() <= i {
@@ -130,9 +135,9 @@ impl Buckets {
             if staging.as_ref().is_none_or(|t| t.numel() != grads_len + riding.len()) {
                 let len = grads_len + riding.len();
                 *staging = Some(if self.on_device {
-                    Tensor::zeros([len as i64], (Kind::Float, device))
+                    Tensor::zeros([len as i64], (Kind::Float, self.home))
                 } else {
-                    host_buffer(len, device)
+                    host_buffer(len, self.home)
                 });
             }
             let buffer = staging.as_mut().expect("made above");

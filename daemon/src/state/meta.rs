@@ -18,7 +18,7 @@ pub struct Meta {
     pub plugin: String,
     /// Plugin version.
     pub plugin_version: String,
-    /// Workers that trained.
+    /// Slots that trained: the workers, times the replicas of each (`--devices`).
     pub workers: usize,
     /// Everything that must agree to continue exactly (the run configuration as the cluster
     /// checks it).
@@ -26,6 +26,11 @@ pub struct Meta {
     /// How the RNG continues.
     pub rng: String,
 }
+
+/// The run configuration's key for the replicas of each worker (`--devices`). The math depends on
+/// the slot count (a checkpoint's `workers`), not on how its slots are spread over processes, so a
+/// resume does not compare it: one daemon of two replicas continues two daemons' commit exactly.
+pub const REPLICAS_KEY: &str = "replicas_per_worker";
 
 /// Who reads a checkpoint, which decides what must match and how a mismatch is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,12 +85,12 @@ impl Meta {
         let Reader::Training { workers, run_config } = reader else { return Ok(()) };
         let ours: serde_json::Value = serde_json::from_str(run_config).expect("canonical JSON of our own");
         let (theirs, ours) = if self.workers == workers {
-            (self.run_config.clone(), ours)
+            (without(&self.run_config, &[REPLICAS_KEY]), without(&ours, &[REPLICAS_KEY]))
         } else {
             // The data order does not depend on the worker count: another count with the same
             // global batch continues with the same global batches.
             self.same_global_batch(seq, workers, &ours)?;
-            (without_batch(&self.run_config), without_batch(&ours))
+            (without(&self.run_config, &[REPLICAS_KEY, "batch_size"]), without(&ours, &[REPLICAS_KEY, "batch_size"]))
         };
         if theirs != ours {
             return Err(format!(
@@ -138,11 +143,13 @@ fn differences(prefix: &str, theirs: &serde_json::Value, ours: &serde_json::Valu
     }
 }
 
-/// A run configuration without its per-worker batch size (what another worker count changes).
-fn without_batch(cfg: &serde_json::Value) -> serde_json::Value {
+/// A run configuration without `keys`.
+fn without(cfg: &serde_json::Value, keys: &[&str]) -> serde_json::Value {
     let mut cfg = cfg.clone();
     if let Some(o) = cfg.as_object_mut() {
-        o.remove("batch_size");
+        for key in keys {
+            o.remove(*key);
+        }
     }
     cfg
 }
@@ -194,6 +201,21 @@ mod tests {
             resume(&m, 2, 64, 4).unwrap_err(),
             "checkpoint 7 was written with another run configuration: seed is 3 in the checkpoint, 4 in this run",
             "the rest of the configuration must still agree"
+        );
+    }
+
+    /// A daemon's replicas are slots: 1 daemon of 2 replicas and 2 daemons of one are the same run.
+    #[test]
+    fn the_same_slots_resume_whatever_the_replicas_per_worker() {
+        let info = PluginInfo::classifier("linear", "0.1.0", "");
+        let two = serde_json::json!({"batch_size": 32, "seed": 3, "epochs": 2, REPLICAS_KEY: 2}).to_string();
+        let m = Meta::new(Position::start(1), &info, 2, &two);
+        assert_eq!(resume(&m, 2, 32, 3), Ok(()), "2 daemons of one replica");
+        assert_eq!(m.check(7, &info, Reader::Training { workers: 2, run_config: &two }), Ok(()));
+        assert_eq!(resume(&meta(2, 32), 2, 32, 3), Ok(()));
+        assert_eq!(
+            resume(&m, 2, 32, 4).unwrap_err(),
+            "checkpoint 7 was written with another run configuration: seed is 3 in the checkpoint, 4 in this run"
         );
     }
 }

@@ -13,6 +13,7 @@ use trainerd_sdk::{InputContext, PluginInfo};
 
 use super::batches::Batches;
 use super::commit::{Committer, Moment};
+use super::replicas::Replicas;
 use super::report::{JoinedGeneration, Reporter, StepDone};
 use super::session::{Interrupt, Joined, Session};
 use super::startup::Data;
@@ -41,6 +42,8 @@ pub(super) struct Driver<'a> {
     cfg: &'a RunConfig,
     info: &'a PluginInfo,
     model: &'a ModelInstance<'a>,
+    /// The model on this daemon's further devices, if any.
+    replicas: Replicas<'a>,
     data: &'a Input<'a>,
     batches: Batches<'a>,
     buckets: Buckets,
@@ -56,10 +59,10 @@ pub(super) struct Driver<'a> {
 }
 
 impl<'a> Driver<'a> {
-    /// A loop over `model` and its `data`.
+    /// A loop over `model` (and its `replicas`) and its `data`.
     pub(super) fn new(
         (cfg, info): (&'a RunConfig, &'a PluginInfo),
-        (model, data): (&'a ModelInstance<'a>, &'a Data<'a>),
+        (model, replicas, data): (&'a ModelInstance<'a>, Replicas<'a>, &'a Data<'a>),
         buckets: Buckets,
         (report, committer): (Reporter<'a>, Option<Committer>),
         stop: &Arc<AtomicBool>,
@@ -68,6 +71,7 @@ impl<'a> Driver<'a> {
             cfg,
             info,
             model,
+            replicas,
             data: &data.input,
             batches: Batches::new(&data.input, cfg.device, (cfg.epochs, data.steps_per_epoch)),
             buckets,
@@ -284,16 +288,10 @@ impl<'a> Driver<'a> {
             prefetch += began.elapsed();
         };
         let model = &mut state.model;
-        let result = step::train_step(
-            self.model,
-            (&mut model.params, &mut model.buffers),
-            &mut self.buckets,
-            session.ring(),
-            batches,
-            &saved,
-            stopping,
-            &mut prefetch_next,
-        );
+        let result = self.replicas.of_step(self.model, (&mut model.params, &mut model.buffers)).and_then(|mut r| {
+            let ring = session.ring();
+            step::train_step(&mut r, &mut self.buckets, ring, (batches, &saved), stopping, &mut prefetch_next)
+        });
         let result = result.map_err(|e| {
             model.restore_buffers(&saved);
             session.interrupt(e)
@@ -403,7 +401,8 @@ impl<'a> Driver<'a> {
             rank: session.rank(),
             epochs: cfg.epochs,
             steps: p.global_step,
-            global_batch_size: u64::from(cfg.batch_size) * world as u64,
+            global_batch_size: u64::from(cfg.batch_size) * session.slot_count() as u64,
+            replicas: cfg.devices.len(),
             optimizer: cfg.optimizer.clone(),
             schedule: cfg.schedule.clone(),
             seed: cfg.seed,
@@ -428,7 +427,7 @@ impl<'a> Driver<'a> {
 /// Who holds which slots in the session's generation: `worker 0: slots 0-1, worker 1: slot 2`.
 fn layout(session: &Session) -> String {
     let members = session.members();
-    let ranges = crate::collective::slots::assign(session.world(), members);
+    let ranges = crate::collective::slots::assign(session.slot_count(), members);
     members
         .iter()
         .zip(ranges)

@@ -18,12 +18,14 @@
 //!
 //! The parts: [`startup`] builds what a run needs, [`driver`] is the loop (generations, epochs,
 //! steps), [`step`] one step and one evaluation pass, [`batches`] the data by (epoch, step),
-//! [`report`] everything the run tells the outside, [`commit`] when the chief commits,
-//! [`session`] a member's place in the cluster, [`summary`] the result.
+//! [`replicas`] a daemon's further devices, [`report`] everything the run tells the outside,
+//! [`commit`] when the chief commits, [`session`] a member's place in the cluster, [`summary`] the
+//! result.
 
 pub mod batches;
 pub mod commit;
 pub mod driver;
+pub mod replicas;
 pub mod report;
 pub mod session;
 pub mod startup;
@@ -46,6 +48,7 @@ use crate::collective::{Backend, CollectiveError};
 use crate::input::{DataSource, InputError};
 use crate::plugin::{CallError, Plugin};
 use driver::Driver;
+use replicas::Replicas;
 use report::{Outputs, Reporter};
 pub use summary::{Recovery, Summary};
 
@@ -66,8 +69,12 @@ pub struct RunConfig {
     pub schedule: LrSchedule,
     /// Seed of the parameters' initialisation and the data order.
     pub seed: u64,
-    /// Where the model lives.
+    /// Where the model lives (its first replica, when there are several).
     pub device: Device,
+    /// One device per replica in this daemon (`--devices`, as MirroredStrategy), the first being
+    /// `device`: each replica is a slot of the run, so a worker with D replicas counts as D
+    /// workers in the math.
+    pub devices: Vec<Device>,
     /// Stop each epoch after this many steps (all of them when `None`).
     pub steps_per_epoch: Option<u64>,
     /// libtorch intra-op threads (recorded in the summary; set by the caller).
@@ -121,6 +128,11 @@ impl RunConfig {
         // NCCL gives the ring's bits, but workers must use one backend, and NCCL one version.
         if let Some(collective) = self.collective.agreement() {
             agreement["collective"] = collective.into();
+        }
+        // The run's slots are the workers times the replicas each: every worker must have as many.
+        // (A checkpoint's worker count is its slot count, so this key is not compared on resume.)
+        if self.devices.len() > 1 {
+            agreement[crate::state::REPLICAS_KEY] = self.devices.len().into();
         }
         // An evaluation is a collective: every worker takes it or none does.
         if !self.evaluate {
@@ -244,12 +256,14 @@ pub fn run(
     let started = Instant::now();
     let info = plugin.info().clone();
     let mut session = startup::open_session(plugin, cfg, outputs.progress)?;
-    let (rank, world) = (session.rank(), session.world());
+    // The math's world: every replica of every worker is a slot.
+    let (rank, world) = (session.rank(), session.slot_count());
     tracing::debug!("start-up: control plane up after {:?}", started.elapsed());
     let mut report = Reporter::open(cfg, &info.metrics, rank == 0, outputs)?;
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model("model", cfg.device)?;
     let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());
+    let replicas = Replicas::build(plugin, &cfg.devices)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
     let checkpointer = startup::restore(cfg, (&info, world), &mut session, &mut state, &mut report)?;
     let joining = startup::join_in_background(session, state, stop, &report, cfg)?;
@@ -259,6 +273,6 @@ pub fn run(
     let committer = startup::committer(checkpointer, cfg, (&info, world), data.steps_per_epoch);
     let (session, state, joined) = joining.join().expect("the joining thread does not panic");
     tracing::debug!("start-up: joined after {:?}", started.elapsed());
-    let driver = Driver::new((cfg, &info), (&model, &data), buckets, (report, committer), stop);
+    let driver = Driver::new((cfg, &info), (&model, replicas, &data), buckets, (report, committer), stop);
     driver.run(session, state, joined, started)
 }

@@ -57,6 +57,8 @@ pub struct Session {
     floor: u64,
     /// The CUDA device whose gradients go over NCCL, if they do.
     nccl_device: Option<usize>,
+    /// Replicas in each worker (`--devices`): the run has `world() * replicas` slots.
+    replicas: usize,
 }
 
 struct Member {
@@ -69,7 +71,7 @@ struct Member {
 impl Session {
     /// A worker alone.
     pub fn single() -> Session {
-        Session { cluster: None, ring: Ring::single(), members: vec![0], floor: 0, nccl_device: None }
+        Session { cluster: None, ring: Ring::single(), members: vec![0], floor: 0, nccl_device: None, replicas: 1 }
     }
 
     /// A worker alone when `cluster` is `None`, else a member of it whose peers must agree on
@@ -116,6 +118,7 @@ impl Session {
             members: Vec::new(),
             floor: 0,
             nccl_device: None,
+            replicas: 1,
         })
     }
 
@@ -144,6 +147,17 @@ impl Session {
     /// Members in all.
     pub fn world(&self) -> usize {
         self.cluster.as_ref().map_or(1, |m| m.plane.names().len())
+    }
+
+    /// Gives each worker `replicas` slots of the run (one per device, `--devices`) from the next
+    /// generation on.
+    pub fn set_replicas(&mut self, replicas: usize) {
+        self.replicas = replicas;
+    }
+
+    /// The run's slots: every worker's replicas.
+    pub fn slot_count(&self) -> usize {
+        self.world() * self.replicas
     }
 
     /// Every member's name, by rank.
@@ -199,6 +213,7 @@ impl Session {
     /// cluster gathers; `stop` ends the wait.
     pub fn join(&mut self, state: Option<&dyn Shareable>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
         let Some(m) = self.cluster.as_mut() else {
+            self.ring.set_slots(Slots { count: self.replicas, held: 0..self.replicas });
             self.floor += 1;
             let progress = state.map_or((0, 0), |s| s.progress());
             return Ok(Joined { formed: Formed::alone(self.floor, progress), received: None });
@@ -220,7 +235,7 @@ impl Session {
         let names = m.plane.names().to_vec();
         let abort = m.plane.abort_signal();
         // The ring runs over the generation's members, in rank order; the slots of the run (one
-        // per rank) are spread over them.
+        // per replica of every rank) are spread over them.
         let members = formed.members.clone();
         let Some(place) = members.iter().position(|&r| r == rank) else {
             let why = format!("generation {} was formed without {}", formed.generation, names[rank]);
@@ -237,8 +252,9 @@ impl Session {
             Err(e) => return Err(self.abandon(generation, e)),
         };
         self.ring.set_members(&members);
-        let held = crate::collective::slots::assign(names.len(), &members).swap_remove(place);
-        self.ring.set_slots(Slots { count: names.len(), held });
+        let count = names.len() * self.replicas;
+        let held = crate::collective::slots::assign(count, &members).swap_remove(place);
+        self.ring.set_slots(Slots { count, held });
         self.members = members;
         if let Some(device) = self.nccl_device {
             if let Err(e) = self.ring.start_nccl(device) {

@@ -27,6 +27,7 @@ pub(super) fn open_session(plugin: &Plugin, cfg: &RunConfig, progress: &mut Prog
     let identity = (plugin.identity(), cfg.agreement_json());
     let mut session =
         Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, cfg.state_dir.as_deref())?;
+    session.set_replicas(cfg.devices.len());
     if let (crate::collective::Backend::Nccl(_), tch::Device::Cuda(device)) = (cfg.collective, cfg.device) {
         session.use_nccl(device);
     }
@@ -161,8 +162,8 @@ pub(super) struct Data<'m> {
     pub steps_per_epoch: u64,
 }
 
-/// Both splits (loaded through the plugin, or the columnar dataset's readers), for worker `rank`
-/// of `world`.
+/// Both splits (loaded through the plugin, or the columnar dataset's readers), for slot `rank`
+/// of `world` (the run's slots).
 pub(super) fn load_data<'m>(
     model: &'m ModelInstance<'m>,
     cfg: &RunConfig,

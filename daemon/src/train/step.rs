@@ -54,20 +54,31 @@ pub struct SlotBatch<'b> {
     pub seed: i64,
 }
 
-/// Forward, loss and backward of every slot this worker holds (`batches`, in slot order), one
-/// after the other, each from the buffers' values at the step's start (`start`, needed when more
-/// than one slot is held); then the gradients averaged over the run's slots (with `stop` as the
-/// stop flag of this worker's slots) and the buffers made the same on every member
-/// ([`sync_slot_buffers`]). `meanwhile` runs once the device has its work and before the host
-/// waits for it. The parameters are untouched: the caller applies the update once this returns.
-#[allow(clippy::too_many_arguments)]
+/// One model instance of this worker and its variables: the worker's only one, or one per device
+/// with `--devices` ([`super::replicas`]), the first holding the state.
+pub struct Replica<'s> {
+    /// The model.
+    pub model: &'s ModelInstance<'s>,
+    /// Where it computes.
+    pub device: Device,
+    /// Its parameters.
+    pub params: &'s mut [(String, Tensor)],
+    /// Its buffers.
+    pub buffers: &'s mut [(String, Tensor)],
+}
+
+/// Forward, loss and backward of every slot this worker holds (`batches`, in slot order): the
+/// replicas take them in rounds (slot i on replica i mod R; on CUDA a round's replicas compute at
+/// once), each slot from the buffers' values at the step's start (`start`, needed when more than
+/// one slot is held); then the gradients averaged over the run's slots into the first replica's
+/// (with `stop` as the stop flag of this worker's slots) and its buffers made the same on every
+/// member ([`sync_slot_buffers`]). `meanwhile` runs once the devices have their work and before
+/// the host waits for it. The parameters are untouched: the caller applies the update.
 pub fn train_step(
-    model: &ModelInstance<'_>,
-    (params, buffers): Variables<'_>,
+    replicas: &mut [Replica<'_>],
     buckets: &mut Buckets,
     ring: &mut Ring,
-    batches: &[SlotBatch<'_>],
-    start: &[Tensor],
+    (batches, start): (&[SlotBatch<'_>], &[Tensor]),
     stop: bool,
     meanwhile: &mut dyn FnMut(),
 ) -> Result<StepResult, TrainError> {
@@ -76,44 +87,64 @@ pub fn train_step(
     buckets.stage_on_device(ring.has_nccl());
     let mut captured = Vec::with_capacity(batches.len());
     let mut flags = 0;
-    for (i, batch) in batches.iter().enumerate() {
-        if i > 0 {
-            let _no_grad = tch::no_grad_guard();
-            for ((_, b), s) in buffers.iter_mut().zip(start) {
-                b.copy_(s);
-            }
+    let per_round = replicas.len();
+    for (round, group) in batches.chunks(per_round).enumerate() {
+        let mut outputs = Vec::with_capacity(group.len());
+        for (replica, batch) in replicas.iter_mut().zip(group) {
+            outputs.push(forward_backward(replica, batch, (round > 0).then_some(start))?);
         }
-        tch::manual_seed(batch.seed);
-        let logits = model.forward(batch.xs, true)?;
-        let loss = model.loss(&logits, batch.labels)?;
-        let metrics = model.metrics(&logits.detach(), batch.labels)?;
-        for (_, p) in params.iter_mut() {
-            p.zero_grad();
-        }
-        loss.f_backward().map_err(torch("backward"))?;
-        if i + 1 == batches.len() {
+        if (round + 1) * per_round >= batches.len() {
             meanwhile();
         }
-        let totals = batch_totals(batch.xs.size()[0], &loss, &metrics)?;
-        if slots.count == 1 {
-            return Ok(StepResult { totals, stopping: if stop { vec![0] } else { Vec::new() } });
-        }
-        // The totals ride in the gradients' all-reduce (as float32), then one stop flag per slot.
-        let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
-        flags = extra.len();
-        extra.extend((0..slots.count).map(|s| if slots.held.contains(&s) && stop { 1.0 } else { 0.0 }));
-        buckets.stage(i, params, &extra);
-        if !buffers.is_empty() {
-            captured.push(capture(buffers)?);
+        for (r, (n, loss, metrics)) in outputs.into_iter().enumerate() {
+            let totals = batch_totals(n, &loss, &metrics)?;
+            if slots.count == 1 {
+                return Ok(StepResult { totals, stopping: if stop { vec![0] } else { Vec::new() } });
+            }
+            // The totals ride in the gradients' all-reduce (as float32), then one stop flag per slot.
+            let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
+            flags = extra.len();
+            extra.extend((0..slots.count).map(|s| if slots.held.contains(&s) && stop { 1.0 } else { 0.0 }));
+            buckets.stage(round * per_round + r, replicas[r].params, &extra);
+            if !replicas[r].buffers.is_empty() {
+                captured.push(capture(replicas[r].buffers)?);
+            }
         }
     }
-    let extra = buckets.reduce(ring, params, batches.len())?;
-    sync_slot_buffers(ring, buffers, captured)?;
+    let first = &mut replicas[0];
+    let extra = buckets.reduce(ring, first.params, batches.len())?;
+    sync_slot_buffers(ring, first.buffers, captured)?;
     let reduced: Vec<f64> = extra[..flags].iter().map(|&x| f64::from(x)).collect();
     Ok(StepResult {
         totals: Totals::from_flat(&reduced),
         stopping: (0..slots.count).filter(|&s| extra[flags + s] > 0.0).collect(),
     })
+}
+
+/// One slot's forward pass, loss and backward on `replica` (its buffers first put back to the
+/// step's `start` when given): (examples, loss, metrics).
+fn forward_backward(
+    replica: &mut Replica<'_>,
+    batch: &SlotBatch<'_>,
+    start: Option<&[Tensor]>,
+) -> Result<(i64, Tensor, Tensor), TrainError> {
+    if let Some(start) = start {
+        let _no_grad = tch::no_grad_guard();
+        for ((_, b), s) in replica.buffers.iter_mut().zip(start) {
+            b.f_copy_(s).map_err(torch("resetting the buffers"))?;
+        }
+    }
+    let moved = |t: &Tensor| t.f_to_device(replica.device).map_err(torch("moving the batch to the device"));
+    let (xs, labels) = (moved(batch.xs)?, moved(batch.labels)?);
+    tch::manual_seed(batch.seed);
+    let logits = replica.model.forward(&xs, true)?;
+    let loss = replica.model.loss(&logits, &labels)?;
+    let metrics = replica.model.metrics(&logits.detach(), &labels)?;
+    for (_, p) in replica.params.iter_mut() {
+        p.zero_grad();
+    }
+    loss.f_backward().map_err(torch("backward"))?;
+    Ok((xs.size()[0], loss, metrics))
 }
 
 /// One slot's buffers after its forward pass: the floating-point ones as float64, the others'

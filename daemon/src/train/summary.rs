@@ -41,10 +41,13 @@ pub struct Summary {
     pub plugin: String,
     /// Plugin version.
     pub plugin_version: String,
-    /// Workers in TF_CONFIG: the run's slots (virtual ranks), whose math it is.
+    /// Workers in TF_CONFIG.
     pub workers: usize,
     /// Workers present at the end (fewer than `workers` when some were replaced).
     pub workers_present: usize,
+    /// Replicas in each worker (`--devices`): the run's slots (virtual ranks), whose math it is,
+    /// are `workers` times this.
+    pub replicas: usize,
     /// The slots this worker held at the end.
     pub slots: Vec<usize>,
     /// This worker's rank.
