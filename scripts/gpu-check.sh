@@ -15,7 +15,9 @@
 # same params_sha256; 2 workers sharing the GPU end identical; a SIGKILL then a resume from the
 # last commit is bitwise equal to the uninterrupted run; a 2-worker run whose worker 1 is killed and
 # restarted (it rejoins) is bitwise equal to the uninterrupted one; examples/s beside PyTorch eager
-# (bench/gpu_eager.py) at batch 64 and 512.
+# (bench/gpu_eager.py) at batch 64 and 512; over NCCL (2 ranks on the GPU): the accuracy bar, the
+# same bits as the ring's, a rank or the chief killed, a rank frozen; replicas in one daemon
+# (--devices) bitwise the ranks they stand for; all-reduce and DDP tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=${GPU_CHECK_BUNDLE:-.gpu}
@@ -91,17 +93,19 @@ run_checks() {
     say '```'
     local cnn=(--plugin "$CNN" --data "$D" --threads 1 --seed 7)
     # GPU_CHECK_ONLY=throughput: the examples/s table alone; =nccl: the NCCL checks alone (the
-    # ring's figures beside them are then taken too); =bench: the all-reduce and DDP tables alone.
+    # ring's figures beside them are then taken too); =devices: the replica checks alone; =bench:
+    # the all-reduce and DDP tables alone.
     # (The whole set runs past one 600 s command of the device machine: run it in two parts,
     # GPU_CHECK_ONLY=first then =second.)
     case "${GPU_CHECK_ONLY:-all}" in
         throughput) throughput_checks ;;
         nccl) correctness_checks; nccl_checks ;;
+        devices) devices_checks ;;
         bench) nccl_bench ;;
         train) training_bench ;;
-        first) correctness_checks; nccl_checks ;;
+        first) correctness_checks; nccl_checks; devices_checks ;;
         second) throughput_checks; nccl_bench ;;
-        *) correctness_checks; nccl_checks; throughput_checks; nccl_bench ;;
+        *) correctness_checks; nccl_checks; devices_checks; throughput_checks; nccl_bench ;;
     esac
     say ""
     say "Logs and summaries: $W"
@@ -168,7 +172,7 @@ nccl_worker() {
     shift 2
     TF_CONFIG="{\"cluster\":{\"worker\":[\"127.0.0.1:$P0\",\"127.0.0.1:$P1\"]},\"task\":{\"type\":\"worker\",\"index\":$r}}" \
         NCCL_HOSTID="gpu-check-$r" NCCL_SOCKET_IFNAME=lo \
-        exec "$T" run --device "$DEVICE" --collective nccl --summary "$W/$name.worker$r.json" "$@" >> "$W/$name.worker$r.log" 2>&1
+        exec "$T" run ${PLACE:---device $DEVICE} --collective nccl --summary "$W/$name.worker$r.json" "$@" >> "$W/$name.worker$r.log" 2>&1
 }
 
 # Both workers of NAME, to the end.
@@ -221,6 +225,30 @@ nccl_checks() {
     nccl_disturbed nf 1 freeze "${two[@]}"
     survived nf 0 "rank 1 frozen past the heartbeat deadline, woken: it rejoins, 0 steps lost, bitwise equal" \
         "$(grep -m1 "abandoned" "$W/nf.worker0.log" | cut -c11-90 || true)...; "
+}
+
+# Several replicas in one daemon (--devices): two replicas sharing the GPU are bitwise the 2-rank
+# NCCL run; two daemons of two replicas each over NCCL are bitwise one daemon of four.
+devices_checks() {
+    local two=(--plugin "$CNN" --data "$D" --threads 1 --seed 7 --batch-size 32 --epochs 1 --steps-per-epoch 300)
+    echo "gpu-check: 2 ranks over NCCL, one daemon of 2 and of 4 replicas (--devices), 2 daemons of 2 over NCCL" >&2
+    nccl_pair d1 "${two[@]}"
+    "$T" run --devices "$DEVICE,$DEVICE" --summary "$W/r2.json" "${two[@]}" > "$W/r2.log" 2>&1 || true
+    "$T" run --devices "$DEVICE,$DEVICE,$DEVICE,$DEVICE" --summary "$W/r4.json" "${two[@]}" > "$W/r4.log" 2>&1 || true
+    PLACE="--devices $DEVICE,$DEVICE" nccl_pair n4 "${two[@]}"
+    local n1 r2 r4 n40 n41 acc
+    n1=$(field "$W/d1.worker0.json" params_sha256 || echo none); r2=$(field "$W/r2.json" params_sha256 || echo none)
+    r4=$(field "$W/r4.json" params_sha256 || echo none); acc=$(field "$W/r4.json" test_accuracy || echo 0)
+    n40=$(field "$W/n4.worker0.json" params_sha256 || echo none); n41=$(field "$W/n4.worker1.json" params_sha256 || echo none)
+    say ""
+    say "| replicas in one daemon (--devices; mnist-cnn, 300 steps of batch 32 per slot) | figure | result |"
+    say "|---|---|---|"
+    check "one daemon, 2 replicas on the GPU: bitwise the 2-rank NCCL run" "${r2:0:16} / ${n1:0:16}" \
+        "$([ "$r2" = "$n1" ] && echo 1 || echo 0)"
+    check "2 daemons of 2 replicas over NCCL: bitwise one daemon of 4 (accuracy $acc)" \
+        "${n40:0:16} / ${n41:0:16} / ${r4:0:16}" "$([ "$n40" = "$r4" ] && [ "$n41" = "$r4" ] && echo 1 || echo 0)"
+    check "the start-up line names the replicas" "$(grep -m1 -o 'on 2 replicas ([^)]*)' "$W/r2.log" || echo none)" \
+        "$(grep -q 'on 2 replicas (' "$W/r2.log" && echo 1 || echo 0)"
 }
 
 # A pair NAME whose worker VICTIM is, at step 372 of 937, SIGKILLed and restarted at once (kill)

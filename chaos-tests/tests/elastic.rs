@@ -3,8 +3,8 @@
 //! TF_CONFIG's workers: the run's math belongs to its slots (virtual ranks), never to the workers
 //! present.
 //!
-//! CI budget: the fourteen scenarios and their two references take about 70 s on 2 cores alone
-//! (up to 5 minutes beside the other suites).
+//! CI budget: the seventeen scenarios and their references take about 90 s on 2 cores alone (up
+//! to 5 minutes beside the other suites).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -23,12 +23,17 @@ struct Job {
     epochs: u32,
     steps: u64,
     workers: usize,
+    /// `--batch-size` (the plugin's default when `None`).
+    batch: Option<u32>,
 }
 
-const LINEAR: Job = Job { plugin: "linear", epochs: 2, steps: 120, workers: 3 };
-const LINEAR4: Job = Job { plugin: "linear", epochs: 2, steps: 150, workers: 4 };
+const LINEAR: Job = Job { plugin: "linear", epochs: 2, steps: 120, workers: 3, batch: None };
+const LINEAR4: Job = Job { plugin: "linear", epochs: 2, steps: 150, workers: 4, batch: None };
+/// Long enough (1,200 steps) that the survivors cannot finish before a returning chief is back,
+/// even on a loaded machine.
+const LONGER: Job = Job { plugin: "linear", epochs: 2, steps: 600, workers: 3, batch: Some(32) };
 /// BatchNorm (running statistics, one copy per slot) and dropout (masks drawn per slot).
-const BN: Job = Job { plugin: "mnist-bn", epochs: 1, steps: 40, workers: 3 };
+const BN: Job = Job { plugin: "mnist-bn", epochs: 1, steps: 40, workers: 3, batch: None };
 
 /// `trainerd run` arguments of `job`, each worker's summary in `dir`; a worker missing for 3 s is
 /// replaced.
@@ -61,15 +66,20 @@ fn args(job: Job, dir: &Path, extra: &[&str]) -> Vec<String> {
     ]
     .map(String::from)
     .to_vec();
+    if let Some(batch) = job.batch {
+        args.extend(["--batch-size".to_string(), batch.to_string()]);
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }
 
 /// The failure-free run's `params_sha256` on all of `job`'s workers (computed once per job).
 fn reference(job: Job) -> String {
-    static CACHE: OnceLock<Mutex<HashMap<(&'static str, usize), String>>> = OnceLock::new();
+    type Key = (&'static str, usize, u64, Option<u32>);
+    static CACHE: OnceLock<Mutex<HashMap<Key, String>>> = OnceLock::new();
     let mut cache = CACHE.get_or_init(Mutex::default).lock().unwrap();
-    if let Some(sha) = cache.get(&(job.plugin, job.workers)) {
+    let key = (job.plugin, job.workers, job.steps, job.batch);
+    if let Some(sha) = cache.get(&key) {
         return sha.clone();
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -81,7 +91,7 @@ fn reference(job: Job) -> String {
         (Some(job.workers as u64), Some(job.workers as u64))
     );
     let sha = s["params_sha256"].as_str().unwrap().to_string();
-    cache.insert((job.plugin, job.workers), sha.clone());
+    cache.insert(key, sha.clone());
     sha
 }
 
@@ -183,12 +193,12 @@ fn elected_after(c: &mut Cluster, mark: usize) -> usize {
 
 /// Three voting workers; the chief SIGKILLed for good after `step` of epoch 1: a survivor is
 /// elected and forms a generation of the two.
-fn chief_killed_for_good(dir: &Path, step: u64) -> Cluster {
+fn chief_killed_for_good(job: Job, dir: &Path, step: u64) -> Cluster {
     let state = voting(dir);
     let extra: Vec<&str> = state.iter().map(String::as_str).collect();
-    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, dir, &extra), &[], vec![], RESTART_SEC);
+    let mut c = Cluster::start(job.workers, &args(job, dir, &extra), &[], vec![], RESTART_SEC);
     c.hold(0);
-    wait_for_step(&mut c, LINEAR, 1, step);
+    wait_for_step(&mut c, job, 1, step);
     let killed = c.mark();
     c.signal(0, libc::SIGKILL);
     elected_after(&mut c, killed);
@@ -202,7 +212,7 @@ fn chief_killed_for_good(dir: &Path, step: u64) -> Cluster {
 #[test]
 fn the_chief_killed_for_good_is_replaced_by_an_elected_coordinator() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = chief_killed_for_good(tmp.path(), 40);
+    let mut c = chief_killed_for_good(LINEAR, tmp.path(), 40);
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[1, 2]);
     // The new coordinator committed the final state, in a generation above the chief's.
     let s = summary(tmp.path(), 1);
@@ -228,14 +238,14 @@ fn the_chief_killed_for_good_is_replaced_by_an_elected_coordinator() {
 #[test]
 fn a_chief_that_returns_while_its_successor_coordinates_joins_as_a_member() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = chief_killed_for_good(tmp.path(), 30);
+    let mut c = chief_killed_for_good(LONGER, tmp.path(), 30);
     let back = c.mark();
     c.bring_back(0);
     let (_, line) = c.wait_line(0, "trainerd: worker 0 ", back, DEADLINE);
     assert!(line.contains(" coordinates (term ") && line.contains("joining as a member"), "{line}");
     let (_, joined) = c.wait_event(0, |e| matches!(e, Event::Joined { .. }), DEADLINE);
     assert!(matches!(joined, Event::Joined { present: None, source: Some(1 | 2), .. }), "{joined:?}");
-    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
+    assert_finished_exactly(&mut c, LONGER, tmp.path(), &[0, 1, 2]);
     assert_eq!(summary(tmp.path(), 0)["slots"], serde_json::json!([0]));
 }
 
@@ -247,8 +257,8 @@ fn a_chief_frozen_past_replace_after_is_replaced_and_joins_as_a_member_when_it_w
     let tmp = tempfile::tempdir().unwrap();
     let state = voting(tmp.path());
     let extra: Vec<&str> = state.iter().map(String::as_str).collect();
-    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], vec![], RESTART_SEC);
-    wait_for_step(&mut c, LINEAR, 1, 30);
+    let mut c = Cluster::start(LONGER.workers, &args(LONGER, tmp.path(), &extra), &[], vec![], RESTART_SEC);
+    wait_for_step(&mut c, LONGER, 1, 30);
     let frozen = c.mark();
     c.signal(0, libc::SIGSTOP);
     elected_after(&mut c, frozen);
@@ -256,7 +266,7 @@ fn a_chief_frozen_past_replace_after_is_replaced_and_joins_as_a_member_when_it_w
     c.signal(0, libc::SIGCONT);
     let (_, line) = c.wait_line(0, "trainerd: worker 0 ", woke, DEADLINE);
     assert!(line.contains(" coordinates (term ") && line.contains("joining as a member"), "{line}");
-    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
+    assert_finished_exactly(&mut c, LONGER, tmp.path(), &[0, 1, 2]);
 }
 
 #[test]
@@ -303,6 +313,31 @@ fn two_daemons_of_two_replicas_lose_one_and_stay_bitwise_four_workers() {
         let s = summary(tmp.path(), rank);
         assert_eq!(s["params_sha256"], reference(LINEAR4).as_str(), "worker {rank}\n{}", c.transcript());
         assert_eq!(s["slots"], serde_json::json!([2 * rank, 2 * rank + 1]));
+    }
+}
+
+/// A daemon of two replicas gone for good: its two slots go to the survivors, dealt over their
+/// replicas, and the run stays bitwise one daemon of all six slots.
+#[test]
+fn a_daemon_of_two_replicas_gone_for_good_leaves_its_slots_to_the_survivors_replicas() {
+    let (tmp, solo) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let six = ["--devices", "cpu,cpu,cpu,cpu,cpu,cpu"];
+    let mut one = Cluster::start(1, &args(LINEAR, solo.path(), &six), &[], vec![], RESTART_SEC);
+    assert_eq!(one.wait_finished(DEADLINE), vec![0], "{}", one.transcript());
+    let expected = summary(solo.path(), 0)["params_sha256"].as_str().unwrap().to_string();
+    let mut c =
+        Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &["--devices", "cpu,cpu"]), &[], vec![], RESTART_SEC);
+    c.hold(2);
+    wait_for_step(&mut c, LINEAR, 1, 40);
+    let killed = c.mark();
+    c.signal(2, libc::SIGKILL);
+    c.wait_event(0, formed_with(2, 3), DEADLINE);
+    let (_, line) = c.wait_line(0, "trainerd: generation ", killed, DEADLINE);
+    assert!(line.contains(": slots 0-2, ") && line.contains(": slots 3-5; 0.67x speed)"), "{line}");
+    let codes = c.wait_finished(DEADLINE);
+    assert_eq!(codes, vec![0, 0, 128 + libc::SIGKILL], "{}", c.transcript());
+    for rank in 0..2 {
+        assert_eq!(summary(tmp.path(), rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
     }
 }
 

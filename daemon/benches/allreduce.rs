@@ -60,38 +60,30 @@ fn launch(world: usize, device: Option<&String>) {
     }
 }
 
-fn member(rank: usize, ports: &[u16]) {
+/// Rank `rank`'s ring over loopback `ports` (and the listener it was formed on).
+fn ring_of(rank: usize, ports: &[u16]) -> (DataListener, Ring) {
     let world = ports.len();
     let listener = DataListener::bind(([127, 0, 0, 1], ports[rank]).into(), None).unwrap();
     let next: SocketAddr = format!("127.0.0.1:{}", ports[(rank + 1) % world]).parse().unwrap();
     let names: Vec<String> = (0..world).map(|r| format!("rank {r}")).collect();
     let abort = AbortSignal::new();
-    let mut ring = Ring::form(&listener, rank, &names, next, 1, Duration::from_secs(60), &abort).unwrap();
+    let ring = Ring::form(&listener, rank, &names, next, 1, Duration::from_secs(60), &abort).unwrap();
+    (listener, ring)
+}
+
+fn member(rank: usize, ports: &[u16]) {
+    let world = ports.len();
+    let (_listener, mut ring) = ring_of(rank, ports);
     for (bytes, iters) in SIZES {
         let mut x = vec![1.0f32; bytes / 4];
-        for _ in 0..3 {
-            ring.all_reduce(&mut x, ReduceOp::Sum).unwrap();
-        }
         let mut sync = [0f32; 1];
-        ring.all_reduce(&mut sync, ReduceOp::Sum).unwrap();
-        let mut times = Vec::with_capacity(iters);
-        let start = Instant::now();
-        for _ in 0..iters {
-            let t = Instant::now();
-            ring.all_reduce(&mut x, ReduceOp::Sum).unwrap();
-            times.push(t.elapsed().as_secs_f64());
-        }
-        ring.all_reduce(&mut sync, ReduceOp::Sum).unwrap();
-        let mean = start.elapsed().as_secs_f64() / iters as f64;
-        times.sort_by(f64::total_cmp);
-        if rank == 0 {
-            let busbw = bytes as f64 / mean / 1e9 * 2.0 * (world - 1) as f64 / world as f64;
-            println!(
-                "trainerd world={world} bytes={bytes} mean_ms={:.3} median_ms={:.3} busbw_GBps={busbw:.3}",
-                mean * 1e3,
-                times[iters / 2] * 1e3
-            );
-        }
+        let cell = std::cell::RefCell::new(&mut ring);
+        time(
+            "trainerd",
+            (rank, world, bytes, iters),
+            || cell.borrow_mut().all_reduce(&mut x, ReduceOp::Sum).unwrap(),
+            || cell.borrow_mut().all_reduce(&mut sync, ReduceOp::Sum).unwrap(),
+        );
     }
 }
 
@@ -133,11 +125,7 @@ fn gpu_member(rank: usize, ports: &[u16], device: &str) {
     let trainerd::accel::CudaLibrary::Loaded(_) = trainerd::accel::load_cuda(true) else { panic!("no CUDA") };
     let dev = Device::Cuda(index);
     let world = ports.len();
-    let listener = DataListener::bind(([127, 0, 0, 1], ports[rank]).into(), None).unwrap();
-    let next: SocketAddr = format!("127.0.0.1:{}", ports[(rank + 1) % world]).parse().unwrap();
-    let names: Vec<String> = (0..world).map(|r| format!("rank {r}")).collect();
-    let abort = AbortSignal::new();
-    let mut ring = Ring::form(&listener, rank, &names, next, 1, Duration::from_secs(60), &abort).unwrap();
+    let (_listener, mut ring) = ring_of(rank, ports);
     let started = Instant::now();
     ring.start_nccl(index).unwrap();
     for (bytes, iters) in SIZES {
