@@ -15,6 +15,8 @@ use trainerd_testkit::{dataset, plugin, Cluster, Event, Netns};
 const DEADLINE: Duration = Duration::from_secs(240);
 const RESTART_SEC: Duration = Duration::from_millis(200);
 const WORKERS: usize = 3;
+/// 3 epochs of 600 steps of batch 16: long enough that the majority cannot finish before the healed
+/// side is back, even on a loaded machine (a cut worker's reconnection takes a few seconds).
 const STEPS: u64 = 600;
 
 fn args(dir: &Path) -> Vec<String> {
@@ -24,9 +26,11 @@ fn args(dir: &Path) -> Vec<String> {
         "--data",
         dataset().to_str().unwrap(),
         "--epochs",
-        "2",
+        "3",
         "--steps-per-epoch",
         &STEPS.to_string(),
+        "--batch-size",
+        "16",
         "--threads",
         "1",
         "--seed",
