@@ -247,7 +247,7 @@ devices_checks() {
         "$([ "$r2" = "$n1" ] && echo 1 || echo 0)"
     check "2 daemons of 2 replicas over NCCL: bitwise one daemon of 4 (accuracy $acc)" \
         "${n40:0:16} / ${n41:0:16} / ${r4:0:16}" "$([ "$n40" = "$r4" ] && [ "$n41" = "$r4" ] && echo 1 || echo 0)"
-    check "the start-up line names the replicas" "$(grep -m1 -o 'on 2 replicas ([^)]*)' "$W/r2.log" || echo none)" \
+    check "the start-up line names the replicas" "$(grep -m1 -o 'on 2 replicas (.*) with' "$W/r2.log" | sed 's/ with$//' || echo none)" \
         "$(grep -q 'on 2 replicas (' "$W/r2.log" && echo 1 || echo 0)"
 }
 
