@@ -127,16 +127,22 @@ fn assert_finished_exactly(c: &mut Cluster, job: Job, dir: &Path, ranks: &[usize
     }
 }
 
+/// Worker `victim` SIGKILLed for good after step `step` of epoch 1: the chief's line of the
+/// generation the others form without it.
+fn killed_for_good_after(c: &mut Cluster, job: Job, victim: usize, step: u64) -> String {
+    c.hold(victim);
+    wait_for_step(c, job, 1, step);
+    let killed = c.mark();
+    c.signal(victim, libc::SIGKILL);
+    c.wait_event(0, formed_with(job.workers - 1, job.workers), DEADLINE);
+    c.wait_line(0, "trainerd: generation ", killed, DEADLINE).1
+}
+
 #[test]
 fn a_worker_gone_for_good_is_replaced_and_the_run_is_bitwise_the_full_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &[]), &[], vec![], RESTART_SEC);
-    c.hold(2);
-    wait_for_step(&mut c, LINEAR, 1, 40);
-    let killed = c.mark();
-    c.signal(2, libc::SIGKILL);
-    c.wait_event(0, formed_with(2, 3), DEADLINE);
-    let (_, line) = c.wait_line(0, "trainerd: generation ", killed, DEADLINE);
+    let line = killed_for_good_after(&mut c, LINEAR, 2, 40);
     assert!(
         line.contains("; 2 of 3 workers (")
             && line.contains(": slots 0-1, ")
@@ -273,10 +279,7 @@ fn a_chief_frozen_past_replace_after_is_replaced_and_joins_as_a_member_when_it_w
 fn batchnorm_and_dropout_on_two_of_three_workers_are_bitwise_the_three_worker_run() {
     let tmp = tempfile::tempdir().unwrap();
     let mut c = Cluster::start(BN.workers, &args(BN, tmp.path(), &[]), &[], vec![], RESTART_SEC);
-    c.hold(1);
-    wait_for_step(&mut c, BN, 1, 8);
-    c.signal(1, libc::SIGKILL);
-    c.wait_event(0, formed_with(2, 3), DEADLINE);
+    killed_for_good_after(&mut c, BN, 1, 8);
     assert_finished_exactly(&mut c, BN, tmp.path(), &[0, 2]);
     // Worker 0 held slots 0 and 1, worker 2 slot 2.
     assert_eq!(summary(tmp.path(), 2)["slots"], serde_json::json!([2]));
@@ -327,12 +330,7 @@ fn a_daemon_of_two_replicas_gone_for_good_leaves_its_slots_to_the_survivors_repl
     let expected = summary(solo.path(), 0)["params_sha256"].as_str().unwrap().to_string();
     let mut c =
         Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &["--devices", "cpu,cpu"]), &[], vec![], RESTART_SEC);
-    c.hold(2);
-    wait_for_step(&mut c, LINEAR, 1, 40);
-    let killed = c.mark();
-    c.signal(2, libc::SIGKILL);
-    c.wait_event(0, formed_with(2, 3), DEADLINE);
-    let (_, line) = c.wait_line(0, "trainerd: generation ", killed, DEADLINE);
+    let line = killed_for_good_after(&mut c, LINEAR, 2, 40);
     assert!(line.contains(": slots 0-2, ") && line.contains(": slots 3-5; 0.67x speed)"), "{line}");
     let codes = c.wait_finished(DEADLINE);
     assert_eq!(codes, vec![0, 0, 128 + libc::SIGKILL], "{}", c.transcript());
