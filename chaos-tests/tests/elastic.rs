@@ -300,6 +300,39 @@ fn one_daemon_of_three_replicas_is_bitwise_three_workers() {
     assert_eq!(s["slots"], serde_json::json!([0, 1, 2]));
 }
 
+/// `--accumulate`: each micro-batch is a slot of the run, so one worker accumulating three is, bit
+/// for bit, three workers (BatchNorm and dropout included).
+#[test]
+fn one_worker_accumulating_three_micro_batches_is_bitwise_three_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(1, &args(BN, tmp.path(), &["--accumulate", "3"]), &[], vec![], RESTART_SEC);
+    let (_, line) = c.wait_line(0, "trainerd: mnist-bn ", 0, DEADLINE);
+    assert!(line.contains(" per micro-batch, 3 micro-batches per update per worker, "), "{line}");
+    assert_eq!(c.wait_finished(DEADLINE), vec![0], "{}", c.transcript());
+    let s = summary(tmp.path(), 0);
+    assert_eq!(s["params_sha256"], reference(BN).as_str(), "{}", c.transcript());
+    assert_eq!((s["accumulate"].as_u64(), &s["slots"]), (Some(3), &serde_json::json!([0, 1, 2])));
+}
+
+/// Two workers of two CPU replicas each, accumulating two micro-batches: eight slots, bitwise
+/// eight workers (one daemon of eight replicas stands for them).
+#[test]
+fn two_workers_of_two_replicas_accumulating_two_are_bitwise_eight_slots() {
+    let (tmp, solo) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let eight = ["--devices", "cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu"];
+    let mut one = Cluster::start(1, &args(LINEAR, solo.path(), &eight), &[], vec![], RESTART_SEC);
+    assert_eq!(one.wait_finished(DEADLINE), vec![0], "{}", one.transcript());
+    let expected = summary(solo.path(), 0)["params_sha256"].as_str().unwrap().to_string();
+    let split = ["--devices", "cpu,cpu", "--accumulate", "2"];
+    let mut c = Cluster::start(2, &args(LINEAR, tmp.path(), &split), &[], vec![], RESTART_SEC);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0, 0], "{}", c.transcript());
+    for rank in 0..2 {
+        let s = summary(tmp.path(), rank);
+        assert_eq!(s["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
+        assert_eq!(s["global_batch_size"], summary(solo.path(), 0)["global_batch_size"]);
+    }
+}
+
 /// Losing a daemon loses its replicas together: one failure, recovered as any other, and the run
 /// stays bitwise the run of four workers of one replica.
 #[test]

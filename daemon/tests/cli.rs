@@ -289,6 +289,13 @@ fn bad_flags_are_refused_with_the_flag_named() {
     assert_eq!(error_of(&out), "error: --momentum does not apply to optimizer adam");
     let out = run_with(&linear, data.path(), &["--device", "tpu"], None);
     assert_eq!(error_of(&out), "error: --device tpu: expected auto, cpu, cuda or cuda:N");
+    let out = run_with(&linear, data.path(), &["--devices", "cpu,tpu"], None);
+    assert_eq!(
+        error_of(&out),
+        "error: --devices cpu,tpu: expected all, or a list of cpu, cuda or cuda:N such as cuda:0,cuda:1"
+    );
+    let out = run_with(&linear, data.path(), &["--accumulate", "0"], None);
+    assert_eq!(error_of(&out), "error: --accumulate 0: expected at least 1 (micro-batches per update)");
     let out = run_with(&linear, data.path(), &["--batch-size", "1000"], None);
     assert_eq!(
         error_of(&out),

@@ -295,6 +295,11 @@ pub struct RunArgs {
     /// slot of the run with its own batch of --batch-size; the daemon is still one worker.
     #[arg(long, conflicts_with = "device")]
     pub devices: Option<String>,
+    /// Gradient accumulation: each update sums N micro-batches of --batch-size per replica (one
+    /// all-reduce per update). Each micro-batch is a slot of the run, so W workers accumulating N
+    /// are bit for bit W x N workers.
+    #[arg(long, default_value_t = 1)]
+    pub accumulate: u32,
     /// What carries the gradients: ring (host-staged TCP ring), nccl (NCCL on the GPUs, the same
     /// bits) or auto (NCCL when every worker trains on CUDA with its own GPU).
     #[arg(long, default_value = "ring")]

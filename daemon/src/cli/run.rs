@@ -196,6 +196,9 @@ fn run_config(
     if batch_size == 0 {
         anyhow::bail!("--batch-size 0: expected at least 1");
     }
+    if args.accumulate == 0 {
+        anyhow::bail!("--accumulate 0: expected at least 1 (micro-batches per update)");
+    }
     Ok(RunConfig {
         data,
         evaluate: !args.no_evaluation,
@@ -208,6 +211,7 @@ fn run_config(
         seed: args.seed,
         device: devices[0],
         devices,
+        accumulate: args.accumulate as usize,
         steps_per_epoch: args.steps_per_epoch,
         threads,
         cluster,
@@ -230,13 +234,16 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_n
         None => "one worker".to_string(),
         Some(c) => format!("{} of {} workers", c.me(), c.world_size()),
     };
-    let (on, each) = match cfg.devices.len() {
-        1 => (facts.describe(cfg.device), "worker"),
+    let (on, mut each) = match cfg.devices.len() {
+        1 => (facts.describe(cfg.device), "worker".to_string()),
         n => (
             format!("{n} replicas ({})", cfg.devices.iter().map(|&d| facts.describe(d)).collect::<Vec<_>>().join(", ")),
-            "replica",
+            "replica".to_string(),
         ),
     };
+    if cfg.accumulate > 1 {
+        each = format!("micro-batch, {} micro-batches per update per {each}", cfg.accumulate);
+    }
     progress.line(&format!(
         "trainerd: {} {} on {on} with {} thread(s); {who}, batch {} per {each}, {} epoch(s), optimizer {} lr {}, seed {}",
         info.name,

@@ -32,6 +32,13 @@ pub struct Meta {
 /// resume does not compare it: one daemon of two replicas continues two daemons' commit exactly.
 pub const REPLICAS_KEY: &str = "replicas_per_worker";
 
+/// The run configuration's key for the micro-batches of each update (`--accumulate`): slots too,
+/// so not compared on resume either.
+pub const ACCUMULATE_KEY: &str = "accumulate";
+
+/// What a resume does not compare: how the slots are spread (the slot count is compared).
+const SPREAD: [&str; 2] = [REPLICAS_KEY, ACCUMULATE_KEY];
+
 /// Who reads a checkpoint, which decides what must match and how a mismatch is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reader<'a> {
@@ -85,12 +92,13 @@ impl Meta {
         let Reader::Training { workers, run_config } = reader else { return Ok(()) };
         let ours: serde_json::Value = serde_json::from_str(run_config).expect("canonical JSON of our own");
         let (theirs, ours) = if self.workers == workers {
-            (without(&self.run_config, &[REPLICAS_KEY]), without(&ours, &[REPLICAS_KEY]))
+            (without(&self.run_config, &SPREAD), without(&ours, &SPREAD))
         } else {
             // The data order does not depend on the worker count: another count with the same
             // global batch continues with the same global batches.
             self.same_global_batch(seq, workers, &ours)?;
-            (without(&self.run_config, &[REPLICAS_KEY, "batch_size"]), without(&ours, &[REPLICAS_KEY, "batch_size"]))
+            let keys = [REPLICAS_KEY, ACCUMULATE_KEY, "batch_size"];
+            (without(&self.run_config, &keys), without(&ours, &keys))
         };
         if theirs != ours {
             return Err(format!(
@@ -204,7 +212,8 @@ mod tests {
         );
     }
 
-    /// A daemon's replicas are slots: 1 daemon of 2 replicas and 2 daemons of one are the same run.
+    /// A daemon's replicas and micro-batches are slots: 1 daemon of 2 replicas, 1 daemon accumulating
+    /// 2 and 2 daemons of one are the same run.
     #[test]
     fn the_same_slots_resume_whatever_the_replicas_per_worker() {
         let info = PluginInfo::classifier("linear", "0.1.0", "");
@@ -213,6 +222,8 @@ mod tests {
         assert_eq!(resume(&m, 2, 32, 3), Ok(()), "2 daemons of one replica");
         assert_eq!(m.check(7, &info, Reader::Training { workers: 2, run_config: &two }), Ok(()));
         assert_eq!(resume(&meta(2, 32), 2, 32, 3), Ok(()));
+        let accumulated = serde_json::json!({"batch_size": 32, "seed": 3, "epochs": 2, ACCUMULATE_KEY: 2}).to_string();
+        assert_eq!(m.check(7, &info, Reader::Training { workers: 2, run_config: &accumulated }), Ok(()));
         assert_eq!(
             resume(&m, 2, 32, 4).unwrap_err(),
             "checkpoint 7 was written with another run configuration: seed is 3 in the checkpoint, 4 in this run"

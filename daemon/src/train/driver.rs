@@ -403,6 +403,7 @@ impl<'a> Driver<'a> {
             steps: p.global_step,
             global_batch_size: u64::from(cfg.batch_size) * session.slot_count() as u64,
             replicas: cfg.devices.len(),
+            accumulate: cfg.accumulate,
             optimizer: cfg.optimizer.clone(),
             schedule: cfg.schedule.clone(),
             seed: cfg.seed,

@@ -75,6 +75,8 @@ pub struct RunConfig {
     /// `device`: each replica is a slot of the run, so a worker with D replicas counts as D
     /// workers in the math.
     pub devices: Vec<Device>,
+    /// Micro-batches per update on each replica (`--accumulate`), each a slot of the run.
+    pub accumulate: usize,
     /// Stop each epoch after this many steps (all of them when `None`).
     pub steps_per_epoch: Option<u64>,
     /// libtorch intra-op threads (recorded in the summary; set by the caller).
@@ -129,10 +131,14 @@ impl RunConfig {
         if let Some(collective) = self.collective.agreement() {
             agreement["collective"] = collective.into();
         }
-        // The run's slots are the workers times the replicas each: every worker must have as many.
-        // (A checkpoint's worker count is its slot count, so this key is not compared on resume.)
+        // The run's slots are the workers times the replicas each times the micro-batches each
+        // accumulates: every worker must have as many. (A checkpoint's worker count is its slot
+        // count, so these keys are not compared on resume.)
         if self.devices.len() > 1 {
             agreement[crate::state::REPLICAS_KEY] = self.devices.len().into();
+        }
+        if self.accumulate > 1 {
+            agreement[crate::state::ACCUMULATE_KEY] = self.accumulate.into();
         }
         // An evaluation is a collective: every worker takes it or none does.
         if !self.evaluate {

@@ -57,8 +57,9 @@ pub struct Session {
     floor: u64,
     /// The CUDA device whose gradients go over NCCL, if they do.
     nccl_device: Option<usize>,
-    /// Replicas in each worker (`--devices`): the run has `world() * replicas` slots.
-    replicas: usize,
+    /// Slots of each worker: its replicas (`--devices`) times its micro-batches (`--accumulate`);
+    /// the run has `world() * slots_per_worker` slots.
+    slots_per_worker: usize,
 }
 
 struct Member {
@@ -71,7 +72,14 @@ struct Member {
 impl Session {
     /// A worker alone.
     pub fn single() -> Session {
-        Session { cluster: None, ring: Ring::single(), members: vec![0], floor: 0, nccl_device: None, replicas: 1 }
+        Session {
+            cluster: None,
+            ring: Ring::single(),
+            members: vec![0],
+            floor: 0,
+            nccl_device: None,
+            slots_per_worker: 1,
+        }
     }
 
     /// A worker alone when `cluster` is `None`, else a member of it whose peers must agree on
@@ -118,7 +126,7 @@ impl Session {
             members: Vec::new(),
             floor: 0,
             nccl_device: None,
-            replicas: 1,
+            slots_per_worker: 1,
         })
     }
 
@@ -149,15 +157,15 @@ impl Session {
         self.cluster.as_ref().map_or(1, |m| m.plane.names().len())
     }
 
-    /// Gives each worker `replicas` slots of the run (one per device, `--devices`) from the next
+    /// Gives each worker `n` slots of the run (one per device and micro-batch) from the next
     /// generation on.
-    pub fn set_replicas(&mut self, replicas: usize) {
-        self.replicas = replicas;
+    pub fn set_slots_per_worker(&mut self, n: usize) {
+        self.slots_per_worker = n;
     }
 
-    /// The run's slots: every worker's replicas.
+    /// The run's slots: every worker's.
     pub fn slot_count(&self) -> usize {
-        self.world() * self.replicas
+        self.world() * self.slots_per_worker
     }
 
     /// Every member's name, by rank.
@@ -213,7 +221,7 @@ impl Session {
     /// cluster gathers; `stop` ends the wait.
     pub fn join(&mut self, state: Option<&dyn Shareable>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
         let Some(m) = self.cluster.as_mut() else {
-            self.ring.set_slots(Slots { count: self.replicas, held: 0..self.replicas });
+            self.ring.set_slots(Slots { count: self.slots_per_worker, held: 0..self.slots_per_worker });
             self.floor += 1;
             let progress = state.map_or((0, 0), |s| s.progress());
             return Ok(Joined { formed: Formed::alone(self.floor, progress), received: None });
@@ -235,7 +243,7 @@ impl Session {
         let names = m.plane.names().to_vec();
         let abort = m.plane.abort_signal();
         // The ring runs over the generation's members, in rank order; the slots of the run (one
-        // per replica of every rank) are spread over them.
+        // per replica and micro-batch of every rank) are spread over them.
         let members = formed.members.clone();
         let Some(place) = members.iter().position(|&r| r == rank) else {
             let why = format!("generation {} was formed without {}", formed.generation, names[rank]);
@@ -252,7 +260,7 @@ impl Session {
             Err(e) => return Err(self.abandon(generation, e)),
         };
         self.ring.set_members(&members);
-        let count = names.len() * self.replicas;
+        let count = names.len() * self.slots_per_worker;
         let held = crate::collective::slots::assign(count, &members).swap_remove(place);
         self.ring.set_slots(Slots { count, held });
         self.members = members;

@@ -27,7 +27,7 @@ pub(super) fn open_session(plugin: &Plugin, cfg: &RunConfig, progress: &mut Prog
     let identity = (plugin.identity(), cfg.agreement_json());
     let mut session =
         Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, cfg.state_dir.as_deref())?;
-    session.set_replicas(cfg.devices.len());
+    session.set_slots_per_worker(cfg.devices.len() * cfg.accumulate);
     if let (crate::collective::Backend::Nccl(_), tch::Device::Cuda(device)) = (cfg.collective, cfg.device) {
         session.use_nccl(device);
     }

@@ -45,9 +45,11 @@ pub struct Summary {
     pub workers: usize,
     /// Workers present at the end (fewer than `workers` when some were replaced).
     pub workers_present: usize,
-    /// Replicas in each worker (`--devices`): the run's slots (virtual ranks), whose math it is,
-    /// are `workers` times this.
+    /// Replicas in each worker (`--devices`).
     pub replicas: usize,
+    /// Micro-batches per update on each replica (`--accumulate`): the run's slots (virtual
+    /// ranks), whose math it is, are `workers` times `replicas` times this.
+    pub accumulate: usize,
     /// The slots this worker held at the end.
     pub slots: Vec<usize>,
     /// This worker's rank.
