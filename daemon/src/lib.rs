@@ -10,6 +10,7 @@ pub mod check;
 pub mod checkpoint;
 pub mod ckpt;
 pub mod cli;
+pub mod clip;
 pub mod cluster;
 pub mod collective;
 pub mod config;

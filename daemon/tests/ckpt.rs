@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use trainerd_testkit::output::{json, stdout, text};
-use trainerd_testkit::{dataset, plugin, trainerd_cmd};
+use trainerd_testkit::{dataset, plugin, python, trainerd_cmd};
 
 use trainerd_testkit::s3::S3Server;
 
@@ -35,10 +35,6 @@ fn train(plugin_name: &str, ckpt: &str, summary: &Path, extra: &[&str], env: &[(
         String::new()
     };
     (out, sha)
-}
-
-fn python() -> PathBuf {
-    std::env::var_os("VIRTUAL_ENV").map(|v| PathBuf::from(v).join("bin/python")).unwrap_or_else(|| "python3".into())
 }
 
 /// Python's safetensors package opens an exported checkpoint and finds the trained tensors:

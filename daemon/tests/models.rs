@@ -325,3 +325,89 @@ fn float64_and_int64_buffers_stay_exact_and_identical_on_every_worker() {
     assert!(again.status.success(), "{}", text(&again));
     assert_eq!(json(&tmp.path().join("r.worker0.json"))["params_sha256"], w0["params_sha256"]);
 }
+
+/// Little-endian float32 bytes of `t`, in hex.
+fn hex_of(t: &tch::Tensor) -> String {
+    let values = Vec::<f32>::try_from(t.reshape(-1)).unwrap();
+    values.iter().flat_map(|v| v.to_le_bytes()).map(|b| format!("{b:02x}")).collect()
+}
+
+/// `--clip-norm` and `--clip-value` are PyTorch's `clip_grad_norm_` and `clip_grad_value_`, bit
+/// for bit, on the same gradients: the norm before clipping and every clipped element.
+#[test]
+fn clipping_is_pytorchs_clip_grad_norm_and_clip_grad_value_bit_for_bit() {
+    use tch::{Device, Kind, Tensor};
+    use trainerd::clip::Clip;
+    let script = r#"
+import json, sys, torch
+req = json.load(sys.stdin)
+params = []
+for hexes, shape in zip(req["grads"], req["shapes"]):
+    p = torch.zeros(shape, requires_grad=True)
+    p.grad = torch.frombuffer(bytearray.fromhex(hexes), dtype=torch.float32).reshape(shape).clone()
+    params.append(p)
+total = None
+if req["norm"] is not None:
+    total = torch.nn.utils.clip_grad_norm_(params, req["norm"]).item()
+if req["value"] is not None:
+    torch.nn.utils.clip_grad_value_(params, req["value"])
+print(json.dumps({"total": total, "grads": [p.grad.numpy().tobytes().hex() for p in params]}))
+"#;
+    let shapes: [&[i64]; 3] = [&[7, 5], &[5], &[3, 2, 2]];
+    for (norm, value) in [(Some(1.0), None), (Some(1e4), None), (None, Some(0.5)), (Some(2.0), Some(0.05))] {
+        tch::manual_seed(3);
+        let params: Vec<(String, Tensor)> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &shape)| {
+                let p = Tensor::zeros(shape, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+                let r = Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 3.0;
+                (&p * &r).sum(Kind::Float).backward();
+                (format!("p{i}"), p)
+            })
+            .collect();
+        let request = serde_json::json!({
+            "grads": params.iter().map(|(_, p)| hex_of(&p.grad())).collect::<Vec<_>>(),
+            "shapes": shapes,
+            "norm": norm,
+            "value": value,
+        });
+        let total = Clip { norm, value }.apply(&params).unwrap().expect("gradients to clip");
+        let mut child = Command::new(trainerd_testkit::python())
+            .args(["-c", script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(child.stdin.as_mut().unwrap(), request.to_string().as_bytes()).unwrap();
+        drop(child.stdin.take());
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let torch: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let ours: Vec<String> = params.iter().map(|(_, p)| hex_of(&p.grad())).collect();
+        assert_eq!(serde_json::json!(ours), torch["grads"], "clip {norm:?} {value:?}");
+        if norm.is_some() {
+            assert_eq!(torch["total"].as_f64(), Some(total), "clip {norm:?}: the norm before clipping");
+            assert!(total > 2.0, "the gradients are clipped (norm {total})");
+        }
+    }
+}
+
+/// A run with `--clip-norm` shows each step's gradient norm in the metrics log, and the clip
+/// changes the result (the same run without it ends elsewhere).
+#[test]
+fn a_clipped_run_logs_each_steps_gradient_norm() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("metrics.jsonl");
+    let common = ["--epochs", "1", "--steps-per-epoch", "30", "--no-evaluation"];
+    let clipped = run("linear", &[&common[..], &["--clip-norm", "0.1", "--metrics-log", path(&log)]].concat(), None);
+    assert!(clipped.status.success(), "{}", text(&clipped));
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 30);
+    assert!(lines.iter().all(|l| l["grad_norm"].as_f64().is_some_and(|n| n > 0.1)), "{:?}", lines[0]);
+    let free = run("linear", &common, None);
+    let sha =
+        |o: &Output| stdout(o).lines().last().unwrap_or_default().rsplit(' ').next().unwrap_or_default().to_string();
+    assert_ne!(sha(&clipped), sha(&free), "{}\n{}", text(&clipped), text(&free));
+}

@@ -17,6 +17,12 @@ pub fn trainerd() -> PathBuf {
     path
 }
 
+/// The Python of the virtualenv with PyTorch that the build uses (`scripts/env.sh` activates it),
+/// else `python3`.
+pub fn python() -> PathBuf {
+    std::env::var_os("VIRTUAL_ENV").map(|v| PathBuf::from(v).join("bin/python")).unwrap_or_else(|| "python3".into())
+}
+
 /// A plugin library, by crate name.
 pub fn plugin(name: &str) -> PathBuf {
     let path = build_dir().join(format!("lib{}.so", name.replace('-', "_")));

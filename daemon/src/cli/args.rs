@@ -278,6 +278,14 @@ pub struct RunArgs {
     /// L2 weight decay.
     #[arg(long)]
     pub weight_decay: Option<f64>,
+    /// Clip the averaged gradient to this global 2-norm before each update (Keras's
+    /// global_clipnorm, PyTorch's clip_grad_norm_); the norm is in the metrics as grad_norm.
+    #[arg(long, value_parser = |t: &str| crate::clip::Clip::parse("--clip-norm", t))]
+    pub clip_norm: Option<f64>,
+    /// Clamp every element of the averaged gradient to [-V, V] before each update (Keras's
+    /// clipvalue, PyTorch's clip_grad_value_), after --clip-norm when both are given.
+    #[arg(long, value_parser = |t: &str| crate::clip::Clip::parse("--clip-value", t))]
+    pub clip_value: Option<f64>,
     /// Nesterov momentum (sgd).
     #[arg(long)]
     pub nesterov: bool,

@@ -212,6 +212,7 @@ fn run_config(
         device: devices[0],
         devices,
         accumulate: args.accumulate as usize,
+        clip: crate::clip::Clip { norm: args.clip_norm, value: args.clip_value },
         steps_per_epoch: args.steps_per_epoch,
         threads,
         cluster,

@@ -242,6 +242,8 @@ impl<'a> Driver<'a> {
         if let Some(created) = session.ring().take_nccl_created_in() {
             self.report.communicator_ready(session.generation(), created);
         }
+        let clipped = self.cfg.clip.apply(&state.model.params);
+        let grad_norm = clipped.map_err(|source| Interrupt::Fatal(TrainError::Torch { what: "clipping", source }))?;
         let stepped = Instant::now();
         state.optimizer.step(&mut state.model.params, lr);
         let optimizer = stepped.elapsed();
@@ -253,7 +255,8 @@ impl<'a> Driver<'a> {
         let ids: Option<Vec<(u32, u64)>> =
             batches.iter().map(|b| b.ids.clone()).collect::<Option<Vec<Vec<_>>>>().map(|v| v.concat());
         let ids = ids.as_deref();
-        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, took, prefetch, optimizer, ids };
+        let timing = (took, prefetch, optimizer);
+        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, grad_norm, timing, ids };
         self.report.step(&done).map_err(Interrupt::Fatal)?;
         if let Some(c) = self.committer.as_mut().filter(|_| self.coordinates) {
             c.at(Moment::Step, state, &mut self.report)?;

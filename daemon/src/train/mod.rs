@@ -77,6 +77,8 @@ pub struct RunConfig {
     pub devices: Vec<Device>,
     /// Micro-batches per update on each replica (`--accumulate`), each a slot of the run.
     pub accumulate: usize,
+    /// Gradient clipping before each update.
+    pub clip: crate::clip::Clip,
     /// Stop each epoch after this many steps (all of them when `None`).
     pub steps_per_epoch: Option<u64>,
     /// libtorch intra-op threads (recorded in the summary; set by the caller).
@@ -139,6 +141,9 @@ impl RunConfig {
         }
         if self.accumulate > 1 {
             agreement[crate::state::ACCUMULATE_KEY] = self.accumulate.into();
+        }
+        if !self.clip.is_off() {
+            agreement["clip"] = serde_json::to_value(self.clip).expect("plain numbers");
         }
         // An evaluation is a collective: every worker takes it or none does.
         if !self.evaluate {

@@ -109,12 +109,11 @@ pub struct StepDone<'t> {
     pub totals: &'t Totals,
     /// The learning rate it used.
     pub lr: f64,
-    /// The whole step: forward, backward, all-reduce (the prefetch included) and the update.
-    pub took: Duration,
-    /// Of which: making the next batch.
-    pub prefetch: Duration,
-    /// The optimizer's update.
-    pub optimizer: Duration,
+    /// The averaged gradient's global 2-norm before clipping (with `--clip-norm`/`--clip-value`).
+    pub grad_norm: Option<f64>,
+    /// The whole step (forward, backward, all-reduce, the prefetch included, and the update), of
+    /// which making the next batch, and of which the optimizer's update.
+    pub timing: (Duration, Duration, Duration),
     /// This worker's example ids, when the data has them.
     pub ids: Option<&'t [(u32, u64)]>,
 }
@@ -323,19 +322,20 @@ impl<'p> Reporter<'p> {
     /// A step is done: the telemetry, TensorBoard, a recovery's report, the metrics log, the
     /// event. The progress line comes with [`Reporter::step_line`].
     pub fn step(&mut self, s: &StepDone<'_>) -> Result<(), TrainError> {
-        let c = &mut self.clock;
+        let (c, (took, prefetch, optimizer)) = (&mut self.clock, s.timing);
         c.phases.steps += 1;
-        c.phases.step += s.took.saturating_sub(s.prefetch + s.optimizer);
-        c.phases.prefetch += s.prefetch;
-        c.phases.optimizer += s.optimizer;
+        c.phases.step += took.saturating_sub(prefetch + optimizer);
+        c.phases.prefetch += prefetch;
+        c.phases.optimizer += optimizer;
         let examples = s.totals.examples();
-        (c.epoch_time, c.train_time) = (c.epoch_time + s.took, c.train_time + s.took);
+        (c.epoch_time, c.train_time) = (c.epoch_time + took, c.train_time + took);
         c.epoch_examples += examples;
         c.examples += examples;
         let t = &mut self.trained[usize::from(self.short)];
-        (t.0, t.1) = (t.0 + examples, t.1 + s.took.as_secs_f64());
+        (t.0, t.1) = (t.0 + examples, t.1 + took.as_secs_f64());
         let global_step = s.position.global_step;
-        let named = s.totals.named(&self.metric_names, "");
+        let mut named = s.totals.named(&self.metric_names, "");
+        named.extend(s.grad_norm.map(|n| ("grad_norm".to_string(), n)));
         let rate = self.clock.epoch_rate();
         self.telemetry.step((s.epoch, s.step, s.steps_per_epoch), global_step, &named, examples, rate, s.lr);
         self.tensorboard(|tb| tb.step(global_step, &named));
@@ -405,6 +405,9 @@ impl<'p> Reporter<'p> {
         });
         for (name, value) in s.totals.named(&self.metric_names, "") {
             line[name] = value.into();
+        }
+        if let Some(norm) = s.grad_norm {
+            line["grad_norm"] = norm.into();
         }
         log.write(&line)
     }
