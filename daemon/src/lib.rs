@@ -6,6 +6,7 @@
 pub mod accel;
 pub mod atomic;
 pub mod auth;
+pub mod callbacks;
 pub mod check;
 pub mod checkpoint;
 pub mod ckpt;

@@ -411,3 +411,81 @@ fn a_clipped_run_logs_each_steps_gradient_norm() {
         |o: &Output| stdout(o).lines().last().unwrap_or_default().rsplit(' ').next().unwrap_or_default().to_string();
     assert_ne!(sha(&clipped), sha(&free), "{}\n{}", text(&clipped), text(&free));
 }
+
+/// A run of the linear model that learns next to nothing (SGD at 1e-9): val_loss moves by less
+/// than 0.001 an epoch, so `--early-stopping val_loss:2:0.001` stops it after epoch 3; `extra`
+/// flags and `env` added.
+fn barely_learning(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = trainerd_cmd();
+    cmd.args(["run", "--threads", "1", "--plugin"]).arg(plugin("linear")).arg("--data").arg(dataset());
+    let epochs = if extra.contains(&"--epochs") { &[][..] } else { &["--epochs", "8"][..] };
+    cmd.args(epochs).args(["--steps-per-epoch", "20", "--optimizer", "sgd", "--lr", "1e-9"]);
+    cmd.args(["--early-stopping", "val_loss:2:0.001", "--checkpoint-every", "10"]);
+    cmd.arg("--checkpoint-dir").arg(dir.join("ckpt")).arg("--summary").arg(dir.join("summary.json"));
+    cmd.args(extra).envs(env.iter().copied());
+    cmd
+}
+
+/// Early stopping's state is part of the training state: a run killed in epoch 3 (after epoch 2
+/// had not improved) and resumed stops after epoch 3, as the uninterrupted run does, with the
+/// same parameters. Without that state, the resumed run would take epoch 3 as its first and stop
+/// two epochs later.
+#[test]
+fn early_stopping_stops_at_the_same_epoch_after_a_kill_and_a_resume() {
+    use std::io::BufRead;
+    let (whole, killed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let out = barely_learning(whole.path(), &[], &[]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        stdout(&out)
+            .contains("trainerd: early stopping: val_loss has not improved by more than 0.001 for 2 epoch(s) (best ")
+            && stdout(&out).contains("): stopping after epoch 3"),
+        "{}",
+        text(&out)
+    );
+    let summary = |dir: &Path| json(&dir.join("summary.json"));
+    let expected = summary(whole.path());
+    assert_eq!((expected["stopped_early_after_epoch"].as_u64(), expected["steps"].as_u64()), (Some(3), Some(60)));
+    // The 45th step pauses at a failpoint (in epoch 3, after the commit of step 40); it is
+    // SIGKILLed there.
+    let mut child = barely_learning(killed.path(), &[], &[("TRAINERD_FAILPOINT", "train-step@45")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let reached = stderr.lines().map_while(Result::ok).any(|l| l.contains("failpoint train-step reached"));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(reached);
+    let resumed = barely_learning(killed.path(), &[], &[]).output().unwrap();
+    assert!(resumed.status.success(), "{}", text(&resumed));
+    assert!(stdout(&resumed).contains("resumed from checkpoint"), "{}", text(&resumed));
+    let s = summary(killed.path());
+    assert_eq!(s["stopped_early_after_epoch"], expected["stopped_early_after_epoch"], "{}", text(&resumed));
+    assert_eq!(s["params_sha256"], expected["params_sha256"]);
+}
+
+/// `--reduce-lr-on-plateau`: the learning rate is multiplied after each epoch without improvement,
+/// and the next epoch's line shows the reduced rate.
+#[test]
+fn a_plateau_reduces_the_learning_rate_and_the_epoch_line_shows_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = barely_learning(tmp.path(), &["--reduce-lr-on-plateau", "val_loss:0.5:1", "--epochs", "3"], &[])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let printed = stdout(&out);
+    let lines: Vec<&str> = printed.lines().collect();
+    let reductions: Vec<&&str> = lines.iter().filter(|l| l.starts_with("trainerd: reduce-lr-on-plateau: ")).collect();
+    assert_eq!(reductions.len(), 2, "epochs 2 and 3\n{}", text(&out));
+    assert!(reductions[1].ends_with("learning rate x0.5 (x0.25 in all)"), "{}", reductions[1]);
+    let rates: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l.split(" - learning_rate: ").nth(1))
+        .map(|r| r.split(' ').next().unwrap())
+        .collect();
+    assert_eq!(rates.len(), 3, "{}", text(&out));
+    assert_eq!(rates[0], rates[1], "epoch 2 ended without improvement, then the rate was halved: {rates:?}");
+    assert_ne!(rates[1], rates[2], "epoch 3 trained at half the rate: {rates:?}");
+}

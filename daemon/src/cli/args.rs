@@ -286,6 +286,14 @@ pub struct RunArgs {
     /// clipvalue, PyTorch's clip_grad_value_), after --clip-norm when both are given.
     #[arg(long, value_parser = |t: &str| crate::clip::Clip::parse("--clip-value", t))]
     pub clip_value: Option<f64>,
+    /// Stop when an epoch-end figure (val_loss, val_accuracy, loss, ...) has not improved by more
+    /// than MIN_DELTA for PATIENCE epochs, as Keras's EarlyStopping: METRIC:PATIENCE[:MIN_DELTA].
+    #[arg(long, value_name = "METRIC:PATIENCE[:MIN_DELTA]")]
+    pub early_stopping: Option<String>,
+    /// Multiply the learning rate by FACTOR when an epoch-end figure has not improved for
+    /// PATIENCE epochs, as Keras's ReduceLROnPlateau: METRIC:FACTOR:PATIENCE.
+    #[arg(long, value_name = "METRIC:FACTOR:PATIENCE")]
+    pub reduce_lr_on_plateau: Option<String>,
     /// Nesterov momentum (sgd).
     #[arg(long)]
     pub nesterov: bool,

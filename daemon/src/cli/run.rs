@@ -98,6 +98,27 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     ended(outcome?, &mut progress, args.summary.as_ref())
 }
 
+/// `--early-stopping` and `--reduce-lr-on-plateau`, their figures checked against the plugin's
+/// metrics.
+fn callbacks(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<crate::callbacks::Callbacks> {
+    use crate::callbacks::{figure_names, parse_early_stopping, parse_reduce_lr};
+    let names = figure_names(&plugin.info().metrics, !args.no_evaluation);
+    Ok(crate::callbacks::Callbacks {
+        early_stopping: args
+            .early_stopping
+            .as_deref()
+            .map(|t| parse_early_stopping(t, &names))
+            .transpose()
+            .map_err(anyhow::Error::msg)?,
+        reduce_lr_on_plateau: args
+            .reduce_lr_on_plateau
+            .as_deref()
+            .map(|t| parse_reduce_lr(t, &names))
+            .transpose()
+            .map_err(anyhow::Error::msg)?,
+    })
+}
+
 /// The devices of this worker's replicas: `--devices`, else the one `--device` names.
 fn devices(args: &RunArgs, facts: &Facts) -> anyhow::Result<Vec<tch::Device>> {
     match &args.devices {
@@ -213,6 +234,7 @@ fn run_config(
         devices,
         accumulate: args.accumulate as usize,
         clip: crate::clip::Clip { norm: args.clip_norm, value: args.clip_value },
+        callbacks: callbacks(args, plugin)?,
         steps_per_epoch: args.steps_per_epoch,
         threads,
         cluster,

@@ -10,6 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::totals::{self, Totals};
+use crate::callbacks::CallbackState;
 
 /// How the RNG continues, as checkpoints record it.
 pub const RNG_SCHEME: &str = "libtorch generator re-seeded from (seed, global_step, rank) before every step";
@@ -30,6 +31,9 @@ pub struct Position {
     /// The last evaluation's totals on the test split (none before the first).
     #[serde(default, with = "totals::optional")]
     pub last_eval: Option<Totals>,
+    /// What `--early-stopping` and `--reduce-lr-on-plateau` remember (absent when unused).
+    #[serde(default, skip_serializing_if = "CallbackState::is_unused")]
+    pub callbacks: CallbackState,
 }
 
 impl Position {
@@ -42,6 +46,7 @@ impl Position {
             totals: Totals::new(metrics),
             last_epoch: Totals::new(metrics),
             last_eval: None,
+            callbacks: CallbackState::default(),
         }
     }
 

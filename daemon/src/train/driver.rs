@@ -27,7 +27,7 @@ use crate::collective::ReduceOp;
 use crate::input::Data as Input;
 use crate::plugin::ModelInstance;
 use crate::schedule::lr_at;
-use crate::state::{Shareable, Totals, TrainState};
+use crate::state::{Position, Shareable, Totals, TrainState};
 
 /// How training in a generation ended.
 enum Ended {
@@ -132,10 +132,11 @@ impl<'a> Driver<'a> {
         self.info.metrics.len()
     }
 
-    /// The learning rate of global step `global_step` (from 0).
-    fn lr(&self, global_step: u64) -> f64 {
+    /// The learning rate of global step `global_step` (from 0), times the plateau's reductions
+    /// in `p`.
+    fn lr(&self, global_step: u64, p: &Position) -> f64 {
         let total_steps = self.steps_per_epoch * u64::from(self.cfg.epochs);
-        lr_at(&self.cfg.schedule, self.cfg.optimizer.lr(), global_step, total_steps)
+        lr_at(&self.cfg.schedule, self.cfg.optimizer.lr(), global_step, total_steps) * p.callbacks.lr_scale
     }
 
     /// Takes the state a formation settled on, is admitted, and says what happened.
@@ -202,7 +203,7 @@ impl<'a> Driver<'a> {
     /// Trains until every epoch is done and evaluated, or a member asks to stop.
     fn train(&mut self, state: &mut TrainState, session: &mut Session) -> Result<Ended, Interrupt> {
         let epochs = self.cfg.epochs;
-        while state.position().epoch < epochs {
+        while state.position().epoch < epochs && state.position().callbacks.stopped_after.is_none() {
             self.report.epoch(state.position().epoch);
             if state.position().step_in_epoch >= self.steps_per_epoch {
                 self.end_epoch(state, session)?;
@@ -231,7 +232,7 @@ impl<'a> Driver<'a> {
         let batches = ctxs.iter().map(|ctx| self.batches.get(ctx, step - 1)).collect::<Result<Vec<_>, _>>();
         let batches = batches.map_err(Interrupt::Fatal)?;
         let seeds: Vec<i64> = held.map(|slot| p.step_seed(self.cfg.seed, slot)).collect();
-        let lr = self.lr(global_step);
+        let lr = self.lr(global_step, p);
         let stopping = self.stop.load(Ordering::Relaxed);
         // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
         trainerd_failpoint::point("train-step");
@@ -324,10 +325,28 @@ impl<'a> Driver<'a> {
         state.model.position.next_epoch(eval.clone());
         let p = state.position();
         // The rate the epoch's last step used.
-        let lr = self.lr(p.global_step.saturating_sub(1));
+        let lr = self.lr(p.global_step.saturating_sub(1), p);
         self.report.epoch_end((epoch, p.global_step, self.steps_per_epoch), &p.last_epoch, eval.as_ref(), lr);
+        self.callbacks(state);
         self.commit(Moment::EpochEnd, state)?;
         Ok(())
+    }
+
+    /// The callbacks' turn at an epoch's end (the epoch's figures are in the position), and what
+    /// they did, told.
+    fn callbacks(&mut self, state: &mut TrainState) {
+        if self.cfg.callbacks.is_empty() {
+            return;
+        }
+        let p = &mut state.model.position;
+        let mut figures = p.last_epoch.named(&self.info.metrics, "");
+        figures.extend(p.last_eval.as_ref().map(|e| e.named(&self.info.metrics, "val_")).unwrap_or_default());
+        let acted = self.cfg.callbacks.epoch_end(p.epoch, &figures, &mut p.callbacks);
+        for (what, line) in [("reduce-lr-on-plateau", acted.reduced), ("early stopping", acted.stop)] {
+            if let Some(line) = line {
+                self.report.line(&format!("trainerd: {what}: {line}"));
+            }
+        }
     }
 
     /// Asks the coordinator's committer at `moment`; the sequence of a last commit waited for.
@@ -403,6 +422,7 @@ impl<'a> Driver<'a> {
             slots: session.slots().held.clone().collect(),
             rank: session.rank(),
             epochs: cfg.epochs,
+            stopped_early_after_epoch: p.callbacks.stopped_after,
             steps: p.global_step,
             global_batch_size: u64::from(cfg.batch_size) * session.slot_count() as u64,
             replicas: cfg.devices.len(),

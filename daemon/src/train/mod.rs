@@ -79,6 +79,8 @@ pub struct RunConfig {
     pub accumulate: usize,
     /// Gradient clipping before each update.
     pub clip: crate::clip::Clip,
+    /// Early stopping and learning-rate reduction on a plateau.
+    pub callbacks: crate::callbacks::Callbacks,
     /// Stop each epoch after this many steps (all of them when `None`).
     pub steps_per_epoch: Option<u64>,
     /// libtorch intra-op threads (recorded in the summary; set by the caller).
@@ -144,6 +146,9 @@ impl RunConfig {
         }
         if !self.clip.is_off() {
             agreement["clip"] = serde_json::to_value(self.clip).expect("plain numbers");
+        }
+        if !self.callbacks.is_empty() {
+            agreement["callbacks"] = serde_json::to_value(&self.callbacks).expect("plain values");
         }
         // An evaluation is a collective: every worker takes it or none does.
         if !self.evaluate {

@@ -204,7 +204,7 @@ impl<'p> Reporter<'p> {
             tensorboard,
             metric_names: metric_names.to_vec(),
             epochs: cfg.epochs,
-            schedule_moves: cfg.schedule != LrSchedule::Constant,
+            schedule_moves: cfg.schedule != LrSchedule::Constant || cfg.callbacks.reduce_lr_on_plateau.is_some(),
             rejoin: cfg.timeouts.rejoin,
             collective: cfg.timeouts.collective,
             clock: Clock::default(),

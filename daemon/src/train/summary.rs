@@ -56,6 +56,9 @@ pub struct Summary {
     pub rank: usize,
     /// Epochs run.
     pub epochs: u32,
+    /// Early stopping ended the run after this epoch (1-based).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped_early_after_epoch: Option<u32>,
     /// Optimizer steps taken.
     pub steps: u64,
     /// Examples per step over all workers.
