@@ -233,9 +233,11 @@ devices_checks() {
     local two=(--plugin "$CNN" --data "$D" --threads 1 --seed 7 --batch-size 32 --epochs 1 --steps-per-epoch 300)
     echo "gpu-check: 2 ranks over NCCL, one daemon of 2 and of 4 replicas (--devices), 2 daemons of 2 over NCCL" >&2
     nccl_pair d1 "${two[@]}"
-    "$T" run --devices "$DEVICE,$DEVICE" --summary "$W/r2.json" "${two[@]}" > "$W/r2.log" 2>&1 || true
-    "$T" run --devices "$DEVICE,$DEVICE,$DEVICE,$DEVICE" --summary "$W/r4.json" "${two[@]}" > "$W/r4.log" 2>&1 || true
-    PLACE="--devices $DEVICE,$DEVICE" nccl_pair n4 "${two[@]}"
+    # Two replicas on the one GPU by default; on a machine with two, GPU_CHECK_REPLICAS=cuda:0,cuda:1.
+    local pair=${GPU_CHECK_REPLICAS:-$DEVICE,$DEVICE}
+    "$T" run --devices "$pair" --summary "$W/r2.json" "${two[@]}" > "$W/r2.log" 2>&1 || true
+    "$T" run --devices "$pair,$pair" --summary "$W/r4.json" "${two[@]}" > "$W/r4.log" 2>&1 || true
+    PLACE="--devices $pair" nccl_pair n4 "${two[@]}"
     local n1 r2 r4 n40 n41 acc
     n1=$(field "$W/d1.worker0.json" params_sha256 || echo none); r2=$(field "$W/r2.json" params_sha256 || echo none)
     r4=$(field "$W/r4.json" params_sha256 || echo none); acc=$(field "$W/r4.json" test_accuracy || echo 0)
