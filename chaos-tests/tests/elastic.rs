@@ -300,6 +300,16 @@ fn one_daemon_of_three_replicas_is_bitwise_three_workers() {
     assert_eq!(s["slots"], serde_json::json!([0, 1, 2]));
 }
 
+/// The parameters of `job` trained by one daemon of `replicas` CPU replicas, which stands for as
+/// many workers of one (`one_daemon_of_three_replicas_is_bitwise_three_workers`).
+fn one_daemon_of(replicas: usize, job: Job) -> String {
+    let solo = tempfile::tempdir().unwrap();
+    let devices = vec!["cpu"; replicas].join(",");
+    let mut one = Cluster::start(1, &args(job, solo.path(), &["--devices", &devices]), &[], vec![], RESTART_SEC);
+    assert_eq!(one.wait_finished(DEADLINE), vec![0], "{}", one.transcript());
+    summary(solo.path(), 0)["params_sha256"].as_str().unwrap().to_string()
+}
+
 /// `--accumulate`: each micro-batch is a slot of the run, so one worker accumulating three is, bit
 /// for bit, three workers (BatchNorm and dropout included).
 #[test]
@@ -318,18 +328,15 @@ fn one_worker_accumulating_three_micro_batches_is_bitwise_three_workers() {
 /// eight workers (one daemon of eight replicas stands for them).
 #[test]
 fn two_workers_of_two_replicas_accumulating_two_are_bitwise_eight_slots() {
-    let (tmp, solo) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let eight = ["--devices", "cpu,cpu,cpu,cpu,cpu,cpu,cpu,cpu"];
-    let mut one = Cluster::start(1, &args(LINEAR, solo.path(), &eight), &[], vec![], RESTART_SEC);
-    assert_eq!(one.wait_finished(DEADLINE), vec![0], "{}", one.transcript());
-    let expected = summary(solo.path(), 0)["params_sha256"].as_str().unwrap().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let expected = one_daemon_of(8, LINEAR);
     let split = ["--devices", "cpu,cpu", "--accumulate", "2"];
     let mut c = Cluster::start(2, &args(LINEAR, tmp.path(), &split), &[], vec![], RESTART_SEC);
     assert_eq!(c.wait_finished(DEADLINE), vec![0, 0], "{}", c.transcript());
     for rank in 0..2 {
         let s = summary(tmp.path(), rank);
         assert_eq!(s["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
-        assert_eq!(s["global_batch_size"], summary(solo.path(), 0)["global_batch_size"]);
+        assert_eq!(s["global_batch_size"].as_u64(), Some(8 * 64), "8 slots of the plugin's batch of 64");
     }
 }
 
@@ -356,11 +363,8 @@ fn two_daemons_of_two_replicas_lose_one_and_stay_bitwise_four_workers() {
 /// replicas, and the run stays bitwise one daemon of all six slots.
 #[test]
 fn a_daemon_of_two_replicas_gone_for_good_leaves_its_slots_to_the_survivors_replicas() {
-    let (tmp, solo) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let six = ["--devices", "cpu,cpu,cpu,cpu,cpu,cpu"];
-    let mut one = Cluster::start(1, &args(LINEAR, solo.path(), &six), &[], vec![], RESTART_SEC);
-    assert_eq!(one.wait_finished(DEADLINE), vec![0], "{}", one.transcript());
-    let expected = summary(solo.path(), 0)["params_sha256"].as_str().unwrap().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let expected = one_daemon_of(6, LINEAR);
     let mut c =
         Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &["--devices", "cpu,cpu"]), &[], vec![], RESTART_SEC);
     let line = killed_for_good_after(&mut c, LINEAR, 2, 40);
