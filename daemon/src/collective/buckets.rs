@@ -232,9 +232,8 @@ impl Buckets {
         ring.nccl_all_reduce_slots(&bufs)?;
         // As the host does: float32 times the float32 1/V.
         let scale = 1.0 / ring.slots().count as f32;
-        let averaged = bufs[0].narrow(0, 0, grads_len as i64);
-        let mut scaled = averaged.shallow_clone();
-        scaled *= f64::from(scale);
+        let mut averaged = bufs[0].narrow(0, 0, grads_len as i64);
+        averaged *= f64::from(scale);
         write_back(params, group, &averaged, missing);
         let rest = bufs[0].numel() - grads_len;
         if rest == 0 {

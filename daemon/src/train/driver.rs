@@ -339,8 +339,7 @@ impl<'a> Driver<'a> {
             return;
         }
         let p = &mut state.model.position;
-        let mut figures = p.last_epoch.named(&self.info.metrics, "");
-        figures.extend(p.last_eval.as_ref().map(|e| e.named(&self.info.metrics, "val_")).unwrap_or_default());
+        let figures = crate::callbacks::epoch_figures(&self.info.metrics, &p.last_epoch, p.last_eval.as_ref());
         let acted = self.cfg.callbacks.epoch_end(p.epoch, &figures, &mut p.callbacks);
         for (what, line) in [("reduce-lr-on-plateau", acted.reduced), ("early stopping", acted.stop)] {
             if let Some(line) = line {

@@ -422,17 +422,16 @@ impl<'p> Reporter<'p> {
     pub fn epoch_end(
         &mut self,
         (epoch, global_step, steps): (u32, u64, u64),
-        train: &Totals,
+        totals: &Totals,
         eval: Option<&Totals>,
         lr: f64,
     ) {
-        let train = train.named(&self.metric_names, "");
+        let train = totals.named(&self.metric_names, "");
         let validation = eval.map(|e| e.named(&self.metric_names, "")).unwrap_or_default();
         self.telemetry.evaluated(&validation);
         self.telemetry.progress();
         let rate = self.clock.epoch_rate();
-        let mut values = train.clone();
-        values.extend(eval.map(|e| e.named(&self.metric_names, "val_")).unwrap_or_default());
+        let mut values = crate::callbacks::epoch_figures(&self.metric_names, totals, eval);
         if self.schedule_moves {
             // The rate the epoch's last step used (what Keras's PrintLR shows at the epoch's end).
             values.push(("learning_rate".into(), lr));
