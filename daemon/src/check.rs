@@ -11,6 +11,7 @@ use tch::Device;
 use crate::accel::Facts;
 use crate::plugin::{CallError, Plugin};
 use crate::supervise::signal_name;
+use trainerd_sdk::{ArgSpec, PluginArgs};
 
 /// A human-readable description of a loaded plugin, and of the libtorch it would train on.
 /// Builds one model on the CPU to count its parameters, which also proves that construction
@@ -19,9 +20,13 @@ pub fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallError> {
     let info = plugin.info();
     let facts = plugin.facts();
     let model = plugin.create_model("model", Device::Cpu)?;
-    let values: i64 = model.parameters().iter().map(|(_, t)| t.numel() as i64).sum();
-    let names: Vec<&str> = model.parameters().iter().map(|(n, _)| n.as_str()).collect();
+    let (params, buffers) = model.split_variables();
+    let values: i64 = params.iter().map(|(_, t)| t.numel() as i64).sum();
+    let shapes = |named: &[(String, tch::Tensor)]| {
+        named.iter().map(|(n, t)| format!("{n} {:?}", t.size())).collect::<Vec<_>>().join(", ")
+    };
     let d = &info.defaults;
+    let identity: Vec<String> = info.identity.iter().map(|(k, v)| format!("\n  {k}: {v}")).collect();
     Ok(format!(
         "plugin: {path}\n\
          name: {name} {version}\n\
@@ -30,7 +35,11 @@ pub fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallError> {
          metrics: {metrics}\n\
          defaults: {epochs} epochs, batch size {batch}, optimizer {optimizer}\n\
          parameters: {count} tensors, {values} values ({names})\n\
+         buffers: {buffers}\n\
+         {arguments}{identity}\n\
          this trainerd: {torch}",
+        arguments = arguments(plugin.arguments(), plugin.args()),
+        identity = if identity.is_empty() { String::new() } else { format!("\nidentity:{}", identity.concat()) },
         path = plugin.path().display(),
         name = info.name,
         version = info.version,
@@ -45,18 +54,43 @@ pub fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallError> {
         epochs = d.epochs,
         batch = d.batch_size,
         optimizer = serde_json::to_string(&d.optimizer).unwrap_or_default(),
-        count = names.len(),
+        count = params.len(),
         values = crate::progress::thousands(values as f64),
-        names = names.join(", "),
+        names = shapes(&params),
+        buffers = if buffers.is_empty() {
+            "none".into()
+        } else {
+            format!("{} tensors ({})", buffers.len(), shapes(&buffers))
+        },
         torch = torch.line(),
     ))
 }
 
+/// The keys a plugin accepts, one per line, with the value given (`= VALUE`) where one is.
+pub fn arguments(specs: &[ArgSpec], given: &PluginArgs) -> String {
+    if specs.is_empty() {
+        return "arguments: none".into();
+    }
+    let lines: Vec<String> = trainerd_sdk::args::describe(specs)
+        .into_iter()
+        .zip(specs)
+        .map(|(line, spec)| match given.get(&spec.key) {
+            Some(value) => format!("\n  {line} = {value}"),
+            None => format!("\n  {line}"),
+        })
+        .collect();
+    format!("arguments (--plugin-arg KEY=VALUE):{}", lines.concat())
+}
+
 /// Runs `trainerd plugin check --in-process PATH` in a child process and reports how it ended.
 /// Returns the exit code for this process.
-pub fn check_in_child(path: &Path) -> std::io::Result<i32> {
+pub fn check_in_child(path: &Path, args: &PluginArgs) -> std::io::Result<i32> {
     let exe = std::env::current_exe()?;
-    let status = Command::new(exe).args(["plugin", "check", "--in-process"]).arg(path).status()?;
+    let status = Command::new(exe)
+        .args(["plugin", "check", "--in-process"])
+        .args(crate::cli::args::PluginArgFlags::to_flags(args))
+        .arg(path)
+        .status()?;
     Ok(match (status.code(), status.signal()) {
         (Some(code), _) => code,
         (None, Some(signal)) => {

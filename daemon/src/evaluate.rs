@@ -33,6 +33,8 @@ use crate::train::TrainError;
 pub struct EvalConfig {
     /// The data: the plugin's own format, or a columnar dataset.
     pub data: DataSource,
+    /// The plugin's configuration every worker must share ([`crate::plugin::Plugin::agreement`]).
+    pub plugin: Option<serde_json::Value>,
     /// Where the checkpoints are.
     pub location: Location,
     /// S3 settings beyond the AWS variables.
@@ -65,6 +67,9 @@ impl EvalConfig {
         });
         if let Some(data) = self.data.agreement() {
             agreement["data"] = data;
+        }
+        if let Some(plugin) = &self.plugin {
+            agreement[crate::state::PLUGIN_KEY] = plugin.clone();
         }
         agreement.to_string()
     }

@@ -242,16 +242,23 @@ fn plugin_check_prints_identity() {
     );
     assert!(
         text.contains(&format!(
-            "built with: abi 2, trainerd-sdk {SDK_VERSION}, tch {TCH_VERSION}, libtorch {LIBTORCH_VERSION}, {TARGET}, panic=unwind\n"
+            "built with: abi 3, trainerd-sdk {SDK_VERSION}, tch {TCH_VERSION}, libtorch {LIBTORCH_VERSION}, {TARGET}, panic=unwind\n"
         )),
         "{text}"
     );
     assert!(
         text.contains(
-            "parameters: 6 tensors, 347,146 values (model.conv.bias, model.conv.weight, model.dense.bias, \
-             model.dense.weight, model.logits.bias, model.logits.weight)"
+            "parameters: 6 tensors, 347,146 values (model.conv.bias [32], model.conv.weight [32, 1, 3, 3], \
+             model.dense.bias [64], model.dense.weight [64, 5408], model.logits.bias [10], model.logits.weight \
+             [10, 64])\nbuffers: none\narguments: none\n"
         ),
         "{text}"
+    );
+    // A plugin that takes no arguments refuses one, saying so.
+    let out = trainerd_cmd().args(["plugin", "check", "--plugin-arg", "hidden=128"]).arg(&path).output().unwrap();
+    assert_eq!(
+        error_of(&out),
+        format!("error: plugin {}: --plugin-arg hidden: no such key; it takes no --plugin-arg", path.display())
     );
 }
 

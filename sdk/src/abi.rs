@@ -9,7 +9,7 @@
 //!   valid until the next call on the same object. The receiver takes a shallow clone (a new
 //!   reference to the same storage) when it keeps one. Each side frees only what it allocated.
 //! - Every fallible function returns a [`Status`]: null for success, else an error message owned
-//!   by the plugin that the daemon copies and hands back through `free_error`.
+//!   by the plugin that the daemon copies and hands back through `free_string`.
 //! - No panic crosses the boundary: the plugin side catches it and returns it as an error.
 
 use std::ffi::{c_char, c_void};
@@ -20,8 +20,9 @@ pub use torch_sys::C_tensor;
 pub const MAGIC: [u8; 8] = *b"TRAINERD";
 
 /// Version of the layout behind `header_size`: bumped on any change to the header, the vtable or
-/// what crosses it. 2: the input context's `first_step`, and the plugin info's `columns`.
-pub const ABI_VERSION: u32 = 2;
+/// what crosses it. 2: the input context's `first_step`, and the plugin info's `columns`. 3: plugin
+/// arguments (`arguments`; `info` and `create` take them), and the info's `identity`.
+pub const ABI_VERSION: u32 = 3;
 
 /// Name of the one symbol a plugin exports (a `extern "C" fn() -> *const PluginHeader`).
 pub const ENTRY_SYMBOL: &str = "trainerd_plugin_entry";
@@ -106,8 +107,11 @@ unsafe impl Sync for PluginHeader {}
 unsafe impl Sync for StrRef {}
 
 /// Null on success, else an error message (NUL-terminated, owned by the plugin; release it with
-/// `free_error`).
+/// `free_string`).
 pub type Status = *mut c_char;
+
+/// A NUL-terminated string the plugin allocated and hands over (release it with `free_string`).
+pub type OwnedString = *mut c_char;
 
 /// An opaque object owned by the plugin (a model instance, a loaded dataset, an input pipeline).
 pub type Handle = *mut c_void;
@@ -154,12 +158,17 @@ impl InputContext {
 /// The plugin's functions. Every `Handle` argument is one the same plugin returned.
 #[repr(C)]
 pub struct PluginVTable {
-    /// Writes the plugin's [`crate::PluginInfo`] as JSON (static, plugin-owned).
-    pub info: unsafe extern "C" fn(out_json: *mut StrRef) -> Status,
-    /// Releases an error message returned by any function.
-    pub free_error: unsafe extern "C" fn(Status),
-    /// Builds a model whose parameters live under VarStore path `prefix` on `device`.
-    pub create: unsafe extern "C" fn(prefix: StrRef, device: RawDevice, out: *mut Handle) -> Status,
+    /// Writes the keys the plugin accepts, a JSON list of [`crate::ArgSpec`] (static,
+    /// plugin-owned).
+    pub arguments: unsafe extern "C" fn(out_json: *mut StrRef) -> Status,
+    /// Writes the plugin's [`crate::PluginInfo`] as JSON for the arguments `args_json` (a JSON
+    /// object of strings, [`crate::PluginArgs`]).
+    pub info: unsafe extern "C" fn(args_json: StrRef, out_json: *mut OwnedString) -> Status,
+    /// Releases a string returned by any function: an error message or an [`OwnedString`].
+    pub free_string: unsafe extern "C" fn(*mut c_char),
+    /// Builds a model for the arguments `args_json`, its parameters under VarStore path `prefix`
+    /// on `device`.
+    pub create: unsafe extern "C" fn(args_json: StrRef, prefix: StrRef, device: RawDevice, out: *mut Handle) -> Status,
     /// Drops a model.
     pub destroy: unsafe extern "C" fn(model: Handle),
     /// Number of parameters.

@@ -13,9 +13,10 @@ use std::sync::{Arc, OnceLock};
 use tch::{nn, Device, Tensor};
 
 use crate::abi::{
-    C_tensor, Handle, InputContext, PluginHeader, PluginVTable, RawDevice, RawSplit, Status, StrRef, ABI_VERSION,
-    LIBTORCH_VERSION, MAGIC, SDK_VERSION, SPLIT_TEST, SPLIT_TRAIN, TARGET, TCH_VERSION,
+    C_tensor, Handle, InputContext, OwnedString, PluginHeader, PluginVTable, RawDevice, RawSplit, Status, StrRef,
+    ABI_VERSION, LIBTORCH_VERSION, MAGIC, SDK_VERSION, SPLIT_TEST, SPLIT_TRAIN, TARGET, TCH_VERSION,
 };
+use crate::args::PluginArgs;
 use crate::model::{Model, Pipeline, PluginError, Split};
 
 /// Exports `$model` (a type implementing [`Model`]) as this library's plugin. Call once, in a
@@ -52,8 +53,9 @@ pub const fn header(vtable: &'static PluginVTable, panic_strategy: &'static str)
 /// The vtable of `M`.
 pub const fn vtable<M: Model>() -> PluginVTable {
     PluginVTable {
+        arguments: arguments::<M>,
         info: info::<M>,
-        free_error,
+        free_string,
         create: create::<M>,
         destroy: destroy::<M>,
         parameter_count: parameter_count::<M>,
@@ -87,20 +89,21 @@ struct PipelineBox {
 fn guard(f: impl FnOnce() -> Result<(), PluginError>) -> Status {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => std::ptr::null_mut(),
-        Ok(Err(e)) => status(e.to_string()),
+        Ok(Err(e)) => owned(e.to_string()),
         Err(payload) => {
             let msg = payload
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "(no message)".into());
-            status(format!("panicked: {msg}"))
+            owned(format!("panicked: {msg}"))
         }
     }
 }
 
-fn status(msg: String) -> Status {
-    CString::new(msg.replace('\0', "\\0")).expect("no NUL left").into_raw()
+/// `text` as a NUL-terminated string handed over to the daemon (a NUL inside is written `\0`).
+fn owned(text: String) -> OwnedString {
+    CString::new(text.replace('\0', "\\0")).expect("no NUL left").into_raw()
 }
 
 /// Runs a function that cannot report an error; a panic is printed, never unwound.
@@ -127,30 +130,59 @@ fn device(raw: RawDevice) -> Device {
     }
 }
 
-unsafe extern "C" fn info<M: Model>(out_json: *mut StrRef) -> Status {
-    static INFO: OnceLock<String> = OnceLock::new();
+unsafe extern "C" fn arguments<M: Model>(out_json: *mut StrRef) -> Status {
+    static ARGUMENTS: OnceLock<String> = OnceLock::new();
     guard(|| {
-        let json = INFO.get_or_init(|| serde_json::to_string(&M::info()).expect("info serializes"));
+        let json = ARGUMENTS.get_or_init(|| serde_json::to_string(&M::arguments()).expect("arguments serialize"));
         // SAFETY: the daemon passes a valid out pointer; the string lives in a static.
         unsafe { *out_json = StrRef::new(json) };
         Ok(())
     })
 }
 
-unsafe extern "C" fn free_error(status: Status) {
-    if !status.is_null() {
-        // SAFETY: every non-null Status comes from CString::into_raw in `status`.
-        drop(unsafe { CString::from_raw(status as *mut c_char) });
+/// The arguments in `json`, checked against the keys `M` accepts.
+///
+/// # Safety
+/// `json` must be a valid string reference.
+unsafe fn plugin_args<M: Model>(json: StrRef) -> Result<PluginArgs, PluginError> {
+    // SAFETY: per the function contract.
+    let json = unsafe { json.to_string_lossy() };
+    let args: PluginArgs = serde_json::from_str(&json)
+        .map_err(|e| PluginError::Other(format!("the arguments are not a JSON object of strings: {e}: {json}")))?;
+    args.check(&M::arguments()).map_err(PluginError::Other)?;
+    Ok(args)
+}
+
+unsafe extern "C" fn info<M: Model>(args_json: StrRef, out_json: *mut OwnedString) -> Status {
+    guard(|| {
+        // SAFETY: a valid string from the daemon.
+        let args = unsafe { plugin_args::<M>(args_json) }?;
+        let json = serde_json::to_string(&M::info(&args)?).expect("info serializes");
+        // SAFETY: the daemon passes a valid out pointer and releases the string with free_string.
+        unsafe { *out_json = owned(json) };
+        Ok(())
+    })
+}
+
+unsafe extern "C" fn free_string(string: *mut c_char) {
+    if !string.is_null() {
+        // SAFETY: every string handed out comes from CString::into_raw in `owned`.
+        drop(unsafe { CString::from_raw(string) });
     }
 }
 
-unsafe extern "C" fn create<M: Model>(prefix: StrRef, raw_device: RawDevice, out: *mut Handle) -> Status {
+unsafe extern "C" fn create<M: Model>(
+    args_json: StrRef,
+    prefix: StrRef,
+    raw_device: RawDevice,
+    out: *mut Handle,
+) -> Status {
     guard(|| {
-        // SAFETY: the daemon passes a valid string.
-        let prefix = unsafe { prefix.to_string_lossy() };
+        // SAFETY: the daemon passes valid strings.
+        let (args, prefix) = unsafe { (plugin_args::<M>(args_json)?, prefix.to_string_lossy()) };
         let vs = nn::VarStore::new(device(raw_device));
         let root = prefix.split('.').filter(|s| !s.is_empty()).fold(vs.root(), |p, s| p.sub(s));
-        let model = M::new(&root)?;
+        let model = M::new(&root, &args)?;
         let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
         let boxed = Box::new(ModelBox { model, params, out: Tensor::new(), _vs: vs });

@@ -5,7 +5,7 @@
 //! ```ignore
 //! use trainerd_sdk::{export_plugin, Model};
 //! struct MyModel { /* layers */ }
-//! impl Model for MyModel { /* info, new, forward, load_data, input_pipeline */ }
+//! impl Model for MyModel { /* info, new, forward, load_data, input_pipeline; arguments */ }
 //! export_plugin!(MyModel);
 //! ```
 //!
@@ -19,6 +19,7 @@
 //! columnar dataset (Parquet) becomes tensors, for datasets the daemon reads itself.
 
 pub mod abi;
+pub mod args;
 pub mod columns;
 pub mod data;
 #[doc(hidden)]
@@ -27,6 +28,7 @@ mod inflated;
 pub mod mnist;
 pub mod model;
 
+pub use args::{ArgSpec, PluginArgs};
 pub use columns::{Column, Columns, Decode, Side};
 pub use model::{
     Batch, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,

@@ -4,6 +4,7 @@
 //! The daemon owns the optimizer and the learning-rate schedule; a plugin only names its
 //! defaults here, and the operator may override them.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Tensor};
 
 pub use crate::abi::InputContext;
+use crate::args::{ArgSpec, PluginArgs};
 use crate::columns::Columns;
 
 /// An error raised by plugin code; its message reaches the operator as it is, so it should name
@@ -58,13 +60,21 @@ pub trait Model: Sized + 'static {
     /// A loaded split of the dataset, shared by the pipelines opened over it.
     type Data: 'static;
 
-    /// Identity and defaults.
-    fn info() -> PluginInfo;
+    /// The keys it accepts as `--plugin-arg KEY=VALUE`. Default: none. A key outside these is
+    /// refused before [`Model::info`] or [`Model::new`] sees the arguments.
+    fn arguments() -> Vec<ArgSpec> {
+        Vec::new()
+    }
+
+    /// Identity and defaults, given the run's arguments. A bad value is refused here, with a
+    /// message naming the key and what it accepts ([`PluginArgs::parsed`] writes one).
+    fn info(args: &PluginArgs) -> Result<PluginInfo, PluginError>;
 
     /// Builds the model, declaring every parameter under `root` (the VarStore path the daemon
-    /// hands over). The daemon seeds libtorch's generator before this, so initial values are
-    /// reproducible.
-    fn new(root: &nn::Path) -> Result<Self, PluginError>;
+    /// hands over): trainable ones as trainable variables, state such as BatchNorm's running
+    /// statistics as variables that require no gradient. The daemon seeds libtorch's generator
+    /// before this, so initial values are reproducible.
+    fn new(root: &nn::Path, args: &PluginArgs) -> Result<Self, PluginError>;
 
     /// Logits for a batch of inputs. `train` is false during evaluation (for dropout and the
     /// like).
@@ -110,6 +120,11 @@ pub struct PluginInfo {
     /// that reads only its own format (through [`Model::load_data`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub columns: Option<Columns>,
+    /// What, beyond its name and version, makes this model the one it is, as named values (a
+    /// TorchScript file's `module_sha256`): every worker must have the same, and a checkpoint is
+    /// resumed or evaluated only by a model with its values.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub identity: BTreeMap<String, String>,
 }
 
 impl PluginInfo {
@@ -128,6 +143,7 @@ impl PluginInfo {
                 schedule: LrSchedule::Constant,
             },
             columns: None,
+            identity: BTreeMap::new(),
         }
     }
 

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use trainerd_sdk::LrSchedule;
+use trainerd_sdk::{LrSchedule, PluginArgs};
 use trainerd_storage::S3Options;
 
 use crate::auth::ClusterKey;
@@ -84,6 +84,9 @@ pub enum PluginCommand {
     Check {
         /// Path of the plugin's shared library.
         path: PathBuf,
+        /// The plugin's arguments.
+        #[command(flatten)]
+        args: PluginArgFlags,
         /// Load in this process (what the child runs).
         #[arg(long, hide = true)]
         in_process: bool,
@@ -129,6 +132,9 @@ pub struct ReadArgs {
     /// The plugin whose columns are read.
     #[arg(long)]
     pub plugin: PathBuf,
+    /// The plugin's arguments.
+    #[command(flatten)]
+    pub plugin_args: PluginArgFlags,
     /// The data.
     #[command(flatten)]
     pub data: DataArgs,
@@ -237,12 +243,42 @@ impl S3Args {
     }
 }
 
+/// `--plugin-arg KEY=VALUE`, for every command that loads a plugin.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct PluginArgFlags {
+    /// A setting for the plugin, as KEY=VALUE; repeatable. `trainerd plugin check` lists the
+    /// keys a plugin accepts. Without any, the space-separated pairs of $TRAINERD_PLUGIN_ARGS.
+    /// Every worker must give the same (a plugin may exempt a key, such as a file's path).
+    #[arg(long = "plugin-arg", value_name = "KEY=VALUE")]
+    pub plugin_arg: Vec<String>,
+}
+
+impl PluginArgFlags {
+    /// The arguments: the flags, or else $TRAINERD_PLUGIN_ARGS.
+    pub fn parse(&self) -> anyhow::Result<PluginArgs> {
+        if !self.plugin_arg.is_empty() {
+            return PluginArgs::parse(&self.plugin_arg).map_err(anyhow::Error::msg);
+        }
+        let env = std::env::var("TRAINERD_PLUGIN_ARGS").unwrap_or_default();
+        let items: Vec<&str> = env.split_whitespace().collect();
+        PluginArgs::parse(&items).map_err(|e| anyhow::anyhow!("TRAINERD_PLUGIN_ARGS: {e}"))
+    }
+
+    /// The flags that give `args` to a child `trainerd`.
+    pub fn to_flags(args: &PluginArgs) -> Vec<String> {
+        args.iter().map(|(k, v)| format!("--plugin-arg={k}={v}")).collect()
+    }
+}
+
 /// `trainerd run`'s flags.
 #[derive(clap::Args)]
 pub struct RunArgs {
     /// Path of the model plugin's shared library (.so).
     #[arg(long)]
     pub plugin: PathBuf,
+    /// The plugin's arguments.
+    #[command(flatten)]
+    pub plugin_args: PluginArgFlags,
     /// The data.
     #[command(flatten)]
     pub data: DataArgs,
@@ -422,6 +458,9 @@ pub struct EvalArgs {
     /// Path of the model plugin's shared library (.so).
     #[arg(long)]
     pub plugin: PathBuf,
+    /// The plugin's arguments.
+    #[command(flatten)]
+    pub plugin_args: PluginArgFlags,
     /// The data.
     #[command(flatten)]
     pub data: DataArgs,

@@ -92,7 +92,7 @@ pub fn convert(from: &Path, to: &str, sharding: Sharding, s3: &S3Args) -> anyhow
 /// `trainerd data read`: the training split read for a plugin's columns by worker `--rank` of
 /// `--workers`, as training would read it, the model excluded; prints examples per second.
 pub fn read(args: &ReadArgs) -> anyhow::Result<i32> {
-    let plugin = Plugin::load(&args.plugin)?;
+    let plugin = Plugin::load(&args.plugin, &args.plugin_args.parse()?)?;
     let columns = plugin
         .info()
         .columns

@@ -24,13 +24,14 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
     let facts = accel::facts(cuda);
     let device = device(&args.device, &facts)?;
     let threads = set_threads(args.threads)?;
-    let plugin = Plugin::load(&args.plugin)?;
+    let plugin = Plugin::load(&args.plugin, &args.plugin_args.parse()?)?;
     super::data_wait_fits(&args.data, timeouts.collective)?;
     let options = data_options(&args.data, &args.s3, Arc::new(trainerd_data::Quiet))?;
     // Evaluation reads the test split in file order: the window plays no part.
     let data = DataSource::open(&args.data.data, plugin.info(), (u64::MAX, true), options)?;
     let cfg = EvalConfig {
         data,
+        plugin: plugin.agreement(),
         location: args.checkpoint.parse()?,
         s3: args.s3.options(),
         sequence: args.sequence,

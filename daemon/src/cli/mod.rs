@@ -57,7 +57,9 @@ pub fn main() -> ExitCode {
         Command::Evaluate(args) => evaluate::evaluate(*args, cuda, cli.log_format),
         Command::Ckpt { command } => ckpt(command),
         Command::Data { command } => data(command),
-        Command::Plugin { command: PluginCommand::Check { path, in_process } } => plugin_check(&path, in_process, cuda),
+        Command::Plugin { command: PluginCommand::Check { path, args, in_process } } => {
+            args.parse().and_then(|args| plugin_check(&path, &args, in_process, cuda))
+        }
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
@@ -101,12 +103,25 @@ fn asks_for_cuda(args: &[String]) -> bool {
 
 /// `trainerd plugin check PATH`: in a child process (a plugin that crashes takes only the child),
 /// or, in that child, here.
-fn plugin_check(path: &std::path::Path, in_process: bool, cuda: CudaLibrary) -> anyhow::Result<i32> {
+fn plugin_check(
+    path: &std::path::Path,
+    args: &trainerd_sdk::PluginArgs,
+    in_process: bool,
+    cuda: CudaLibrary,
+) -> anyhow::Result<i32> {
     if !in_process {
-        return crate::check::check_in_child(path).context("running the plugin check");
+        return crate::check::check_in_child(path, args).context("running the plugin check");
     }
     let facts = accel::facts(cuda);
-    let text = crate::check::describe(&Plugin::load(path)?, &facts)?;
+    let plugin = match Plugin::load(path, args) {
+        Ok(plugin) => plugin,
+        Err(refused @ crate::plugin::LoadError::Refused { .. }) => {
+            let specs = Plugin::accepted(path)?;
+            anyhow::bail!("{refused}\n{}", crate::check::arguments(&specs, args));
+        }
+        Err(other) => return Err(other.into()),
+    };
+    let text = crate::check::describe(&plugin, &facts)?;
     println!("{text}");
     Ok(0)
 }

@@ -66,7 +66,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
              Prometheus can read the metrics, or pass --insecure"
         );
     }
-    let plugin = Plugin::load(&args.plugin)?;
+    let plugin = Plugin::load(&args.plugin, &args.plugin_args.parse()?)?;
     let stall = match args.stall_timeout {
         Some(s) => seconds("--stall-timeout", s)?,
         None => notify::watchdog_period().unwrap_or(Duration::from_secs(120)),
@@ -187,6 +187,20 @@ fn data_source(
     Ok(data)
 }
 
+/// Where and how often to commit, if anywhere.
+fn checkpoint_config(args: &RunArgs) -> anyhow::Result<Option<CheckpointConfig>> {
+    Ok(match &args.checkpoint_dir {
+        None if args.checkpoint_every > 0 => anyhow::bail!("--checkpoint-every needs --checkpoint-dir"),
+        None => None,
+        Some(url) => Some(CheckpointConfig {
+            location: url.parse()?,
+            s3: args.s3.options(),
+            every: args.checkpoint_every,
+            keep: args.keep_checkpoints,
+        }),
+    })
+}
+
 /// What to train and how: the flags over the plugin's defaults.
 fn run_config(
     args: &RunArgs,
@@ -203,16 +217,7 @@ fn run_config(
         nesterov: args.nesterov,
     };
     let optimizer = config::optimizer(&defaults.optimizer, &flags).map_err(anyhow::Error::msg)?;
-    let checkpoint = match &args.checkpoint_dir {
-        None if args.checkpoint_every > 0 => anyhow::bail!("--checkpoint-every needs --checkpoint-dir"),
-        None => None,
-        Some(url) => Some(CheckpointConfig {
-            location: url.parse()?,
-            s3: args.s3.options(),
-            every: args.checkpoint_every,
-            keep: args.keep_checkpoints,
-        }),
-    };
+    let checkpoint = checkpoint_config(args)?;
     let batch_size = args.batch_size.unwrap_or(defaults.batch_size);
     if batch_size == 0 {
         anyhow::bail!("--batch-size 0: expected at least 1");
@@ -222,6 +227,7 @@ fn run_config(
     }
     Ok(RunConfig {
         data,
+        plugin: plugin.agreement(),
         evaluate: !args.no_evaluation,
         log_examples: args.log_examples.clone(),
         state_dir: state_dir(args.state_dir.as_ref())?,

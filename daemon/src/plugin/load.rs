@@ -71,6 +71,14 @@ pub enum LoadError {
         /// The path given.
         path: PathBuf,
     },
+    /// The plugin refused its arguments (an unknown key, a bad value, a file it cannot use).
+    #[error("plugin {path}: {message}")]
+    Refused {
+        /// The path given.
+        path: PathBuf,
+        /// The plugin's reason.
+        message: String,
+    },
     /// The plugin's self-description could not be read.
     #[error("plugin {path}: {message}")]
     BadInfo {

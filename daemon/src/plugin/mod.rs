@@ -13,9 +13,13 @@ use std::path::{Path, PathBuf};
 
 use tch::{Device, Tensor};
 use trainerd_sdk::abi::{Handle, InputContext, PluginVTable, RawDevice, Status, StrRef, SPLIT_TEST, SPLIT_TRAIN};
-use trainerd_sdk::{PluginInfo, Split};
+use trainerd_sdk::{ArgSpec, PluginArgs, PluginInfo, Split};
 
 pub use load::{BuildFacts, LoadError};
+
+/// The key, in a run configuration's `plugin` object, of the model's identity values
+/// ([`PluginInfo::identity`]): a checkpoint is evaluated only by a model with the same.
+pub const PLUGIN_IDENTITY_KEY: &str = "identity";
 
 /// An error returned (or a panic caught) inside a plugin call.
 #[derive(Debug, thiserror::Error)]
@@ -29,34 +33,41 @@ pub struct CallError {
     pub message: String,
 }
 
-/// A loaded, checked plugin.
+/// A loaded, checked plugin, configured by its arguments.
 pub struct Plugin {
     path: PathBuf,
     vtable: &'static PluginVTable,
     facts: BuildFacts,
+    arguments: Vec<ArgSpec>,
+    args: PluginArgs,
+    args_json: String,
     info: PluginInfo,
 }
 
 impl std::fmt::Debug for Plugin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Plugin").field("path", &self.path).field("info", &self.info).finish()
+        f.debug_struct("Plugin").field("path", &self.path).field("args", &self.args).field("info", &self.info).finish()
     }
 }
 
 impl Plugin {
-    /// Loads and checks the plugin at `path`.
-    pub fn load(path: &Path) -> Result<Plugin, LoadError> {
+    /// Loads and checks the plugin at `path`, and has it take `args` (`--plugin-arg`).
+    pub fn load(path: &Path, args: &PluginArgs) -> Result<Plugin, LoadError> {
         let (vtable, facts) = load::open(path)?;
         let bad_info = |message: String| LoadError::BadInfo { path: path.to_path_buf(), message };
-        let mut json = StrRef::new("");
-        // SAFETY: vtable checked by `open`; `json` is a valid out pointer.
-        let status = unsafe { (vtable.info)(&mut json) };
+        let refused = |message: String| LoadError::Refused { path: path.to_path_buf(), message };
+        let arguments = arguments_of(vtable, path)?;
+        args.check(&arguments).map_err(refused)?;
+        let args_json = serde_json::to_string(args).expect("strings");
+        let mut out = std::ptr::null_mut();
+        // SAFETY: vtable checked by `open`; valid string and out pointer.
+        let status = unsafe { (vtable.info)(StrRef::new(&args_json), &mut out) };
         // SAFETY: a status from this vtable.
-        if let Some(message) = unsafe { take_status(vtable, status) } {
-            return Err(bad_info(format!("info failed: {message}")));
+        if let Some(message) = unsafe { take_string(vtable, status) } {
+            return Err(refused(message));
         }
-        // SAFETY: the plugin's info string is static.
-        let json = unsafe { json.to_string_lossy() };
+        // SAFETY: an owned string from this vtable's `info`.
+        let json = unsafe { take_string(vtable, out) }.unwrap_or_default();
         let info: PluginInfo =
             serde_json::from_str(&json).map_err(|e| bad_info(format!("info is not valid: {e}: {json}")))?;
         for c in info.columns.iter().flat_map(|c| [&c.input, &c.label]) {
@@ -64,7 +75,41 @@ impl Plugin {
                 .validate()
                 .map_err(|why| bad_info(format!("its column `{}` is declared wrongly: {why}", c.name)))?;
         }
-        Ok(Plugin { path: path.to_path_buf(), vtable, facts, info })
+        Ok(Plugin { path: path.to_path_buf(), vtable, facts, arguments, args: args.clone(), args_json, info })
+    }
+
+    /// The keys the plugin at `path` accepts, read without configuring it (for telling an
+    /// operator whose arguments it refused what it takes).
+    pub fn accepted(path: &Path) -> Result<Vec<ArgSpec>, LoadError> {
+        arguments_of(load::open(path)?.0, path)
+    }
+
+    /// The keys it accepts.
+    pub fn arguments(&self) -> &[ArgSpec] {
+        &self.arguments
+    }
+
+    /// The arguments it was given.
+    pub fn args(&self) -> &PluginArgs {
+        &self.args
+    }
+
+    /// What every worker must have alike about this plugin's configuration, beyond its identity
+    /// string: the model's identity values and the arguments marked agreed. `None` when there is
+    /// neither, so that a run configuration stays what it was before plugins took arguments.
+    pub fn agreement(&self) -> Option<serde_json::Value> {
+        let args = self.args.agreed(&self.arguments);
+        if self.info.identity.is_empty() && args.is_empty() {
+            return None;
+        }
+        let mut agreement = serde_json::json!({});
+        if !self.info.identity.is_empty() {
+            agreement[PLUGIN_IDENTITY_KEY] = serde_json::to_value(&self.info.identity).expect("strings");
+        }
+        if !args.is_empty() {
+            agreement["args"] = serde_json::to_value(&args).expect("strings");
+        }
+        Some(agreement)
     }
 
     /// Where it was loaded from.
@@ -84,7 +129,7 @@ impl Plugin {
 
     fn check(&self, call: &'static str, status: Status) -> Result<(), CallError> {
         // SAFETY: `status` was just returned by this plugin's vtable.
-        match unsafe { take_status(self.vtable, status) } {
+        match unsafe { take_string(self.vtable, status) } {
             None => Ok(()),
             Some(message) => Err(CallError { plugin: self.info.name.clone(), call, message }),
         }
@@ -106,8 +151,9 @@ impl Plugin {
             _ => -1,
         };
         let mut handle: Handle = std::ptr::null_mut();
+        let args = StrRef::new(&self.args_json);
         // SAFETY: valid arguments and out pointer.
-        self.check("create", unsafe { (self.vtable.create)(StrRef::new(prefix), raw_device, &mut handle) })?;
+        self.check("create", unsafe { (self.vtable.create)(args, StrRef::new(prefix), raw_device, &mut handle) })?;
         let mut model = ModelInstance { plugin: self, handle, parameters: Vec::new() };
         // SAFETY: live model handle.
         let count = unsafe { (self.vtable.parameter_count)(handle) };
@@ -125,19 +171,34 @@ impl Plugin {
     }
 }
 
-/// Copies and releases a status's message.
+/// The keys a plugin's `arguments` declares.
+fn arguments_of(vtable: &'static PluginVTable, path: &Path) -> Result<Vec<ArgSpec>, LoadError> {
+    let bad_info = |message: String| LoadError::BadInfo { path: path.to_path_buf(), message };
+    let mut json = StrRef::new("");
+    // SAFETY: vtable checked by `load::open`; `json` is a valid out pointer.
+    let status = unsafe { (vtable.arguments)(&mut json) };
+    // SAFETY: a status from this vtable.
+    if let Some(message) = unsafe { take_string(vtable, status) } {
+        return Err(bad_info(format!("arguments failed: {message}")));
+    }
+    // SAFETY: the plugin's argument list is static.
+    let json = unsafe { json.to_string_lossy() };
+    serde_json::from_str(&json).map_err(|e| bad_info(format!("its arguments are not valid: {e}: {json}")))
+}
+
+/// Copies and releases a string the plugin handed over (a status's message, an owned string).
 ///
 /// # Safety
-/// `status` must have been returned by `vtable` and not yet released.
-unsafe fn take_status(vtable: &PluginVTable, status: Status) -> Option<String> {
-    if status.is_null() {
+/// `string` must have been returned by `vtable` and not yet released.
+unsafe fn take_string(vtable: &PluginVTable, string: *mut std::ffi::c_char) -> Option<String> {
+    if string.is_null() {
         return None;
     }
-    // SAFETY: a non-null status is a NUL-terminated string owned by the plugin.
-    let message = unsafe { CStr::from_ptr(status) }.to_string_lossy().into_owned();
+    // SAFETY: a non-null string is NUL-terminated and owned by the plugin.
+    let text = unsafe { CStr::from_ptr(string) }.to_string_lossy().into_owned();
     // SAFETY: released once, by the plugin that allocated it.
-    unsafe { (vtable.free_error)(status) };
-    Some(message)
+    unsafe { (vtable.free_string)(string) };
+    Some(text)
 }
 
 /// Named tensors, in name order.

@@ -36,6 +36,10 @@ pub const REPLICAS_KEY: &str = "replicas_per_worker";
 /// so not compared on resume either.
 pub const ACCUMULATE_KEY: &str = "accumulate";
 
+/// The run configuration's key for the plugin's configuration: its model's identity values
+/// (`identity`, compared by evaluation too) and its agreed arguments (`args`).
+pub const PLUGIN_KEY: &str = "plugin";
+
 /// What a resume does not compare: how the slots are spread (the slot count is compared).
 const SPREAD: [&str; 2] = [REPLICAS_KEY, ACCUMULATE_KEY];
 
@@ -88,6 +92,19 @@ impl Meta {
                 }
                 Reader::Evaluation => format!("checkpoint {seq} was written by plugin {theirs}, not by {ours}"),
             });
+        }
+        // The model's identity values (a TorchScript file's sha256): the same plugin with another
+        // model must not load these tensors, even to evaluate them.
+        let identity = |cfg: &serde_json::Value| cfg[PLUGIN_KEY][crate::plugin::PLUGIN_IDENTITY_KEY].clone();
+        let ours = serde_json::to_value(&info.identity).expect("strings");
+        let ours = if info.identity.is_empty() { serde_json::Value::Null } else { ours };
+        let theirs = identity(&self.run_config);
+        if theirs != ours {
+            return Err(format!(
+                "checkpoint {seq} was written by another model of plugin {}: {}",
+                info.name,
+                differences(&format!("{PLUGIN_KEY}.{}", crate::plugin::PLUGIN_IDENTITY_KEY), &theirs, &ours).join("; ")
+            ));
         }
         let Reader::Training { workers, run_config } = reader else { return Ok(()) };
         let ours: serde_json::Value = serde_json::from_str(run_config).expect("canonical JSON of our own");
@@ -176,6 +193,25 @@ mod tests {
         let info = PluginInfo::classifier("linear", "0.1.0", "");
         let cfg = serde_json::json!({"batch_size": batch, "seed": seed, "epochs": 2}).to_string();
         m.check(7, &info, Reader::Training { workers, run_config: &cfg })
+    }
+
+    /// A checkpoint of one TorchScript file is neither resumed nor evaluated with another.
+    #[test]
+    fn another_model_identity_is_refused_naming_both_values() {
+        let mut info = PluginInfo::classifier("torchscript", "0.1.0", "");
+        info.identity.insert("module_sha256".into(), "aa".into());
+        let cfg = serde_json::json!({"batch_size": 8, PLUGIN_KEY: {"identity": {"module_sha256": "aa"}}}).to_string();
+        let m = Meta::new(Position::start(1), &info, 1, &cfg);
+        assert_eq!(m.check(3, &info, Reader::Evaluation), Ok(()));
+        info.identity.insert("module_sha256".into(), "bb".into());
+        let ours = serde_json::json!({"batch_size": 8, PLUGIN_KEY: {"identity": {"module_sha256": "bb"}}}).to_string();
+        let refused = "checkpoint 3 was written by another model of plugin torchscript: \
+                       plugin.identity.module_sha256 is \"aa\" in the checkpoint, \"bb\" in this run";
+        assert_eq!(m.check(3, &info, Reader::Evaluation).unwrap_err(), refused);
+        assert_eq!(m.check(3, &info, Reader::Training { workers: 1, run_config: &ours }).unwrap_err(), refused);
+        // A checkpoint from before plugins stated an identity belongs to a plugin that states none.
+        let plain = PluginInfo::classifier("linear", "0.1.0", "");
+        assert_eq!(meta(1, 8).check(3, &plain, Reader::Evaluation), Ok(()));
     }
 
     #[test]

@@ -13,7 +13,7 @@ pub mod position;
 pub mod replica;
 pub mod totals;
 
-pub use meta::{Meta, Reader, ACCUMULATE_KEY, REPLICAS_KEY};
+pub use meta::{Meta, Reader, ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY};
 pub use position::Position;
 pub use replica::{sha256_hex, ModelState, Named, Shareable, TrainState};
 pub use totals::Totals;

@@ -57,6 +57,8 @@ pub use summary::{Recovery, Summary};
 pub struct RunConfig {
     /// The data: the plugin's own format, or a columnar dataset.
     pub data: DataSource,
+    /// The plugin's configuration every worker must share ([`crate::plugin::Plugin::agreement`]).
+    pub plugin: Option<serde_json::Value>,
     /// Evaluate on the test split after each epoch (false: `--no-evaluation`).
     pub evaluate: bool,
     /// Epochs to run.
@@ -130,6 +132,10 @@ impl RunConfig {
         // plugin's own format, and of every checkpoint before this, stays as it was.
         if let Some(data) = self.data.agreement() {
             agreement["data"] = data;
+        }
+        // Likewise only a plugin that takes arguments or states an identity adds them.
+        if let Some(plugin) = &self.plugin {
+            agreement[crate::state::PLUGIN_KEY] = plugin.clone();
         }
         // NCCL gives the ring's bits, but workers must use one backend, and NCCL one version.
         if let Some(collective) = self.collective.agreement() {

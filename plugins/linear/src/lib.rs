@@ -7,8 +7,8 @@ use std::sync::Arc;
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, Tensor};
 use trainerd_sdk::{
-    export_plugin, Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split,
-    TrainDefaults,
+    export_plugin, Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginArgs, PluginError,
+    PluginInfo, Split, TrainDefaults,
 };
 
 /// The model.
@@ -19,8 +19,8 @@ pub struct Linear {
 impl Model for Linear {
     type Data = Mnist;
 
-    fn info() -> PluginInfo {
-        PluginInfo {
+    fn info(_: &PluginArgs) -> Result<PluginInfo, PluginError> {
+        Ok(PluginInfo {
             name: "linear".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             description: "softmax regression (one Dense layer) on 28x28 MNIST-format images".into(),
@@ -32,10 +32,11 @@ impl Model for Linear {
                 schedule: LrSchedule::Constant,
             },
             columns: Some(Columns::image_classification(1, 28, 28)),
-        }
+            identity: Default::default(),
+        })
     }
 
-    fn new(root: &nn::Path) -> Result<Self, PluginError> {
+    fn new(root: &nn::Path, _: &PluginArgs) -> Result<Self, PluginError> {
         Ok(Linear { dense: nn::linear(root / "dense", 28 * 28, 10, Default::default()) })
     }
 

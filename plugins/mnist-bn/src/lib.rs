@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
-use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
+use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split};
 
 /// Dropout rate.
 const DROPOUT: f64 = 0.2;
@@ -28,17 +28,17 @@ pub struct MnistBn {
 impl Model for MnistBn {
     type Data = Mnist;
 
-    fn info() -> PluginInfo {
-        PluginInfo::classifier(
+    fn info(_: &PluginArgs) -> Result<PluginInfo, PluginError> {
+        Ok(PluginInfo::classifier(
             "mnist-bn",
             env!("CARGO_PKG_VERSION"),
             "Conv2D(32, 3x3) BatchNorm ReLU, MaxPool 2x2, Dense 64 ReLU, Dropout, Dense 10 on 28x28 \
                           MNIST-format images",
         )
-        .with_columns(Columns::image_classification(1, 28, 28))
+        .with_columns(Columns::image_classification(1, 28, 28)))
     }
 
-    fn new(root: &nn::Path) -> Result<Self, PluginError> {
+    fn new(root: &nn::Path, _: &PluginArgs) -> Result<Self, PluginError> {
         // A convolution followed by BatchNorm needs no bias (BatchNorm's shift replaces it).
         let no_bias = nn::ConvConfig { bias: false, ..Default::default() };
         Ok(MnistBn {

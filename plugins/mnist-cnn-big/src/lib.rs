@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
-use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
+use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split};
 
 /// The model.
 pub struct MnistCnnBig {
@@ -20,17 +20,17 @@ pub struct MnistCnnBig {
 impl Model for MnistCnnBig {
     type Data = Mnist;
 
-    fn info() -> PluginInfo {
-        PluginInfo::classifier(
+    fn info(_: &PluginArgs) -> Result<PluginInfo, PluginError> {
+        Ok(PluginInfo::classifier(
             "mnist-cnn-big",
             env!("CARGO_PKG_VERSION"),
             "Conv2D(32, 3x3) ReLU, Flatten, Dense 128 ReLU, Dense 10 on 28x28 MNIST-format images \
                           (2.77 M parameters)",
         )
-        .with_columns(Columns::image_classification(1, 28, 28))
+        .with_columns(Columns::image_classification(1, 28, 28)))
     }
 
-    fn new(root: &nn::Path) -> Result<Self, PluginError> {
+    fn new(root: &nn::Path, _: &PluginArgs) -> Result<Self, PluginError> {
         Ok(MnistCnnBig {
             conv: nn::conv2d(root / "conv", 1, 32, 3, Default::default()),
             dense: nn::linear(root / "dense", 32 * 26 * 26, 128, Default::default()),

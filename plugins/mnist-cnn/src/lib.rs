@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
-use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
+use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split};
 
 /// The model.
 pub struct MnistCnn {
@@ -19,16 +19,16 @@ pub struct MnistCnn {
 impl Model for MnistCnn {
     type Data = Mnist;
 
-    fn info() -> PluginInfo {
-        PluginInfo::classifier(
+    fn info(_: &PluginArgs) -> Result<PluginInfo, PluginError> {
+        Ok(PluginInfo::classifier(
             "mnist-cnn",
             env!("CARGO_PKG_VERSION"),
             "Conv2D(32, 3x3) ReLU, MaxPool 2x2, Dense 64 ReLU, Dense 10 on 28x28 MNIST-format images",
         )
-        .with_columns(Columns::image_classification(1, 28, 28))
+        .with_columns(Columns::image_classification(1, 28, 28)))
     }
 
-    fn new(root: &nn::Path) -> Result<Self, PluginError> {
+    fn new(root: &nn::Path, _: &PluginArgs) -> Result<Self, PluginError> {
         Ok(MnistCnn {
             conv: nn::conv2d(root / "conv", 1, 32, 3, Default::default()),
             dense: nn::linear(root / "dense", 32 * 13 * 13, 64, Default::default()),

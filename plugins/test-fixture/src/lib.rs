@@ -26,7 +26,8 @@ use trainerd_sdk::export::{header, vtable};
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, Tensor};
 use trainerd_sdk::{
-    Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
+    Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginArgs, PluginError, PluginInfo, Split,
+    TrainDefaults,
 };
 
 fn fault() -> String {
@@ -53,8 +54,8 @@ pub struct Fixture {
 impl Model for Fixture {
     type Data = Mnist;
 
-    fn info() -> PluginInfo {
-        PluginInfo {
+    fn info(_: &PluginArgs) -> Result<PluginInfo, PluginError> {
+        Ok(PluginInfo {
             name: "test-fixture".into(),
             // Overridable, so tests can start two workers whose plugin versions differ.
             version: std::env::var("TRAINERD_FIXTURE_VERSION").unwrap_or_else(|_| env!("CARGO_PKG_VERSION").into()),
@@ -67,10 +68,11 @@ impl Model for Fixture {
                 schedule: LrSchedule::Constant,
             },
             columns: columns(),
-        }
+            identity: Default::default(),
+        })
     }
 
-    fn new(root: &nn::Path) -> Result<Self, PluginError> {
+    fn new(root: &nn::Path, _: &PluginArgs) -> Result<Self, PluginError> {
         if fault() == "unused-param" {
             let _ = root.var("unused", &[4], nn::Init::Const(1.0));
         }
