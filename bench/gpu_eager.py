@@ -7,13 +7,20 @@
 #   best-case: the whole dataset on the GPU as floats, no per-step read (one sync at the end).
 # With --deterministic, the same-work loop alone, under the guarantees trainerd gives (bitwise
 # repeatable): torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8.
-# Usage: python gpu_eager.py DATA_DIR BATCH STEPS [DEVICE] [--deterministic]
+# Usage: python gpu_eager.py DATA_DIR BATCH STEPS [DEVICE] [--deterministic] [--autocast bf16|fp16]
 # Prints: torch_eager loop=... batch=... steps=... examples_per_s=...
 import gzip, os, sys, time
 
 DETERMINISTIC = "--deterministic" in sys.argv
 if DETERMINISTIC:
     sys.argv.remove("--deterministic")
+# --autocast bf16|fp16: the forward pass and the loss under torch.autocast to that dtype (fp16 with
+# a GradScaler at its defaults), as trainerd's --precision.
+AUTOCAST = None
+if "--autocast" in sys.argv:
+    at = sys.argv.index("--autocast")
+    AUTOCAST = sys.argv[at + 1]
+    del sys.argv[at:at + 2]
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before CUDA starts, as trainerd does
 import numpy as np
 import torch
@@ -40,6 +47,8 @@ def run(loop, x_u8, y, batch, steps, device):
     m = model().to(device)
     opt = torch.optim.Adam(m.parameters(), lr=1e-3)
     lossf = nn.CrossEntropyLoss()
+    dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[AUTOCAST]
+    scaler = torch.amp.GradScaler(device.type) if AUTOCAST == "fp16" else None
     n = y.shape[0]
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(1234))
     if loop == "best-case":
@@ -56,10 +65,16 @@ def run(loop, x_u8, y, batch, steps, device):
             xs = (x_u8[idx].float() / 255).to(device)
             ys = y[idx].to(device)
         opt.zero_grad(set_to_none=True)
-        logits = m(xs)
-        loss = lossf(logits, ys)
-        loss.backward()
-        opt.step()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            logits = m(xs)
+            loss = lossf(logits, ys)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
         if loop == "same-work":
             loss.item(), (logits.argmax(-1) == ys).sum().item()
 
@@ -83,7 +98,7 @@ if __name__ == "__main__":
         torch.use_deterministic_algorithms(True)
     for loop in ["same-work"] if DETERMINISTIC else ["same-work", "best-case"]:
         eps = run(loop, x, y, batch, steps, device)
-        name = loop + ("-deterministic" if DETERMINISTIC else "")
+        name = loop + ("-deterministic" if DETERMINISTIC else "") + (f"-{AUTOCAST}" if AUTOCAST else "")
         print(f"torch_eager loop={name} batch={batch} steps={steps} examples_per_s={eps:.0f} "
               f"torch={torch.__version__} device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
               flush=True)

@@ -1,9 +1,27 @@
 //! Generates the control plane's gRPC code (with a vendored protoc, so no system package is
-//! needed) and gives the daemon and its tests an rpath to the libtorch they link.
+//! needed), compiles the autocast shim (`csrc/autocast.cpp`) against the libtorch that torch-sys
+//! links, and gives the daemon and its tests an rpath to that libtorch.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    if let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{lib}");
-    }
+    println!("cargo:rerun-if-changed=csrc/autocast.cpp");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    let lib = std::path::PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB")?);
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    // The wheel's layout (torch/lib beside torch/include), which a libtorch archive shares; every
+    // wheel since PyTorch 2.7 uses the C++11 ABI (torch-sys reads the same variable).
+    let include = lib.parent().ok_or("libtorch's lib directory has no parent")?.join("include");
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!(
+            "-D_GLIBCXX_USE_CXX11_ABI={}",
+            std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into())
+        ))
+        .file("csrc/autocast.cpp")
+        .compile("trainerd_autocast");
     // SAFETY: a build script is single-threaded, so nothing reads the environment concurrently;
     // prost-build reads PROTOC.
     unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };

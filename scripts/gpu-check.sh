@@ -46,7 +46,7 @@ prepare() {
     trap 'cp "$lock" Cargo.lock; rm -f "$lock"' RETURN
     echo "gpu-check: building against PyTorch $GPU_TORCH into target/gpu"
     PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv" LIBTORCH_USE_PYTORCH=1 LIBTORCH_BYPASS_VERSION_CHECK=1 \
-        CARGO_TARGET_DIR=target/gpu cargo build --release -p trainerd -p mnist-cnn -p mnist-cnn-big -p linear \
+        CARGO_TARGET_DIR=target/gpu cargo build --release -p trainerd -p mnist-cnn -p mnist-cnn-big -p linear -p torchscript \
         --config "patch.crates-io.torch-sys.path=\"$sys\""
     # The all-reduce benchmark (NCCL and the host-staged ring on the GPU's buffers).
     local bench
@@ -59,7 +59,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "allreduce" and m.get("executable"):
         print(m["executable"])')
     rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin" "$BUNDLE/data"
-    for f in trainerd libmnist_cnn.so libmnist_cnn_big.so liblinear.so; do strip -o "$BUNDLE/bin/$f" "target/gpu/release/$f"; done
+    for f in trainerd libmnist_cnn.so libmnist_cnn_big.so liblinear.so libtorchscript.so; do strip -o "$BUNDLE/bin/$f" "target/gpu/release/$f"; done
     strip -o "$BUNDLE/bin/allreduce" "$bench"
     scripts/setup.sh --no-build >/dev/null
     cp /usr/share/datasets/fashion-mnist/*.gz "$BUNDLE/data/"
@@ -93,7 +93,9 @@ run_checks() {
     say '```'
     local cnn=(--plugin "$CNN" --data "$D" --threads 1 --seed 7)
     # GPU_CHECK_ONLY=throughput: the examples/s table alone; =nccl: the NCCL checks alone (the
-    # ring's figures beside them are then taken too); =devices: the replica checks alone; =bench:
+    # ring's figures beside them are then taken too); =devices: the replica checks alone;
+    # =precision: bf16 and fp16 beside PyTorch autocast; =torchscript: a PyTorch model through the
+    # torchscript plugin; =bench:
     # the all-reduce and DDP tables alone.
     # (The whole set runs past one 600 s command of the device machine: run it in two parts,
     # GPU_CHECK_ONLY=first then =second.)
@@ -101,11 +103,13 @@ run_checks() {
         throughput) throughput_checks ;;
         nccl) correctness_checks; nccl_checks ;;
         devices) devices_checks ;;
+        precision) precision_checks ;;
+        torchscript) torchscript_checks ;;
         bench) nccl_bench ;;
         train) training_bench ;;
         first) correctness_checks; nccl_checks; devices_checks ;;
-        second) throughput_checks; nccl_bench ;;
-        *) correctness_checks; nccl_checks; devices_checks; throughput_checks; nccl_bench ;;
+        second) precision_checks; torchscript_checks; throughput_checks; nccl_bench ;;
+        *) correctness_checks; nccl_checks; devices_checks; precision_checks; torchscript_checks; throughput_checks; nccl_bench ;;
     esac
     say ""
     say "Logs and summaries: $W"
@@ -338,6 +342,51 @@ training_bench() {
     [ -n "$ours" ] && [ -n "$ddp" ] && r1=$("$PY" -c "print(f'{$ours/$ddp:.2f}x')")
     [ -n "$ours" ] && [ -n "$det" ] && r2=$("$PY" -c "print(f'{$ours/$det:.2f}x')")
     say "| examples/s (global) | ${ours:-failed} | ${ring:-failed} | ${ddp:-failed} | $r1 | ${det:-failed} | $r2 |"
+}
+
+# --precision bf16 and fp16 on the GPU: accuracy within 0.01 of fp32's (a.json, from the
+# correctness checks, or made here), a repeat bitwise equal, and examples/s beside PyTorch eager
+# under torch.autocast (fp16 with a GradScaler) on the same GPU.
+precision_checks() {
+    [ -f "$W/a.json" ] || "$T" run "${cnn[@]}" --device "$DEVICE" --epochs 1 --summary "$W/a.json" > "$W/a.log" 2>&1
+    local acc32
+    acc32=$(field "$W/a.json" test_accuracy)
+    say ""
+    say "| precision, 1 worker on cuda:0, 1 epoch | test accuracy (fp32 $acc32) | repeat | skipped steps | trainerd examples/s | PyTorch autocast, same work | ratio |"
+    say "|---|---|---|---|---|---|---|"
+    for p in bf16 fp16; do
+        echo "gpu-check: --precision $p" >&2
+        "$T" run "${cnn[@]}" --device "$DEVICE" --epochs 1 --precision $p --summary "$W/$p.json" > "$W/$p.log" 2>&1
+        "$T" run "${cnn[@]}" --device "$DEVICE" --epochs 1 --precision $p --summary "$W/$p-again.json" > "$W/$p-again.log" 2>&1
+        "$PY" bench/gpu_eager.py "$D" 64 900 "${DEVICE/cuda/cuda:0}" --autocast $p > "$W/e-$p.log" 2>&1 || true
+        local acc sha again skipped ours peer
+        acc=$(field "$W/$p.json" test_accuracy); sha=$(field "$W/$p.json" params_sha256); again=$(field "$W/$p-again.json" params_sha256)
+        skipped=$("$PY" -c "import json,sys; s=json.load(open(sys.argv[1])).get('loss_scale'); print(s['skipped'] if s else '-')" "$W/$p.json")
+        ours=$(last_rate "$W/$p.log")
+        peer=$(grep "loop=same-work-$p" "$W/e-$p.log" | sed -E 's/.*examples_per_s=([0-9]+).*/\1/')
+        local ok
+        ok=$("$PY" -c "print(int(abs($acc - $acc32) <= 0.01 and '$sha' == '$again'))")
+        say "| $p | $acc | $([ "$sha" = "$again" ] && echo same || echo DIFFERENT) | $skipped | $ours | ${peer:-failed} | $([ -n "$peer" ] && "$PY" -c "print(f'{$ours/$peer:.2f}x')" || echo -) |"
+        [ "$ok" = 1 ] || failed=1
+    done
+}
+
+# A model written in PyTorch, scripted with this machine's PyTorch (TorchScript files load only in
+# a libtorch as new as the one that wrote them), trained by the torchscript plugin on the GPU:
+# the tutorials' CNN to the same accuracy bar as the Rust plugin's, twice with the same bits.
+torchscript_checks() {
+    echo "gpu-check: the tutorials' CNN from PyTorch, through the torchscript plugin" >&2
+    "$PY" plugins/torchscript/examples/script.py cnn "$W/cnn.pt" > "$W/script.log" 2>&1
+    local ts=(--plugin "$BUNDLE/bin/libtorchscript.so" --plugin-arg "module=$W/cnn.pt" --data "$D" --threads 1 --seed 7)
+    "$T" run "${ts[@]}" --device "$DEVICE" --epochs 1 --summary "$W/ts.json" > "$W/ts.log" 2>&1
+    "$T" run "${ts[@]}" --device "$DEVICE" --epochs 1 --summary "$W/ts-again.json" > "$W/ts-again.log" 2>&1
+    local acc sha again
+    acc=$(field "$W/ts.json" test_accuracy); sha=$(field "$W/ts.json" params_sha256); again=$(field "$W/ts-again.json" params_sha256)
+    say ""
+    say "| torchscript plugin, the CNN scripted by PyTorch $("$PY" -c 'import torch; print(torch.__version__)'), 1 epoch on cuda:0 | figure | result |"
+    say "|---|---|---|"
+    check "test accuracy >= 0.85" "$acc" "$("$PY" -c "print(int($acc >= 0.85))")"
+    check "same run twice: same params_sha256" "${sha:0:16} / ${again:0:16}" "$([ "$sha" = "$again" ] && echo 1 || echo 0)"
 }
 
 # examples/s of trainerd and of PyTorch eager, both with their default thread counts.

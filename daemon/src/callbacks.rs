@@ -1,8 +1,8 @@
 //! Callbacks as flags, as Keras's: `--early-stopping METRIC:PATIENCE[:MIN_DELTA]`
 //! (`EarlyStopping`) and `--reduce-lr-on-plateau METRIC:FACTOR:PATIENCE` (`ReduceLROnPlateau`).
 //! Each watches one epoch-end figure: `val_loss` or `val_NAME` (the evaluation on the test split),
-//! `loss` or `NAME` (the epoch's training means). A name with `loss` in it is minimised, any other
-//! maximised, as Keras's `mode="auto"` does. What they remember is part of the training state (the
+//! `loss` or `NAME` (the epoch's training means). A name with `loss` or `error` in it is minimised,
+//! any other maximised, as Keras's `mode="auto"` does. What they remember is part of the training state (the
 //! position, [`CallbackState`]), and every worker sees the same figures, so they act at the same
 //! epoch on every worker, and after a kill and a resume exactly as without one.
 
@@ -91,7 +91,7 @@ impl Watched {
     pub fn observe(&mut self, metric: &str, value: f64, min_delta: f64) -> bool {
         let improved = match self.best {
             None => true,
-            Some(best) if metric.contains("loss") => value < best - min_delta,
+            Some(best) if minimised(metric) => value < best - min_delta,
             Some(best) => value > best + min_delta,
         };
         if improved {
@@ -183,6 +183,26 @@ pub fn parse_reduce_lr(text: &str, names: &[String]) -> Result<(Watch, f64), Str
     Ok((watch, factor))
 }
 
+/// Whether a lower value of `metric` is better: a loss or an error (`val_loss`,
+/// `mean_absolute_error`); anything else (accuracy) is maximised.
+pub fn minimised(metric: &str) -> bool {
+    metric.contains("loss") || metric.contains("error")
+}
+
+/// `METRIC[:min|max]` of `--keep-best`, its METRIC one of `names`; the mode, when not given, as
+/// [`minimised`] says.
+pub fn parse_keep_best(text: &str, names: &[String]) -> Result<(String, trainerd_storage::Mode), String> {
+    use trainerd_storage::Mode;
+    let flag = "--keep-best";
+    let (metric, mode) = match text.split(':').collect::<Vec<_>>()[..] {
+        [m] => (m, if minimised(m) { Mode::Min } else { Mode::Max }),
+        [m, "min"] => (m, Mode::Min),
+        [m, "max"] => (m, Mode::Max),
+        _ => return Err(format!("{flag} {text}: expected METRIC[:min|max], such as val_accuracy or val_loss:min")),
+    };
+    Ok((known(flag, text, metric, names)?, mode))
+}
+
 fn known(flag: &str, text: &str, metric: &str, names: &[String]) -> Result<String, String> {
     if names.iter().any(|n| n == metric) {
         return Ok(metric.to_string());
@@ -230,6 +250,19 @@ mod tests {
             "--early-stopping val_loss: expected METRIC:PATIENCE[:MIN_DELTA], such as val_loss:3 or val_accuracy:2:0.001"
         );
         assert_eq!(parse_reduce_lr("loss:0.5:2", &names()).map(|(w, f)| (w.patience, f)), Ok((2, 0.5)));
+        use trainerd_storage::Mode;
+        assert_eq!(parse_keep_best("val_accuracy", &names()), Ok(("val_accuracy".into(), Mode::Max)));
+        assert_eq!(parse_keep_best("val_loss", &names()), Ok(("val_loss".into(), Mode::Min)));
+        assert_eq!(parse_keep_best("val_accuracy:min", &names()), Ok(("val_accuracy".into(), Mode::Min)));
+        assert_eq!(
+            parse_keep_best("val_acc", &names()).unwrap_err(),
+            "--keep-best val_acc: no figure named val_acc; this run has loss, accuracy, val_loss, val_accuracy"
+        );
+        assert_eq!(
+            parse_keep_best("val_loss:lowest", &names()).unwrap_err(),
+            "--keep-best val_loss:lowest: expected METRIC[:min|max], such as val_accuracy or val_loss:min"
+        );
+        assert!(minimised("val_mean_absolute_error") && !minimised("val_accuracy"));
         assert_eq!(
             parse_reduce_lr("loss:2:2", &names()).unwrap_err(),
             "--reduce-lr-on-plateau loss:2:2: expected METRIC:FACTOR:PATIENCE with 0 < FACTOR < 1, such as val_loss:0.5:2"

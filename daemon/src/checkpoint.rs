@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use trainerd_storage::{Blob, CheckpointStore, CommitRecord, NewCheckpoint, Restored, StorageError};
+use trainerd_storage::{Blob, CheckpointStore, CommitRecord, NewCheckpoint, Restored, Score, StorageError};
 
 use crate::state::Meta;
 
@@ -168,9 +168,9 @@ impl Checkpointer {
             && self.store.transient_failures() > self.failures_before
     }
 
-    /// Starts committing `blobs` (a snapshot in host memory) with `meta`, after the previous
-    /// commit finishes (how that one ended is returned).
-    pub fn commit(&mut self, blobs: Vec<Blob>, meta: &Meta) -> Result<Option<Finished>, String> {
+    /// Starts committing `blobs` (a snapshot in host memory) with `meta` and an epoch-end
+    /// commit's `score`, after the previous commit finishes (how that one ended is returned).
+    pub fn commit(&mut self, blobs: Vec<Blob>, meta: &Meta, score: Option<Score>) -> Result<Option<Finished>, String> {
         let previous = self.wait();
         let position = &meta.position;
         let checkpoint = NewCheckpoint {
@@ -180,6 +180,7 @@ impl Checkpointer {
             epoch: u64::from(position.epoch),
             meta: serde_json::to_value(meta).map_err(|e| e.to_string())?,
             blobs,
+            score,
         };
         let (store, runtime, keep) = (self.store.clone(), Arc::clone(&self.runtime), self.keep);
         let handle = std::thread::Builder::new()

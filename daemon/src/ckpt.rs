@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use trainerd_storage::{CheckpointStore, StorageError};
+use trainerd_storage::{CheckpointStore, CommitRecord, StorageError};
 
 use crate::state::MODEL_BLOB;
 
@@ -28,17 +28,36 @@ pub fn utc(ms: u64) -> String {
     format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
-/// Lists commits: sequence, step, epoch, time, size, generation; a record that cannot be read
-/// is listed as damaged, with why.
+/// The best commit among `records` (docs/best-checkpoint.md), if any is scored.
+fn best_of(records: &[(u64, Result<CommitRecord, StorageError>)]) -> Option<u64> {
+    trainerd_storage::protocol::best(
+        records.iter().map(|(seq, r)| (*seq, r.as_ref().ok().and_then(|r| r.score.as_ref()))),
+    )
+}
+
+/// The best commit at `store`'s location: refused, saying why, when no commit is scored.
+pub fn best(store: &CheckpointStore) -> Result<u64, String> {
+    let records = runtime().block_on(store.records()).map_err(|e| e.to_string())?;
+    best_of(&records).ok_or_else(|| {
+        format!(
+            "{}: no commit has a score to be best by (train with --keep-best METRIC to score each epoch's commit)",
+            store.name()
+        )
+    })
+}
+
+/// Lists commits: sequence, step, epoch, time, size, generation, an epoch-end commit's score
+/// (`best` beside the best); a record that cannot be read is listed as damaged, with why.
 pub fn list(store: &CheckpointStore) -> Result<String, StorageError> {
     let records = runtime().block_on(store.records())?;
     if records.is_empty() {
         return Ok(format!("{}: no commits\n", store.name()));
     }
     let mut out = format!(
-        "{:>8}  {:>10}  {:>5}  {:<19}  {:>10}  {:>10}\n",
+        "{:>8}  {:>10}  {:>5}  {:<19}  {:>10}  {:>10}  score\n",
         "sequence", "step", "epoch", "time (UTC)", "bytes", "generation"
     );
+    let best = best_of(&records);
     for (sequence, record) in records {
         let r = match record {
             Ok(r) => r,
@@ -47,8 +66,12 @@ pub fn list(store: &CheckpointStore) -> Result<String, StorageError> {
                 continue;
             }
         };
+        let score = r.score.as_ref().map_or(String::new(), |s| {
+            let best = if best == Some(r.sequence) { "  best" } else { "" };
+            format!("  {} {:.4}{best}", s.metric, s.value)
+        });
         out.push_str(&format!(
-            "{:>8}  {:>10}  {:>5}  {:<19}  {:>10}  {:>10}\n",
+            "{:>8}  {:>10}  {:>5}  {:<19}  {:>10}  {:>10}{score}\n",
             r.sequence,
             r.global_step,
             r.epoch,

@@ -35,6 +35,8 @@ pub struct EvalConfig {
     pub data: DataSource,
     /// The plugin's configuration every worker must share ([`crate::plugin::Plugin::agreement`]).
     pub plugin: Option<serde_json::Value>,
+    /// The forward pass's precision.
+    pub precision: crate::precision::Precision,
     /// Where the checkpoints are.
     pub location: Location,
     /// S3 settings beyond the AWS variables.
@@ -70,6 +72,9 @@ impl EvalConfig {
         }
         if let Some(plugin) = &self.plugin {
             agreement[crate::state::PLUGIN_KEY] = plugin.clone();
+        }
+        if let Some(precision) = self.precision.agreement() {
+            agreement["precision"] = precision.into();
         }
         agreement.to_string()
     }
@@ -143,7 +148,7 @@ pub fn run(
         &test_data,
         std::slice::from_ref(&ctx),
         session.ring(),
-        (cfg.device, info.metrics.len()),
+        (cfg.device, info.metrics.len(), cfg.precision),
         &mut Default::default(),
     )
     .map_err(|e| failed(session.interrupt(e)))?;

@@ -21,6 +21,7 @@ pub mod local;
 pub mod ops;
 pub mod optim;
 pub mod plugin;
+pub mod precision;
 pub mod progress;
 pub mod schedule;
 pub mod state;

@@ -375,3 +375,83 @@ fn copy_tree(from: &Path, to: &Path) {
         }
     }
 }
+
+/// `--keep-best`: every epoch-end commit carries its score, retention keeps the best one beside
+/// the newest K, `ckpt list` names it, and `evaluate --best` evaluates it. `val_accuracy:min`
+/// makes the first epoch (the least trained) the best, so that the best is the oldest commit.
+#[test]
+fn the_best_commit_survives_retention_and_is_evaluated_by_evaluate_best() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let extra = ["--epochs", "3", "--keep-checkpoints", "1", "--keep-best", "val_accuracy:min"];
+    let (out, _) = train("linear", ckpt.to_str().unwrap(), &tmp.path().join("s.json"), &extra, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let val_accuracy = |epoch: usize| {
+        let printed = stdout(&out);
+        let line = printed.lines().filter(|l| l.contains(" - val_accuracy: ")).nth(epoch - 1).unwrap().to_string();
+        line.split(" - val_accuracy: ").nth(1).unwrap().split(' ').next().unwrap().parse::<f64>().unwrap()
+    };
+    assert!(val_accuracy(1) < val_accuracy(3), "the first epoch is the least trained");
+    let listed = trainerd_cmd().args(["ckpt", "list"]).arg(&ckpt).output().unwrap();
+    assert!(listed.status.success(), "{}", text(&listed));
+    let listed = stdout(&listed);
+    let rows: Vec<&str> = listed.lines().skip(1).collect();
+    // 3 epochs of 120 steps, committed every 40 steps: epoch 1 ends at step 120.
+    assert_eq!(rows.len(), 2, "the best and the newest:\n{listed}");
+    let fields = |row: &str| row.split_whitespace().map(String::from).collect::<Vec<_>>();
+    let (best, newest) = (fields(rows[0]), fields(rows[1]));
+    assert_eq!((best[1].as_str(), best[2].as_str()), ("120", "1"), "{listed}");
+    assert_eq!(&best[7..], ["val_accuracy", &format!("{:.4}", val_accuracy(1)), "best"], "{listed}");
+    assert_eq!(newest[1], "360", "{listed}");
+    assert_eq!(&newest[7..], ["val_accuracy", &format!("{:.4}", val_accuracy(3))], "{listed}");
+
+    let evaluated = tmp.path().join("best.json");
+    let out = trainerd_cmd()
+        .args(["evaluate", "--best", "--threads", "1", "--checkpoint"])
+        .arg(&ckpt)
+        .arg("--plugin")
+        .arg(plugin("linear"))
+        .arg("--data")
+        .arg(dataset())
+        .arg("--summary")
+        .arg(&evaluated)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let e = json(&evaluated);
+    assert_eq!(e["sequence"].as_u64().unwrap().to_string(), best[0]);
+    assert_eq!(e["global_step"], 120);
+    assert_eq!(format!("{:.4}", e["test_accuracy"].as_f64().unwrap()), format!("{:.4}", val_accuracy(1)));
+}
+
+#[test]
+fn keep_best_names_what_it_needs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let (out, _) =
+        train("linear", ckpt.to_str().unwrap(), &tmp.path().join("s.json"), &["--keep-best", "val_acc"], &[]);
+    assert_eq!(
+        trainerd_testkit::output::error_of(&out),
+        "error: --keep-best val_acc: no figure named val_acc; this run has loss, accuracy, val_loss, val_accuracy"
+    );
+    // A run without scores has no best to evaluate.
+    let (out, _) = train("linear", ckpt.to_str().unwrap(), &tmp.path().join("s.json"), &[], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = trainerd_cmd()
+        .args(["evaluate", "--best", "--checkpoint"])
+        .arg(&ckpt)
+        .arg("--plugin")
+        .arg(plugin("linear"))
+        .arg("--data")
+        .arg(dataset())
+        .output()
+        .unwrap();
+    assert_eq!(
+        trainerd_testkit::output::error_of(&out),
+        format!(
+            "error: {}: no commit has a score to be best by (train with --keep-best METRIC to score each epoch's \
+             commit)",
+            ckpt.display()
+        )
+    );
+}

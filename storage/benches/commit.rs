@@ -33,6 +33,7 @@ fn main() {
         epoch: 0,
         meta: serde_json::json!({}),
         blobs: vec![Blob { name: "model.safetensors".into(), tensors }],
+        score: None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     for _ in 0..runs {

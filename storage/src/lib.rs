@@ -13,5 +13,7 @@ pub mod tensors;
 
 pub use location::{s3_store, Location, LocationError, OpenError, S3Options};
 pub use store::types::transient;
-pub use store::{Blob, CheckpointStore, CommitRecord, Manifest, NewCheckpoint, Restored, Retry, StorageError};
+pub use store::{
+    Blob, CheckpointStore, CommitRecord, Manifest, Mode, NewCheckpoint, Restored, Retry, Score, StorageError,
+};
 pub use tensors::{Dtype, TensorData};

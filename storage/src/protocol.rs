@@ -98,12 +98,71 @@ pub fn next_sequence(latest: Option<Latest>, generation: u64, writer: u64) -> Re
     }
 }
 
-/// Commits to delete so that the newest `keep` remain (oldest first). `keep` of 0 keeps all.
-pub fn retention(sequences: &BTreeSet<u64>, keep: usize) -> Vec<u64> {
+/// Whether a lower or a higher [`Score`] is better.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Lower is better (losses).
+    Min,
+    /// Higher is better (accuracy).
+    Max,
+}
+
+/// An epoch-end commit's value of the metric the run keeps the best commit by
+/// (docs/best-checkpoint.md).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Score {
+    /// The figure (`val_accuracy`, `val_loss`, ...).
+    pub metric: String,
+    /// Its value at that epoch's end.
+    pub value: f64,
+    /// Which way is better.
+    pub mode: Mode,
+}
+
+impl Score {
+    /// Whether this value is strictly better than `other`'s (a NaN never is, and nothing is worse
+    /// than no value).
+    pub fn beats(&self, other: Option<&Score>) -> bool {
+        if self.value.is_nan() {
+            return false;
+        }
+        match other {
+            None => true,
+            Some(o) if o.value.is_nan() => true,
+            Some(o) => match self.mode {
+                Mode::Min => self.value < o.value,
+                Mode::Max => self.value > o.value,
+            },
+        }
+    }
+}
+
+/// The best commit among `scores` (sequence -> the score of a readable record): of the records
+/// scored by the metric and mode of the newest scored one, the best value, the oldest of equal
+/// values; a NaN is never best.
+pub fn best<'a>(scores: impl IntoIterator<Item = (u64, Option<&'a Score>)>) -> Option<u64> {
+    let scored: Vec<(u64, &Score)> = scores.into_iter().filter_map(|(seq, s)| s.map(|s| (seq, s))).collect();
+    let newest = scored.iter().max_by_key(|(seq, _)| *seq)?.1;
+    let mut ordered: Vec<&(u64, &Score)> =
+        scored.iter().filter(|(_, s)| s.metric == newest.metric && s.mode == newest.mode).collect();
+    ordered.sort_by_key(|(seq, _)| *seq);
+    let mut best: Option<&(u64, &Score)> = None;
+    for candidate in ordered {
+        if candidate.1.beats(best.map(|b| b.1)) {
+            best = Some(candidate);
+        }
+    }
+    best.map(|(seq, _)| *seq)
+}
+
+/// Commits to delete so that the newest `keep` remain, and the `best` (oldest first). `keep` of 0
+/// keeps all.
+pub fn retention(sequences: &BTreeSet<u64>, best: Option<u64>, keep: usize) -> Vec<u64> {
     if keep == 0 || sequences.len() <= keep {
         return Vec::new();
     }
-    sequences.iter().copied().take(sequences.len() - keep).collect()
+    sequences.iter().copied().take(sequences.len() - keep).filter(|&seq| Some(seq) != best).collect()
 }
 
 /// The data id of a new commit by writer `writer` of `generation`; `unique` makes it fresh.
@@ -250,10 +309,51 @@ mod tests {
         assert!(!garbage(&data, &referenced, other).contains(&id(2, 0xa, "mine-failed")));
     }
 
+    fn score(metric: &str, value: f64, mode: Mode) -> Score {
+        Score { metric: metric.into(), value, mode }
+    }
+
+    #[test]
+    fn the_best_is_the_best_value_of_the_newest_metric_and_the_oldest_of_equals() {
+        let acc = |v| Some(score("val_accuracy", v, Mode::Max));
+        let loss = |v| Some(score("val_loss", v, Mode::Min));
+        let pick = |scores: Vec<(u64, Option<Score>)>| best(scores.iter().map(|(seq, s)| (*seq, s.as_ref())));
+        assert_eq!(pick(vec![(1, acc(0.8)), (2, None), (3, acc(0.85)), (4, acc(0.83))]), Some(3));
+        assert_eq!(pick(vec![(1, acc(0.8)), (2, acc(0.8))]), Some(1), "an equal value does not replace the best");
+        assert_eq!(pick(vec![(1, loss(0.4)), (2, loss(0.3)), (3, loss(0.5))]), Some(2), "min mode");
+        assert_eq!(pick(vec![(1, acc(0.9)), (2, loss(0.5)), (3, loss(0.6))]), Some(2), "the newest metric decides");
+        assert_eq!(pick(vec![(1, acc(f64::NAN)), (2, acc(0.1))]), Some(2), "NaN is never best");
+        assert_eq!(pick(vec![(1, acc(f64::NAN))]), None);
+        assert_eq!(pick(vec![(1, None), (2, None)]), None, "unscored commits have no best");
+        let min_acc = Some(score("val_accuracy", 0.5, Mode::Min));
+        assert_eq!(pick(vec![(1, acc(0.9)), (2, min_acc)]), Some(2), "another mode is another metric");
+    }
+
+    #[test]
+    fn retention_keeps_the_best_beside_the_newest() {
+        let seqs: BTreeSet<u64> = (1..=6).collect();
+        assert_eq!(retention(&seqs, Some(2), 2), [1, 3, 4]);
+        assert_eq!(retention(&seqs, Some(6), 2), [1, 2, 3, 4], "a best among the newest costs nothing");
+        assert_eq!(retention(&seqs, Some(2), 0), Vec::<u64>::new());
+    }
+
     proptest! {
         #[test]
+        fn retention_never_deletes_the_best(
+            seqs in proptest::collection::btree_set(0u64..1000, 1..30),
+            keep in 1usize..10,
+            pick in 0usize..30,
+        ) {
+            let best = seqs.iter().copied().nth(pick % seqs.len());
+            let doomed = retention(&seqs, best, keep);
+            prop_assert!(!doomed.contains(&best.unwrap()));
+            let kept = seqs.len() - doomed.len();
+            prop_assert!(kept == seqs.len().min(keep) || kept == keep + 1);
+        }
+
+        #[test]
         fn retention_keeps_the_newest(seqs in proptest::collection::btree_set(0u64..1000, 0..30), keep in 0usize..10) {
-            let doomed = retention(&seqs, keep);
+            let doomed = retention(&seqs, None, keep);
             let kept: BTreeSet<u64> = seqs.iter().copied().filter(|s| !doomed.contains(s)).collect();
             if keep == 0 {
                 prop_assert!(doomed.is_empty());

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use proptest::prelude::*;
-use trainerd_storage::{Blob, CheckpointStore, Dtype, NewCheckpoint, Retry, StorageError, TensorData};
+use trainerd_storage::{Blob, CheckpointStore, Dtype, Mode, NewCheckpoint, Retry, Score, StorageError, TensorData};
 use trainerd_testkit::fault::FaultStore;
 use trainerd_testkit::s3::S3Server;
 
@@ -104,6 +104,7 @@ fn checkpoint(step: u64, generation: u64, big: bool) -> NewCheckpoint {
                 tensors: vec![tensor("model.dense.weight/exp_avg", &[64, 10], seed + 1)],
             },
         ],
+        score: None,
     }
 }
 
@@ -468,6 +469,31 @@ fn retention_keeps_the_newest_k_and_their_data() {
             rt.block_on(store.load(seq)).unwrap();
         }
         assert_eq!(rt.block_on(b.data_ids()).len(), 2, "{}", b.name);
+    }
+}
+
+/// The best-scored commit is kept beside the newest K, with its data, and its record carries its
+/// score (docs/best-checkpoint.md).
+#[test]
+fn retention_keeps_the_best_scored_commit_and_its_data() {
+    let rt = rt();
+    for b in backends() {
+        let store = b.store();
+        let accuracy = [0.70, 0.86, 0.81, 0.86, 0.84];
+        for (step, value) in (1..=5).zip(accuracy) {
+            let score = Score { metric: "val_accuracy".into(), value, mode: Mode::Max };
+            // A commit within the epoch, unscored, then the epoch's end.
+            rt.block_on(store.commit(&checkpoint(step * 10 - 5, 1, false), 2)).unwrap();
+            rt.block_on(store.commit(&NewCheckpoint { score: Some(score), ..checkpoint(step * 10, 1, false) }, 2))
+                .unwrap();
+        }
+        let records = rt.block_on(store.list()).unwrap();
+        let seqs: Vec<u64> = records.iter().map(|r| r.sequence).collect();
+        assert_eq!(seqs, [4, 9, 10], "{}: the first 0.86 (sequence 4) beside the newest two", b.name);
+        assert_eq!(records[0].score.as_ref().map(|s| s.value), Some(0.86), "{}", b.name);
+        assert_eq!(records[0].global_step, 20);
+        rt.block_on(store.load(4)).unwrap();
+        assert_eq!(rt.block_on(b.data_ids()).len(), 3, "{}", b.name);
     }
 }
 

@@ -5,12 +5,14 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use trainerd_sdk::{LrSchedule, PluginArgs};
+use trainerd_sdk::LrSchedule;
 use trainerd_storage::S3Options;
 
 use crate::auth::ClusterKey;
 use crate::cluster::{tf_config, ClusterConfig, Network};
 use crate::ops::log::LogFormat;
+
+pub use super::plugin_args::PluginArgFlags;
 
 /// The command line.
 #[derive(Parser)]
@@ -243,33 +245,6 @@ impl S3Args {
     }
 }
 
-/// `--plugin-arg KEY=VALUE`, for every command that loads a plugin.
-#[derive(clap::Args, Clone, Debug, Default)]
-pub struct PluginArgFlags {
-    /// A setting for the plugin, as KEY=VALUE; repeatable. `trainerd plugin check` lists the
-    /// keys a plugin accepts. Without any, the space-separated pairs of $TRAINERD_PLUGIN_ARGS.
-    /// Every worker must give the same (a plugin may exempt a key, such as a file's path).
-    #[arg(long = "plugin-arg", value_name = "KEY=VALUE")]
-    pub plugin_arg: Vec<String>,
-}
-
-impl PluginArgFlags {
-    /// The arguments: the flags, or else $TRAINERD_PLUGIN_ARGS.
-    pub fn parse(&self) -> anyhow::Result<PluginArgs> {
-        if !self.plugin_arg.is_empty() {
-            return PluginArgs::parse(&self.plugin_arg).map_err(anyhow::Error::msg);
-        }
-        let env = std::env::var("TRAINERD_PLUGIN_ARGS").unwrap_or_default();
-        let items: Vec<&str> = env.split_whitespace().collect();
-        PluginArgs::parse(&items).map_err(|e| anyhow::anyhow!("TRAINERD_PLUGIN_ARGS: {e}"))
-    }
-
-    /// The flags that give `args` to a child `trainerd`.
-    pub fn to_flags(args: &PluginArgs) -> Vec<String> {
-        args.iter().map(|(k, v)| format!("--plugin-arg={k}={v}")).collect()
-    }
-}
-
 /// `trainerd run`'s flags.
 #[derive(clap::Args)]
 pub struct RunArgs {
@@ -314,6 +289,11 @@ pub struct RunArgs {
     /// L2 weight decay.
     #[arg(long)]
     pub weight_decay: Option<f64>,
+    /// The forward pass's precision: fp32, or autocast to bf16 (CPU and CUDA) or fp16 (CUDA, with
+    /// dynamic loss scaling); parameters, optimizer state and checkpoints stay float32. Part of
+    /// the run configuration.
+    #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::precision::Precision>())]
+    pub precision: crate::precision::Precision,
     /// Clip the averaged gradient to this global 2-norm before each update (Keras's
     /// global_clipnorm, PyTorch's clip_grad_norm_); the norm is in the metrics as grad_norm.
     #[arg(long, value_parser = |t: &str| crate::clip::Clip::parse("--clip-norm", t))]
@@ -441,6 +421,12 @@ pub struct RunArgs {
     /// Keep the newest K commits (0: all).
     #[arg(long, default_value_t = 3)]
     pub keep_checkpoints: usize,
+    /// Also keep the commit with the best value of an epoch-end figure (`val_accuracy`,
+    /// `val_loss`, ...; losses and errors minimised, the rest maximised, unless `:min` or `:max`
+    /// says): Keras's ModelCheckpoint(save_best_only=True). `ckpt list` names it and `evaluate
+    /// --best` evaluates it.
+    #[arg(long, value_name = "METRIC[:min|max]")]
+    pub keep_best: Option<String>,
     /// S3 settings.
     #[command(flatten)]
     pub s3: S3Args,
@@ -453,8 +439,14 @@ pub struct EvalArgs {
     #[arg(long)]
     pub checkpoint: String,
     /// The commit to evaluate (default: the newest that verifies).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "best")]
     pub sequence: Option<u64>,
+    /// Evaluate the best commit (of a run with `--keep-best`).
+    #[arg(long)]
+    pub best: bool,
+    /// The forward pass's precision (fp32, bf16 or fp16), as `run`'s.
+    #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::precision::Precision>())]
+    pub precision: crate::precision::Precision,
     /// Path of the model plugin's shared library (.so).
     #[arg(long)]
     pub plugin: PathBuf,

@@ -29,12 +29,18 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
     let options = data_options(&args.data, &args.s3, Arc::new(trainerd_data::Quiet))?;
     // Evaluation reads the test split in file order: the window plays no part.
     let data = DataSource::open(&args.data.data, plugin.info(), (u64::MAX, true), options)?;
+    let sequence = match args.best {
+        true => Some(crate::ckpt::best(&super::open_store(&args.checkpoint, &args.s3)?).map_err(anyhow::Error::msg)?),
+        false => args.sequence,
+    };
+    args.precision.check(device).map_err(anyhow::Error::msg)?;
     let cfg = EvalConfig {
         data,
         plugin: plugin.agreement(),
+        precision: args.precision,
         location: args.checkpoint.parse()?,
         s3: args.s3.options(),
-        sequence: args.sequence,
+        sequence,
         batch_size: args.batch_size.unwrap_or(plugin.info().defaults.batch_size),
         device,
         threads,

@@ -5,6 +5,7 @@
 pub mod args;
 pub mod data;
 pub mod evaluate;
+pub mod plugin_args;
 pub mod run;
 
 use std::process::ExitCode;

@@ -187,16 +187,20 @@ fn data_source(
     Ok(data)
 }
 
-/// Where and how often to commit, if anywhere.
-fn checkpoint_config(args: &RunArgs) -> anyhow::Result<Option<CheckpointConfig>> {
+/// Where and how often to commit, if anywhere, and which commit to keep as the best.
+fn checkpoint_config(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<Option<CheckpointConfig>> {
+    let names = crate::callbacks::figure_names(&plugin.info().metrics, !args.no_evaluation);
+    let best = args.keep_best.as_deref().map(|t| crate::callbacks::parse_keep_best(t, &names));
     Ok(match &args.checkpoint_dir {
         None if args.checkpoint_every > 0 => anyhow::bail!("--checkpoint-every needs --checkpoint-dir"),
+        None if best.is_some() => anyhow::bail!("--keep-best needs --checkpoint-dir"),
         None => None,
         Some(url) => Some(CheckpointConfig {
             location: url.parse()?,
             s3: args.s3.options(),
             every: args.checkpoint_every,
             keep: args.keep_checkpoints,
+            best: best.transpose().map_err(anyhow::Error::msg)?,
         }),
     })
 }
@@ -217,7 +221,7 @@ fn run_config(
         nesterov: args.nesterov,
     };
     let optimizer = config::optimizer(&defaults.optimizer, &flags).map_err(anyhow::Error::msg)?;
-    let checkpoint = checkpoint_config(args)?;
+    let checkpoint = checkpoint_config(args, plugin)?;
     let batch_size = args.batch_size.unwrap_or(defaults.batch_size);
     if batch_size == 0 {
         anyhow::bail!("--batch-size 0: expected at least 1");
@@ -225,9 +229,13 @@ fn run_config(
     if args.accumulate == 0 {
         anyhow::bail!("--accumulate 0: expected at least 1 (micro-batches per update)");
     }
+    for &device in &devices {
+        args.precision.check(device).map_err(anyhow::Error::msg)?;
+    }
     Ok(RunConfig {
         data,
         plugin: plugin.agreement(),
+        precision: args.precision,
         evaluate: !args.no_evaluation,
         log_examples: args.log_examples.clone(),
         state_dir: state_dir(args.state_dir.as_ref())?,
@@ -285,6 +293,17 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_n
         cfg.seed
     ));
     progress.line(&format!("trainerd: {}", facts.line()));
+    match cfg.precision {
+        crate::precision::Precision::Fp32 => {}
+        crate::precision::Precision::Bf16 => progress.line(
+            "trainerd: mixed precision: the forward pass under autocast to bfloat16; parameters, optimizer state and \
+             checkpoints float32",
+        ),
+        crate::precision::Precision::Fp16 => progress.line(
+            "trainerd: mixed precision: the forward pass under autocast to float16 with dynamic loss scaling; \
+             parameters, optimizer state and checkpoints float32",
+        ),
+    }
     if cfg.cluster.is_some() {
         let why = not_nccl.map(|w| format!(" (--collective auto: not NCCL, {w})")).unwrap_or_default();
         progress.line(&format!("trainerd: gradients over the {}{why}", cfg.collective.describe()));

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::totals::{self, Totals};
 use crate::callbacks::CallbackState;
+use crate::precision::LossScale;
 
 /// How the RNG continues, as checkpoints record it.
 pub const RNG_SCHEME: &str = "libtorch generator re-seeded from (seed, global_step, rank) before every step";
@@ -34,6 +35,9 @@ pub struct Position {
     /// What `--early-stopping` and `--reduce-lr-on-plateau` remember (absent when unused).
     #[serde(default, skip_serializing_if = "CallbackState::is_unused")]
     pub callbacks: CallbackState,
+    /// Float16's loss scaling (absent unless `--precision fp16`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScale>,
 }
 
 impl Position {
@@ -47,6 +51,7 @@ impl Position {
             last_epoch: Totals::new(metrics),
             last_eval: None,
             callbacks: CallbackState::default(),
+            loss_scale: None,
         }
     }
 

@@ -4,6 +4,7 @@
 //! (which does the how). Only the chief has a committer.
 
 use trainerd_sdk::PluginInfo;
+use trainerd_storage::{Blob, Mode, Score};
 
 use super::report::Reporter;
 use super::TrainError;
@@ -104,6 +105,11 @@ pub struct Committer {
     info: PluginInfo,
     workers: usize,
     run_config: String,
+    /// The figure whose best commit retention keeps (`--keep-best`).
+    best: Option<(String, Mode)>,
+    /// An epoch-end state whose commit was skipped on failing storage, the best of those, kept
+    /// in host memory until the next commit (docs/best-checkpoint.md).
+    pending: Option<(Vec<Blob>, Meta, Score)>,
 }
 
 impl Committer {
@@ -116,7 +122,69 @@ impl Committer {
         workers: usize,
         run_config: String,
     ) -> Self {
-        Committer { checkpointer, policy, info: info.clone(), workers, run_config }
+        Committer { checkpointer, policy, info: info.clone(), workers, run_config, best: None, pending: None }
+    }
+
+    /// Scores every epoch-end commit by `best` (figure and mode), so that retention keeps the
+    /// best one.
+    pub fn keeping_best(mut self, best: Option<(String, Mode)>) -> Self {
+        self.best = best;
+        self
+    }
+
+    /// The score of an epoch-end commit of a state at `position`.
+    fn score(&self, position: &Position) -> Option<Score> {
+        let (metric, mode) = self.best.as_ref()?;
+        let figures =
+            crate::callbacks::epoch_figures(&self.info.metrics, &position.last_epoch, position.last_eval.as_ref());
+        let value = figures.iter().find(|(name, _)| name == metric)?.1;
+        Some(Score { metric: metric.clone(), value, mode: *mode })
+    }
+
+    /// Keeps the state at an epoch's end whose commit is skipped, if it beats the one kept.
+    fn keep_pending(&mut self, state: &TrainState, score: Score, report: &mut Reporter<'_>) -> Result<(), TrainError> {
+        if !score.beats(self.pending.as_ref().map(|(_, _, s)| s)) {
+            return Ok(());
+        }
+        let position = state.position();
+        let meta = Meta::new(position.clone(), &self.info, self.workers, &self.run_config);
+        report.line(&format!(
+            "trainerd: keeping the state of epoch {} ({} {:.4}) in memory, to commit when storage returns",
+            position.epoch, score.metric, score.value
+        ));
+        self.pending = Some((state.blobs().map_err(TrainError::State)?, meta, score));
+        Ok(())
+    }
+
+    /// Commits the kept epoch-end state, if any, before the state the loop commits next (`next`:
+    /// its score, which may make the kept one pointless).
+    fn commit_pending(&mut self, next: Option<&Score>, report: &mut Reporter<'_>) -> Result<(), TrainError> {
+        let Some((blobs, meta, score)) = self.pending.take() else { return Ok(()) };
+        if next.is_some_and(|n| n.beats(Some(&score))) {
+            return Ok(());
+        }
+        let previous = self.checkpointer.commit(blobs, &meta, Some(score)).map_err(TrainError::Checkpoint)?;
+        if let Some(f) = previous {
+            report.commit_finished(self.checkpointer.location(), &f);
+        }
+        Ok(())
+    }
+
+    /// Starts committing `state` with `score` (after the kept state, if any).
+    fn commit_now(
+        &mut self,
+        state: &TrainState,
+        score: Option<Score>,
+        report: &mut Reporter<'_>,
+    ) -> Result<(), TrainError> {
+        self.commit_pending(score.as_ref(), report)?;
+        let meta = Meta::new(state.position().clone(), &self.info, self.workers, &self.run_config);
+        let blobs = state.blobs().map_err(TrainError::State)?;
+        let previous = self.checkpointer.commit(blobs, &meta, score).map_err(TrainError::Checkpoint)?;
+        if let Some(f) = previous {
+            report.commit_finished(self.checkpointer.location(), &f);
+        }
+        Ok(())
     }
 
     /// The checkpointer (restoring, its location, the generation commits carry).
@@ -147,6 +215,7 @@ impl Committer {
         let c = &self.checkpointer;
         let position = state.position();
         let last = Last { holds: c.has(position.progress()), stuck: c.stuck() };
+        let score = if moment == Moment::EpochEnd { self.score(position) } else { None };
         match decide(moment, position, state.model.live, self.policy, last) {
             Action::Skip(Skip::Stuck) => {
                 report.line(&format!(
@@ -154,17 +223,22 @@ impl Committer {
                     position.global_step,
                     c.location()
                 ));
+                if let Some(score) = score {
+                    self.keep_pending(state, score, report)?;
+                }
                 Ok(None)
             }
             Action::Skip(_) => Ok(None),
+            // The state is on its way; a kept epoch-end state goes after it, and the state once
+            // more, so that the newest commit is the newest state.
+            Action::Wait if self.pending.is_some() => {
+                self.wait(report);
+                self.commit_now(state, None, report)?;
+                Ok(self.wait(report))
+            }
             Action::Wait => Ok(self.wait(report)),
             Action::Commit => {
-                let meta = Meta::new(position.clone(), &self.info, self.workers, &self.run_config);
-                let blobs = state.blobs().map_err(TrainError::State)?;
-                let previous = self.checkpointer.commit(blobs, &meta).map_err(TrainError::Checkpoint)?;
-                if let Some(f) = previous {
-                    report.commit_finished(self.checkpointer.location(), &f);
-                }
+                self.commit_now(state, score, report)?;
                 Ok(if moment.last() { self.wait(report) } else { None })
             }
         }

@@ -243,10 +243,17 @@ impl<'a> Driver<'a> {
         if let Some(created) = session.ring().take_nccl_created_in() {
             self.report.communicator_ready(session.generation(), created);
         }
-        let clipped = self.cfg.clip.apply(&state.model.params);
-        let grad_norm = clipped.map_err(|source| Interrupt::Fatal(TrainError::Torch { what: "clipping", source }))?;
         let stepped = Instant::now();
-        state.optimizer.step(&mut state.model.params, lr);
+        let grad_norm = match self.unscaled(state, global_step + 1).map_err(Interrupt::Fatal)? {
+            true => {
+                let clipped = self.cfg.clip.apply(&state.model.params);
+                let torch = |source| Interrupt::Fatal(TrainError::Torch { what: "clipping", source });
+                let grad_norm = clipped.map_err(torch)?;
+                state.optimizer.step(&mut state.model.params, lr);
+                grad_norm
+            }
+            false => None,
+        };
         let optimizer = stepped.elapsed();
         state.model.position.stepped(&result.totals);
         let took = began.elapsed();
@@ -264,6 +271,25 @@ impl<'a> Driver<'a> {
         }
         self.report.step_line(&done);
         Ok(result.stopping)
+    }
+
+    /// Under float16's loss scaling, the averaged gradient divided by the scale and the scale
+    /// moved on; whether to apply the update of global step `global_step` (false: it overflowed,
+    /// and is skipped, said in a line).
+    fn unscaled(&mut self, state: &mut TrainState, global_step: u64) -> Result<bool, TrainError> {
+        let Some(scale) = state.model.position.loss_scale.as_mut() else { return Ok(true) };
+        let finite = crate::precision::unscale(&state.model.params, scale.scale)
+            .map_err(|source| TrainError::Torch { what: "unscaling the gradients", source })?;
+        let before = scale.scale;
+        if !scale.update(finite) {
+            self.report.line(&format!(
+                "trainerd: fp16: step {global_step} skipped: the gradient overflowed at loss scale {before}; the \
+                 scale is now {} ({} step(s) skipped so far)",
+                scale.scale, scale.skipped
+            ));
+            return Ok(false);
+        }
+        Ok(true)
     }
 
     /// Forward, backward and all-reduce of step `step` (1-based) of the epoch of `ctxs` (one per
@@ -292,10 +318,15 @@ impl<'a> Driver<'a> {
             prefetch += began.elapsed();
         };
         let model = &mut state.model;
-        let result = self.replicas.of_step(self.model, (&mut model.params, &mut model.buffers)).and_then(|mut r| {
-            let ring = session.ring();
-            step::train_step(&mut r, &mut self.buckets, ring, (batches, &saved), stopping, &mut prefetch_next)
-        });
+        if self.cfg.precision == crate::precision::Precision::Fp16 {
+            model.position.loss_scale.get_or_insert_with(Default::default);
+        }
+        let scale = model.position.loss_scale.map_or(1.0, |s| s.scale);
+        let result =
+            self.replicas.of_step(self.model, (&mut model.params, &mut model.buffers), scale).and_then(|mut r| {
+                let ring = session.ring();
+                step::train_step(&mut r, &mut self.buckets, ring, (batches, &saved), stopping, &mut prefetch_next)
+            });
         let result = result.map_err(|e| {
             model.restore_buffers(&saved);
             session.interrupt(e)
@@ -312,7 +343,7 @@ impl<'a> Driver<'a> {
         if self.evaluated.0 != global_step {
             self.evaluated = (global_step, BTreeMap::new());
         }
-        let on = (self.cfg.device, self.metrics());
+        let on = (self.cfg.device, self.metrics(), self.cfg.precision);
         step::evaluate(self.model, self.data, &ctxs, session.ring(), on, &mut self.evaluated.1)
             .map_err(|e| session.interrupt(e))
     }
@@ -426,6 +457,8 @@ impl<'a> Driver<'a> {
             global_batch_size: u64::from(cfg.batch_size) * session.slot_count() as u64,
             replicas: cfg.devices.len(),
             accumulate: cfg.accumulate,
+            precision: cfg.precision.name(),
+            loss_scale: p.loss_scale,
             optimizer: cfg.optimizer.clone(),
             schedule: cfg.schedule.clone(),
             seed: cfg.seed,

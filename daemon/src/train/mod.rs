@@ -59,6 +59,8 @@ pub struct RunConfig {
     pub data: DataSource,
     /// The plugin's configuration every worker must share ([`crate::plugin::Plugin::agreement`]).
     pub plugin: Option<serde_json::Value>,
+    /// The forward pass's precision.
+    pub precision: crate::precision::Precision,
     /// Evaluate on the test split after each epoch (false: `--no-evaluation`).
     pub evaluate: bool,
     /// Epochs to run.
@@ -150,6 +152,9 @@ impl RunConfig {
         if self.accumulate > 1 {
             agreement[crate::state::ACCUMULATE_KEY] = self.accumulate.into();
         }
+        if let Some(precision) = self.precision.agreement() {
+            agreement["precision"] = precision.into();
+        }
         if !self.clip.is_off() {
             agreement["clip"] = serde_json::to_value(self.clip).expect("plain numbers");
         }
@@ -175,6 +180,8 @@ pub struct CheckpointConfig {
     pub every: u64,
     /// Keep the newest this many commits (0: all).
     pub keep: usize,
+    /// Keep the commit with the best value of this epoch-end figure, too.
+    pub best: Option<(String, trainerd_storage::Mode)>,
 }
 
 /// Why training stopped.
@@ -285,7 +292,7 @@ pub fn run(
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model("model", cfg.device)?;
     let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());
-    let replicas = Replicas::build(plugin, &cfg.devices)?;
+    let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
     let checkpointer = startup::restore(cfg, (&info, world), &mut session, &mut state, &mut report)?;
     let joining = startup::join_in_background(session, state, stop, &report, cfg)?;

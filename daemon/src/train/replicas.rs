@@ -11,11 +11,14 @@ use tch::{Device, Tensor};
 use super::step::{Replica, Variables};
 use super::TrainError;
 use crate::plugin::{ModelInstance, Named, Plugin};
+use crate::precision::Precision;
 
 /// The replicas after the first, each a model instance on its own device.
 pub struct Replicas<'p> {
     /// The first replica's device (the run's `device`).
     first: Device,
+    /// The forward pass's precision, the same on every replica.
+    precision: Precision,
     others: Vec<Other<'p>>,
 }
 
@@ -29,14 +32,14 @@ struct Other<'p> {
 impl<'p> Replicas<'p> {
     /// The plugin's model built on every device of `devices` after the first (whose instance the
     /// run already has).
-    pub fn build(plugin: &'p Plugin, devices: &[Device]) -> Result<Replicas<'p>, TrainError> {
+    pub fn build(plugin: &'p Plugin, devices: &[Device], precision: Precision) -> Result<Replicas<'p>, TrainError> {
         let mut others = Vec::with_capacity(devices.len().saturating_sub(1));
         for &device in devices.iter().skip(1) {
             let model = plugin.create_model("model", device)?;
             let (params, buffers) = model.split_variables();
             others.push(Other { model, device, params, buffers });
         }
-        Ok(Replicas { first: devices.first().copied().unwrap_or(Device::Cpu), others })
+        Ok(Replicas { first: devices.first().copied().unwrap_or(Device::Cpu), precision, others })
     }
 
     /// The replicas of one step, the first being `model` with the state's `variables`; the others
@@ -45,6 +48,7 @@ impl<'p> Replicas<'p> {
         &'s mut self,
         model: &'s ModelInstance<'p>,
         (params, buffers): Variables<'s>,
+        loss_scale: f64,
     ) -> Result<Vec<Replica<'s>>, TrainError> {
         let _no_grad = tch::no_grad_guard();
         let copy = |to: &mut [(String, Tensor)], from: &[(String, Tensor)]| {
@@ -55,9 +59,11 @@ impl<'p> Replicas<'p> {
                 .and_then(|()| copy(&mut o.buffers, buffers))
                 .map_err(|source| TrainError::Torch { what: "copying the variables to a replica", source })?;
         }
-        let mut all = vec![Replica { model, device: self.first, params, buffers }];
+        let precision = self.precision;
+        let mut all = vec![Replica { model, device: self.first, params, buffers, precision, loss_scale }];
         for o in &mut self.others {
-            all.push(Replica { model: &o.model, device: o.device, params: &mut o.params, buffers: &mut o.buffers });
+            let (model, device, params, buffers) = (&o.model, o.device, &mut o.params, &mut o.buffers);
+            all.push(Replica { model, device, params, buffers, precision, loss_scale });
         }
         Ok(all)
     }

@@ -105,7 +105,8 @@ pub(super) fn committer(
 ) -> Option<Committer> {
     let every = cfg.checkpoint.as_ref().map_or(0, |c| c.every);
     let policy = Policy { every, steps_per_epoch };
-    checkpointer.map(|c| Committer::new(c, policy, info, workers, cfg.agreement_json()))
+    let best = cfg.checkpoint.as_ref().and_then(|c| c.best.clone());
+    checkpointer.map(|c| Committer::new(c, policy, info, workers, cfg.agreement_json()).keeping_best(best))
 }
 
 /// The checkpoint location opened; on S3, its server proved to refuse a second create-if-absent

@@ -16,6 +16,7 @@ use crate::collective::buckets::Buckets;
 use crate::collective::{ReduceOp, Ring};
 use crate::input::Data;
 use crate::plugin::ModelInstance;
+use crate::precision::Precision;
 use crate::state::host::host_bytes;
 use crate::state::Totals;
 
@@ -65,6 +66,10 @@ pub struct Replica<'s> {
     pub params: &'s mut [(String, Tensor)],
     /// Its buffers.
     pub buffers: &'s mut [(String, Tensor)],
+    /// The forward pass's precision.
+    pub precision: Precision,
+    /// What the loss is multiplied by before backward (float16's loss scale; else 1).
+    pub loss_scale: f64,
 }
 
 /// Forward, loss and backward of every slot this worker holds (`batches`, in slot order): the
@@ -137,13 +142,19 @@ fn forward_backward(
     let moved = |t: &Tensor| t.f_to_device(replica.device).map_err(torch("moving the batch to the device"));
     let (xs, labels) = (moved(batch.xs)?, moved(batch.labels)?);
     tch::manual_seed(batch.seed);
+    let autocast = replica.precision.autocast(replica.device).map_err(torch("entering autocast"))?;
     let logits = replica.model.forward(&xs, true)?;
     let loss = replica.model.loss(&logits, &labels)?;
     let metrics = replica.model.metrics(&logits.detach(), &labels)?;
+    drop(autocast);
     for (_, p) in replica.params.iter_mut() {
         p.zero_grad();
     }
-    loss.f_backward().map_err(torch("backward"))?;
+    if replica.loss_scale == 1.0 {
+        loss.f_backward().map_err(torch("backward"))?;
+    } else {
+        loss.f_mul_scalar(replica.loss_scale).and_then(|l| l.f_backward()).map_err(torch("backward"))?;
+    }
     Ok((xs.size()[0], loss, metrics))
 }
 
@@ -236,10 +247,11 @@ pub fn evaluate(
     data: &Data<'_>,
     ctxs: &[InputContext],
     ring: &mut Ring,
-    (device, metrics): (Device, usize),
+    (device, metrics, precision): (Device, usize, Precision),
     done: &mut BTreeMap<u32, Vec<f64>>,
 ) -> Result<Totals, TrainError> {
     let _no_grad = tch::no_grad_guard();
+    let _autocast = precision.autocast(device).map_err(torch("entering autocast"))?;
     let mut sums = Vec::with_capacity(ctxs.len());
     for ctx in ctxs {
         if let Some(shard) = done.get(&ctx.input_pipeline_id) {

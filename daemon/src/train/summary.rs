@@ -50,6 +50,11 @@ pub struct Summary {
     /// Micro-batches per update on each replica (`--accumulate`): the run's slots (virtual
     /// ranks), whose math it is, are `workers` times `replicas` times this.
     pub accumulate: usize,
+    /// The forward pass's precision (`fp32`, `bf16`, `fp16`).
+    pub precision: &'static str,
+    /// Float16's loss scale at the end, and the steps it skipped (`--precision fp16` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<crate::precision::LossScale>,
     /// The slots this worker held at the end.
     pub slots: Vec<usize>,
     /// This worker's rank.

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::protocol::{Fenced, DATA, MANIFEST};
+pub use crate::protocol::{Mode, Score};
 use crate::tensors::{TensorData, TensorError};
 
 /// Blobs at least this large go up as multipart uploads, in parts of this size (measured: 32 MiB
@@ -109,6 +110,8 @@ pub struct NewCheckpoint {
     pub meta: serde_json::Value,
     /// The tensors.
     pub blobs: Vec<Blob>,
+    /// An epoch-end commit's score, by which retention keeps the best commit.
+    pub score: Option<Score>,
 }
 
 /// A blob as the manifest lists it.
@@ -144,7 +147,7 @@ pub struct Manifest {
 }
 
 /// A commit record: what makes a checkpoint visible.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CommitRecord {
     /// Sequence (1, 2, ...).
     pub sequence: u64,
@@ -167,6 +170,10 @@ pub struct CommitRecord {
     pub bytes: u64,
     /// Commit time (ms since the Unix epoch).
     pub created_unix_ms: u64,
+    /// An epoch-end commit's score (docs/best-checkpoint.md); none in records before scores, and
+    /// in commits within an epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score: Option<Score>,
 }
 
 impl CommitRecord {

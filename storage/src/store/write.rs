@@ -120,6 +120,7 @@ impl CheckpointStore {
             epoch: checkpoint.epoch,
             bytes: manifest.blobs.iter().map(|b| b.size).sum(),
             created_unix_ms: now,
+            score: checkpoint.score.clone(),
         };
         self.create_record(&record).await?;
         self.collect(keep, (checkpoint.generation, checkpoint.writer), Some(&id)).await;
@@ -247,13 +248,17 @@ impl CheckpointStore {
         me: (u64, u64),
         in_flight: Option<&str>,
     ) -> Result<(), StorageError> {
-        let sequences = self.sequences().await?;
-        for seq in protocol::retention(&sequences, keep) {
+        let mut records = self.records().await?;
+        let sequences: BTreeSet<u64> = records.iter().map(|(seq, _)| *seq).collect();
+        let best =
+            protocol::best(records.iter().map(|(seq, r)| (*seq, r.as_ref().ok().and_then(|r| r.score.as_ref()))));
+        let doomed = protocol::retention(&sequences, best, keep);
+        for &seq in &doomed {
             let relative = format!("{COMMITS}/{}", protocol::commit_name(seq));
             let path = self.path(&relative);
             self.retrying("deleting", &relative, || async { self.store.delete(&path).await }).await?;
         }
-        let records = self.records().await?;
+        records.retain(|(seq, _)| !doomed.contains(seq));
         if let Some((seq, Err(e))) = records.iter().find(|(_, r)| r.is_err()) {
             tracing::warn!(
                 "{}: no checkpoint data is deleted while commit {seq} cannot be read (its data is unknown); retention                  removes that record in time: {e}",

@@ -1,0 +1,69 @@
+// libtorch's autocast switches, which tch 0.26 binds only for CUDA and without a dtype: mixed
+// precision for the forward pass on the CPU (bfloat16) and on CUDA (bfloat16 or float16). The
+// state is thread-local in libtorch; a region is entered and left on the thread that computes.
+// Leaving the outermost region clears autocast's cache of cast weights, which would otherwise
+// outlive the optimizer's in-place update of the weights they were cast from.
+
+#include <ATen/autocast_mode.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+
+namespace {
+
+char *message(const std::string &text) {
+  char *out = static_cast<char *>(std::malloc(text.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, text.c_str(), text.size() + 1);
+  }
+  return out;
+}
+
+template <typename F> char *guarded(F f) {
+  try {
+    f();
+    return nullptr;
+  } catch (const c10::Error &e) {
+    return message(e.what_without_backtrace());
+  } catch (const std::exception &e) {
+    return message(e.what());
+  } catch (...) {
+    return message("unknown C++ exception");
+  }
+}
+
+at::DeviceType device_type(int cuda) { return cuda ? at::kCUDA : at::kCPU; }
+
+} // namespace
+
+extern "C" {
+
+// Enters an autocast region on `cuda ? CUDA : CPU` casting to `half ? float16 : bfloat16`.
+char *trainerd_autocast_enter(int cuda, int half) {
+  return guarded([&] {
+    auto device = device_type(cuda);
+    at::autocast::set_autocast_dtype(device, half ? at::kHalf : at::kBFloat16);
+    at::autocast::set_autocast_enabled(device, true);
+    at::autocast::increment_nesting();
+  });
+}
+
+// Leaves the region `trainerd_autocast_enter` entered.
+char *trainerd_autocast_exit(int cuda) {
+  return guarded([&] {
+    auto device = device_type(cuda);
+    if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
+    at::autocast::set_autocast_enabled(device, false);
+  });
+}
+
+// Whether autocast is on for the device on this thread (for tests).
+int trainerd_autocast_enabled(int cuda) { return at::autocast::is_autocast_enabled(device_type(cuda)) ? 1 : 0; }
+
+void trainerd_autocast_free(char *s) { std::free(s); }
+
+} // extern "C"
