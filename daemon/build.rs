@@ -3,6 +3,7 @@
 //! links, and gives the daemon and its tests an rpath to that libtorch.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=csrc/autocast.cpp");
+    println!("cargo:rerun-if-changed=../sdk/csrc/trainerd_shim.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib = std::path::PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB")?);
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
@@ -15,6 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .warnings(false)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
+        .include("../sdk/csrc")
         .flag("-std=c++17")
         .flag(format!(
             "-D_GLIBCXX_USE_CXX11_ABI={}",

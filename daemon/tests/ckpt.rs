@@ -184,14 +184,67 @@ fn checkpoints_on_s3() {
     assert_eq!(first, again);
 }
 
+/// A child's stdout and stderr lines as they come, and those seen so far.
+struct Transcript {
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: Vec<String>,
+    deadline: std::time::Instant,
+}
+
+impl Transcript {
+    /// `child`'s output, read until `within` from now at the latest.
+    fn of(child: &mut std::process::Child, within: std::time::Duration) -> Transcript {
+        use std::io::BufRead;
+        let (tx, lines) = std::sync::mpsc::channel();
+        for stream in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        Transcript { lines, seen: Vec::new(), deadline: std::time::Instant::now() + within }
+    }
+
+    fn left(&self) -> std::time::Duration {
+        self.deadline.saturating_duration_since(std::time::Instant::now())
+    }
+
+    /// Reads up to the first line that starts with `prefix`.
+    fn until(&mut self, prefix: &str) {
+        loop {
+            let line =
+                self.lines.recv_timeout(self.left()).unwrap_or_else(|_| panic!("no more output:\n{}", self.text()));
+            self.seen.push(line);
+            if self.seen.last().unwrap().starts_with(prefix) {
+                return;
+            }
+        }
+    }
+
+    /// Reads every line left.
+    fn rest(&mut self) {
+        while let Ok(line) = self.lines.recv_timeout(self.left()) {
+            self.seen.push(line);
+        }
+    }
+
+    fn text(&self) -> String {
+        self.seen.join("\n")
+    }
+}
+
 /// The S3-compatible server becomes unreachable for longer than a commit interval in the middle
 /// of a run (every connection to it cut, new ones closed at once), then comes back: training
 /// never stops (failed or skipped commits are warnings), commits resume, the run exits 0, its
 /// final commit verifies, and the model resumed from it is bitwise the uninterrupted run's.
 #[test]
 fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
-    use std::io::BufRead;
-    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
     let tmp = tempfile::tempdir().unwrap();
     let args = |ckpt: &str, summary: &Path| {
         let mut cmd = trainerd_cmd();
@@ -225,40 +278,18 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let (tx, lines) = std::sync::mpsc::channel();
-    for stream in [
-        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-        Box::new(child.stderr.take().unwrap()),
-    ] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stream).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
-    drop(tx);
-    let mut seen = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let next = |seen: &mut Vec<String>| {
-        let line = lines
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .unwrap_or_else(|_| panic!("no more output:\n{}", seen.join("\n")));
-        seen.push(line.clone());
-        line
-    };
-    while !next(&mut seen).starts_with("checkpoint 1 committed") {}
+    let mut t = Transcript::of(&mut child, Duration::from_secs(120));
+    t.until("checkpoint 1 committed");
     let now = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
     link.cut();
     let down = now();
     std::thread::sleep(Duration::from_secs(3));
     link.restore();
     let up = now();
-    while let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        seen.push(line);
-    }
+    t.rest();
     let status = child.wait().unwrap();
-    let transcript = format!("{}\n--- the S3 server's log ---\n{}", seen.join("\n"), server.log_tail(40));
+    let seen = &t.seen;
+    let transcript = format!("{}\n--- the S3 server's log ---\n{}", t.text(), server.log_tail(40));
     assert!(status.success(), "{status}\n{transcript}");
     // Training went on while the server was away, and said what happened to the commits.
     let steps_while_down = std::fs::read_to_string(&log)
@@ -454,4 +485,59 @@ fn keep_best_names_what_it_needs() {
             ckpt.display()
         )
     );
+}
+
+/// The best epoch's commit is skipped while storage is out (the commit before it is stuck
+/// retrying): the chief keeps that state in memory and commits it when storage returns, so the
+/// best commit exists and survives retention; the run ends bitwise as without the outage.
+/// `val_accuracy:min` makes the first epoch, whose end falls in the outage, the best.
+#[test]
+fn the_best_epoch_skipped_during_an_outage_is_committed_when_storage_returns() {
+    use std::time::Duration;
+    let tmp = tempfile::tempdir().unwrap();
+    let args = |ckpt: &str, summary: &Path| {
+        let mut cmd = trainerd_cmd();
+        cmd.args(["run", "--threads", "1", "--seed", "5", "--epochs", "4", "--steps-per-epoch", "150"])
+            .args(["--checkpoint-every", "50", "--checkpoint-dir", ckpt, "--keep-checkpoints", "1"])
+            .args(["--keep-best", "val_accuracy:min", "--plugin"])
+            .arg(plugin("mnist-cnn"))
+            .arg("--data")
+            .arg(dataset())
+            .arg("--summary")
+            .arg(summary);
+        cmd
+    };
+    let reference = args(tmp.path().join("local").to_str().unwrap(), &tmp.path().join("ref.json")).output().unwrap();
+    assert!(reference.status.success(), "{}", text(&reference));
+
+    let server = S3Server::start().unwrap_or_else(|e| panic!("S3-compatible test server: {e}"));
+    let env = server.env();
+    let link = server.link().unwrap();
+    let url = format!("s3://{}/best", server.bucket);
+    let mut child = args(&url, &tmp.path().join("a.json"))
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("AWS_ENDPOINT_URL", link.endpoint())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut t = Transcript::of(&mut child, Duration::from_secs(180));
+    // Cut after the first commit (step 50): the commit of step 100 is stuck, epoch 1's end (step
+    // 150) is skipped and kept; storage returns once epoch 1 has ended.
+    t.until("checkpoint 1 committed");
+    link.cut();
+    t.until("trainerd: keeping the state of epoch 1 (val_accuracy ");
+    link.restore();
+    t.rest();
+    let status = child.wait().unwrap();
+    let transcript = t.text();
+    assert!(status.success(), "{status}\n{transcript}");
+    assert_eq!(json(&tmp.path().join("a.json"))["params_sha256"], json(&tmp.path().join("ref.json"))["params_sha256"]);
+    let listed = trainerd_cmd().args(["ckpt", "list", &url]).envs(env.iter().map(|(k, v)| (k, v))).output().unwrap();
+    assert!(listed.status.success(), "{}", text(&listed));
+    let listed = stdout(&listed);
+    let best: Vec<&str> = listed.lines().filter(|l| l.ends_with("  best")).collect();
+    assert_eq!(best.len(), 1, "{listed}\n{transcript}");
+    let fields: Vec<&str> = best[0].split_whitespace().collect();
+    assert_eq!((fields[1], fields[2]), ("150", "1"), "epoch 1's end is the best commit:\n{listed}\n{transcript}");
 }

@@ -412,6 +412,22 @@ fn a_clipped_run_logs_each_steps_gradient_norm() {
     assert_ne!(sha(&clipped), sha(&free), "{}\n{}", text(&clipped), text(&free));
 }
 
+/// Runs `cmd` until its step `step` pauses at the `train-step` failpoint, and SIGKILLs it there.
+fn killed_at_step(cmd: &mut Command, step: u64) {
+    use std::io::BufRead;
+    let mut child = cmd
+        .env("TRAINERD_FAILPOINT", format!("train-step@{step}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let reached = stderr.lines().map_while(Result::ok).any(|l| l.contains("failpoint train-step reached"));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(reached, "step {step} was never reached");
+}
+
 /// A run of the linear model that learns next to nothing (SGD at 1e-9): val_loss moves by less
 /// than 0.001 an epoch, so `--early-stopping val_loss:2:0.001` stops it after epoch 3; `extra`
 /// flags and `env` added.
@@ -432,7 +448,6 @@ fn barely_learning(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Command 
 /// two epochs later.
 #[test]
 fn early_stopping_stops_at_the_same_epoch_after_a_kill_and_a_resume() {
-    use std::io::BufRead;
     let (whole, killed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let out = barely_learning(whole.path(), &[], &[]).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
@@ -448,16 +463,7 @@ fn early_stopping_stops_at_the_same_epoch_after_a_kill_and_a_resume() {
     assert_eq!((expected["stopped_early_after_epoch"].as_u64(), expected["steps"].as_u64()), (Some(3), Some(60)));
     // The 45th step pauses at a failpoint (in epoch 3, after the commit of step 40); it is
     // SIGKILLed there.
-    let mut child = barely_learning(killed.path(), &[], &[("TRAINERD_FAILPOINT", "train-step@45")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let reached = stderr.lines().map_while(Result::ok).any(|l| l.contains("failpoint train-step reached"));
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert!(reached);
+    killed_at_step(&mut barely_learning(killed.path(), &[], &[]), 45);
     let resumed = barely_learning(killed.path(), &[], &[]).output().unwrap();
     assert!(resumed.status.success(), "{}", text(&resumed));
     assert!(stdout(&resumed).contains("resumed from checkpoint"), "{}", text(&resumed));
@@ -495,7 +501,6 @@ fn a_plateau_reduces_the_learning_rate_and_the_epoch_line_shows_it() {
 /// killed mid-epoch and resumed from its checkpoint ends bitwise as the uninterrupted bf16 run.
 #[test]
 fn bf16_trains_as_well_as_fp32_and_a_killed_bf16_run_resumes_bitwise() {
-    use std::io::BufRead;
     let tmp = tempfile::tempdir().unwrap();
     let s = |name: &str| tmp.path().join(name);
     let budget = ["--epochs", "1", "--steps-per-epoch", "300", "--batch-size", "64"];
@@ -522,18 +527,7 @@ fn bf16_trains_as_well_as_fp32_and_a_killed_bf16_run_resumes_bitwise() {
     let killed = bf16_args("killed");
     let mut cmd = trainerd_cmd();
     cmd.args(["run", "--threads", "2", "--plugin"]).arg(plugin("mnist-cnn")).arg("--data").arg(dataset());
-    let mut child = cmd
-        .args(&killed)
-        .env("TRAINERD_FAILPOINT", "train-step@150")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let reached = stderr.lines().map_while(Result::ok).any(|l| l.contains("failpoint train-step reached"));
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert!(reached);
+    killed_at_step(cmd.args(&killed), 150);
     let resumed = run("mnist-cnn", &killed.iter().map(String::as_str).collect::<Vec<_>>(), None);
     assert!(resumed.status.success(), "{}", text(&resumed));
     assert!(stdout(&resumed).contains("resumed from checkpoint"), "{}", text(&resumed));

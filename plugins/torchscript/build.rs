@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 fn main() {
     println!("cargo:rerun-if-changed=src/shim.cpp");
+    // The C boundary every trainerd shim shares (the SDK's).
+    println!("cargo:rerun-if-changed=../../sdk/csrc/trainerd_shim.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib = PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys says where libtorch is"));
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
@@ -18,6 +20,7 @@ fn main() {
         .warnings(false)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
+        .include("../../sdk/csrc")
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
         .flag("-DGLOG_USE_GLOG_EXPORT")

@@ -9,32 +9,15 @@
 
 #include <torch/script.h>
 
+#include "trainerd_shim.h"
+
 #include <cstdlib>
-#include <cstring>
+#include <stdexcept>
 #include <string>
 
 namespace {
 
-char *message(const std::string &text) {
-  char *out = static_cast<char *>(std::malloc(text.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, text.c_str(), text.size() + 1);
-  }
-  return out;
-}
-
-template <typename F> char *guarded(F f) {
-  try {
-    f();
-    return nullptr;
-  } catch (const c10::Error &e) {
-    return message(e.what_without_backtrace());
-  } catch (const std::exception &e) {
-    return message(e.what());
-  } catch (...) {
-    return message("unknown C++ exception");
-  }
-}
+using trainerd_shim::guarded;
 
 torch::Device device_of(int raw) { return raw < 0 ? torch::Device(torch::kCPU) : torch::Device(torch::kCUDA, raw); }
 
