@@ -359,3 +359,53 @@ fn plugin_check_describes_the_module_and_lists_the_keys() {
         assert!(text.contains(&expected), "no {expected:?} in\n{text}");
     }
 }
+
+/// A scripted model reads Fashion-MNIST as Parquet (the plugin declares Hugging Face's image
+/// columns) exactly as it reads the idx files: the same parameters, bit for bit. Its checkpoint is
+/// evaluated with the same file, and refused with another, naming both hashes.
+#[test]
+fn a_scripted_model_trains_from_parquet_as_from_idx_and_its_checkpoint_is_its_files_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cnn = script("cnn", tmp.path());
+    let train = |data: &Path, name: &str| {
+        let out = trainerd_cmd()
+            .args(["run", "--threads", "1", "--epochs", "1", "--steps-per-epoch", "40", "--no-evaluation", "--plugin"])
+            .arg(plugin("torchscript"))
+            .args(["--plugin-arg", &format!("module={}", cnn.display()), "--data"])
+            .arg(data)
+            .args([
+                "--checkpoint-dir",
+                path(&tmp.path().join(name)),
+                "--summary",
+                path(&tmp.path().join(format!("{name}.json"))),
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        params_sha256(&tmp.path().join(format!("{name}.json")))
+    };
+    assert_eq!(train(&trainerd_testkit::parquet_dataset(), "parquet"), train(&dataset(), "idx"));
+
+    let evaluate = |module: &Path| {
+        trainerd_cmd()
+            .args(["evaluate", "--threads", "1", "--checkpoint", path(&tmp.path().join("idx")), "--plugin"])
+            .arg(plugin("torchscript"))
+            .args(["--plugin-arg", &format!("module={}", module.display()), "--data"])
+            .arg(dataset())
+            .output()
+            .unwrap()
+    };
+    let same = evaluate(&cnn);
+    assert!(same.status.success(), "{}", text(&same));
+    let bn = script("bn", tmp.path());
+    assert_eq!(
+        error_of(&evaluate(&bn)),
+        format!(
+            "error: checkpoint: {}: checkpoint 1 was written by another model of plugin torchscript: \
+             plugin.identity.module_sha256 is \"{}\" in the checkpoint, \"{}\" in this run",
+            tmp.path().join("idx").display(),
+            sha256_hex(&cnn),
+            sha256_hex(&bn)
+        )
+    );
+}
