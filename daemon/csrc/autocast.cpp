@@ -21,24 +21,28 @@ at::DeviceType device_type(int cuda) { return cuda ? at::kCUDA : at::kCPU; }
 
 extern "C" {
 
-// Enters an autocast region on `cuda ? CUDA : CPU` casting to `half ? float16 : bfloat16`.
-char *trainerd_autocast_enter(int cuda, int half) {
+// Enters an autocast region on `cuda ? CUDA : CPU` casting to `half ? float16 : bfloat16`; writes
+// the settings it replaced, for `trainerd_autocast_exit` to put back (as torch.autocast's exit).
+char *trainerd_autocast_enter(int cuda, int half, int *was_enabled, int *was_dtype) {
   return guarded([&] {
     auto device = device_type(cuda);
+    *was_enabled = at::autocast::is_autocast_enabled(device) ? 1 : 0;
+    *was_dtype = static_cast<int>(at::autocast::get_autocast_dtype(device));
     at::autocast::set_autocast_dtype(device, half ? at::kHalf : at::kBFloat16);
     at::autocast::set_autocast_enabled(device, true);
     at::autocast::increment_nesting();
   });
 }
 
-// Leaves the region `trainerd_autocast_enter` entered.
-char *trainerd_autocast_exit(int cuda) {
+// Leaves the region `trainerd_autocast_enter` entered, putting back what it replaced.
+char *trainerd_autocast_exit(int cuda, int was_enabled, int was_dtype) {
   return guarded([&] {
     auto device = device_type(cuda);
     if (at::autocast::decrement_nesting() == 0) {
       at::autocast::clear_cache();
     }
-    at::autocast::set_autocast_enabled(device, false);
+    at::autocast::set_autocast_enabled(device, was_enabled != 0);
+    at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(was_dtype));
   });
 }
 

@@ -12,8 +12,9 @@ use std::ffi::{c_char, c_int, CStr};
 use tch::Device;
 
 unsafe extern "C" {
-    fn trainerd_autocast_enter(cuda: c_int, half: c_int) -> *mut c_char;
-    fn trainerd_autocast_exit(cuda: c_int) -> *mut c_char;
+    fn trainerd_autocast_enter(cuda: c_int, half: c_int, was_enabled: *mut c_int, was_dtype: *mut c_int)
+        -> *mut c_char;
+    fn trainerd_autocast_exit(cuda: c_int, was_enabled: c_int, was_dtype: c_int) -> *mut c_char;
     fn trainerd_autocast_enabled(cuda: c_int) -> c_int;
     fn trainerd_autocast_free(s: *mut c_char);
 }
@@ -77,22 +78,27 @@ impl Precision {
             return Ok(None);
         }
         let cuda = c_int::from(device.is_cuda());
-        // SAFETY: the shim's function, with plain integers.
-        check(unsafe { trainerd_autocast_enter(cuda, c_int::from(self == Precision::Fp16)) })?;
-        Ok(Some(Autocast { cuda }))
+        let (mut was_enabled, mut was_dtype) = (0, 0);
+        // SAFETY: the shim's function, with plain integers and valid out pointers.
+        check(unsafe {
+            trainerd_autocast_enter(cuda, c_int::from(self == Precision::Fp16), &mut was_enabled, &mut was_dtype)
+        })?;
+        Ok(Some(Autocast { cuda, was: (was_enabled, was_dtype) }))
     }
 }
 
-/// An autocast region on this thread; left on drop.
+/// An autocast region on this thread; left on drop, the settings it replaced put back.
 #[derive(Debug)]
 pub struct Autocast {
     cuda: c_int,
+    /// Whether autocast was on, and its dtype (libtorch's ScalarType), before the region.
+    was: (c_int, c_int),
 }
 
 impl Drop for Autocast {
     fn drop(&mut self) {
         // SAFETY: the shim's function; the region was entered by `Precision::autocast`.
-        if let Err(e) = check(unsafe { trainerd_autocast_exit(self.cuda) }) {
+        if let Err(e) = check(unsafe { trainerd_autocast_exit(self.cuda, self.was.0, self.was.1) }) {
             tracing::warn!("leaving autocast: {e}");
         }
     }
@@ -191,6 +197,14 @@ mod tests {
         }
         assert!(!autocast_enabled(Device::Cpu));
         assert_eq!(a.matmul(&b).kind(), Kind::Float);
+        // Nested regions put back what they replaced.
+        {
+            let _outer = Precision::Bf16.autocast(Device::Cpu).unwrap();
+            drop(Precision::Bf16.autocast(Device::Cpu).unwrap());
+            assert!(autocast_enabled(Device::Cpu), "the outer region is still on");
+            assert_eq!(a.matmul(&b).kind(), Kind::BFloat16);
+        }
+        assert!(!autocast_enabled(Device::Cpu));
         assert!(Precision::Fp32.autocast(Device::Cpu).unwrap().is_none());
     }
 

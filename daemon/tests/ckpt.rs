@@ -292,10 +292,9 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
     let transcript = format!("{}\n--- the S3 server's log ---\n{}", t.text(), server.log_tail(40));
     assert!(status.success(), "{status}\n{transcript}");
     // Training went on while the server was away, and said what happened to the commits.
-    let steps_while_down = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["time"].as_f64().unwrap())
+    let steps_while_down = trainerd_testkit::output::metrics_log(&log)
+        .iter()
+        .map(|l| l["time"].as_f64().unwrap())
         .filter(|t| *t > down + 1.0 && *t < up)
         .count();
     assert!(steps_while_down > 100, "{steps_while_down} steps while storage was down\n{transcript}");

@@ -1,10 +1,9 @@
 //! Multi-worker training with real daemons on loopback: results, replica identity, equivalence
 //! with one bigger worker, and every refusal with its message.
 
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
-use trainerd_testkit::output::{error_line, error_of, json, text};
+use trainerd_testkit::output::{error_line, error_of, json, step_losses, text};
 use trainerd_testkit::{dataset, free_ports, plugin, tf_config, trainerd_cmd};
 
 /// `trainerd local --workers N` on mnist-cnn for one epoch: accuracy and identical replicas.
@@ -45,14 +44,6 @@ fn two_workers_train_mnist_cnn_to_85_percent_with_identical_parameters() {
 #[test]
 fn three_workers_train_mnist_cnn_to_85_percent_with_identical_parameters() {
     cnn_on(3);
-}
-
-fn step_losses(log: &Path) -> Vec<f64> {
-    std::fs::read_to_string(log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect()
 }
 
 /// N workers with batch b follow one worker with batch N*b, step by step.

@@ -402,8 +402,7 @@ fn a_clipped_run_logs_each_steps_gradient_norm() {
     let common = ["--epochs", "1", "--steps-per-epoch", "30", "--no-evaluation"];
     let clipped = run("linear", &[&common[..], &["--clip-norm", "0.1", "--metrics-log", path(&log)]].concat(), None);
     assert!(clipped.status.success(), "{}", text(&clipped));
-    let lines: Vec<serde_json::Value> =
-        std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines = trainerd_testkit::output::metrics_log(&log);
     assert_eq!(lines.len(), 30);
     assert!(lines.iter().all(|l| l["grad_norm"].as_f64().is_some_and(|n| n > 0.1)), "{:?}", lines[0]);
     let free = run("linear", &common, None);

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use trainerd_sdk::{mnist::Mnist, Split};
-use trainerd_testkit::output::{error_line, error_of, json, params_sha256, stdout, text};
+use trainerd_testkit::output::{error_line, error_of, json, params_sha256, stdout, step_losses, text};
 use trainerd_testkit::{dataset, free_ports, plugin, python, tf_config, trainerd_cmd, Event, Worker};
 
 /// Per-worker batch and seed of every run here.
@@ -86,14 +86,6 @@ fn eager(model: &str, module: &Path, (epochs, steps): (u32, u64), dir: &Path) ->
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
     json(&result)
-}
-
-fn step_losses(log: &Path) -> Vec<f64> {
-    std::fs::read_to_string(log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect()
 }
 
 /// Scripts `model`, trains it on two workers and with PyTorch eager: identical parameters on both
@@ -229,15 +221,21 @@ fn workers_with_different_files_or_arguments_are_refused_naming_both() {
             sha256_hex(&cnn)
         )
     );
-    // The same file under another path is the same model; an agreed argument that differs is not.
+    // The same file under another path is the same model, and a default given is the default
+    // left out; an agreed argument that differs is refused.
     let copy = tmp.path().join("copy-of-cnn.pt");
     std::fs::copy(&cnn, &copy).unwrap();
     let chief = [arg(format!("module={}", cnn.display())), arg("loss=cross_entropy".into())].concat();
+    let ports = free_ports(2);
+    let (a, b) = (spawn_worker(&ports, 0, &chief), spawn_worker(&ports, 1, &arg(format!("module={}", copy.display()))));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert!(a.status.success() && b.status.success(), "{}\n{}", text(&a), text(&b));
+    let chief = [arg(format!("module={}", cnn.display())), arg("metrics=none".into())].concat();
     let (line, w1) = refusal(&chief, &arg(format!("module={}", copy.display())));
     assert!(
         line.starts_with(&format!(
-            "error: rendezvous refused by the chief: {w1} has a different run configuration: plugin.args = \
-             (absent) on {w1}, {{\"loss\":\"cross_entropy\"}} on the chief"
+            "error: rendezvous refused by the chief: {w1} has a different run configuration: plugin.args.metrics = \
+             (absent) on {w1}, \"none\" on the chief"
         )),
         "{line}"
     );

@@ -158,9 +158,8 @@ impl InputContext {
 /// The plugin's functions. Every `Handle` argument is one the same plugin returned.
 #[repr(C)]
 pub struct PluginVTable {
-    /// Writes the keys the plugin accepts, a JSON list of [`crate::ArgSpec`] (static,
-    /// plugin-owned).
-    pub arguments: unsafe extern "C" fn(out_json: *mut StrRef) -> Status,
+    /// Writes the keys the plugin accepts, a JSON list of [`crate::ArgSpec`].
+    pub arguments: unsafe extern "C" fn(out_json: *mut OwnedString) -> Status,
     /// Writes the plugin's [`crate::PluginInfo`] as JSON for the arguments `args_json` (a JSON
     /// object of strings, [`crate::PluginArgs`]).
     pub info: unsafe extern "C" fn(args_json: StrRef, out_json: *mut OwnedString) -> Status,

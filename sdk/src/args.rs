@@ -19,8 +19,8 @@ pub struct ArgSpec {
     pub key: String,
     /// What it accepts, in a few words (`plugin check` lists it).
     pub help: String,
-    /// The value used when the key is not given; `None` when there is none (the plugin either
-    /// requires it or does without).
+    /// The value used when the key is not given; `None` when there is none (the plugin requires
+    /// it, or derives its default from other keys, which `help` then says).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default: Option<String>,
     /// Whether every worker must give the same value, checked at admission and on resume. False
@@ -106,10 +106,17 @@ impl PluginArgs {
         }
     }
 
-    /// The pairs whose keys `specs` marks [`ArgSpec::agreed`]: what every worker must give alike.
+    /// The values of the keys `specs` marks [`ArgSpec::agreed`], given or else their defaults:
+    /// what every worker must have alike (a worker that gives a default and one that leaves it
+    /// out agree).
     pub fn agreed(&self, specs: &[ArgSpec]) -> PluginArgs {
-        let agreed = |k: &String| specs.iter().any(|s| &s.key == k && s.agreed);
-        PluginArgs(self.0.iter().filter(|(k, _)| agreed(k)).map(|(k, v)| (k.clone(), v.clone())).collect())
+        PluginArgs(
+            specs
+                .iter()
+                .filter(|s| s.agreed)
+                .filter_map(|s| Some((s.key.clone(), self.0.get(&s.key).or(s.default.as_ref())?.clone())))
+                .collect(),
+        )
     }
 }
 
@@ -122,7 +129,7 @@ pub fn accepted(specs: &[ArgSpec]) -> String {
     format!("it accepts {}", keys.join(", "))
 }
 
-/// One line per key of `specs`: `KEY: HELP (default D)`, or `KEY: HELP (required)`.
+/// One line per key of `specs`: `KEY: HELP (default D)`, or `KEY: HELP` when it has no default.
 pub fn describe(specs: &[ArgSpec]) -> Vec<String> {
     specs
         .iter()
@@ -181,8 +188,10 @@ mod tests {
     }
 
     #[test]
-    fn only_agreed_keys_are_agreed() {
+    fn only_agreed_keys_are_agreed_with_their_defaults() {
         let args = PluginArgs::parse(&["module=/x.pt", "loss=mse"]).unwrap();
         assert_eq!(args.agreed(&specs()), PluginArgs::parse(&["loss=mse"]).unwrap());
+        let default = PluginArgs::parse(&["module=/x.pt"]).unwrap();
+        assert_eq!(default.agreed(&specs()), PluginArgs::parse(&["loss=cross_entropy"]).unwrap());
     }
 }

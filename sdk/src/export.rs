@@ -8,7 +8,7 @@ use std::ffi::{c_char, CString};
 use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use tch::{nn, Device, Tensor};
 
@@ -130,12 +130,11 @@ fn device(raw: RawDevice) -> Device {
     }
 }
 
-unsafe extern "C" fn arguments<M: Model>(out_json: *mut StrRef) -> Status {
-    static ARGUMENTS: OnceLock<String> = OnceLock::new();
+unsafe extern "C" fn arguments<M: Model>(out_json: *mut OwnedString) -> Status {
     guard(|| {
-        let json = ARGUMENTS.get_or_init(|| serde_json::to_string(&M::arguments()).expect("arguments serialize"));
-        // SAFETY: the daemon passes a valid out pointer; the string lives in a static.
-        unsafe { *out_json = StrRef::new(json) };
+        let json = serde_json::to_string(&M::arguments()).expect("arguments serialize");
+        // SAFETY: the daemon passes a valid out pointer and releases the string with free_string.
+        unsafe { *out_json = owned(json) };
         Ok(())
     })
 }

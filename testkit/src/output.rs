@@ -33,6 +33,17 @@ pub fn error_of(out: &Output) -> String {
     error_line(out)
 }
 
+/// The lines of a `--metrics-log` file, one JSON object a step.
+pub fn metrics_log(path: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{}: {e}: {l}", path.display()))).collect()
+}
+
+/// Each step's global loss from a `--metrics-log` file.
+pub fn step_losses(path: &Path) -> Vec<f64> {
+    metrics_log(path).iter().map(|l| l["loss"].as_f64().expect("a loss in every line")).collect()
+}
+
 /// A JSON file (a summary).
 pub fn json(path: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

@@ -174,15 +174,15 @@ impl Plugin {
 /// The keys a plugin's `arguments` declares.
 fn arguments_of(vtable: &'static PluginVTable, path: &Path) -> Result<Vec<ArgSpec>, LoadError> {
     let bad_info = |message: String| LoadError::BadInfo { path: path.to_path_buf(), message };
-    let mut json = StrRef::new("");
-    // SAFETY: vtable checked by `load::open`; `json` is a valid out pointer.
-    let status = unsafe { (vtable.arguments)(&mut json) };
+    let mut out = std::ptr::null_mut();
+    // SAFETY: vtable checked by `load::open`; `out` is a valid out pointer.
+    let status = unsafe { (vtable.arguments)(&mut out) };
     // SAFETY: a status from this vtable.
     if let Some(message) = unsafe { take_string(vtable, status) } {
         return Err(bad_info(format!("arguments failed: {message}")));
     }
-    // SAFETY: the plugin's argument list is static.
-    let json = unsafe { json.to_string_lossy() };
+    // SAFETY: an owned string from this vtable's `arguments`.
+    let json = unsafe { take_string(vtable, out) }.unwrap_or_default();
     serde_json::from_str(&json).map_err(|e| bad_info(format!("its arguments are not valid: {e}: {json}")))
 }
 

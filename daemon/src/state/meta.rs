@@ -95,9 +95,13 @@ impl Meta {
         }
         // The model's identity values (a TorchScript file's sha256): the same plugin with another
         // model must not load these tensors, even to evaluate them.
-        let identity = |cfg: &serde_json::Value| cfg[PLUGIN_KEY][crate::plugin::PLUGIN_IDENTITY_KEY].clone();
-        let ours = serde_json::to_value(&info.identity).expect("strings");
-        let ours = if info.identity.is_empty() { serde_json::Value::Null } else { ours };
+        let absent = |v: serde_json::Value| if v.is_null() { serde_json::Value::String("absent".into()) } else { v };
+        let identity = |cfg: &serde_json::Value| absent(cfg[PLUGIN_KEY][crate::plugin::PLUGIN_IDENTITY_KEY].clone());
+        let ours = if info.identity.is_empty() {
+            absent(serde_json::Value::Null)
+        } else {
+            serde_json::to_value(&info.identity).expect("strings")
+        };
         let theirs = identity(&self.run_config);
         if theirs != ours {
             return Err(format!(

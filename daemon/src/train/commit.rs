@@ -132,13 +132,14 @@ impl Committer {
         self
     }
 
-    /// The score of an epoch-end commit of a state at `position`.
+    /// The score of an epoch-end commit of a state at `position`; none for a value that is not
+    /// finite (a diverged epoch is never best, and JSON has no NaN to write in the record).
     fn score(&self, position: &Position) -> Option<Score> {
         let (metric, mode) = self.best.as_ref()?;
         let figures =
             crate::callbacks::epoch_figures(&self.info.metrics, &position.last_epoch, position.last_eval.as_ref());
         let value = figures.iter().find(|(name, _)| name == metric)?.1;
-        Some(Score { metric: metric.clone(), value, mode: *mode })
+        value.is_finite().then(|| Score { metric: metric.clone(), value, mode: *mode })
     }
 
     /// Keeps the state at an epoch's end whose commit is skipped, if it beats the one kept.
@@ -170,13 +171,24 @@ impl Committer {
         Ok(())
     }
 
-    /// Starts committing `state` with `score` (after the kept state, if any).
+    /// Starts committing `state` with `score` (after the kept state, if any: once, when the kept
+    /// state is this one).
     fn commit_now(
         &mut self,
         state: &TrainState,
         score: Option<Score>,
         report: &mut Reporter<'_>,
     ) -> Result<(), TrainError> {
+        let progress = state.position().progress();
+        if self.pending.as_ref().is_some_and(|(_, meta, _)| meta.position.progress() == progress) {
+            let (blobs, meta, kept) = self.pending.take().expect("checked");
+            let previous =
+                self.checkpointer.commit(blobs, &meta, Some(score.unwrap_or(kept))).map_err(TrainError::Checkpoint)?;
+            if let Some(f) = previous {
+                report.commit_finished(self.checkpointer.location(), &f);
+            }
+            return Ok(());
+        }
         self.commit_pending(score.as_ref(), report)?;
         let meta = Meta::new(state.position().clone(), &self.info, self.workers, &self.run_config);
         let blobs = state.blobs().map_err(TrainError::State)?;
@@ -229,13 +241,7 @@ impl Committer {
                 Ok(None)
             }
             Action::Skip(_) => Ok(None),
-            // The state is on its way; a kept epoch-end state goes after it, and the state once
-            // more, so that the newest commit is the newest state.
-            Action::Wait if self.pending.is_some() => {
-                self.wait(report);
-                self.commit_now(state, None, report)?;
-                Ok(self.wait(report))
-            }
+            // Never with a kept state: the commit that holds this state took the kept one first.
             Action::Wait => Ok(self.wait(report)),
             Action::Commit => {
                 self.commit_now(state, score, report)?;

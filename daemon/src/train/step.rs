@@ -147,6 +147,11 @@ fn forward_backward(
     let loss = replica.model.loss(&logits, &labels)?;
     let metrics = replica.model.metrics(&logits.detach(), &labels)?;
     drop(autocast);
+    // A loss computed in the low precision (a plugin's own) is scaled and differentiated in float32.
+    let loss = match loss.kind() {
+        Kind::Half | Kind::BFloat16 => loss.f_to_kind(Kind::Float).map_err(torch("the loss in float32"))?,
+        _ => loss,
+    };
     for (_, p) in replica.params.iter_mut() {
         p.zero_grad();
     }

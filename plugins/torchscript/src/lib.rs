@@ -260,8 +260,9 @@ impl Model for TorchScript {
             ),
             ArgSpec::new(
                 "input_shape",
-                "one example's shape as the module takes it, the image reshaped (28x28: 28 rows as a sequence)",
-                Some("the image_shape"),
+                "one example's shape as the module takes it, the image reshaped (28x28: 28 rows as a sequence; \
+                 default: the image_shape)",
+                None,
             ),
             ArgSpec::new("input_dtype", "float32 or float64", Some("float32")),
             ArgSpec::new(
@@ -272,8 +273,9 @@ impl Model for TorchScript {
             ),
             ArgSpec::new(
                 "metrics",
-                "comma-separated: accuracy, mean_absolute_error; or none",
-                Some("accuracy with cross_entropy, mean_absolute_error with mse"),
+                "comma-separated: accuracy, mean_absolute_error; or none (default: accuracy with cross_entropy, \
+                 mean_absolute_error with mse)",
+                None,
             ),
         ]
     }
@@ -347,7 +349,12 @@ impl Model for TorchScript {
                 trainerd_sdk::tch::Reduction::Mean,
                 -100,
             )?),
-            Loss::Mse => Ok(out.f_reshape([-1])?.f_sub(&labels.f_to_kind(out.kind())?)?.f_square()?.f_mean(None)?),
+            Loss::Mse => {
+                // In float32 at least, under autocast too.
+                let kind = if matches!(out.kind(), Kind::Half | Kind::BFloat16) { Kind::Float } else { out.kind() };
+                let out = out.f_reshape([-1])?.f_to_kind(kind)?;
+                Ok(out.f_sub(&labels.f_to_kind(kind)?)?.f_square()?.f_mean(None)?)
+            }
         }
     }
 

@@ -248,17 +248,21 @@ impl CheckpointStore {
         me: (u64, u64),
         in_flight: Option<&str>,
     ) -> Result<(), StorageError> {
-        let mut records = self.records().await?;
-        let sequences: BTreeSet<u64> = records.iter().map(|(seq, _)| *seq).collect();
-        let best =
-            protocol::best(records.iter().map(|(seq, r)| (*seq, r.as_ref().ok().and_then(|r| r.score.as_ref()))));
-        let doomed = protocol::retention(&sequences, best, keep);
-        for &seq in &doomed {
-            let relative = format!("{COMMITS}/{}", protocol::commit_name(seq));
-            let path = self.path(&relative);
-            self.retrying("deleting", &relative, || async { self.store.delete(&path).await }).await?;
+        let records = self.records().await?;
+        // A record that could not be read for a storage error (not damage) might be the best:
+        // no record is deleted this time.
+        let unknown = records.iter().any(|(_, r)| matches!(r, Err(e) if !matches!(e, StorageError::Damaged { .. })));
+        if !unknown {
+            let sequences: BTreeSet<u64> = records.iter().map(|(seq, _)| *seq).collect();
+            let scores = records.iter().map(|(seq, r)| (*seq, r.as_ref().ok().and_then(|r| r.score.as_ref())));
+            for seq in protocol::retention(&sequences, protocol::best(scores), keep) {
+                let relative = format!("{COMMITS}/{}", protocol::commit_name(seq));
+                let path = self.path(&relative);
+                self.retrying("deleting", &relative, || async { self.store.delete(&path).await }).await?;
+            }
         }
-        records.retain(|(seq, _)| !doomed.contains(seq));
+        // Listed again: a commit another writer made meanwhile is then named, and its data spared.
+        let records = self.records().await?;
         if let Some((seq, Err(e))) = records.iter().find(|(_, r)| r.is_err()) {
             tracing::warn!(
                 "{}: no checkpoint data is deleted while commit {seq} cannot be read (its data is unknown); retention                  removes that record in time: {e}",
