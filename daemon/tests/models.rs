@@ -411,8 +411,10 @@ fn a_clipped_run_logs_each_steps_gradient_norm() {
     assert_ne!(sha(&clipped), sha(&free), "{}\n{}", text(&clipped), text(&free));
 }
 
-/// Runs `cmd` until its step `step` pauses at the `train-step` failpoint, and SIGKILLs it there.
-fn killed_at_step(cmd: &mut Command, step: u64) {
+/// Runs `cmd` until its step `step` pauses at the `train-step` failpoint and its checkpoint
+/// directory `ckpt` holds commit `sequence` (a commit goes on in the background while the step is
+/// held), and SIGKILLs it there.
+fn killed_at_step(cmd: &mut Command, step: u64, (ckpt, sequence): (&Path, u64)) {
     use std::io::BufRead;
     let mut child = cmd
         .env("TRAINERD_FAILPOINT", format!("train-step@{step}"))
@@ -422,9 +424,18 @@ fn killed_at_step(cmd: &mut Command, step: u64) {
         .unwrap();
     let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
     let reached = stderr.lines().map_while(Result::ok).any(|l| l.contains("failpoint train-step reached"));
+    let newest = || {
+        let names = std::fs::read_dir(ckpt.join("commits")).into_iter().flatten().flatten();
+        names.filter_map(|e| e.file_name().to_str()?.strip_suffix(".json")?.parse::<u64>().ok()).max().unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while reached && newest() < sequence && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(reached, "step {step} was never reached");
+    assert!(newest() >= sequence, "{}: commit {sequence} not made (newest {})", ckpt.display(), newest());
 }
 
 /// A run of the linear model that learns next to nothing (SGD at 1e-9): val_loss moves by less
@@ -462,7 +473,7 @@ fn early_stopping_stops_at_the_same_epoch_after_a_kill_and_a_resume() {
     assert_eq!((expected["stopped_early_after_epoch"].as_u64(), expected["steps"].as_u64()), (Some(3), Some(60)));
     // The 45th step pauses at a failpoint (in epoch 3, after the commit of step 40); it is
     // SIGKILLed there.
-    killed_at_step(&mut barely_learning(killed.path(), &[], &[]), 45);
+    killed_at_step(&mut barely_learning(killed.path(), &[], &[]), 45, (&killed.path().join("ckpt"), 4));
     let resumed = barely_learning(killed.path(), &[], &[]).output().unwrap();
     assert!(resumed.status.success(), "{}", text(&resumed));
     assert!(stdout(&resumed).contains("resumed from checkpoint"), "{}", text(&resumed));
@@ -526,7 +537,7 @@ fn bf16_trains_as_well_as_fp32_and_a_killed_bf16_run_resumes_bitwise() {
     let killed = bf16_args("killed");
     let mut cmd = trainerd_cmd();
     cmd.args(["run", "--threads", "2", "--plugin"]).arg(plugin("mnist-cnn")).arg("--data").arg(dataset());
-    killed_at_step(cmd.args(&killed), 150);
+    killed_at_step(cmd.args(&killed), 150, (&s("killed-ckpt"), 1));
     let resumed = run("mnist-cnn", &killed.iter().map(String::as_str).collect::<Vec<_>>(), None);
     assert!(resumed.status.success(), "{}", text(&resumed));
     assert!(stdout(&resumed).contains("resumed from checkpoint"), "{}", text(&resumed));
