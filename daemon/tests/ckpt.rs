@@ -192,6 +192,23 @@ struct Transcript {
 }
 
 impl Transcript {
+    /// `cmd` started against `server` through `link` (the connection a test cuts), and its output.
+    fn through(
+        cmd: &mut Command,
+        (server, link): (&S3Server, &trainerd_testkit::proxy::TcpProxy),
+        within: std::time::Duration,
+    ) -> (std::process::Child, Transcript) {
+        let mut child = cmd
+            .envs(server.env().iter().map(|(k, v)| (k, v)))
+            .env("AWS_ENDPOINT_URL", link.endpoint())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let transcript = Transcript::of(&mut child, within);
+        (child, transcript)
+    }
+
     /// `child`'s output, read until `within` from now at the latest.
     fn of(child: &mut std::process::Child, within: std::time::Duration) -> Transcript {
         use std::io::BufRead;
@@ -269,16 +286,9 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
     let link = server.link().unwrap();
     let url = format!("s3://{}/outage", server.bucket);
     let log = tmp.path().join("steps.jsonl");
-    let mut child = args(&url, &tmp.path().join("a.json"))
-        .arg("--metrics-log")
-        .arg(&log)
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .env("AWS_ENDPOINT_URL", link.endpoint())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut t = Transcript::of(&mut child, Duration::from_secs(120));
+    let mut cmd = args(&url, &tmp.path().join("a.json"));
+    let (mut child, mut t) =
+        Transcript::through(cmd.arg("--metrics-log").arg(&log), (&server, &link), Duration::from_secs(120));
     t.until("checkpoint 1 committed");
     let now = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
     link.cut();
@@ -513,14 +523,8 @@ fn the_best_epoch_skipped_during_an_outage_is_committed_when_storage_returns() {
     let env = server.env();
     let link = server.link().unwrap();
     let url = format!("s3://{}/best", server.bucket);
-    let mut child = args(&url, &tmp.path().join("a.json"))
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .env("AWS_ENDPOINT_URL", link.endpoint())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut t = Transcript::of(&mut child, Duration::from_secs(180));
+    let mut cmd = args(&url, &tmp.path().join("a.json"));
+    let (mut child, mut t) = Transcript::through(&mut cmd, (&server, &link), Duration::from_secs(180));
     // Cut after the first commit (step 50): the commit of step 100 is stuck, epoch 1's end (step
     // 150) is skipped and kept; storage returns once epoch 1 has ended.
     t.until("checkpoint 1 committed");
