@@ -48,11 +48,6 @@ impl ArgSpec {
 pub struct PluginArgs(BTreeMap<String, String>);
 
 impl PluginArgs {
-    /// No arguments.
-    pub fn none() -> PluginArgs {
-        PluginArgs::default()
-    }
-
     /// Parses `KEY=VALUE` items; a key given twice, an item without `=` or an empty key is an
     /// error naming the item.
     pub fn parse<S: AsRef<str>>(items: &[S]) -> Result<PluginArgs, String> {
@@ -184,7 +179,7 @@ mod tests {
         let args = PluginArgs::parse(&["classes=ten"]).unwrap();
         let err = args.parsed::<u32>("classes", "a whole number of classes").unwrap_err();
         assert_eq!(err.to_string(), "--plugin-arg classes=ten: expected a whole number of classes");
-        assert_eq!(PluginArgs::none().parsed::<u32>("classes", "").unwrap(), None);
+        assert_eq!(PluginArgs::default().parsed::<u32>("classes", "").unwrap(), None);
     }
 
     #[test]
