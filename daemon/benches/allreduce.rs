@@ -122,7 +122,7 @@ fn time(
 /// A rank whose buffer lives on CUDA device `device`: NCCL, then the host-staged ring.
 fn gpu_member(rank: usize, ports: &[u16], device: &str) {
     let index: usize = device.strip_prefix("cuda:").and_then(|n| n.parse().ok()).expect("cuda:N");
-    let trainerd::accel::CudaLibrary::Loaded(_) = trainerd::accel::load_cuda(true) else { panic!("no CUDA") };
+    let trainerd::sys::accel::CudaLibrary::Loaded(_) = trainerd::sys::accel::load_cuda(true) else { panic!("no CUDA") };
     let dev = Device::Cuda(index);
     let world = ports.len();
     let (_listener, mut ring) = ring_of(rank, ports);

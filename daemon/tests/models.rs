@@ -337,7 +337,7 @@ fn hex_of(t: &tch::Tensor) -> String {
 #[test]
 fn clipping_is_pytorchs_clip_grad_norm_and_clip_grad_value_bit_for_bit() {
     use tch::{Device, Kind, Tensor};
-    use trainerd::clip::Clip;
+    use trainerd::optim::clip::Clip;
     let script = r#"
 import json, sys, torch
 req = json.load(sys.stdin)

@@ -292,15 +292,15 @@ pub struct RunArgs {
     /// The forward pass's precision: fp32, or autocast to bf16 (CPU and CUDA) or fp16 (CUDA, with
     /// dynamic loss scaling); parameters, optimizer state and checkpoints stay float32. Part of
     /// the run configuration.
-    #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::precision::Precision>())]
-    pub precision: crate::precision::Precision,
+    #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::optim::precision::Precision>())]
+    pub precision: crate::optim::precision::Precision,
     /// Clip the averaged gradient to this global 2-norm before each update (Keras's
     /// global_clipnorm, PyTorch's clip_grad_norm_); the norm is in the metrics as grad_norm.
-    #[arg(long, value_parser = |t: &str| crate::clip::Clip::parse("--clip-norm", t))]
+    #[arg(long, value_parser = |t: &str| crate::optim::clip::Clip::parse("--clip-norm", t))]
     pub clip_norm: Option<f64>,
     /// Clamp every element of the averaged gradient to [-V, V] before each update (Keras's
     /// clipvalue, PyTorch's clip_grad_value_), after --clip-norm when both are given.
-    #[arg(long, value_parser = |t: &str| crate::clip::Clip::parse("--clip-value", t))]
+    #[arg(long, value_parser = |t: &str| crate::optim::clip::Clip::parse("--clip-value", t))]
     pub clip_value: Option<f64>,
     /// Stop when an epoch-end figure (val_loss, val_accuracy, loss, ...) has not improved by more
     /// than MIN_DELTA for PATIENCE epochs, as Keras's EarlyStopping: METRIC:PATIENCE[:MIN_DELTA].
@@ -314,7 +314,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub nesterov: bool,
     /// Learning-rate schedule: constant, cosine[:MIN_LR], step:EVERY:GAMMA or exp:GAMMA.
-    #[arg(long, value_parser = crate::schedule::parse)]
+    #[arg(long, value_parser = crate::optim::schedule::parse)]
     pub lr_schedule: Option<LrSchedule>,
     /// Seed of initialisation and data order.
     #[arg(long, default_value_t = 0)]
@@ -445,8 +445,8 @@ pub struct EvalArgs {
     #[arg(long)]
     pub best: bool,
     /// The forward pass's precision (fp32, bf16 or fp16), as `run`'s.
-    #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::precision::Precision>())]
-    pub precision: crate::precision::Precision,
+    #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::optim::precision::Precision>())]
+    pub precision: crate::optim::precision::Precision,
     /// Path of the model plugin's shared library (.so).
     #[arg(long)]
     pub plugin: PathBuf,

@@ -13,8 +13,8 @@ use trainerd_sdk::Split;
 
 use super::args::{ReadArgs, S3Args};
 use super::data_options;
+use crate::ops::progress::{thousands, Progress};
 use crate::plugin::Plugin;
-use crate::progress::{thousands, Progress};
 
 /// `trainerd data inspect URL`: files, rows, row groups, schema and split sizes.
 pub fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
@@ -139,7 +139,7 @@ pub fn read(args: &ReadArgs) -> anyhow::Result<i32> {
             "bytes_fetched": fetched,
             "peak_held_bytes": dataset.peak_held_bytes(),
         });
-        crate::atomic::write_file(path, &[format!("{json}\n").as_bytes()])?;
+        crate::sys::atomic::write_file(path, &[format!("{json}\n").as_bytes()])?;
     }
     Ok(0)
 }

@@ -7,13 +7,13 @@ use super::args::EvalArgs;
 use std::sync::Arc;
 
 use super::{data_options, device, seconds, set_threads, stop_flag};
-use crate::accel::{self, CudaLibrary};
 use crate::cluster::Timeouts;
-use crate::evaluate::EvalConfig;
 use crate::input::DataSource;
 use crate::ops::log::LogFormat;
+use crate::ops::progress::Progress;
 use crate::plugin::Plugin;
-use crate::progress::Progress;
+use crate::sys::accel::{self, CudaLibrary};
+use crate::train::evaluate::EvalConfig;
 
 /// Runs `trainerd evaluate`; its exit status.
 pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
@@ -30,7 +30,10 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
     // Evaluation reads the test split in file order: the window plays no part.
     let data = DataSource::open(&args.data.data, plugin.info(), (u64::MAX, true), options)?;
     let sequence = match args.best {
-        true => Some(crate::ckpt::best(&super::open_store(&args.checkpoint, &args.s3)?).map_err(anyhow::Error::msg)?),
+        true => Some(
+            crate::checkpoint::inspect::best(&super::open_store(&args.checkpoint, &args.s3)?)
+                .map_err(anyhow::Error::msg)?,
+        ),
         false => args.sequence,
     };
     args.precision.check(device).map_err(anyhow::Error::msg)?;
@@ -52,7 +55,7 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
         anyhow::bail!("--batch-size 0: expected at least 1");
     }
     let mut progress = Progress::stdout(log_format);
-    let result = crate::evaluate::run(&plugin, &cfg, &mut progress, &stop)?;
+    let result = crate::train::evaluate::run(&plugin, &cfg, &mut progress, &stop)?;
     progress.line(&format!(
         "evaluated checkpoint {} ({} test examples on {} worker(s)): test loss {:.4}{}, params sha256 {}",
         result.sequence,
@@ -64,7 +67,7 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
     ));
     if let Some(path) = &args.summary {
         let json = serde_json::to_string_pretty(&result)? + "\n";
-        crate::atomic::write_file(path, &[json.as_bytes()])
+        crate::sys::atomic::write_file(path, &[json.as_bytes()])
             .with_context(|| format!("writing the summary to {}", path.display()))?;
     }
     Ok(0)

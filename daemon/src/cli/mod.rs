@@ -5,6 +5,7 @@
 pub mod args;
 pub mod data;
 pub mod evaluate;
+pub mod local;
 pub mod plugin_args;
 pub mod run;
 
@@ -18,9 +19,9 @@ use clap::{CommandFactory, FromArgMatches};
 use tch::Device;
 use trainerd_storage::{CheckpointStore, Location};
 
-use crate::accel::{self, CudaLibrary, Facts};
 use crate::ops::log::LogFormat;
 use crate::plugin::Plugin;
+use crate::sys::accel::{self, CudaLibrary, Facts};
 use args::{CkptCommand, Cli, Command, DataCommand, PluginCommand, S3Args};
 
 /// Parses the command line, runs the command, and says how it ended.
@@ -53,7 +54,7 @@ pub fn main() -> ExitCode {
         Command::Local { workers, restart_delay, no_restart, events, args } => {
             Duration::try_from_secs_f64(restart_delay)
                 .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))
-                .and_then(|delay| crate::local::run(workers, (delay, &no_restart), events.as_deref(), &args))
+                .and_then(|delay| crate::cli::local::run(workers, (delay, &no_restart), events.as_deref(), &args))
         }
         Command::Evaluate(args) => evaluate::evaluate(*args, cuda, cli.log_format),
         Command::Ckpt { command } => ckpt(command),
@@ -111,18 +112,18 @@ fn plugin_check(
     cuda: CudaLibrary,
 ) -> anyhow::Result<i32> {
     if !in_process {
-        return crate::check::check_in_child(path, args).context("running the plugin check");
+        return crate::plugin::describe::check_in_child(path, args).context("running the plugin check");
     }
     let facts = accel::facts(cuda);
     let plugin = match Plugin::load(path, args) {
         Ok(plugin) => plugin,
         Err(refused @ crate::plugin::LoadError::Refused { .. }) => {
             let specs = Plugin::accepted(path)?;
-            anyhow::bail!("{refused}\n{}", crate::check::arguments(&specs, args));
+            anyhow::bail!("{refused}\n{}", crate::plugin::describe::arguments(&specs, args));
         }
         Err(other) => return Err(other.into()),
     };
-    let text = crate::check::describe(&plugin, &facts)?;
+    let text = crate::plugin::describe::describe(&plugin, &facts)?;
     println!("{text}");
     Ok(0)
 }
@@ -135,17 +136,20 @@ fn open_store(url: &str, s3: &S3Args) -> anyhow::Result<CheckpointStore> {
 /// `trainerd ckpt list|show|verify|export URL`.
 fn ckpt(command: CkptCommand) -> anyhow::Result<i32> {
     match command {
-        CkptCommand::List { url, s3 } => print!("{}", crate::ckpt::list(&open_store(&url, &s3)?)?),
-        CkptCommand::Show { url, sequence, s3 } => print!("{}", crate::ckpt::show(&open_store(&url, &s3)?, sequence)?),
+        CkptCommand::List { url, s3 } => print!("{}", crate::checkpoint::inspect::list(&open_store(&url, &s3)?)?),
+        CkptCommand::Show { url, sequence, s3 } => {
+            print!("{}", crate::checkpoint::inspect::show(&open_store(&url, &s3)?, sequence)?)
+        }
         CkptCommand::Verify { url, sequence, s3 } => {
-            let ok = crate::ckpt::verify(&open_store(&url, &s3)?, sequence, &mut std::io::stdout())?;
+            let ok = crate::checkpoint::inspect::verify(&open_store(&url, &s3)?, sequence, &mut std::io::stdout())?;
             if !ok {
                 eprintln!("error: {url}: damaged commits (see above)");
                 return Ok(crate::exit::Exit::Failed.code());
             }
         }
         CkptCommand::Export { url, output, sequence, s3 } => {
-            let text = crate::ckpt::export(&open_store(&url, &s3)?, sequence, &output).map_err(anyhow::Error::msg)?;
+            let text = crate::checkpoint::inspect::export(&open_store(&url, &s3)?, sequence, &output)
+                .map_err(anyhow::Error::msg)?;
             println!("{text}");
         }
     }

@@ -11,19 +11,19 @@ use anyhow::Context;
 use super::args::RunArgs;
 use super::data::bytes;
 use super::{data_options, device, seconds, set_threads, stop_flag};
-use crate::accel::{self, CudaLibrary, Facts};
 use crate::cluster::{ClusterConfig, Network, Timeouts};
 use crate::collective::buckets::DEFAULT_BUCKET_BYTES;
-use crate::config::{self, OptimizerFlags};
 use crate::events::{Event, Events};
 use crate::exit::Exit;
 use crate::input::{DataSource, Watch};
 use crate::ops::log::LogFormat;
 use crate::ops::notify::{self, Notifier};
+use crate::ops::progress::Progress;
 use crate::ops::serve::{self, Token};
 use crate::ops::Telemetry;
+use crate::optim::flags::{self, OptimizerFlags};
 use crate::plugin::Plugin;
-use crate::progress::Progress;
+use crate::sys::accel::{self, CudaLibrary, Facts};
 use crate::train::report::Outputs;
 use crate::train::{self, CheckpointConfig, Outcome, RunConfig};
 
@@ -100,10 +100,10 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
 
 /// `--early-stopping` and `--reduce-lr-on-plateau`, their figures checked against the plugin's
 /// metrics.
-fn callbacks(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<crate::callbacks::Callbacks> {
-    use crate::callbacks::{figure_names, parse_early_stopping, parse_reduce_lr};
+fn callbacks(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<crate::optim::callbacks::Callbacks> {
+    use crate::optim::callbacks::{figure_names, parse_early_stopping, parse_reduce_lr};
     let names = figure_names(&plugin.info().metrics, !args.no_evaluation);
-    Ok(crate::callbacks::Callbacks {
+    Ok(crate::optim::callbacks::Callbacks {
         early_stopping: args
             .early_stopping
             .as_deref()
@@ -189,8 +189,8 @@ fn data_source(
 
 /// Where and how often to commit, if anywhere, and which commit to keep as the best.
 fn checkpoint_config(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<Option<CheckpointConfig>> {
-    let names = crate::callbacks::figure_names(&plugin.info().metrics, !args.no_evaluation);
-    let best = args.keep_best.as_deref().map(|t| crate::callbacks::parse_keep_best(t, &names));
+    let names = crate::optim::callbacks::figure_names(&plugin.info().metrics, !args.no_evaluation);
+    let best = args.keep_best.as_deref().map(|t| crate::optim::callbacks::parse_keep_best(t, &names));
     Ok(match &args.checkpoint_dir {
         None if args.checkpoint_every > 0 => anyhow::bail!("--checkpoint-every needs --checkpoint-dir"),
         None if best.is_some() => anyhow::bail!("--keep-best needs --checkpoint-dir"),
@@ -220,7 +220,7 @@ fn run_config(
         weight_decay: args.weight_decay,
         nesterov: args.nesterov,
     };
-    let optimizer = config::optimizer(&defaults.optimizer, &flags).map_err(anyhow::Error::msg)?;
+    let optimizer = flags::optimizer(&defaults.optimizer, &flags).map_err(anyhow::Error::msg)?;
     let checkpoint = checkpoint_config(args, plugin)?;
     let batch_size = args.batch_size.unwrap_or(defaults.batch_size);
     if batch_size == 0 {
@@ -247,7 +247,7 @@ fn run_config(
         device: devices[0],
         devices,
         accumulate: args.accumulate as usize,
-        clip: crate::clip::Clip { norm: args.clip_norm, value: args.clip_value },
+        clip: crate::optim::clip::Clip { norm: args.clip_norm, value: args.clip_value },
         callbacks: callbacks(args, plugin)?,
         steps_per_epoch: args.steps_per_epoch,
         threads,
@@ -294,12 +294,12 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_n
     ));
     progress.line(&format!("trainerd: {}", facts.line()));
     match cfg.precision {
-        crate::precision::Precision::Fp32 => {}
-        crate::precision::Precision::Bf16 => progress.line(
+        crate::optim::precision::Precision::Fp32 => {}
+        crate::optim::precision::Precision::Bf16 => progress.line(
             "trainerd: mixed precision: the forward pass under autocast to bfloat16; parameters, optimizer state and \
              checkpoints float32",
         ),
-        crate::precision::Precision::Fp16 => progress.line(
+        crate::optim::precision::Precision::Fp16 => progress.line(
             "trainerd: mixed precision: the forward pass under autocast to float16 with dynamic loss scaling; \
              parameters, optimizer state and checkpoints float32",
         ),

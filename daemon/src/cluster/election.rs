@@ -324,7 +324,7 @@ impl Elections {
     fn persist(&self, vote: &Vote) -> Result<(), String> {
         let Some(path) = &self.file else { return Ok(()) };
         let bytes = serde_json::to_vec(vote).map_err(|e| e.to_string())?;
-        crate::atomic::write_file(path, &[&bytes]).map_err(|e| format!("{}: {e}", path.display()))
+        crate::sys::atomic::write_file(path, &[&bytes]).map_err(|e| format!("{}: {e}", path.display()))
     }
 }
 

@@ -1,16 +1,15 @@
 //! Collectives among the workers of a run: the abortable ring data plane ([`ring`]) on a
-//! persistent listener ([`listener`]), its abort switch ([`abort`]), and gradient averaging
+//! persistent listener ([`ring::listener`]), its abort switch ([`abort`]), and gradient averaging
 //! over fused buckets ([`buckets`]). It knows nothing of training or plugins.
 
 pub mod abort;
 pub mod buckets;
-pub mod listener;
 pub mod nccl;
 pub mod ring;
 pub mod slots;
 
 pub use abort::AbortSignal;
-pub use listener::DataListener;
+pub use ring::listener::DataListener;
 pub use ring::{CollectiveError, ReduceOp, Ring};
 pub use slots::Slots;
 

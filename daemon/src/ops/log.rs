@@ -2,7 +2,7 @@
 //! coloured only on a terminal; to the journal (systemd's `JOURNAL_STREAM` names standard
 //! error) it leaves the time to journald and prefixes each line with its syslog priority
 //! (`<4>` for a warning), so `journalctl -p warning` finds them. `json` writes one JSON object
-//! per line for log shippers. Progress lines ([`crate::progress`]) follow the same format.
+//! per line for log shippers. Progress lines ([`crate::ops::progress`]) follow the same format.
 
 use std::io::IsTerminal;
 

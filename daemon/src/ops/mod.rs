@@ -10,7 +10,9 @@
 
 pub mod log;
 pub mod notify;
+pub mod progress;
 pub mod serve;
+pub mod tensorboard;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;

@@ -22,7 +22,7 @@ pub struct Token(Arc<[u8]>);
 impl Token {
     /// Reads `--metrics-token-file` (held to the same rules as the cluster secret).
     pub fn load(path: &Path) -> Result<Token, String> {
-        crate::trust::read_secret(path, "a token", crate::auth::MIN_SECRET_BYTES, "")
+        crate::auth::trust::read_secret(path, "a token", crate::auth::MIN_SECRET_BYTES, "")
             .map(|token| Token(Arc::from(token)))
             .map_err(|why| format!("--metrics-token-file {}: {why}", path.display()))
     }

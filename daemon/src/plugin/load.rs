@@ -112,7 +112,7 @@ pub fn open(path: &Path) -> Result<(&'static PluginVTable, BuildFacts), LoadErro
     if !path.exists() {
         return Err(LoadError::NotFound { path: path_buf() });
     }
-    crate::trust::check_code(path).map_err(|why| LoadError::Untrusted { path: path_buf(), why })?;
+    crate::auth::trust::check_code(path).map_err(|why| LoadError::Untrusted { path: path_buf(), why })?;
     // SAFETY: loading runs the library's initialisers; a plugin is code the operator chose to
     // run. `plugin check` does this in a child process for untrusted files.
     let lib = unsafe { libloading::Library::new(path) }

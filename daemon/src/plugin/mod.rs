@@ -6,6 +6,7 @@
 //! therefore *are* the plugin's parameters, and the daemon's in-place optimizer updates reach
 //! the model.
 
+pub mod describe;
 mod load;
 
 use std::ffi::CStr;

@@ -10,8 +10,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::totals::{self, Totals};
-use crate::callbacks::CallbackState;
-use crate::precision::LossScale;
+use crate::optim::callbacks::CallbackState;
+use crate::optim::precision::LossScale;
 
 /// How the RNG continues, as checkpoints record it.
 pub const RNG_SCHEME: &str = "libtorch generator re-seeded from (seed, global_step, rank) before every step";

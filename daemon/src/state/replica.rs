@@ -18,7 +18,7 @@ use trainerd_storage::{tensors, Blob, Restored, TensorData};
 use super::host as checkpoint;
 use super::position::Position;
 use super::{MODEL_BLOB, OPTIMIZER_BLOB};
-use crate::optim::Optimizer;
+use crate::optim::optimizer::Optimizer;
 
 const MAGIC: &[u8; 8] = b"TRDSTAT1";
 

@@ -25,8 +25,8 @@ use crate::cluster::ClusterError;
 use crate::collective::buckets::Buckets;
 use crate::collective::ReduceOp;
 use crate::input::Data as Input;
+use crate::optim::schedule::lr_at;
 use crate::plugin::ModelInstance;
-use crate::schedule::lr_at;
 use crate::state::{Position, Shareable, Totals, TrainState};
 
 /// How training in a generation ended.
@@ -278,7 +278,7 @@ impl<'a> Driver<'a> {
     /// and is skipped, said in a line).
     fn unscaled(&mut self, state: &mut TrainState, global_step: u64) -> Result<bool, TrainError> {
         let Some(scale) = state.model.position.loss_scale.as_mut() else { return Ok(true) };
-        let finite = crate::precision::unscale(&state.model.params, scale.scale)
+        let finite = crate::optim::precision::unscale(&state.model.params, scale.scale)
             .map_err(|source| TrainError::Torch { what: "unscaling the gradients", source })?;
         let before = scale.scale;
         if !scale.update(finite) {
@@ -318,7 +318,7 @@ impl<'a> Driver<'a> {
             prefetch += began.elapsed();
         };
         let model = &mut state.model;
-        if self.cfg.precision == crate::precision::Precision::Fp16 {
+        if self.cfg.precision == crate::optim::precision::Precision::Fp16 {
             model.position.loss_scale.get_or_insert_with(Default::default);
         }
         let scale = model.position.loss_scale.map_or(1.0, |s| s.scale);
@@ -370,7 +370,7 @@ impl<'a> Driver<'a> {
             return;
         }
         let p = &mut state.model.position;
-        let figures = crate::callbacks::epoch_figures(&self.info.metrics, &p.last_epoch, p.last_eval.as_ref());
+        let figures = crate::optim::callbacks::epoch_figures(&self.info.metrics, &p.last_epoch, p.last_eval.as_ref());
         let acted = self.cfg.callbacks.epoch_end(p.epoch, &figures, &mut p.callbacks);
         for (what, line) in [("reduce-lr-on-plateau", acted.reduced), ("early stopping", acted.stop)] {
             if let Some(line) = line {

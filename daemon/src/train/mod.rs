@@ -25,6 +25,7 @@
 pub mod batches;
 pub mod commit;
 pub mod driver;
+pub mod evaluate;
 pub mod replicas;
 pub mod report;
 pub mod session;
@@ -60,7 +61,7 @@ pub struct RunConfig {
     /// The plugin's configuration every worker must share ([`crate::plugin::Plugin::agreement`]).
     pub plugin: Option<serde_json::Value>,
     /// The forward pass's precision.
-    pub precision: crate::precision::Precision,
+    pub precision: crate::optim::precision::Precision,
     /// Evaluate on the test split after each epoch (false: `--no-evaluation`).
     pub evaluate: bool,
     /// Epochs to run.
@@ -82,9 +83,9 @@ pub struct RunConfig {
     /// Micro-batches per update on each replica (`--accumulate`), each a slot of the run.
     pub accumulate: usize,
     /// Gradient clipping before each update.
-    pub clip: crate::clip::Clip,
+    pub clip: crate::optim::clip::Clip,
     /// Early stopping and learning-rate reduction on a plateau.
-    pub callbacks: crate::callbacks::Callbacks,
+    pub callbacks: crate::optim::callbacks::Callbacks,
     /// Stop each epoch after this many steps (all of them when `None`).
     pub steps_per_epoch: Option<u64>,
     /// libtorch intra-op threads (recorded in the summary; set by the caller).

@@ -10,8 +10,8 @@ use tch::{Device, Tensor};
 
 use super::step::{Replica, Variables};
 use super::TrainError;
+use crate::optim::precision::Precision;
 use crate::plugin::{ModelInstance, Named, Plugin};
-use crate::precision::Precision;
 
 /// The replicas after the first, each a model instance on its own device.
 pub struct Replicas<'p> {

@@ -18,10 +18,10 @@ use super::summary::Recovery;
 use super::{RunConfig, TrainError};
 use crate::checkpoint::Finished;
 use crate::events::{Event, Events};
+use crate::ops::progress::Progress;
+use crate::ops::tensorboard::TensorBoard;
 use crate::ops::Telemetry;
-use crate::progress::Progress;
 use crate::state::{Position, Totals};
-use crate::tensorboard::TensorBoard;
 
 /// A file of one JSON object per line, appended to: the metrics log (`--metrics-log`) and the
 /// example ids (`--log-examples`), a line per step.
@@ -431,7 +431,7 @@ impl<'p> Reporter<'p> {
         self.telemetry.evaluated(&validation);
         self.telemetry.progress();
         let rate = self.clock.epoch_rate();
-        let mut values = crate::callbacks::epoch_figures(&self.metric_names, totals, eval);
+        let mut values = crate::optim::callbacks::epoch_figures(&self.metric_names, totals, eval);
         if self.schedule_moves {
             // The rate the epoch's last step used (what Keras's PrintLR shows at the epoch's end).
             values.push(("learning_rate".into(), lr));

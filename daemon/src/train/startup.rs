@@ -17,9 +17,9 @@ use super::session::{Interrupt, Joined, Session};
 use super::{CheckpointConfig, RunConfig, TrainError};
 use crate::checkpoint::Checkpointer;
 use crate::input::Data as Input;
-use crate::optim::Optimizer;
+use crate::ops::progress::Progress;
+use crate::optim::optimizer::Optimizer;
 use crate::plugin::{ModelInstance, Plugin};
-use crate::progress::Progress;
 use crate::state::{Meta, ModelState, Reader, Shareable, TrainState};
 
 /// Opens this member's session (alone: at once) and says where it listens and whom it waits for.

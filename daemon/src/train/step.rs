@@ -15,8 +15,8 @@ use super::TrainError;
 use crate::collective::buckets::Buckets;
 use crate::collective::{ReduceOp, Ring};
 use crate::input::Data;
+use crate::optim::precision::Precision;
 use crate::plugin::ModelInstance;
-use crate::precision::Precision;
 use crate::state::host::host_bytes;
 use crate::state::Totals;
 

@@ -54,7 +54,7 @@ pub struct Summary {
     pub precision: &'static str,
     /// Float16's loss scale at the end, and the steps it skipped (`--precision fp16` only).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub loss_scale: Option<crate::precision::LossScale>,
+    pub loss_scale: Option<crate::optim::precision::LossScale>,
     /// The slots this worker held at the end.
     pub slots: Vec<usize>,
     /// This worker's rank.
@@ -120,7 +120,7 @@ impl Summary {
     /// whole file or none of it.
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
         let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)? + "\n";
-        crate::atomic::write_file(path, &[json.as_bytes()])
+        crate::sys::atomic::write_file(path, &[json.as_bytes()])
     }
 }
 

@@ -19,7 +19,7 @@
 //! a slot each exchange their whole buffers in one group instead (the same bytes, one NCCL kernel
 //! instead of two), and each adds a + b, the ring's one addition.
 //!
-//! **Transport settings.** `NCCL_P2P_NET_CHUNKSIZE` is 512 KiB unless set ([`crate::accel`]):
+//! **Transport settings.** `NCCL_P2P_NET_CHUNKSIZE` is 512 KiB unless set ([`crate::sys::accel`]):
 //! over the socket transport NCCL's 128 KiB default halved send/recv throughput. Ranks that may
 //! share a GPU (`NCCL_HOSTID` set) first wait for their own backward pass and meet at a one-float
 //! ring barrier, so that no NCCL kernel spins on the shared GPU while the peer still computes.

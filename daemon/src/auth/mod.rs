@@ -15,6 +15,8 @@
 //! nothing about the cluster. A cluster with no secret (loopback only, or `--insecure`) skips
 //! the exchange on both ends.
 
+pub mod trust;
+
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -96,7 +98,7 @@ impl ClusterKey {
     /// such as a trailing newline, is not part of the secret).
     pub fn load(path: &Path) -> Result<ClusterKey, SecretFileError> {
         let hint = " (make one with `head -c 32 /dev/urandom | base64 > FILE`)";
-        crate::trust::read_secret(path, "a cluster secret", MIN_SECRET_BYTES, hint)
+        crate::auth::trust::read_secret(path, "a cluster secret", MIN_SECRET_BYTES, hint)
             .map(|secret| ClusterKey::from_bytes(&secret))
             .map_err(|why| SecretFileError { path: path.to_path_buf(), why })
     }

@@ -142,7 +142,7 @@ impl DataSource {
                         "{} {} file(s), {} rows{}",
                         t.files.len(),
                         t.name,
-                        crate::progress::thousands(t.rows() as f64),
+                        crate::ops::progress::thousands(t.rows() as f64),
                         if t.name == "test" { "" } else { ", evaluated as the test split" }
                     ),
                     _ => "no evaluation (--no-evaluation)".into(),
@@ -150,13 +150,16 @@ impl DataSource {
                 let shuffle = if f.window >= train.rows() {
                     "every epoch a uniform shuffle".to_string()
                 } else {
-                    format!("row groups shuffled, then windows of {} rows", crate::progress::thousands(f.window as f64))
+                    format!(
+                        "row groups shuffled, then windows of {} rows",
+                        crate::ops::progress::thousands(f.window as f64)
+                    )
                 };
                 format!(
                     "data: Parquet at {} ({} train file(s), {} rows; {test}; fingerprint {}); {shuffle}",
                     f.dataset.location(),
                     train.files.len(),
-                    crate::progress::thousands(train.rows() as f64),
+                    crate::ops::progress::thousands(train.rows() as f64),
                     &f.dataset.fingerprint()[..16],
                 )
             }

@@ -14,9 +14,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::abort::AbortSignal;
-use super::ring::CollectiveError;
+use super::CollectiveError;
 use crate::auth::{self, ClusterKey, Plane};
+use crate::collective::abort::AbortSignal;
 
 const HELLO_MAGIC: [u8; 8] = *b"TRDRING2";
 /// Bytes of a hello.

@@ -8,9 +8,9 @@ use std::process::Command;
 
 use tch::Device;
 
-use crate::accel::Facts;
 use crate::plugin::{CallError, Plugin};
 use crate::supervise::signal_name;
+use crate::sys::accel::Facts;
 use trainerd_sdk::{ArgSpec, PluginArgs};
 
 /// A human-readable description of a loaded plugin, and of the libtorch it would train on.
@@ -55,7 +55,7 @@ pub fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallError> {
         batch = d.batch_size,
         optimizer = serde_json::to_string(&d.optimizer).unwrap_or_default(),
         count = params.len(),
-        values = crate::progress::thousands(values as f64),
+        values = crate::ops::progress::thousands(values as f64),
         names = shapes(&params),
         buffers = if buffers.is_empty() {
             "none".into()

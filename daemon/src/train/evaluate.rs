@@ -19,8 +19,8 @@ use trainerd_storage::{Location, S3Options};
 use crate::cluster::control::FINAL_BARRIER;
 use crate::cluster::{ClusterConfig, Network, Timeouts};
 use crate::input::{Data, DataSource};
+use crate::ops::progress::Progress;
 use crate::plugin::Plugin;
-use crate::progress::Progress;
 use crate::state::{Meta, ModelState, Reader, Shareable, Totals};
 use crate::train::batches::input_context;
 use crate::train::session::{Interrupt, Session};
@@ -36,7 +36,7 @@ pub struct EvalConfig {
     /// The plugin's configuration every worker must share ([`crate::plugin::Plugin::agreement`]).
     pub plugin: Option<serde_json::Value>,
     /// The forward pass's precision.
-    pub precision: crate::precision::Precision,
+    pub precision: crate::optim::precision::Precision,
     /// Where the checkpoints are.
     pub location: Location,
     /// S3 settings beyond the AWS variables.

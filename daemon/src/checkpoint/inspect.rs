@@ -145,7 +145,7 @@ pub fn export(store: &CheckpointStore, sequence: Option<u64>, output: &Path) -> 
     let tensors = restored.blobs.get(MODEL_BLOB).ok_or_else(|| format!("commit {seq} has no {MODEL_BLOB}"))?;
     let chunks = trainerd_storage::tensors::encode(tensors).map_err(|e| e.to_string())?;
     let parts: Vec<&[u8]> = chunks.iter().map(|c| c.as_ref()).collect();
-    crate::atomic::write_file(output, &parts).map_err(|e| format!("writing {}: {e}", output.display()))?;
+    crate::sys::atomic::write_file(output, &parts).map_err(|e| format!("writing {}: {e}", output.display()))?;
     Ok(format!(
         "exported commit {seq} (step {}): {} tensors to {}",
         restored.record.global_step,

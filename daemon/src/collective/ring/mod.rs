@@ -19,11 +19,13 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
+pub mod listener;
+
 use bytemuck::Pod;
 
-use super::abort::AbortSignal;
-use super::listener::DataListener;
-use super::slots::Slots;
+use crate::collective::abort::AbortSignal;
+use crate::collective::slots::Slots;
+use listener::DataListener;
 
 /// A value the collectives can add.
 pub trait Element: Pod + Send + Sync + std::ops::AddAssign {
@@ -124,7 +126,7 @@ pub struct Ring {
     link: Link,
     slots: Slots,
     /// This generation's NCCL communicator, when gradients go over NCCL.
-    nccl: Option<super::nccl::Comm>,
+    nccl: Option<crate::collective::nccl::Comm>,
     /// Whether the ranks may share a GPU (`NCCL_HOSTID` is set): NCCL is then entered together.
     shared_gpu: bool,
 }
@@ -246,13 +248,13 @@ impl Ring {
             return Ok(());
         }
         let id = if self.rank == 0 {
-            super::nccl::unique_id()
+            crate::collective::nccl::unique_id()
                 .map_err(|message| CollectiveError::Nccl { op: "creating the communicator", message })?
         } else {
             Vec::new()
         };
         let id = self.broadcast_bytes(0, id)?;
-        self.nccl = Some(super::nccl::Comm::start(&id, self.world, self.rank, device)?);
+        self.nccl = Some(crate::collective::nccl::Comm::start(&id, self.world, self.rank, device)?);
         // TRAINERD_NCCL_ENTER_TOGETHER=0 turns the barrier off (to measure what it does).
         self.shared_gpu = std::env::var_os("NCCL_HOSTID").is_some()
             && std::env::var("TRAINERD_NCCL_ENTER_TOGETHER").map_or(true, |v| v != "0");
@@ -266,11 +268,11 @@ impl Ring {
 
     /// How long this generation's NCCL communicator took to create: once, when first known.
     pub fn take_nccl_created_in(&mut self) -> Option<Duration> {
-        self.nccl.as_mut().and_then(super::nccl::Comm::take_created_in)
+        self.nccl.as_mut().and_then(crate::collective::nccl::Comm::take_created_in)
     }
 
     /// [`Ring::all_reduce_slots`] (a sum) on CUDA buffers, over NCCL, with the same bits
-    /// ([`super::nccl`]); abortable through this generation's signal, bounded by its timeout.
+    /// ([`crate::collective::nccl`]); abortable through this generation's signal, bounded by its timeout.
     pub fn nccl_all_reduce_slots(&mut self, bufs: &[tch::Tensor]) -> Result<(), CollectiveError> {
         let began = Instant::now();
         if self.shared_gpu {
@@ -285,7 +287,7 @@ impl Ring {
         let comm = self.nccl.as_mut().expect("a ring with NCCL");
         comm.all_reduce_slots(bufs, slots, link.timeout, &|| link.check())?;
         let (v, len) = (slots.count, bufs[0].numel());
-        super::count_traffic((2 * (v - 1) * len / v * 4) as u64, began.elapsed());
+        crate::collective::count_traffic((2 * (v - 1) * len / v * 4) as u64, began.elapsed());
         Ok(())
     }
 
@@ -351,7 +353,7 @@ impl Ring {
         }
         // Each worker sends 2(V-1) chunks of about len/V elements.
         let sent = 2 * (v - 1) * len / v * std::mem::size_of::<T>();
-        super::count_traffic(sent as u64, began.elapsed());
+        crate::collective::count_traffic(sent as u64, began.elapsed());
         Ok(())
     }
 

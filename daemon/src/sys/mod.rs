@@ -1,0 +1,5 @@
+//! The machine the daemon runs on: its accelerators ([`accel`]) and files written atomically
+//! ([`atomic`]).
+
+pub mod accel;
+pub mod atomic;
