@@ -5,14 +5,12 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use trainerd_sdk::LrSchedule;
+use trainerd_sdk::{LrSchedule, PluginArgs};
 use trainerd_storage::S3Options;
 
 use crate::auth::ClusterKey;
 use crate::cluster::{tf_config, ClusterConfig, Network};
 use crate::ops::log::LogFormat;
-
-pub use super::plugin_args::PluginArgFlags;
 
 /// The command line.
 #[derive(Parser)]
@@ -35,26 +33,7 @@ pub enum Command {
     /// Start N workers on 127.0.0.1 as one cluster (each `trainerd run` with its own
     /// TF_CONFIG), prefix their output, restart any that dies (as systemd would), and stop them
     /// together on Ctrl-C.
-    Local {
-        /// Number of workers.
-        #[arg(long)]
-        workers: usize,
-        /// Seconds before a worker that died is started again (systemd's RestartSec).
-        #[arg(long, default_value_t = 1.0)]
-        restart_delay: f64,
-        /// Workers not to restart when they die (a node gone for good), for example
-        /// `--no-restart 2`: the others go on without them after `--replace-after`, when a
-        /// majority remains.
-        #[arg(long, value_delimiter = ',')]
-        no_restart: Vec<usize>,
-        /// Write every worker's lifecycle events here, each naming its worker (give it before
-        /// the arguments for `trainerd run`).
-        #[arg(long, env = "TRAINERD_EVENTS")]
-        events: Option<PathBuf>,
-        /// Arguments for `trainerd run` (every flag of `run` except --tf-config and --events).
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    Local(LocalArgs),
     /// Evaluate a committed checkpoint on the test split (as Keras's model.evaluate): alone, or
     /// sharded over the TF_CONFIG cluster.
     Evaluate(Box<EvalArgs>),
@@ -77,6 +56,29 @@ pub enum Command {
         #[command(subcommand)]
         command: PluginCommand,
     },
+}
+
+/// `trainerd local`'s flags.
+#[derive(clap::Args)]
+pub struct LocalArgs {
+    /// Number of workers.
+    #[arg(long)]
+    pub workers: usize,
+    /// Seconds before a worker that died is started again (systemd's RestartSec).
+    #[arg(long, default_value_t = 1.0)]
+    pub restart_delay: f64,
+    /// Workers not to restart when they die (a node gone for good), for example
+    /// `--no-restart 2`: the others go on without them after `--replace-after`, when a
+    /// majority remains.
+    #[arg(long, value_delimiter = ',')]
+    pub no_restart: Vec<usize>,
+    /// Write every worker's lifecycle events here, each naming its worker (give it before
+    /// the arguments for `trainerd run`).
+    #[arg(long, env = "TRAINERD_EVENTS")]
+    pub events: Option<PathBuf>,
+    /// Arguments for `trainerd run` (every flag of `run` except --tf-config and --events).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
 }
 
 /// `trainerd plugin ...`.
@@ -551,6 +553,33 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     };
     let n: u64 = digits.trim().parse().map_err(|_| format!("{text:?}: expected a size such as 512M or 10G"))?;
     n.checked_mul(1 << shift).ok_or_else(|| format!("{text:?}: too large"))
+}
+
+/// `--plugin-arg KEY=VALUE`, for every command that loads a plugin.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct PluginArgFlags {
+    /// A setting for the plugin, as KEY=VALUE; repeatable. `trainerd plugin check` lists the
+    /// keys a plugin accepts. Without any, the space-separated pairs of $TRAINERD_PLUGIN_ARGS.
+    /// Every worker must give the same (a plugin may exempt a key, such as a file's path).
+    #[arg(long = "plugin-arg", value_name = "KEY=VALUE")]
+    pub plugin_arg: Vec<String>,
+}
+
+impl PluginArgFlags {
+    /// The arguments: the flags, or else $TRAINERD_PLUGIN_ARGS.
+    pub fn parse(&self) -> anyhow::Result<PluginArgs> {
+        if !self.plugin_arg.is_empty() {
+            return PluginArgs::parse(&self.plugin_arg).map_err(anyhow::Error::msg);
+        }
+        let env = std::env::var("TRAINERD_PLUGIN_ARGS").unwrap_or_default();
+        let items: Vec<&str> = env.split_whitespace().collect();
+        PluginArgs::parse(&items).map_err(|e| anyhow::anyhow!("TRAINERD_PLUGIN_ARGS: {e}"))
+    }
+
+    /// The flags that give `args` to a child `trainerd`.
+    pub fn to_flags(args: &PluginArgs) -> Vec<String> {
+        args.iter().map(|(k, v)| format!("--plugin-arg={k}={v}")).collect()
+    }
 }
 
 /// The cluster flags `run` and `evaluate` share.

@@ -11,10 +11,25 @@ use trainerd_data::schema::describe;
 use trainerd_data::{DataLocation, Dataset, Plan, Quiet, Shuffle, Slice};
 use trainerd_sdk::Split;
 
-use super::args::{ReadArgs, S3Args};
+use super::args::{DataCommand, ReadArgs, S3Args};
 use super::data_options;
 use crate::ops::progress::{thousands, Progress};
 use crate::plugin::Plugin;
+
+/// Runs `trainerd data inspect|convert|read`; its exit status.
+pub fn run(command: DataCommand) -> anyhow::Result<i32> {
+    match command {
+        DataCommand::Inspect { url, s3 } => inspect(&url, &s3),
+        DataCommand::Convert { from, to, rows_per_file, rows_per_group, s3 } => {
+            anyhow::ensure!(
+                rows_per_file > 0 && rows_per_group > 0,
+                "--rows-per-file and --rows-per-group: expected at least 1"
+            );
+            convert(&from, &to, trainerd_data::convert::Sharding { rows_per_file, rows_per_group }, &s3)
+        }
+        DataCommand::Read(args) => read(&args),
+    }
+}
 
 /// `trainerd data inspect URL`: files, rows, row groups, schema and split sizes.
 pub fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {

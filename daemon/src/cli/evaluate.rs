@@ -31,7 +31,7 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
     let data = DataSource::open(&args.data.data, plugin.info(), (u64::MAX, true), options)?;
     let sequence = match args.best {
         true => Some(
-            crate::checkpoint::inspect::best(&super::open_store(&args.checkpoint, &args.s3)?)
+            crate::checkpoint::inspect::best(&super::ckpt::open_store(&args.checkpoint, &args.s3)?)
                 .map_err(anyhow::Error::msg)?,
         ),
         false => args.sequence,

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::args::LocalArgs;
 use crate::events::{Event, Events};
 use crate::exit::Exit;
 use crate::supervise::{Happening, Options, Stream, Supervisor};
@@ -85,9 +86,17 @@ fn check(workers: usize, no_restart: &[usize], args: &[String]) -> anyhow::Resul
     Ok(())
 }
 
+/// Runs `trainerd local`; its exit status.
+pub fn run(args: LocalArgs) -> anyhow::Result<i32> {
+    let LocalArgs { workers, restart_delay, no_restart, events, args } = args;
+    let delay = Duration::try_from_secs_f64(restart_delay)
+        .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))?;
+    launch(workers, (delay, &no_restart), events.as_deref(), &args)
+}
+
 /// Runs the local cluster, its workers' events forwarded to `events` when given; returns this
 /// process's exit code.
-pub fn run(
+fn launch(
     workers: usize,
     (restart_delay, no_restart): (Duration, &[usize]),
     events: Option<&Path>,

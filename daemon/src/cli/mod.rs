@@ -1,12 +1,16 @@
-//! The `trainerd` command line: [`args`] is what clap parses, [`run`] trains, [`evaluate`]
-//! evaluates a commit; `local`, `ckpt` and `plugin check` go to their modules of the crate. The
-//! binary (`main.rs`) only calls [`main`].
+//! The `trainerd` command line: [`args`] is what clap parses, and each command has its file, as
+//! mini-redis's `src/cmd/`: [`run`] trains, [`local`] runs a loopback cluster under the
+//! supervisor, [`evaluate`] evaluates a commit, [`ckpt`] inspects a checkpoint location,
+//! [`plugin`] checks a plugin, [`data`] inspects, converts and reads datasets. The binary
+//! (`main.rs`) only calls [`main`]; what the commands share (signals, threads, devices, the data
+//! options) is here.
 
 pub mod args;
+pub mod ckpt;
 pub mod data;
 pub mod evaluate;
 pub mod local;
-pub mod plugin_args;
+pub mod plugin;
 pub mod run;
 
 use std::process::ExitCode;
@@ -14,15 +18,12 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::{CommandFactory, FromArgMatches};
 use tch::Device;
-use trainerd_storage::{CheckpointStore, Location};
 
 use crate::ops::log::LogFormat;
-use crate::plugin::Plugin;
-use crate::sys::accel::{self, CudaLibrary, Facts};
-use args::{CkptCommand, Cli, Command, DataCommand, PluginCommand, S3Args};
+use crate::sys::accel::{self, Facts};
+use args::{Cli, Command, S3Args};
 
 /// Parses the command line, runs the command, and says how it ended.
 pub fn main() -> ExitCode {
@@ -51,17 +52,11 @@ pub fn main() -> ExitCode {
     crate::ops::log::init(cli.log_format);
     let result = match cli.command {
         Command::Run(args) => run::run(*args, cuda, cli.log_format),
-        Command::Local { workers, restart_delay, no_restart, events, args } => {
-            Duration::try_from_secs_f64(restart_delay)
-                .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))
-                .and_then(|delay| crate::cli::local::run(workers, (delay, &no_restart), events.as_deref(), &args))
-        }
+        Command::Local(args) => local::run(args),
         Command::Evaluate(args) => evaluate::evaluate(*args, cuda, cli.log_format),
-        Command::Ckpt { command } => ckpt(command),
-        Command::Data { command } => data(command),
-        Command::Plugin { command: PluginCommand::Check { path, args, in_process } } => {
-            args.parse().and_then(|args| plugin_check(&path, &args, in_process, cuda))
-        }
+        Command::Ckpt { command } => ckpt::run(command),
+        Command::Data { command } => data::run(command),
+        Command::Plugin { command } => plugin::run(command, cuda),
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
@@ -103,59 +98,6 @@ fn asks_for_cuda(args: &[String]) -> bool {
     })
 }
 
-/// `trainerd plugin check PATH`: in a child process (a plugin that crashes takes only the child),
-/// or, in that child, here.
-fn plugin_check(
-    path: &std::path::Path,
-    args: &trainerd_sdk::PluginArgs,
-    in_process: bool,
-    cuda: CudaLibrary,
-) -> anyhow::Result<i32> {
-    if !in_process {
-        return crate::plugin::describe::check_in_child(path, args).context("running the plugin check");
-    }
-    let facts = accel::facts(cuda);
-    let plugin = match Plugin::load(path, args) {
-        Ok(plugin) => plugin,
-        Err(refused @ crate::plugin::LoadError::Refused { .. }) => {
-            let specs = Plugin::accepted(path)?;
-            anyhow::bail!("{refused}\n{}", crate::plugin::describe::arguments(&specs, args));
-        }
-        Err(other) => return Err(other.into()),
-    };
-    let text = crate::plugin::describe::describe(&plugin, &facts)?;
-    println!("{text}");
-    Ok(0)
-}
-
-fn open_store(url: &str, s3: &S3Args) -> anyhow::Result<CheckpointStore> {
-    let location: Location = url.parse()?;
-    Ok(location.open(&s3.options())?)
-}
-
-/// `trainerd ckpt list|show|verify|export URL`.
-fn ckpt(command: CkptCommand) -> anyhow::Result<i32> {
-    match command {
-        CkptCommand::List { url, s3 } => print!("{}", crate::checkpoint::inspect::list(&open_store(&url, &s3)?)?),
-        CkptCommand::Show { url, sequence, s3 } => {
-            print!("{}", crate::checkpoint::inspect::show(&open_store(&url, &s3)?, sequence)?)
-        }
-        CkptCommand::Verify { url, sequence, s3 } => {
-            let ok = crate::checkpoint::inspect::verify(&open_store(&url, &s3)?, sequence, &mut std::io::stdout())?;
-            if !ok {
-                eprintln!("error: {url}: damaged commits (see above)");
-                return Ok(crate::exit::Exit::Failed.code());
-            }
-        }
-        CkptCommand::Export { url, output, sequence, s3 } => {
-            let text = crate::checkpoint::inspect::export(&open_store(&url, &s3)?, sequence, &output)
-                .map_err(anyhow::Error::msg)?;
-            println!("{text}");
-        }
-    }
-    Ok(0)
-}
-
 /// The data's wait bound checked below `collective` (the collective timeout): a worker waiting
 /// for its data gives up before its peers waiting in a collective do.
 fn data_wait_fits(data: &args::DataArgs, collective: Duration) -> anyhow::Result<()> {
@@ -187,21 +129,6 @@ fn data_options(
         threads: data.loader_threads(),
         observer,
     })
-}
-
-/// `trainerd data inspect|convert|read`.
-fn data(command: DataCommand) -> anyhow::Result<i32> {
-    match command {
-        DataCommand::Inspect { url, s3 } => data::inspect(&url, &s3),
-        DataCommand::Convert { from, to, rows_per_file, rows_per_group, s3 } => {
-            anyhow::ensure!(
-                rows_per_file > 0 && rows_per_group > 0,
-                "--rows-per-file and --rows-per-group: expected at least 1"
-            );
-            data::convert(&from, &to, trainerd_data::convert::Sharding { rows_per_file, rows_per_group }, &s3)
-        }
-        DataCommand::Read(args) => data::read(&args),
-    }
 }
 
 /// A positive number of seconds from `flag`'s `value`.

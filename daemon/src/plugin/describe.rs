@@ -1,15 +1,9 @@
-//! `trainerd plugin check`: load a plugin in a child process and print its identity, so that a
-//! plugin that crashes while loading takes down only the child, and the checker names the
-//! signal.
-
-use std::os::unix::process::ExitStatusExt;
-use std::path::Path;
-use std::process::Command;
+//! What `trainerd plugin check` prints of a loaded plugin: its identity, its model's variables,
+//! the arguments it takes, and the libtorch it would train on.
 
 use tch::Device;
 
 use crate::plugin::{CallError, Plugin};
-use crate::supervise::signal_name;
 use crate::sys::accel::Facts;
 use trainerd_sdk::{ArgSpec, PluginArgs};
 
@@ -80,27 +74,4 @@ pub fn arguments(specs: &[ArgSpec], given: &PluginArgs) -> String {
         })
         .collect();
     format!("arguments (--plugin-arg KEY=VALUE):{}", lines.concat())
-}
-
-/// Runs `trainerd plugin check --in-process PATH` in a child process and reports how it ended.
-/// Returns the exit code for this process.
-pub fn check_in_child(path: &Path, args: &PluginArgs) -> std::io::Result<i32> {
-    let exe = std::env::current_exe()?;
-    let status = Command::new(exe)
-        .args(["plugin", "check", "--in-process"])
-        .args(crate::cli::args::PluginArgFlags::to_flags(args))
-        .arg(path)
-        .status()?;
-    Ok(match (status.code(), status.signal()) {
-        (Some(code), _) => code,
-        (None, Some(signal)) => {
-            eprintln!(
-                "error: plugin {}: the plugin crashed the checking process with signal {signal} ({}) while loading",
-                path.display(),
-                signal_name(signal)
-            );
-            128 + signal
-        }
-        (None, None) => 1,
-    })
 }
