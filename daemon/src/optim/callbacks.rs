@@ -8,8 +8,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::state::Totals;
-
 /// Keras's `ReduceLROnPlateau` default `min_delta`: a smaller change is no improvement.
 const PLATEAU_MIN_DELTA: f64 = 1e-4;
 
@@ -208,14 +206,6 @@ fn known(flag: &str, text: &str, metric: &str, names: &[String]) -> Result<Strin
         return Ok(metric.to_string());
     }
     Err(format!("{flag} {text}: no figure named {metric}; this run has {}", names.join(", ")))
-}
-
-/// An epoch's figures by name, as the epoch line shows them: the training means of `metrics`
-/// (with the loss) from `train`, then the same from `eval` as `val_NAME`.
-pub fn epoch_figures(metrics: &[String], train: &Totals, eval: Option<&Totals>) -> Vec<(String, f64)> {
-    let mut figures = train.named(metrics, "");
-    figures.extend(eval.map(|e| e.named(metrics, "val_")).unwrap_or_default());
-    figures
 }
 
 /// The figures a run can watch: the training means of `metrics` (with the loss) and, when it

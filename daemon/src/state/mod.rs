@@ -16,7 +16,7 @@ pub mod totals;
 pub use meta::{Meta, Reader, ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY};
 pub use position::Position;
 pub use replica::{sha256_hex, ModelState, Named, Shareable, TrainState};
-pub use totals::Totals;
+pub use totals::{epoch_figures, Totals};
 
 /// Blob of the parameters and buffers.
 pub const MODEL_BLOB: &str = "model.safetensors";

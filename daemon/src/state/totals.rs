@@ -75,6 +75,14 @@ impl Totals {
     }
 }
 
+/// An epoch's figures by name, as the epoch line shows them: the training means of `metrics`
+/// (with the loss) from `train`, then the same from `eval` as `val_NAME`.
+pub fn epoch_figures(metrics: &[String], train: &Totals, eval: Option<&Totals>) -> Vec<(String, f64)> {
+    let mut figures = train.named(metrics, "");
+    figures.extend(eval.map(|e| e.named(metrics, "val_")).unwrap_or_default());
+    figures
+}
+
 impl From<Vec<f64>> for Totals {
     fn from(flat: Vec<f64>) -> Totals {
         Totals::from_flat(&flat)

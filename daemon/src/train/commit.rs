@@ -136,11 +136,8 @@ impl Committer {
     /// finite (a diverged epoch is never best, and JSON has no NaN to write in the record).
     fn score(&self, position: &Position) -> Option<Score> {
         let (metric, mode) = self.best.as_ref()?;
-        let figures = crate::optim::callbacks::epoch_figures(
-            &self.info.metrics,
-            &position.last_epoch,
-            position.last_eval.as_ref(),
-        );
+        let figures =
+            crate::state::epoch_figures(&self.info.metrics, &position.last_epoch, position.last_eval.as_ref());
         let value = figures.iter().find(|(name, _)| name == metric)?.1;
         value.is_finite().then(|| Score { metric: metric.clone(), value, mode: *mode })
     }

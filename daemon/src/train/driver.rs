@@ -370,7 +370,7 @@ impl<'a> Driver<'a> {
             return;
         }
         let p = &mut state.model.position;
-        let figures = crate::optim::callbacks::epoch_figures(&self.info.metrics, &p.last_epoch, p.last_eval.as_ref());
+        let figures = crate::state::epoch_figures(&self.info.metrics, &p.last_epoch, p.last_eval.as_ref());
         let acted = self.cfg.callbacks.epoch_end(p.epoch, &figures, &mut p.callbacks);
         for (what, line) in [("reduce-lr-on-plateau", acted.reduced), ("early stopping", acted.stop)] {
             if let Some(line) = line {

@@ -431,7 +431,7 @@ impl<'p> Reporter<'p> {
         self.telemetry.evaluated(&validation);
         self.telemetry.progress();
         let rate = self.clock.epoch_rate();
-        let mut values = crate::optim::callbacks::epoch_figures(&self.metric_names, totals, eval);
+        let mut values = crate::state::epoch_figures(&self.metric_names, totals, eval);
         if self.schedule_moves {
             // The rate the epoch's last step used (what Keras's PrintLR shows at the epoch's end).
             values.push(("learning_rate".into(), lr));
