@@ -1,4 +1,4 @@
-//! Turning the operator's flags and the plugin's defaults into one run configuration.
+//! The optimizer's settings: the plugin's default optimizer with the operator's flags applied.
 //! A flag wins over the plugin's default; a flag that does not apply to the chosen optimizer is
 //! an error rather than silently ignored.
 

@@ -1,0 +1,133 @@
+//! A run's data with its model: both splits loaded (through the plugin, or the columnar
+//! dataset's readers), the steps of an epoch, and batches in order from any (epoch, step) on.
+
+use std::sync::Arc;
+
+use tch::Tensor;
+use trainerd_data::{Plan, Shuffle, Slice, Stream};
+use trainerd_sdk::{InputContext, Split};
+
+use super::{DataSource, Files, InputError};
+use crate::plugin::{self, InputPipeline, ModelInstance};
+
+/// One batch: this worker's slice of a global batch.
+pub struct Batch {
+    /// Its epoch.
+    pub epoch: u32,
+    /// Its step (from 0).
+    pub step: u64,
+    /// Inputs.
+    pub xs: Tensor,
+    /// Labels.
+    pub ys: Tensor,
+    /// Its example ids (file, row), when the data has them (a columnar dataset).
+    pub ids: Option<Vec<(u32, u64)>>,
+}
+
+/// A run's data, with its model.
+pub enum Data<'m> {
+    /// Read by the plugin.
+    Plugin {
+        /// The training split.
+        train: plugin::Dataset<'m>,
+        /// The test split, when the run evaluates.
+        test: Option<plugin::Dataset<'m>>,
+    },
+    /// Read by trainerd.
+    Files(Arc<Files>),
+}
+
+impl<'m> Data<'m> {
+    /// The data `source` names, for `model`.
+    pub fn load(source: &DataSource, model: &'m ModelInstance<'m>) -> Result<Data<'m>, InputError> {
+        Ok(match source {
+            DataSource::Plugin(dir, evaluate) => {
+                let test = evaluate.then(|| model.load_data(dir, Split::Test)).transpose()?;
+                Data::Plugin { train: model.load_data(dir, Split::Train)?, test }
+            }
+            DataSource::Files(files) => Data::Files(Arc::clone(files)),
+        })
+    }
+
+    /// Steps in an epoch of the training split for `ctx`'s slice.
+    pub fn steps(&self, ctx: &InputContext) -> Result<u64, InputError> {
+        match self {
+            Data::Plugin { train, .. } => Ok(train.pipeline(ctx)?.steps()),
+            Data::Files(f) => Ok(slice(ctx).steps(f.train.rows())),
+        }
+    }
+
+    /// Batches of `ctx` (its split by `ctx.training`) from `(ctx.epoch, ctx.first_step)` on:
+    /// to the end of that epoch, or (a columnar dataset's training) through epoch `end_epoch - 1`,
+    /// `steps_per_epoch` steps each.
+    pub fn open(&self, ctx: &InputContext, (end_epoch, steps_per_epoch): (u32, u64)) -> Result<Epochs<'_>, InputError> {
+        match self {
+            Data::Plugin { train, test } => {
+                let data = if ctx.training { Some(train) } else { test.as_ref() };
+                let pipeline = data.ok_or(InputError::NoEvaluation)?.pipeline(ctx)?;
+                let steps = pipeline.steps().min(steps_per_epoch);
+                Ok(Epochs::Plugin { pipeline, epoch: ctx.epoch as u32, next: ctx.first_step, steps })
+            }
+            Data::Files(f) => {
+                let slice = slice(ctx);
+                let (reader, shuffle, end, steps) = if ctx.training {
+                    (&f.train, Some(Shuffle { seed: ctx.seed, window: f.window }), end_epoch, steps_per_epoch)
+                } else {
+                    let test = f.test.as_ref().ok_or(InputError::NoEvaluation)?;
+                    (test, None, ctx.epoch as u32 + 1, slice.steps(test.rows()))
+                };
+                let first = (ctx.epoch as u32, ctx.first_step);
+                Ok(Epochs::Files(reader.open(Plan { slice, shuffle, first, end_epoch: end, steps_per_epoch: steps })))
+            }
+        }
+    }
+}
+
+fn slice(ctx: &InputContext) -> Slice {
+    Slice {
+        rank: u64::from(ctx.input_pipeline_id),
+        workers: u64::from(ctx.num_input_pipelines),
+        batch: u64::from(ctx.per_replica_batch_size),
+        training: ctx.training,
+    }
+}
+
+/// Batches in order, from where they were opened.
+pub enum Epochs<'d> {
+    /// One epoch of a plugin's pipeline.
+    Plugin {
+        /// The pipeline.
+        pipeline: InputPipeline<'d>,
+        /// Its epoch.
+        epoch: u32,
+        /// The step of its next batch.
+        next: u64,
+        /// Its last step + 1.
+        steps: u64,
+    },
+    /// A columnar dataset's stream.
+    Files(Stream),
+}
+
+impl Epochs<'_> {
+    /// The next batch, or `None` at the end.
+    pub fn next_batch(&mut self) -> Result<Option<Batch>, InputError> {
+        match self {
+            Epochs::Plugin { pipeline, epoch, next, steps } => {
+                if *next >= *steps {
+                    return Ok(None);
+                }
+                let Some((xs, ys)) = pipeline.next_batch()? else { return Ok(None) };
+                *next += 1;
+                Ok(Some(Batch { epoch: *epoch, step: *next - 1, xs, ys, ids: None }))
+            }
+            Epochs::Files(stream) => Ok(stream.next_batch()?.map(|b| Batch {
+                epoch: b.epoch,
+                step: b.step,
+                xs: b.xs,
+                ys: b.ys,
+                ids: Some(b.ids),
+            })),
+        }
+    }
+}

@@ -1,0 +1,440 @@
+//! [`Telemetry`]: what the training loop reports into, and what systemd ([`super::notify`]),
+//! Prometheus ([`super::serve`]) and the journal read of it.
+//!
+//! Liveness is driven by training progress, not by a timer: each step moves a deadline one
+//! stall period ahead ([`Telemetry::progress`]); a wait the daemon bounds itself (a rendezvous,
+//! a re-formation, an evaluation, a final commit) moves it to the end of that bound
+//! ([`Telemetry::waiting`]). A step that hangs lets the deadline pass: the watchdog pings stop,
+//! `/healthz` answers 503, and systemd restarts the daemon.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+type Labels = Vec<(&'static str, String)>;
+
+/// Every series `/metrics` serves.
+struct Series {
+    steps: Counter,
+    examples: Counter,
+    examples_per_second: FloatGauge,
+    epoch: Gauge,
+    global_step: Gauge,
+    loss: Family<Labels, FloatGauge>,
+    metric: Family<Labels, FloatGauge>,
+    learning_rate: FloatGauge,
+    allreduce_bytes: Counter,
+    allreduce_seconds: Counter<f64, AtomicU64>,
+    commits: Counter,
+    commit_seconds: Histogram,
+    commit_bytes: Counter,
+    commit_failures: Counter,
+    failures: Counter,
+    recoveries: Counter,
+    steps_lost: Counter,
+    recovery_seconds: Histogram,
+    generation: Gauge,
+    slots_held: Gauge,
+    peers_up: Gauge,
+}
+
+impl Series {
+    fn new() -> Series {
+        Series {
+            steps: Counter::default(),
+            examples: Counter::default(),
+            examples_per_second: FloatGauge::default(),
+            epoch: Gauge::default(),
+            global_step: Gauge::default(),
+            loss: Family::default(),
+            metric: Family::default(),
+            learning_rate: FloatGauge::default(),
+            allreduce_bytes: Counter::default(),
+            allreduce_seconds: Counter::default(),
+            commits: Counter::default(),
+            commit_seconds: Histogram::new(exponential_buckets(0.05, 2.0, 12)),
+            commit_bytes: Counter::default(),
+            commit_failures: Counter::default(),
+            failures: Counter::default(),
+            recoveries: Counter::default(),
+            steps_lost: Counter::default(),
+            recovery_seconds: Histogram::new(exponential_buckets(0.1, 2.0, 12)),
+            generation: Gauge::default(),
+            slots_held: Gauge::default(),
+            peers_up: Gauge::default(),
+        }
+    }
+
+    /// Every series, registered in `registry`.
+    fn register(registry: &mut Registry) -> Series {
+        let s = Series::new();
+        s.register_training(registry);
+        s.register_traffic_and_commits(registry);
+        s.register_recovery(registry);
+        s
+    }
+
+    /// Steps, examples, epoch, loss and metrics, learning rate.
+    fn register_training(&self, r: &mut Registry) {
+        r.register("trainerd_steps", "Optimizer steps this worker took", self.steps.clone());
+        r.register(
+            "trainerd_examples",
+            "Training examples over all workers, as this worker counts them",
+            self.examples.clone(),
+        );
+        r.register(
+            "trainerd_examples_per_second",
+            "Training throughput over all workers in the current epoch",
+            self.examples_per_second.clone(),
+        );
+        r.register("trainerd_epoch", "Current epoch, from 1", self.epoch.clone());
+        r.register("trainerd_global_step", "Global step of the state this worker holds", self.global_step.clone());
+        r.register(
+            "trainerd_loss",
+            "Loss over all workers: the last step's (split=train), the last evaluation's (split=validation)",
+            self.loss.clone(),
+        );
+        r.register("trainerd_metric", "The plugin's metrics, labelled as trainerd_loss", self.metric.clone());
+        r.register("trainerd_learning_rate", "Learning rate of the last step", self.learning_rate.clone());
+    }
+
+    /// The all-reduce's traffic and the chief's commits.
+    fn register_traffic_and_commits(&self, r: &mut Registry) {
+        r.register("trainerd_allreduce_bytes", "Bytes this worker sent in all-reduces", self.allreduce_bytes.clone());
+        r.register(
+            "trainerd_allreduce_seconds",
+            "Seconds this worker spent in all-reduces",
+            self.allreduce_seconds.clone(),
+        );
+        r.register("trainerd_commits", "Checkpoints committed (chief)", self.commits.clone());
+        r.register(
+            "trainerd_commit_seconds",
+            "Seconds from a commit's start to its record (chief)",
+            self.commit_seconds.clone(),
+        );
+        r.register("trainerd_commit_bytes", "Bytes committed (chief)", self.commit_bytes.clone());
+        r.register("trainerd_commit_failures", "Commits that failed (chief)", self.commit_failures.clone());
+    }
+
+    /// Failures, recoveries and membership.
+    fn register_recovery(&self, r: &mut Registry) {
+        r.register(
+            "trainerd_failures_detected",
+            "Generations this worker abandoned because a member failed",
+            self.failures.clone(),
+        );
+        r.register(
+            "trainerd_recoveries",
+            "Generations formed again after a failure, with this worker",
+            self.recoveries.clone(),
+        );
+        r.register("trainerd_steps_lost", "Steps the cluster lost in recoveries", self.steps_lost.clone());
+        r.register(
+            "trainerd_recovery_seconds",
+            "Seconds from a failure to the first step after it",
+            self.recovery_seconds.clone(),
+        );
+        r.register(
+            "trainerd_generation",
+            "The cluster's current generation (0 before the first)",
+            self.generation.clone(),
+        );
+        r.register(
+            "trainerd_slots_held",
+            "Slots (virtual ranks) this worker computes each step: more than 1 while workers are missing",
+            self.slots_held.clone(),
+        );
+        r.register(
+            "trainerd_peers_up",
+            "Workers in the current generation, this one included (0 while the cluster re-forms)",
+            self.peers_up.clone(),
+        );
+    }
+}
+
+/// What `STATUS=` shows.
+#[derive(Clone, Debug, Default)]
+struct Status {
+    epoch: u32,
+    epochs: u32,
+    step: u64,
+    steps: u64,
+    loss: Option<f64>,
+    generation: u64,
+    peers: usize,
+    world: usize,
+    /// The slots this worker holds, when it holds more than one.
+    slots: Option<String>,
+    waiting: Option<String>,
+}
+
+impl Status {
+    fn line(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(w) = &self.waiting {
+            parts.push(w.clone());
+        }
+        if self.epoch > 0 {
+            parts.push(format!("epoch {}/{}", self.epoch.min(self.epochs), self.epochs));
+        }
+        if self.steps > 0 {
+            parts.push(format!("step {}/{}", self.step, self.steps));
+        }
+        if let Some(l) = self.loss {
+            parts.push(format!("loss {l:.4}"));
+        }
+        if self.world > 1 {
+            parts.push(format!("generation {}", self.generation));
+            parts.push(format!("{}/{} workers", self.peers, self.world));
+            if let Some(slots) = &self.slots {
+                parts.push(slots.clone());
+            }
+        }
+        if parts.is_empty() {
+            "training".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
+/// The daemon's health and figures, shared by the training loop (which writes them) and the
+/// notifier and metrics server (which read them).
+pub struct Telemetry {
+    registry: Registry,
+    series: Series,
+    started: Instant,
+    /// How long a step may take before the daemon counts as hung.
+    stall: Duration,
+    /// Milliseconds since `started` until which the daemon counts as alive.
+    deadline_ms: AtomicU64,
+    status: Mutex<Status>,
+    ready: AtomicBool,
+    stopping: AtomicBool,
+    /// The all-reduce totals already added to the counters.
+    traffic_seen: Mutex<(u64, f64)>,
+}
+
+impl Telemetry {
+    /// Telemetry for a run of `epochs` epochs on `world` workers, hung after `stall` without
+    /// progress.
+    pub fn new(stall: Duration, epochs: u32, world: usize) -> Telemetry {
+        let mut registry = Registry::default();
+        let series = Series::register(&mut registry);
+        let status = Status { epochs, world, ..Status::default() };
+        let t = Telemetry {
+            registry,
+            series,
+            started: Instant::now(),
+            stall,
+            deadline_ms: AtomicU64::new(0),
+            status: Mutex::new(status),
+            ready: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            traffic_seen: Mutex::new((0, 0.0)),
+        };
+        t.waiting("starting", Duration::from_secs(3600));
+        t
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    fn status(&self) -> std::sync::MutexGuard<'_, Status> {
+        self.status.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Training made progress: alive for another stall period.
+    pub fn progress(&self) {
+        self.deadline_ms.store(self.now_ms() + self.stall.as_millis() as u64, Ordering::Relaxed);
+        self.status().waiting = None;
+    }
+
+    /// A wait the daemon bounds itself, at most `bound` long: alive until then.
+    pub fn waiting(&self, what: &str, bound: Duration) {
+        let until = self.now_ms() + (bound + self.stall).as_millis() as u64;
+        self.deadline_ms.store(until, Ordering::Relaxed);
+        self.status().waiting = Some(what.to_string());
+    }
+
+    /// `Ok` while the daemon makes progress or waits within a bound; otherwise why not.
+    pub fn healthy(&self) -> Result<(), String> {
+        let (now, deadline) = (self.now_ms(), self.deadline_ms.load(Ordering::Relaxed));
+        if now <= deadline {
+            return Ok(());
+        }
+        let since = Duration::from_millis(now - deadline) + self.stall;
+        Err(format!("no training progress for {:.0}s", since.as_secs_f64()))
+    }
+
+    /// The stall period.
+    pub fn stall(&self) -> Duration {
+        self.stall
+    }
+
+    /// Whether the worker has joined its cluster (once true, stays true).
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// The daemon is shutting down (a signal, or the end of the run).
+    pub fn set_stopping(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the daemon is shutting down.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed)
+    }
+
+    /// A generation formed with `world` workers, this one in it holding the slots `held`.
+    pub fn joined(&self, generation: u64, world: usize, held: std::ops::Range<usize>) {
+        self.series.generation.set(generation as i64);
+        self.series.peers_up.set(world as i64);
+        self.series.slots_held.set(held.len() as i64);
+        {
+            let mut s = self.status();
+            s.generation = generation;
+            s.peers = world;
+            s.slots = (held.len() > 1).then(|| format!("slots {}-{}", held.start, held.end - 1));
+        }
+        self.progress();
+        self.ready.store(true, Ordering::Relaxed);
+    }
+
+    /// This worker abandoned a generation because of `why`; it re-forms within `bound`.
+    pub fn abandoned(&self, why: &str, bound: Duration) {
+        self.series.failures.inc();
+        self.series.peers_up.set(0);
+        self.status().peers = 0;
+        self.waiting(&format!("re-forming: {why}"), bound);
+    }
+
+    /// A recovery finished: its first step is done.
+    pub fn recovered(&self, steps_lost: u64, seconds: f64) {
+        self.series.recoveries.inc();
+        self.series.steps_lost.inc_by(steps_lost);
+        self.series.recovery_seconds.observe(seconds);
+    }
+
+    /// A step finished.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step(
+        &self,
+        (epoch, step, steps): (u32, u64, u64),
+        global_step: u64,
+        named: &[(String, f64)],
+        examples: f64,
+        examples_per_second: f64,
+        lr: f64,
+    ) {
+        let s = &self.series;
+        s.steps.inc();
+        s.examples.inc_by(examples as u64);
+        s.examples_per_second.set(examples_per_second);
+        s.epoch.set(i64::from(epoch) + 1);
+        s.global_step.set(global_step as i64);
+        s.learning_rate.set(lr);
+        self.values("train", named);
+        let (bytes, seconds) = crate::collective::traffic();
+        {
+            let mut seen = self.traffic_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            s.allreduce_bytes.inc_by(bytes.saturating_sub(seen.0));
+            s.allreduce_seconds.inc_by((seconds - seen.1).max(0.0));
+            *seen = (bytes, seconds);
+        }
+        {
+            let mut st = self.status();
+            (st.epoch, st.step, st.steps) = (epoch + 1, step, steps);
+            st.loss = named.iter().find(|(n, _)| n == "loss").map(|(_, v)| *v);
+        }
+        self.progress();
+    }
+
+    /// An evaluation's values (`loss`, then the metrics, unprefixed).
+    pub fn evaluated(&self, named: &[(String, f64)]) {
+        self.values("validation", named);
+    }
+
+    fn values(&self, split: &str, named: &[(String, f64)]) {
+        for (name, value) in named {
+            let labels = |extra: Option<&str>| {
+                let mut l: Labels = vec![("split", split.to_string())];
+                if let Some(n) = extra {
+                    l.insert(0, ("name", n.to_string()));
+                }
+                l
+            };
+            if name == "loss" {
+                self.series.loss.get_or_create(&labels(None)).set(*value);
+            } else {
+                self.series.metric.get_or_create(&labels(Some(name))).set(*value);
+            }
+        }
+    }
+
+    /// The chief committed `bytes` in `seconds`.
+    pub fn committed(&self, seconds: f64, bytes: u64) {
+        self.series.commits.inc();
+        self.series.commit_seconds.observe(seconds);
+        self.series.commit_bytes.inc_by(bytes);
+    }
+
+    /// A commit failed.
+    pub fn commit_failed(&self) {
+        self.series.commit_failures.inc();
+    }
+
+    /// The `STATUS=` line.
+    pub fn status_line(&self) -> String {
+        self.status().line()
+    }
+
+    /// Every series in the OpenMetrics text format.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry).expect("writing to a String");
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_keeps_the_daemon_alive_for_one_stall_period_and_bounded_waits_for_their_bound() {
+        let t = Telemetry::new(Duration::from_millis(100), 2, 2);
+        t.joined(3, 2, 1..2);
+        assert_eq!(t.healthy(), Ok(()));
+        std::thread::sleep(Duration::from_millis(250));
+        assert!(t.healthy().unwrap_err().starts_with("no training progress for "));
+        t.waiting("re-forming", Duration::from_millis(300));
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!(t.healthy(), Ok(()), "a bounded wait is alive");
+        t.step((0, 5, 10), 5, &[("loss".into(), 0.5), ("accuracy".into(), 0.75)], 64.0, 1000.0, 0.01);
+        assert_eq!(t.status_line(), "epoch 1/2, step 5/10, loss 0.5000, generation 3, 2/2 workers");
+        let short = Telemetry::new(Duration::from_millis(100), 2, 3);
+        short.joined(4, 2, 0..2);
+        assert_eq!(short.status_line(), "generation 4, 2/3 workers, slots 0-1");
+        assert!(short.encode().contains("trainerd_slots_held 2"));
+        let text = t.encode();
+        for line in [
+            "trainerd_steps_total 1",
+            "trainerd_loss{split=\"train\"} 0.5",
+            "trainerd_metric{name=\"accuracy\",split=\"train\"} 0.75",
+            "trainerd_generation 3",
+            "trainerd_peers_up 2",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+    }
+}
