@@ -16,7 +16,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
-use trainerd::collective::{AbortSignal, DataListener, ReduceOp, Ring};
+use trainerd::collective::nccl::{self, Settings};
+use trainerd::collective::{AbortSignal, Backend, Collective, DataListener, Link, ReduceOp, Ring, Traffic};
 
 /// (bytes, iterations), as the gloo script.
 const SIZES: [(usize, usize); 4] = [(4096, 2000), (1 << 20, 200), (25 << 20, 20), (100 << 20, 8)];
@@ -62,13 +63,18 @@ fn launch(world: usize, device: Option<&String>) {
 
 /// Rank `rank`'s ring over loopback `ports` (and the listener it was formed on).
 fn ring_of(rank: usize, ports: &[u16]) -> (DataListener, Ring) {
-    let world = ports.len();
     let listener = DataListener::bind(([127, 0, 0, 1], ports[rank]).into(), None).unwrap();
+    let ring = form(&listener, rank, ports, 1);
+    (listener, ring)
+}
+
+/// Rank `rank`'s ring of `generation` on `listener`.
+fn form(listener: &DataListener, rank: usize, ports: &[u16], generation: u64) -> Ring {
+    let world = ports.len();
     let next: SocketAddr = format!("127.0.0.1:{}", ports[(rank + 1) % world]).parse().unwrap();
     let names: Vec<String> = (0..world).map(|r| format!("rank {r}")).collect();
-    let abort = AbortSignal::new();
-    let ring = Ring::form(&listener, rank, &names, next, 1, Duration::from_secs(60), &abort).unwrap();
-    (listener, ring)
+    let link = Link::new(generation, Duration::from_secs(60), &AbortSignal::new(), &Traffic::default());
+    Ring::form(listener, rank, &names, next, link).unwrap()
 }
 
 fn member(rank: usize, ports: &[u16]) {
@@ -119,44 +125,55 @@ fn time(
     }
 }
 
-/// A rank whose buffer lives on CUDA device `device`: NCCL, then the host-staged ring.
+/// A rank whose buffer lives on CUDA device `device`: NCCL (generation 1), then the host-staged
+/// ring (generation 2).
 fn gpu_member(rank: usize, ports: &[u16], device: &str) {
     let index: usize = device.strip_prefix("cuda:").and_then(|n| n.parse().ok()).expect("cuda:N");
     let trainerd::sys::accel::CudaLibrary::Loaded(_) = trainerd::sys::accel::load_cuda(true) else { panic!("no CUDA") };
     let dev = Device::Cuda(index);
     let world = ports.len();
-    let (_listener, mut ring) = ring_of(rank, ports);
+    let (listener, ring) = ring_of(rank, ports);
     let started = Instant::now();
-    ring.start_nccl(index).unwrap();
+    // The ranks share the GPU (each with its own NCCL_HOSTID): they enter NCCL together, as
+    // training does.
+    let settings = Settings { version: nccl::library().unwrap().version(), device: index, enter_together: true };
+    let mut group = Backend::Nccl(settings).form(ring).unwrap();
     for (bytes, iters) in SIZES {
         let x = Tensor::ones([(bytes / 4) as i64], (Kind::Float, dev));
-        let mut sync = [0f32; 1];
-        let shape = (rank, world, bytes, iters);
-        let mut ring_sync = |ring: &mut Ring| ring.all_reduce(&mut sync, ReduceOp::Sum).unwrap();
-        let cell = std::cell::RefCell::new(&mut ring);
+        let cell = std::cell::RefCell::new(&mut group);
         time(
             "trainerd-nccl",
-            shape,
-            || cell.borrow_mut().nccl_all_reduce_slots(&[x.shallow_clone()]).unwrap(),
-            || ring_sync(&mut cell.borrow_mut()),
+            (rank, world, bytes, iters),
+            || cell.borrow_mut().all_reduce_buffers(&mut [x.shallow_clone()]).unwrap(),
+            || cell.borrow_mut().barrier().unwrap(),
         );
-        if let Some(t) = cell.borrow_mut().take_nccl_created_in() {
+        let setup = cell.borrow_mut().take_setup();
+        if let Some((what, t)) = setup {
             if rank == 0 {
                 println!(
-                    "communicator world={world} created_s={:.3} (ready {:.3}s after the start)",
+                    "communicator world={world} created_s={:.3} (ready {:.3}s after the start; {what})",
                     t.as_secs_f64(),
                     started.elapsed().as_secs_f64()
                 );
             }
         }
+    }
+    drop(group);
+    let mut ring = form(&listener, rank, ports, 2);
+    for (bytes, iters) in SIZES {
+        let x = Tensor::ones([(bytes / 4) as i64], (Kind::Float, dev));
         let mut host = Tensor::zeros([(bytes / 4) as i64], (Kind::Float, Device::Cpu)).internal_pin_memory(dev);
+        let cell = std::cell::RefCell::new(&mut ring);
         let mut staged = |ring: &mut Ring| {
             host.copy_(&x);
-            // SAFETY: our own contiguous float32 host tensor, touched by nothing else meanwhile.
-            let flat = unsafe { std::slice::from_raw_parts_mut(host.data_ptr() as *mut f32, host.numel()) };
-            ring.all_reduce(flat, ReduceOp::Sum).unwrap();
+            ring.all_reduce_buffers(&mut [host.shallow_clone()]).unwrap();
             x.shallow_clone().copy_(&host);
         };
-        time("trainerd-ring", shape, || staged(&mut cell.borrow_mut()), || ring_sync(&mut cell.borrow_mut()));
+        time(
+            "trainerd-ring",
+            (rank, world, bytes, iters),
+            || staged(&mut cell.borrow_mut()),
+            || cell.borrow_mut().barrier().unwrap(),
+        );
     }
 }

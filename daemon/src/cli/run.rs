@@ -141,7 +141,12 @@ fn collective(
         let mine = host(&c.me().address);
         c.members.iter().enumerate().filter(|&(r, m)| r != c.rank && host(&m.address) == mine).count()
     });
-    crate::collective::choose(choice, device, (sharing, facts.gpus.len())).map_err(anyhow::Error::msg)
+    // NCCL_HOSTID lets ranks share a GPU; TRAINERD_NCCL_ENTER_TOGETHER=0 turns off their meeting
+    // before each NCCL all-reduce (to measure what it does).
+    let hostid = std::env::var_os("NCCL_HOSTID").is_some();
+    let enter_together = hostid && std::env::var("TRAINERD_NCCL_ENTER_TOGETHER").map_or(true, |v| v != "0");
+    let host = crate::collective::Host { sharing, gpus: facts.gpus.len(), hostid, enter_together };
+    crate::collective::choose(choice, device, host).map_err(anyhow::Error::msg)
 }
 
 /// Every deadline of the cluster, from the flags, checked as one hierarchy.

@@ -1,14 +1,15 @@
-//! Gradient averaging over the ring: the parameters' gradients are fused into buckets of at most
-//! a fixed size (small tensors travel together, one collective per bucket), staged through host
-//! memory as float32 (on CUDA too, as TensorFlow's RING does), one copy per slot this worker
-//! holds, averaged over the run's slots, and written back.
+//! Gradient averaging over any backend ([`super::Collective`]): the parameters' gradients are
+//! fused into buckets of at most a fixed size (small tensors travel together, one collective per
+//! bucket), staged as float32 where the backend takes them (host memory for the ring, on CUDA
+//! too, as TensorFlow's RING does; the device for NCCL), one copy per slot this worker holds,
+//! averaged over the run's slots, and written back.
 //!
 //! A few extra values (the step's loss and metric sums) ride along in the last bucket, summed
 //! rather than averaged, so that the progress line shows global figures at no extra cost.
 
 use tch::{Device, Kind, Tensor};
 
-use super::ring::{CollectiveError, ReduceOp, Ring};
+use super::{host_slice, Collective, CollectiveError};
 
 /// Default bucket size, as PyTorch DDP's `bucket_cap_mb`.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -23,7 +24,7 @@ pub struct Buckets {
     staging: Vec<Vec<Option<Tensor>>>,
     /// Per slot staged: the length of its extra values.
     extras: Vec<usize>,
-    /// Whether the buffers live on the parameters' CUDA device (the ring has NCCL) rather than
+    /// Whether the buffers live on the parameters' CUDA device (the backend takes them there) rather than
     /// on the host.
     on_device: bool,
     /// The parameters' device (the first replica's, when several stage into these buffers).
@@ -40,17 +41,6 @@ fn host_buffer(len: usize, device: Device) -> Tensor {
     } else {
         t
     }
-}
-
-/// The elements of a contiguous float32 host tensor.
-///
-/// # Safety
-/// `t` must be a contiguous float32 CPU tensor that outlives the slice and that nothing else
-/// reads or writes meanwhile.
-unsafe fn host_slice(t: &mut Tensor) -> &mut [f32] {
-    let len = t.numel();
-    // SAFETY: per the contract, the storage holds `len` f32 values, exclusively ours.
-    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, len) }
 }
 
 impl Buckets {
@@ -88,7 +78,7 @@ impl Buckets {
     #[cfg(test)]
     pub fn all_reduce(
         &mut self,
-        ring: &mut Ring,
+        ring: &mut dyn Collective,
         params: &mut [(String, Tensor)],
         extra: &mut [f32],
     ) -> Result<(), CollectiveError> {
@@ -99,7 +89,7 @@ impl Buckets {
     }
 
     /// Stages on the parameters' CUDA device for NCCL (`true`), or in host memory for the ring:
-    /// as the generation's ring has it. Changing it drops the buffers made for the other.
+    /// as the generation's backend takes them. Changing it drops the buffers made for the other.
     pub fn stage_on_device(&mut self, on_device: bool) {
         if self.on_device != on_device {
             self.on_device = on_device;
@@ -163,34 +153,34 @@ impl Buckets {
     /// it does with one worker); one that some slot has a gradient for gets the average here.
     pub fn reduce(
         &mut self,
-        ring: &mut Ring,
+        collective: &mut dyn Collective,
         params: &mut [(String, Tensor)],
         held: usize,
     ) -> Result<Vec<f32>, CollectiveError> {
         let _no_grad = tch::no_grad_guard();
-        let scale = 1.0 / ring.slots().count as f32;
+        let scale = 1.0 / collective.slots().count as f32;
         let extra = self.extras[0];
         let last = self.groups.len() - 1;
         let mut tail = Vec::new();
         // Parameters without a gradient here, with their average.
         let mut missing = Vec::new();
         for b in 0..self.groups.len() {
+            let mut bufs: Vec<Tensor> = self.staging[..held]
+                .iter()
+                .map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone())
+                .collect();
+            collective.all_reduce_buffers(&mut bufs)?;
             if self.on_device {
-                let riding = self.reduce_on_device(ring, params, (b, held), &mut missing)?;
+                let riding = self.on_device_result(params, (b, &bufs[0]), scale, &mut missing);
                 if b == last {
                     tail = riding;
                 }
                 continue;
             }
-            let mut views: Vec<&mut [f32]> = self.staging[..held]
-                .iter_mut()
-                // SAFETY: each slot's own staging buffer, filled by `stage`, touched by nothing else.
-                .map(|per_slot| unsafe { host_slice(per_slot[b].as_mut().expect("staged")) })
-                .collect();
-            ring.all_reduce_slots(&mut views, ReduceOp::Sum)?;
             let group = &self.groups[b];
             let grads_len: usize = group.iter().map(|&i| params[i].1.numel()).sum();
-            let flat = &mut views[0];
+            // SAFETY: the first slot's own staging buffer, reduced above, touched by nothing else.
+            let flat = unsafe { host_slice(&mut bufs[0]) };
             flat[..grads_len].iter_mut().for_each(|x| *x *= scale);
             if b == last {
                 tail = flat[grads_len..].to_vec();
@@ -216,31 +206,27 @@ impl Buckets {
 }
 
 impl Buckets {
-    /// Bucket `b` of the first `held` slots, on the device, over NCCL: its gradients averaged
-    /// into the parameters (or into `missing`); returns the values riding after them, summed.
-    fn reduce_on_device(
+    /// Bucket `b`'s sum over the slots (`sum`, on the device): its gradients averaged into the
+    /// parameters (or into `missing`); returns the values riding after them, summed.
+    fn on_device_result(
         &self,
-        ring: &mut Ring,
         params: &[(String, Tensor)],
-        (b, held): (usize, usize),
+        (b, sum): (usize, &Tensor),
+        scale: f32,
         missing: &mut Vec<(usize, Tensor)>,
-    ) -> Result<Vec<f32>, CollectiveError> {
+    ) -> Vec<f32> {
         let group = &self.groups[b];
         let grads_len: usize = group.iter().map(|&i| params[i].1.numel()).sum();
-        let bufs: Vec<Tensor> =
-            self.staging[..held].iter().map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone()).collect();
-        ring.nccl_all_reduce_slots(&bufs)?;
         // As the host does: float32 times the float32 1/V.
-        let scale = 1.0 / ring.slots().count as f32;
-        let mut averaged = bufs[0].narrow(0, 0, grads_len as i64);
+        let mut averaged = sum.narrow(0, 0, grads_len as i64);
         averaged *= f64::from(scale);
         write_back(params, group, &averaged, missing);
-        let rest = bufs[0].numel() - grads_len;
+        let rest = sum.numel() - grads_len;
         if rest == 0 {
-            return Ok(Vec::new());
+            return Vec::new();
         }
-        let riding = bufs[0].narrow(0, grads_len as i64, rest as i64).to_device(Device::Cpu);
-        Ok(Vec::<f32>::try_from(riding).expect("float32 values"))
+        let riding = sum.narrow(0, grads_len as i64, rest as i64).to_device(Device::Cpu);
+        Vec::<f32>::try_from(riding).expect("float32 values")
     }
 }
 

@@ -1,6 +1,14 @@
-//! Collectives among the workers of a run: the abortable ring data plane ([`ring`]) on a
-//! persistent listener ([`ring::listener`]), its abort switch ([`abort`]), and gradient averaging
-//! over fused buckets ([`buckets`]). It knows nothing of training or plugins.
+//! Collectives among the workers of a run, behind one interface ([`Collective`]): all-reduce
+//! over the run's slots, broadcast, barrier, and abort. Two backends implement it: [`ring`], TCP
+//! connections carrying host memory, and [`nccl`], NCCL moving GPU memory beside a ring; both
+//! add in the V-slot ring's order, so they give the same bits. [`Backend`] is the choice, made
+//! once at start-up (`--collective`, [`choose`]); each generation forms it anew over its ring
+//! ([`Backend::form`]), so a third backend is one module and one arm there.
+//!
+//! What every backend shares: the slots (virtual ranks, [`slots`]), the generation's abort switch
+//! ([`abort`]), the session's traffic counters ([`Traffic`]), and the gradient buckets that any
+//! backend reduces ([`buckets`]). It knows nothing of training, plugins or membership, and reads
+//! no environment: what it needs to know is handed to it.
 
 pub mod abort;
 pub mod buckets;
@@ -10,31 +18,173 @@ pub mod slots;
 
 pub use abort::AbortSignal;
 pub use ring::listener::DataListener;
-pub use ring::{CollectiveError, ReduceOp, Ring};
+pub use ring::{Link, Ring};
 pub use slots::Slots;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
-static SENT_BYTES: AtomicU64 = AtomicU64::new(0);
-static BUSY_NANOS: AtomicU64 = AtomicU64::new(0);
+use tch::{Device, Kind, Tensor};
 
-/// Bytes this process sent in all-reduces, and seconds it spent in them, since it started.
-pub fn traffic() -> (u64, f64) {
-    (SENT_BYTES.load(Ordering::Relaxed), BUSY_NANOS.load(Ordering::Relaxed) as f64 / 1e9)
+/// A reduction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean over ranks.
+    Mean,
 }
 
-fn count_traffic(bytes: u64, took: std::time::Duration) {
-    SENT_BYTES.fetch_add(bytes, Ordering::Relaxed);
-    BUSY_NANOS.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+/// A collective that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    /// No data (or no progress) from a peer within the deadline.
+    #[error("{op}: {peer} sent nothing for {timeout:?}; it may have died or hung")]
+    Timeout {
+        /// The collective.
+        op: &'static str,
+        /// The peer, named.
+        peer: String,
+        /// Its rank.
+        rank: usize,
+        /// The deadline.
+        timeout: Duration,
+    },
+    /// The connection to a peer broke.
+    #[error("{op}: connection to {peer} failed: {source}")]
+    Io {
+        /// The collective.
+        op: &'static str,
+        /// The peer, named.
+        peer: String,
+        /// Its rank.
+        rank: usize,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// NCCL failed, or did not complete in time (its communicator is then aborted).
+    #[error("{op}: {message}")]
+    Nccl {
+        /// The collective.
+        op: &'static str,
+        /// What NCCL or CUDA said.
+        message: String,
+    },
+    /// The ring could not be formed.
+    #[error("forming the ring: {0}")]
+    Setup(String),
+    /// The generation was aborted (a peer failed, or the cluster moved on).
+    #[error("generation {generation} aborted: {reason}")]
+    Aborted {
+        /// The generation.
+        generation: u64,
+        /// Why.
+        reason: String,
+    },
 }
 
-/// What carries the gradients' all-reduce.
+impl CollectiveError {
+    /// The peer this failure points at, when it points at one.
+    pub fn suspect(&self) -> Option<usize> {
+        match self {
+            CollectiveError::Timeout { rank, .. } | CollectiveError::Io { rank, .. } => Some(*rank),
+            _ => None,
+        }
+    }
+}
+/// What carries one generation's collectives among its workers. Every method but the accessors
+/// is collective: each worker of the generation calls it, in the same order. A failure names the
+/// peer it points at, and every backend's collectives end at once when the generation's
+/// [`AbortSignal`] is raised (a peer failed, or the cluster moved on): that is how a collective
+/// is aborted, from any thread.
+pub trait Collective: Send + std::fmt::Debug {
+    /// The generation it belongs to.
+    fn generation(&self) -> u64;
+    /// This worker's place among the generation's workers (the ring's order).
+    fn rank(&self) -> usize;
+    /// Workers in the generation.
+    fn world(&self) -> usize;
+    /// The run's slots, and the ones this worker holds.
+    fn slots(&self) -> &Slots;
+    /// Whether [`Collective::all_reduce_buffers`] takes buffers on the model's CUDA device
+    /// (`true`) or in host memory (`false`).
+    fn on_device(&self) -> bool;
+    /// Sums `bufs` (one contiguous float32 buffer per slot held here, in slot order, of equal
+    /// lengths, where [`Collective::on_device`] says) over every slot of the run, in the V-slot
+    /// ring's order: on return `bufs[0]` holds the sum on every worker, bit for bit the same
+    /// whichever backend and whoever holds which slots (the others are scratch). Nothing else
+    /// may touch the buffers meanwhile.
+    fn all_reduce_buffers(&mut self, bufs: &mut [Tensor]) -> Result<(), CollectiveError>;
+    /// Reduces host values over every slot of the run (one buffer per slot held here, in slot
+    /// order, of equal lengths), as [`Collective::all_reduce_buffers`] does; the result in
+    /// `bufs[0]`.
+    fn all_reduce_values(&mut self, bufs: &mut [&mut [f64]], op: ReduceOp) -> Result<(), CollectiveError>;
+    /// Reduces one host buffer per worker (not per slot) over the generation's workers.
+    fn all_reduce_workers(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<(), CollectiveError>;
+    /// Copies place `root`'s `buf` to every worker.
+    fn broadcast(&mut self, root: usize, buf: &mut [u8]) -> Result<(), CollectiveError>;
+    /// Copies place `root`'s bytes, of any length, to every worker (`bytes` is ignored
+    /// elsewhere).
+    fn broadcast_bytes(&mut self, root: usize, bytes: Vec<u8>) -> Result<Vec<u8>, CollectiveError>;
+    /// Returns once every worker of the generation has reached it.
+    fn barrier(&mut self) -> Result<(), CollectiveError>;
+    /// Fails when the generation was aborted: long work between collectives checks it, so as
+    /// not to finish what the cluster has abandoned.
+    fn check_abort(&self) -> Result<(), CollectiveError>;
+    /// What this backend built for the generation beside its connections (NCCL's
+    /// communicator), and how long that took: once, when first known.
+    fn take_setup(&mut self) -> Option<(&'static str, Duration)> {
+        None
+    }
+}
+
+/// Bytes sent in all-reduces and seconds spent in them: a session's counters, which every
+/// generation's backend adds to.
+#[derive(Clone, Debug, Default)]
+pub struct Traffic(Arc<Counters>);
+
+#[derive(Debug, Default)]
+struct Counters {
+    bytes: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl Traffic {
+    /// An all-reduce sent `bytes` and took `took`.
+    pub fn count(&self, bytes: u64, took: Duration) {
+        self.0.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.0.nanos.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Bytes sent and seconds spent so far.
+    pub fn totals(&self) -> (u64, f64) {
+        (self.0.bytes.load(Ordering::Relaxed), self.0.nanos.load(Ordering::Relaxed) as f64 / 1e9)
+    }
+}
+
+/// The elements of a contiguous float32 host tensor.
+///
+/// # Safety
+/// Nothing else may read or write `t`'s storage while the slice lives.
+pub(crate) unsafe fn host_slice(t: &mut Tensor) -> &mut [f32] {
+    assert!(
+        t.device() == Device::Cpu && t.kind() == Kind::Float && t.is_contiguous(),
+        "a contiguous float32 host tensor"
+    );
+    let len = t.numel();
+    // SAFETY: the storage holds `len` f32 values (checked above), exclusively ours per the
+    // contract, and outlives the borrow of `t`.
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, len) }
+}
+
+/// What carries the gradients, chosen once at start-up (`--collective`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// The host-staged TCP ring ([`ring`]).
     Ring,
-    /// NCCL on the device ([`nccl`]), with this NCCL version code.
-    Nccl(i32),
+    /// NCCL on the device ([`nccl`]).
+    Nccl(nccl::Settings),
 }
 
 impl Backend {
@@ -43,7 +193,7 @@ impl Backend {
     pub fn agreement(self) -> Option<String> {
         match self {
             Backend::Ring => None,
-            Backend::Nccl(v) => Some(format!("nccl {} (send/recv, ring-order sums)", nccl::version_text(v))),
+            Backend::Nccl(n) => Some(format!("nccl {} (send/recv, ring-order sums)", nccl::version_text(n.version))),
         }
     }
 
@@ -51,38 +201,62 @@ impl Backend {
     pub fn describe(self) -> String {
         match self {
             Backend::Ring => "host-staged ring".into(),
-            Backend::Nccl(v) => format!("NCCL {} (ring-order sums on the device)", nccl::version_text(v)),
+            Backend::Nccl(n) => format!("NCCL {} (ring-order sums on the device)", nccl::version_text(n.version)),
+        }
+    }
+
+    /// A generation's collectives over its newly formed `ring`: the ring itself, or NCCL beside
+    /// it (whose communicator's creation goes on while the caller moves the state).
+    pub fn form(self, ring: Ring) -> Result<Box<dyn Collective>, CollectiveError> {
+        match self {
+            Backend::Ring => Ok(Box::new(ring)),
+            Backend::Nccl(settings) => nccl::NcclGroup::over(ring, settings),
         }
     }
 }
 
-/// The backend `--collective CHOICE` gives a worker training on `device`, with `sharing` other
-/// workers of its cluster on its host and `gpus` GPUs visible; with `auto`, also why not NCCL.
-/// `auto` is NCCL only when it can run here and no two workers can land on one GPU (NCCL refuses
-/// two ranks on one GPU unless each has its own `NCCL_HOSTID`).
-pub fn choose(
-    choice: &str,
-    device: tch::Device,
-    (sharing, gpus): (usize, usize),
-) -> Result<(Backend, Option<String>), String> {
+/// What a worker's host offers NCCL: the other workers of its cluster on it, the GPUs visible,
+/// and whether ranks may share a GPU (`NCCL_HOSTID` set), and then whether they enter NCCL
+/// together.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Host {
+    /// Other workers of the cluster on this host.
+    pub sharing: usize,
+    /// GPUs visible here.
+    pub gpus: usize,
+    /// Each rank has its own `NCCL_HOSTID`, so that NCCL accepts two on one GPU.
+    pub hostid: bool,
+    /// Ranks sharing a GPU wait for their backward pass and meet at a barrier before NCCL
+    /// (`TRAINERD_NCCL_ENTER_TOGETHER=0` turns it off, to measure what it does).
+    pub enter_together: bool,
+}
+
+/// The backend `--collective CHOICE` gives a worker training on `device` on `host`; with `auto`,
+/// also why not NCCL. `auto` is NCCL only when it can run here and no two workers can land on one
+/// GPU (NCCL refuses two ranks on one GPU unless each has its own `NCCL_HOSTID`).
+pub fn choose(choice: &str, device: Device, host: Host) -> Result<(Backend, Option<String>), String> {
+    let settings = |n: &nccl::Nccl| {
+        let Device::Cuda(index) = device else { unreachable!("NCCL is usable on CUDA only") };
+        Backend::Nccl(nccl::Settings { version: n.version(), device: index, enter_together: host.enter_together })
+    };
     match choice {
         "ring" => Ok((Backend::Ring, None)),
-        "nccl" => nccl::usable_on(device).map(|n| (Backend::Nccl(n.version()), None)),
+        "nccl" => nccl::usable_on(device).map(|n| (settings(n), None)),
         "auto" => {
             let nccl = match nccl::usable_on(device) {
                 Ok(n) => n,
                 Err(why) => return Ok((Backend::Ring, Some(why.replace("--collective nccl", "NCCL")))),
             };
-            let hostid = std::env::var_os("NCCL_HOSTID").is_some();
-            if hostid || sharing < gpus {
-                Ok((Backend::Nccl(nccl.version()), None))
+            if host.hostid || host.sharing < host.gpus {
+                Ok((settings(nccl), None))
             } else {
                 Ok((
                     Backend::Ring,
                     Some(format!(
-                        "{} workers share this host's {gpus} GPU(s) and NCCL refuses two ranks on one GPU (set NCCL_HOSTID \
+                        "{} workers share this host's {} GPU(s) and NCCL refuses two ranks on one GPU (set NCCL_HOSTID \
                          per worker to use it anyway)",
-                        sharing + 1
+                        host.sharing + 1,
+                        host.gpus
                     )),
                 ))
             }
@@ -94,24 +268,29 @@ pub fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::Device;
 
     #[test]
     fn the_backend_follows_the_flag_and_auto_says_why_not_nccl() {
-        assert_eq!(choose("ring", Device::Cpu, (0, 0)), Ok((Backend::Ring, None)));
+        assert_eq!(choose("ring", Device::Cpu, Host::default()), Ok((Backend::Ring, None)));
         assert_eq!(
-            choose("nccl", Device::Cpu, (0, 0)).unwrap_err(),
+            choose("nccl", Device::Cpu, Host::default()).unwrap_err(),
             "--collective nccl needs CUDA: NCCL moves CUDA tensors only, and this worker trains on cpu"
         );
         assert_eq!(
-            choose("auto", Device::Cpu, (1, 0)),
+            choose("auto", Device::Cpu, Host { sharing: 1, ..Host::default() }),
             Ok((
                 Backend::Ring,
                 Some("NCCL needs CUDA: NCCL moves CUDA tensors only, and this worker trains on cpu".into())
             ))
         );
-        assert_eq!(choose("gloo", Device::Cpu, (0, 0)).unwrap_err(), "--collective gloo: expected ring, nccl or auto");
+        assert_eq!(
+            choose("gloo", Device::Cpu, Host::default()).unwrap_err(),
+            "--collective gloo: expected ring, nccl or auto"
+        );
         assert_eq!(Backend::Ring.agreement(), None, "ring runs keep their run configuration");
-        assert_eq!(Backend::Nccl(22809).agreement().as_deref(), Some("nccl 2.28.9 (send/recv, ring-order sums)"));
+        assert_eq!(
+            Backend::Nccl(nccl::Settings { version: 22809, device: 0, enter_together: false }).agreement().as_deref(),
+            Some("nccl 2.28.9 (send/recv, ring-order sums)")
+        );
     }
 }

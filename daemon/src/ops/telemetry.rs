@@ -344,19 +344,21 @@ impl Telemetry {
         s.global_step.set(global_step as i64);
         s.learning_rate.set(lr);
         self.values("train", named);
-        let (bytes, seconds) = crate::collective::traffic();
-        {
-            let mut seen = self.traffic_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            s.allreduce_bytes.inc_by(bytes.saturating_sub(seen.0));
-            s.allreduce_seconds.inc_by((seconds - seen.1).max(0.0));
-            *seen = (bytes, seconds);
-        }
         {
             let mut st = self.status();
             (st.epoch, st.step, st.steps) = (epoch + 1, step, steps);
             st.loss = named.iter().find(|(n, _)| n == "loss").map(|(_, v)| *v);
         }
         self.progress();
+    }
+
+    /// The all-reduces have sent `bytes` and taken `seconds` so far (the session's totals).
+    pub fn traffic(&self, (bytes, seconds): (u64, f64)) {
+        let s = &self.series;
+        let mut seen = self.traffic_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.allreduce_bytes.inc_by(bytes.saturating_sub(seen.0));
+        s.allreduce_seconds.inc_by((seconds - seen.1).max(0.0));
+        *seen = (bytes, seconds);
     }
 
     /// An evaluation's values (`loss`, then the metrics, unprefixed).

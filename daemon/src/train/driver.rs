@@ -159,8 +159,8 @@ impl<'a> Driver<'a> {
         if let Some(c) = self.committer.as_mut() {
             c.checkpointer().set_generation(formed.generation);
         }
-        self.batches.keep(&session.ring().slots().held);
-        if session.ring().world() > 1 {
+        self.batches.keep(&session.collective().slots().held);
+        if session.collective().world() > 1 {
             self.agree_on_steps(session)?;
         }
         let source_name = session.name(formed.source);
@@ -184,10 +184,10 @@ impl<'a> Driver<'a> {
     /// member would evaluate while the others still train), so the run is refused, naming both
     /// counts. Every member sees the same counts, so every member refuses.
     fn agree_on_steps(&mut self, session: &mut Session) -> Result<(), Interrupt> {
-        let (place, present) = (session.ring().rank(), session.ring().world());
+        let (place, present) = (session.collective().rank(), session.collective().world());
         let mut counts = vec![0f64; present];
         counts[place] = self.steps_per_epoch as f64;
-        session.ring().all_reduce(&mut counts, ReduceOp::Sum).map_err(|e| session.interrupt(e.into()))?;
+        session.collective().all_reduce_workers(&mut counts, ReduceOp::Sum).map_err(|e| session.interrupt(e.into()))?;
         match counts.iter().position(|&c| c != counts[0]) {
             None => Ok(()),
             Some(other) => Err(Interrupt::Fatal(TrainError::StepsDiffer {
@@ -227,7 +227,7 @@ impl<'a> Driver<'a> {
     fn step(&mut self, state: &mut TrainState, session: &mut Session) -> Result<Vec<usize>, Interrupt> {
         let p = state.position();
         let (epoch, step, global_step) = (p.epoch, p.step_in_epoch + 1, p.global_step);
-        let held = session.ring().slots().held.clone();
+        let held = session.collective().slots().held.clone();
         let ctxs = self.ctxs(&held, epoch, true);
         let batches = ctxs.iter().map(|ctx| self.batches.get(ctx, step - 1)).collect::<Result<Vec<_>, _>>();
         let batches = batches.map_err(Interrupt::Fatal)?;
@@ -240,8 +240,8 @@ impl<'a> Driver<'a> {
         let slot_batches: Vec<SlotBatch<'_>> =
             batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { xs: &b.xs, labels: &b.ys, seed }).collect();
         let (result, prefetch) = self.gradients(state, session, (&ctxs, step), &slot_batches, stopping)?;
-        if let Some(created) = session.ring().take_nccl_created_in() {
-            self.report.communicator_ready(session.generation(), created);
+        if let Some((what, took)) = session.collective().take_setup() {
+            self.report.backend_ready(session.generation(), what, took);
         }
         let stepped = Instant::now();
         let grad_norm = match self.unscaled(state, global_step + 1).map_err(Interrupt::Fatal)? {
@@ -264,7 +264,8 @@ impl<'a> Driver<'a> {
             batches.iter().map(|b| b.ids.clone()).collect::<Option<Vec<Vec<_>>>>().map(|v| v.concat());
         let ids = ids.as_deref();
         let timing = (took, prefetch, optimizer);
-        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, grad_norm, timing, ids };
+        let traffic = session.traffic();
+        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, grad_norm, timing, ids, traffic };
         self.report.step(&done).map_err(Interrupt::Fatal)?;
         if let Some(c) = self.committer.as_mut().filter(|_| self.coordinates) {
             c.at(Moment::Step, state, &mut self.report)?;
@@ -305,7 +306,7 @@ impl<'a> Driver<'a> {
         batches: &[SlotBatch<'_>],
         stopping: bool,
     ) -> Result<(StepResult, Duration), Interrupt> {
-        let saved = if session.ring().slots().count > 1 { state.model.save_buffers() } else { Vec::new() };
+        let saved = if session.collective().slots().count > 1 { state.model.save_buffers() } else { Vec::new() };
         let (mut prefetch, next, spe) = (Duration::ZERO, &mut self.batches, self.steps_per_epoch);
         // An error making the next batch shows when that step asks for it.
         let mut prefetch_next = || {
@@ -324,8 +325,8 @@ impl<'a> Driver<'a> {
         let scale = model.position.loss_scale.map_or(1.0, |s| s.scale);
         let result =
             self.replicas.of_step(self.model, (&mut model.params, &mut model.buffers), scale).and_then(|mut r| {
-                let ring = session.ring();
-                step::train_step(&mut r, &mut self.buckets, ring, (batches, &saved), stopping, &mut prefetch_next)
+                let collective = session.collective();
+                step::train_step(&mut r, &mut self.buckets, collective, (batches, &saved), stopping, &mut prefetch_next)
             });
         let result = result.map_err(|e| {
             model.restore_buffers(&saved);
@@ -338,13 +339,13 @@ impl<'a> Driver<'a> {
     /// collective bounded by the collective timeout. The shards already evaluated on these
     /// parameters (before a failure abandoned the pass) are not evaluated again.
     fn evaluate(&mut self, (epoch, global_step): (u32, u64), session: &mut Session) -> Result<Totals, Interrupt> {
-        let ctxs = self.ctxs(&session.ring().slots().held.clone(), epoch, false);
+        let ctxs = self.ctxs(&session.collective().slots().held.clone(), epoch, false);
         self.report.evaluating(epoch);
         if self.evaluated.0 != global_step {
             self.evaluated = (global_step, BTreeMap::new());
         }
         let on = (self.cfg.device, self.metrics(), self.cfg.precision);
-        step::evaluate(self.model, self.data, &ctxs, session.ring(), on, &mut self.evaluated.1)
+        step::evaluate(self.model, self.data, &ctxs, session.collective(), on, &mut self.evaluated.1)
             .map_err(|e| session.interrupt(e))
     }
 

@@ -147,7 +147,7 @@ pub fn run(
         &model,
         &test_data,
         std::slice::from_ref(&ctx),
-        session.ring(),
+        session.collective(),
         (cfg.device, info.metrics.len(), cfg.precision),
         &mut Default::default(),
     )
@@ -205,7 +205,10 @@ fn share(session: &mut Session, state: &mut ModelState, sequence: u64, stop: &At
         state.decode(&bytes).map_err(TrainError::State)?;
     }
     let mut seq = [sequence];
-    session.ring().broadcast_from(0, &mut seq).map_err(|e| failed(session.interrupt(e.into())))?;
+    session
+        .collective()
+        .broadcast(0, bytemuck::cast_slice_mut(&mut seq))
+        .map_err(|e| failed(session.interrupt(e.into())))?;
     Ok(seq[0])
 }
 

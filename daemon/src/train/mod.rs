@@ -140,7 +140,7 @@ impl RunConfig {
         if let Some(plugin) = &self.plugin {
             agreement[crate::state::PLUGIN_KEY] = plugin.clone();
         }
-        // NCCL gives the ring's bits, but workers must use one backend, and NCCL one version.
+        // Every backend gives the ring's bits, but workers must use one backend, and one version of it.
         if let Some(collective) = self.collective.agreement() {
             agreement["collective"] = collective.into();
         }

@@ -116,6 +116,8 @@ pub struct StepDone<'t> {
     pub timing: (Duration, Duration, Duration),
     /// This worker's example ids, when the data has them.
     pub ids: Option<&'t [(u32, u64)]>,
+    /// Bytes this worker's all-reduces have sent, and seconds they took, so far.
+    pub traffic: (u64, f64),
 }
 
 /// A generation this worker is in, as the hooks see it.
@@ -337,6 +339,7 @@ impl<'p> Reporter<'p> {
         let mut named = s.totals.named(&self.metric_names, "");
         named.extend(s.grad_norm.map(|n| ("grad_norm".to_string(), n)));
         let rate = self.clock.epoch_rate();
+        self.telemetry.traffic(s.traffic);
         self.telemetry.step((s.epoch, s.step, s.steps_per_epoch), global_step, &named, examples, rate, s.lr);
         self.tensorboard(|tb| tb.step(global_step, &named));
         self.recovered();
@@ -354,12 +357,13 @@ impl<'p> Reporter<'p> {
         }
     }
 
-    /// Generation `generation`'s NCCL communicator was ready `took` after its creation began.
-    pub fn communicator_ready(&mut self, generation: u64, took: std::time::Duration) {
+    /// What generation `generation`'s backend built beside its ring (`what`) was ready `took`
+    /// after its creation began.
+    pub fn backend_ready(&mut self, generation: u64, what: &str, took: std::time::Duration) {
         self.recovery.communicator_seconds.push(took.as_secs_f64());
         self.progress.line(&format!(
-            "trainerd: generation {generation}: NCCL communicator ready {:.2}s after it was started (alongside the \
-             state transfer)",
+            "trainerd: generation {generation}: {what} ready {:.2}s after it was started (alongside the state \
+             transfer)",
             took.as_secs_f64()
         ));
     }

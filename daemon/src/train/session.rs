@@ -11,7 +11,7 @@ use super::TrainError;
 use crate::cluster::control::{Formed, Identity};
 use crate::cluster::membership::Report;
 use crate::cluster::{ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
-use crate::collective::{CollectiveError, DataListener, Ring, Slots};
+use crate::collective::{Backend, Collective, CollectiveError, DataListener, Link, Ring, Slots, Traffic};
 use crate::state::{sha256_hex, Shareable};
 
 /// How long a broken link waits for a peer's pushed notice before it blames the neighbour.
@@ -50,13 +50,18 @@ pub struct Joined {
 /// A member of a cluster (or a worker alone).
 pub struct Session {
     cluster: Option<Box<Member>>,
-    ring: Ring,
+    /// The current generation's collectives.
+    collective: Box<dyn Collective>,
+    /// What carries each generation's collectives, formed over its ring.
+    backend: Backend,
+    /// Bytes and seconds of every generation's all-reduces.
+    traffic: Traffic,
+    /// The current generation (0 before the first).
+    generation: u64,
     /// The ranks in the current generation, ascending (the ring's order).
     members: Vec<usize>,
     /// Alone: the generation of the latest commit, which the next must exceed.
     floor: u64,
-    /// The CUDA device whose gradients go over NCCL, if they do.
-    nccl_device: Option<usize>,
     /// Slots of each worker: its replicas (`--devices`) times its micro-batches (`--accumulate`);
     /// the run has `world() * slots_per_worker` slots.
     slots_per_worker: usize,
@@ -74,10 +79,12 @@ impl Session {
     pub fn single() -> Session {
         Session {
             cluster: None,
-            ring: Ring::single(),
+            collective: Box::new(Ring::single()),
+            backend: Backend::Ring,
+            traffic: Traffic::default(),
+            generation: 0,
             members: vec![0],
             floor: 0,
-            nccl_device: None,
             slots_per_worker: 1,
         }
     }
@@ -122,18 +129,25 @@ impl Session {
         let member = Member { plane, listener, data_address, timeouts };
         Ok(Session {
             cluster: Some(Box::new(member)),
-            ring: Ring::single(),
+            collective: Box::new(Ring::single()),
+            backend: Backend::Ring,
+            traffic: Traffic::default(),
+            generation: 0,
             members: Vec::new(),
             floor: 0,
-            nccl_device: None,
             slots_per_worker: 1,
         })
     }
 
-    /// Sends gradients over NCCL on CUDA device `device` from the next generation on: each
-    /// generation makes its communicator while its state moves.
-    pub fn use_nccl(&mut self, device: usize) {
-        self.nccl_device = Some(device);
+    /// Carries the collectives over `backend` from the next generation on (each generation
+    /// forms it over its ring, while its state moves).
+    pub fn set_backend(&mut self, backend: Backend) {
+        self.backend = backend;
+    }
+
+    /// Bytes this session sent in all-reduces, and seconds it spent in them.
+    pub fn traffic(&self) -> (u64, f64) {
+        self.traffic.totals()
     }
 
     /// Where this member listens: `control A, data B`; `None` for a lone worker.
@@ -175,12 +189,12 @@ impl Session {
 
     /// The rank of the worker holding `slot` in the current generation.
     pub fn holder(&self, slot: usize) -> usize {
-        self.members[crate::collective::slots::holder(self.ring.slots().count, &self.members, slot)]
+        self.members[crate::collective::slots::holder(self.collective.slots().count, &self.members, slot)]
     }
 
     /// The run's slots, and the ones this worker holds in the current generation.
     pub fn slots(&self) -> &Slots {
-        self.ring.slots()
+        self.collective.slots()
     }
 
     /// The ranks in the current generation, ascending (the ring's order).
@@ -188,15 +202,15 @@ impl Session {
         &self.members
     }
 
-    /// The current generation's ring.
-    pub fn ring(&mut self) -> &mut Ring {
-        &mut self.ring
+    /// The current generation's collectives.
+    pub fn collective(&mut self) -> &mut dyn Collective {
+        self.collective.as_mut()
     }
 
     /// The current generation (0 before the first).
     pub fn generation(&self) -> u64 {
         match &self.cluster {
-            Some(_) => self.ring.generation(),
+            Some(_) => self.generation,
             None => self.floor,
         }
     }
@@ -221,14 +235,16 @@ impl Session {
     /// cluster gathers; `stop` ends the wait.
     pub fn join(&mut self, state: Option<&dyn Shareable>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
         let Some(m) = self.cluster.as_mut() else {
-            self.ring.set_slots(Slots { count: self.slots_per_worker, held: 0..self.slots_per_worker });
+            let mut ring = Ring::single();
+            ring.set_slots(Slots { count: self.slots_per_worker, held: 0..self.slots_per_worker });
+            self.collective = Box::new(ring);
             self.floor += 1;
             let progress = state.map_or((0, 0), |s| s.progress());
             return Ok(Joined { formed: Formed::alone(self.floor, progress), received: None });
         };
         let report = match state {
             Some(s) => Report {
-                generation: self.ring.generation(),
+                generation: self.generation,
                 progress: s.progress(),
                 digest: s.digest().map_err(|e| Interrupt::Fatal(TrainError::State(e)))?,
             },
@@ -254,21 +270,21 @@ impl Session {
         let next_addr = crate::cluster::member::resolve(next)
             .map_err(|e| Interrupt::Fatal(ClusterError::Other(format!("data address {next}: {e}")).into()))?;
         let generation = formed.generation;
-        let ring = Ring::form(&m.listener, place, &ring_names, next_addr, generation, m.timeouts.collective, &abort);
-        self.ring = match ring {
+        let link = Link::new(generation, m.timeouts.collective, &abort, &self.traffic);
+        let mut ring = match Ring::form(&m.listener, place, &ring_names, next_addr, link) {
             Ok(ring) => ring,
             Err(e) => return Err(self.abandon(generation, e)),
         };
-        self.ring.set_members(&members);
+        self.generation = generation;
+        ring.set_members(&members);
         let count = names.len() * self.slots_per_worker;
         let held = crate::collective::slots::assign(count, &members).swap_remove(place);
-        self.ring.set_slots(Slots { count, held });
+        ring.set_slots(Slots { count, held });
         self.members = members;
-        if let Some(device) = self.nccl_device {
-            if let Err(e) = self.ring.start_nccl(device) {
-                return Err(self.abandon(generation, e));
-            }
-        }
+        self.collective = match self.backend.form(ring) {
+            Ok(collective) => collective,
+            Err(e) => return Err(self.abandon(generation, e)),
+        };
         // Chaos tests stop a member here: a failure while a generation forms.
         trainerd_failpoint::point("formed");
         let received = self.transfer(&formed, state, &names)?;
@@ -298,7 +314,7 @@ impl Session {
         // Chaos tests stop a member here: a failure while the state moves.
         trainerd_failpoint::point("state-transfer");
         let root = self.members.iter().position(|&r| r == formed.source).unwrap_or(0);
-        let bytes = match self.ring.broadcast_bytes(root, mine) {
+        let bytes = match self.collective.broadcast_bytes(root, mine) {
             Ok(b) => b,
             Err(e) => return Err(self.abandon(generation, e)),
         };

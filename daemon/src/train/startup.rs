@@ -28,9 +28,7 @@ pub(super) fn open_session(plugin: &Plugin, cfg: &RunConfig, progress: &mut Prog
     let mut session =
         Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, cfg.state_dir.as_deref())?;
     session.set_slots_per_worker(cfg.devices.len() * cfg.accumulate);
-    if let (crate::collective::Backend::Nccl(_), tch::Device::Cuda(device)) = (cfg.collective, cfg.device) {
-        session.use_nccl(device);
-    }
+    session.set_backend(cfg.collective);
     if let Some(listening) = session.listening() {
         let how = if cfg.network.key.is_some() { "peers must prove the cluster secret" } else { "no secret" };
         progress.line(&format!("trainerd: listening on {listening} ({how})"));

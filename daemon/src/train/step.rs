@@ -13,7 +13,7 @@ use trainerd_sdk::InputContext;
 
 use super::TrainError;
 use crate::collective::buckets::Buckets;
-use crate::collective::{ReduceOp, Ring};
+use crate::collective::{Collective, ReduceOp};
 use crate::input::Data;
 use crate::optim::precision::Precision;
 use crate::plugin::ModelInstance;
@@ -82,14 +82,14 @@ pub struct Replica<'s> {
 pub fn train_step(
     replicas: &mut [Replica<'_>],
     buckets: &mut Buckets,
-    ring: &mut Ring,
+    collective: &mut dyn Collective,
     (batches, start): (&[SlotBatch<'_>], &[Tensor]),
     stop: bool,
     meanwhile: &mut dyn FnMut(),
 ) -> Result<StepResult, TrainError> {
-    let slots = ring.slots().clone();
+    let slots = collective.slots().clone();
     debug_assert_eq!(batches.len(), slots.len());
-    buckets.stage_on_device(ring.has_nccl());
+    buckets.stage_on_device(collective.on_device());
     let mut captured = Vec::with_capacity(batches.len());
     let mut flags = 0;
     let per_round = replicas.len();
@@ -117,8 +117,8 @@ pub fn train_step(
         }
     }
     let first = &mut replicas[0];
-    let extra = buckets.reduce(ring, first.params, batches.len())?;
-    sync_slot_buffers(ring, first.buffers, captured)?;
+    let extra = buckets.reduce(collective, first.params, batches.len())?;
+    sync_slot_buffers(collective, first.buffers, captured)?;
     let reduced: Vec<f64> = extra[..flags].iter().map(|&x| f64::from(x)).collect();
     Ok(StepResult {
         totals: Totals::from_flat(&reduced),
@@ -196,18 +196,18 @@ fn capture(buffers: &[(String, Tensor)]) -> Result<Captured, TrainError> {
 /// already the same everywhere keeps its exact value, and the result is the same whoever holds
 /// which slots. Other buffers (counters, masks) take slot 0's values, bit for bit.
 pub fn sync_slot_buffers(
-    ring: &mut Ring,
+    collective: &mut dyn Collective,
     buffers: &mut [(String, Tensor)],
     mut captured: Vec<Captured>,
 ) -> Result<(), TrainError> {
-    if ring.slots().count == 1 || buffers.is_empty() {
+    if collective.slots().count == 1 || buffers.is_empty() {
         return Ok(());
     }
     let _no_grad = tch::no_grad_guard();
     let floating: Vec<usize> = (0..buffers.len()).filter(|&i| buffers[i].1.is_floating_point()).collect();
     if !floating.is_empty() {
         let mut views: Vec<&mut [f64]> = captured.iter_mut().map(|c| c.floating.as_mut_slice()).collect();
-        ring.all_reduce_slots(&mut views, ReduceOp::Mean)?;
+        collective.all_reduce_values(&mut views, ReduceOp::Mean)?;
         let mean = Tensor::from_slice(&*views[0]);
         let mut at = 0;
         for &i in &floating {
@@ -220,7 +220,7 @@ pub fn sync_slot_buffers(
     if floating.len() < buffers.len() {
         // Slot 0 is held by the first worker of the ring.
         let mut bytes = std::mem::take(&mut captured[0].other);
-        ring.broadcast_from(0, &mut bytes)?;
+        collective.broadcast(0, &mut bytes)?;
         let mut at = 0;
         for (_, b) in buffers.iter_mut().filter(|(_, b)| !b.is_floating_point()) {
             let len = b.numel() * b.kind().elt_size_in_bytes();
@@ -234,12 +234,12 @@ pub fn sync_slot_buffers(
 }
 
 /// [`sync_slot_buffers`] for a worker holding one slot, from the buffers as they stand.
-pub fn sync_buffers(ring: &mut Ring, buffers: &mut [(String, Tensor)]) -> Result<(), TrainError> {
-    if ring.slots().count == 1 || buffers.is_empty() {
+pub fn sync_buffers(collective: &mut dyn Collective, buffers: &mut [(String, Tensor)]) -> Result<(), TrainError> {
+    if collective.slots().count == 1 || buffers.is_empty() {
         return Ok(());
     }
     let captured = vec![capture(buffers)?];
-    sync_slot_buffers(ring, buffers, captured)
+    sync_slot_buffers(collective, buffers, captured)
 }
 
 /// Loss and metrics over one pass of the test split (each slot held here its shard: `ctxs`, in
@@ -251,7 +251,7 @@ pub fn evaluate(
     model: &ModelInstance<'_>,
     data: &Data<'_>,
     ctxs: &[InputContext],
-    ring: &mut Ring,
+    collective: &mut dyn Collective,
     (device, metrics, precision): (Device, usize, Precision),
     done: &mut BTreeMap<u32, Vec<f64>>,
 ) -> Result<Totals, TrainError> {
@@ -266,7 +266,7 @@ pub fn evaluate(
         let mut batches = data.open(ctx, (ctx.epoch as u32 + 1, u64::MAX))?;
         let mut totals = Totals::new(metrics);
         while let Some(crate::input::Batch { xs, ys: labels, .. }) = batches.next_batch()? {
-            ring.check_abort()?;
+            collective.check_abort()?;
             let n = xs.size()[0];
             if n == 0 {
                 continue; // this pipeline's share of the last global batch is empty
@@ -282,7 +282,7 @@ pub fn evaluate(
         sums.push(totals.flat());
     }
     let mut views: Vec<&mut [f64]> = sums.iter_mut().map(Vec::as_mut_slice).collect();
-    ring.all_reduce_slots(&mut views, ReduceOp::Sum)?;
+    collective.all_reduce_values(&mut views, ReduceOp::Sum)?;
     Ok(Totals::from_flat(views[0]))
 }
 

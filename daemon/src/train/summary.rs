@@ -22,8 +22,9 @@ pub struct Recovery {
     /// Seconds from each failure (or this process's start, for a restarted worker) to its first
     /// step in the recovered generation.
     pub recovery_seconds: Vec<f64>,
-    /// Over NCCL: per generation, seconds from the start of its communicator's creation to when
-    /// it was known ready (the creation overlaps the state transfer). Empty on the ring.
+    /// Per generation whose backend builds a communicator beside its ring (on GPUs): seconds from
+    /// the start of its creation to when it was known ready (the creation overlaps the state
+    /// transfer). Empty on the ring.
     pub communicator_seconds: Vec<f64>,
     /// Seconds of training in generations with fewer workers than TF_CONFIG's (their slots
     /// spread over those present).

@@ -41,10 +41,13 @@ use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 
-use super::ring::CollectiveError;
 use super::slots::{assign, Slots};
+use super::CollectiveError;
 
+mod group;
 mod library;
+
+pub use group::{NcclGroup, Settings};
 
 pub use library::{library, unique_id, usable_on, version_text, Nccl, MIN_VERSION, UNIQUE_ID_BYTES};
 use library::{

@@ -1,5 +1,5 @@
-//! The data plane: a ring of raw TCP connections (rank r sends to r+1, receives from r-1) and
-//! the collectives over it.
+//! The ring, the host backend of [`super::Collective`]: a ring of raw TCP connections (rank r
+//! sends to r+1, receives from r-1) and the collectives over it, in host memory.
 //!
 //! All-reduce is reduce-scatter then all-gather: the buffer is cut into `world` chunks; each
 //! chunk is summed hop by hop around the ring in a fixed order, lands complete on one rank, and
@@ -23,8 +23,11 @@ pub mod listener;
 
 use bytemuck::Pod;
 
-use crate::collective::abort::AbortSignal;
-use crate::collective::slots::Slots;
+use tch::Tensor;
+
+use super::abort::AbortSignal;
+use super::slots::Slots;
+use super::{host_slice, Collective, CollectiveError, ReduceOp, Traffic};
 use listener::DataListener;
 
 /// A value the collectives can add.
@@ -45,72 +48,6 @@ impl Element for f64 {
     }
 }
 
-/// A reduction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReduceOp {
-    /// Element-wise sum.
-    Sum,
-    /// Element-wise mean over ranks.
-    Mean,
-}
-
-/// A collective that failed.
-#[derive(Debug, thiserror::Error)]
-pub enum CollectiveError {
-    /// No data (or no progress) from a peer within the deadline.
-    #[error("{op}: {peer} sent nothing for {timeout:?}; it may have died or hung")]
-    Timeout {
-        /// The collective.
-        op: &'static str,
-        /// The peer, named.
-        peer: String,
-        /// Its rank.
-        rank: usize,
-        /// The deadline.
-        timeout: Duration,
-    },
-    /// The connection to a peer broke.
-    #[error("{op}: connection to {peer} failed: {source}")]
-    Io {
-        /// The collective.
-        op: &'static str,
-        /// The peer, named.
-        peer: String,
-        /// Its rank.
-        rank: usize,
-        /// What the OS said.
-        source: std::io::Error,
-    },
-    /// NCCL failed, or did not complete in time (its communicator is then aborted).
-    #[error("{op}: {message}")]
-    Nccl {
-        /// The collective.
-        op: &'static str,
-        /// What NCCL or CUDA said.
-        message: String,
-    },
-    /// The ring could not be formed.
-    #[error("forming the ring: {0}")]
-    Setup(String),
-    /// The generation was aborted (a peer failed, or the cluster moved on).
-    #[error("generation {generation} aborted: {reason}")]
-    Aborted {
-        /// The generation.
-        generation: u64,
-        /// Why.
-        reason: String,
-    },
-}
-
-impl CollectiveError {
-    /// The peer this failure points at, when it points at one.
-    pub fn suspect(&self) -> Option<usize> {
-        match self {
-            CollectiveError::Timeout { rank, .. } | CollectiveError::Io { rank, .. } => Some(*rank),
-            _ => None,
-        }
-    }
-}
 /// Elements added per piece while receiving (overlaps the next read with the additions).
 const PIECE_BYTES: usize = 1 << 20;
 
@@ -125,10 +62,6 @@ pub struct Ring {
     prev_peer: Peer,
     link: Link,
     slots: Slots,
-    /// This generation's NCCL communicator, when gradients go over NCCL.
-    nccl: Option<crate::collective::nccl::Comm>,
-    /// Whether the ranks may share a GPU (`NCCL_HOSTID` is set): NCCL is then entered together.
-    shared_gpu: bool,
 }
 
 /// A neighbour in the ring: its name (for messages) and rank.
@@ -138,15 +71,25 @@ struct Peer {
     rank: usize,
 }
 
-/// What every socket operation needs to turn an error into the right [`CollectiveError`].
+/// What a generation's ring is formed with besides its members: the generation, the collective
+/// timeout (every socket's deadline, a backstop), the generation's abort switch, and the
+/// session's traffic counters. Every socket operation turns its error into the right
+/// [`CollectiveError`] with it.
 #[derive(Clone, Debug)]
-struct Link {
+pub struct Link {
     timeout: Duration,
     generation: u64,
     abort: AbortSignal,
+    traffic: Traffic,
 }
 
 impl Link {
+    /// The link of `generation`'s ring: sockets silent for `timeout` fail, `abort` ends its
+    /// collectives, and what they send is counted in `traffic`.
+    pub fn new(generation: u64, timeout: Duration, abort: &AbortSignal, traffic: &Traffic) -> Link {
+        Link { timeout, generation, abort: abort.clone(), traffic: traffic.clone() }
+    }
+
     fn error(&self, op: &'static str, peer: &Peer, source: std::io::Error) -> CollectiveError {
         if let Err(reason) = self.abort.check(self.generation) {
             return CollectiveError::Aborted { generation: self.generation, reason };
@@ -183,37 +126,33 @@ impl Ring {
             prev: None,
             next_peer: Peer::default(),
             prev_peer: Peer::default(),
-            link: Link { timeout: Duration::MAX, generation: 0, abort: AbortSignal::new() },
+            link: Link::new(0, Duration::MAX, &AbortSignal::new(), &Traffic::default()),
             slots: Slots::single(),
-            nccl: None,
-            shared_gpu: false,
         }
     }
 
-    /// Forms the ring of `generation`: takes the connection of rank-1 from `listener` and
-    /// connects to `next_addr` (rank+1), both within `timeout` and abortable through `abort`.
-    /// `names` names every rank for messages.
+    /// Forms the ring of `link`'s generation, this worker at `place` of the workers `names`
+    /// names (for messages): takes the connection of place-1 from `listener` and connects to
+    /// `next_addr` (place+1), both within the link's timeout and abortable through its signal.
     pub fn form(
         listener: &DataListener,
-        rank: usize,
+        place: usize,
         names: &[String],
         next_addr: SocketAddr,
-        generation: u64,
-        timeout: Duration,
-        abort: &AbortSignal,
+        link: Link,
     ) -> Result<Ring, CollectiveError> {
-        let world = names.len();
-        let link = Link { timeout, generation, abort: abort.clone() };
+        let (world, generation, timeout) = (names.len(), link.generation, link.timeout);
         if world == 1 {
-            return Ok(Ring { generation, link, slots: Slots::one(rank, world), ..Ring::single() });
+            return Ok(Ring { generation, link, slots: Slots::one(place, world), ..Ring::single() });
         }
+        let abort = &link.abort;
         abort.arm(generation);
-        let prev_rank = (rank + world - 1) % world;
-        let next_rank = (rank + 1) % world;
+        let prev_rank = (place + world - 1) % world;
+        let next_rank = (place + 1) % world;
         let deadline = Instant::now() + timeout;
         let (prev, next) = std::thread::scope(|s| {
             let accept = s.spawn(|| listener.take(generation, prev_rank, deadline, abort, &names[prev_rank]));
-            let next = listener.connect(next_addr, rank, generation, deadline, abort, &names[next_rank]);
+            let next = listener.connect(next_addr, place, generation, deadline, abort, &names[next_rank]);
             (accept.join().expect("accept thread"), next)
         });
         let (prev, next) = (prev?, next?);
@@ -225,7 +164,7 @@ impl Ring {
             abort.register(generation, stream).map_err(|reason| CollectiveError::Aborted { generation, reason })?;
         }
         Ok(Ring {
-            rank,
+            rank: place,
             world,
             generation,
             next: Some(next),
@@ -233,86 +172,18 @@ impl Ring {
             next_peer: Peer { name: names[next_rank].clone(), rank: next_rank },
             prev_peer: Peer { name: names[prev_rank].clone(), rank: prev_rank },
             link,
-            slots: Slots::one(rank, world),
-            nccl: None,
-            shared_gpu: false,
+            slots: Slots::one(place, world),
         })
     }
 
-    /// Starts this generation's NCCL communicator on CUDA device `device`: rank 0 makes its id
-    /// and sends it over the ring; the creation goes on in NCCL's background while the caller
-    /// does other work (the state transfer), and the first NCCL collective waits for it. A ring
-    /// of one needs none.
-    pub fn start_nccl(&mut self, device: usize) -> Result<(), CollectiveError> {
-        if self.world == 1 {
-            return Ok(());
-        }
-        let id = if self.rank == 0 {
-            crate::collective::nccl::unique_id()
-                .map_err(|message| CollectiveError::Nccl { op: "creating the communicator", message })?
-        } else {
-            Vec::new()
-        };
-        let id = self.broadcast_bytes(0, id)?;
-        self.nccl = Some(crate::collective::nccl::Comm::start(&id, self.world, self.rank, device)?);
-        // TRAINERD_NCCL_ENTER_TOGETHER=0 turns the barrier off (to measure what it does).
-        self.shared_gpu = std::env::var_os("NCCL_HOSTID").is_some()
-            && std::env::var("TRAINERD_NCCL_ENTER_TOGETHER").map_or(true, |v| v != "0");
-        Ok(())
+    /// The collective timeout: how long a socket may carry no bytes before its collective fails.
+    pub fn timeout(&self) -> Duration {
+        self.link.timeout
     }
 
-    /// Whether this ring's gradients go over NCCL.
-    pub fn has_nccl(&self) -> bool {
-        self.nccl.is_some()
-    }
-
-    /// How long this generation's NCCL communicator took to create: once, when first known.
-    pub fn take_nccl_created_in(&mut self) -> Option<Duration> {
-        self.nccl.as_mut().and_then(crate::collective::nccl::Comm::take_created_in)
-    }
-
-    /// [`Ring::all_reduce_slots`] (a sum) on CUDA buffers, over NCCL, with the same bits
-    /// ([`crate::collective::nccl`]); abortable through this generation's signal, bounded by its timeout.
-    pub fn nccl_all_reduce_slots(&mut self, bufs: &[tch::Tensor]) -> Result<(), CollectiveError> {
-        let began = Instant::now();
-        if self.shared_gpu {
-            // Ranks sharing one GPU (each with its own NCCL_HOSTID) time-slice it, and an NCCL
-            // kernel that waits on the GPU for its peer's slows the peer's backward pass: enter
-            // NCCL together, once both are done computing (a one-float barrier over the ring).
-            let link = &self.link;
-            self.nccl.as_mut().expect("a ring with NCCL").wait_for_device(link.timeout, &|| link.check())?;
-            self.all_reduce(&mut [0f32], ReduceOp::Sum)?;
-        }
-        let (link, slots) = (&self.link, &self.slots);
-        let comm = self.nccl.as_mut().expect("a ring with NCCL");
-        comm.all_reduce_slots(bufs, slots, link.timeout, &|| link.check())?;
-        let (v, len) = (slots.count, bufs[0].numel());
-        crate::collective::count_traffic((2 * (v - 1) * len / v * 4) as u64, began.elapsed());
-        Ok(())
-    }
-
-    /// Fails when this ring's generation was aborted (a peer failed, the cluster moved on): long
-    /// work between collectives checks it, so as not to finish what the cluster has abandoned.
-    pub fn check_abort(&self) -> Result<(), CollectiveError> {
-        if self.world == 1 {
-            return Ok(()); // a ring of one has no peer to fail, and its signal is never armed
-        }
-        self.link.check()
-    }
-
-    /// The generation this ring belongs to.
-    pub fn generation(&self) -> u64 {
-        self.generation
-    }
-
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    /// Ranks in the ring.
-    pub fn world(&self) -> usize {
-        self.world
+    /// The counters this ring's traffic goes to.
+    pub fn traffic(&self) -> &Traffic {
+        &self.link.traffic
     }
 
     /// Reduces `buf` element-wise over all ranks (the physical workers of this generation), in
@@ -353,7 +224,7 @@ impl Ring {
         }
         // Each worker sends 2(V-1) chunks of about len/V elements.
         let sent = 2 * (v - 1) * len / v * std::mem::size_of::<T>();
-        crate::collective::count_traffic(sent as u64, began.elapsed());
+        self.link.traffic.count(sent as u64, began.elapsed());
         Ok(())
     }
 
@@ -364,11 +235,6 @@ impl Ring {
             self.next_peer.rank = members[(self.rank + 1) % self.world];
             self.prev_peer.rank = members[(self.rank + self.world - 1) % self.world];
         }
-    }
-
-    /// The slots of the run and the ones this worker holds (one per worker until told otherwise).
-    pub fn slots(&self) -> &Slots {
-        &self.slots
     }
 
     /// Sets which slots this worker holds: every worker of the ring must be told the assignment
@@ -430,11 +296,6 @@ impl Ring {
         Ok(())
     }
 
-    /// Copies rank 0's `buf` to every rank.
-    pub fn broadcast<T: Element>(&mut self, buf: &mut [T]) -> Result<(), CollectiveError> {
-        self.broadcast_from(0, buf)
-    }
-
     /// Copies rank `root`'s `buf` to every rank, forwarding piece by piece along the ring.
     pub fn broadcast_from<T: Pod>(&mut self, root: usize, buf: &mut [T]) -> Result<(), CollectiveError> {
         if self.world == 1 {
@@ -454,15 +315,6 @@ impl Ring {
             }
         }
         Ok(())
-    }
-
-    /// Copies rank `root`'s bytes (of any length) to every rank; `bytes` is ignored elsewhere.
-    pub fn broadcast_bytes(&mut self, root: usize, bytes: Vec<u8>) -> Result<Vec<u8>, CollectiveError> {
-        let mut len = [if self.rank == root { bytes.len() as u64 } else { 0 }];
-        self.broadcast_from(root, &mut len)?;
-        let mut buf = if self.rank == root { bytes } else { vec![0u8; len[0] as usize] };
-        self.broadcast_from(root, &mut buf)?;
-        Ok(buf)
     }
 
     /// Sends the last buffer's `send` elements to the next rank while receiving the previous
@@ -490,6 +342,67 @@ impl Ring {
             // A failed receive is the cause; a send that failed after it is its echo.
             received.and(sent)
         })
+    }
+}
+
+impl Collective for Ring {
+    fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn slots(&self) -> &Slots {
+        &self.slots
+    }
+
+    fn on_device(&self) -> bool {
+        false
+    }
+
+    fn all_reduce_buffers(&mut self, bufs: &mut [Tensor]) -> Result<(), CollectiveError> {
+        // SAFETY: each buffer is a contiguous float32 host tensor of the caller's, which nothing
+        // else touches while the collective runs (the trait's contract); `host_slice` checks the
+        // layout.
+        let mut views: Vec<&mut [f32]> = bufs.iter_mut().map(|t| unsafe { host_slice(t) }).collect();
+        self.all_reduce_slots(&mut views, ReduceOp::Sum)
+    }
+
+    fn all_reduce_values(&mut self, bufs: &mut [&mut [f64]], op: ReduceOp) -> Result<(), CollectiveError> {
+        self.all_reduce_slots(bufs, op)
+    }
+
+    fn all_reduce_workers(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<(), CollectiveError> {
+        self.all_reduce(buf, op)
+    }
+
+    fn broadcast(&mut self, root: usize, buf: &mut [u8]) -> Result<(), CollectiveError> {
+        self.broadcast_from(root, buf)
+    }
+
+    fn broadcast_bytes(&mut self, root: usize, bytes: Vec<u8>) -> Result<Vec<u8>, CollectiveError> {
+        let mut len = [if self.rank == root { bytes.len() as u64 } else { 0 }];
+        self.broadcast_from(root, &mut len)?;
+        let mut buf = if self.rank == root { bytes } else { vec![0u8; len[0] as usize] };
+        self.broadcast_from(root, &mut buf)?;
+        Ok(buf)
+    }
+
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        self.all_reduce(&mut [0f32], ReduceOp::Sum)
+    }
+
+    fn check_abort(&self) -> Result<(), CollectiveError> {
+        if self.world == 1 {
+            return Ok(()); // a ring of one has no peer to fail, and its signal is never armed
+        }
+        self.link.check()
     }
 }
 
@@ -586,8 +499,8 @@ pub(crate) mod tests {
                     let (names, addrs, f) = (&names, &addrs, &f);
                     s.spawn(move || {
                         let abort = AbortSignal::new();
-                        let mut ring =
-                            Ring::form(listener, rank, names, addrs[(rank + 1) % world], 1, timeout, &abort).unwrap();
+                        let link = Link::new(1, timeout, &abort, &Traffic::default());
+                        let mut ring = Ring::form(listener, rank, names, addrs[(rank + 1) % world], link).unwrap();
                         f(&mut ring, &abort)
                     })
                 })
@@ -715,7 +628,7 @@ pub(crate) mod tests {
             ring.all_reduce(&mut m, ReduceOp::Mean).unwrap();
             let mut b: Vec<f32> =
                 if ring.rank() == 0 { (0..3_000_000).map(|i| i as f32).collect() } else { vec![0.0; 3_000_000] };
-            ring.broadcast(&mut b).unwrap();
+            ring.broadcast_from(0, &mut b).unwrap();
             (m, b[2_999_999], b[12345])
         });
         for (m, last, mid) in out {
