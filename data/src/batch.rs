@@ -8,17 +8,19 @@ use rayon::prelude::*;
 use trainerd_sdk::tch::Tensor;
 use trainerd_sdk::{Column, Decode, Side};
 
+use crate::error::ValueError;
 use crate::rows::Value;
 
 /// Why a row's value could not become its tensor: the row's index in the batch, and the reason.
-pub type Failed = (usize, String);
+pub type Failed = (usize, ValueError);
 
 /// The tensor of `values` (one per row) of `column`.
 pub fn stack(values: &[&Value], column: &Column) -> Result<Tensor, Failed> {
     let n = values.len() as i64;
     let mut shape = vec![n];
     shape.extend(column.decode.shape());
-    let mismatch = |i: usize, v: &Value| (i, format!("{v:?} cannot be decoded as {}", column.decode.expects()));
+    let mismatch =
+        |i: usize, v: &Value| (i, ValueError::Mismatch { value: format!("{v:?}"), expects: column.decode.expects() });
     let tensor = match &column.decode {
         Decode::Integer => {
             let ints = values.iter().enumerate().map(|(i, v)| match v {
@@ -71,7 +73,7 @@ pub fn stack(values: &[&Value], column: &Column) -> Result<Tensor, Failed> {
             Tensor::from_slice(&scaled)
         }
     };
-    tensor.f_view(shape.as_slice()).map_err(|e| (0, e.to_string()))
+    tensor.f_view(shape.as_slice()).map_err(|e| (0, ValueError::Torch(e)))
 }
 
 /// `tokens` made `length` long: padded with `pad` at the end, or cut at `truncate`'s side.
@@ -85,20 +87,17 @@ fn fit(tokens: &[i64], length: usize, pad: i64, truncate: Side) -> impl Iterator
 
 /// Decodes a PNG or JPEG image into `out`, channel-major (`[c, h, w]`), checking its size and
 /// channels against the declaration.
-fn decode_image(encoded: &[u8], (c, h, w): (usize, usize, usize), out: &mut [u8]) -> Result<(), String> {
-    let format = image::guess_format(encoded).map_err(|_| "not a PNG or JPEG image".to_string())?;
+fn decode_image(encoded: &[u8], (c, h, w): (usize, usize, usize), out: &mut [u8]) -> Result<(), ValueError> {
+    let format = image::guess_format(encoded).map_err(|_| ValueError::NotAnImage)?;
     if !matches!(format, image::ImageFormat::Png | image::ImageFormat::Jpeg) {
-        return Err(format!("a {format:?} image: expected PNG or JPEG"));
+        return Err(ValueError::ImageFormat(format));
     }
-    let img =
-        image::load_from_memory_with_format(encoded, format).map_err(|e| format!("a damaged {format:?} image: {e}"))?;
+    let img = image::load_from_memory_with_format(encoded, format)
+        .map_err(|source| ValueError::DamagedImage { format, source })?;
     let (iw, ih) = (img.width() as usize, img.height() as usize);
     let ic = usize::from(img.color().channel_count());
     if (iw, ih) != (w, h) || ic != c {
-        return Err(format!(
-            "a {iw}x{ih} image with {ic} channel(s); the plugin expects {w}x{h} with {c} (images are not resized or \
-             converted)"
-        ));
+        return Err(ValueError::ImageSize { found: (ic, ih, iw), expected: (c, h, w) });
     }
     let raw = match c {
         1 => img.into_luma8().into_raw(),
@@ -146,8 +145,9 @@ mod tests {
     fn an_image_of_another_size_or_kind_is_named() {
         let column = Column { name: "image".into(), decode: Decode::Image { channels: 1, height: 28, width: 28 } };
         let small = Value::Bytes(png(2, 1, image::ExtendedColorType::L8, &[0, 255]));
+        let told = |(i, e): Failed| (i, e.to_string());
         assert_eq!(
-            stack(&[&small], &column).unwrap_err(),
+            told(stack(&[&small], &column).unwrap_err()),
             (
                 0,
                 "a 2x1 image with 1 channel(s); the plugin expects 28x28 with 1 (images are not resized or converted)"
@@ -157,7 +157,7 @@ mod tests {
         let junk = Value::Bytes(b"GIF89a....".to_vec());
         assert_eq!(stack(&[&small, &junk], &column).unwrap_err().0, 0);
         assert_eq!(
-            stack(&[&Value::Bytes(b"nothing".to_vec())], &column).unwrap_err(),
+            told(stack(&[&Value::Bytes(b"nothing".to_vec())], &column).unwrap_err()),
             (0, "not a PNG or JPEG image".into())
         );
     }

@@ -20,7 +20,7 @@ use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::Split;
 use trainerd_storage::S3Options;
 
-use crate::error::DataError;
+use crate::error::{DataError, WriteError};
 use crate::index::split_name;
 use crate::location::DataLocation;
 use crate::source::{Quiet, Source};
@@ -58,13 +58,13 @@ pub fn mnist(
 ) -> Result<Vec<Written>, DataError> {
     if let DataLocation::Local(dir) = to {
         std::fs::create_dir_all(dir)
-            .map_err(|e| DataError::Write { what: dir.display().to_string(), reason: e.to_string() })?;
+            .map_err(|e| DataError::Write { what: dir.display().to_string(), reason: WriteError::Io(e) })?;
     }
     let sink = Source::open(to, s3, std::time::Duration::from_secs(60), None, Arc::new(Quiet))?;
     let mut written = Vec::new();
     for split in [Split::Train, Split::Test] {
         let data = Mnist::load(from, split)
-            .map_err(|e| DataError::Write { what: from.display().to_string(), reason: e.to_string() })?;
+            .map_err(|e| DataError::Write { what: from.display().to_string(), reason: WriteError::Mnist(e) })?;
         let (n, (h, w), pixels, labels) = raw(&data)?;
         let files = n.div_ceil(sharding.rows_per_file.max(1)).max(1);
         let mut out = Written { split, files: Vec::new(), rows: n, bytes: 0 };
@@ -120,12 +120,12 @@ fn file(
     labels: &[i64],
     rows: std::ops::Range<usize>,
     per_group: usize,
-) -> Result<Vec<u8>, String> {
+) -> Result<Vec<u8>, WriteError> {
     let props = WriterProperties::builder()
         .set_compression(Compression::SNAPPY)
         .set_max_row_group_row_count(Some(per_group.max(1)))
         .build();
-    let mut writer = ArrowWriter::try_new(Vec::new(), schema(), Some(props)).map_err(|e| e.to_string())?;
+    let mut writer = ArrowWriter::try_new(Vec::new(), schema(), Some(props)).map_err(WriteError::Parquet)?;
     for start in rows.clone().step_by(per_group.max(1)) {
         let group = start..(start + per_group.max(1)).min(rows.end);
         let pngs: Vec<Vec<u8>> = pixels[group.clone()].par_iter().map(|p| png(p, (h, w))).collect::<Result<_, _>>()?;
@@ -133,16 +133,16 @@ fn file(
         let paths: ArrayRef = Arc::new(StringArray::new_null(group.len()));
         let image: ArrayRef = Arc::new(StructArray::new(image_fields(), vec![bytes, paths], None));
         let label: ArrayRef = Arc::new(Int64Array::from(labels[group].to_vec()));
-        let batch = RecordBatch::try_new(schema(), vec![image, label]).map_err(|e| e.to_string())?;
-        writer.write(&batch).map_err(|e| e.to_string())?;
+        let batch = RecordBatch::try_new(schema(), vec![image, label]).map_err(WriteError::Arrow)?;
+        writer.write(&batch).map_err(WriteError::Parquet)?;
     }
-    writer.into_inner().map_err(|e| e.to_string())
+    writer.into_inner().map_err(WriteError::Parquet)
 }
 
 /// A lossless greyscale PNG of an image `h` x `w`.
-fn png(pixels: &[u8], (h, w): (u32, u32)) -> Result<Vec<u8>, String> {
+fn png(pixels: &[u8], (h, w): (u32, u32)) -> Result<Vec<u8>, WriteError> {
     let mut out = Vec::new();
     let encoder = image::codecs::png::PngEncoder::new(&mut out);
-    image::ImageEncoder::write_image(encoder, pixels, w, h, image::ExtendedColorType::L8).map_err(|e| e.to_string())?;
+    image::ImageEncoder::write_image(encoder, pixels, w, h, image::ExtendedColorType::L8).map_err(WriteError::Png)?;
     Ok(out)
 }

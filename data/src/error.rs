@@ -7,11 +7,19 @@ use std::time::Duration;
 /// `f`'s result, or its panic as an error saying `what` panicked (a decoder fed damaged bytes
 /// may panic; on the loader's pool that would end the process).
 pub fn caught<T>(
-    what: impl FnOnce(String) -> DataError,
+    what: impl FnOnce(Panicked) -> DataError,
     f: impl FnOnce() -> Result<T, DataError>,
 ) -> Result<T, DataError> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-        .unwrap_or_else(|payload| Err(what(format!("the decoder panicked: {}", panic_message(&*payload)))))
+        .unwrap_or_else(|payload| Err(what(Panicked { message: panic_message(&*payload) })))
+}
+
+/// A decoder that panicked, and what it said.
+#[derive(Debug, thiserror::Error)]
+#[error("the decoder panicked: {message}")]
+pub struct Panicked {
+    /// The panic's message.
+    pub message: String,
 }
 
 /// What a caught panic said.
@@ -68,7 +76,8 @@ pub enum DataError {
         /// The file.
         file: String,
         /// What is wrong.
-        reason: String,
+        #[source]
+        reason: FooterError,
     },
     /// A column the plugin declares is absent.
     #[error("data file {file}: no column `{column}` (the plugin reads it as {expected}); the file has: {available}")]
@@ -94,6 +103,17 @@ pub enum DataError {
         /// The column's type.
         found: String,
     },
+    /// The plugin declares a column that makes no sense.
+    #[error("data file {file}: column `{column}`: expected a valid declaration in the plugin, found {reason}")]
+    Declaration {
+        /// The dataset.
+        file: String,
+        /// The column.
+        column: String,
+        /// What is wrong with its declaration.
+        #[source]
+        reason: trainerd_sdk::DeclarationError,
+    },
     /// A column compressed with a codec this build does not read.
     #[error(
         "data file {file}: column `{column}` is compressed with {codec}, which this trainerd does not read (it reads \
@@ -116,7 +136,8 @@ pub enum DataError {
         /// The row group (from 0).
         row_group: usize,
         /// What failed.
-        reason: String,
+        #[source]
+        reason: GroupError,
     },
     /// One row's value does not fit the declaration (an image of another size, a null, a list of
     /// the wrong length).
@@ -131,7 +152,8 @@ pub enum DataError {
         /// The column.
         column: String,
         /// What is wrong.
-        reason: String,
+        #[source]
+        reason: Box<ValueError>,
     },
     /// A file changed (or vanished) under the running job.
     #[error(
@@ -158,12 +180,38 @@ pub enum DataError {
         last: String,
     },
     /// The source failed definitely (permissions, a bad request).
-    #[error("data file {file}: {reason}")]
+    #[error("data file {file}: {source}")]
     Source {
         /// The file.
         file: String,
         /// The store's error.
-        reason: String,
+        source: object_store::Error,
+    },
+    /// The location could not be listed, or its store not made.
+    #[error("data location {location}: {source}")]
+    Store {
+        /// The location.
+        location: String,
+        /// The store's error.
+        source: object_store::Error,
+    },
+    /// The loader's threads or I/O runtime could not start.
+    #[error("data location {location}: {what}: {source}")]
+    Start {
+        /// The location.
+        location: String,
+        /// What could not start.
+        what: &'static str,
+        /// Why.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Making a batch panicked.
+    #[error("data location {location}: {source}")]
+    Panicked {
+        /// The location.
+        location: String,
+        /// What the decoder said.
+        source: Panicked,
     },
     /// The local cache could not be used.
     #[error("data cache {path}: {source}")]
@@ -179,7 +227,8 @@ pub enum DataError {
         /// What was being written.
         what: String,
         /// What failed.
-        reason: String,
+        #[source]
+        reason: WriteError,
     },
     /// libtorch failed making a batch's tensors.
     #[error("making a batch: {0}")]
@@ -187,4 +236,161 @@ pub enum DataError {
     /// The pipeline's threads were stopped (the stream was dropped).
     #[error("the input pipeline was stopped")]
     Stopped,
+}
+
+/// Why a file's footer does not make it a readable Parquet file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FooterError {
+    /// Fewer bytes than the smallest Parquet file.
+    #[error("{0} bytes is too short for a Parquet file")]
+    TooShort(u64),
+    /// No `PAR1` at the end.
+    #[error("it does not end with PAR1 (damaged, or not Parquet)")]
+    NoMagic,
+    /// An encrypted footer.
+    #[error("its footer is encrypted")]
+    Encrypted,
+    /// A footer longer than the file.
+    #[error("its footer claims {claims} bytes, the file has {size}")]
+    TooLong {
+        /// The footer's length, as it says.
+        claims: u64,
+        /// The file's.
+        size: u64,
+    },
+    /// The footer's metadata does not decode.
+    #[error("its footer does not decode: {0}")]
+    Decode(#[source] parquet::errors::ParquetError),
+    /// The decoder panicked on it.
+    #[error("its footer does not decode: {}", .0.message)]
+    Panicked(#[source] Panicked),
+    /// Its schema has no Arrow form.
+    #[error("its schema has no Arrow form: {0}")]
+    Schema(#[source] parquet::errors::ParquetError),
+}
+
+/// Why a row group could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GroupError {
+    /// Parquet failed reading it.
+    #[error("{0}")]
+    Parquet(#[source] parquet::errors::ParquetError),
+    /// Arrow failed decoding it.
+    #[error("{0}")]
+    Arrow(#[source] arrow_schema::ArrowError),
+    /// A column asked for was not read.
+    #[error("no column `{0}` read")]
+    NoColumn(String),
+    /// Fewer rows than selected.
+    #[error("{read} rows read of the {selected} selected")]
+    Count {
+        /// Rows read.
+        read: usize,
+        /// Rows selected.
+        selected: usize,
+    },
+    /// A decoder panicked on it.
+    #[error(transparent)]
+    Panicked(#[from] Panicked),
+}
+
+/// What is wrong with one row's value, for the plugin's declaration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ValueError {
+    /// A null value.
+    #[error("the value is null")]
+    Null,
+    /// A null element of a list.
+    #[error("element {0} is null")]
+    NullElement(usize),
+    /// An unsigned integer beyond int64.
+    #[error("{0} does not fit an int64")]
+    TooLarge(u64),
+    /// A list of another length than the declared shape's.
+    #[error("a list of {found} numbers, the plugin expects {expected} (shape {shape:?})")]
+    Length {
+        /// Its length.
+        found: usize,
+        /// The shape's size.
+        expected: usize,
+        /// The declared shape.
+        shape: Vec<i64>,
+    },
+    /// A value of another type than the declaration reads (the type as the schema shows it).
+    #[error("expected {expected}, found {found}")]
+    Type {
+        /// What the declaration reads ("a list", "an integer", "a number", "bytes").
+        expected: &'static str,
+        /// The column's type.
+        found: String,
+    },
+    /// Hugging Face's image struct without its bytes.
+    #[error("the image struct has no `bytes`")]
+    NoImageBytes,
+    /// Hugging Face's image struct with null bytes.
+    #[error("the image's `bytes` is null")]
+    NullImageBytes,
+    /// A value that cannot be decoded as the declaration says.
+    #[error("{value} cannot be decoded as {expects}")]
+    Mismatch {
+        /// The value, shortened.
+        value: String,
+        /// What the declaration reads.
+        expects: String,
+    },
+    /// Bytes that are no image.
+    #[error("not a PNG or JPEG image")]
+    NotAnImage,
+    /// An image of another format.
+    #[error("a {0:?} image: expected PNG or JPEG")]
+    ImageFormat(image::ImageFormat),
+    /// A damaged image.
+    #[error("a damaged {format:?} image: {source}")]
+    DamagedImage {
+        /// Its format.
+        format: image::ImageFormat,
+        /// What the decoder said.
+        source: image::ImageError,
+    },
+    /// An image of another size or channel count than declared.
+    #[error(
+        "a {}x{} image with {} channel(s); the plugin expects {}x{} with {} (images are not resized or converted)",
+        found.2, found.1, found.0, expected.2, expected.1, expected.0
+    )]
+    ImageSize {
+        /// Its (channels, height, width).
+        found: (usize, usize, usize),
+        /// The declared (channels, height, width).
+        expected: (usize, usize, usize),
+    },
+    /// The batch's tensor could not be shaped.
+    #[error("{0}")]
+    Torch(#[source] trainerd_sdk::tch::TchError),
+}
+
+/// Why a dataset could not be written (`trainerd data convert`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WriteError {
+    /// A local file or directory.
+    #[error("{0}")]
+    Io(#[source] std::io::Error),
+    /// The MNIST-format source.
+    #[error("{0}")]
+    Mnist(#[source] trainerd_sdk::mnist::DataError),
+    /// Parquet's writer.
+    #[error("{0}")]
+    Parquet(#[source] parquet::errors::ParquetError),
+    /// A record batch.
+    #[error("{0}")]
+    Arrow(#[source] arrow_schema::ArrowError),
+    /// An image's PNG encoding.
+    #[error("{0}")]
+    Png(#[source] image::ImageError),
+    /// The store's error.
+    #[error("{0}")]
+    Store(#[source] object_store::Error),
 }

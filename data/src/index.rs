@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use trainerd_sdk::{Columns, Split};
 
-use crate::error::{panic_message, DataError};
+use crate::error::{panic_message, DataError, FooterError, Panicked};
 use crate::order::Layout;
 use crate::schema::{self, Projection};
 use crate::source::{FileRef, Purpose, Source};
@@ -164,21 +164,20 @@ pub fn index_split(
 /// A file's footer: decoded, and the sha256 of its bytes.
 fn read_footer(source: &Source, file: &FileRef) -> Result<(ArrowReaderMetadata, [u8; 32]), DataError> {
     let shown = source.location().file(&file.name);
-    let bad = |reason: String| DataError::NotParquet { file: shown.clone(), reason };
+    let bad = |reason: FooterError| DataError::NotParquet { file: shown.clone(), reason };
     if file.size < 12 {
-        return Err(bad(format!("{} bytes is too short for a Parquet file", file.size)));
+        return Err(bad(FooterError::TooShort(file.size)));
     }
     let guess = file.size.min(FOOTER_GUESS);
     let tail = source.read(file, file.size - guess..file.size, Purpose::Index)?;
     let last8: [u8; 8] = tail[tail.len() - 8..].try_into().expect("8 bytes");
-    let footer =
-        FooterTail::try_new(&last8).map_err(|_| bad("it does not end with PAR1 (damaged, or not Parquet)".into()))?;
+    let footer = FooterTail::try_new(&last8).map_err(|_| bad(FooterError::NoMagic))?;
     if footer.is_encrypted_footer() {
-        return Err(bad("its footer is encrypted".into()));
+        return Err(bad(FooterError::Encrypted));
     }
     let len = footer.metadata_length() as u64;
     if len + 8 > file.size {
-        return Err(bad(format!("its footer claims {len} bytes, the file has {}", file.size)));
+        return Err(bad(FooterError::TooLong { claims: len, size: file.size }));
     }
     let raw = if len + 8 <= guess {
         tail.slice((guess - 8 - len) as usize..(guess - 8) as usize)
@@ -190,25 +189,22 @@ fn read_footer(source: &Source, file: &FileRef) -> Result<(ArrowReaderMetadata, 
 }
 
 /// A raw footer decoded, with its Arrow schema; or why not (a panic of the decoder included).
-fn decode_footer(raw: &[u8]) -> Result<ArrowReaderMetadata, String> {
+fn decode_footer(raw: &[u8]) -> Result<ArrowReaderMetadata, FooterError> {
     let decode = || {
-        let meta =
-            ParquetMetaDataReader::decode_metadata(raw).map_err(|e| format!("its footer does not decode: {e}"))?;
-        ArrowReaderMetadata::try_new(Arc::new(meta), ArrowReaderOptions::new())
-            .map_err(|e| format!("its schema has no Arrow form: {e}"))
+        let meta = ParquetMetaDataReader::decode_metadata(raw).map_err(FooterError::Decode)?;
+        ArrowReaderMetadata::try_new(Arc::new(meta), ArrowReaderOptions::new()).map_err(FooterError::Schema)
     };
     std::panic::catch_unwind(decode)
-        .unwrap_or_else(|p| Err(format!("its footer does not decode: {}", panic_message(&*p))))
+        .unwrap_or_else(|p| Err(FooterError::Panicked(Panicked { message: panic_message(&*p) })))
 }
 
 /// Checks every file of `split` against `columns`: what to read of each.
 pub fn check(source: &Source, split: &SplitIndex, columns: &Columns) -> Result<Vec<Projection>, DataError> {
     for c in [&columns.input, &columns.label] {
-        c.decode.validate().map_err(|reason| DataError::Schema {
+        c.decode.validate().map_err(|reason| DataError::Declaration {
             file: source.location().to_string(),
             column: c.name.clone(),
-            expected: "a valid declaration in the plugin".into(),
-            found: reason,
+            reason,
         })?;
     }
     split

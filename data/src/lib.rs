@@ -86,7 +86,11 @@ impl Dataset {
                 batch_scheduling();
             })
             .build()
-            .map_err(|e| DataError::Location { location: location.to_string(), reason: e.to_string() })?;
+            .map_err(|e| DataError::Start {
+                location: location.to_string(),
+                what: "cannot start its loader threads",
+                source: Box::new(e),
+            })?;
         let listed = source.list()?;
         let train = index::index_split(&source, &listed, (Split::Train, "train"), &pool)?;
         // Evaluation reads the test split, else the validation split (Hugging Face's datasets

@@ -17,7 +17,7 @@ use parquet::file::metadata::ParquetMetaData;
 use parquet::file::reader::{ChunkReader, Length};
 use trainerd_sdk::{Column, Columns, Decode};
 
-use crate::error::DataError;
+use crate::error::{DataError, GroupError, ValueError};
 use crate::schema::{describe, Projection};
 
 /// One row's value, as its column's decoding needs it.
@@ -132,7 +132,8 @@ pub fn read(
     (projection, columns): (&Projection, &Columns),
     wanted: &[u64],
 ) -> Result<Vec<Row>, DataError> {
-    let failed = |reason: String| DataError::RowGroup { file: place.file.to_string(), row_group: place.group, reason };
+    let failed =
+        |reason: GroupError| DataError::RowGroup { file: place.file.to_string(), row_group: place.group, reason };
     let group_rows = meta.metadata().row_group(place.group).num_rows() as usize;
     let ranges = consecutive(wanted);
     let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(chunk, meta.clone())
@@ -141,12 +142,12 @@ pub fn read(
         .with_row_selection(RowSelection::from_consecutive_ranges(ranges.into_iter(), group_rows))
         .with_batch_size(wanted.len().clamp(1, 8192))
         .build()
-        .map_err(|e| failed(e.to_string()))?;
+        .map_err(|e| failed(GroupError::Parquet(e)))?;
     let mut rows = Vec::with_capacity(wanted.len());
     for batch in reader {
-        let batch = batch.map_err(|e| failed(e.to_string()))?;
+        let batch = batch.map_err(|e| failed(GroupError::Arrow(e)))?;
         let array = |c: &Column| {
-            batch.column_by_name(&c.name).cloned().ok_or_else(|| failed(format!("no column `{}` read", c.name)))
+            batch.column_by_name(&c.name).cloned().ok_or_else(|| failed(GroupError::NoColumn(c.name.clone())))
         };
         let (input, label) = (array(&columns.input)?, array(&columns.label)?);
         for i in 0..batch.num_rows() {
@@ -157,14 +158,14 @@ pub fn read(
                     row_group: place.group,
                     row,
                     column: c.name.clone(),
-                    reason,
+                    reason: Box::new(reason),
                 })
             };
             rows.push(Row { input: at(&columns.input, &input)?, label: at(&columns.label, &label)? });
         }
     }
     if rows.len() != wanted.len() {
-        return Err(failed(format!("{} rows read of the {} selected", rows.len(), wanted.len())));
+        return Err(failed(GroupError::Count { read: rows.len(), selected: wanted.len() }));
     }
     Ok(rows)
 }
@@ -183,9 +184,9 @@ fn consecutive(rows: &[u64]) -> Vec<Range<usize>> {
 }
 
 /// Row `i` of `a`, decoded as `decode` asks.
-fn value(a: &ArrayRef, i: usize, decode: &Decode) -> Result<Value, String> {
+fn value(a: &ArrayRef, i: usize, decode: &Decode) -> Result<Value, ValueError> {
     if a.is_null(i) {
-        return Err("the value is null".into());
+        return Err(ValueError::Null);
     }
     Ok(match decode {
         Decode::Integer => Value::Int(int_at(a.as_ref(), i)?),
@@ -194,11 +195,7 @@ fn value(a: &ArrayRef, i: usize, decode: &Decode) -> Result<Value, String> {
             let list = list_at(a, i)?;
             let floats = (0..list.len()).map(|j| float_at(list.as_ref(), j)).collect::<Result<Vec<_>, _>>()?;
             if floats.len() != decode.numel() {
-                return Err(format!(
-                    "a list of {} numbers, the plugin expects {} (shape {shape:?})",
-                    floats.len(),
-                    decode.numel()
-                ));
+                return Err(ValueError::Length { found: floats.len(), expected: decode.numel(), shape: shape.clone() });
             }
             Value::Floats(floats)
         }
@@ -210,36 +207,36 @@ fn value(a: &ArrayRef, i: usize, decode: &Decode) -> Result<Value, String> {
     })
 }
 
-fn list_at(a: &ArrayRef, i: usize) -> Result<ArrayRef, String> {
+fn list_at(a: &ArrayRef, i: usize) -> Result<ArrayRef, ValueError> {
     match a.data_type() {
         DataType::List(_) => Ok(a.as_list::<i32>().value(i)),
         DataType::LargeList(_) => Ok(a.as_list::<i64>().value(i)),
         DataType::FixedSizeList(..) => Ok(a.as_fixed_size_list().value(i)),
-        t => Err(format!("expected a list, found {}", describe(t))),
+        t => Err(ValueError::Type { expected: "a list", found: describe(t) }),
     }
 }
 
-fn binary_at(a: &ArrayRef, i: usize) -> Result<&[u8], String> {
+fn binary_at(a: &ArrayRef, i: usize) -> Result<&[u8], ValueError> {
     match a.data_type() {
         DataType::Binary => Ok(a.as_binary::<i32>().value(i)),
         DataType::LargeBinary => Ok(a.as_binary::<i64>().value(i)),
         DataType::BinaryView => Ok(a.as_binary_view().value(i)),
         DataType::Struct(_) => {
-            let bytes = a.as_struct().column_by_name("bytes").ok_or("the image struct has no `bytes`")?;
+            let bytes = a.as_struct().column_by_name("bytes").ok_or(ValueError::NoImageBytes)?;
             if bytes.is_null(i) {
-                return Err("the image's `bytes` is null".into());
+                return Err(ValueError::NullImageBytes);
             }
             binary_at(bytes, i)
         }
-        t => Err(format!("expected bytes, found {}", describe(t))),
+        t => Err(ValueError::Type { expected: "bytes", found: describe(t) }),
     }
 }
 
-fn int_at(a: &dyn Array, i: usize) -> Result<i64, String> {
+fn int_at(a: &dyn Array, i: usize) -> Result<i64, ValueError> {
     if a.is_null(i) {
-        return Err(format!("element {i} is null"));
+        return Err(ValueError::NullElement(i));
     }
-    let wide = |v: u64| i64::try_from(v).map_err(|_| format!("{v} does not fit an int64"));
+    let wide = |v: u64| i64::try_from(v).map_err(|_| ValueError::TooLarge(v));
     Ok(match a.data_type() {
         DataType::Int8 => i64::from(a.as_primitive::<Int8Type>().value(i)),
         DataType::Int16 => i64::from(a.as_primitive::<Int16Type>().value(i)),
@@ -249,20 +246,20 @@ fn int_at(a: &dyn Array, i: usize) -> Result<i64, String> {
         DataType::UInt16 => i64::from(a.as_primitive::<UInt16Type>().value(i)),
         DataType::UInt32 => i64::from(a.as_primitive::<UInt32Type>().value(i)),
         DataType::UInt64 => wide(a.as_primitive::<UInt64Type>().value(i))?,
-        t => return Err(format!("expected an integer, found {}", describe(t))),
+        t => return Err(ValueError::Type { expected: "an integer", found: describe(t) }),
     })
 }
 
-fn float_at(a: &dyn Array, i: usize) -> Result<f32, String> {
+fn float_at(a: &dyn Array, i: usize) -> Result<f32, ValueError> {
     if a.is_null(i) {
-        return Err(format!("element {i} is null"));
+        return Err(ValueError::NullElement(i));
     }
     Ok(match a.data_type() {
         DataType::Float16 => a.as_primitive::<Float16Type>().value(i).to_f32(),
         DataType::Float32 => a.as_primitive::<Float32Type>().value(i),
         DataType::Float64 => a.as_primitive::<Float64Type>().value(i) as f32,
         t if t.is_integer() => int_at(a, i)? as f32,
-        t => return Err(format!("expected a number, found {}", describe(t))),
+        t => return Err(ValueError::Type { expected: "a number", found: describe(t) }),
     })
 }
 

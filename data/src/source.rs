@@ -21,7 +21,7 @@ use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore};
 use trainerd_storage::{transient, Retry, S3Options};
 
 use crate::cache::Cache;
-use crate::error::DataError;
+use crate::error::{DataError, WriteError};
 use crate::location::DataLocation;
 
 /// A file of the dataset as it was when the run started.
@@ -107,11 +107,14 @@ impl Source {
                 if !dir.is_dir() {
                     return Err(err("no such directory".into()));
                 }
-                let fs = object_store::local::LocalFileSystem::new_with_prefix(dir).map_err(|e| err(e.to_string()))?;
+                let fs = object_store::local::LocalFileSystem::new_with_prefix(dir)
+                    .map_err(|source| DataError::Store { location: location.to_string(), source })?;
                 (Arc::new(fs), StorePath::default())
             }
             DataLocation::S3 { bucket, prefix } => {
-                (Arc::new(trainerd_storage::s3_store(bucket, s3).map_err(err)?), StorePath::from(prefix.as_str()))
+                let store = trainerd_storage::s3_store(bucket, s3)
+                    .map_err(|source| DataError::Store { location: location.to_string(), source })?;
+                (Arc::new(store), StorePath::from(prefix.as_str()))
             }
         };
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -119,7 +122,11 @@ impl Source {
             .thread_name("trainerd-data-io")
             .enable_all()
             .build()
-            .map_err(|e| err(format!("cannot start its I/O runtime: {e}")))?;
+            .map_err(|e| DataError::Start {
+                location: location.to_string(),
+                what: "cannot start its I/O runtime",
+                source: Box::new(e),
+            })?;
         let cache = cache.filter(|_| matches!(location, DataLocation::S3 { .. }));
         let traffic = Mutex::default();
         let backoff = Retry::default();
@@ -137,7 +144,7 @@ impl Source {
         let root = (!self.root.as_ref().is_empty()).then_some(&self.root);
         let listed = self.retrying(&what, || async move { self.store.list_with_delimiter(root).await }).map_err(
             |f| match f {
-                Failure::Definite(e) => DataError::Location { location: what.clone(), reason: e.to_string() },
+                Failure::Definite(source) => DataError::Store { location: what.clone(), source },
                 Failure::Gave(e) => e,
             },
         )?;
@@ -185,7 +192,7 @@ impl Source {
         })
         .map(drop)
         .map_err(|f| match f {
-            Failure::Definite(e) => DataError::Write { what: shown.clone(), reason: e.to_string() },
+            Failure::Definite(e) => DataError::Write { what: shown.clone(), reason: WriteError::Store(e) },
             Failure::Gave(e) => e,
         })
     }
@@ -223,7 +230,7 @@ impl Source {
                 file.etag.as_deref().unwrap_or("?")
             ))),
             Err(Failure::Definite(object_store::Error::NotFound { .. })) => Err(changed("it is gone".into())),
-            Err(Failure::Definite(e)) => Err(DataError::Source { file: shown, reason: e.to_string() }),
+            Err(Failure::Definite(source)) => Err(DataError::Source { file: shown, source }),
             Err(Failure::Gave(e)) => Err(e),
         }
     }

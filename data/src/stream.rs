@@ -26,7 +26,7 @@ use trainerd_sdk::tch::Tensor;
 use trainerd_sdk::{Columns, Split};
 
 use crate::batch::stack;
-use crate::error::{caught, DataError};
+use crate::error::{caught, DataError, GroupError, ValueError};
 use crate::index::SplitIndex;
 use crate::order::{EpochOrder, Shuffle, Slice};
 use crate::rows::{self, Chunk, Place, Row};
@@ -321,7 +321,8 @@ fn read_job(input: &Input, shared: &Shared, epoch: u32, job: Job, carried: Optio
         Ok((rows::read(place, &file.meta, chunk, (projection, &input.columns), &wanted)?, bytes))
     };
     let shown = || input.source.location().file(&file.file.name);
-    let result = caught(|reason| DataError::RowGroup { file: shown(), row_group: group.index, reason }, read);
+    let panicked = |p| DataError::RowGroup { file: shown(), row_group: group.index, reason: GroupError::Panicked(p) };
+    let result = caught(panicked, read);
     let mut held = shared.lock();
     held.in_flight -= 1;
     held.loading -= job.rows.len();
@@ -360,7 +361,7 @@ fn assemble(input: &Input, shared: &Shared, plan: Plan, tx: &SyncSender<Result<B
                 }
             };
             let location = input.source.location().to_string();
-            let failed = |reason| DataError::Location { location: location.clone(), reason };
+            let failed = |source| DataError::Panicked { location: location.clone(), source };
             let batch = input.pool.install(|| caught(failed, || make(input, epoch, step, taken)));
             let failed = batch.is_err();
             if tx.send(batch).is_err() || failed {
@@ -407,7 +408,7 @@ fn take(shared: &Shared, step: (u32, u64), slots: usize) -> Result<Option<Vec<(u
 /// A batch's tensors from its rows.
 fn make(input: &Input, epoch: u32, step: u64, taken: Vec<(u64, Row)>) -> Result<Batch, DataError> {
     let split = &input.split;
-    let named = |i: usize, column: &str, reason: String| {
+    let named = |i: usize, column: &str, reason: ValueError| {
         let r = taken[i].0;
         let group = split.groups[split.layout.group_of(r)];
         let (file, row) = split.example_id(r);
@@ -416,7 +417,7 @@ fn make(input: &Input, epoch: u32, step: u64, taken: Vec<(u64, Row)>) -> Result<
             row_group: group.index,
             row,
             column: column.to_string(),
-            reason,
+            reason: Box::new(reason),
         }
     };
     let (inputs, labels): (Vec<_>, Vec<_>) = taken.iter().map(|(_, row)| (&row.input, &row.label)).unzip();

@@ -42,6 +42,41 @@ impl ArgSpec {
     }
 }
 
+/// `--plugin-arg` items that are not arguments of the plugin's.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ArgError {
+    /// An item without `=`.
+    #[error("--plugin-arg {item:?}: expected KEY=VALUE")]
+    Form {
+        /// The item.
+        item: String,
+    },
+    /// An item with an empty key.
+    #[error("--plugin-arg {item:?}: the key is empty (expected KEY=VALUE)")]
+    EmptyKey {
+        /// The item.
+        item: String,
+    },
+    /// A key given twice.
+    #[error("--plugin-arg {key} is given twice ({first:?} and {second:?})")]
+    Twice {
+        /// The key.
+        key: String,
+        /// Its first value.
+        first: String,
+        /// Its second.
+        second: String,
+    },
+    /// A key the plugin does not take.
+    #[error("--plugin-arg {key}: no such key; {accepted}")]
+    NoSuchKey {
+        /// The key.
+        key: String,
+        /// The keys it takes, as [`accepted`] says them.
+        accepted: String,
+    },
+}
+
 /// The `--plugin-arg KEY=VALUE` pairs of a run, by key.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -50,19 +85,19 @@ pub struct PluginArgs(BTreeMap<String, String>);
 impl PluginArgs {
     /// Parses `KEY=VALUE` items; a key given twice, an item without `=` or an empty key is an
     /// error naming the item.
-    pub fn parse<S: AsRef<str>>(items: &[S]) -> Result<PluginArgs, String> {
+    pub fn parse<S: AsRef<str>>(items: &[S]) -> Result<PluginArgs, ArgError> {
         let mut map = BTreeMap::new();
         for item in items {
             let item = item.as_ref();
             let Some((key, value)) = item.split_once('=') else {
-                return Err(format!("--plugin-arg {item:?}: expected KEY=VALUE"));
+                return Err(ArgError::Form { item: item.into() });
             };
             let key = key.trim();
             if key.is_empty() {
-                return Err(format!("--plugin-arg {item:?}: the key is empty (expected KEY=VALUE)"));
+                return Err(ArgError::EmptyKey { item: item.into() });
             }
             if let Some(first) = map.insert(key.to_string(), value.to_string()) {
-                return Err(format!("--plugin-arg {key} is given twice ({first:?} and {value:?})"));
+                return Err(ArgError::Twice { key: key.into(), first, second: value.into() });
             }
         }
         Ok(PluginArgs(map))
@@ -94,10 +129,10 @@ impl PluginArgs {
     }
 
     /// Refuses a key that `specs` does not name, listing the keys accepted.
-    pub fn check(&self, specs: &[ArgSpec]) -> Result<(), String> {
+    pub fn check(&self, specs: &[ArgSpec]) -> Result<(), ArgError> {
         match self.0.keys().find(|k| !specs.iter().any(|s| &s.key == *k)) {
             None => Ok(()),
-            Some(key) => Err(format!("--plugin-arg {key}: no such key; {}", accepted(specs))),
+            Some(key) => Err(ArgError::NoSuchKey { key: key.clone(), accepted: accepted(specs) }),
         }
     }
 
@@ -155,13 +190,16 @@ mod tests {
 
     #[test]
     fn refuses_malformed_items_naming_them() {
-        assert_eq!(PluginArgs::parse(&["module"]).unwrap_err(), "--plugin-arg \"module\": expected KEY=VALUE");
         assert_eq!(
-            PluginArgs::parse(&["=x"]).unwrap_err(),
+            PluginArgs::parse(&["module"]).unwrap_err().to_string(),
+            "--plugin-arg \"module\": expected KEY=VALUE"
+        );
+        assert_eq!(
+            PluginArgs::parse(&["=x"]).unwrap_err().to_string(),
             "--plugin-arg \"=x\": the key is empty (expected KEY=VALUE)"
         );
         assert_eq!(
-            PluginArgs::parse(&["loss=mse", "loss=ce"]).unwrap_err(),
+            PluginArgs::parse(&["loss=mse", "loss=ce"]).unwrap_err().to_string(),
             "--plugin-arg loss is given twice (\"mse\" and \"ce\")"
         );
     }
@@ -169,8 +207,11 @@ mod tests {
     #[test]
     fn unknown_keys_are_refused_with_the_accepted_ones() {
         let args = PluginArgs::parse(&["los=mse"]).unwrap();
-        assert_eq!(args.check(&specs()).unwrap_err(), "--plugin-arg los: no such key; it accepts loss, module");
-        assert_eq!(args.check(&[]).unwrap_err(), "--plugin-arg los: no such key; it takes no --plugin-arg");
+        assert_eq!(
+            args.check(&specs()).unwrap_err().to_string(),
+            "--plugin-arg los: no such key; it accepts loss, module"
+        );
+        assert_eq!(args.check(&[]).unwrap_err().to_string(), "--plugin-arg los: no such key; it takes no --plugin-arg");
         assert!(PluginArgs::parse(&["loss=mse"]).unwrap().check(&specs()).is_ok());
     }
 

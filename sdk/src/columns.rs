@@ -117,21 +117,49 @@ impl Decode {
 
     /// Whether the declaration itself makes sense (a shape with no zero or negative dimension, a
     /// known channel count, a positive length); the plugin's error otherwise.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), DeclarationError> {
         match self {
             Decode::Numbers { shape } if shape.iter().any(|&d| d <= 0) => {
-                Err(format!("shape {shape:?} has a dimension that is not positive"))
+                Err(DeclarationError::Shape { shape: shape.clone() })
             }
             Decode::Image { channels, .. } if ![1, 3, 4].contains(channels) => {
-                Err(format!("{channels} image channels: expected 1, 3 or 4"))
+                Err(DeclarationError::Channels { channels: *channels })
             }
             Decode::Image { height, width, .. } if *height == 0 || *width == 0 => {
-                Err(format!("an image of {width}x{height} pixels: expected both sides at least 1"))
+                Err(DeclarationError::ImageSize { width: *width, height: *height })
             }
-            Decode::Tokens { length: 0, .. } => Err("a token length of 0: expected at least 1".into()),
+            Decode::Tokens { length: 0, .. } => Err(DeclarationError::TokenLength),
             _ => Ok(()),
         }
     }
+}
+
+/// A column declaration that makes no sense.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DeclarationError {
+    /// A shape with a dimension that is not positive.
+    #[error("shape {shape:?} has a dimension that is not positive")]
+    Shape {
+        /// The shape.
+        shape: Vec<i64>,
+    },
+    /// An image channel count other than 1, 3 or 4.
+    #[error("{channels} image channels: expected 1, 3 or 4")]
+    Channels {
+        /// The count.
+        channels: u32,
+    },
+    /// An image with no pixels.
+    #[error("an image of {width}x{height} pixels: expected both sides at least 1")]
+    ImageSize {
+        /// Its width.
+        width: u32,
+        /// Its height.
+        height: u32,
+    },
+    /// Token lists of no tokens.
+    #[error("a token length of 0: expected at least 1")]
+    TokenLength,
 }
 
 #[cfg(test)]
@@ -156,7 +184,7 @@ mod tests {
     #[test]
     fn bad_declarations_say_why() {
         assert_eq!(
-            Decode::Image { channels: 2, height: 1, width: 1 }.validate().unwrap_err(),
+            Decode::Image { channels: 2, height: 1, width: 1 }.validate().unwrap_err().to_string(),
             "2 image channels: expected 1, 3 or 4"
         );
         assert!(Decode::Numbers { shape: vec![3, 0] }.validate().is_err());

@@ -148,7 +148,7 @@ unsafe fn plugin_args<M: Model>(json: StrRef) -> Result<PluginArgs, PluginError>
     let json = unsafe { json.to_string_lossy() };
     let args: PluginArgs = serde_json::from_str(&json)
         .map_err(|e| PluginError::Other(format!("the arguments are not a JSON object of strings: {e}: {json}")))?;
-    args.check(&M::arguments()).map_err(PluginError::Other)?;
+    args.check(&M::arguments()).map_err(|e| PluginError::Other(e.to_string()))?;
     Ok(args)
 }
 

@@ -28,8 +28,8 @@ mod inflated;
 pub mod mnist;
 pub mod model;
 
-pub use args::{ArgSpec, PluginArgs};
-pub use columns::{Column, Columns, Decode, Side};
+pub use args::{ArgError, ArgSpec, PluginArgs};
+pub use columns::{Column, Columns, DeclarationError, Decode, Side};
 pub use model::{
     Batch, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
 };

@@ -105,12 +105,23 @@ impl S3Options {
 
 /// Why a location could not be opened.
 #[derive(Debug, thiserror::Error)]
-#[error("checkpoint location {location}: {reason}")]
-pub struct OpenError {
-    /// The location.
-    pub location: String,
-    /// What failed.
-    pub reason: String,
+pub enum OpenError {
+    /// Its directory could not be created.
+    #[error("checkpoint location {location}: cannot create the directory: {source}")]
+    CreateDir {
+        /// The location.
+        location: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Its store could not be made (a bad directory, S3 settings).
+    #[error("checkpoint location {location}: {source}")]
+    Store {
+        /// The location.
+        location: String,
+        /// The store's error.
+        source: object_store::Error,
+    },
 }
 
 /// The local backend as checkpoints use it: every write fsynced (file and directory), and
@@ -124,18 +135,19 @@ impl Location {
     /// (file and directory).
     pub fn open(&self, s3: &S3Options) -> Result<CheckpointStore, OpenError> {
         let name = self.to_string();
-        let err = |reason: String| OpenError { location: name.clone(), reason };
+        let store = |source| OpenError::Store { location: name.clone(), source };
         match self {
             Location::Local(dir) => {
-                std::fs::create_dir_all(dir).map_err(|e| err(format!("cannot create the directory: {e}")))?;
-                let fs = local_store(dir).map_err(|e| err(e.to_string()))?;
+                std::fs::create_dir_all(dir)
+                    .map_err(|source| OpenError::CreateDir { location: name.clone(), source })?;
+                let fs = local_store(dir).map_err(store)?;
                 Ok(CheckpointStore::new(Arc::new(fs), StorePath::default(), name))
             }
             Location::Memory => {
                 Ok(CheckpointStore::new(Arc::new(object_store::memory::InMemory::new()), StorePath::default(), name))
             }
             Location::S3 { bucket, prefix } => {
-                let store = s3_store(bucket, s3).map_err(err)?;
+                let store = s3_store(bucket, s3).map_err(store)?;
                 Ok(CheckpointStore::new(Arc::new(store), StorePath::from(prefix.as_str()), name))
             }
         }
@@ -145,7 +157,7 @@ impl Location {
 /// A client for `bucket` on the S3-compatible service `s3` names (the AWS variables underneath),
 /// without object_store's own retries: its callers retry, count and log each failure themselves
 /// (checkpoints through [`crate::Retry`], datasets within their wait bound).
-pub fn s3_store(bucket: &str, s3: &S3Options) -> Result<object_store::aws::AmazonS3, String> {
+pub fn s3_store(bucket: &str, s3: &S3Options) -> object_store::Result<object_store::aws::AmazonS3> {
     let mut builder = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
     let endpoint = s3.endpoint.clone().or_else(|| std::env::var("AWS_ENDPOINT_URL").ok());
     let loopback = endpoint.as_deref().is_some_and(|e| {
@@ -161,7 +173,7 @@ pub fn s3_store(bucket: &str, s3: &S3Options) -> Result<object_store::aws::Amazo
     builder = builder.with_allow_http(s3.allow_http || loopback);
     // object_store's own retries would hold one request for up to 3 minutes, out of sight.
     builder = builder.with_retry(object_store::RetryConfig { max_retries: 0, ..Default::default() });
-    builder.build().map_err(|e| e.to_string())
+    builder.build()
 }
 
 impl std::fmt::Display for Location {

@@ -54,7 +54,7 @@ impl Plane {
 }
 
 /// Why a handshake failed.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum AuthError {
     /// The other end does not speak the handshake (no secret configured there, or not trainerd).
     #[error("it did not start the authentication handshake (is the same --secret-file set on every worker?)")]
@@ -62,9 +62,12 @@ pub enum AuthError {
     /// The other end's proof is wrong (or it refused ours): the secrets differ.
     #[error("the cluster secrets differ (is the same --secret-file set on every worker?)")]
     WrongSecret,
-    /// The connection failed or timed out during the exchange.
+    /// The connection failed during the exchange.
     #[error("the authentication handshake broke off: {0}")]
-    Io(String),
+    Io(#[source] std::io::Error),
+    /// The other end did not answer in time.
+    #[error("the authentication handshake broke off: timed out")]
+    TimedOut,
 }
 
 /// A problem with the secret file.
@@ -74,7 +77,8 @@ pub struct SecretFileError {
     /// The file.
     pub path: PathBuf,
     /// What is wrong, and what to do.
-    pub why: String,
+    #[source]
+    pub why: trust::TrustError,
 }
 
 /// The cluster secret. Cheap to clone; its bytes are never printed.
@@ -118,6 +122,7 @@ pub fn refusal(e: &AuthError) -> String {
         AuthError::WrongSecret => "it did not prove that it knows the cluster secret".into(),
         AuthError::NoHandshake => "it did not speak the authentication handshake".into(),
         AuthError::Io(why) => format!("it did not complete the authentication handshake ({why})"),
+        AuthError::TimedOut => "it did not complete the authentication handshake (timed out)".into(),
     }
 }
 
@@ -159,7 +164,7 @@ fn confirm(
 }
 
 fn io(e: std::io::Error) -> AuthError {
-    AuthError::Io(e.to_string())
+    AuthError::Io(e)
 }
 
 /// The server's side on a blocking stream (read timeouts set by the caller).
@@ -206,7 +211,7 @@ where
         let proof = confirm(key, plane, &nonce, &reply)?;
         stream.write_all(&proof).await.map_err(io)
     };
-    tokio::time::timeout(HANDSHAKE_TIMEOUT, exchange).await.map_err(|_| AuthError::Io("timed out".into()))?
+    tokio::time::timeout(HANDSHAKE_TIMEOUT, exchange).await.map_err(|_| AuthError::TimedOut)?
 }
 
 /// The client's side on an async stream, within [`HANDSHAKE_TIMEOUT`].
@@ -224,7 +229,7 @@ where
     stream.write_all(&reply).await.map_err(io)?;
     let mut proof = [0u8; TAG];
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.read_exact(&mut proof)).await {
-        Err(_) => return Err(AuthError::Io("timed out".into())),
+        Err(_) => return Err(AuthError::TimedOut),
         Ok(Err(_)) => return Err(AuthError::WrongSecret),
         Ok(Ok(_)) => {}
     }
@@ -267,16 +272,17 @@ mod tests {
     fn both_ends_with_the_secret_pass_and_anything_else_is_refused() {
         let k = ClusterKey::from_bytes(b"0123456789abcdef-the-secret");
         let other = ClusterKey::from_bytes(b"0123456789abcdef-another-one");
-        assert_eq!(exchange(Some(k.clone()), &k, (Plane::Data, Plane::Data)), (Ok(()), Ok(())));
+        let (server, client) = exchange(Some(k.clone()), &k, (Plane::Data, Plane::Data));
+        assert!(server.is_ok() && client.is_ok(), "{server:?} {client:?}");
         let (server, client) = exchange(Some(k.clone()), &other, (Plane::Data, Plane::Data));
-        assert_eq!(server, Err(AuthError::WrongSecret));
-        assert_eq!(client, Err(AuthError::WrongSecret));
+        assert!(matches!(server, Err(AuthError::WrongSecret)), "{server:?}");
+        assert!(matches!(client, Err(AuthError::WrongSecret)), "{client:?}");
         // A proof made for the control plane is refused on the data plane.
         let (server, _) = exchange(Some(k.clone()), &k, (Plane::Data, Plane::Control));
-        assert_eq!(server, Err(AuthError::WrongSecret));
+        assert!(matches!(server, Err(AuthError::WrongSecret)), "{server:?}");
         // A server that does not speak the handshake.
         let (_, client) = exchange(None, &k, (Plane::Data, Plane::Data));
-        assert_eq!(client, Err(AuthError::NoHandshake));
+        assert!(matches!(client, Err(AuthError::NoHandshake)), "{client:?}");
         assert_eq!(
             client.unwrap_err().to_string(),
             "it did not start the authentication handshake (is the same --secret-file set on every worker?)"

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use trainerd_storage::{Blob, CheckpointStore, CommitRecord, NewCheckpoint, Restored, Score, StorageError};
 
+use super::CheckpointError;
 use crate::state::Meta;
 
 /// Background commit work runs at a lower scheduling priority (nice 10), so that on a busy
@@ -72,14 +73,14 @@ pub struct Checkpointer {
 
 impl Checkpointer {
     /// A checkpointer over `store`, keeping the newest `keep` commits.
-    pub fn new(store: CheckpointStore, keep: usize) -> Result<Checkpointer, String> {
+    pub fn new(store: CheckpointStore, keep: usize) -> Result<Checkpointer, CheckpointError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("trainerd-storage")
             .on_thread_start(lower_priority)
             .enable_all()
             .build()
-            .map_err(|e| e.to_string())?;
+            .map_err(CheckpointError::Runtime)?;
         Ok(Checkpointer {
             store,
             runtime: Arc::new(runtime),
@@ -170,7 +171,12 @@ impl Checkpointer {
 
     /// Starts committing `blobs` (a snapshot in host memory) with `meta` and an epoch-end
     /// commit's `score`, after the previous commit finishes (how that one ended is returned).
-    pub fn commit(&mut self, blobs: Vec<Blob>, meta: &Meta, score: Option<Score>) -> Result<Option<Finished>, String> {
+    pub fn commit(
+        &mut self,
+        blobs: Vec<Blob>,
+        meta: &Meta,
+        score: Option<Score>,
+    ) -> Result<Option<Finished>, CheckpointError> {
         let previous = self.wait();
         let position = &meta.position;
         let checkpoint = NewCheckpoint {
@@ -178,7 +184,7 @@ impl Checkpointer {
             writer: self.writer,
             global_step: position.global_step,
             epoch: u64::from(position.epoch),
-            meta: serde_json::to_value(meta).map_err(|e| e.to_string())?,
+            meta: serde_json::to_value(meta).map_err(CheckpointError::Meta)?,
             blobs,
             score,
         };
@@ -189,7 +195,7 @@ impl Checkpointer {
                 lower_priority();
                 runtime.block_on(store.commit(&checkpoint, keep))
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(CheckpointError::Thread)?;
         self.failures_before = self.store.transient_failures();
         self.in_flight = Some((position.progress(), Instant::now(), handle));
         Ok(previous)

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use trainerd_storage::{CheckpointStore, CommitRecord, StorageError};
 
+use super::CheckpointError;
 use crate::state::MODEL_BLOB;
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -36,14 +37,9 @@ fn best_of(records: &[(u64, Result<CommitRecord, StorageError>)]) -> Option<u64>
 }
 
 /// The best commit at `store`'s location: refused, saying why, when no commit is scored.
-pub fn best(store: &CheckpointStore) -> Result<u64, String> {
-    let records = runtime().block_on(store.records()).map_err(|e| e.to_string())?;
-    best_of(&records).ok_or_else(|| {
-        format!(
-            "{}: no commit has a score to be best by (train with --keep-best METRIC to score each epoch's commit)",
-            store.name()
-        )
-    })
+pub fn best(store: &CheckpointStore) -> Result<u64, CheckpointError> {
+    let records = runtime().block_on(store.records())?;
+    best_of(&records).ok_or_else(|| CheckpointError::NoBest { location: store.name().into() })
 }
 
 /// Lists commits: sequence, step, epoch, time, size, generation, an epoch-end commit's score
@@ -138,14 +134,15 @@ pub fn verify(store: &CheckpointStore, sequence: Option<u64>, out: &mut dyn Writ
 }
 
 /// Writes a commit's parameters as one safetensors file (atomically). Returns a description.
-pub fn export(store: &CheckpointStore, sequence: Option<u64>, output: &Path) -> Result<String, String> {
+pub fn export(store: &CheckpointStore, sequence: Option<u64>, output: &Path) -> Result<String, CheckpointError> {
     let rt = runtime();
-    let seq = pick(store, &rt, sequence).map_err(|e| e.to_string())?;
-    let restored = rt.block_on(store.load(seq)).map_err(|e| e.to_string())?;
-    let tensors = restored.blobs.get(MODEL_BLOB).ok_or_else(|| format!("commit {seq} has no {MODEL_BLOB}"))?;
-    let chunks = trainerd_storage::tensors::encode(tensors).map_err(|e| e.to_string())?;
+    let seq = pick(store, &rt, sequence)?;
+    let restored = rt.block_on(store.load(seq))?;
+    let tensors = restored.blobs.get(MODEL_BLOB).ok_or(CheckpointError::NoBlob { sequence: seq, blob: MODEL_BLOB })?;
+    let chunks = trainerd_storage::tensors::encode(tensors).map_err(CheckpointError::Encode)?;
     let parts: Vec<&[u8]> = chunks.iter().map(|c| c.as_ref()).collect();
-    crate::sys::atomic::write_file(output, &parts).map_err(|e| format!("writing {}: {e}", output.display()))?;
+    crate::sys::atomic::write_file(output, &parts)
+        .map_err(|source| CheckpointError::Write { path: output.to_path_buf(), source })?;
     Ok(format!(
         "exported commit {seq} (step {}): {} tensors to {}",
         restored.record.global_step,

@@ -569,11 +569,11 @@ impl PluginArgFlags {
     /// The arguments: the flags, or else $TRAINERD_PLUGIN_ARGS.
     pub fn parse(&self) -> anyhow::Result<PluginArgs> {
         if !self.plugin_arg.is_empty() {
-            return PluginArgs::parse(&self.plugin_arg).map_err(anyhow::Error::msg);
+            return Ok(PluginArgs::parse(&self.plugin_arg)?);
         }
         let env = std::env::var("TRAINERD_PLUGIN_ARGS").unwrap_or_default();
         let items: Vec<&str> = env.split_whitespace().collect();
-        PluginArgs::parse(&items).map_err(|e| anyhow::anyhow!("TRAINERD_PLUGIN_ARGS: {e}"))
+        PluginArgs::parse(&items).context("TRAINERD_PLUGIN_ARGS")
     }
 
     /// The flags that give `args` to a child `trainerd`.
@@ -609,7 +609,7 @@ impl ClusterArgs {
         let cluster = cluster(self.tf_config.as_deref())?;
         let key = self.secret_file.as_deref().map(ClusterKey::load).transpose()?;
         let network = match &cluster {
-            Some(c) => Network::plan(c, self.listen, key, self.insecure).map_err(anyhow::Error::msg)?,
+            Some(c) => Network::plan(c, self.listen, key, self.insecure)?,
             None => Network::loopback(),
         };
         if cluster.is_some() && network.key.is_none() && self.insecure {

@@ -25,7 +25,7 @@ pub fn run(command: CkptCommand) -> anyhow::Result<i32> {
             }
         }
         CkptCommand::Export { url, output, sequence, s3 } => {
-            let text = inspect::export(&open_store(&url, &s3)?, sequence, &output).map_err(anyhow::Error::msg)?;
+            let text = inspect::export(&open_store(&url, &s3)?, sequence, &output)?;
             println!("{text}");
         }
     }

@@ -30,13 +30,10 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
     // Evaluation reads the test split in file order: the window plays no part.
     let data = DataSource::open(&args.data.data, plugin.info(), (u64::MAX, true), options)?;
     let sequence = match args.best {
-        true => Some(
-            crate::checkpoint::inspect::best(&super::ckpt::open_store(&args.checkpoint, &args.s3)?)
-                .map_err(anyhow::Error::msg)?,
-        ),
+        true => Some(crate::checkpoint::inspect::best(&super::ckpt::open_store(&args.checkpoint, &args.s3)?)?),
         false => args.sequence,
     };
-    args.precision.check(device).map_err(anyhow::Error::msg)?;
+    args.precision.check(device)?;
     let cfg = EvalConfig {
         data,
         plugin: plugin.agreement(),

@@ -61,13 +61,29 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
+            let message = told(&e);
             match cli.log_format {
-                LogFormat::Json => eprintln!("{}", serde_json::json!({"level": "error", "message": format!("{e:#}")})),
-                LogFormat::Plain => eprintln!("error: {e:#}"),
+                LogFormat::Json => eprintln!("{}", serde_json::json!({"level": "error", "message": message})),
+                LogFormat::Plain => eprintln!("error: {message}"),
             }
             ExitCode::FAILURE
         }
     }
+}
+
+/// An error and each cause it does not already tell, `: `-separated. trainerd's errors, as
+/// object_store's, say their source's text in their own and also keep the source: a cause
+/// already in the text is not told twice.
+fn told(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
+    }
+    text
 }
 
 /// Pins glibc malloc's mmap and trim thresholds (unless the operator set them with
@@ -167,5 +183,22 @@ fn set_threads(threads: Option<usize>) -> anyhow::Result<usize> {
 /// cuda:(LOCAL_RANK mod GPUs).
 fn device(flag: &str, facts: &Facts) -> anyhow::Result<Device> {
     let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
-    facts.device(flag, local_rank).map_err(anyhow::Error::msg)
+    Ok(facts.device(flag, local_rank)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::told;
+
+    #[test]
+    fn each_cause_is_told_once() {
+        let write = crate::checkpoint::CheckpointError::Write {
+            path: "/out/model.safetensors".into(),
+            source: std::io::Error::other("No space left on device"),
+        };
+        let e = anyhow::Error::new(write).context("ckpt export");
+        assert_eq!(told(&e), "ckpt export: writing /out/model.safetensors: No space left on device");
+        let e = anyhow::anyhow!("permission denied").context("writing the summary to s.json");
+        assert_eq!(told(&e), "writing the summary to s.json: permission denied");
+    }
 }

@@ -30,7 +30,7 @@ fn check(path: &Path, args: &PluginArgs, cuda: CudaLibrary) -> anyhow::Result<i3
     let facts = accel::facts(cuda);
     let plugin = match Plugin::load(path, args) {
         Ok(plugin) => plugin,
-        Err(refused @ LoadError::Refused { .. }) => {
+        Err(refused @ (LoadError::Refused { .. } | LoadError::Arguments { .. })) => {
             let specs = Plugin::accepted(path)?;
             anyhow::bail!("{refused}\n{}", arguments(&specs, args));
         }

@@ -46,7 +46,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     let timeouts = timeouts(&args)?;
     let (cluster, network) = args.cluster.plan()?;
     if let Some(c) = &cluster {
-        timeouts.check_min_workers(c.world_size(), args.allow_even_split).map_err(anyhow::Error::msg)?;
+        timeouts.check_min_workers(c.world_size(), args.allow_even_split)?;
     }
     let facts = accel::facts(cuda);
     let devices = devices(&args, &facts)?;
@@ -58,7 +58,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     }
     let threads = set_threads(args.threads)?;
     let (collective, not_nccl) = collective(&args.collective, cluster.as_ref(), device, &facts)?;
-    let token = args.metrics_token_file.as_deref().map(Token::load).transpose().map_err(anyhow::Error::msg)?;
+    let token = args.metrics_token_file.as_deref().map(Token::load).transpose()?;
     if let Some(addr) = args.metrics_addr.filter(|a| !a.ip().is_loopback() && token.is_none() && !args.cluster.insecure)
     {
         anyhow::bail!(
@@ -84,7 +84,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     }
     announce(&mut progress, &plugin, &facts, (&cfg, not_nccl.as_deref()));
     if let Some(addr) = args.metrics_addr {
-        let bound = serve::start(addr, Arc::clone(&telemetry), token).map_err(anyhow::Error::msg)?;
+        let bound = serve::start(addr, Arc::clone(&telemetry), token)?;
         progress.line(&format!("trainerd: metrics on http://{bound}/metrics, health on http://{bound}/healthz"));
     }
     let notifier = Notifier::start(Arc::clone(&telemetry), Arc::clone(&stop));
@@ -104,25 +104,15 @@ fn callbacks(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<crate::optim::ca
     use crate::optim::callbacks::{figure_names, parse_early_stopping, parse_reduce_lr};
     let names = figure_names(&plugin.info().metrics, !args.no_evaluation);
     Ok(crate::optim::callbacks::Callbacks {
-        early_stopping: args
-            .early_stopping
-            .as_deref()
-            .map(|t| parse_early_stopping(t, &names))
-            .transpose()
-            .map_err(anyhow::Error::msg)?,
-        reduce_lr_on_plateau: args
-            .reduce_lr_on_plateau
-            .as_deref()
-            .map(|t| parse_reduce_lr(t, &names))
-            .transpose()
-            .map_err(anyhow::Error::msg)?,
+        early_stopping: args.early_stopping.as_deref().map(|t| parse_early_stopping(t, &names)).transpose()?,
+        reduce_lr_on_plateau: args.reduce_lr_on_plateau.as_deref().map(|t| parse_reduce_lr(t, &names)).transpose()?,
     })
 }
 
 /// The devices of this worker's replicas: `--devices`, else the one `--device` names.
 fn devices(args: &RunArgs, facts: &Facts) -> anyhow::Result<Vec<tch::Device>> {
     match &args.devices {
-        Some(list) => facts.devices(list).map_err(anyhow::Error::msg),
+        Some(list) => Ok(facts.devices(list)?),
         None => Ok(vec![device(&args.device, facts)?]),
     }
 }
@@ -146,7 +136,7 @@ fn collective(
     let hostid = std::env::var_os("NCCL_HOSTID").is_some();
     let enter_together = hostid && std::env::var("TRAINERD_NCCL_ENTER_TOGETHER").map_or(true, |v| v != "0");
     let host = crate::collective::Host { sharing, gpus: facts.gpus.len(), hostid, enter_together };
-    crate::collective::choose(choice, device, host).map_err(anyhow::Error::msg)
+    Ok(crate::collective::choose(choice, device, host)?)
 }
 
 /// Every deadline of the cluster, from the flags, checked as one hierarchy.
@@ -166,7 +156,7 @@ fn timeouts(args: &RunArgs) -> anyhow::Result<Timeouts> {
         },
         min_workers: args.min_workers,
     };
-    timeouts.check().map_err(anyhow::Error::msg)?;
+    timeouts.check()?;
     Ok(timeouts)
 }
 
@@ -205,7 +195,7 @@ fn checkpoint_config(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<Option<C
             s3: args.s3.options(),
             every: args.checkpoint_every,
             keep: args.keep_checkpoints,
-            best: best.transpose().map_err(anyhow::Error::msg)?,
+            best: best.transpose()?,
         }),
     })
 }
@@ -225,7 +215,7 @@ fn run_config(
         weight_decay: args.weight_decay,
         nesterov: args.nesterov,
     };
-    let optimizer = flags::optimizer(&defaults.optimizer, &flags).map_err(anyhow::Error::msg)?;
+    let optimizer = flags::optimizer(&defaults.optimizer, &flags)?;
     let checkpoint = checkpoint_config(args, plugin)?;
     let batch_size = args.batch_size.unwrap_or(defaults.batch_size);
     if batch_size == 0 {
@@ -235,7 +225,7 @@ fn run_config(
         anyhow::bail!("--accumulate 0: expected at least 1 (micro-batches per update)");
     }
     for &device in &devices {
-        args.precision.check(device).map_err(anyhow::Error::msg)?;
+        args.precision.check(device)?;
     }
     Ok(RunConfig {
         data,

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::error::VoteError;
+
 /// A member's vote and what it knows of the coordinator: persisted before any answer that
 /// depends on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -170,7 +172,7 @@ struct Inner {
 impl Elections {
     /// The elections of the member whose vote lives in `file` (read now; `None`: this member
     /// keeps no vote, and so neither votes nor stands).
-    pub fn open(file: Option<PathBuf>) -> Result<Elections, String> {
+    pub fn open(file: Option<PathBuf>) -> Result<Elections, VoteError> {
         let (vote, forgetful) = match &file {
             Some(path) => read(path)?,
             None => (Vote::default(), true),
@@ -195,7 +197,7 @@ impl Elections {
 
     /// `answers` of the others told it their terms, the highest `highest`: it takes that term and,
     /// if they are a majority, may vote again.
-    pub fn heard_from(&self, answers: usize, world: usize, highest: u64) -> Result<(), String> {
+    pub fn heard_from(&self, answers: usize, world: usize, highest: u64) -> Result<(), VoteError> {
         self.heard(highest)?;
         let mut i = self.lock();
         if i.forgetful && caught_up(answers, world) {
@@ -224,7 +226,7 @@ impl Elections {
 
     /// It is in `generation`, formed by a majority that follows its coordinator's term: it
     /// knows the current term from them, and keeps its vote from now on.
-    pub fn joined(&self, generation: u64) -> Result<(), String> {
+    pub fn joined(&self, generation: u64) -> Result<(), VoteError> {
         self.saw(generation);
         let mut i = self.lock();
         if i.forgetful && self.file.is_some() {
@@ -286,7 +288,7 @@ impl Elections {
     }
 
     /// Stands in `term`: votes for itself, persisted first; false if it knows that term already.
-    pub fn stand(&self, term: u64, rank: usize) -> Result<bool, String> {
+    pub fn stand(&self, term: u64, rank: usize) -> Result<bool, VoteError> {
         let mut i = self.lock();
         if term <= i.vote.term {
             return Ok(false);
@@ -299,7 +301,7 @@ impl Elections {
 
     /// Takes `vote` if it is the one it replaces by the rules (a term won, a coordinator heard
     /// of); persisted first. Whether it changed anything.
-    pub fn adopt(&self, term: u64, coordinator: usize) -> Result<bool, String> {
+    pub fn adopt(&self, term: u64, coordinator: usize) -> Result<bool, VoteError> {
         let mut i = self.lock();
         let Some(vote) = follows(&i.vote, term, coordinator) else { return Ok(false) };
         self.persist(&vote)?;
@@ -310,7 +312,7 @@ impl Elections {
 
     /// A term higher than its own was heard of (its coordinator unknown): it will vote in no
     /// lower one.
-    pub fn heard(&self, term: u64) -> Result<bool, String> {
+    pub fn heard(&self, term: u64) -> Result<bool, VoteError> {
         let mut i = self.lock();
         if term <= i.vote.term {
             return Ok(false);
@@ -321,21 +323,21 @@ impl Elections {
         Ok(true)
     }
 
-    fn persist(&self, vote: &Vote) -> Result<(), String> {
+    fn persist(&self, vote: &Vote) -> Result<(), VoteError> {
         let Some(path) = &self.file else { return Ok(()) };
-        let bytes = serde_json::to_vec(vote).map_err(|e| e.to_string())?;
-        crate::sys::atomic::write_file(path, &[&bytes]).map_err(|e| format!("{}: {e}", path.display()))
+        let bytes = serde_json::to_vec(vote).map_err(VoteError::Encode)?;
+        crate::sys::atomic::write_file(path, &[&bytes]).map_err(|source| VoteError::File { path: path.clone(), source })
     }
 }
 
 /// The vote kept in `path`, and whether there was none (term 0, the chief).
-fn read(path: &Path) -> Result<(Vote, bool), String> {
+fn read(path: &Path) -> Result<(Vote, bool), VoteError> {
     match std::fs::read(path) {
         Ok(bytes) => serde_json::from_slice(&bytes)
             .map(|v| (v, false))
-            .map_err(|e| format!("{}: not a trainerd vote ({e}); remove it to start from term 0", path.display())),
+            .map_err(|source| VoteError::NotAVote { path: path.to_path_buf(), source }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((Vote::default(), true)),
-        Err(e) => Err(format!("{}: {e}", path.display())),
+        Err(source) => Err(VoteError::File { path: path.to_path_buf(), source }),
     }
 }
 
@@ -445,7 +447,7 @@ mod tests {
         let (refusal, _, _) = again.answer(&Ballot { term: 4, candidate: 3 }, now, HB, false).unwrap_err();
         assert_eq!(refusal, Refusal::Term(4), "the restarted member does not vote twice in term 4");
         std::fs::write(&path, b"{").unwrap();
-        let err = Elections::open(Some(path.clone())).err().unwrap();
+        let err = Elections::open(Some(path.clone())).err().unwrap().to_string();
         assert!(err.starts_with(&format!("{}: not a trainerd vote", path.display())), "{err}");
         assert_ne!(vote_file(dir.path(), 2, "another run"), path);
     }

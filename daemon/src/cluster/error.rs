@@ -17,7 +17,8 @@ pub enum ClusterError {
         /// Whose address it is.
         member: String,
         /// Why.
-        reason: String,
+        #[source]
+        reason: BindError,
     },
     /// The chief refused this member.
     #[error("rendezvous refused by the chief: {0}")]
@@ -56,9 +57,126 @@ pub enum ClusterError {
     /// Stopped by a signal while waiting.
     #[error("stopped while waiting for the cluster")]
     Stopped,
-    /// Anything else from the runtime.
+    /// The chief refused a request that cannot succeed.
+    #[error("control plane: {request}: {message}")]
+    Rejected {
+        /// The request (`barrier NAME`, `rendezvous: join`).
+        request: String,
+        /// The chief's answer.
+        message: String,
+    },
+    /// This member's vote cannot be read or kept.
     #[error("control plane: {0}")]
-    Other(String),
+    Vote(#[from] VoteError),
+    /// The control plane's runtime or listener could not be set up.
+    #[error("control plane: {0}")]
+    Setup(#[source] std::io::Error),
+    /// A member's data-plane address does not resolve.
+    #[error("control plane: data address {address}: {source}")]
+    DataAddress {
+        /// The address.
+        address: String,
+        /// Why.
+        source: ResolveError,
+    },
+}
+
+/// Why this daemon's address cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// It does not resolve (and names no port either).
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+    /// The address itself cannot be bound.
+    #[error("{0}")]
+    Address(#[source] std::io::Error),
+    /// The address it binds for it (another interface) cannot be bound.
+    #[error("binding {addr}: {source}")]
+    Other {
+        /// The address bound.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The data plane's listener cannot be bound.
+    #[error("data-plane listener on {bind}: {source}")]
+    DataListener {
+        /// The interface.
+        bind: std::net::IpAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// Why `host:port` gives no socket address.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// The lookup failed.
+    #[error("cannot resolve: {0}")]
+    Lookup(#[source] std::io::Error),
+    /// It resolves to nothing.
+    #[error("resolves to no address")]
+    NoAddress,
+}
+
+/// Why a connection to a member's control plane failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    /// Its address is not a URI.
+    #[error("bad address {address}: {source}")]
+    Address {
+        /// The address.
+        address: String,
+        /// Why.
+        source: tonic::transport::Error,
+    },
+    /// It did not accept a connection in time.
+    #[error("cannot connect to {address}: {}", chain(source))]
+    Connect {
+        /// The address.
+        address: String,
+        /// The last attempt's failure.
+        source: tonic::transport::Error,
+    },
+    /// The deadline passed before the first attempt.
+    #[error("deadline passed before the first attempt")]
+    NoAttempt,
+}
+
+/// An error and its causes, `: `-separated (tonic's own text says only "transport error").
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        cur = s.source();
+    }
+    text
+}
+
+/// Why this member's vote (for electing a coordinator) cannot be read or kept.
+#[derive(Debug, thiserror::Error)]
+pub enum VoteError {
+    /// The vote file holds something else.
+    #[error("{}: not a trainerd vote ({source}); remove it to start from term 0", path.display())]
+    NotAVote {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why it does not read.
+        source: serde_json::Error,
+    },
+    /// The vote file cannot be read or written.
+    #[error("{}: {source}", path.display())]
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The vote cannot be encoded.
+    #[error("encoding the vote: {0}")]
+    Encode(#[source] serde_json::Error),
 }
 
 /// A call to the chief, as the mapping names it.
@@ -104,7 +222,7 @@ pub fn from_status(status: &Status, call: Call<'_>) -> Option<ClusterError> {
         (Code::Aborted, Call::Barrier { generation, .. }) => ClusterError::Aborted { generation, reason: message },
         (Code::FailedPrecondition, Call::Join { .. }) => ClusterError::Refused(message),
         (Code::FailedPrecondition | Code::InvalidArgument | Code::ResourceExhausted | Code::OutOfRange, call) => {
-            ClusterError::Other(format!("{call}: {message}"))
+            ClusterError::Rejected { request: call.to_string(), message }
         }
         _ => return None,
     })

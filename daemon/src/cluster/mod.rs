@@ -17,8 +17,8 @@ pub mod service;
 pub mod tf_config;
 pub mod timeouts;
 
-pub use error::ClusterError;
+pub use error::{BindError, ClusterError, DialError, ResolveError, VoteError};
 pub use member::ControlPlane;
 pub use network::Network;
 pub use tf_config::{ClusterConfig, Member, TfConfigError};
-pub use timeouts::Timeouts;
+pub use timeouts::{TimeoutError, Timeouts};

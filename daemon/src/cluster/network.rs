@@ -19,6 +19,19 @@ pub struct Network {
     pub key: Option<ClusterKey>,
 }
 
+/// A cluster across hosts without a secret, and without `--insecure`.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error(
+    "TF_CONFIG puts {} {} at {}, which is not a loopback address: a cluster across hosts needs a shared secret so \
+     that nobody else on the network can join it or read it. Give every worker the same --secret-file \
+     (TRAINERD_SECRET_FILE), or pass --insecure to run without one",
+    member.job, member.index, member.address
+)]
+pub struct Unguarded {
+    /// The first member outside this host.
+    pub member: super::Member,
+}
+
 impl Network {
     /// Loopback, no secret: a cluster on one host (tests, and `Network` for a lone worker).
     pub fn loopback() -> Network {
@@ -32,15 +45,10 @@ impl Network {
         listen: Option<IpAddr>,
         key: Option<ClusterKey>,
         insecure: bool,
-    ) -> Result<Network, String> {
+    ) -> Result<Network, Unguarded> {
         let outside = cluster.members.iter().find(|m| !is_loopback(&m.address));
         if let (Some(m), None, false) = (outside, &key, insecure) {
-            return Err(format!(
-                "TF_CONFIG puts {} {} at {}, which is not a loopback address: a cluster across hosts needs a \
-                 shared secret so that nobody else on the network can join it or read it. Give every worker the \
-                 same --secret-file (TRAINERD_SECRET_FILE), or pass --insecure to run without one",
-                m.job, m.index, m.address
-            ));
+            return Err(Unguarded { member: m.clone() });
         }
         let own = resolve_all(&cluster.me().address).into_iter().next();
         let bind = listen.unwrap_or(match (outside, own) {
@@ -83,7 +91,7 @@ mod tests {
     fn clusters_across_hosts_need_a_secret_or_insecure_and_bind_every_interface() {
         let c = cluster(&["127.0.0.1:2222", "192.0.2.7:2222"]);
         assert_eq!(
-            Network::plan(&c, None, None, false).unwrap_err(),
+            Network::plan(&c, None, None, false).unwrap_err().to_string(),
             "TF_CONFIG puts worker 1 at 192.0.2.7:2222, which is not a loopback address: a cluster across hosts needs \
              a shared secret so that nobody else on the network can join it or read it. Give every worker the same \
              --secret-file (TRAINERD_SECRET_FILE), or pass --insecure to run without one"

@@ -56,13 +56,144 @@ impl ClusterConfig {
 }
 
 /// A `TF_CONFIG` that cannot be used.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{source_name}: {message}")]
+#[derive(Debug, thiserror::Error)]
+#[error("{source_name}: {problem}")]
 pub struct TfConfigError {
     /// Where the config came from (`TF_CONFIG` or `--tf-config`).
     pub source_name: String,
     /// What is wrong, naming the field and value.
-    pub message: String,
+    #[source]
+    pub problem: Problem,
+}
+
+/// What is wrong with a `TF_CONFIG`, naming the field and the value (shortened, as JSON).
+#[derive(Debug, thiserror::Error)]
+pub enum Problem {
+    /// Not JSON.
+    #[error("invalid JSON: {0}")]
+    Json(#[source] serde_json::Error),
+    /// JSON, not an object.
+    #[error("expected a JSON object with \"cluster\" and \"task\", got {got}")]
+    NotAnObject {
+        /// What it is.
+        got: String,
+    },
+    /// A `cluster` that is not an object.
+    #[error("\"cluster\" must be an object of job -> [\"host:port\", ...], got {got}")]
+    ClusterNotAnObject {
+        /// What it is.
+        got: String,
+    },
+    /// A `task` without a `cluster`.
+    #[error("\"task\" is set but \"cluster\" is missing or empty")]
+    TaskWithoutCluster,
+    /// A job TensorFlow does not have.
+    #[error("unknown job type {job:?} in \"cluster\" (expected chief, worker, ps or evaluator)")]
+    UnknownJob {
+        /// The job.
+        job: String,
+    },
+    /// A job whose tasks are not a list.
+    #[error("cluster.{job} must be a list of \"host:port\" strings, got {got}")]
+    JobNotAList {
+        /// The job.
+        job: String,
+        /// What it is.
+        got: String,
+    },
+    /// A task address that is not a string.
+    #[error("cluster.{job}[{index}] must be a \"host:port\" string, got {got}")]
+    AddressNotAString {
+        /// The job.
+        job: String,
+        /// The task's index.
+        index: usize,
+        /// What it is.
+        got: String,
+    },
+    /// A task address that is not `host:port`.
+    #[error("cluster.{job}[{index}]: {address:?} is not host:port ({why})")]
+    BadAddress {
+        /// The job.
+        job: String,
+        /// The task's index.
+        index: usize,
+        /// The address.
+        address: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// One address for two tasks.
+    #[error("address {address} appears twice in \"cluster\" ({first} and {second})")]
+    DuplicateAddress {
+        /// The address.
+        address: String,
+        /// The first task with it.
+        first: String,
+        /// The second.
+        second: String,
+    },
+    /// Parameter servers.
+    #[error(
+        "parameter-server training is not supported (\"cluster\" has a \"ps\" job); trainerd trains with \
+         synchronous all-reduce among chief and worker tasks"
+    )]
+    ParameterServers,
+    /// More than one chief.
+    #[error("cluster.chief has {count} tasks; a cluster has at most one chief")]
+    Chiefs {
+        /// Tasks of the chief job.
+        count: usize,
+    },
+    /// No `task`.
+    #[error("missing \"task\" (expected {{\"type\": \"worker\", \"index\": N}})")]
+    MissingTask,
+    /// A `task` that is not an object.
+    #[error("\"task\" must be an object, got {got}")]
+    TaskNotAnObject {
+        /// What it is.
+        got: String,
+    },
+    /// No `task.type`.
+    #[error("task.type is missing (expected \"chief\" or \"worker\")")]
+    MissingType,
+    /// A `task.type` that is not a string.
+    #[error("task.type must be a string, got {got}")]
+    TypeNotAString {
+        /// What it is.
+        got: String,
+    },
+    /// A `task.index` that is not an index.
+    #[error("task.index must be a non-negative integer, got {got}")]
+    BadIndex {
+        /// What it is.
+        got: String,
+    },
+    /// An evaluator task.
+    #[error(
+        "task.type \"evaluator\" is not supported: every worker evaluates on the test split after each epoch, so no \
+         evaluator task is needed"
+    )]
+    Evaluator,
+    /// A parameter-server task.
+    #[error("task.type \"ps\": parameter-server training is not supported")]
+    ParameterServerTask,
+    /// Another task type.
+    #[error("unknown task.type {task_type:?} (expected \"chief\" or \"worker\")")]
+    UnknownTaskType {
+        /// The type.
+        task_type: String,
+    },
+    /// An index beyond the job's tasks.
+    #[error("task index {index} is out of range: cluster.{job} has {count} task{}", if *count == 1 { "" } else { "s" })]
+    IndexOutOfRange {
+        /// The index.
+        index: usize,
+        /// The job.
+        job: String,
+        /// Its tasks.
+        count: usize,
+    },
 }
 
 const JOBS: [&str; 4] = ["chief", "worker", "ps", "evaluator"];
@@ -70,33 +201,29 @@ const JOBS: [&str; 4] = ["chief", "worker", "ps", "evaluator"];
 /// Parses a TF_CONFIG text. `Ok(None)` means no cluster (an empty object, or no `cluster` and no
 /// `task`): train on one worker. `source_name` prefixes errors.
 pub fn parse(text: &str, source_name: &str) -> Result<Option<ClusterConfig>, TfConfigError> {
-    let err = |message: String| TfConfigError { source_name: source_name.to_string(), message };
+    parse_text(text).map_err(|problem| TfConfigError { source_name: source_name.to_string(), problem })
+}
+
+fn parse_text(text: &str) -> Result<Option<ClusterConfig>, Problem> {
     if text.trim().is_empty() {
         return Ok(None);
     }
-    let value: Value = serde_json::from_str(text).map_err(|e| err(format!("invalid JSON: {e}")))?;
-    let Value::Object(top) = value else {
-        return Err(err(format!("expected a JSON object with \"cluster\" and \"task\", got {}", brief(&value))));
-    };
+    let value: Value = serde_json::from_str(text).map_err(Problem::Json)?;
+    let Value::Object(top) = value else { return Err(Problem::NotAnObject { got: brief(&value) }) };
     let task = top.get("task");
     let cluster = match top.get("cluster") {
         None | Some(Value::Null) => None,
         Some(Value::Object(m)) => Some(m).filter(|m| !m.is_empty()),
-        Some(other) => {
-            return Err(err(format!(
-                "\"cluster\" must be an object of job -> [\"host:port\", ...], got {}",
-                brief(other)
-            )))
-        }
+        Some(other) => return Err(Problem::ClusterNotAnObject { got: brief(other) }),
     };
     let Some(cluster) = cluster else {
         return match task {
             None | Some(Value::Null) => Ok(None),
-            Some(_) => Err(err("\"task\" is set but \"cluster\" is missing or empty".into())),
+            Some(_) => Err(Problem::TaskWithoutCluster),
         };
     };
-    let jobs = jobs(cluster).map_err(err)?;
-    let (task_type, index) = task_of(task, &jobs).map_err(err)?;
+    let jobs = jobs(cluster)?;
+    let (task_type, index) = task_of(task, &jobs)?;
     let mut members = Vec::new();
     for job in ["chief", "worker"] {
         for (i, address) in jobs.get(job).into_iter().flatten().enumerate() {
@@ -109,81 +236,68 @@ pub fn parse(text: &str, source_name: &str) -> Result<Option<ClusterConfig>, TfC
 
 /// The `cluster` object's jobs and addresses, checked: known jobs, `host:port` strings, no address
 /// twice, no `ps`, at most one chief.
-fn jobs(cluster: &serde_json::Map<String, Value>) -> Result<BTreeMap<String, Vec<String>>, String> {
+fn jobs(cluster: &serde_json::Map<String, Value>) -> Result<BTreeMap<String, Vec<String>>, Problem> {
     let mut jobs: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut seen: BTreeMap<String, String> = BTreeMap::new();
     for (job, list) in cluster {
         if !JOBS.contains(&job.as_str()) {
-            return Err(format!("unknown job type {job:?} in \"cluster\" (expected chief, worker, ps or evaluator)"));
+            return Err(Problem::UnknownJob { job: job.clone() });
         }
-        let Value::Array(list) = list else {
-            return Err(format!("cluster.{job} must be a list of \"host:port\" strings, got {}", brief(list)));
-        };
+        let Value::Array(list) = list else { return Err(Problem::JobNotAList { job: job.clone(), got: brief(list) }) };
         let mut addresses = Vec::new();
-        for (i, entry) in list.iter().enumerate() {
+        for (index, entry) in list.iter().enumerate() {
             let Value::String(address) = entry else {
-                return Err(format!("cluster.{job}[{i}] must be a \"host:port\" string, got {}", brief(entry)));
+                return Err(Problem::AddressNotAString { job: job.clone(), index, got: brief(entry) });
             };
-            check_address(address)
-                .map_err(|why| format!("cluster.{job}[{i}]: {address:?} is not host:port ({why})"))?;
-            let name = format!("{job} {i}");
+            check_address(address).map_err(|why| Problem::BadAddress {
+                job: job.clone(),
+                index,
+                address: address.clone(),
+                why,
+            })?;
+            let name = format!("{job} {index}");
             if let Some(first) = seen.insert(address.clone(), name.clone()) {
-                return Err(format!("address {address} appears twice in \"cluster\" ({first} and {name})"));
+                return Err(Problem::DuplicateAddress { address: address.clone(), first, second: name });
             }
             addresses.push(address.clone());
         }
         jobs.insert(job.clone(), addresses);
     }
     if jobs.get("ps").is_some_and(|p| !p.is_empty()) {
-        return Err("parameter-server training is not supported (\"cluster\" has a \"ps\" job); trainerd trains with \
-                    synchronous all-reduce among chief and worker tasks"
-            .into());
+        return Err(Problem::ParameterServers);
     }
-    let chiefs = jobs.get("chief").map_or(0, Vec::len);
-    if chiefs > 1 {
-        return Err(format!("cluster.chief has {chiefs} tasks; a cluster has at most one chief"));
+    let count = jobs.get("chief").map_or(0, Vec::len);
+    if count > 1 {
+        return Err(Problem::Chiefs { count });
     }
     Ok(jobs)
 }
 
 /// This process's `task`: its job (`chief` or `worker`) and index, checked against `jobs`.
-fn task_of<'t>(task: Option<&'t Value>, jobs: &BTreeMap<String, Vec<String>>) -> Result<(&'t str, usize), String> {
+fn task_of<'t>(task: Option<&'t Value>, jobs: &BTreeMap<String, Vec<String>>) -> Result<(&'t str, usize), Problem> {
     let task = match task {
-        None | Some(Value::Null) => {
-            return Err("missing \"task\" (expected {\"type\": \"worker\", \"index\": N})".into())
-        }
+        None | Some(Value::Null) => return Err(Problem::MissingTask),
         Some(Value::Object(t)) => t,
-        Some(other) => return Err(format!("\"task\" must be an object, got {}", brief(other))),
+        Some(other) => return Err(Problem::TaskNotAnObject { got: brief(other) }),
     };
     let task_type = match task.get("type") {
         Some(Value::String(t)) => t.as_str(),
-        None => return Err("task.type is missing (expected \"chief\" or \"worker\")".into()),
-        Some(other) => return Err(format!("task.type must be a string, got {}", brief(other))),
+        None => return Err(Problem::MissingType),
+        Some(other) => return Err(Problem::TypeNotAString { got: brief(other) }),
     };
     let index = match task.get("index") {
         None => 0, // TensorFlow's default
-        Some(v) => {
-            v.as_u64().ok_or_else(|| format!("task.index must be a non-negative integer, got {}", brief(v)))? as usize
-        }
+        Some(v) => v.as_u64().ok_or_else(|| Problem::BadIndex { got: brief(v) })? as usize,
     };
     match task_type {
-        "evaluator" => {
-            return Err(
-                "task.type \"evaluator\" is not supported: every worker evaluates on the test split after each \
-                        epoch, so no evaluator task is needed"
-                    .into(),
-            );
-        }
+        "evaluator" => return Err(Problem::Evaluator),
         "chief" | "worker" => {}
-        "ps" => return Err("task.type \"ps\": parameter-server training is not supported".into()),
-        other => return Err(format!("unknown task.type {other:?} (expected \"chief\" or \"worker\")")),
+        "ps" => return Err(Problem::ParameterServerTask),
+        other => return Err(Problem::UnknownTaskType { task_type: other.into() }),
     }
     let count = jobs.get(task_type).map_or(0, Vec::len);
     if index >= count {
-        return Err(format!(
-            "task index {index} is out of range: cluster.{task_type} has {count} task{}",
-            if count == 1 { "" } else { "s" }
-        ));
+        return Err(Problem::IndexOutOfRange { index, job: task_type.into(), count });
     }
     Ok((task_type, index))
 }
@@ -220,8 +334,8 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn p(text: &str) -> Result<Option<ClusterConfig>, String> {
-        parse(text, "TF_CONFIG").map_err(|e| e.to_string())
+    fn p(text: &str) -> Result<Option<ClusterConfig>, TfConfigError> {
+        parse(text, "TF_CONFIG")
     }
 
     #[test]
@@ -248,9 +362,9 @@ mod tests {
 
     #[test]
     fn no_cluster_means_one_worker() {
-        assert_eq!(p(""), Ok(None));
-        assert_eq!(p("{}"), Ok(None));
-        assert_eq!(p(r#"{"cluster": {}}"#), Ok(None));
+        assert_eq!(p("").unwrap(), None);
+        assert_eq!(p("{}").unwrap(), None);
+        assert_eq!(p(r#"{"cluster": {}}"#).unwrap(), None);
     }
 
     #[test]
@@ -306,7 +420,7 @@ mod tests {
             ),
         ];
         for (text, expected) in cases {
-            assert_eq!(p(text), Err(expected.to_string()), "{text}");
+            assert_eq!(p(text).unwrap_err().to_string(), expected, "{text}");
         }
     }
 
@@ -357,7 +471,8 @@ mod tests {
             let text = serde_json::json!({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": n + extra}}).to_string();
             let e = parse(&text, "TF_CONFIG").unwrap_err();
             let expected = format!("task index {} is out of range: cluster.worker has {n} task", n + extra);
-            prop_assert!(e.message.starts_with(&expected), "{}", e.message);
+            let problem = e.problem.to_string();
+            prop_assert!(problem.starts_with(&expected), "{}", problem);
         }
     }
 }

@@ -45,7 +45,7 @@ impl Default for Timeouts {
 impl Timeouts {
     /// Whether the hierarchy holds: interval < deadline < collective < rejoin, with the flag
     /// names in the error.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), TimeoutError> {
         let chain = [
             ("--heartbeat-interval", self.heartbeat_interval),
             ("--heartbeat-deadline", self.heartbeat_deadline),
@@ -53,31 +53,23 @@ impl Timeouts {
             ("--rejoin-deadline", self.rejoin),
         ];
         for pair in chain.windows(2) {
-            let ((a, x), (b, y)) = (pair[0], pair[1]);
-            if x >= y {
-                return Err(format!(
-                    "{a} {} must be less than {b} {} (the timeouts must grow: heartbeat interval < heartbeat \
-                     deadline < collective timeout < rejoin deadline)",
-                    seconds(x),
-                    seconds(y)
-                ));
+            let (shorter, longer) = (pair[0], pair[1]);
+            if shorter.1 >= longer.1 {
+                return Err(TimeoutError::Order { shorter, longer });
             }
         }
         if !(self.heartbeat_deadline < self.replace_after && self.replace_after < self.rejoin) {
-            return Err(format!(
-                "--replace-after {} must be more than --heartbeat-deadline {} and less than --rejoin-deadline {} (a \
-                 member is replaced after it failed, and before the survivors give up)",
-                seconds(self.replace_after),
-                seconds(self.heartbeat_deadline),
-                seconds(self.rejoin)
-            ));
+            return Err(TimeoutError::ReplaceAfter {
+                replace_after: self.replace_after,
+                heartbeat_deadline: self.heartbeat_deadline,
+                rejoin: self.rejoin,
+            });
         }
         if self.heartbeat_deadline < self.heartbeat_interval * 3 {
-            return Err(format!(
-                "--heartbeat-deadline {} must be at least 3 heartbeat intervals ({}): one late beat is not a failure",
-                seconds(self.heartbeat_deadline),
-                seconds(self.heartbeat_interval * 3)
-            ));
+            return Err(TimeoutError::FewBeats {
+                heartbeat_deadline: self.heartbeat_deadline,
+                heartbeat_interval: self.heartbeat_interval,
+            });
         }
         Ok(())
     }
@@ -104,18 +96,11 @@ impl Timeouts {
     /// Whether `--min-workers` fits a cluster of `world` workers: more than half of them (two
     /// sides of a partition can never both train) and at most all; exactly half only when
     /// `even_split` (`--allow-even-split`) accepts that two halves may then both train.
-    pub fn check_min_workers(&self, world: usize, even_split: bool) -> Result<(), String> {
+    pub fn check_min_workers(&self, world: usize, even_split: bool) -> Result<(), TimeoutError> {
         match self.min_workers {
-            Some(m) if m == 0 || m > world || m * 2 < world || (m * 2 == world && !even_split) => Err(format!(
-                "--min-workers {m} must be more than half of TF_CONFIG's {world} training tasks and at most {world} \
-                 (so that two sides of a partition can never both train): {}..={world}{}",
-                world / 2 + 1,
-                if m * 2 == world {
-                    "; --allow-even-split accepts exactly half, and the risk that two halves both train"
-                } else {
-                    ""
-                }
-            )),
+            Some(m) if m == 0 || m > world || m * 2 < world || (m * 2 == world && !even_split) => {
+                Err(TimeoutError::MinWorkers { min_workers: m, world })
+            }
             _ => Ok(()),
         }
     }
@@ -132,6 +117,65 @@ impl Timeouts {
     }
 }
 
+/// Deadlines that do not make one hierarchy, naming the flags.
+#[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
+pub enum TimeoutError {
+    /// Two deadlines of the chain in the wrong order.
+    #[error(
+        "{} {} must be less than {} {} (the timeouts must grow: heartbeat interval < heartbeat deadline < \
+         collective timeout < rejoin deadline)",
+        shorter.0, seconds(shorter.1), longer.0, seconds(longer.1)
+    )]
+    Order {
+        /// The flag that must be shorter, and its value.
+        shorter: (&'static str, Duration),
+        /// The flag that must be longer, and its value.
+        longer: (&'static str, Duration),
+    },
+    /// `--replace-after` outside its bounds.
+    #[error(
+        "--replace-after {} must be more than --heartbeat-deadline {} and less than --rejoin-deadline {} (a member \
+         is replaced after it failed, and before the survivors give up)",
+        seconds(*replace_after), seconds(*heartbeat_deadline), seconds(*rejoin)
+    )]
+    ReplaceAfter {
+        /// `--replace-after`.
+        replace_after: Duration,
+        /// `--heartbeat-deadline`.
+        heartbeat_deadline: Duration,
+        /// `--rejoin-deadline`.
+        rejoin: Duration,
+    },
+    /// A heartbeat deadline shorter than three beats.
+    #[error(
+        "--heartbeat-deadline {} must be at least 3 heartbeat intervals ({}): one late beat is not a failure",
+        seconds(*heartbeat_deadline), seconds(*heartbeat_interval * 3)
+    )]
+    FewBeats {
+        /// `--heartbeat-deadline`.
+        heartbeat_deadline: Duration,
+        /// `--heartbeat-interval`.
+        heartbeat_interval: Duration,
+    },
+    /// `--min-workers` that lets two sides of a partition train.
+    #[error(
+        "--min-workers {min_workers} must be more than half of TF_CONFIG's {world} training tasks and at most {world} \
+         (so that two sides of a partition can never both train): {}..={world}{}",
+        world / 2 + 1,
+        if min_workers * 2 == *world {
+            "; --allow-even-split accepts exactly half, and the risk that two halves both train"
+        } else {
+            ""
+        }
+    )]
+    MinWorkers {
+        /// `--min-workers`.
+        min_workers: usize,
+        /// TF_CONFIG's training tasks.
+        world: usize,
+    },
+}
+
 /// `1.5s`, `0.1s`, `600s` (to the millisecond).
 fn seconds(d: Duration) -> String {
     format!("{}s", d.as_millis() as f64 / 1000.0)
@@ -146,19 +190,19 @@ mod tests {
         assert_eq!(Timeouts::default().check(), Ok(()));
         let t = Timeouts { collective: Duration::from_secs(1), ..Timeouts::default() };
         assert_eq!(
-            t.check().unwrap_err(),
+            t.check().unwrap_err().to_string(),
             "--heartbeat-deadline 1.5s must be less than --collective-timeout 1s (the timeouts must grow: heartbeat \
              interval < heartbeat deadline < collective timeout < rejoin deadline)"
         );
         let t = Timeouts { heartbeat_deadline: Duration::from_millis(250), ..Timeouts::default() };
         assert_eq!(
-            t.check().unwrap_err(),
+            t.check().unwrap_err().to_string(),
             "--heartbeat-deadline 0.25s must be at least 3 heartbeat intervals (0.3s): one late beat \
              is not a failure"
         );
         let t = Timeouts { replace_after: Duration::from_secs(700), ..Timeouts::default() };
         assert_eq!(
-            t.check().unwrap_err(),
+            t.check().unwrap_err().to_string(),
             "--replace-after 700s must be more than --heartbeat-deadline 1.5s and less than --rejoin-deadline 600s (a \
              member is replaced after it failed, and before the survivors give up)"
         );
@@ -170,7 +214,7 @@ mod tests {
         assert_eq!((t.min_workers(2), t.min_workers(3), t.min_workers(4), t.min_workers(5)), (2, 2, 3, 3));
         assert_eq!(Timeouts { min_workers: Some(2), ..t }.check_min_workers(3, false), Ok(()));
         assert_eq!(
-            Timeouts { min_workers: Some(2), ..t }.check_min_workers(4, false).unwrap_err(),
+            Timeouts { min_workers: Some(2), ..t }.check_min_workers(4, false).unwrap_err().to_string(),
             "--min-workers 2 must be more than half of TF_CONFIG's 4 training tasks and at most 4 (so that two sides \
              of a partition can never both train): 3..=4; --allow-even-split accepts exactly half, and the risk that \
              two halves both train"

@@ -10,6 +10,22 @@
 use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex};
 
+/// A generation that was aborted, and why (a peer failed, the cluster moved on).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("generation {generation} aborted: {reason}")]
+pub struct Aborted {
+    /// The generation.
+    pub generation: u64,
+    /// Why, as whoever raised the signal said.
+    pub reason: String,
+}
+
+impl From<Aborted> for super::CollectiveError {
+    fn from(a: Aborted) -> super::CollectiveError {
+        super::CollectiveError::Aborted { generation: a.generation, reason: a.reason }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     /// The generation whose sockets are registered.
@@ -46,11 +62,11 @@ impl AbortSignal {
 
     /// Registers a socket of `generation`, to be shut down when it is aborted (at once if it
     /// already is).
-    pub fn register(&self, generation: u64, socket: &TcpStream) -> Result<(), String> {
+    pub fn register(&self, generation: u64, socket: &TcpStream) -> Result<(), Aborted> {
         let mut inner = self.lock();
         if generation <= inner.aborted_through {
             let _ = socket.shutdown(Shutdown::Both);
-            return Err(inner.reason.clone());
+            return Err(Aborted { generation, reason: inner.reason.clone() });
         }
         if generation == inner.armed {
             if let Ok(clone) = socket.try_clone() {
@@ -77,11 +93,11 @@ impl AbortSignal {
         true
     }
 
-    /// `Err(reason)` when `generation` is aborted.
-    pub fn check(&self, generation: u64) -> Result<(), String> {
+    /// Fails, saying why, when `generation` is aborted.
+    pub fn check(&self, generation: u64) -> Result<(), Aborted> {
         let inner = self.lock();
         if generation <= inner.aborted_through {
-            Err(inner.reason.clone())
+            Err(Aborted { generation, reason: inner.reason.clone() })
         } else {
             Ok(())
         }
@@ -120,7 +136,7 @@ mod tests {
         );
         assert!(signal.trigger(3, "worker 2 failed"));
         assert!(matches!(reader.join().unwrap(), Ok(0) | Err(_)), "the read ended");
-        assert_eq!(signal.check(3).unwrap_err(), "worker 2 failed");
+        assert_eq!(signal.check(3).unwrap_err().reason, "worker 2 failed");
         assert!(!signal.trigger(3, "again"), "raised once");
     }
 
@@ -131,7 +147,7 @@ mod tests {
         signal.arm(5);
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let s = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        assert_eq!(signal.register(5, &s).unwrap_err(), "generation 5 ended");
+        assert_eq!(signal.register(5, &s).unwrap_err().reason, "generation 5 ended");
         signal.arm(6);
         assert!(signal.register(6, &s).is_ok());
         assert_eq!(signal.aborted_through(), 5);

@@ -16,7 +16,7 @@ pub mod nccl;
 pub mod ring;
 pub mod slots;
 
-pub use abort::AbortSignal;
+pub use abort::{AbortSignal, Aborted};
 pub use ring::listener::DataListener;
 pub use ring::{Link, Ring};
 pub use slots::Slots;
@@ -73,7 +73,7 @@ pub enum CollectiveError {
     },
     /// The ring could not be formed.
     #[error("forming the ring: {0}")]
-    Setup(String),
+    Setup(#[source] SetupError),
     /// The generation was aborted (a peer failed, or the cluster moved on).
     #[error("generation {generation} aborted: {reason}")]
     Aborted {
@@ -93,6 +93,51 @@ impl CollectiveError {
         }
     }
 }
+/// Why a generation's ring could not be formed.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// The previous place's connection did not arrive in time.
+    #[error("{peer} did not connect in time")]
+    NotConnected {
+        /// The peer, named.
+        peer: String,
+    },
+    /// The next place could not be reached in time.
+    #[error(
+        "could not connect to {peer} at {addr}: {}",
+        last.as_ref().map_or("deadline passed".to_string(), ToString::to_string)
+    )]
+    Unreachable {
+        /// The peer, named.
+        peer: String,
+        /// Its data address.
+        addr: std::net::SocketAddr,
+        /// The last attempt's failure, if there was an attempt.
+        last: Option<std::io::Error>,
+    },
+    /// The next place did not pass the authentication handshake.
+    #[error("authenticating to {peer} at {addr}: {source}")]
+    Authentication {
+        /// The peer, named.
+        peer: String,
+        /// Its data address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: crate::auth::AuthError,
+    },
+    /// The connection's hello could not be sent.
+    #[error("sending hello to {peer}: {source}")]
+    Hello {
+        /// The peer, named.
+        peer: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A connection's options could not be set.
+    #[error("{0}")]
+    Socket(#[source] std::io::Error),
+}
+
 /// What carries one generation's collectives among its workers. Every method but the accessors
 /// is collective: each worker of the generation calls it, in the same order. A failure names the
 /// peer it points at, and every backend's collectives end at once when the generation's
@@ -178,6 +223,26 @@ pub(crate) unsafe fn host_slice(t: &mut Tensor) -> &mut [f32] {
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, len) }
 }
 
+/// Why `--collective` cannot be what it says.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum BackendError {
+    /// No backend of that name.
+    #[error("--collective {choice}: expected ring, nccl or auto")]
+    Unknown {
+        /// What was given.
+        choice: String,
+    },
+    /// NCCL on a worker that does not train on CUDA.
+    #[error("--collective nccl needs CUDA: NCCL moves CUDA tensors only, and this worker trains on {device}")]
+    NeedsCuda {
+        /// The worker's device.
+        device: String,
+    },
+    /// NCCL cannot be used in this process.
+    #[error("--collective nccl: {0}")]
+    Nccl(#[from] nccl::NcclError),
+}
+
 /// What carries the gradients, chosen once at start-up (`--collective`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -234,7 +299,7 @@ pub struct Host {
 /// The backend `--collective CHOICE` gives a worker training on `device` on `host`; with `auto`,
 /// also why not NCCL. `auto` is NCCL only when it can run here and no two workers can land on one
 /// GPU (NCCL refuses two ranks on one GPU unless each has its own `NCCL_HOSTID`).
-pub fn choose(choice: &str, device: Device, host: Host) -> Result<(Backend, Option<String>), String> {
+pub fn choose(choice: &str, device: Device, host: Host) -> Result<(Backend, Option<String>), BackendError> {
     let settings = |n: &nccl::Nccl| {
         let Device::Cuda(index) = device else { unreachable!("NCCL is usable on CUDA only") };
         Backend::Nccl(nccl::Settings { version: n.version(), device: index, enter_together: host.enter_together })
@@ -245,7 +310,7 @@ pub fn choose(choice: &str, device: Device, host: Host) -> Result<(Backend, Opti
         "auto" => {
             let nccl = match nccl::usable_on(device) {
                 Ok(n) => n,
-                Err(why) => return Ok((Backend::Ring, Some(why.replace("--collective nccl", "NCCL")))),
+                Err(why) => return Ok((Backend::Ring, Some(why.to_string().replace("--collective nccl", "NCCL")))),
             };
             if host.hostid || host.sharing < host.gpus {
                 Ok((settings(nccl), None))
@@ -261,7 +326,7 @@ pub fn choose(choice: &str, device: Device, host: Host) -> Result<(Backend, Opti
                 ))
             }
         }
-        other => Err(format!("--collective {other}: expected ring, nccl or auto")),
+        other => Err(BackendError::Unknown { choice: other.into() }),
     }
 }
 
@@ -273,7 +338,7 @@ mod tests {
     fn the_backend_follows_the_flag_and_auto_says_why_not_nccl() {
         assert_eq!(choose("ring", Device::Cpu, Host::default()), Ok((Backend::Ring, None)));
         assert_eq!(
-            choose("nccl", Device::Cpu, Host::default()).unwrap_err(),
+            choose("nccl", Device::Cpu, Host::default()).unwrap_err().to_string(),
             "--collective nccl needs CUDA: NCCL moves CUDA tensors only, and this worker trains on cpu"
         );
         assert_eq!(
@@ -284,7 +349,7 @@ mod tests {
             ))
         );
         assert_eq!(
-            choose("gloo", Device::Cpu, Host::default()).unwrap_err(),
+            choose("gloo", Device::Cpu, Host::default()).unwrap_err().to_string(),
             "--collective gloo: expected ring, nccl or auto"
         );
         assert_eq!(Backend::Ring.agreement(), None, "ring runs keep their run configuration");

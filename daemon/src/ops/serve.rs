@@ -15,16 +15,41 @@ use hyper::{Request, Response, StatusCode};
 
 use super::Telemetry;
 
+/// Why `/metrics` cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The token file is not to be trusted, or not a token.
+    #[error("--metrics-token-file {}: {why}", path.display())]
+    Token {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong, and what to do.
+        #[source]
+        why: crate::auth::trust::TrustError,
+    },
+    /// The address cannot be bound.
+    #[error("--metrics-addr {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The server could not be set up.
+    #[error("{0}")]
+    Setup(#[source] std::io::Error),
+}
+
 /// The bearer token `/metrics` requires.
 #[derive(Clone)]
 pub struct Token(Arc<[u8]>);
 
 impl Token {
     /// Reads `--metrics-token-file` (held to the same rules as the cluster secret).
-    pub fn load(path: &Path) -> Result<Token, String> {
+    pub fn load(path: &Path) -> Result<Token, ServeError> {
         crate::auth::trust::read_secret(path, "a token", crate::auth::MIN_SECRET_BYTES, "")
             .map(|token| Token(Arc::from(token)))
-            .map_err(|why| format!("--metrics-token-file {}: {why}", path.display()))
+            .map_err(|why| ServeError::Token { path: path.to_path_buf(), why })
     }
 
     /// Whether `header` is `Bearer <this token>`, compared in constant time.
@@ -62,11 +87,11 @@ fn answer(t: &Telemetry, token: Option<&Token>, req: &Request<hyper::body::Incom
 }
 
 /// Serves `/metrics` and `/healthz` on `addr` until the process ends; the bound address.
-pub fn start(addr: SocketAddr, telemetry: Arc<Telemetry>, token: Option<Token>) -> Result<SocketAddr, String> {
-    let listener = std::net::TcpListener::bind(addr).map_err(|e| format!("--metrics-addr {addr}: {e}"))?;
-    let bound = listener.local_addr().map_err(|e| e.to_string())?;
-    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+pub fn start(addr: SocketAddr, telemetry: Arc<Telemetry>, token: Option<Token>) -> Result<SocketAddr, ServeError> {
+    let listener = std::net::TcpListener::bind(addr).map_err(|source| ServeError::Bind { addr, source })?;
+    let bound = listener.local_addr().map_err(ServeError::Setup)?;
+    listener.set_nonblocking(true).map_err(ServeError::Setup)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(ServeError::Setup)?;
     std::thread::Builder::new()
         .name("trainerd-metrics".into())
         .spawn(move || {
@@ -89,7 +114,7 @@ pub fn start(addr: SocketAddr, telemetry: Arc<Telemetry>, token: Option<Token>) 
                 }
             })
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(ServeError::Setup)?;
     Ok(bound)
 }
 

@@ -17,6 +17,14 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// Why the daemon counts as hung: no training progress, and no bounded wait, for this long.
+#[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
+#[error("no training progress for {:.0}s", since.as_secs_f64())]
+pub struct Stalled {
+    /// Since the last progress.
+    pub since: Duration,
+}
+
 type FloatGauge = Gauge<f64, AtomicU64>;
 type Labels = Vec<(&'static str, String)>;
 
@@ -266,13 +274,12 @@ impl Telemetry {
     }
 
     /// `Ok` while the daemon makes progress or waits within a bound; otherwise why not.
-    pub fn healthy(&self) -> Result<(), String> {
+    pub fn healthy(&self) -> Result<(), Stalled> {
         let (now, deadline) = (self.now_ms(), self.deadline_ms.load(Ordering::Relaxed));
         if now <= deadline {
             return Ok(());
         }
-        let since = Duration::from_millis(now - deadline) + self.stall;
-        Err(format!("no training progress for {:.0}s", since.as_secs_f64()))
+        Err(Stalled { since: Duration::from_millis(now - deadline) + self.stall })
     }
 
     /// The stall period.
@@ -418,7 +425,7 @@ mod tests {
         t.joined(3, 2, 1..2);
         assert_eq!(t.healthy(), Ok(()));
         std::thread::sleep(Duration::from_millis(250));
-        assert!(t.healthy().unwrap_err().starts_with("no training progress for "));
+        assert!(t.healthy().unwrap_err().to_string().starts_with("no training progress for "));
         t.waiting("re-forming", Duration::from_millis(300));
         std::thread::sleep(Duration::from_millis(250));
         assert_eq!(t.healthy(), Ok(()), "a bounded wait is alive");

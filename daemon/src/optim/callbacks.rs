@@ -8,6 +8,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::FlagError;
+
 /// Keras's `ReduceLROnPlateau` default `min_delta`: a smaller change is no improvement.
 const PLATEAU_MIN_DELTA: f64 = 1e-4;
 
@@ -154,11 +156,14 @@ impl Callbacks {
 }
 
 /// `METRIC:PATIENCE[:MIN_DELTA]` of `--early-stopping`, its METRIC one of `names`.
-pub fn parse_early_stopping(text: &str, names: &[String]) -> Result<Watch, String> {
+pub fn parse_early_stopping(text: &str, names: &[String]) -> Result<Watch, FlagError> {
     let flag = "--early-stopping";
     let parts: Vec<&str> = text.split(':').collect();
-    let expected =
-        || format!("{flag} {text}: expected METRIC:PATIENCE[:MIN_DELTA], such as val_loss:3 or val_accuracy:2:0.001");
+    let expected = || FlagError::Form {
+        flag,
+        text: text.into(),
+        expected: "METRIC:PATIENCE[:MIN_DELTA], such as val_loss:3 or val_accuracy:2:0.001",
+    };
     let (metric, patience, min_delta) = match parts[..] {
         [m, p] => (m, p, "0"),
         [m, p, d] => (m, p, d),
@@ -170,10 +175,13 @@ pub fn parse_early_stopping(text: &str, names: &[String]) -> Result<Watch, Strin
 }
 
 /// `METRIC:FACTOR:PATIENCE` of `--reduce-lr-on-plateau`, its METRIC one of `names`.
-pub fn parse_reduce_lr(text: &str, names: &[String]) -> Result<(Watch, f64), String> {
+pub fn parse_reduce_lr(text: &str, names: &[String]) -> Result<(Watch, f64), FlagError> {
     let flag = "--reduce-lr-on-plateau";
-    let expected =
-        || format!("{flag} {text}: expected METRIC:FACTOR:PATIENCE with 0 < FACTOR < 1, such as val_loss:0.5:2");
+    let expected = || FlagError::Form {
+        flag,
+        text: text.into(),
+        expected: "METRIC:FACTOR:PATIENCE with 0 < FACTOR < 1, such as val_loss:0.5:2",
+    };
     let [metric, factor, patience] = text.split(':').collect::<Vec<_>>()[..] else { return Err(expected()) };
     let factor = factor.parse::<f64>().ok().filter(|f| *f > 0.0 && *f < 1.0).ok_or_else(expected)?;
     let patience = patience.parse::<u32>().ok().filter(|&p| p > 0).ok_or_else(expected)?;
@@ -189,23 +197,26 @@ pub fn minimised(metric: &str) -> bool {
 
 /// `METRIC[:min|max]` of `--keep-best`, its METRIC one of `names`; the mode, when not given, as
 /// [`minimised`] says.
-pub fn parse_keep_best(text: &str, names: &[String]) -> Result<(String, trainerd_storage::Mode), String> {
+pub fn parse_keep_best(text: &str, names: &[String]) -> Result<(String, trainerd_storage::Mode), FlagError> {
     use trainerd_storage::Mode;
     let flag = "--keep-best";
     let (metric, mode) = match text.split(':').collect::<Vec<_>>()[..] {
         [m] => (m, if minimised(m) { Mode::Min } else { Mode::Max }),
         [m, "min"] => (m, Mode::Min),
         [m, "max"] => (m, Mode::Max),
-        _ => return Err(format!("{flag} {text}: expected METRIC[:min|max], such as val_accuracy or val_loss:min")),
+        _ => {
+            let expected = "METRIC[:min|max], such as val_accuracy or val_loss:min";
+            return Err(FlagError::Form { flag, text: text.into(), expected });
+        }
     };
     Ok((known(flag, text, metric, names)?, mode))
 }
 
-fn known(flag: &str, text: &str, metric: &str, names: &[String]) -> Result<String, String> {
+fn known(flag: &'static str, text: &str, metric: &str, names: &[String]) -> Result<String, FlagError> {
     if names.iter().any(|n| n == metric) {
         return Ok(metric.to_string());
     }
-    Err(format!("{flag} {text}: no figure named {metric}; this run has {}", names.join(", ")))
+    Err(FlagError::NoFigure { flag, text: text.into(), metric: metric.into(), names: names.to_vec() })
 }
 
 /// The figures a run can watch: the training means of `metrics` (with the loss) and, when it
@@ -232,11 +243,11 @@ mod tests {
             Ok(Watch { metric: "val_loss".into(), patience: 3, min_delta: 0.0 })
         );
         assert_eq!(
-            parse_early_stopping("val_acc:3", &names()).unwrap_err(),
+            parse_early_stopping("val_acc:3", &names()).unwrap_err().to_string(),
             "--early-stopping val_acc:3: no figure named val_acc; this run has loss, accuracy, val_loss, val_accuracy"
         );
         assert_eq!(
-            parse_early_stopping("val_loss", &names()).unwrap_err(),
+            parse_early_stopping("val_loss", &names()).unwrap_err().to_string(),
             "--early-stopping val_loss: expected METRIC:PATIENCE[:MIN_DELTA], such as val_loss:3 or val_accuracy:2:0.001"
         );
         assert_eq!(parse_reduce_lr("loss:0.5:2", &names()).map(|(w, f)| (w.patience, f)), Ok((2, 0.5)));
@@ -245,16 +256,16 @@ mod tests {
         assert_eq!(parse_keep_best("val_loss", &names()), Ok(("val_loss".into(), Mode::Min)));
         assert_eq!(parse_keep_best("val_accuracy:min", &names()), Ok(("val_accuracy".into(), Mode::Min)));
         assert_eq!(
-            parse_keep_best("val_acc", &names()).unwrap_err(),
+            parse_keep_best("val_acc", &names()).unwrap_err().to_string(),
             "--keep-best val_acc: no figure named val_acc; this run has loss, accuracy, val_loss, val_accuracy"
         );
         assert_eq!(
-            parse_keep_best("val_loss:lowest", &names()).unwrap_err(),
+            parse_keep_best("val_loss:lowest", &names()).unwrap_err().to_string(),
             "--keep-best val_loss:lowest: expected METRIC[:min|max], such as val_accuracy or val_loss:min"
         );
         assert!(minimised("val_mean_absolute_error") && !minimised("val_accuracy"));
         assert_eq!(
-            parse_reduce_lr("loss:2:2", &names()).unwrap_err(),
+            parse_reduce_lr("loss:2:2", &names()).unwrap_err().to_string(),
             "--reduce-lr-on-plateau loss:2:2: expected METRIC:FACTOR:PATIENCE with 0 < FACTOR < 1, such as val_loss:0.5:2"
         );
     }

@@ -7,6 +7,8 @@
 use serde::Serialize;
 use tch::{TchError, Tensor};
 
+use super::FlagError;
+
 /// What to clip; nothing when both are `None`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Clip {
@@ -25,10 +27,10 @@ impl Clip {
     }
 
     /// A flag's value: a positive, finite number.
-    pub fn parse(flag: &str, text: &str) -> Result<f64, String> {
+    pub fn parse(flag: &'static str, text: &str) -> Result<f64, FlagError> {
         match text.parse::<f64>() {
             Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-            _ => Err(format!("{flag} {text}: expected a positive number")),
+            _ => Err(FlagError::Form { flag, text: text.into(), expected: "a positive number" }),
         }
     }
 

@@ -4,6 +4,8 @@
 
 use trainerd_sdk::OptimizerConfig;
 
+use super::FlagError;
+
 /// Optimizer overrides from the command line.
 #[derive(Clone, Debug, Default)]
 pub struct OptimizerFlags {
@@ -22,17 +24,19 @@ pub struct OptimizerFlags {
 /// The plugin's default optimizer with the operator's overrides applied. Choosing another
 /// optimizer starts from PyTorch's defaults for it (and the plugin's learning rate, unless
 /// `--lr` is given).
-pub fn optimizer(default: &OptimizerConfig, flags: &OptimizerFlags) -> Result<OptimizerConfig, String> {
+pub fn optimizer(default: &OptimizerConfig, flags: &OptimizerFlags) -> Result<OptimizerConfig, FlagError> {
     let mut config = match flags.name.as_deref() {
         None => default.clone(),
         Some(name) if name == default.name() => default.clone(),
         Some("sgd") => OptimizerConfig::sgd(default.lr()),
         Some("adam") => OptimizerConfig::adam(default.lr()),
         Some("rmsprop") => OptimizerConfig::rmsprop(default.lr()),
-        Some(other) => return Err(format!("--optimizer {other}: expected sgd, adam or rmsprop")),
+        Some(other) => {
+            return Err(FlagError::Form { flag: "--optimizer", text: other.into(), expected: "sgd, adam or rmsprop" })
+        }
     };
     let name = config.name();
-    let inapplicable = |flag: &str| format!("{flag} does not apply to optimizer {name}");
+    let inapplicable = |flag: &'static str| FlagError::Inapplicable { flag, optimizer: name };
     match &mut config {
         OptimizerConfig::Sgd { lr, momentum, weight_decay, nesterov, .. } => {
             set(lr, flags.lr);
@@ -40,7 +44,7 @@ pub fn optimizer(default: &OptimizerConfig, flags: &OptimizerFlags) -> Result<Op
             set(weight_decay, flags.weight_decay);
             *nesterov |= flags.nesterov;
             if *nesterov && *momentum <= 0.0 {
-                return Err("--nesterov needs --momentum greater than 0".into());
+                return Err(FlagError::NesterovWithoutMomentum);
             }
         }
         OptimizerConfig::Adam { lr, weight_decay, .. } => {
@@ -63,7 +67,7 @@ pub fn optimizer(default: &OptimizerConfig, flags: &OptimizerFlags) -> Result<Op
         }
     }
     if !(config.lr() > 0.0 && config.lr().is_finite()) {
-        return Err(format!("--lr {}: expected a positive number", config.lr()));
+        return Err(FlagError::Form { flag: "--lr", text: config.lr().to_string(), expected: "a positive number" });
     }
     Ok(config)
 }
@@ -96,10 +100,13 @@ mod tests {
     fn inapplicable_flags_are_refused() {
         let default = OptimizerConfig::adam(1e-3);
         let flags = OptimizerFlags { momentum: Some(0.9), ..Default::default() };
-        assert_eq!(optimizer(&default, &flags).unwrap_err(), "--momentum does not apply to optimizer adam");
+        assert_eq!(optimizer(&default, &flags).unwrap_err().to_string(), "--momentum does not apply to optimizer adam");
         let flags = OptimizerFlags { name: Some("lamb".into()), ..Default::default() };
-        assert_eq!(optimizer(&default, &flags).unwrap_err(), "--optimizer lamb: expected sgd, adam or rmsprop");
+        assert_eq!(
+            optimizer(&default, &flags).unwrap_err().to_string(),
+            "--optimizer lamb: expected sgd, adam or rmsprop"
+        );
         let flags = OptimizerFlags { lr: Some(-1.0), ..Default::default() };
-        assert_eq!(optimizer(&default, &flags).unwrap_err(), "--lr -1: expected a positive number");
+        assert_eq!(optimizer(&default, &flags).unwrap_err().to_string(), "--lr -1: expected a positive number");
     }
 }

@@ -8,3 +8,62 @@ pub mod flags;
 pub mod optimizer;
 pub mod precision;
 pub mod schedule;
+
+/// A flag of the step's mathematics whose value cannot be used: each names the flag, what it was
+/// given, and what it takes.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum FlagError {
+    /// A value not of the flag's form.
+    #[error("{flag} {text}: expected {expected}")]
+    Form {
+        /// The flag.
+        flag: &'static str,
+        /// What it was given.
+        text: String,
+        /// The form it takes.
+        expected: &'static str,
+    },
+    /// A part of the value that does not read as what it must be.
+    #[error("{flag} {text}: {part} {value:?} is not {what}")]
+    Part {
+        /// The flag.
+        flag: &'static str,
+        /// What it was given.
+        text: String,
+        /// The part (`GAMMA`).
+        part: &'static str,
+        /// Its text.
+        value: String,
+        /// What it must be ("a number").
+        what: &'static str,
+    },
+    /// A figure the run does not have.
+    #[error("{flag} {text}: no figure named {metric}; this run has {}", names.join(", "))]
+    NoFigure {
+        /// The flag.
+        flag: &'static str,
+        /// What it was given.
+        text: String,
+        /// The figure named.
+        metric: String,
+        /// The figures the run has.
+        names: Vec<String>,
+    },
+    /// A flag of another optimizer's.
+    #[error("{flag} does not apply to optimizer {optimizer}")]
+    Inapplicable {
+        /// The flag.
+        flag: &'static str,
+        /// The run's optimizer.
+        optimizer: &'static str,
+    },
+    /// Nesterov momentum without momentum.
+    #[error("--nesterov needs --momentum greater than 0")]
+    NesterovWithoutMomentum,
+    /// Float16 asked for on a device without it.
+    #[error(
+        "--precision fp16 needs CUDA: float16 with loss scaling is for GPUs' tensor cores; train with --precision \
+         bf16 on the CPU"
+    )]
+    Fp16OnCpu,
+}

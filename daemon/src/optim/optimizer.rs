@@ -87,10 +87,34 @@ pub struct Optimizer {
     steps: u64,
 }
 
-/// A state tensor that does not fit the optimizer it is restored into.
-#[derive(Debug, thiserror::Error)]
-#[error("optimizer state: {0}")]
-pub struct StateError(String);
+/// Optimizer state that does not fit the optimizer it is restored into.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RestoreError {
+    /// A state tensor the optimizer needs is missing.
+    #[error("optimizer state: missing {key}")]
+    Missing {
+        /// The tensor, as `PARAMETER/SLOT`.
+        key: String,
+    },
+    /// A state tensor of another shape.
+    #[error("optimizer state: {key} has shape {found:?}, expected {expected:?}")]
+    Shape {
+        /// The tensor, as `PARAMETER/SLOT`.
+        key: String,
+        /// Its shape.
+        found: Vec<i64>,
+        /// The shape the optimizer needs.
+        expected: Vec<i64>,
+    },
+    /// State tensors the optimizer has no use for (another optimizer's).
+    #[error("optimizer state: {given} state tensors given, {used} used")]
+    Unused {
+        /// Tensors given.
+        given: usize,
+        /// Tensors used.
+        used: usize,
+    },
+}
 
 impl Optimizer {
     /// A fresh optimizer for `params` (name, tensor), zero state.
@@ -153,15 +177,15 @@ impl Optimizer {
     }
 
     /// Restores state exported by [`Optimizer::state`] after `steps` steps.
-    pub fn restore(&mut self, steps: u64, state: &[(String, Tensor)]) -> Result<(), StateError> {
+    pub fn restore(&mut self, steps: u64, state: &[(String, Tensor)]) -> Result<(), RestoreError> {
         let find = |name: &str| state.iter().find(|(n, _)| n == name).map(|(_, t)| t);
         let mut used = 0;
         for (name, slots) in self.names.iter().zip(self.slots.iter_mut()) {
-            let mut take = |slot: &str, dst: &mut Tensor| -> Result<(), StateError> {
+            let mut take = |slot: &str, dst: &mut Tensor| -> Result<(), RestoreError> {
                 let key = format!("{name}/{slot}");
-                let src = find(&key).ok_or_else(|| StateError(format!("missing {key}")))?;
+                let Some(src) = find(&key) else { return Err(RestoreError::Missing { key }) };
                 if src.size() != dst.size() {
-                    return Err(StateError(format!("{key} has shape {:?}, expected {:?}", src.size(), dst.size())));
+                    return Err(RestoreError::Shape { key, found: src.size(), expected: dst.size() });
                 }
                 tch::no_grad(|| dst.copy_(src));
                 used += 1;
@@ -190,7 +214,7 @@ impl Optimizer {
             }
         }
         if used != state.len() {
-            return Err(StateError(format!("{} state tensors given, {used} used", state.len())));
+            return Err(RestoreError::Unused { given: state.len(), used });
         }
         self.steps = steps;
         Ok(())

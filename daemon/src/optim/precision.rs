@@ -9,6 +9,8 @@
 
 use std::ffi::{c_char, c_int, CStr};
 
+use super::FlagError;
+
 use tch::Device;
 
 unsafe extern "C" {
@@ -33,14 +35,14 @@ pub enum Precision {
 }
 
 impl std::str::FromStr for Precision {
-    type Err = String;
+    type Err = FlagError;
 
-    fn from_str(s: &str) -> Result<Precision, String> {
+    fn from_str(s: &str) -> Result<Precision, FlagError> {
         match s {
             "fp32" => Ok(Precision::Fp32),
             "bf16" => Ok(Precision::Bf16),
             "fp16" => Ok(Precision::Fp16),
-            other => Err(format!("--precision {other}: expected fp32, bf16 or fp16")),
+            other => Err(FlagError::Form { flag: "--precision", text: other.into(), expected: "fp32, bf16 or fp16" }),
         }
     }
 }
@@ -56,13 +58,9 @@ impl Precision {
     }
 
     /// Whether it can train on `device`: float16 (with loss scaling) is for GPUs.
-    pub fn check(self, device: Device) -> Result<(), String> {
+    pub fn check(self, device: Device) -> Result<(), FlagError> {
         if self == Precision::Fp16 && !device.is_cuda() {
-            return Err(
-                "--precision fp16 needs CUDA: float16 with loss scaling is for GPUs' tensor cores; train with \
-                 --precision bf16 on the CPU"
-                    .into(),
-            );
+            return Err(FlagError::Fp16OnCpu);
         }
         Ok(())
     }
@@ -238,8 +236,11 @@ mod tests {
     #[test]
     fn the_flag_names_what_it_takes() {
         assert_eq!("bf16".parse::<Precision>(), Ok(Precision::Bf16));
-        assert_eq!("half".parse::<Precision>().unwrap_err(), "--precision half: expected fp32, bf16 or fp16");
-        assert!(Precision::Fp16.check(Device::Cpu).unwrap_err().starts_with("--precision fp16 needs CUDA"));
+        assert_eq!(
+            "half".parse::<Precision>().unwrap_err().to_string(),
+            "--precision half: expected fp32, bf16 or fp16"
+        );
+        assert!(Precision::Fp16.check(Device::Cpu).unwrap_err().to_string().starts_with("--precision fp16 needs CUDA"));
         assert!(Precision::Bf16.check(Device::Cpu).is_ok());
         assert_eq!((Precision::Fp32.agreement(), Precision::Bf16.agreement()), (None, Some("bf16")));
     }

@@ -3,6 +3,8 @@
 
 use trainerd_sdk::LrSchedule;
 
+use super::FlagError;
+
 /// The learning rate for `step` (0-based) of a run of `total_steps` steps.
 pub fn lr_at(schedule: &LrSchedule, base: f64, step: u64, total_steps: u64) -> f64 {
     match *schedule {
@@ -19,11 +21,17 @@ pub fn lr_at(schedule: &LrSchedule, base: f64, step: u64, total_steps: u64) -> f
 
 /// Parses the `--lr-schedule` flag: `constant`, `cosine[:MIN_LR]`, `step:EVERY:GAMMA` or
 /// `exp:GAMMA`.
-pub fn parse(text: &str) -> Result<LrSchedule, String> {
+pub fn parse(text: &str) -> Result<LrSchedule, FlagError> {
+    const FLAG: &str = "--lr-schedule";
     let parts: Vec<&str> = text.split(':').collect();
-    let num = |s: &str, what: &str| -> Result<f64, String> {
-        s.parse::<f64>().map_err(|_| format!("--lr-schedule {text}: {what} {s:?} is not a number"))
+    let part = |part: &'static str, value: &str, what: &'static str| FlagError::Part {
+        flag: FLAG,
+        text: text.into(),
+        part,
+        value: value.into(),
+        what,
     };
+    let num = |s: &str, name: &'static str| s.parse::<f64>().map_err(|_| part(name, s, "a number"));
     match parts.as_slice() {
         ["constant"] => Ok(LrSchedule::Constant),
         ["cosine"] => Ok(LrSchedule::Cosine { min_lr: 0.0 }),
@@ -34,10 +42,14 @@ pub fn parse(text: &str) -> Result<LrSchedule, String> {
                 .parse::<u64>()
                 .ok()
                 .filter(|&e| e > 0)
-                .ok_or_else(|| format!("--lr-schedule {text}: EVERY {every:?} is not a positive integer"))?,
+                .ok_or_else(|| part("EVERY", every, "a positive integer"))?,
             gamma: num(gamma, "GAMMA")?,
         }),
-        _ => Err(format!("--lr-schedule {text}: expected constant, cosine[:MIN_LR], step:EVERY:GAMMA or exp:GAMMA")),
+        _ => Err(FlagError::Form {
+            flag: FLAG,
+            text: text.into(),
+            expected: "constant, cosine[:MIN_LR], step:EVERY:GAMMA or exp:GAMMA",
+        }),
     }
 }
 
@@ -62,9 +74,12 @@ mod tests {
     fn parse_flags() {
         assert_eq!(parse("step:100:0.5"), Ok(LrSchedule::Step { every: 100, gamma: 0.5 }));
         assert_eq!(parse("cosine"), Ok(LrSchedule::Cosine { min_lr: 0.0 }));
-        assert_eq!(parse("step:0:0.5").unwrap_err(), "--lr-schedule step:0:0.5: EVERY \"0\" is not a positive integer");
         assert_eq!(
-            parse("linear").unwrap_err(),
+            parse("step:0:0.5").unwrap_err().to_string(),
+            "--lr-schedule step:0:0.5: EVERY \"0\" is not a positive integer"
+        );
+        assert_eq!(
+            parse("linear").unwrap_err().to_string(),
             "--lr-schedule linear: expected constant, cosine[:MIN_LR], step:EVERY:GAMMA or exp:GAMMA"
         );
     }

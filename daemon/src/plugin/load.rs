@@ -27,7 +27,8 @@ pub enum LoadError {
         /// The path given.
         path: PathBuf,
         /// Who can write it, and the fix.
-        why: String,
+        #[source]
+        why: crate::auth::trust::TrustError,
     },
     /// The dynamic loader refused the file.
     #[error("plugin {path}: not a loadable shared library: {reason}")]
@@ -79,13 +80,49 @@ pub enum LoadError {
         /// The plugin's reason.
         message: String,
     },
-    /// The plugin's self-description could not be read.
-    #[error("plugin {path}: {message}")]
-    BadInfo {
+    /// A header without its table of functions.
+    #[error("plugin {path}: header has no vtable")]
+    NoVtable {
         /// The path given.
         path: PathBuf,
-        /// What went wrong.
+    },
+    /// An argument the plugin does not take.
+    #[error("plugin {path}: {source}")]
+    Arguments {
+        /// The path given.
+        path: PathBuf,
+        /// Which, and the keys it takes.
+        source: trainerd_sdk::ArgError,
+    },
+    /// The plugin's self-description (info, arguments) is not JSON of the SDK's.
+    #[error("plugin {path}: {what} not valid: {source}: {json}")]
+    BadJson {
+        /// The path given.
+        path: PathBuf,
+        /// "info is", "its arguments are".
+        what: &'static str,
+        /// Why it does not read.
+        source: serde_json::Error,
+        /// What the plugin said.
+        json: String,
+    },
+    /// The plugin failed to say which arguments it takes.
+    #[error("plugin {path}: arguments failed: {message}")]
+    NoArguments {
+        /// The path given.
+        path: PathBuf,
+        /// The plugin's reason.
         message: String,
+    },
+    /// A column the plugin declares makes no sense.
+    #[error("plugin {path}: its column `{column}` is declared wrongly: {source}")]
+    BadColumn {
+        /// The path given.
+        path: PathBuf,
+        /// The column.
+        column: String,
+        /// What is wrong with it.
+        source: trainerd_sdk::DeclarationError,
     },
 }
 
@@ -133,7 +170,7 @@ pub fn open(path: &Path) -> Result<(&'static PluginVTable, BuildFacts), LoadErro
     let header = unsafe { checked_header(header, path)? };
     let facts = check_facts(header, path)?;
     if header.vtable.is_null() {
-        return Err(LoadError::BadInfo { path: path_buf(), message: "header has no vtable".into() });
+        return Err(LoadError::NoVtable { path: path_buf() });
     }
     // SAFETY: checked non-null; static data of the plugin.
     Ok((unsafe { &*header.vtable }, facts))

@@ -55,10 +55,9 @@ impl Plugin {
     /// Loads and checks the plugin at `path`, and has it take `args` (`--plugin-arg`).
     pub fn load(path: &Path, args: &PluginArgs) -> Result<Plugin, LoadError> {
         let (vtable, facts) = load::open(path)?;
-        let bad_info = |message: String| LoadError::BadInfo { path: path.to_path_buf(), message };
         let refused = |message: String| LoadError::Refused { path: path.to_path_buf(), message };
         let arguments = arguments_of(vtable, path)?;
-        args.check(&arguments).map_err(refused)?;
+        args.check(&arguments).map_err(|source| LoadError::Arguments { path: path.to_path_buf(), source })?;
         let args_json = serde_json::to_string(args).expect("strings");
         let mut out = std::ptr::null_mut();
         // SAFETY: vtable checked by `open`; valid string and out pointer.
@@ -69,12 +68,18 @@ impl Plugin {
         }
         // SAFETY: an owned string from this vtable's `info`.
         let json = unsafe { take_string(vtable, out) }.unwrap_or_default();
-        let info: PluginInfo =
-            serde_json::from_str(&json).map_err(|e| bad_info(format!("info is not valid: {e}: {json}")))?;
+        let info: PluginInfo = serde_json::from_str(&json).map_err(|source| LoadError::BadJson {
+            path: path.to_path_buf(),
+            what: "info is",
+            source,
+            json: json.clone(),
+        })?;
         for c in info.columns.iter().flat_map(|c| [&c.input, &c.label]) {
-            c.decode
-                .validate()
-                .map_err(|why| bad_info(format!("its column `{}` is declared wrongly: {why}", c.name)))?;
+            c.decode.validate().map_err(|source| LoadError::BadColumn {
+                path: path.to_path_buf(),
+                column: c.name.clone(),
+                source,
+            })?;
         }
         Ok(Plugin { path: path.to_path_buf(), vtable, facts, arguments, args: args.clone(), args_json, info })
     }
@@ -174,17 +179,21 @@ impl Plugin {
 
 /// The keys a plugin's `arguments` declares.
 fn arguments_of(vtable: &'static PluginVTable, path: &Path) -> Result<Vec<ArgSpec>, LoadError> {
-    let bad_info = |message: String| LoadError::BadInfo { path: path.to_path_buf(), message };
     let mut out = std::ptr::null_mut();
     // SAFETY: vtable checked by `load::open`; `out` is a valid out pointer.
     let status = unsafe { (vtable.arguments)(&mut out) };
     // SAFETY: a status from this vtable.
     if let Some(message) = unsafe { take_string(vtable, status) } {
-        return Err(bad_info(format!("arguments failed: {message}")));
+        return Err(LoadError::NoArguments { path: path.to_path_buf(), message });
     }
     // SAFETY: an owned string from this vtable's `arguments`.
     let json = unsafe { take_string(vtable, out) }.unwrap_or_default();
-    serde_json::from_str(&json).map_err(|e| bad_info(format!("its arguments are not valid: {e}: {json}")))
+    serde_json::from_str(&json).map_err(|source| LoadError::BadJson {
+        path: path.to_path_buf(),
+        what: "its arguments are",
+        source,
+        json,
+    })
 }
 
 /// Copies and releases a string the plugin handed over (a status's message, an owned string).

@@ -7,6 +7,8 @@ use bytes::Bytes;
 use tch::{Device, Kind, Tensor};
 use trainerd_storage::{Dtype, TensorData};
 
+use super::StateError;
+
 fn dtype(kind: Kind) -> Option<Dtype> {
     Some(match kind {
         Kind::Float => Dtype::F32,
@@ -42,9 +44,9 @@ pub fn host_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
 }
 
 /// Copies a tensor into host memory.
-pub fn host_copy(name: &str, t: &Tensor) -> Result<TensorData, String> {
-    let dtype = dtype(t.kind()).ok_or_else(|| format!("tensor {name}: unsupported kind {:?}", t.kind()))?;
-    let data = host_bytes(t).map_err(|e| format!("tensor {name}: {e}"))?;
+pub fn host_copy(name: &str, t: &Tensor) -> Result<TensorData, StateError> {
+    let dtype = dtype(t.kind()).ok_or_else(|| StateError::Kind { name: name.into(), kind: t.kind() })?;
+    let data = host_bytes(t).map_err(|source| StateError::Tensor { name: name.into(), source })?;
     Ok(TensorData {
         name: name.into(),
         dtype,
@@ -54,25 +56,30 @@ pub fn host_copy(name: &str, t: &Tensor) -> Result<TensorData, String> {
 }
 
 /// A tensor (on the CPU) from host memory.
-pub fn to_tensor(t: &TensorData) -> Result<Tensor, String> {
+pub fn to_tensor(t: &TensorData) -> Result<Tensor, StateError> {
     let shape: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
-    Tensor::f_from_data_size(&t.data, &shape, kind(t.dtype)).map_err(|e| format!("tensor {}: {e}", t.name))
+    Tensor::f_from_data_size(&t.data, &shape, kind(t.dtype))
+        .map_err(|source| StateError::Tensor { name: t.name.clone(), source })
 }
 
 /// Copies restored values into `dst` (name, tensor) in place, checking names, types and
 /// shapes. `what` names the source in messages ("checkpoint 3's model").
-pub fn copy_into(dst: &mut [(String, Tensor)], src: &[TensorData], what: &str) -> Result<(), String> {
+pub fn copy_into(dst: &mut [(String, Tensor)], src: &[TensorData], what: &str) -> Result<(), StateError> {
     let _no_grad = tch::no_grad_guard();
     for (name, t) in dst.iter_mut() {
-        let s = src.iter().find(|s| &s.name == name).ok_or_else(|| format!("{what} has no tensor {name}"))?;
+        let Some(s) = src.iter().find(|s| &s.name == name) else {
+            return Err(StateError::Missing { what: what.into(), name: name.clone() });
+        };
         let value = to_tensor(s)?;
         if value.size() != t.size() {
-            return Err(format!("{what} tensor {name} has shape {:?}, the model's has {:?}", value.size(), t.size()));
+            let (found, expected) = (value.size(), t.size());
+            return Err(StateError::Shape { what: what.into(), name: name.clone(), found, expected });
         }
         if value.kind() != t.kind() {
-            return Err(format!("{what} tensor {name} is {:?}, the model's is {:?}", value.kind(), t.kind()));
+            let (found, expected) = (value.kind(), t.kind());
+            return Err(StateError::Type { what: what.into(), name: name.clone(), found, expected });
         }
-        t.f_copy_(&value).map_err(|e| format!("{name}: {e}"))?;
+        t.f_copy_(&value).map_err(|source| StateError::Tensor { name: name.clone(), source })?;
     }
     Ok(())
 }
@@ -93,7 +100,7 @@ mod tests {
         assert_eq!(dst[0].1, t);
         let mut wrong = vec![("t".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
         assert_eq!(
-            copy_into(&mut wrong, &[d], "the checkpoint's model").unwrap_err(),
+            copy_into(&mut wrong, &[d], "the checkpoint's model").unwrap_err().to_string(),
             "the checkpoint's model tensor t has shape [3, 4], the model's has [4]"
         );
     }

@@ -9,6 +9,123 @@ use trainerd_storage::Restored;
 
 use super::position::{Position, RNG_SCHEME};
 
+/// Why a commit cannot serve a reader.
+#[derive(Debug, thiserror::Error)]
+pub enum MetaError {
+    /// Its metadata is not a trainerd checkpoint's of this version.
+    #[error("checkpoint {sequence} was not written by this version of trainerd: {source}")]
+    Unreadable {
+        /// The commit.
+        sequence: u64,
+        /// Why its metadata does not read.
+        source: serde_json::Error,
+    },
+    /// It belongs to another run.
+    #[error(transparent)]
+    Mismatch(#[from] Mismatch),
+}
+
+/// How a commit differs from what its reader needs.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum Mismatch {
+    /// A run resumes a commit of another plugin.
+    #[error("checkpoint {sequence} was written by plugin {theirs}, this run uses {ours}")]
+    PluginOfRun {
+        /// The commit.
+        sequence: u64,
+        /// Its plugin, name and version.
+        theirs: String,
+        /// The run's.
+        ours: String,
+    },
+    /// An evaluation of a commit of another plugin.
+    #[error("checkpoint {sequence} was written by plugin {theirs}, not by {ours}")]
+    PluginOfEvaluation {
+        /// The commit.
+        sequence: u64,
+        /// Its plugin, name and version.
+        theirs: String,
+        /// The evaluation's.
+        ours: String,
+    },
+    /// The same plugin, another model (a TorchScript file's sha256).
+    #[error("checkpoint {sequence} was written by another model of plugin {plugin}: {differences}")]
+    Model {
+        /// The commit.
+        sequence: u64,
+        /// The plugin.
+        plugin: String,
+        /// The identity values that differ.
+        differences: Differences,
+    },
+    /// Another run configuration.
+    #[error("checkpoint {sequence} was written with another run configuration: {differences}")]
+    Configuration {
+        /// The commit.
+        sequence: u64,
+        /// The keys that differ.
+        differences: Differences,
+    },
+    /// Another worker count with another global batch.
+    #[error(
+        "checkpoint {sequence} was written by {theirs_workers} worker(s) with batch {theirs_batch} each (global batch \
+         {}); this run has {ours_workers} worker(s) with batch {ours_batch} (global batch {}): a resume with another \
+         worker count needs the same global batch ({})",
+        .theirs_batch * *.theirs_workers as u64,
+        .ours_batch * *.ours_workers as u64,
+        global_batch_hint(.theirs_batch * *.theirs_workers as u64, *.ours_workers)
+    )]
+    GlobalBatch {
+        /// The commit.
+        sequence: u64,
+        /// Its workers (slots).
+        theirs_workers: usize,
+        /// Its batch per worker.
+        theirs_batch: u64,
+        /// This run's workers.
+        ours_workers: usize,
+        /// This run's batch per worker.
+        ours_batch: u64,
+    },
+}
+
+/// What a run on `workers` workers should give to continue a global batch of `global`.
+fn global_batch_hint(global: u64, workers: usize) -> String {
+    if global.is_multiple_of(workers as u64) {
+        format!("give --batch-size {}", global / workers as u64)
+    } else {
+        format!("{global} examples do not divide among {workers} workers")
+    }
+}
+
+/// A key whose value differs between a commit's run configuration and its reader's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Difference {
+    /// The key, nested keys dotted (`data.fingerprint`).
+    pub key: String,
+    /// Its value in the commit (`"absent"` when it lacks the key).
+    pub theirs: serde_json::Value,
+    /// Its value for the reader.
+    pub ours: serde_json::Value,
+}
+
+impl std::fmt::Display for Difference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} is {} in the checkpoint, {} in this run", self.key, self.theirs, self.ours)
+    }
+}
+
+/// Every key that differs, told one after the other.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Differences(pub Vec<Difference>);
+
+impl std::fmt::Display for Differences {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let told: Vec<String> = self.0.iter().map(Difference::to_string).collect();
+        f.write_str(&told.join("; "))
+    }
+}
+
 /// The manifest metadata of a trainerd checkpoint.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Meta {
@@ -73,24 +190,22 @@ impl Meta {
     }
 
     /// The metadata of a restored commit, checked for `reader` against `info`'s plugin.
-    pub fn read(restored: &Restored, info: &PluginInfo, reader: Reader<'_>) -> Result<Meta, String> {
-        let seq = restored.record.sequence;
+    pub fn read(restored: &Restored, info: &PluginInfo, reader: Reader<'_>) -> Result<Meta, MetaError> {
+        let sequence = restored.record.sequence;
         let meta: Meta = serde_json::from_value(restored.manifest.meta.clone())
-            .map_err(|e| format!("checkpoint {seq} was not written by this version of trainerd: {e}"))?;
-        meta.check(seq, info, reader)?;
+            .map_err(|source| MetaError::Unreadable { sequence, source })?;
+        meta.check(sequence, info, reader)?;
         Ok(meta)
     }
 
-    /// Whether commit `seq` with this metadata can serve `reader`.
-    fn check(&self, seq: u64, info: &PluginInfo, reader: Reader<'_>) -> Result<(), String> {
+    /// Whether commit `sequence` with this metadata can serve `reader`.
+    fn check(&self, sequence: u64, info: &PluginInfo, reader: Reader<'_>) -> Result<(), Mismatch> {
         if self.plugin != info.name {
             let (theirs, ours) =
                 (format!("{} {}", self.plugin, self.plugin_version), format!("{} {}", info.name, info.version));
             return Err(match reader {
-                Reader::Training { .. } => {
-                    format!("checkpoint {seq} was written by plugin {theirs}, this run uses {ours}")
-                }
-                Reader::Evaluation => format!("checkpoint {seq} was written by plugin {theirs}, not by {ours}"),
+                Reader::Training { .. } => Mismatch::PluginOfRun { sequence, theirs, ours },
+                Reader::Evaluation => Mismatch::PluginOfEvaluation { sequence, theirs, ours },
             });
         }
         // The model's identity values (a TorchScript file's sha256): the same plugin with another
@@ -104,11 +219,9 @@ impl Meta {
         };
         let theirs = identity(&self.run_config);
         if theirs != ours {
-            return Err(format!(
-                "checkpoint {seq} was written by another model of plugin {}: {}",
-                info.name,
-                differences(&format!("{PLUGIN_KEY}.{}", crate::plugin::PLUGIN_IDENTITY_KEY), &theirs, &ours).join("; ")
-            ));
+            let key = format!("{PLUGIN_KEY}.{}", crate::plugin::PLUGIN_IDENTITY_KEY);
+            let differences = Differences(differences(&key, &theirs, &ours));
+            return Err(Mismatch::Model { sequence, plugin: info.name.clone(), differences });
         }
         let Reader::Training { workers, run_config } = reader else { return Ok(()) };
         let ours: serde_json::Value = serde_json::from_str(run_config).expect("canonical JSON of our own");
@@ -117,44 +230,39 @@ impl Meta {
         } else {
             // The data order does not depend on the worker count: another count with the same
             // global batch continues with the same global batches.
-            self.same_global_batch(seq, workers, &ours)?;
+            self.same_global_batch(sequence, workers, &ours)?;
             let keys = [REPLICAS_KEY, ACCUMULATE_KEY, "batch_size"];
             (without(&self.run_config, &keys), without(&ours, &keys))
         };
         if theirs != ours {
-            return Err(format!(
-                "checkpoint {seq} was written with another run configuration: {}",
-                differences("", &theirs, &ours).join("; ")
-            ));
+            return Err(Mismatch::Configuration {
+                sequence,
+                differences: Differences(differences("", &theirs, &ours)),
+            });
         }
         Ok(())
     }
 
     /// Whether this checkpoint's global batch is that of `workers` workers with `ours`'s batch.
-    fn same_global_batch(&self, seq: u64, workers: usize, ours: &serde_json::Value) -> Result<(), String> {
+    fn same_global_batch(&self, sequence: u64, workers: usize, ours: &serde_json::Value) -> Result<(), Mismatch> {
         let batch = |cfg: &serde_json::Value| cfg["batch_size"].as_u64().unwrap_or(0);
-        let (theirs_each, ours_each) = (batch(&self.run_config), batch(ours));
-        let (theirs_global, ours_global) = (theirs_each * self.workers as u64, ours_each * workers as u64);
-        if theirs_global == ours_global {
+        let (theirs_batch, ours_batch) = (batch(&self.run_config), batch(ours));
+        if theirs_batch * self.workers as u64 == ours_batch * workers as u64 {
             return Ok(());
         }
-        let hint = if theirs_global % workers as u64 == 0 {
-            format!("give --batch-size {}", theirs_global / workers as u64)
-        } else {
-            format!("{theirs_global} examples do not divide among {workers} workers")
-        };
-        Err(format!(
-            "checkpoint {seq} was written by {} worker(s) with batch {theirs_each} each (global batch {theirs_global}); \
-             this run has {workers} worker(s) with batch {ours_each} (global batch {ours_global}): a resume with \
-             another worker count needs the same global batch ({hint})",
-            self.workers
-        ))
+        Err(Mismatch::GlobalBatch {
+            sequence,
+            theirs_workers: self.workers,
+            theirs_batch,
+            ours_workers: workers,
+            ours_batch,
+        })
     }
 }
 
-/// Where two run configurations differ, key by key (nested keys dotted: `data.fingerprint`), as
-/// "KEY is A in the checkpoint, B in this run" (a key one of them lacks is "absent").
-fn differences(prefix: &str, theirs: &serde_json::Value, ours: &serde_json::Value) -> Vec<String> {
+/// Where two run configurations differ, key by key (nested keys dotted: `data.fingerprint`; a key
+/// one of them lacks is "absent").
+fn differences(prefix: &str, theirs: &serde_json::Value, ours: &serde_json::Value) -> Vec<Difference> {
     use serde_json::Value;
     match (theirs, ours) {
         (Value::Object(a), Value::Object(b)) => {
@@ -168,7 +276,7 @@ fn differences(prefix: &str, theirs: &serde_json::Value, ours: &serde_json::Valu
                 .collect()
         }
         (a, b) if a == b => Vec::new(),
-        (a, b) => vec![format!("{prefix} is {a} in the checkpoint, {b} in this run")],
+        (a, b) => vec![Difference { key: prefix.to_string(), theirs: a.clone(), ours: b.clone() }],
     }
 }
 
@@ -193,7 +301,7 @@ mod tests {
         Meta::new(Position::start(1), &info, workers, &cfg)
     }
 
-    fn resume(m: &Meta, workers: usize, batch: u32, seed: u64) -> Result<(), String> {
+    fn resume(m: &Meta, workers: usize, batch: u32, seed: u64) -> Result<(), Mismatch> {
         let info = PluginInfo::classifier("linear", "0.1.0", "");
         let cfg = serde_json::json!({"batch_size": batch, "seed": seed, "epochs": 2}).to_string();
         m.check(7, &info, Reader::Training { workers, run_config: &cfg })
@@ -211,8 +319,11 @@ mod tests {
         let ours = serde_json::json!({"batch_size": 8, PLUGIN_KEY: {"identity": {"module_sha256": "bb"}}}).to_string();
         let refused = "checkpoint 3 was written by another model of plugin torchscript: \
                        plugin.identity.module_sha256 is \"aa\" in the checkpoint, \"bb\" in this run";
-        assert_eq!(m.check(3, &info, Reader::Evaluation).unwrap_err(), refused);
-        assert_eq!(m.check(3, &info, Reader::Training { workers: 1, run_config: &ours }).unwrap_err(), refused);
+        assert_eq!(m.check(3, &info, Reader::Evaluation).unwrap_err().to_string(), refused);
+        assert_eq!(
+            m.check(3, &info, Reader::Training { workers: 1, run_config: &ours }).unwrap_err().to_string(),
+            refused
+        );
         // A checkpoint from before plugins stated an identity belongs to a plugin that states none.
         let plain = PluginInfo::classifier("linear", "0.1.0", "");
         assert_eq!(meta(1, 8).check(3, &plain, Reader::Evaluation), Ok(()));
@@ -223,7 +334,7 @@ mod tests {
         let theirs = serde_json::json!({"batch_size": 64, "data": {"fingerprint": "ab", "shuffle_window": 9}});
         let ours = serde_json::json!({"batch_size": 32, "data": {"fingerprint": "cd", "shuffle_window": 9}, "x": 1});
         assert_eq!(
-            differences("", &theirs, &ours),
+            differences("", &theirs, &ours).iter().map(Difference::to_string).collect::<Vec<_>>(),
             [
                 "batch_size is 64 in the checkpoint, 32 in this run",
                 "data.fingerprint is \"ab\" in the checkpoint, \"cd\" in this run",
@@ -239,14 +350,17 @@ mod tests {
         assert_eq!(resume(&m, 2, 64, 3), Ok(()), "2 x 64 = 4 x 32");
         assert_eq!(resume(&m, 1, 128, 3), Ok(()));
         assert_eq!(
-            resume(&m, 2, 32, 3).unwrap_err(),
+            resume(&m, 2, 32, 3).unwrap_err().to_string(),
             "checkpoint 7 was written by 4 worker(s) with batch 32 each (global batch 128); this run has 2 worker(s) \
              with batch 32 (global batch 64): a resume with another worker count needs the same global batch (give \
              --batch-size 64)"
         );
-        assert!(resume(&m, 3, 32, 3).unwrap_err().ends_with("(128 examples do not divide among 3 workers)"));
+        assert!(resume(&m, 3, 32, 3)
+            .unwrap_err()
+            .to_string()
+            .ends_with("(128 examples do not divide among 3 workers)"));
         assert_eq!(
-            resume(&m, 2, 64, 4).unwrap_err(),
+            resume(&m, 2, 64, 4).unwrap_err().to_string(),
             "checkpoint 7 was written with another run configuration: seed is 3 in the checkpoint, 4 in this run",
             "the rest of the configuration must still agree"
         );
@@ -265,7 +379,7 @@ mod tests {
         let accumulated = serde_json::json!({"batch_size": 32, "seed": 3, "epochs": 2, ACCUMULATE_KEY: 2}).to_string();
         assert_eq!(m.check(7, &info, Reader::Training { workers: 2, run_config: &accumulated }), Ok(()));
         assert_eq!(
-            resume(&m, 2, 32, 4).unwrap_err(),
+            resume(&m, 2, 32, 4).unwrap_err().to_string(),
             "checkpoint 7 was written with another run configuration: seed is 3 in the checkpoint, 4 in this run"
         );
     }

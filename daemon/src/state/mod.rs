@@ -13,7 +13,7 @@ pub mod position;
 pub mod replica;
 pub mod totals;
 
-pub use meta::{Meta, Reader, ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY};
+pub use meta::{Difference, Differences, Meta, MetaError, Reader, ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY};
 pub use position::Position;
 pub use replica::{sha256_hex, ModelState, Named, Shareable, TrainState};
 pub use totals::{epoch_figures, Totals};
@@ -22,3 +22,87 @@ pub use totals::{epoch_figures, Totals};
 pub const MODEL_BLOB: &str = "model.safetensors";
 /// Blob of the optimizer state.
 pub const OPTIMIZER_BLOB: &str = "optimizer.safetensors";
+
+/// Why a state could not be taken in (from a checkpoint or a peer) or given out.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// libtorch failed reading or writing a tensor.
+    #[error("tensor {name}: {source}")]
+    Tensor {
+        /// The tensor.
+        name: String,
+        /// libtorch's error.
+        source: tch::TchError,
+    },
+    /// A tensor of a type checkpoints and transfers do not carry.
+    #[error("tensor {name}: unsupported kind {kind:?}")]
+    Kind {
+        /// The tensor.
+        name: String,
+        /// Its type.
+        kind: tch::Kind,
+    },
+    /// The source lacks a tensor of the model.
+    #[error("{what} has no tensor {name}")]
+    Missing {
+        /// The source ("checkpoint 3's model").
+        what: String,
+        /// The tensor.
+        name: String,
+    },
+    /// A tensor of another shape than the model's.
+    #[error("{what} tensor {name} has shape {found:?}, the model's has {expected:?}")]
+    Shape {
+        /// The source.
+        what: String,
+        /// The tensor.
+        name: String,
+        /// Its shape in the source.
+        found: Vec<i64>,
+        /// The model's.
+        expected: Vec<i64>,
+    },
+    /// A tensor of another type than the model's.
+    #[error("{what} tensor {name} is {found:?}, the model's is {expected:?}")]
+    Type {
+        /// The source.
+        what: String,
+        /// The tensor.
+        name: String,
+        /// Its type in the source.
+        found: tch::Kind,
+        /// The model's.
+        expected: tch::Kind,
+    },
+    /// A commit without one of the blobs a state is made of.
+    #[error("checkpoint {sequence} has no {blob}")]
+    NoBlob {
+        /// The commit.
+        sequence: u64,
+        /// The blob.
+        blob: &'static str,
+    },
+    /// The optimizer's state does not fit the optimizer.
+    #[error("{what}: {source}")]
+    Optimizer {
+        /// The source.
+        what: String,
+        /// What does not fit.
+        source: crate::optim::optimizer::RestoreError,
+    },
+    /// Bytes received from a peer that are not a state.
+    #[error("the state received is not valid: {0}")]
+    Invalid(&'static str),
+    /// A received state whose position cannot be read.
+    #[error("the state received is not valid: {0}")]
+    InvalidPosition(#[source] serde_json::Error),
+    /// A received state whose tensors cannot be read.
+    #[error("the state received is not valid: {0}")]
+    InvalidTensors(#[source] trainerd_storage::tensors::TensorError),
+    /// The position could not be encoded.
+    #[error("encoding the position: {0}")]
+    EncodePosition(#[source] serde_json::Error),
+    /// The tensors could not be encoded.
+    #[error("encoding the tensors: {0}")]
+    EncodeTensors(#[source] trainerd_storage::tensors::TensorError),
+}

@@ -17,7 +17,7 @@ use trainerd_storage::{tensors, Blob, Restored, TensorData};
 
 use super::host as checkpoint;
 use super::position::Position;
-use super::{MODEL_BLOB, OPTIMIZER_BLOB};
+use super::{StateError, MODEL_BLOB, OPTIMIZER_BLOB};
 use crate::optim::optimizer::Optimizer;
 
 const MAGIC: &[u8; 8] = b"TRDSTAT1";
@@ -31,11 +31,11 @@ pub trait Shareable {
     /// chief's).
     fn live(&self) -> bool;
     /// The state as bytes.
-    fn encode(&self) -> Result<Vec<u8>, String>;
+    fn encode(&self) -> Result<Vec<u8>, StateError>;
 
     /// The sha256 of [`Shareable::encode`], lower-case hex; empty when it holds no state of the
     /// run.
-    fn digest(&self) -> Result<String, String> {
+    fn digest(&self) -> Result<String, StateError> {
         if !self.live() {
             return Ok(String::new());
         }
@@ -109,13 +109,13 @@ impl ModelState {
     }
 
     /// Parameters and buffers in host memory, each named `PREFIXNAME`.
-    fn host_tensors(&self, prefix: &str) -> Result<Vec<TensorData>, String> {
+    fn host_tensors(&self, prefix: &str) -> Result<Vec<TensorData>, StateError> {
         self.variables().map(|(n, t)| checkpoint::host_copy(&format!("{prefix}{n}"), t)).collect()
     }
 
     /// Copies parameters and buffers in from `model`, checked against this model (names, types,
     /// shapes); `what` names the source in messages.
-    fn copy_in(&mut self, model: &[TensorData], what: &str) -> Result<(), String> {
+    fn copy_in(&mut self, model: &[TensorData], what: &str) -> Result<(), StateError> {
         checkpoint::copy_into(&mut self.params, model, what)?;
         checkpoint::copy_into(&mut self.buffers, model, what)
     }
@@ -127,7 +127,7 @@ impl ModelState {
     }
 
     /// [`ModelState::copy_in`], then [`ModelState::take`].
-    fn load(&mut self, position: Position, model: &[TensorData], what: &str) -> Result<(), String> {
+    fn load(&mut self, position: Position, model: &[TensorData], what: &str) -> Result<(), StateError> {
         self.copy_in(model, what)?;
         self.take(position);
         Ok(())
@@ -135,14 +135,14 @@ impl ModelState {
 
     /// Takes only the model of a verified checkpoint, and `position`: what an evaluation needs,
     /// whatever optimizer trained it.
-    pub fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), String> {
+    pub fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), StateError> {
         let seq = restored.record.sequence;
-        let model = restored.blobs.get(MODEL_BLOB).ok_or_else(|| format!("checkpoint {seq} has no {MODEL_BLOB}"))?;
+        let model = restored.blobs.get(MODEL_BLOB).ok_or(StateError::NoBlob { sequence: seq, blob: MODEL_BLOB })?;
         self.load(position, model, &format!("checkpoint {seq}'s model"))
     }
 
     /// Takes a peer's model state from `bytes`.
-    pub fn decode(&mut self, bytes: &[u8]) -> Result<(), String> {
+    pub fn decode(&mut self, bytes: &[u8]) -> Result<(), StateError> {
         let (position, model, _) = decode(bytes)?;
         self.load(position, &model, "the received state's model")
     }
@@ -157,7 +157,7 @@ impl Shareable for ModelState {
         self.live
     }
 
-    fn encode(&self) -> Result<Vec<u8>, String> {
+    fn encode(&self) -> Result<Vec<u8>, StateError> {
         encode(&self.position, self.host_tensors("model/")?)
     }
 }
@@ -174,7 +174,7 @@ impl TrainState {
     }
 
     /// Takes a peer's state from `bytes` (checked against this model: names, types, shapes).
-    pub fn decode(&mut self, bytes: &[u8]) -> Result<(), String> {
+    pub fn decode(&mut self, bytes: &[u8]) -> Result<(), StateError> {
         let (position, model, optim) = decode(bytes)?;
         self.load(position, &model, &optim, "the received state")
     }
@@ -187,27 +187,30 @@ impl TrainState {
         model: &[TensorData],
         optim: &[TensorData],
         what: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), StateError> {
         self.model.copy_in(model, &format!("{what}'s model"))?;
         let device = self.model.device;
         let state: Vec<(String, Tensor)> = optim
             .iter()
             .map(|t| Ok((t.name.clone(), checkpoint::to_tensor(t)?.to_device(device))))
-            .collect::<Result<_, String>>()?;
-        self.optimizer.restore(position.global_step, &state).map_err(|e| format!("{what}: {e}"))?;
+            .collect::<Result<_, StateError>>()?;
+        self.optimizer
+            .restore(position.global_step, &state)
+            .map_err(|source| StateError::Optimizer { what: what.into(), source })?;
         self.model.take(position);
         Ok(())
     }
 
     /// Takes a verified checkpoint's state (its metadata already checked against this run).
-    pub fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), String> {
+    pub fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), StateError> {
         let seq = restored.record.sequence;
-        let blob = |name: &str| restored.blobs.get(name).ok_or_else(|| format!("checkpoint {seq} has no {name}"));
+        let blob =
+            |name: &'static str| restored.blobs.get(name).ok_or(StateError::NoBlob { sequence: seq, blob: name });
         self.load(position, blob(MODEL_BLOB)?, blob(OPTIMIZER_BLOB)?, &format!("checkpoint {seq}"))
     }
 
     /// The state as checkpoint blobs, in host memory.
-    pub fn blobs(&self) -> Result<Vec<Blob>, String> {
+    pub fn blobs(&self) -> Result<Vec<Blob>, StateError> {
         let snapshot = |ts: &[(String, Tensor)]| {
             ts.iter().map(|(n, t)| checkpoint::host_copy(n, t)).collect::<Result<Vec<_>, _>>()
         };
@@ -229,7 +232,7 @@ impl Shareable for TrainState {
         self.model.live
     }
 
-    fn encode(&self) -> Result<Vec<u8>, String> {
+    fn encode(&self) -> Result<Vec<u8>, StateError> {
         let mut all = self.model.host_tensors("model/")?;
         for (n, t) in self.optimizer.state() {
             all.push(checkpoint::host_copy(&format!("optimizer/{n}"), &t)?);
@@ -239,9 +242,9 @@ impl Shareable for TrainState {
 }
 
 /// A state as bytes: magic, the position's JSON (length-prefixed), then safetensors.
-fn encode(position: &Position, tensors: Vec<TensorData>) -> Result<Vec<u8>, String> {
-    let position = serde_json::to_vec(position).map_err(|e| e.to_string())?;
-    let chunks = tensors::encode(&tensors).map_err(|e| e.to_string())?;
+fn encode(position: &Position, tensors: Vec<TensorData>) -> Result<Vec<u8>, StateError> {
+    let position = serde_json::to_vec(position).map_err(StateError::EncodePosition)?;
+    let chunks = tensors::encode(&tensors).map_err(StateError::EncodeTensors)?;
     let mut out = Vec::with_capacity(16 + position.len() + chunks.iter().map(Bytes::len).sum::<usize>());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&(position.len() as u64).to_le_bytes());
@@ -252,15 +255,15 @@ fn encode(position: &Position, tensors: Vec<TensorData>) -> Result<Vec<u8>, Stri
 
 /// The position, the model's tensors and the optimizer's (names without their prefix) of
 /// [`encode`]'s bytes.
-fn decode(bytes: &[u8]) -> Result<(Position, Vec<TensorData>, Vec<TensorData>), String> {
-    let bad = |what: &str| format!("the state received is not valid: {what}");
+fn decode(bytes: &[u8]) -> Result<(Position, Vec<TensorData>, Vec<TensorData>), StateError> {
     if bytes.len() < 16 || &bytes[..8] != MAGIC {
-        return Err(bad("no header"));
+        return Err(StateError::Invalid("no header"));
     }
     let len = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")) as usize;
-    let position_end = 16usize.checked_add(len).filter(|&e| e <= bytes.len()).ok_or_else(|| bad("short header"))?;
-    let position: Position = serde_json::from_slice(&bytes[16..position_end]).map_err(|e| bad(&e.to_string()))?;
-    let all = tensors::decode(&Bytes::copy_from_slice(&bytes[position_end..])).map_err(|e| bad(&e.to_string()))?;
+    let position_end =
+        16usize.checked_add(len).filter(|&e| e <= bytes.len()).ok_or(StateError::Invalid("short header"))?;
+    let position: Position = serde_json::from_slice(&bytes[16..position_end]).map_err(StateError::InvalidPosition)?;
+    let all = tensors::decode(&Bytes::copy_from_slice(&bytes[position_end..])).map_err(StateError::InvalidTensors)?;
     let (model, optim): (Vec<TensorData>, Vec<TensorData>) =
         all.into_iter().partition(|t| t.name.starts_with("model/"));
     let strip = |ts: Vec<TensorData>, prefix: &str| -> Vec<TensorData> {
@@ -397,9 +400,9 @@ mod tests {
         let mut other = state(1, OptimizerConfig::adam(1e-3));
         other.model.params[0].1 = Tensor::zeros([4, 3], (Kind::Float, Device::Cpu));
         assert_eq!(
-            other.decode(&source.encode().unwrap()).unwrap_err(),
+            other.decode(&source.encode().unwrap()).unwrap_err().to_string(),
             "the received state's model tensor a has shape [3, 4], the model's has [4, 3]"
         );
-        assert_eq!(other.decode(b"garbage").unwrap_err(), "the state received is not valid: no header");
+        assert_eq!(other.decode(b"garbage").unwrap_err().to_string(), "the state received is not valid: no header");
     }
 }

@@ -181,23 +181,33 @@ impl Facts {
 
     /// The device `--device TEXT` names. `auto` is `cuda:(LOCAL_RANK mod GPUs)` when GPUs are
     /// visible (`local_rank`, as torchrun's LOCAL_RANK), else the CPU.
-    pub fn device(&self, text: &str, local_rank: usize) -> Result<Device, String> {
+    pub fn device(&self, text: &str, local_rank: usize) -> Result<Device, DeviceError> {
+        self.named(("--device", text), text, local_rank).ok_or_else(|| DeviceError::DeviceForm { text: text.into() })?
+    }
+
+    /// The device `item` names, for `flag` given `text`; `None` when `item` names none.
+    fn named(
+        &self,
+        (flag, text): (&'static str, &str),
+        item: &str,
+        local_rank: usize,
+    ) -> Option<Result<Device, DeviceError>> {
         let count = self.gpus.len();
-        let cuda = |n: usize| {
-            if n < count {
-                return Ok(Device::Cuda(n));
+        let cuda = |index: usize| {
+            if index < count {
+                return Ok(Device::Cuda(index));
             }
-            Err(format!("--device {text}: there is no cuda:{n}; {}", self.line()))
+            Err(DeviceError::NoSuchGpu { flag, text: text.into(), index, facts: self.line() })
         };
-        match text {
+        Some(match item {
             "auto" if count > 0 => Ok(Device::Cuda(local_rank % count)),
             "auto" | "cpu" => Ok(Device::Cpu),
             "cuda" => cuda(0),
-            _ => match text.strip_prefix("cuda:").map(str::parse::<usize>) {
+            _ => match item.strip_prefix("cuda:").map(str::parse::<usize>) {
                 Some(Ok(n)) => cuda(n),
-                _ => Err(format!("--device {text}: expected auto, cpu, cuda or cuda:N")),
+                _ => return None,
             },
-        }
+        })
     }
 
     /// The devices `--devices TEXT` names, one replica each: `all` (every visible GPU, or the
@@ -205,30 +215,20 @@ impl Facts {
     /// `cuda` and `cuda:N`. Every replica must be on one kind of device (a step's bits are the same
     /// on every device of one kind); a device may be named twice (two replicas on one GPU, to try
     /// the replica logic on a machine with one).
-    pub fn devices(&self, text: &str) -> Result<Vec<Device>, String> {
+    pub fn devices(&self, text: &str) -> Result<Vec<Device>, DeviceError> {
         if text == "all" {
             let all: Vec<Device> = (0..self.gpus.len()).map(Device::Cuda).collect();
             return Ok(if all.is_empty() { vec![Device::Cpu] } else { all });
         }
         let mut devices = Vec::new();
         for item in text.split(',').map(str::trim) {
-            match item {
-                "cpu" | "cuda" => {}
-                _ if item.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok()) => {}
-                _ => {
-                    return Err(format!(
-                        "--devices {text}: expected all, or a list of cpu, cuda or cuda:N such as cuda:0,cuda:1"
-                    ))
-                }
+            match self.named(("--devices", text), item, 0) {
+                Some(device) if item != "auto" => devices.push(device?),
+                _ => return Err(DeviceError::DevicesForm { text: text.into() }),
             }
-            let refused = |e: String| e.replacen(&format!("--device {item}:"), &format!("--devices {text}:"), 1);
-            devices.push(self.device(item, 0).map_err(refused)?);
         }
         if devices.iter().any(|d| d.is_cuda() != devices[0].is_cuda()) {
-            return Err(format!(
-                "--devices {text}: every replica must be on the same kind of device (all CUDA or all CPU), so that \
-                 every slot's step has the same bits"
-            ));
+            return Err(DeviceError::MixedKinds { text: text.into() });
         }
         Ok(devices)
     }
@@ -240,6 +240,44 @@ impl Facts {
             _ => "cpu".into(),
         }
     }
+}
+
+/// A device flag that names no device here.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum DeviceError {
+    /// A GPU this machine does not have.
+    #[error("{flag} {text}: there is no cuda:{index}; {facts}")]
+    NoSuchGpu {
+        /// `--device` or `--devices`.
+        flag: &'static str,
+        /// What it was given.
+        text: String,
+        /// The GPU named.
+        index: usize,
+        /// What this machine has ([`Facts::line`]).
+        facts: String,
+    },
+    /// `--device` given something that is not a device.
+    #[error("--device {text}: expected auto, cpu, cuda or cuda:N")]
+    DeviceForm {
+        /// What it was given.
+        text: String,
+    },
+    /// `--devices` given something that is not a list of devices.
+    #[error("--devices {text}: expected all, or a list of cpu, cuda or cuda:N such as cuda:0,cuda:1")]
+    DevicesForm {
+        /// What it was given.
+        text: String,
+    },
+    /// Replicas on CPU and CUDA both.
+    #[error(
+        "--devices {text}: every replica must be on the same kind of device (all CUDA or all CPU), so that every \
+         slot's step has the same bits"
+    )]
+    MixedKinds {
+        /// What it was given.
+        text: String,
+    },
 }
 
 /// Makes libtorch's CUDA results reproducible: deterministic cuDNN, no cuDNN benchmarking, and
@@ -310,16 +348,16 @@ mod tests {
         assert_eq!(f.device("auto", 3), Ok(Device::Cuda(1)));
         assert_eq!(f.device("cuda:1", 0), Ok(Device::Cuda(1)));
         assert_eq!(
-            f.device("cuda:2", 0).unwrap_err(),
+            f.device("cuda:2", 0).unwrap_err().to_string(),
             "--device cuda:2: there is no cuda:2; libtorch 2.13.0 (CUDA 13.0); GPUs: cuda:0 A, cuda:1 B"
         );
         let none = Facts { gpus: vec![], ..f };
         assert_eq!(none.device("auto", 1), Ok(Device::Cpu));
         assert_eq!(
-            none.device("cuda", 0).unwrap_err(),
+            none.device("cuda", 0).unwrap_err().to_string(),
             "--device cuda: there is no cuda:0; libtorch 2.13.0 (CUDA 13.0); GPUs: none visible"
         );
-        assert_eq!(none.device("gpu", 0).unwrap_err(), "--device gpu: expected auto, cpu, cuda or cuda:N");
+        assert_eq!(none.device("gpu", 0).unwrap_err().to_string(), "--device gpu: expected auto, cpu, cuda or cuda:N");
     }
 
     #[test]
@@ -336,16 +374,16 @@ mod tests {
         assert_eq!(two.devices("cuda:0,cuda:0"), Ok(vec![Device::Cuda(0), Device::Cuda(0)]));
         assert_eq!(two.devices("cpu, cpu"), Ok(vec![Device::Cpu, Device::Cpu]));
         assert_eq!(
-            two.devices("cpu,cuda:0").unwrap_err(),
+            two.devices("cpu,cuda:0").unwrap_err().to_string(),
             "--devices cpu,cuda:0: every replica must be on the same kind of device (all CUDA or all CPU), so that \
              every slot's step has the same bits"
         );
         assert_eq!(
-            two.devices("cuda:0,cuda:2").unwrap_err(),
+            two.devices("cuda:0,cuda:2").unwrap_err().to_string(),
             "--devices cuda:0,cuda:2: there is no cuda:2; libtorch 2.13.0 (CUDA 13.0); GPUs: cuda:0 A, cuda:1 B"
         );
         assert_eq!(
-            two.devices("cuda:0,").unwrap_err(),
+            two.devices("cuda:0,").unwrap_err().to_string(),
             "--devices cuda:0,: expected all, or a list of cpu, cuda or cuda:N such as cuda:0,cuda:1"
         );
         let none = Facts { gpus: vec![], ..two };

@@ -101,12 +101,7 @@ impl<'d> Batches<'d> {
             let next = c.epochs.next_batch()?;
             match next {
                 Some(b) if (b.epoch, b.step) == at => return self.to_device(b),
-                Some(b) => {
-                    return Err(TrainError::State(format!(
-                        "the data gave epoch {} step {} where epoch {} step {} was asked for",
-                        b.epoch, b.step, at.0, at.1
-                    )))
-                }
+                Some(b) => return Err(TrainError::OutOfStep { got: (b.epoch, b.step), asked: at }),
                 None if !reopened => continue,
                 None => break,
             }

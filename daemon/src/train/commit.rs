@@ -153,7 +153,7 @@ impl Committer {
             "trainerd: keeping the state of epoch {} ({} {:.4}) in memory, to commit when storage returns",
             position.epoch, score.metric, score.value
         ));
-        self.pending = Some((state.blobs().map_err(TrainError::State)?, meta, score));
+        self.pending = Some((state.blobs()?, meta, score));
         Ok(())
     }
 
@@ -164,7 +164,7 @@ impl Committer {
         if next.is_some_and(|n| n.beats(Some(&score))) {
             return Ok(());
         }
-        let previous = self.checkpointer.commit(blobs, &meta, Some(score)).map_err(TrainError::Checkpoint)?;
+        let previous = self.checkpointer.commit(blobs, &meta, Some(score))?;
         if let Some(f) = previous {
             report.commit_finished(self.checkpointer.location(), &f);
         }
@@ -182,8 +182,7 @@ impl Committer {
         let progress = state.position().progress();
         if self.pending.as_ref().is_some_and(|(_, meta, _)| meta.position.progress() == progress) {
             let (blobs, meta, kept) = self.pending.take().expect("checked");
-            let previous =
-                self.checkpointer.commit(blobs, &meta, Some(score.unwrap_or(kept))).map_err(TrainError::Checkpoint)?;
+            let previous = self.checkpointer.commit(blobs, &meta, Some(score.unwrap_or(kept)))?;
             if let Some(f) = previous {
                 report.commit_finished(self.checkpointer.location(), &f);
             }
@@ -191,8 +190,8 @@ impl Committer {
         }
         self.commit_pending(score.as_ref(), report)?;
         let meta = Meta::new(state.position().clone(), &self.info, self.workers, &self.run_config);
-        let blobs = state.blobs().map_err(TrainError::State)?;
-        let previous = self.checkpointer.commit(blobs, &meta, score).map_err(TrainError::Checkpoint)?;
+        let blobs = state.blobs()?;
+        let previous = self.checkpointer.commit(blobs, &meta, score)?;
         if let Some(f) = previous {
             report.commit_finished(self.checkpointer.location(), &f);
         }

@@ -151,7 +151,7 @@ impl<'a> Driver<'a> {
         let world = session.world();
         self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
         if let Some(bytes) = received {
-            state.decode(&bytes).map_err(|e| Interrupt::Fatal(TrainError::State(e)))?;
+            state.decode(&bytes).map_err(|e| Interrupt::Fatal(e.into()))?;
         }
         tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
         state.model.live = true;

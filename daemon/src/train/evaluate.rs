@@ -171,25 +171,25 @@ fn restore(
     state: &mut ModelState,
     progress: &mut Progress,
 ) -> Result<u64, TrainError> {
-    let ckpt = |e: String| TrainError::Checkpoint(format!("{}: {e}", cfg.location));
-    let store = cfg.location.open(&cfg.s3).map_err(|e| ckpt(e.to_string()))?;
+    let location = cfg.location.to_string();
+    let store = cfg.location.open(&cfg.s3)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|source| TrainError::Io { path: "(runtime)".into(), source })?;
+        .map_err(|source| TrainError::Start { what: "the storage runtime", source })?;
     let restored = match cfg.sequence {
-        Some(n) => runtime.block_on(store.load(n)).map_err(|e| ckpt(e.to_string()))?,
-        None => runtime
-            .block_on(store.latest())
-            .map_err(|e| ckpt(e.to_string()))?
-            .ok_or_else(|| ckpt("no checkpoint has been committed there".into()))?,
+        Some(n) => runtime.block_on(store.load(n))?,
+        None => runtime.block_on(store.latest())?.ok_or_else(|| TrainError::NoCommit { location: location.clone() })?,
     };
     for why in &restored.fallbacks {
         progress.line(&format!("warning: skipped a damaged checkpoint: {why}"));
     }
     let sequence = restored.record.sequence;
-    let meta = Meta::read(&restored, info, Reader::Evaluation).map_err(ckpt)?;
-    state.restore(&restored, meta.position).map_err(ckpt)?;
+    let meta = Meta::read(&restored, info, Reader::Evaluation)
+        .map_err(|source| TrainError::Unfit { location: location.clone(), source })?;
+    state
+        .restore(&restored, meta.position)
+        .map_err(|source| TrainError::Restore { location, source: Box::new(source) })?;
     progress.line(&format!(
         "trainerd: evaluating checkpoint {sequence} of {} (epoch {}, global step {})",
         cfg.location, state.position.epoch, state.position.global_step
@@ -202,7 +202,7 @@ fn restore(
 fn share(session: &mut Session, state: &mut ModelState, sequence: u64, stop: &AtomicBool) -> Result<u64, TrainError> {
     let joined = session.join(Some(&*state as &dyn Shareable), stop).map_err(failed)?;
     if let Some(bytes) = joined.received {
-        state.decode(&bytes).map_err(TrainError::State)?;
+        state.decode(&bytes)?;
     }
     let mut seq = [sequence];
     session

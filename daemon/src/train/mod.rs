@@ -40,14 +40,16 @@ use std::time::Instant;
 
 use tch::Device;
 use trainerd_sdk::{LrSchedule, OptimizerConfig};
-use trainerd_storage::{Location, S3Options};
+use trainerd_storage::{Location, OpenError, S3Options, StorageError};
 
+use crate::checkpoint::CheckpointError;
 use crate::cluster::Timeouts;
 use crate::cluster::{ClusterConfig, ClusterError, Network};
 use crate::collective::buckets::Buckets;
 use crate::collective::{Backend, CollectiveError};
 use crate::input::{DataSource, InputError};
 use crate::plugin::{CallError, Plugin};
+use crate::state::{MetaError, StateError};
 use driver::Driver;
 use replicas::Replicas;
 use report::{Outputs, Reporter};
@@ -237,12 +239,55 @@ pub enum TrainError {
     /// A collective failed.
     #[error(transparent)]
     Collective(#[from] CollectiveError),
-    /// Checkpointing failed (opening the location, a checkpoint that does not fit this run).
+    /// The checkpoint location could not be opened.
     #[error("checkpoint: {0}")]
-    Checkpoint(String),
+    OpenCheckpoints(#[from] OpenError),
+    /// Storage failed (its error names the location, the operation and the object).
+    #[error("checkpoint: {0}")]
+    Storage(#[from] StorageError),
+    /// Committing failed before storage was reached.
+    #[error("checkpoint: {0}")]
+    Checkpointer(#[from] CheckpointError),
+    /// A commit that does not belong to this run (or evaluation).
+    #[error("checkpoint: {location}: {source}")]
+    Unfit {
+        /// The checkpoint location.
+        location: String,
+        /// How the commit differs.
+        source: MetaError,
+    },
+    /// A commit whose state cannot be taken.
+    #[error("checkpoint: {location}: {source}")]
+    Restore {
+        /// The checkpoint location.
+        location: String,
+        /// Why.
+        source: Box<StateError>,
+    },
+    /// Nothing was committed where an evaluation looks.
+    #[error("checkpoint: {location}: no checkpoint has been committed there")]
+    NoCommit {
+        /// The checkpoint location.
+        location: String,
+    },
     /// The training state could not be encoded or taken.
     #[error("training state: {0}")]
-    State(String),
+    State(Box<StateError>),
+    /// The coordinator chose this member as the state's source, and it holds none (a protocol
+    /// fault).
+    #[error("training state: chosen as the state's source without a state")]
+    NoStateToSend,
+    /// The data gave another batch than the one asked for (a fault of the input pipeline).
+    #[error(
+        "training state: the data gave epoch {} step {} where epoch {} step {} was asked for",
+        .got.0, .got.1, .asked.0, .asked.1
+    )]
+    OutOfStep {
+        /// What the data gave.
+        got: (u32, u64),
+        /// What was asked for.
+        asked: (u32, u64),
+    },
     /// An evaluation's cluster lost a member: an evaluation keeps no state to wait with, so it
     /// ends (run it again).
     #[error("the evaluation was abandoned: {0}; run trainerd evaluate again")]
@@ -250,6 +295,14 @@ pub enum TrainError {
     /// A stop signal came while waiting for the cluster, before an evaluation began.
     #[error("stopped by a signal before the evaluation")]
     Stopped,
+    /// A thread or runtime of the daemon's could not start.
+    #[error("{what} could not start: {source}")]
+    Start {
+        /// What.
+        what: &'static str,
+        /// Why.
+        source: std::io::Error,
+    },
     /// A local file could not be written.
     #[error("{path}: {source}")]
     Io {
@@ -258,6 +311,12 @@ pub enum TrainError {
         /// What failed.
         source: std::io::Error,
     },
+}
+
+impl From<StateError> for TrainError {
+    fn from(e: StateError) -> TrainError {
+        TrainError::State(Box::new(e))
+    }
 }
 
 /// How this worker's run ended.

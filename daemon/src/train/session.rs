@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use super::TrainError;
 use crate::cluster::control::{Formed, Identity};
 use crate::cluster::membership::Report;
-use crate::cluster::{ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
+use crate::cluster::{BindError, ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
 use crate::collective::{Backend, Collective, CollectiveError, DataListener, Link, Ring, Slots, Traffic};
 use crate::state::{sha256_hex, Shareable};
 
@@ -119,11 +119,10 @@ impl Session {
         let plane = ControlPlane::start(cluster, identity, timeouts, network, state_dir)?;
         let me = cluster.me();
         let name = plane.names()[cluster.rank].clone();
-        let bind = |reason: String| {
+        let listener = DataListener::bind((network.bind, 0).into(), network.key.clone()).map_err(|source| {
+            let reason = BindError::DataListener { bind: network.bind, source };
             TrainError::Cluster(ClusterError::Bind { address: me.address.clone(), member: name.clone(), reason })
-        };
-        let listener = DataListener::bind((network.bind, 0).into(), network.key.clone())
-            .map_err(|e| bind(format!("data-plane listener on {}: {e}", network.bind)))?;
+        })?;
         let host = me.address.rsplit_once(':').map_or(me.address.as_str(), |(h, _)| h);
         let data_address = format!("{host}:{}", listener.local_addr().port());
         let member = Member { plane, listener, data_address, timeouts };
@@ -246,7 +245,7 @@ impl Session {
             Some(s) => Report {
                 generation: self.generation,
                 progress: s.progress(),
-                digest: s.digest().map_err(|e| Interrupt::Fatal(TrainError::State(e)))?,
+                digest: s.digest().map_err(|e| Interrupt::Fatal(e.into()))?,
             },
             None => Report::default(),
         };
@@ -268,7 +267,7 @@ impl Session {
         let ring_names: Vec<String> = members.iter().map(|&r| names[r].clone()).collect();
         let next = &formed.data_addresses[members[(place + 1) % members.len()]];
         let next_addr = crate::cluster::member::resolve(next)
-            .map_err(|e| Interrupt::Fatal(ClusterError::Other(format!("data address {next}: {e}")).into()))?;
+            .map_err(|source| Interrupt::Fatal(ClusterError::DataAddress { address: next.clone(), source }.into()))?;
         let generation = formed.generation;
         let link = Link::new(generation, m.timeouts.collective, &abort, &self.traffic);
         let mut ring = match Ring::form(&m.listener, place, &ring_names, next_addr, link) {
@@ -304,10 +303,8 @@ impl Session {
         }
         let (rank, generation) = (self.rank(), formed.generation);
         let mine = if rank == formed.source {
-            let state = state.filter(|s| s.live()).ok_or_else(|| {
-                Interrupt::Fatal(TrainError::State("chosen as the state's source without a state".into()))
-            })?;
-            state.encode().map_err(|e| Interrupt::Fatal(TrainError::State(e)))?
+            let state = state.filter(|s| s.live()).ok_or(Interrupt::Fatal(TrainError::NoStateToSend))?;
+            state.encode().map_err(|e| Interrupt::Fatal(e.into()))?
         } else {
             Vec::new()
         };
@@ -344,8 +341,8 @@ impl Session {
             let abort = m.plane.abort_signal();
             let until = std::time::Instant::now() + NOTICE_GRACE;
             while std::time::Instant::now() < until {
-                if let Err(reason) = abort.check(generation) {
-                    return Interrupt::Abandoned(reason);
+                if let Err(aborted) = abort.check(generation) {
+                    return Interrupt::Abandoned(aborted.reason);
                 }
                 std::thread::sleep(std::time::Duration::from_millis(2));
             }

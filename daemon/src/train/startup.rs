@@ -66,13 +66,12 @@ pub(super) fn restore(
 ) -> Result<Option<Checkpointer>, TrainError> {
     let Some(c) = cfg.checkpoint.as_ref() else { return Ok(None) };
     if !session.coordinates() {
-        let store = c.location.open(&c.s3).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-        return Ok(Some(Checkpointer::new(store, c.keep).map_err(TrainError::Checkpoint)?));
+        return Ok(Some(Checkpointer::new(c.location.open(&c.s3)?, c.keep)?));
     }
     let mut checkpointer = open_checkpointer(c, report)?;
     let location = checkpointer.location().to_string();
     report.waiting_for_cluster(&format!("restoring from {location}"));
-    let (restored, floor) = checkpointer.restore().map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+    let (restored, floor) = checkpointer.restore()?;
     session.set_floor(floor);
     let Some(r) = restored else { return Ok(Some(checkpointer)) };
     for why in &r.fallbacks {
@@ -80,7 +79,7 @@ pub(super) fn restore(
     }
     let run_config = cfg.agreement_json();
     let meta = Meta::read(&r, info, Reader::Training { workers, run_config: &run_config })
-        .map_err(|e| TrainError::Checkpoint(format!("{location}: {e}")))?;
+        .map_err(|source| TrainError::Unfit { location: location.clone(), source })?;
     if meta.workers != workers {
         report.line(&format!(
             "trainerd: checkpoint {} was written by {} worker(s), this run has {workers}: the same global batches \
@@ -89,7 +88,9 @@ pub(super) fn restore(
             r.record.sequence, meta.workers, meta.workers
         ));
     }
-    state.restore(&r, meta.position).map_err(|e| TrainError::Checkpoint(format!("{location}: {e}")))?;
+    state
+        .restore(&r, meta.position)
+        .map_err(|source| TrainError::Restore { location: location.clone(), source: Box::new(source) })?;
     report.resumed(r.record.sequence, &location, state.position());
     Ok(Some(checkpointer))
 }
@@ -110,9 +111,7 @@ pub(super) fn committer(
 /// The checkpoint location opened; on S3, its server proved to refuse a second create-if-absent
 /// write (unless told not to, with a warning).
 fn open_checkpointer(c: &CheckpointConfig, report: &mut Reporter<'_>) -> Result<Checkpointer, TrainError> {
-    let failed = |e: String| TrainError::Checkpoint(e);
-    let store = c.location.open(&c.s3).map_err(|e| failed(e.to_string()))?;
-    let checkpointer = Checkpointer::new(store, c.keep).map_err(failed)?;
+    let checkpointer = Checkpointer::new(c.location.open(&c.s3)?, c.keep)?;
     if matches!(c.location, Location::S3 { .. }) {
         let endpoint = c.s3.endpoint_name();
         if c.s3.skip_probe {
@@ -121,7 +120,7 @@ fn open_checkpointer(c: &CheckpointConfig, report: &mut Reporter<'_>) -> Result<
                  does not, two chiefs can overwrite each other's commits"
             ));
         } else {
-            checkpointer.probe(&endpoint).map_err(|e| failed(e.to_string()))?;
+            checkpointer.probe(&endpoint)?;
         }
     }
     Ok(checkpointer)
@@ -148,7 +147,7 @@ pub(super) fn join_in_background(
             let joined = session.join(Some(&state as &dyn Shareable), &stop);
             (session, state, joined)
         })
-        .map_err(|source| TrainError::Io { path: "(thread)".into(), source })
+        .map_err(|source| TrainError::Start { what: "the joining thread", source })
 }
 
 /// The model's data, this worker's input context, and the steps of an epoch.

@@ -12,6 +12,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::super::control::{proto, ControlClient};
 use crate::auth::{self, ClusterKey, Plane};
+use crate::cluster::error::{DialError, ResolveError};
 
 /// Pushes an abort notice for `generation` to every peer (fire and forget, bounded).
 pub(super) fn push_abort(peers: &Arc<Vec<Option<ControlClient<Channel>>>>, generation: u64, rank: u32, reason: &str) {
@@ -25,13 +26,9 @@ pub(super) fn push_abort(peers: &Arc<Vec<Option<ControlClient<Channel>>>>, gener
 }
 
 /// The first socket address of `host:port`.
-pub fn resolve(address: &str) -> Result<std::net::SocketAddr, String> {
+pub fn resolve(address: &str) -> Result<std::net::SocketAddr, ResolveError> {
     use std::net::ToSocketAddrs;
-    address
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve: {e}"))?
-        .next()
-        .ok_or_else(|| "resolves to no address".to_string())
+    address.to_socket_addrs().map_err(ResolveError::Lookup)?.next().ok_or(ResolveError::NoAddress)
 }
 
 /// The port of `host:port` (a host that does not resolve yet can still be listened for).
@@ -96,9 +93,9 @@ impl Dial {
         Dial { address: address.to_string(), key: key.clone() }
     }
 
-    fn endpoint(&self) -> Result<Endpoint, String> {
+    fn endpoint(&self) -> Result<Endpoint, DialError> {
         Ok(Endpoint::from_shared(format!("http://{}", self.address))
-            .map_err(|e| format!("bad address {}: {e}", self.address))?
+            .map_err(|source| DialError::Address { address: self.address.clone(), source })?
             .connect_timeout(Duration::from_secs(1)))
     }
 
@@ -134,29 +131,18 @@ impl Dial {
     }
 
     /// A client, retrying until `deadline` (the peer may not be up yet).
-    pub(super) async fn connect(&self, deadline: Instant) -> Result<ControlClient<Channel>, String> {
+    pub(super) async fn connect(&self, deadline: Instant) -> Result<ControlClient<Channel>, DialError> {
         let endpoint = self.endpoint()?;
-        let mut last = String::from("deadline passed before the first attempt");
+        let mut last = DialError::NoAttempt;
         while Instant::now() < deadline {
             match endpoint.connect_with_connector(self.connector()).await {
                 Ok(channel) => return Ok(ControlClient::new(channel)),
-                Err(e) => {
-                    last = format!("cannot connect to {}: {}", self.address, source_chain(&e));
+                Err(source) => {
+                    last = DialError::Connect { address: self.address.clone(), source };
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
         }
         Err(last)
     }
-}
-
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
 }

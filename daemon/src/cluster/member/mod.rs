@@ -26,12 +26,13 @@ use super::control::{
     proto, seated, Chair, ControlClient, ControlServer, Coordinator, Formed, Identity, Seat, Service,
 };
 use super::election::{vote_file, Elections};
+use super::error::BindError;
 use super::error::{from_status, Call, ClusterError};
 use super::membership::Report;
 use super::network::Network;
 use super::tf_config::ClusterConfig;
 use super::timeouts::Timeouts;
-use crate::collective::AbortSignal;
+use crate::collective::{AbortSignal, Aborted};
 pub use dial::resolve;
 use dial::{authenticated, port_of, push_abort, Dial};
 use heartbeat::Beater;
@@ -109,7 +110,7 @@ fn control_runtime() -> Result<tokio::runtime::Runtime, ClusterError> {
         .thread_name("trainerd-control")
         .enable_all()
         .build()
-        .map_err(|e| ClusterError::Other(e.to_string()))
+        .map_err(ClusterError::Setup)
 }
 
 /// This member's vote (kept in `state_dir`, if given) and the coordinator it holds at start: the
@@ -123,7 +124,7 @@ fn seat(
     let names: Vec<String> = cluster.members.iter().map(|m| m.to_string()).collect();
     let run = format!("{}\n{}\n{}", identity.cluster_json, identity.plugin, identity.run_config_json);
     let file = state_dir.map(|dir| vote_file(dir, cluster.rank, &run));
-    let elections = Arc::new(Elections::open(file).map_err(ClusterError::Other)?);
+    let elections = Arc::new(Elections::open(file)?);
     let coordinator = match elections.coordinator() {
         Some((term, rank)) if rank == cluster.rank => {
             let seat = Seat { rank, term, ..Seat::default() };
@@ -138,13 +139,20 @@ fn seat(
 fn bind(cluster: &ClusterConfig, network: &Network, name: &str) -> Result<std::net::TcpListener, ClusterError> {
     let me = cluster.me();
     let bind_error =
-        |reason: String| ClusterError::Bind { address: me.address.clone(), member: name.to_string(), reason };
-    let port = resolve(&me.address).map(|a| a.port()).or_else(|e| port_of(&me.address).ok_or(e)).map_err(bind_error)?;
+        |reason: BindError| ClusterError::Bind { address: me.address.clone(), member: name.to_string(), reason };
+    let port = resolve(&me.address)
+        .map(|a| a.port())
+        .or_else(|e| port_of(&me.address).ok_or(e))
+        .map_err(|e| bind_error(e.into()))?;
     let addr = std::net::SocketAddr::new(network.bind, port);
-    let listener = std::net::TcpListener::bind(addr).map_err(|e| {
-        bind_error(if addr.to_string() == me.address { e.to_string() } else { format!("binding {addr}: {e}") })
+    let listener = std::net::TcpListener::bind(addr).map_err(|source| {
+        bind_error(if addr.to_string() == me.address {
+            BindError::Address(source)
+        } else {
+            BindError::Other { addr, source }
+        })
     })?;
-    listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
+    listener.set_nonblocking(true).map_err(|e| bind_error(BindError::Address(e)))?;
     Ok(listener)
 }
 
@@ -163,7 +171,7 @@ impl ControlPlane {
         let names: Vec<String> = cluster.members.iter().map(|m| m.to_string()).collect();
         let runtime = control_runtime()?;
         let listener = bind(cluster, network, &names[cluster.rank])?;
-        let listening = listener.local_addr().map_err(|e| ClusterError::Other(e.to_string()))?;
+        let listening = listener.local_addr().map_err(ClusterError::Setup)?;
         let abort = AbortSignal::new();
         let (elections, chair) = seat(cluster, &identity, timeouts, state_dir)?;
         let coordinator = seated(&chair);
@@ -179,8 +187,7 @@ impl ControlPlane {
         // Serving, and the peers' clients (which connect on first use), need the runtime.
         let (mut tasks, peers) = {
             let _guard = runtime.enter();
-            let listener =
-                tokio::net::TcpListener::from_std(listener).map_err(|e| ClusterError::Other(e.to_string()))?;
+            let listener = tokio::net::TcpListener::from_std(listener).map_err(ClusterError::Setup)?;
             (serve(listener, service, network, shutdown_rx), peers(cluster, network))
         };
         if let Some(c) = &coordinator {
@@ -360,7 +367,7 @@ impl ControlPlane {
             let mut client = match dial.connect(Instant::now() + interval * 5).await {
                 Ok(c) => c,
                 Err(e) => {
-                    last = e;
+                    last = e.to_string();
                     continue;
                 }
             };
@@ -418,7 +425,7 @@ impl ControlPlane {
             name: name.into(),
         };
         let abort = &self.shared.abort;
-        let aborted = |reason: String| ClusterError::Aborted { generation, reason };
+        let aborted = |a: Aborted| ClusterError::Aborted { generation: a.generation, reason: a.reason };
         self.runtime.block_on(async {
             loop {
                 abort.check(generation).map_err(aborted)?;
@@ -613,8 +620,8 @@ mod tests {
     fn aborted(plane: &ControlPlane, generation: u64, within: Duration) -> String {
         let until = Instant::now() + within;
         loop {
-            if let Err(reason) = plane.abort_signal().check(generation) {
-                return reason;
+            if let Err(aborted) = plane.abort_signal().check(generation) {
+                return aborted.reason;
             }
             assert!(Instant::now() < until, "generation {generation} was not aborted within {within:?}");
             std::thread::sleep(Duration::from_millis(10));
@@ -854,6 +861,7 @@ mod tests {
         // Another secret, and none at all: no call gets through.
         let err =
             runtime.block_on(Dial::new(&chief, &key(b"another-secret-0123456789").key).connect(soon())).err().unwrap();
+        let err = err.to_string();
         assert!(err.ends_with("the cluster secrets differ (is the same --secret-file set on every worker?)"), "{err}");
         let bare = runtime.block_on(async {
             let mut client = Dial::new(&chief, &None).connect(soon()).await.ok()?;

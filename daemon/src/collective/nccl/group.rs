@@ -45,7 +45,8 @@ impl NcclGroup {
             return Ok(Box::new(ring));
         }
         let id = if ring.rank() == 0 {
-            unique_id().map_err(|message| CollectiveError::Nccl { op: "creating the communicator", message })?
+            unique_id()
+                .map_err(|e| CollectiveError::Nccl { op: "creating the communicator", message: e.to_string() })?
         } else {
             Vec::new()
         };

@@ -7,6 +7,8 @@ use std::sync::OnceLock;
 use libloading::os::unix::{Library, RTLD_NOW};
 use tch::Device;
 
+use crate::collective::BackendError;
+
 /// The first NCCL whose `ncclCommAbort` cannot hang (pytorch#149153).
 pub const MIN_VERSION: c_int = 22600;
 /// Bytes of an `ncclUniqueId`.
@@ -87,8 +89,49 @@ pub struct Nccl {
     _libraries: (Library, Library),
 }
 
+/// Why the NCCL in this process cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NcclError {
+    /// libtorch brought no NCCL.
+    #[error(
+        "libnccl.so.2 is not loaded in this process: this libtorch has no NCCL, or its CUDA library was not loaded"
+    )]
+    NoNccl,
+    /// A library NCCL needs beside it is not loaded.
+    #[error("{} is not loaded in this process", names.join(" or "))]
+    NotLoaded {
+        /// Its sonames.
+        names: &'static [&'static str],
+    },
+    /// An entry point is missing.
+    #[error("{name}: {reason}")]
+    Symbol {
+        /// The symbol.
+        name: &'static str,
+        /// The dynamic loader's reason.
+        reason: String,
+    },
+    /// NCCL does not say its version.
+    #[error("ncclGetVersion failed")]
+    Version,
+    /// An NCCL whose abort can hang.
+    #[error(
+        "NCCL {} is older than {}: its ncclCommAbort can hang (pytorch#149153), and abort is how trainerd survives \
+         a lost peer",
+        version_text(*version),
+        version_text(MIN_VERSION)
+    )]
+    TooOld {
+        /// Its version code.
+        version: c_int,
+    },
+    /// No communicator id could be made.
+    #[error("ncclGetUniqueId: {0}")]
+    UniqueId(String),
+}
+
 /// A library this process already loaded, by its soname.
-fn already_loaded(names: &[&str]) -> Result<Library, String> {
+fn already_loaded(names: &'static [&'static str]) -> Result<Library, NcclError> {
     for name in names {
         // SAFETY: RTLD_NOLOAD only returns a handle to an object already in the process, whose
         // initialisers have run; nothing new is loaded.
@@ -96,18 +139,20 @@ fn already_loaded(names: &[&str]) -> Result<Library, String> {
             return Ok(lib);
         }
     }
-    Err(format!("{} is not loaded in this process", names.join(" or ")))
+    Err(NcclError::NotLoaded { names })
 }
 
 /// Copies the function pointer `name` out of `lib`.
 ///
 /// # Safety
 /// `T` must be the symbol's C signature.
-unsafe fn function<T: Copy>(lib: &Library, name: &str) -> Result<T, String> {
+unsafe fn function<T: Copy>(lib: &Library, name: &'static str) -> Result<T, NcclError> {
     let symbol = format!("{name}\0");
     // SAFETY: per the contract, T is the symbol's type; the library outlives the pointer (both
     // are kept in the `Nccl` that holds it, for the life of the process).
-    unsafe { lib.get::<T>(symbol.as_bytes()) }.map(|s| *s).map_err(|e| format!("{name}: {e}"))
+    unsafe { lib.get::<T>(symbol.as_bytes()) }
+        .map(|s| *s)
+        .map_err(|e| NcclError::Symbol { name, reason: e.to_string() })
 }
 
 /// `2.29.7` from NCCL's `22907`.
@@ -116,16 +161,15 @@ pub fn version_text(code: c_int) -> String {
 }
 
 impl Nccl {
-    fn open() -> Result<Nccl, String> {
-        let nccl = already_loaded(&["libnccl.so.2"])
-            .map_err(|e| format!("{e}: this libtorch has no NCCL, or its CUDA library was not loaded"))?;
+    fn open() -> Result<Nccl, NcclError> {
+        let nccl = already_loaded(&["libnccl.so.2"]).map_err(|_| NcclError::NoNccl)?;
         let cudart = already_loaded(&["libcudart.so.13", "libcudart.so.12"])?;
         // SAFETY: each signature below is the one nccl.h and cuda_runtime_api.h declare.
         unsafe {
             let get_version: unsafe extern "C" fn(*mut c_int) -> c_int = function(&nccl, "ncclGetVersion")?;
             let mut version = 0;
             if get_version(&mut version) != NCCL_SUCCESS {
-                return Err("ncclGetVersion failed".into());
+                return Err(NcclError::Version);
             }
             Ok(Nccl {
                 version,
@@ -187,17 +231,12 @@ unsafe impl Send for Nccl {}
 unsafe impl Sync for Nccl {}
 
 /// The NCCL in this process, opened once; why not, if it cannot be used.
-pub fn library() -> Result<&'static Nccl, String> {
-    static NCCL: OnceLock<Result<Nccl, String>> = OnceLock::new();
+pub fn library() -> Result<&'static Nccl, NcclError> {
+    static NCCL: OnceLock<Result<Nccl, NcclError>> = OnceLock::new();
     NCCL.get_or_init(|| {
         let nccl = Nccl::open()?;
         if nccl.version < MIN_VERSION {
-            return Err(format!(
-                "NCCL {} is older than {}: its ncclCommAbort can hang (pytorch#149153), and abort is how trainerd \
-                 survives a lost peer",
-                version_text(nccl.version),
-                version_text(MIN_VERSION)
-            ));
+            return Err(NcclError::TooOld { version: nccl.version });
         }
         Ok(nccl)
     })
@@ -206,24 +245,21 @@ pub fn library() -> Result<&'static Nccl, String> {
 }
 
 /// Why `--collective nccl` cannot run on `device` here, if it cannot.
-pub fn usable_on(device: Device) -> Result<&'static Nccl, String> {
+pub fn usable_on(device: Device) -> Result<&'static Nccl, BackendError> {
     let Device::Cuda(_) = device else {
-        return Err(format!(
-            "--collective nccl needs CUDA: NCCL moves CUDA tensors only, and this worker trains on {}",
-            format!("{device:?}").to_lowercase()
-        ));
+        return Err(BackendError::NeedsCuda { device: format!("{device:?}").to_lowercase() });
     };
-    library().map_err(|e| format!("--collective nccl: {e}"))
+    Ok(library()?)
 }
 
 /// A fresh id for a communicator, made by one worker and sent to the others.
-pub fn unique_id() -> Result<Vec<u8>, String> {
+pub fn unique_id() -> Result<Vec<u8>, NcclError> {
     let nccl = library()?;
     let mut id = UniqueId { internal: [0; UNIQUE_ID_BYTES] };
     // SAFETY: `id` is a valid ncclUniqueId to fill.
     let code = unsafe { (nccl.get_unique_id)(&mut id) };
     if code != NCCL_SUCCESS {
-        return Err(format!("ncclGetUniqueId: {}", nccl.nccl_error(code, std::ptr::null_mut())));
+        return Err(NcclError::UniqueId(nccl.nccl_error(code, std::ptr::null_mut())));
     }
     Ok(id.internal.iter().map(|&b| b as u8).collect())
 }

@@ -49,7 +49,7 @@ mod library;
 
 pub use group::{NcclGroup, Settings};
 
-pub use library::{library, unique_id, usable_on, version_text, Nccl, MIN_VERSION, UNIQUE_ID_BYTES};
+pub use library::{library, unique_id, usable_on, version_text, Nccl, NcclError, MIN_VERSION, UNIQUE_ID_BYTES};
 use library::{
     Config, CudaEvent, NcclComm, UniqueId, CUDA_EVENT_DISABLE_TIMING, CUDA_NOT_READY, CUDA_SUCCESS, DEFAULT_STREAM,
     NCCL_FLOAT32, NCCL_IN_PROGRESS, NCCL_SUCCESS,
@@ -93,7 +93,7 @@ impl Comm {
     /// Starts creating this worker's communicator (place `place` of `world`, on CUDA device
     /// `device`) from the id every worker received; returns at once.
     pub fn start(id: &[u8], world: usize, place: usize, device: usize) -> Result<Comm, CollectiveError> {
-        let nccl = library().map_err(|e| nccl_failure("creating the communicator", e))?;
+        let nccl = library().map_err(|e| nccl_failure("creating the communicator", e.to_string()))?;
         let id: [u8; UNIQUE_ID_BYTES] = id
             .try_into()
             .map_err(|_| nccl_failure("creating the communicator", format!("an id of {} bytes", id.len())))?;
@@ -600,7 +600,7 @@ mod tests {
 
     #[test]
     fn nccl_is_refused_on_the_cpu_naming_nccl_and_cuda() {
-        let e = usable_on(Device::Cpu).err().unwrap();
+        let e = usable_on(Device::Cpu).err().unwrap().to_string();
         assert_eq!(e, "--collective nccl needs CUDA: NCCL moves CUDA tensors only, and this worker trains on cpu");
     }
 

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::CollectiveError;
+use super::{CollectiveError, SetupError};
 use crate::auth::{self, ClusterKey, Plane};
 use crate::collective::abort::AbortSignal;
 
@@ -127,10 +127,10 @@ impl DataListener {
             if let Some(stream) = pending.conns.remove(&(generation, rank)) {
                 return Ok(stream);
             }
-            abort.check(generation).map_err(|reason| CollectiveError::Aborted { generation, reason })?;
+            abort.check(generation)?;
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(CollectiveError::Setup(format!("{name} did not connect in time")));
+                return Err(CollectiveError::Setup(SetupError::NotConnected { peer: name.into() }));
             }
             // Short waits: an abort raised meanwhile is seen within 10 ms.
             pending = self
@@ -194,25 +194,27 @@ impl DataListener {
     ) -> Result<TcpStream, CollectiveError> {
         let mut last_error = None;
         loop {
-            abort.check(generation).map_err(|reason| CollectiveError::Aborted { generation, reason })?;
+            abort.check(generation)?;
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(CollectiveError::Setup(format!(
-                    "could not connect to {name} at {addr}: {}",
-                    last_error.map_or("deadline passed".into(), |e: std::io::Error| e.to_string())
-                )));
+                return Err(CollectiveError::Setup(SetupError::Unreachable {
+                    peer: name.into(),
+                    addr,
+                    last: last_error,
+                }));
             }
             match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(1))) {
                 Ok(mut stream) => {
                     if let Some(key) = &self.shared.key {
                         let _ = stream.set_read_timeout(Some(auth::HANDSHAKE_TIMEOUT));
-                        auth::connect_blocking(&mut stream, key, Plane::Data)
-                            .map_err(|e| CollectiveError::Setup(format!("authenticating to {name} at {addr}: {e}")))?;
+                        auth::connect_blocking(&mut stream, key, Plane::Data).map_err(|source| {
+                            CollectiveError::Setup(SetupError::Authentication { peer: name.into(), addr, source })
+                        })?;
                         let _ = stream.set_read_timeout(None);
                     }
                     stream
                         .write_all(&hello(generation, rank))
-                        .map_err(|e| CollectiveError::Setup(format!("sending hello to {name}: {e}")))?;
+                        .map_err(|source| CollectiveError::Setup(SetupError::Hello { peer: name.into(), source }))?;
                     return Ok(stream);
                 }
                 Err(e) => {

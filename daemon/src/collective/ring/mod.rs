@@ -27,7 +27,7 @@ use tch::Tensor;
 
 use super::abort::AbortSignal;
 use super::slots::Slots;
-use super::{host_slice, Collective, CollectiveError, ReduceOp, Traffic};
+use super::{host_slice, Collective, CollectiveError, ReduceOp, SetupError, Traffic};
 use listener::DataListener;
 
 /// A value the collectives can add.
@@ -91,8 +91,8 @@ impl Link {
     }
 
     fn error(&self, op: &'static str, peer: &Peer, source: std::io::Error) -> CollectiveError {
-        if let Err(reason) = self.abort.check(self.generation) {
-            return CollectiveError::Aborted { generation: self.generation, reason };
+        if let Err(aborted) = self.abort.check(self.generation) {
+            return aborted.into();
         }
         match source.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
@@ -103,9 +103,7 @@ impl Link {
     }
 
     fn check(&self) -> Result<(), CollectiveError> {
-        self.abort
-            .check(self.generation)
-            .map_err(|reason| CollectiveError::Aborted { generation: self.generation, reason })
+        Ok(self.abort.check(self.generation)?)
     }
 }
 
@@ -157,11 +155,11 @@ impl Ring {
         });
         let (prev, next) = (prev?, next?);
         for stream in [&prev, &next] {
-            let setup = |e: std::io::Error| CollectiveError::Setup(e.to_string());
+            let setup = |e: std::io::Error| CollectiveError::Setup(SetupError::Socket(e));
             stream.set_nodelay(true).map_err(setup)?;
             stream.set_read_timeout(Some(timeout)).map_err(setup)?;
             stream.set_write_timeout(Some(timeout)).map_err(setup)?;
-            abort.register(generation, stream).map_err(|reason| CollectiveError::Aborted { generation, reason })?;
+            abort.register(generation, stream)?;
         }
         Ok(Ring {
             rank: place,
