@@ -22,6 +22,7 @@ use crate::input::{Data, DataSource};
 use crate::ops::progress::Progress;
 use crate::plugin::Plugin;
 use crate::state::{Meta, ModelState, Reader, Shareable, Totals};
+use crate::train::agreement::{agreement, Job};
 use crate::train::batches::input_context;
 use crate::train::session::{Interrupt, Session};
 use crate::train::step;
@@ -55,29 +56,6 @@ pub struct EvalConfig {
     pub network: Network,
     /// The cluster's deadlines.
     pub timeouts: Timeouts,
-}
-
-impl EvalConfig {
-    /// What every member must agree on.
-    fn agreement_json(&self) -> String {
-        let mut agreement = serde_json::json!({
-            "evaluate": self.location.to_string(),
-            "sequence": self.sequence,
-            "batch_size": self.batch_size,
-            "device": if self.device.is_cuda() { "cuda" } else { "cpu" },
-            "threads": self.threads,
-        });
-        if let Some(data) = self.data.agreement() {
-            agreement["data"] = data;
-        }
-        if let Some(plugin) = &self.plugin {
-            agreement[crate::state::PLUGIN_KEY] = plugin.clone();
-        }
-        if let Some(precision) = self.precision.agreement() {
-            agreement["precision"] = precision.into();
-        }
-        agreement.to_string()
-    }
 }
 
 /// The result, written as JSON by `--summary`.
@@ -133,7 +111,7 @@ pub fn run(
     stop: &AtomicBool,
 ) -> Result<Evaluation, TrainError> {
     let info = plugin.info();
-    let identity = (plugin.identity(), cfg.agreement_json());
+    let identity = (plugin.identity(), agreement(Job::Evaluation(cfg)));
     let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, None)?;
     let (rank, world) = (session.rank(), session.world());
     let model = plugin.create_model("model", cfg.device)?;

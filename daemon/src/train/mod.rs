@@ -22,6 +22,7 @@
 //! [`commit`] when the chief commits, [`session`] a member's place in the cluster, [`summary`] the
 //! result.
 
+pub mod agreement;
 pub mod batches;
 pub mod commit;
 pub mod driver;
@@ -118,57 +119,40 @@ pub struct RunConfig {
     pub state_dir: Option<PathBuf>,
 }
 
+#[cfg(test)]
 impl RunConfig {
-    /// What every worker must agree on, as canonical JSON.
-    fn agreement_json(&self) -> String {
-        let mut agreement = serde_json::json!({
-            "epochs": self.epochs,
-            "batch_size": self.batch_size,
-            "optimizer": self.optimizer,
-            "schedule": self.schedule,
-            "seed": self.seed,
-            "steps_per_epoch": self.steps_per_epoch,
-            "bucket_bytes": self.bucket_bytes,
-            // Bitwise agreement needs the same kind of device and the same thread count.
-            "device": if self.device.is_cuda() { "cuda" } else { "cpu" },
-            "threads": self.threads,
-        });
-        // Only a columnar dataset adds its identity, so that the run configuration of a run on a
-        // plugin's own format, and of every checkpoint before this, stays as it was.
-        if let Some(data) = self.data.agreement() {
-            agreement["data"] = data;
+    /// A run of 2 epochs of batch `batch_size` on `data` with Adam (lr 0.001), seed 3, one thread,
+    /// alone on `device`, with no option set.
+    pub fn plain(data: DataSource, batch_size: u32, device: Device) -> RunConfig {
+        RunConfig {
+            data,
+            plugin: None,
+            precision: Default::default(),
+            evaluate: true,
+            epochs: 2,
+            batch_size,
+            optimizer: OptimizerConfig::adam(1e-3),
+            schedule: LrSchedule::Constant,
+            seed: 3,
+            device,
+            devices: vec![device],
+            accumulate: 1,
+            clip: Default::default(),
+            callbacks: Default::default(),
+            steps_per_epoch: None,
+            threads: 1,
+            cluster: None,
+            network: Network::loopback(),
+            timeouts: Timeouts::default(),
+            bucket_bytes: crate::collective::buckets::DEFAULT_BUCKET_BYTES,
+            collective: Backend::Ring,
+            metrics_log: None,
+            checkpoint: None,
+            tensorboard_dir: None,
+            tensorboard_every: 0,
+            log_examples: None,
+            state_dir: None,
         }
-        // Likewise only a plugin that takes arguments or states an identity adds them.
-        if let Some(plugin) = &self.plugin {
-            agreement[crate::state::PLUGIN_KEY] = plugin.clone();
-        }
-        // Every backend gives the ring's bits, but workers must use one backend, and one version of it.
-        if let Some(collective) = self.collective.agreement() {
-            agreement["collective"] = collective.into();
-        }
-        // The run's slots are the workers times the replicas each times the micro-batches each
-        // accumulates: every worker must have as many. (A checkpoint's worker count is its slot
-        // count, so these keys are not compared on resume.)
-        if self.devices.len() > 1 {
-            agreement[crate::state::REPLICAS_KEY] = self.devices.len().into();
-        }
-        if self.accumulate > 1 {
-            agreement[crate::state::ACCUMULATE_KEY] = self.accumulate.into();
-        }
-        if let Some(precision) = self.precision.agreement() {
-            agreement["precision"] = precision.into();
-        }
-        if !self.clip.is_off() {
-            agreement["clip"] = serde_json::to_value(self.clip).expect("plain numbers");
-        }
-        if !self.callbacks.is_empty() {
-            agreement["callbacks"] = serde_json::to_value(&self.callbacks).expect("plain values");
-        }
-        // An evaluation is a collective: every worker takes it or none does.
-        if !self.evaluate {
-            agreement["evaluate"] = false.into();
-        }
-        agreement.to_string()
     }
 }
 
@@ -344,7 +328,9 @@ pub fn run(
 ) -> Result<Outcome, TrainError> {
     let started = Instant::now();
     let info = plugin.info().clone();
-    let mut session = startup::open_session(plugin, cfg, outputs.progress)?;
+    // What every worker must agree on, which every commit records and a resume checks.
+    let run_config = agreement::agreement(agreement::Job::Training(cfg));
+    let mut session = startup::open_session(plugin, (cfg, &run_config), outputs.progress)?;
     // The math's world: every replica of every worker is a slot.
     let (rank, world) = (session.rank(), session.slot_count());
     tracing::debug!("start-up: control plane up after {:?}", started.elapsed());
@@ -354,12 +340,12 @@ pub fn run(
     let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
-    let checkpointer = startup::restore(cfg, (&info, world), &mut session, &mut state, &mut report)?;
+    let checkpointer = startup::restore((cfg, &run_config), (&info, world), &mut session, &mut state, &mut report)?;
     let joining = startup::join_in_background(session, state, stop, &report, cfg)?;
     tracing::debug!("start-up: model built (and restored) after {:?}", started.elapsed());
     let data = startup::load_data(&model, cfg, (rank, world))?;
     tracing::debug!("start-up: data loaded after {:?}", started.elapsed());
-    let committer = startup::committer(checkpointer, cfg, (&info, world), data.steps_per_epoch);
+    let committer = startup::committer(checkpointer, (cfg, &run_config), (&info, world), data.steps_per_epoch);
     let (session, state, joined) = joining.join().expect("the joining thread does not panic");
     tracing::debug!("start-up: joined after {:?}", started.elapsed());
     let driver = Driver::new((cfg, &info), (&model, replicas, &data), buckets, (report, committer), stop);

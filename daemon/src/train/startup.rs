@@ -22,9 +22,14 @@ use crate::optim::optimizer::Optimizer;
 use crate::plugin::{ModelInstance, Plugin};
 use crate::state::{Meta, ModelState, Reader, Shareable, TrainState};
 
-/// Opens this member's session (alone: at once) and says where it listens and whom it waits for.
-pub(super) fn open_session(plugin: &Plugin, cfg: &RunConfig, progress: &mut Progress) -> Result<Session, TrainError> {
-    let identity = (plugin.identity(), cfg.agreement_json());
+/// Opens this member's session (alone: at once), its peers to agree on `run_config` (canonical
+/// JSON), and says where it listens and whom it waits for.
+pub(super) fn open_session(
+    plugin: &Plugin,
+    (cfg, run_config): (&RunConfig, &str),
+    progress: &mut Progress,
+) -> Result<Session, TrainError> {
+    let identity = (plugin.identity(), run_config.to_string());
     let mut session =
         Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, cfg.state_dir.as_deref())?;
     session.set_slots_per_worker(cfg.devices.len() * cfg.accumulate);
@@ -58,7 +63,7 @@ pub(super) fn initial_state(model: &ModelInstance<'_>, cfg: &RunConfig, info: &P
 /// checked and the newest commit that verifies restored into `state` (the state of last resort;
 /// a survivor's is further).
 pub(super) fn restore(
-    cfg: &RunConfig,
+    (cfg, run_config): (&RunConfig, &str),
     (info, workers): (&PluginInfo, usize),
     session: &mut Session,
     state: &mut TrainState,
@@ -77,8 +82,7 @@ pub(super) fn restore(
     for why in &r.fallbacks {
         report.line(&format!("warning: skipped a damaged checkpoint: {why}"));
     }
-    let run_config = cfg.agreement_json();
-    let meta = Meta::read(&r, info, Reader::Training { workers, run_config: &run_config })
+    let meta = Meta::read(&r, info, Reader::Training { workers, run_config })
         .map_err(|source| TrainError::Unfit { location: location.clone(), source })?;
     if meta.workers != workers {
         report.line(&format!(
@@ -95,17 +99,18 @@ pub(super) fn restore(
     Ok(Some(checkpointer))
 }
 
-/// The chief's committer over `checkpointer`, once the steps of an epoch are known.
+/// The chief's committer over `checkpointer`, once the steps of an epoch are known; each commit
+/// records `run_config`.
 pub(super) fn committer(
     checkpointer: Option<Checkpointer>,
-    cfg: &RunConfig,
+    (cfg, run_config): (&RunConfig, &str),
     (info, workers): (&PluginInfo, usize),
     steps_per_epoch: u64,
 ) -> Option<Committer> {
     let every = cfg.checkpoint.as_ref().map_or(0, |c| c.every);
     let policy = Policy { every, steps_per_epoch };
     let best = cfg.checkpoint.as_ref().and_then(|c| c.best.clone());
-    checkpointer.map(|c| Committer::new(c, policy, info, workers, cfg.agreement_json()).keeping_best(best))
+    checkpointer.map(|c| Committer::new(c, policy, info, workers, run_config.to_string()).keeping_best(best))
 }
 
 /// The checkpoint location opened; on S3, its server proved to refuse a second create-if-absent
