@@ -250,15 +250,9 @@ impl S3Args {
 /// `trainerd run`'s flags.
 #[derive(clap::Args)]
 pub struct RunArgs {
-    /// Path of the model plugin's shared library (.so).
-    #[arg(long)]
-    pub plugin: PathBuf,
-    /// The plugin's arguments.
+    /// The flags `run` and `evaluate` share.
     #[command(flatten)]
-    pub plugin_args: PluginArgFlags,
-    /// The data.
-    #[command(flatten)]
-    pub data: DataArgs,
+    pub job: JobArgs,
     /// Rows of a Parquet dataset shuffled together in training: row groups are shuffled, then
     /// each window of this many rows; a window of at least the split's rows shuffles it
     /// uniformly. Part of the run configuration. Memory: about two windows' worth of each
@@ -276,9 +270,6 @@ pub struct RunArgs {
     /// Epochs (default: the plugin's).
     #[arg(long)]
     pub epochs: Option<u32>,
-    /// Per-worker batch size (default: the plugin's).
-    #[arg(long)]
-    pub batch_size: Option<u32>,
     /// Optimizer: sgd, adam or rmsprop (default: the plugin's).
     #[arg(long)]
     pub optimizer: Option<String>,
@@ -291,11 +282,6 @@ pub struct RunArgs {
     /// L2 weight decay.
     #[arg(long)]
     pub weight_decay: Option<f64>,
-    /// The forward pass's precision: fp32, or autocast to bf16 (CPU and CUDA) or fp16 (CUDA, with
-    /// dynamic loss scaling); parameters, optimizer state and checkpoints stay float32. Part of
-    /// the run configuration.
-    #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::optim::precision::Precision>())]
-    pub precision: crate::optim::precision::Precision,
     /// Clip the averaged gradient to this global 2-norm before each update (Keras's
     /// global_clipnorm, PyTorch's clip_grad_norm_); the norm is in the metrics as grad_norm.
     #[arg(long, value_parser = |t: &str| crate::optim::clip::Clip::parse("--clip-norm", t))]
@@ -321,9 +307,6 @@ pub struct RunArgs {
     /// Seed of initialisation and data order.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: String,
     /// One replica per device in this daemon, as TensorFlow's MirroredStrategy: all (every GPU
     /// visible) or a list such as cuda:0,cuda:1 (cpu,cpu: replicas on the CPU). Each replica is a
     /// slot of the run with its own batch of --batch-size; the daemon is still one worker.
@@ -338,15 +321,9 @@ pub struct RunArgs {
     /// bits) or auto (NCCL when every worker trains on CUDA with its own GPU).
     #[arg(long, default_value = "ring")]
     pub collective: String,
-    /// libtorch threads (fixed, so results are reproducible; default: available cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
     /// Stop each epoch after this many steps.
     #[arg(long)]
     pub steps_per_epoch: Option<u64>,
-    /// Write the run's summary as JSON to this file.
-    #[arg(long)]
-    pub summary: Option<PathBuf>,
     /// Write one JSON line per step (global loss, metrics, learning rate) to this file.
     #[arg(long)]
     pub metrics_log: Option<PathBuf>,
@@ -362,9 +339,6 @@ pub struct RunArgs {
     /// Write the step loss to TensorBoard every N global steps (0: per epoch only).
     #[arg(long, default_value_t = 100)]
     pub tensorboard_every: u64,
-    /// The cluster.
-    #[command(flatten)]
-    pub cluster: ClusterArgs,
     /// Serve Prometheus metrics (`/metrics`) and `/healthz` on this address (e.g.
     /// 127.0.0.1:9400; port 0 picks one). An address other than loopback needs
     /// --metrics-token-file (or --insecure).
@@ -378,9 +352,6 @@ pub struct RunArgs {
     /// fails, systemd's watchdog pings stop); default: systemd's WatchdogSec, else 120.
     #[arg(long)]
     pub stall_timeout: Option<f64>,
-    /// Seconds to wait for every worker to join at the start.
-    #[arg(long, default_value_t = 300.0)]
-    pub rendezvous_timeout: f64,
     /// Seconds between heartbeats to the chief.
     #[arg(long, default_value_t = 0.1)]
     pub heartbeat_interval: f64,
@@ -429,14 +400,14 @@ pub struct RunArgs {
     /// --best` evaluates it.
     #[arg(long, value_name = "METRIC[:min|max]")]
     pub keep_best: Option<String>,
-    /// S3 settings.
-    #[command(flatten)]
-    pub s3: S3Args,
 }
 
 /// `trainerd evaluate`'s flags.
 #[derive(clap::Args)]
 pub struct EvalArgs {
+    /// The flags `run` and `evaluate` share.
+    #[command(flatten)]
+    pub job: JobArgs,
     /// Checkpoint location (a directory, file:///path, s3://bucket/prefix).
     #[arg(long)]
     pub checkpoint: String,
@@ -446,9 +417,12 @@ pub struct EvalArgs {
     /// Evaluate the best commit (of a run with `--keep-best`).
     #[arg(long)]
     pub best: bool,
-    /// The forward pass's precision (fp32, bf16 or fp16), as `run`'s.
-    #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::optim::precision::Precision>())]
-    pub precision: crate::optim::precision::Precision,
+}
+
+/// The flags `run` and `evaluate` share: the plugin and its arguments, the data, where and how
+/// the model computes, the cluster, S3, and the result's file.
+#[derive(clap::Args)]
+pub struct JobArgs {
     /// Path of the model plugin's shared library (.so).
     #[arg(long)]
     pub plugin: PathBuf,
@@ -464,16 +438,21 @@ pub struct EvalArgs {
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// libtorch threads (default: available cores).
+    /// libtorch threads (fixed, so results are reproducible; default: available cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Write the result as JSON to this file.
+    /// The forward pass's precision: fp32, or autocast to bf16 (CPU and CUDA) or fp16 (CUDA, with
+    /// dynamic loss scaling); parameters, optimizer state and checkpoints stay float32. Part of
+    /// the run configuration.
+    #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::optim::precision::Precision>())]
+    pub precision: crate::optim::precision::Precision,
+    /// Write the result as JSON to this file: a run's summary, or an evaluation's figures.
     #[arg(long)]
     pub summary: Option<PathBuf>,
     /// The cluster.
     #[command(flatten)]
     pub cluster: ClusterArgs,
-    /// Seconds to wait for every worker to join.
+    /// Seconds to wait for every worker to join at the start.
     #[arg(long, default_value_t = 300.0)]
     pub rendezvous_timeout: f64,
     /// S3 settings.

@@ -19,29 +19,29 @@ use crate::train::evaluate::EvalConfig;
 pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
     let stop = stop_flag()?;
     let timeouts =
-        Timeouts { rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?, ..Timeouts::default() };
-    let (cluster, network) = args.cluster.plan()?;
+        Timeouts { rendezvous: seconds("--rendezvous-timeout", args.job.rendezvous_timeout)?, ..Timeouts::default() };
+    let (cluster, network) = args.job.cluster.plan()?;
     let facts = accel::facts(cuda);
-    let device = device(&args.device, &facts)?;
-    let threads = set_threads(args.threads)?;
-    let plugin = Plugin::load(&args.plugin, &args.plugin_args.parse()?)?;
-    super::data_wait_fits(&args.data, timeouts.collective)?;
-    let options = data_options(&args.data, &args.s3, Arc::new(trainerd_data::Quiet))?;
+    let device = device(&args.job.device, &facts)?;
+    let threads = set_threads(args.job.threads)?;
+    let plugin = Plugin::load(&args.job.plugin, &args.job.plugin_args.parse()?)?;
+    super::data_wait_fits(&args.job.data, timeouts.collective)?;
+    let options = data_options(&args.job.data, &args.job.s3, Arc::new(trainerd_data::Quiet))?;
     // Evaluation reads the test split in file order: the window plays no part.
-    let data = DataSource::open(&args.data.data, plugin.info(), (u64::MAX, true), options)?;
+    let data = DataSource::open(&args.job.data.data, plugin.info(), (u64::MAX, true), options)?;
     let sequence = match args.best {
-        true => Some(crate::checkpoint::inspect::best(&super::ckpt::open_store(&args.checkpoint, &args.s3)?)?),
+        true => Some(crate::checkpoint::inspect::best(&super::ckpt::open_store(&args.checkpoint, &args.job.s3)?)?),
         false => args.sequence,
     };
-    args.precision.check(device)?;
+    args.job.precision.check(device)?;
     let cfg = EvalConfig {
         data,
         plugin: plugin.agreement(),
-        precision: args.precision,
+        precision: args.job.precision,
         location: args.checkpoint.parse()?,
-        s3: args.s3.options(),
+        s3: args.job.s3.options(),
         sequence,
-        batch_size: args.batch_size.unwrap_or(plugin.info().defaults.batch_size),
+        batch_size: args.job.batch_size.unwrap_or(plugin.info().defaults.batch_size),
         device,
         threads,
         cluster,
@@ -62,7 +62,7 @@ pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> any
         result.test_accuracy.map(|a| format!(", test accuracy {a:.4}")).unwrap_or_default(),
         result.params_sha256
     ));
-    if let Some(path) = &args.summary {
+    if let Some(path) = &args.job.summary {
         let json = serde_json::to_string_pretty(&result)? + "\n";
         crate::sys::atomic::write_file(path, &[json.as_bytes()])
             .with_context(|| format!("writing the summary to {}", path.display()))?;

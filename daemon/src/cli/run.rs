@@ -44,7 +44,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     // ends the process at once.
     let stop = stop_flag()?;
     let timeouts = timeouts(&args)?;
-    let (cluster, network) = args.cluster.plan()?;
+    let (cluster, network) = args.job.cluster.plan()?;
     if let Some(c) = &cluster {
         timeouts.check_min_workers(c.world_size(), args.allow_even_split)?;
     }
@@ -56,17 +56,18 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
             tracing::warn!(target: "trainerd", "this libtorch has no switch for {missing}; results on CUDA may not be reproducible");
         }
     }
-    let threads = set_threads(args.threads)?;
+    let threads = set_threads(args.job.threads)?;
     let (collective, not_nccl) = collective(&args.collective, cluster.as_ref(), device, &facts)?;
     let token = args.metrics_token_file.as_deref().map(Token::load).transpose()?;
-    if let Some(addr) = args.metrics_addr.filter(|a| !a.ip().is_loopback() && token.is_none() && !args.cluster.insecure)
+    if let Some(addr) =
+        args.metrics_addr.filter(|a| !a.ip().is_loopback() && token.is_none() && !args.job.cluster.insecure)
     {
         anyhow::bail!(
             "--metrics-addr {addr} is not a loopback address: give --metrics-token-file so that only your \
              Prometheus can read the metrics, or pass --insecure"
         );
     }
-    let plugin = Plugin::load(&args.plugin, &args.plugin_args.parse()?)?;
+    let plugin = Plugin::load(&args.job.plugin, &args.job.plugin_args.parse()?)?;
     let stall = match args.stall_timeout {
         Some(s) => seconds("--stall-timeout", s)?,
         None => notify::watchdog_period().unwrap_or(Duration::from_secs(120)),
@@ -95,7 +96,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     if let Some(n) = notifier {
         n.finish();
     }
-    ended(outcome?, &mut progress, args.summary.as_ref())
+    ended(outcome?, &mut progress, args.job.summary.as_ref())
 }
 
 /// `--early-stopping` and `--reduce-lr-on-plateau`, their figures checked against the plugin's
@@ -113,7 +114,7 @@ fn callbacks(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<crate::optim::ca
 fn devices(args: &RunArgs, facts: &Facts) -> anyhow::Result<Vec<tch::Device>> {
     match &args.devices {
         Some(list) => Ok(facts.devices(list)?),
-        None => Ok(vec![device(&args.device, facts)?]),
+        None => Ok(vec![device(&args.job.device, facts)?]),
     }
 }
 
@@ -142,7 +143,7 @@ fn collective(
 /// Every deadline of the cluster, from the flags, checked as one hierarchy.
 fn timeouts(args: &RunArgs) -> anyhow::Result<Timeouts> {
     let timeouts = Timeouts {
-        rendezvous: seconds("--rendezvous-timeout", args.rendezvous_timeout)?,
+        rendezvous: seconds("--rendezvous-timeout", args.job.rendezvous_timeout)?,
         heartbeat_interval: seconds("--heartbeat-interval", args.heartbeat_interval)?,
         heartbeat_deadline: seconds("--heartbeat-deadline", args.heartbeat_deadline)?,
         collective: seconds("--collective-timeout", args.collective_timeout)?,
@@ -168,9 +169,10 @@ fn data_source(
     collective: Duration,
     telemetry: &Arc<Telemetry>,
 ) -> anyhow::Result<DataSource> {
-    super::data_wait_fits(&args.data, collective)?;
-    let options = data_options(&args.data, &args.s3, Arc::new(Watch(Arc::clone(telemetry))))?;
-    let data = DataSource::open(&args.data.data, plugin.info(), (args.shuffle_window, !args.no_evaluation), options)?;
+    super::data_wait_fits(&args.job.data, collective)?;
+    let options = data_options(&args.job.data, &args.job.s3, Arc::new(Watch(Arc::clone(telemetry))))?;
+    let data =
+        DataSource::open(&args.job.data.data, plugin.info(), (args.shuffle_window, !args.no_evaluation), options)?;
     if let (Some(path), DataSource::Plugin(dir, _)) = (&args.log_examples, &data) {
         anyhow::bail!(
             "--log-examples {}: the data at {} is in the plugin's own format, which has no example ids; it needs a \
@@ -192,7 +194,7 @@ fn checkpoint_config(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<Option<C
         None => None,
         Some(url) => Some(CheckpointConfig {
             location: url.parse()?,
-            s3: args.s3.options(),
+            s3: args.job.s3.options(),
             every: args.checkpoint_every,
             keep: args.keep_checkpoints,
             best: best.transpose()?,
@@ -217,7 +219,7 @@ fn run_config(
     };
     let optimizer = flags::optimizer(&defaults.optimizer, &flags)?;
     let checkpoint = checkpoint_config(args, plugin)?;
-    let batch_size = args.batch_size.unwrap_or(defaults.batch_size);
+    let batch_size = args.job.batch_size.unwrap_or(defaults.batch_size);
     if batch_size == 0 {
         anyhow::bail!("--batch-size 0: expected at least 1");
     }
@@ -225,12 +227,12 @@ fn run_config(
         anyhow::bail!("--accumulate 0: expected at least 1 (micro-batches per update)");
     }
     for &device in &devices {
-        args.precision.check(device)?;
+        args.job.precision.check(device)?;
     }
     Ok(RunConfig {
         data,
         plugin: plugin.agreement(),
-        precision: args.precision,
+        precision: args.job.precision,
         evaluate: !args.no_evaluation,
         log_examples: args.log_examples.clone(),
         state_dir: state_dir(args.state_dir.as_ref())?,
