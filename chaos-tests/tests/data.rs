@@ -12,7 +12,7 @@ use trainerd_testkit::events::Record;
 use trainerd_testkit::notify::NotifySocket;
 use trainerd_testkit::output::params_sha256;
 use trainerd_testkit::s3::S3Server;
-use trainerd_testkit::{dataset, parquet_dataset, plugin, trainerd_cmd, Event, Worker};
+use trainerd_testkit::{dataset, parquet_dataset, trainerd_cmd, Event, RunArgs, Worker};
 
 const WAIT: Duration = Duration::from_secs(180);
 
@@ -45,37 +45,36 @@ fn on_s3() -> Data {
 
 /// A linear model's run on `data` (2 epochs of 150 steps), checkpointed every 40 steps; remote
 /// data cached in `dir` within 8 MB, less than the dataset's 34.
-fn args(data: &Data, dir: &Path, name: &str) -> Vec<String> {
-    args_with(data, dir, name, ("20000", "8M"))
+fn args(data: &Data, dir: &Path, name: &str) -> RunArgs {
+    args_with(data, dir, name, (20000, "8M"))
 }
 
 /// [`args`] with another shuffle window and cache bound.
-fn args_with(data: &Data, dir: &Path, name: &str, (window, cache): (&str, &str)) -> Vec<String> {
-    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
-    let mut v: Vec<String> =
-        ["--plugin", plugin("linear").to_str().unwrap(), "--data", &data.url].map(String::from).to_vec();
-    v.extend(
-        ["--epochs", "2", "--steps-per-epoch", "150", "--seed", "3", "--optimizer", "adam", "--lr", "0.001"]
-            .map(String::from),
-    );
-    v.extend(["--shuffle-window", window, "--checkpoint-every", "40", "--data-cache-size", cache].map(String::from));
-    v.extend(["--checkpoint-dir".into(), p(&format!("{name}-ckpt")), "--summary".into(), p(&format!("{name}.json"))]);
-    v.extend(["--data-cache".into(), p("cache")]);
-    v
+fn args_with(data: &Data, dir: &Path, name: &str, (window, cache): (u64, &str)) -> RunArgs {
+    RunArgs::new("linear")
+        .data(&data.url)
+        .epochs(2)
+        .steps(150)
+        .seed(3)
+        .optimizer("adam", 0.001)
+        .set("--shuffle-window", window)
+        .checkpoints(dir.join(format!("{name}-ckpt")), 40)
+        .set("--data-cache-size", cache)
+        .summary(dir.join(format!("{name}.json")))
+        .set("--data-cache", dir.join("cache").to_str().unwrap())
 }
 
-fn start(sub: &[&str], args: &[String], data: &Data) -> Worker {
-    let mut all: Vec<&str> = sub.to_vec();
-    all.extend(args.iter().map(String::as_str));
-    Worker::start_with(&all, &data.env)
+fn start(sub: &[&str], args: &RunArgs, data: &Data) -> Worker {
+    Worker::start_with(&[sub, &args.strs()].concat(), &data.env)
 }
 
 /// One worker, killed mid-epoch 2 after a commit, restarted: it resumes from that commit.
 fn alone(data: &Data) {
     let tmp = tempfile::tempdir().unwrap();
-    let run = ["run", "--threads", "1"];
-    assert!(start(&run, &args(data, tmp.path(), "reference"), data).wait().success());
-    let killed = args(data, tmp.path(), "killed");
+    let run = ["run"];
+    let args = |name: &str| args(data, tmp.path(), name).threads(1);
+    assert!(start(&run, &args("reference"), data).wait().success());
+    let killed = args("killed");
     let mut worker = start(&run, &killed, data);
     let committed =
         worker.wait_event(|r| matches!(r.event, Event::Committed { global_step, .. } if global_step > 150), WAIT);
@@ -92,9 +91,10 @@ fn alone(data: &Data) {
 /// the state from a peer, and its pipeline opens at the step they hold.
 fn three(data: &Data) {
     let tmp = tempfile::tempdir().unwrap();
-    let launcher = ["local", "--workers", "3", "--restart-delay", "0", "--threads", "1"];
-    assert!(start(&launcher, &args(data, tmp.path(), "reference"), data).wait().success());
-    let mut cluster = start(&launcher, &args(data, tmp.path(), "killed"), data);
+    let launcher = ["local", "--workers", "3", "--restart-delay", "0"];
+    let args = |name: &str| args(data, tmp.path(), name).threads(1);
+    assert!(start(&launcher, &args("reference"), data).wait().success());
+    let mut cluster = start(&launcher, &args("killed"), data);
     let at =
         |r: &Record| r.worker == Some(1) && matches!(r.event, Event::Step { global_step, .. } if global_step > 170);
     let pid = cluster.wait_event(at, WAIT).pid;
@@ -132,9 +132,7 @@ fn one_of_three_workers_killed_mid_epoch_rejoins_exactly_from_parquet_on_s3() {
 /// A run on S3 reached through a link the test cuts; windows of 2,000 rows keep it reading
 /// through the epoch, and a cache too small to hold a row group sends every read to the server.
 fn outage_run(data: &Data, (endpoint, notify): (&str, Option<&NotifySocket>), dir: &Path, extra: &[&str]) -> Worker {
-    let mut all: Vec<String> = ["run", "--threads", "1"].map(String::from).to_vec();
-    all.extend(args_with(data, dir, "outage", ("2000", "1K")));
-    all.extend(extra.iter().map(|s| s.to_string()));
+    let run = args_with(data, dir, "outage", (2000, "1K")).threads(1).extend(extra);
     let mut env = data.env.clone();
     env.retain(|(k, _)| *k != "AWS_ENDPOINT_URL");
     env.push(("AWS_ENDPOINT_URL", endpoint.to_string()));
@@ -144,8 +142,7 @@ fn outage_run(data: &Data, (endpoint, notify): (&str, Option<&NotifySocket>), di
         env.push(("NOTIFY_SOCKET", socket.path.to_str().unwrap().to_string()));
         env.push(("WATCHDOG_USEC", "2000000".into()));
     }
-    let all: Vec<&str> = all.iter().map(String::as_str).collect();
-    Worker::start_with(&all, &env)
+    Worker::start_with(&[&["run"][..], &run.strs()].concat(), &env)
 }
 
 #[test]
@@ -203,13 +200,9 @@ fn mnist_cnn_trains_from_the_parquet_copy_on_s3_as_from_local_disk() {
     let run = |data: &Data, name: &str| {
         let summary = tmp.path().join(format!("{name}.json"));
         let cache = tmp.path().join(format!("{name}-cache"));
-        let cnn = plugin("mnist-cnn");
-        let args = ["run", "--threads", "1", "--plugin", cnn.to_str().unwrap(), "--data", &data.url];
-        let more = ["--epochs", "1", "--steps-per-epoch", "300", "--data-cache-size", "8M"];
-        let mut all: Vec<&str> = [&args[..], &more[..]].concat();
-        let (summary_s, cache_s) = (summary.to_str().unwrap().to_string(), cache.to_str().unwrap().to_string());
-        all.extend(["--summary", &summary_s, "--data-cache", &cache_s]);
-        assert!(Worker::start_with(&all, &data.env).wait().success());
+        let run = RunArgs::new("mnist-cnn").threads(1).data(&data.url).epochs(1).steps(300);
+        let run = run.set("--data-cache-size", "8M").summary(&summary).set("--data-cache", cache.to_str().unwrap());
+        assert!(Worker::start_with(&[&["run"][..], &run.strs()].concat(), &data.env).wait().success());
         (trainerd_testkit::output::json(&summary), cache)
     };
     let (remote, cache) = run(&s3, "s3");

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use trainerd_testkit::{dataset, plugin, Cluster, Event};
+use trainerd_testkit::{Cluster, Event, RunArgs};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 const RESTART_SEC: Duration = Duration::from_millis(200);
@@ -37,40 +37,15 @@ const BN: Job = Job { plugin: "mnist-bn", epochs: 1, steps: 40, workers: 3, batc
 
 /// `trainerd run` arguments of `job`, each worker's summary in `dir`; a worker missing for 3 s is
 /// replaced.
-fn args(job: Job, dir: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "--plugin",
-        plugin(job.plugin).to_str().unwrap(),
-        "--data",
-        dataset().to_str().unwrap(),
-        "--epochs",
-        &job.epochs.to_string(),
-        "--steps-per-epoch",
-        &job.steps.to_string(),
-        "--threads",
-        "1",
-        "--seed",
-        "5",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "0.001",
-        "--summary",
-        dir.join("summary.{rank}.json").to_str().unwrap(),
-        "--checkpoint-dir",
-        dir.join("ckpt").to_str().unwrap(),
-        "--checkpoint-every",
-        "40",
-        "--replace-after",
-        "3",
-    ]
-    .map(String::from)
-    .to_vec();
-    if let Some(batch) = job.batch {
-        args.extend(["--batch-size".to_string(), batch.to_string()]);
-    }
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
+fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
+    let run = RunArgs::new(job.plugin).epochs(job.epochs).steps(job.steps).threads(1).seed(5);
+    let run = run.optimizer("adam", 0.001).summary(dir.join("summary.{rank}.json")).checkpoints(dir.join("ckpt"), 40);
+    let run = run.set("--replace-after", 3);
+    let run = match job.batch {
+        Some(batch) => run.batch(batch),
+        None => run,
+    };
+    run.extend(extra)
 }
 
 /// The failure-free run's `params_sha256` on all of `job`'s workers (computed once per job).
@@ -459,15 +434,10 @@ fn the_chief_gone_for_good_in_the_middle_of_a_commit() {
 fn local_without(gone: usize, check: impl FnOnce(&mut trainerd_testkit::Worker, &str)) {
     use trainerd_testkit::Worker;
     let tmp = tempfile::tempdir().unwrap();
-    let mut all: Vec<String> = ["local", "--workers", "3", "--restart-delay", "0", "--no-restart", &gone.to_string()]
-        .map(String::from)
-        .to_vec();
-    let mut run = args(LINEAR, tmp.path(), &[]);
-    let summary_at = run.iter().position(|a| a == "--summary").unwrap() + 1;
+    let launcher = ["local", "--workers", "3", "--restart-delay", "0", "--no-restart", &gone.to_string()];
     // The launcher gives each worker its own file: s.workerN.json (and its own vote directory).
-    run[summary_at] = tmp.path().join("s.json").to_str().unwrap().to_string();
-    all.extend(run);
-    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    let run = args(LINEAR, tmp.path(), &[]).summary(tmp.path().join("s.json"));
+    let all: Vec<&str> = [&launcher[..], &run.strs()].concat();
     let mut local = Worker::start(&all);
     let at = |r: &trainerd_testkit::events::Record| {
         r.worker == Some(gone) && matches!(r.event, Event::Step { global_step, .. } if global_step > 30)

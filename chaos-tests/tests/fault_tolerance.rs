@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use trainerd_storage::{CheckpointStore, Location, S3Options};
 use trainerd_testkit::s3::S3Server;
-use trainerd_testkit::{dataset, plugin, Cluster, Event};
+use trainerd_testkit::{Cluster, Event, RunArgs};
 
 /// Every scenario's outer deadline: a hang fails the test.
 const DEADLINE: Duration = Duration::from_secs(240);
@@ -34,35 +34,16 @@ const CNN: Job = Job { plugin: "mnist-cnn", epochs: 2, steps: 60, workers: WORKE
 const BN: Job = Job { plugin: "mnist-bn", epochs: 2, steps: 60, workers: 2 };
 
 /// `trainerd run` arguments of `job`, each worker's summary in `dir`, checkpoints in `ckpt`.
-fn args(job: Job, dir: &Path, ckpt: &str) -> Vec<String> {
-    [
-        "--plugin",
-        plugin(job.plugin).to_str().unwrap(),
-        "--data",
-        dataset().to_str().unwrap(),
-        "--epochs",
-        &job.epochs.to_string(),
-        "--steps-per-epoch",
-        &job.steps.to_string(),
-        "--threads",
-        "1",
-        "--seed",
-        "11",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "0.001",
-        "--summary",
-        dir.join("summary.{rank}.json").to_str().unwrap(),
-        "--checkpoint-dir",
-        ckpt,
-        "--checkpoint-every",
-        "25",
-        "--keep-checkpoints",
-        "3",
-    ]
-    .map(String::from)
-    .to_vec()
+fn args(job: Job, dir: &Path, ckpt: &str) -> RunArgs {
+    RunArgs::new(job.plugin)
+        .epochs(job.epochs)
+        .steps(job.steps)
+        .threads(1)
+        .seed(11)
+        .optimizer("adam", 0.001)
+        .summary(dir.join("summary.{rank}.json"))
+        .checkpoints(ckpt, 25)
+        .set("--keep-checkpoints", 3)
 }
 
 /// The failure-free run's `params_sha256` for `job` (computed once per job).

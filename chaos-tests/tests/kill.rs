@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use trainerd_testkit::events::Record;
 use trainerd_testkit::output::params_sha256;
-use trainerd_testkit::{dataset, plugin, Event, Worker};
+use trainerd_testkit::{Event, RunArgs, Worker};
 
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -35,40 +35,17 @@ fn sigkill_mid_epoch_then_restart_gives_the_uninterrupted_model() {
 
 /// Arguments of a run of the linear model (2 epochs of 500 steps), checkpointed every 60 steps
 /// into `ckpt` when given.
-fn linear_run(summary: &std::path::Path, ckpt: Option<&std::path::Path>) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "--plugin",
-        plugin("linear").to_str().unwrap(),
-        "--data",
-        dataset().to_str().unwrap(),
-        "--epochs",
-        "2",
-        "--steps-per-epoch",
-        "500",
-        "--threads",
-        "1",
-        "--seed",
-        "3",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "0.001",
-        "--summary",
-        summary.to_str().unwrap(),
-    ]
-    .map(String::from)
-    .to_vec();
-    if let Some(dir) = ckpt {
-        args.extend(["--checkpoint-dir", dir.to_str().unwrap(), "--checkpoint-every", "60"].map(String::from));
+fn linear_run(summary: &std::path::Path, ckpt: Option<&std::path::Path>) -> RunArgs {
+    let run = RunArgs::new("linear").epochs(2).steps(500).threads(1).seed(3).optimizer("adam", 0.001);
+    let run = run.summary(summary);
+    match ckpt {
+        Some(dir) => run.checkpoints(dir, 60),
+        None => run,
     }
-    args
 }
 
-fn start(sub: &str, extra: &[&str], args: &[String]) -> Worker {
-    let mut all = vec![sub];
-    all.extend(extra);
-    all.extend(args.iter().map(String::as_str));
-    Worker::start(&all)
+fn start(sub: &str, extra: &[&str], args: &RunArgs) -> Worker {
+    Worker::start(&[&[sub][..], extra, &args.strs()].concat())
 }
 
 #[test]

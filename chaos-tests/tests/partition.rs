@@ -10,7 +10,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use trainerd_testkit::{dataset, plugin, Cluster, Event, Netns};
+use trainerd_testkit::{Cluster, Event, Netns, RunArgs};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 const RESTART_SEC: Duration = Duration::from_millis(200);
@@ -19,46 +19,26 @@ const WORKERS: usize = 3;
 /// side is back, even on a loaded machine (a cut worker's reconnection takes a few seconds).
 const STEPS: u64 = 600;
 
-fn args(dir: &Path) -> Vec<String> {
-    [
-        "--plugin",
-        plugin("linear").to_str().unwrap(),
-        "--data",
-        dataset().to_str().unwrap(),
-        "--epochs",
-        "3",
-        "--steps-per-epoch",
-        &STEPS.to_string(),
-        "--batch-size",
-        "16",
-        "--threads",
-        "1",
-        "--seed",
-        "9",
-        "--summary",
-        dir.join("summary.{rank}.json").to_str().unwrap(),
-        "--checkpoint-dir",
-        dir.join("ckpt.{rank}").to_str().unwrap(),
-        "--checkpoint-every",
-        "20",
-        "--replace-after",
-        "3",
-        "--state-dir",
-        dir.join("state.{rank}").to_str().unwrap(),
-    ]
-    .map(String::from)
-    .to_vec()
+fn args(dir: &Path) -> RunArgs {
+    RunArgs::new("linear")
+        .epochs(3)
+        .steps(STEPS)
+        .batch(16)
+        .threads(1)
+        .seed(9)
+        .summary(dir.join("summary.{rank}.json"))
+        .checkpoints(dir.join("ckpt.{rank}"), 20)
+        .set("--replace-after", 3)
+        .set("--state-dir", dir.join("state.{rank}").to_str().unwrap())
 }
 
 /// [`args`] with a cluster secret (required off loopback).
-fn secured(dir: &Path) -> Vec<String> {
+fn secured(dir: &Path) -> RunArgs {
     use std::os::unix::fs::OpenOptionsExt;
     let path = dir.join("secret");
     let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).unwrap();
     std::io::Write::write_all(&mut f, b"4f1d2c3b4a5968778695a4b3c2d1e0f00112233445566778899aabbccddeeff").unwrap();
-    let mut args = args(dir);
-    args.extend(["--secret-file".to_string(), path.to_str().unwrap().to_string()]);
-    args
+    args(dir).set("--secret-file", path.to_str().unwrap())
 }
 
 fn summary(dir: &Path, rank: usize) -> serde_json::Value {

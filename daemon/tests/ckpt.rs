@@ -5,25 +5,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use trainerd_testkit::output::{json, stdout, text};
-use trainerd_testkit::{dataset, plugin, python, trainerd_cmd};
+use trainerd_testkit::{python, trainerd_cmd, RunArgs};
 
 use trainerd_testkit::s3::S3Server;
 
 /// A short checkpointed run of `plugin` into `ckpt` (one epoch unless `extra` says), returning
 /// its summary's params_sha256.
 fn train(plugin_name: &str, ckpt: &str, summary: &Path, extra: &[&str], env: &[(&str, String)]) -> (Output, String) {
-    let mut cmd = trainerd_cmd();
-    let epochs = if extra.contains(&"--epochs") { &[][..] } else { &["--epochs", "1"][..] };
-    cmd.args(["run", "--threads", "1", "--steps-per-epoch", "120", "--checkpoint-every", "40"])
-        .args(epochs)
-        .arg("--plugin")
-        .arg(plugin(plugin_name))
-        .arg("--data")
-        .arg(dataset())
-        .args(["--checkpoint-dir", ckpt])
-        .arg("--summary")
-        .arg(summary)
-        .args(extra);
+    let run = RunArgs::new(plugin_name).threads(1).steps(120).checkpoints(ckpt, 40);
+    let run = if extra.contains(&"--epochs") { run } else { run.epochs(1) };
+    let mut cmd = run.summary(summary).extend(extra).command("run");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -264,16 +255,7 @@ fn a_storage_outage_in_the_middle_of_a_run_loses_nothing() {
     use std::time::{Duration, SystemTime, UNIX_EPOCH};
     let tmp = tempfile::tempdir().unwrap();
     let args = |ckpt: &str, summary: &Path| {
-        let mut cmd = trainerd_cmd();
-        cmd.args(["run", "--threads", "1", "--seed", "5", "--epochs", "40"])
-            .args(["--checkpoint-every", "200", "--checkpoint-dir", ckpt])
-            .arg("--plugin")
-            .arg(plugin("linear"))
-            .arg("--data")
-            .arg(dataset())
-            .arg("--summary")
-            .arg(summary);
-        cmd
+        RunArgs::new("linear").threads(1).seed(5).epochs(40).checkpoints(ckpt, 200).summary(summary).command("run")
     };
     let reference = args(tmp.path().join("local").to_str().unwrap(), &tmp.path().join("ref.json")).output().unwrap();
     assert!(reference.status.success(), "{}", text(&reference));
@@ -341,26 +323,16 @@ fn a_checkpoint_committed_by_an_older_trainerd_resumes_bitwise() {
     let ckpt = tmp.path().join("old");
     copy_tree(&fixture, &ckpt);
     let run = |ckpt: &Path, summary: &Path| {
-        let out = trainerd_cmd()
-            .args([
-                "run",
-                "--epochs",
-                "2",
-                "--steps-per-epoch",
-                "30",
-                "--checkpoint-every",
-                "10",
-                "--keep-checkpoints",
-                "0",
-            ])
-            .args(["--seed", "5", "--threads", "1", "--optimizer", "adam", "--lr", "0.001", "--plugin"])
-            .arg(plugin("linear"))
-            .arg("--data")
-            .arg(dataset())
-            .arg("--checkpoint-dir")
-            .arg(ckpt)
-            .arg("--summary")
-            .arg(summary)
+        let out = RunArgs::new("linear")
+            .epochs(2)
+            .steps(30)
+            .checkpoints(ckpt, 10)
+            .set("--keep-checkpoints", 0)
+            .seed(5)
+            .threads(1)
+            .optimizer("adam", 0.001)
+            .summary(summary)
+            .command("run")
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));
@@ -446,15 +418,12 @@ fn the_best_commit_survives_retention_and_is_evaluated_by_evaluate_best() {
     assert_eq!(&newest[7..], ["val_accuracy", &format!("{:.4}", val_accuracy(3))], "{listed}");
 
     let evaluated = tmp.path().join("best.json");
-    let out = trainerd_cmd()
-        .args(["evaluate", "--best", "--threads", "1", "--checkpoint"])
-        .arg(&ckpt)
-        .arg("--plugin")
-        .arg(plugin("linear"))
-        .arg("--data")
-        .arg(dataset())
-        .arg("--summary")
-        .arg(&evaluated)
+    let out = RunArgs::new("linear")
+        .on("--best")
+        .threads(1)
+        .set("--checkpoint", ckpt.to_str().unwrap())
+        .summary(&evaluated)
+        .command("evaluate")
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
@@ -477,13 +446,10 @@ fn keep_best_names_what_it_needs() {
     // A run without scores has no best to evaluate.
     let (out, _) = train("linear", ckpt.to_str().unwrap(), &tmp.path().join("s.json"), &[], &[]);
     assert!(out.status.success(), "{}", text(&out));
-    let out = trainerd_cmd()
-        .args(["evaluate", "--best", "--checkpoint"])
-        .arg(&ckpt)
-        .arg("--plugin")
-        .arg(plugin("linear"))
-        .arg("--data")
-        .arg(dataset())
+    let out = RunArgs::new("linear")
+        .on("--best")
+        .set("--checkpoint", ckpt.to_str().unwrap())
+        .command("evaluate")
         .output()
         .unwrap();
     assert_eq!(
@@ -505,16 +471,16 @@ fn the_best_epoch_skipped_during_an_outage_is_committed_when_storage_returns() {
     use std::time::Duration;
     let tmp = tempfile::tempdir().unwrap();
     let args = |ckpt: &str, summary: &Path| {
-        let mut cmd = trainerd_cmd();
-        cmd.args(["run", "--threads", "1", "--seed", "5", "--epochs", "4", "--steps-per-epoch", "150"])
-            .args(["--checkpoint-every", "50", "--checkpoint-dir", ckpt, "--keep-checkpoints", "1"])
-            .args(["--keep-best", "val_accuracy:min", "--plugin"])
-            .arg(plugin("mnist-cnn"))
-            .arg("--data")
-            .arg(dataset())
-            .arg("--summary")
-            .arg(summary);
-        cmd
+        RunArgs::new("mnist-cnn")
+            .threads(1)
+            .seed(5)
+            .epochs(4)
+            .steps(150)
+            .checkpoints(ckpt, 50)
+            .set("--keep-checkpoints", 1)
+            .set("--keep-best", "val_accuracy:min")
+            .summary(summary)
+            .command("run")
     };
     let reference = args(tmp.path().join("local").to_str().unwrap(), &tmp.path().join("ref.json")).output().unwrap();
     assert!(reference.status.success(), "{}", text(&reference));

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use trainerd_testkit::output::{error_of, json, stderr, stdout, text};
-use trainerd_testkit::{dataset, plugin, trainerd_cmd};
+use trainerd_testkit::{dataset, plugin, trainerd_cmd, RunArgs};
 
 use trainerd_sdk::abi::{LIBTORCH_VERSION, SDK_VERSION, TARGET, TCH_VERSION};
 use trainerd_sdk::mnist::{write_idx, IMAGES_MAGIC, LABELS_MAGIC};
@@ -25,8 +25,7 @@ fn tiny_dataset(dir: &Path, n_train: u32, n_test: u32) {
 }
 
 fn run_with(plugin: &Path, data: &Path, extra: &[&str], fault: Option<&str>) -> Output {
-    let mut cmd = trainerd_cmd();
-    cmd.args(["run", "--threads", "1", "--plugin"]).arg(plugin).arg("--data").arg(data).args(extra);
+    let mut cmd = RunArgs::with_plugin(plugin).data(data).threads(1).extend(extra).command("run");
     if let Some(f) = fault {
         cmd.env("TRAINERD_FIXTURE_FAULT", f);
     }
@@ -37,15 +36,7 @@ fn run_with(plugin: &Path, data: &Path, extra: &[&str], fault: Option<&str>) -> 
 fn mnist_cnn_reaches_85_percent_in_one_epoch_on_fashion_mnist() {
     let tmp = tempfile::tempdir().unwrap();
     let s = tmp.path().join("summary.json");
-    let out = trainerd_cmd()
-        .args(["run", "--epochs", "1", "--batch-size", "64", "--threads", "2", "--plugin"])
-        .arg(plugin("mnist-cnn"))
-        .arg("--data")
-        .arg(dataset())
-        .arg("--summary")
-        .arg(&s)
-        .output()
-        .unwrap();
+    let out = RunArgs::new("mnist-cnn").epochs(1).batch(64).threads(2).summary(&s).command("run").output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("Epoch 1/1\n"), "{text}");
@@ -334,13 +325,7 @@ fn bad_flags_are_refused_with_the_flag_named() {
 /// the refusal of a GPU that does not exist proves it was loaded (on any machine).
 #[test]
 fn a_cuda_device_loads_libtorchs_cuda_and_a_missing_gpu_is_one_line_naming_it() {
-    let out = trainerd_cmd()
-        .args(["run", "--device", "cuda:99", "--plugin"])
-        .arg(plugin("linear"))
-        .arg("--data")
-        .arg(dataset())
-        .output()
-        .unwrap();
+    let out = RunArgs::new("linear").set("--device", "cuda:99").command("run").output().unwrap();
     let err = error_of(&out);
     assert!(err.starts_with("error: --device cuda:99: there is no cuda:99; libtorch "), "{err}");
     assert!(err.contains(" (CUDA 1") && err.contains(", cuDNN "), "libtorch's CUDA was not loaded: {err}");
@@ -352,13 +337,7 @@ fn a_cuda_device_loads_libtorchs_cuda_and_a_missing_gpu_is_one_line_naming_it() 
 #[test]
 fn nccl_without_cuda_and_an_unknown_backend_are_one_line_each() {
     let run = |collective: &str| {
-        trainerd_cmd()
-            .args(["run", "--device", "cpu", "--collective", collective, "--plugin"])
-            .arg(plugin("linear"))
-            .arg("--data")
-            .arg(dataset())
-            .output()
-            .unwrap()
+        RunArgs::new("linear").set("--device", "cpu").set("--collective", collective).command("run").output().unwrap()
     };
     let out = run("nccl");
     assert_eq!(

@@ -1,24 +1,16 @@
 //! Multi-worker training with real daemons on loopback: results, replica identity, equivalence
 //! with one bigger worker, and every refusal with its message.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 
 use trainerd_testkit::output::{error_line, error_of, json, step_losses, text};
-use trainerd_testkit::{dataset, free_ports, plugin, tf_config, trainerd_cmd};
+use trainerd_testkit::{free_ports, tf_config, RunArgs};
 
 /// `trainerd local --workers N` on mnist-cnn for one epoch: accuracy and identical replicas.
 fn cnn_on(workers: usize) {
     let tmp = tempfile::tempdir().unwrap();
     let summary = tmp.path().join("s.json");
-    let out = trainerd_cmd()
-        .args(["local", "--workers", &workers.to_string(), "--epochs", "1", "--batch-size", "64", "--plugin"])
-        .arg(plugin("mnist-cnn"))
-        .arg("--data")
-        .arg(dataset())
-        .arg("--summary")
-        .arg(&summary)
-        .output()
-        .unwrap();
+    let out = RunArgs::new("mnist-cnn").epochs(1).batch(64).summary(&summary).local(workers).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("[worker 0] Epoch 1/1"), "{stdout}");
@@ -50,34 +42,17 @@ fn three_workers_train_mnist_cnn_to_85_percent_with_identical_parameters() {
 #[test]
 fn n_workers_follow_one_worker_with_n_times_the_batch() {
     let tmp = tempfile::tempdir().unwrap();
-    let common = |cmd: &mut Command| {
-        cmd.arg("--plugin").arg(plugin("linear")).arg("--data").arg(dataset()).args([
-            "--epochs",
-            "2",
-            "--steps-per-epoch",
-            "60",
-            "--seed",
-            "5",
-            "--threads",
-            "1",
-        ]);
-    };
+    let common = RunArgs::new("linear").epochs(2).steps(60).seed(5).threads(1);
     for workers in [2usize, 3] {
         let b = 32;
         let single = tmp.path().join(format!("single{workers}.jsonl"));
-        let mut cmd = trainerd_cmd();
-        cmd.arg("run").args(["--batch-size", &(b * workers).to_string()]).arg("--metrics-log").arg(&single);
-        common(&mut cmd);
-        let out = cmd.output().unwrap();
+        let one = common.clone().batch(b * workers as u32).set("--metrics-log", single.to_str().unwrap());
+        let out = one.command("run").output().unwrap();
         assert!(out.status.success(), "{}", text(&out));
 
         let multi = tmp.path().join(format!("multi{workers}.jsonl"));
-        let mut cmd = trainerd_cmd();
-        cmd.args(["local", "--workers", &workers.to_string(), "--batch-size", &b.to_string()])
-            .arg("--metrics-log")
-            .arg(&multi);
-        common(&mut cmd);
-        let out = cmd.output().unwrap();
+        let many = common.clone().batch(b).set("--metrics-log", multi.to_str().unwrap());
+        let out = many.local(workers).output().unwrap();
         assert!(out.status.success(), "{}", text(&out));
 
         let one = step_losses(&single);
@@ -94,15 +69,8 @@ fn n_workers_follow_one_worker_with_n_times_the_batch() {
 }
 
 fn spawn_worker(ports: &[u16], index: usize, extra: &[&str], env: &[(&str, &str)]) -> Child {
-    let mut cmd = trainerd_cmd();
-    cmd.args(["run", "--threads", "1", "--steps-per-epoch", "20", "--epochs", "1", "--plugin"])
-        .arg(plugin("test-fixture"))
-        .arg("--data")
-        .arg(dataset())
-        .args(extra)
-        .env("TF_CONFIG", tf_config(ports, index))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut cmd = RunArgs::new("test-fixture").threads(1).steps(20).epochs(1).extend(extra).command("run");
+    cmd.env("TF_CONFIG", tf_config(ports, index)).stdout(Stdio::piped()).stderr(Stdio::piped());
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -224,20 +192,15 @@ fn a_member_whose_chief_never_comes_names_it_after_the_deadline() {
 
 #[test]
 fn a_bad_tf_config_is_refused_naming_the_field() {
-    let out = trainerd_cmd()
-        .args(["run", "--plugin"])
-        .arg(plugin("linear"))
-        .arg("--data")
-        .arg(dataset())
+    let out = RunArgs::new("linear")
+        .command("run")
         .env("TF_CONFIG", r#"{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 4}}"#)
         .output()
         .unwrap();
     assert_eq!(error_line(&out), "error: TF_CONFIG: task index 4 is out of range: cluster.worker has 1 task");
-    let out = trainerd_cmd()
-        .args(["run", "--tf-config", "{\"cluster\": {\"ps\": [\"a:1\"], \"worker\": [\"b:1\"]}}", "--plugin"])
-        .arg(plugin("linear"))
-        .arg("--data")
-        .arg(dataset())
+    let out = RunArgs::new("linear")
+        .set("--tf-config", "{\"cluster\": {\"ps\": [\"a:1\"], \"worker\": [\"b:1\"]}}")
+        .command("run")
         .output()
         .unwrap();
     assert_eq!(
@@ -250,13 +213,7 @@ fn a_bad_tf_config_is_refused_naming_the_field() {
 #[test]
 fn local_stops_every_worker_when_one_fails() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = trainerd_cmd()
-        .args(["local", "--workers", "2", "--plugin"])
-        .arg(plugin("linear"))
-        .arg("--data")
-        .arg(tmp.path())
-        .output()
-        .unwrap();
+    let out = RunArgs::new("linear").data(tmp.path()).local(2).output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("trainerd local: worker "), "{err}");
@@ -265,12 +222,6 @@ fn local_stops_every_worker_when_one_fails() {
 
 #[test]
 fn local_refuses_a_tf_config_of_its_own() {
-    let out = trainerd_cmd()
-        .args(["local", "--workers", "2", "--tf-config", "{}", "--plugin"])
-        .arg(plugin("linear"))
-        .arg("--data")
-        .arg(dataset())
-        .output()
-        .unwrap();
+    let out = RunArgs::new("linear").set("--tf-config", "{}").local(2).output().unwrap();
     assert_eq!(error_of(&out), "error: trainerd local writes each worker's TF_CONFIG itself: remove --tf-config");
 }

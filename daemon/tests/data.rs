@@ -8,25 +8,25 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use trainerd_testkit::output::{error_line, error_of, json, params_sha256, stdout, text};
-use trainerd_testkit::{dataset, parquet_dataset, plugin, trainerd_cmd};
+use trainerd_testkit::{dataset, parquet_dataset, trainerd_cmd, RunArgs};
 
 fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// `trainerd local --workers N` (or `run` for `None`) of `plugin` on `data` with `extra` flags.
-fn train(workers: Option<usize>, plugin_name: &str, data: &Path, extra: &[&str]) -> Output {
-    let mut cmd = trainerd_cmd();
-    match workers {
-        Some(n) => cmd.args(["local", "--workers", &n.to_string()]),
-        None => cmd.arg("run"),
+/// `trainerd local --workers N` (or `run` for `None`) of `run` on one thread each.
+fn train(workers: Option<usize>, run: RunArgs) -> Output {
+    let run = run.threads(1);
+    let mut cmd = match workers {
+        Some(n) => run.local(n),
+        None => run.command("run"),
     };
-    cmd.args(["--threads", "1", "--plugin"]).arg(plugin(plugin_name)).arg("--data").arg(data).args(extra);
     cmd.output().unwrap()
 }
 
-fn strs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
+/// `plugin` on `data`.
+fn on(plugin_name: &str, data: &Path) -> RunArgs {
+    RunArgs::new(plugin_name).data(data)
 }
 
 fn ok(out: Output) -> Output {
@@ -38,15 +38,13 @@ fn ok(out: Output) -> Output {
 fn mnist_cnn_from_parquet_on_two_workers_reaches_the_in_memory_bar_with_the_idx_runs_parameters() {
     let tmp = tempfile::tempdir().unwrap();
     let s = |name: &str| tmp.path().join(name);
-    let args = |summary: &Path| -> Vec<String> {
-        ["--epochs", "1", "--batch-size", "64", "--seed", "3", "--summary", path(summary)].map(String::from).to_vec()
-    };
-    let parquet = ok(train(Some(2), "mnist-cnn", &parquet_dataset(), &strs(&args(&s("p.json")))));
+    let args = |data: &Path, summary: &Path| on("mnist-cnn", data).epochs(1).batch(64).seed(3).summary(summary);
+    let parquet = ok(train(Some(2), args(&parquet_dataset(), &s("p.json"))));
     let said = stdout(&parquet);
     assert!(said.contains("data: Parquet at "), "{said}");
     assert!(said.contains("(3 train file(s), 60,000 rows; 1 test file(s), 10,000 rows; fingerprint "), "{said}");
     assert!(said.contains("every epoch a uniform shuffle"), "{said}");
-    let idx = ok(train(Some(2), "mnist-cnn", &dataset(), &strs(&args(&s("i.json")))));
+    let idx = ok(train(Some(2), args(&dataset(), &s("i.json"))));
     assert!(stdout(&idx).contains("(the plugin's own format)"));
     let (p0, p1) = (json(&s("p.worker0.json")), json(&s("p.worker1.json")));
     let accuracy = p0["test_accuracy"].as_f64().unwrap();
@@ -80,16 +78,16 @@ fn global_batches(prefix: &Path, workers: usize) -> BTreeMap<u64, Vec<(u64, u64)
 #[test]
 fn two_and_four_workers_see_the_same_global_batches_of_a_windowed_shuffle() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = |workers: usize, batch: &str| {
+    let run = |workers: usize, batch: u32| {
         let dir = tmp.path().join(format!("w{workers}"));
         std::fs::create_dir_all(&dir).unwrap();
         let log = dir.join("ex.jsonl");
-        let extra = ["--epochs", "2", "--steps-per-epoch", "40", "--batch-size", batch, "--shuffle-window", "7000"];
-        ok(train(Some(workers), "linear", &parquet_dataset(), &[&extra[..], &["--log-examples", path(&log)]].concat()));
+        let run = on("linear", &parquet_dataset()).epochs(2).steps(40).batch(batch).set("--shuffle-window", 7000);
+        ok(train(Some(workers), run.set("--log-examples", path(&log))));
         global_batches(&log, workers)
     };
-    let two = run(2, "32");
-    let four = run(4, "16");
+    let two = run(2, 32);
+    let four = run(4, 16);
     assert_eq!(two.len(), 80);
     assert_eq!(two, four);
     let first: Vec<_> = two[&1].clone();
@@ -147,24 +145,26 @@ fn lines(file: &Path) -> Vec<String> {
 #[test]
 fn a_resume_at_every_step_around_an_epoch_boundary_is_exact() {
     let tmp = tempfile::tempdir().unwrap();
-    let args = |ckpt: &Path, summary: &Path, log: &Path| -> Vec<String> {
-        let fixed = ["--epochs", "2", "--steps-per-epoch", "8", "--batch-size", "50", "--shuffle-window", "3000"];
-        let mut v: Vec<String> = fixed.map(String::from).to_vec();
-        for (flag, p) in [("--checkpoint-dir", ckpt), ("--summary", summary), ("--log-examples", log)] {
-            v.extend([flag.to_string(), path(p).to_string()]);
-        }
-        v.extend(["--checkpoint-every", "1", "--keep-checkpoints", "0"].map(String::from));
-        v
+    let args = |ckpt: &Path, summary: &Path, log: &Path| {
+        on("linear", &parquet_dataset())
+            .epochs(2)
+            .steps(8)
+            .batch(50)
+            .set("--shuffle-window", 3000)
+            .checkpoints(ckpt, 1)
+            .summary(summary)
+            .set("--log-examples", path(log))
+            .set("--keep-checkpoints", 0)
     };
     let (ckpt, summary, log) = (tmp.path().join("ref"), tmp.path().join("ref.json"), tmp.path().join("ref.jsonl"));
-    ok(train(None, "linear", &parquet_dataset(), &strs(&args(&ckpt, &summary, &log))));
+    ok(train(None, args(&ckpt, &summary, &log)));
     let reference = lines(&log);
     assert_eq!(reference.len(), 16);
     for at in [5, 6, 7, 8, 9, 10] {
         let dir = tmp.path().join(format!("at{at}"));
         let sequence = cut_at(&ckpt, at, &dir.join("ckpt"));
         let (s, l) = (dir.join("s.json"), dir.join("ex.jsonl"));
-        let out = ok(train(None, "linear", &parquet_dataset(), &strs(&args(&dir.join("ckpt"), &s, &l))));
+        let out = ok(train(None, args(&dir.join("ckpt"), &s, &l)));
         let (epoch, step) = (at / 8 + 1, at % 8);
         assert!(
             stdout(&out).contains(&format!(
@@ -183,21 +183,19 @@ fn a_resume_at_every_step_around_an_epoch_boundary_is_exact() {
 fn a_checkpoint_resumes_on_another_worker_count_with_the_same_global_batch() {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");
-    let common = ["--epochs", "2", "--steps-per-epoch", "30", "--seed", "4", "--shuffle-window", "9000"];
+    let common = on("linear", &parquet_dataset()).epochs(2).steps(30).seed(4).set("--shuffle-window", 9000);
     let log = tmp.path().join("ex.jsonl");
     // Two workers of batch 32 train the first epoch (--epochs is part of the run configuration:
     // the commit of its end is taken from a copy of a two-epoch run, cut there).
-    let two = [&common[..], &["--batch-size", "32", "--checkpoint-every", "10", "--keep-checkpoints", "0"]].concat();
-    let two = [&two[..], &["--checkpoint-dir", path(&ckpt), "--log-examples", path(&log)]].concat();
-    ok(train(Some(2), "linear", &parquet_dataset(), &two));
+    let two = common.clone().batch(32).checkpoints(&ckpt, 10).set("--keep-checkpoints", 0);
+    ok(train(Some(2), two.set("--log-examples", path(&log))));
     let reference = global_batches(&log, 2);
     let cut = tmp.path().join("cut");
     cut_at(&ckpt, 40, &cut);
 
     let one_log = tmp.path().join("one.jsonl");
-    let one = [&common[..], &["--batch-size", "64", "--checkpoint-dir", path(&cut), "--log-examples", path(&one_log)]]
-        .concat();
-    let out = ok(train(None, "linear", &parquet_dataset(), &one));
+    let one = common.clone().batch(64).checkpoints(&cut, 0).set("--log-examples", path(&one_log));
+    let out = ok(train(None, one));
     assert!(
         stdout(&out).contains(
             "was written by 2 worker(s), this run has 1: the same global batches continue, but the gradients are summed \
@@ -222,12 +220,7 @@ fn a_checkpoint_resumes_on_another_worker_count_with_the_same_global_batch() {
     // Another global batch is refused (from a fresh copy: the resumed run committed into `cut`).
     let fresh = tmp.path().join("fresh");
     cut_at(&ckpt, 40, &fresh);
-    let out = train(
-        None,
-        "linear",
-        &parquet_dataset(),
-        &[&common[..], &["--batch-size", "32", "--checkpoint-dir", path(&fresh)]].concat(),
-    );
+    let out = train(None, common.batch(32).checkpoints(&fresh, 0));
     assert_eq!(
         error_of(&out),
         format!(
@@ -272,15 +265,9 @@ fn a_dataset_several_times_larger_than_the_memory_bound_streams_within_it() {
     assert!(dir_bytes(&big) > 4 * bound, "{} bytes", dir_bytes(&big));
     let run = |data: &Path, name: &str| {
         let summary = tmp.path().join(name);
-        let mut cmd = trainerd_cmd();
-        cmd.args(["run", "--threads", "1", "--epochs", "1", "--batch-size", "256", "--shuffle-window", "4096"])
-            .arg("--plugin")
-            .arg(plugin("test-fixture"))
-            .arg("--data")
-            .arg(data)
-            .arg("--summary")
-            .arg(&summary)
-            .env("TRAINERD_FIXTURE_COLUMNS", PIXELS);
+        let run = RunArgs::new("test-fixture").threads(1).epochs(1).batch(256).set("--shuffle-window", 4096);
+        let mut cmd = run.data(data).summary(&summary).command("run");
+        cmd.env("TRAINERD_FIXTURE_COLUMNS", PIXELS);
         ok(cmd.output().unwrap());
         json(&summary)
     };
@@ -308,8 +295,7 @@ fn bad_datasets_are_refused_before_training_naming_the_file() {
     let first = data.join("train-00000-of-00003.parquet");
 
     // A plugin without columns.
-    let mut cmd = trainerd_cmd();
-    cmd.args(["run", "--plugin"]).arg(plugin("test-fixture")).arg("--data").arg(&data);
+    let mut cmd = RunArgs::new("test-fixture").data(&data).command("run");
     let out = cmd.env("TRAINERD_FIXTURE_COLUMNS", "none").output().unwrap();
     assert_eq!(
         error_of(&out),
@@ -320,8 +306,7 @@ fn bad_datasets_are_refused_before_training_naming_the_file() {
         )
     );
     // Columns the files do not have.
-    let mut cmd = trainerd_cmd();
-    cmd.args(["run", "--plugin"]).arg(plugin("test-fixture")).arg("--data").arg(&data);
+    let mut cmd = RunArgs::new("test-fixture").data(&data).command("run");
     let out = cmd.env("TRAINERD_FIXTURE_COLUMNS", PIXELS).output().unwrap();
     assert_eq!(
         error_of(&out),
@@ -340,7 +325,7 @@ t = pa.table({'image': image, 'label': pa.array([1], pa.int64())})\n\
 for s in ('train', 'test'):\n    pq.write_table(t, f'{sys.argv[1]}/{s}-00000-of-00001.parquet', compression='brotli')";
     let made = Command::new("python3").args(["-c", script]).arg(&brotli).output().unwrap();
     assert!(made.status.success(), "{}", text(&made));
-    let out = train(None, "linear", &brotli, &[]);
+    let out = train(None, on("linear", &brotli));
     assert_eq!(
         error_of(&out),
         format!(
@@ -352,7 +337,7 @@ for s in ('train', 'test'):\n    pq.write_table(t, f'{sys.argv[1]}/{s}-00000-of-
     );
     // A missing shard.
     std::fs::rename(data.join("train-00001-of-00003.parquet"), tmp.path().join("away")).unwrap();
-    let out = train(None, "linear", &data, &[]);
+    let out = train(None, on("linear", &data));
     assert_eq!(
         error_of(&out),
         format!(
@@ -364,7 +349,7 @@ for s in ('train', 'test'):\n    pq.write_table(t, f'{sys.argv[1]}/{s}-00000-of-
     // A damaged row group: one clear error naming the file and the row group.
     let damaged = data.join("train-00002-of-00003.parquet");
     damage_row_group(&damaged, 7);
-    let out = train(None, "linear", &data, &["--epochs", "1"]);
+    let out = train(None, on("linear", &data).epochs(1));
     let line = error_line(&out);
     assert_eq!(out.status.code(), Some(1));
     assert!(line.starts_with(&format!("error: data file {}, row group 7: ", damaged.display())), "{line}");
@@ -437,7 +422,7 @@ for name, (prefix, n) in split.items():
     assert!(said.contains("train: 3,000 rows in 1 file(s), 30 row groups, "), "{said}");
     assert!(said.contains("  image: struct<bytes: binary, path: string>\n  label: int64\n"), "{said}");
     let summary = tmp.path().join("s.json");
-    ok(train(None, "mnist-cnn", &data, &["--epochs", "1", "--summary", path(&summary)]));
+    ok(train(None, on("mnist-cnn", &data).epochs(1).summary(&summary)));
     let s = json(&summary);
     assert_eq!(s["steps"], 3000 / 64);
     assert!(s["test_accuracy"].as_f64().unwrap() > 0.5, "{s}");
@@ -453,8 +438,8 @@ fn a_dataset_without_a_test_split_trains_without_evaluation_only_when_asked() {
     let test = data.join("test-00000-of-00001.parquet");
     let away = tmp.path().join("test.parquet");
     std::fs::rename(&test, &away).unwrap();
-    let short = ["--epochs", "1", "--steps-per-epoch", "20"];
-    let out = train(None, "linear", &data, &short);
+    let short = |data: &Path| on("linear", data).epochs(1).steps(20);
+    let out = train(None, short(&data));
     assert_eq!(
         error_of(&out),
         format!(
@@ -464,8 +449,7 @@ fn a_dataset_without_a_test_split_trains_without_evaluation_only_when_asked() {
         )
     );
     let summary = tmp.path().join("s.json");
-    let out =
-        ok(train(None, "linear", &data, &[&short[..], &["--no-evaluation", "--summary", path(&summary)]].concat()));
+    let out = ok(train(None, short(&data).on("--no-evaluation").summary(&summary)));
     let said = stdout(&out);
     assert!(said.contains("; no evaluation (--no-evaluation); fingerprint "), "{said}");
     let last = said.lines().find(|l| l.starts_with("20/20 - ")).unwrap_or_else(|| panic!("{said}"));
@@ -476,13 +460,13 @@ fn a_dataset_without_a_test_split_trains_without_evaluation_only_when_asked() {
 
     // The validation split serves where there is no test split.
     std::fs::rename(&away, data.join("validation-00000-of-00001.parquet")).unwrap();
-    let out = ok(train(None, "linear", &data, &[&short[..], &["--summary", path(&summary)]].concat()));
+    let out = ok(train(None, short(&data).summary(&summary)));
     assert!(
         stdout(&out).contains("; 1 validation file(s), 10,000 rows, evaluated as the test split; "),
         "{}",
         stdout(&out)
     );
     let reference = tmp.path().join("r.json");
-    ok(train(None, "linear", &parquet_dataset(), &[&short[..], &["--summary", path(&reference)]].concat()));
+    ok(train(None, short(&parquet_dataset()).summary(&reference)));
     assert_eq!(json(&summary)["test_loss"], json(&reference)["test_loss"], "the same rows evaluated");
 }

@@ -8,27 +8,20 @@ use std::process::{Child, Command, Output, Stdio};
 
 use trainerd_storage::{tensors, TensorData};
 use trainerd_testkit::output::{error_of, json, stdout, text};
-use trainerd_testkit::{dataset, free_ports, plugin, tf_config, trainerd_cmd};
+use trainerd_testkit::{free_ports, tf_config, trainerd_cmd, RunArgs};
 
-/// `trainerd run` of `plugin` on Fashion-MNIST with `extra` flags.
-fn run(plugin_name: &str, extra: &[&str], fault: Option<&str>) -> Output {
-    let mut cmd = trainerd_cmd();
-    cmd.args(["run", "--threads", "2", "--plugin"]).arg(plugin(plugin_name)).arg("--data").arg(dataset());
-    cmd.args(extra);
+/// `trainerd run` of `run` on two threads.
+fn run(run: RunArgs, fault: Option<&str>) -> Output {
+    let mut cmd = run.threads(2).command("run");
     if let Some(f) = fault {
         cmd.env("TRAINERD_FIXTURE_FAULT", f);
     }
     cmd.output().unwrap()
 }
 
-/// `trainerd local --workers N` of `plugin` with `extra` flags (one thread per worker).
-fn local(workers: usize, plugin_name: &str, extra: &[&str], fault: Option<&str>) -> Output {
-    let mut cmd = trainerd_cmd();
-    cmd.args(["local", "--workers", &workers.to_string(), "--threads", "1", "--plugin"])
-        .arg(plugin(plugin_name))
-        .arg("--data")
-        .arg(dataset())
-        .args(extra);
+/// `trainerd local --workers N` of `run` (one thread per worker).
+fn local(workers: usize, run: RunArgs, fault: Option<&str>) -> Output {
+    let mut cmd = run.threads(1).local(workers);
     if let Some(f) = fault {
         cmd.env("TRAINERD_FIXTURE_FAULT", f);
     }
@@ -55,13 +48,10 @@ fn tensor<'a>(ts: &'a [TensorData], name: &str) -> &'a TensorData {
 fn a_batchnorm_and_dropout_model_trains_as_well_as_the_tutorial_cnn_alone_and_on_two_workers() {
     let tmp = tempfile::tempdir().unwrap();
     let s = |name: &str| tmp.path().join(name);
-    let budget = ["--epochs", "1", "--steps-per-epoch", "300", "--batch-size", "64"];
-    fn with<'a>(budget: &[&'a str], summary: &'a Path) -> Vec<&'a str> {
-        [budget, &["--summary", path(summary)]].concat()
-    }
-    let cnn = run("mnist-cnn", &with(&budget, &s("cnn.json")), None);
+    let budget = |name: &str| RunArgs::new(name).epochs(1).steps(300).batch(64);
+    let cnn = run(budget("mnist-cnn").summary(s("cnn.json")), None);
     assert!(cnn.status.success(), "{}", text(&cnn));
-    let bn = run("mnist-bn", &with(&budget, &s("bn.json")), None);
+    let bn = run(budget("mnist-bn").summary(s("bn.json")), None);
     assert!(bn.status.success(), "{}", text(&bn));
     let cnn_accuracy = json(&s("cnn.json"))["test_accuracy"].as_f64().unwrap();
     let bn_alone = json(&s("bn.json"));
@@ -70,19 +60,14 @@ fn a_batchnorm_and_dropout_model_trains_as_well_as_the_tutorial_cnn_alone_and_on
 
     // Two workers, the same examples (half the steps of twice the batch): the same accuracy, and
     // identical parameters and BatchNorm statistics on both.
-    let two = local(
-        2,
-        "mnist-bn",
-        &[&budget[..2], &["--steps-per-epoch", "150", "--summary", path(&s("bn2.json"))]].concat(),
-        None,
-    );
+    let two = local(2, RunArgs::new("mnist-bn").epochs(1).steps(150).summary(s("bn2.json")), None);
     assert!(two.status.success(), "{}", text(&two));
     let (w0, w1) = (json(&s("bn2.worker0.json")), json(&s("bn2.worker1.json")));
     assert_eq!(w0["params_sha256"], w1["params_sha256"], "the replicas (buffers included) differ");
     let accuracy = w0["test_accuracy"].as_f64().unwrap();
     assert!(accuracy >= cnn_accuracy - 0.01, "two workers: mnist-bn {accuracy}, mnist-cnn alone {cnn_accuracy}");
     // Same seed, same everything: the dropout masks and statistics repeat exactly.
-    let again = run("mnist-bn", &with(&budget, &s("again.json")), None);
+    let again = run(budget("mnist-bn").summary(s("again.json")), None);
     assert!(again.status.success(), "{}", text(&again));
     assert_eq!(json(&s("again.json"))["params_sha256"], bn_alone["params_sha256"]);
 }
@@ -92,23 +77,14 @@ fn tensorboard_reads_the_scalars_and_the_epoch_line_shows_the_learning_rate() {
     let tmp = tempfile::tempdir().unwrap();
     let (tb, summary) = (tmp.path().join("tb"), tmp.path().join("s.json"));
     let out = run(
-        "linear",
-        &[
-            "--epochs",
-            "2",
-            "--steps-per-epoch",
-            "40",
-            "--lr-schedule",
-            "step:40:0.1",
-            "--lr",
-            "0.1",
-            "--tensorboard-dir",
-            path(&tb),
-            "--tensorboard-every",
-            "10",
-            "--summary",
-            path(&summary),
-        ],
+        RunArgs::new("linear")
+            .epochs(2)
+            .steps(40)
+            .set("--lr-schedule", "step:40:0.1")
+            .set("--lr", 0.1)
+            .set("--tensorboard-dir", path(&tb))
+            .set("--tensorboard-every", 10)
+            .summary(&summary),
         None,
     );
     assert!(out.status.success(), "{}", text(&out));
@@ -117,7 +93,7 @@ fn tensorboard_reads_the_scalars_and_the_epoch_line_shows_the_learning_rate() {
     assert!(ends[0].contains(" - learning_rate: 0.1000 - "), "{}", ends[0]);
     assert!(ends[1].contains(" - learning_rate: 0.0100 - "), "{}", ends[1]);
     // A constant rate is not repeated on every line (Keras's PrintLR is for schedules).
-    let constant = run("linear", &["--epochs", "1", "--steps-per-epoch", "5"], None);
+    let constant = run(RunArgs::new("linear").epochs(1).steps(5), None);
     assert!(!stdout(&constant).contains("learning_rate"), "{}", stdout(&constant));
 
     // TensorBoard's own reader, from the tensorboard package.
@@ -153,35 +129,23 @@ print(json.dumps(out))
     assert!((last(&train["epoch_loss"]) - s["final_train_loss"].as_f64().unwrap()).abs() < 1e-6);
 }
 
-fn evaluate(extra: &[&str], plugin_name: &str) -> Command {
-    let mut cmd = trainerd_cmd();
-    cmd.args(["evaluate", "--threads", "1", "--plugin"])
-        .arg(plugin(plugin_name))
-        .arg("--data")
-        .arg(dataset())
-        .args(extra);
-    cmd
+/// `trainerd evaluate` of `plugin` on one thread, the commits in `ckpt`.
+fn evaluate(plugin_name: &str, ckpt: &Path) -> RunArgs {
+    RunArgs::new(plugin_name).threads(1).set("--checkpoint", path(ckpt))
 }
 
 #[test]
 fn evaluate_gives_the_runs_test_figures_alone_sharded_and_for_an_older_commit() {
     let tmp = tempfile::tempdir().unwrap();
     let (ckpt, summary) = (tmp.path().join("ckpt"), tmp.path().join("s.json"));
-    let flags = ["--epochs", "1", "--steps-per-epoch", "60", "--batch-size", "50", "--checkpoint-every", "25"];
-    let out = local(
-        2,
-        "mnist-bn",
-        &[&flags[..], &["--checkpoint-dir", path(&ckpt), "--summary", path(&summary)]].concat(),
-        None,
-    );
+    let flags = RunArgs::new("mnist-bn").epochs(1).steps(60).batch(50).checkpoints(&ckpt, 25);
+    let out = local(2, flags.summary(&summary), None);
     assert!(out.status.success(), "{}", text(&out));
     let trained = json(&tmp.path().join("s.worker0.json"));
 
     // Alone, the newest commit (the end of the run): the run's own figures.
     let alone = tmp.path().join("alone.json");
-    let out = evaluate(&["--checkpoint", path(&ckpt), "--batch-size", "50", "--summary", path(&alone)], "mnist-bn")
-        .output()
-        .unwrap();
+    let out = evaluate("mnist-bn", &ckpt).batch(50).summary(&alone).command("evaluate").output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     assert!(stdout(&out).contains("trainerd: evaluating checkpoint 3 of "), "{}", stdout(&out));
     let alone = json(&alone);
@@ -197,7 +161,10 @@ fn evaluate_gives_the_runs_test_figures_alone_sharded_and_for_an_older_commit() 
     let members: Vec<Child> = (0..2)
         .map(|i| {
             let out = tmp.path().join(format!("shard{i}.json"));
-            evaluate(&["--checkpoint", path(&ckpt), "--sequence", "1", "--summary", path(&out)], "mnist-bn")
+            evaluate("mnist-bn", &ckpt)
+                .set("--sequence", 1)
+                .summary(&out)
+                .command("evaluate")
                 .env("TF_CONFIG", tf_config(&ports, i))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -221,12 +188,12 @@ fn evaluate_gives_the_runs_test_figures_alone_sharded_and_for_an_older_commit() 
 
     // What goes wrong is named.
     let empty = tmp.path().join("empty");
-    let out = evaluate(&["--checkpoint", path(&empty)], "mnist-bn").output().unwrap();
+    let out = evaluate("mnist-bn", &empty).command("evaluate").output().unwrap();
     assert_eq!(
         error_of(&out),
         format!("error: checkpoint: {}: no checkpoint has been committed there", empty.display())
     );
-    let out = evaluate(&["--checkpoint", path(&ckpt)], "mnist-cnn").output().unwrap();
+    let out = evaluate("mnist-cnn", &ckpt).command("evaluate").output().unwrap();
     let version = env!("CARGO_PKG_VERSION");
     assert_eq!(
         error_of(&out),
@@ -242,12 +209,8 @@ fn workers_whose_shards_differ_are_refused_naming_both_counts() {
     let ports = free_ports(2);
     let workers: Vec<Child> = (0..2)
         .map(|i| {
-            let mut cmd = trainerd_cmd();
-            cmd.args(["run", "--threads", "1", "--epochs", "1", "--batch-size", "100", "--plugin"])
-                .arg(plugin("test-fixture"))
-                .arg("--data")
-                .arg(dataset())
-                .env("TF_CONFIG", tf_config(&ports, i))
+            let mut cmd = RunArgs::new("test-fixture").threads(1).epochs(1).batch(100).command("run");
+            cmd.env("TF_CONFIG", tf_config(&ports, i))
                 .env("TRAINERD_FIXTURE_FAULT", "uneven-shards")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
@@ -271,15 +234,10 @@ fn workers_whose_shards_differ_are_refused_naming_both_counts() {
 fn an_unused_parameter_stays_put_with_one_worker_and_with_two() {
     let tmp = tempfile::tempdir().unwrap();
     // Weight decay would move a parameter that got a zero gradient: an unused one must get none.
-    let flags = ["--epochs", "1", "--steps-per-epoch", "20", "--optimizer", "sgd", "--weight-decay", "0.1"];
+    let flags = RunArgs::new("test-fixture").epochs(1).steps(20).set("--optimizer", "sgd").set("--weight-decay", 0.1);
     for workers in [1, 2] {
         let ckpt = tmp.path().join(format!("ckpt{workers}"));
-        let out = local(
-            workers,
-            "test-fixture",
-            &[&flags[..], &["--checkpoint-dir", path(&ckpt)]].concat(),
-            Some("unused-param"),
-        );
+        let out = local(workers, flags.clone().checkpoints(&ckpt, 0), Some("unused-param"));
         assert!(out.status.success(), "{}", text(&out));
         let model = exported(&ckpt);
         let unused = tensor(&model, "model.unused");
@@ -297,9 +255,8 @@ fn an_unused_parameter_stays_put_with_one_worker_and_with_two() {
 fn float64_and_int64_buffers_stay_exact_and_identical_on_every_worker() {
     let tmp = tempfile::tempdir().unwrap();
     let (ckpt, summary) = (tmp.path().join("ckpt"), tmp.path().join("s.json"));
-    let flags =
-        ["--epochs", "2", "--steps-per-epoch", "15", "--checkpoint-dir", path(&ckpt), "--summary", path(&summary)];
-    let out = local(2, "test-fixture", &flags, Some("typed-buffers"));
+    let flags = RunArgs::new("test-fixture").epochs(2).steps(15).checkpoints(&ckpt, 0);
+    let out = local(2, flags.clone().summary(&summary), Some("typed-buffers"));
     assert!(out.status.success(), "{}", text(&out));
     let (w0, w1) = (json(&tmp.path().join("s.worker0.json")), json(&tmp.path().join("s.worker1.json")));
     assert_eq!(w0["params_sha256"], w1["params_sha256"]);
@@ -316,12 +273,7 @@ fn float64_and_int64_buffers_stay_exact_and_identical_on_every_worker() {
 
     // A run resumed from that checkpoint continues with the same state (it is the end: nothing to
     // train, the same parameters and buffers).
-    let again = local(
-        2,
-        "test-fixture",
-        &[&flags[..6], &["--summary", path(&tmp.path().join("r.json"))]].concat(),
-        Some("typed-buffers"),
-    );
+    let again = local(2, flags.summary(tmp.path().join("r.json")), Some("typed-buffers"));
     assert!(again.status.success(), "{}", text(&again));
     assert_eq!(json(&tmp.path().join("r.worker0.json"))["params_sha256"], w0["params_sha256"]);
 }
@@ -399,13 +351,13 @@ print(json.dumps({"total": total, "grads": [p.grad.numpy().tobytes().hex() for p
 fn a_clipped_run_logs_each_steps_gradient_norm() {
     let tmp = tempfile::tempdir().unwrap();
     let log = tmp.path().join("metrics.jsonl");
-    let common = ["--epochs", "1", "--steps-per-epoch", "30", "--no-evaluation"];
-    let clipped = run("linear", &[&common[..], &["--clip-norm", "0.1", "--metrics-log", path(&log)]].concat(), None);
+    let common = RunArgs::new("linear").epochs(1).steps(30).on("--no-evaluation");
+    let clipped = run(common.clone().set("--clip-norm", 0.1).set("--metrics-log", path(&log)), None);
     assert!(clipped.status.success(), "{}", text(&clipped));
     let lines = trainerd_testkit::output::metrics_log(&log);
     assert_eq!(lines.len(), 30);
     assert!(lines.iter().all(|l| l["grad_norm"].as_f64().is_some_and(|n| n > 0.1)), "{:?}", lines[0]);
-    let free = run("linear", &common, None);
+    let free = run(common, None);
     let sha =
         |o: &Output| stdout(o).lines().last().unwrap_or_default().rsplit(' ').next().unwrap_or_default().to_string();
     assert_ne!(sha(&clipped), sha(&free), "{}\n{}", text(&clipped), text(&free));
@@ -442,13 +394,12 @@ fn killed_at_step(cmd: &mut Command, step: u64, (ckpt, sequence): (&Path, u64)) 
 /// than 0.001 an epoch, so `--early-stopping val_loss:2:0.001` stops it after epoch 3; `extra`
 /// flags and `env` added.
 fn barely_learning(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut cmd = trainerd_cmd();
-    cmd.args(["run", "--threads", "1", "--plugin"]).arg(plugin("linear")).arg("--data").arg(dataset());
-    let epochs = if extra.contains(&"--epochs") { &[][..] } else { &["--epochs", "8"][..] };
-    cmd.args(epochs).args(["--steps-per-epoch", "20", "--optimizer", "sgd", "--lr", "1e-9"]);
-    cmd.args(["--early-stopping", "val_loss:2:0.001", "--checkpoint-every", "10"]);
-    cmd.arg("--checkpoint-dir").arg(dir.join("ckpt")).arg("--summary").arg(dir.join("summary.json"));
-    cmd.args(extra).envs(env.iter().copied());
+    let run = RunArgs::new("linear").threads(1);
+    let run = if extra.contains(&"--epochs") { run } else { run.epochs(8) };
+    let run = run.steps(20).optimizer("sgd", 1e-9).set("--early-stopping", "val_loss:2:0.001");
+    let run = run.checkpoints(dir.join("ckpt"), 10).summary(dir.join("summary.json")).extend(extra);
+    let mut cmd = run.command("run");
+    cmd.envs(env.iter().copied());
     cmd
 }
 
@@ -513,18 +464,14 @@ fn a_plateau_reduces_the_learning_rate_and_the_epoch_line_shows_it() {
 fn bf16_trains_as_well_as_fp32_and_a_killed_bf16_run_resumes_bitwise() {
     let tmp = tempfile::tempdir().unwrap();
     let s = |name: &str| tmp.path().join(name);
-    let budget = ["--epochs", "1", "--steps-per-epoch", "300", "--batch-size", "64"];
-    let fp32 = run("mnist-cnn", &[&budget[..], &["--summary", path(&s("fp32.json"))]].concat(), None);
+    let budget = RunArgs::new("mnist-cnn").epochs(1).steps(300).batch(64);
+    let fp32 = run(budget.clone().summary(s("fp32.json")), None);
     assert!(fp32.status.success(), "{}", text(&fp32));
-    let bf16_args = |name: &str| -> Vec<String> {
-        let mut args: Vec<String> = budget.iter().map(|a| a.to_string()).collect();
-        args.extend(["--precision", "bf16", "--checkpoint-every", "100", "--summary"].map(String::from));
-        args.push(s(&format!("{name}.json")).display().to_string());
-        args.extend(["--checkpoint-dir".to_string(), s(&format!("{name}-ckpt")).display().to_string()]);
-        args
+    let bf16_args = |name: &str| {
+        let bf16 = budget.clone().set("--precision", "bf16").summary(s(&format!("{name}.json")));
+        bf16.checkpoints(s(&format!("{name}-ckpt")), 100)
     };
-    let whole = bf16_args("bf16");
-    let bf16 = run("mnist-cnn", &whole.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    let bf16 = run(bf16_args("bf16"), None);
     assert!(bf16.status.success(), "{}", text(&bf16));
     assert!(stdout(&bf16).contains("trainerd: mixed precision: the forward pass under autocast to bfloat16"));
     let (a, b) = (json(&s("fp32.json")), json(&s("bf16.json")));
@@ -534,11 +481,9 @@ fn bf16_trains_as_well_as_fp32_and_a_killed_bf16_run_resumes_bitwise() {
     assert_ne!(a["params_sha256"], b["params_sha256"], "bf16 computed in float32");
 
     // Killed at step 150 (after the commit of step 100), then resumed.
-    let killed = bf16_args("killed");
-    let mut cmd = trainerd_cmd();
-    cmd.args(["run", "--threads", "2", "--plugin"]).arg(plugin("mnist-cnn")).arg("--data").arg(dataset());
-    killed_at_step(cmd.args(&killed), 150, (&s("killed-ckpt"), 1));
-    let resumed = run("mnist-cnn", &killed.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    let killed = bf16_args("killed").threads(2);
+    killed_at_step(&mut killed.command("run"), 150, (&s("killed-ckpt"), 1));
+    let resumed = run(killed, None);
     assert!(resumed.status.success(), "{}", text(&resumed));
     assert!(stdout(&resumed).contains("resumed from checkpoint"), "{}", text(&resumed));
     assert_eq!(json(&s("killed.json"))["params_sha256"], b["params_sha256"]);
@@ -548,7 +493,7 @@ fn bf16_trains_as_well_as_fp32_and_a_killed_bf16_run_resumes_bitwise() {
 /// CPU's.
 #[test]
 fn fp16_on_the_cpu_is_refused_naming_bf16() {
-    let out = run("linear", &["--precision", "fp16", "--device", "cpu"], None);
+    let out = run(RunArgs::new("linear").set("--precision", "fp16").set("--device", "cpu"), None);
     assert_eq!(
         error_of(&out),
         "error: --precision fp16 needs CUDA: float16 with loss scaling is for GPUs' tensor cores; train with \

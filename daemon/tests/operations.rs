@@ -11,20 +11,17 @@ use std::time::{Duration, Instant};
 
 use trainerd_testkit::notify::NotifySocket;
 use trainerd_testkit::output::{error_line, error_of, text};
-use trainerd_testkit::{dataset, free_ports, plugin, tf_config, trainerd_cmd};
+use trainerd_testkit::{dataset, free_ports, plugin, tf_config, trainerd_cmd, RunArgs};
 
 /// A `trainerd run` of the fixture plugin: `steps` steps per epoch, one thread.
-fn run_cmd(steps: u32, epochs: u32) -> Command {
-    let mut cmd = trainerd_cmd();
-    cmd.args(["run", "--threads", "1", "--steps-per-epoch", &steps.to_string(), "--epochs", &epochs.to_string()])
-        .arg("--plugin")
-        .arg(plugin("test-fixture"))
-        .arg("--data")
-        .arg(dataset())
-        .env_remove("TF_CONFIG")
-        .env_remove("NOTIFY_SOCKET")
-        .env_remove("WATCHDOG_USEC")
-        .env_remove("JOURNAL_STREAM");
+fn fixture(steps: u64, epochs: u32) -> RunArgs {
+    RunArgs::new("test-fixture").threads(1).steps(steps).epochs(epochs)
+}
+
+/// `trainerd run` of `run`, in an environment without a cluster or systemd of the test's.
+fn run_cmd(run: RunArgs) -> Command {
+    let mut cmd = run.command("run");
+    cmd.env_remove("TF_CONFIG").env_remove("NOTIFY_SOCKET").env_remove("WATCHDOG_USEC").env_remove("JOURNAL_STREAM");
     cmd
 }
 
@@ -102,7 +99,8 @@ fn systemd_sees_ready_status_watchdog_and_stopping_in_order() {
     // STATUS is sent at most once a second: the run must train well over a second after READY
     // for a status naming an epoch to come (3 epochs of the fixture took ~1.3 s, and lost that
     // race about once in ten runs).
-    let out = run_cmd(2000, 6).env("NOTIFY_SOCKET", &socket.path).env("WATCHDOG_USEC", "200000").output().unwrap();
+    let out =
+        run_cmd(fixture(2000, 6)).env("NOTIFY_SOCKET", &socket.path).env("WATCHDOG_USEC", "200000").output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     std::thread::sleep(Duration::from_millis(100));
     let m = socket.messages().to_vec();
@@ -124,7 +122,7 @@ fn systemd_sees_ready_status_watchdog_and_stopping_in_order() {
 fn sigterm_sends_stopping_and_a_hung_step_stops_the_pings() {
     // SIGTERM: STOPPING at once, then a clean exit.
     let mut socket = NotifySocket::new();
-    let mut child = run_cmd(2000, 20)
+    let mut child = run_cmd(fixture(2000, 20))
         .env("NOTIFY_SOCKET", &socket.path)
         .env("WATCHDOG_USEC", "200000")
         .stdout(Stdio::null())
@@ -140,7 +138,7 @@ fn sigterm_sends_stopping_and_a_hung_step_stops_the_pings() {
     // A step that never ends (the failpoint holds it, as a stuck kernel would): the pings stop
     // within the stall period, and /healthz says so, while the process lives on.
     let mut socket = NotifySocket::new();
-    let mut child = run_cmd(2000, 1)
+    let mut child = run_cmd(fixture(2000, 1))
         .args(["--metrics-addr", "127.0.0.1:0"])
         .env("NOTIFY_SOCKET", &socket.path)
         .env("WATCHDOG_USEC", "400000")
@@ -179,7 +177,7 @@ fn a_frozen_peer_stops_pinging_while_the_survivor_pings_through_its_bounded_wait
     let mut workers: Vec<Child> = (0..2)
         .map(|i| {
             let (out, err) = logs.files(i);
-            run_cmd(2000, 5)
+            run_cmd(fixture(2000, 5))
                 .env("TF_CONFIG", tf_config(&ports, i))
                 .env("NOTIFY_SOCKET", &sockets[i].path)
                 .env("WATCHDOG_USEC", "400000")
@@ -273,10 +271,14 @@ fn metrics_are_scraped_during_training_and_parse_as_openmetrics() {
     // while the test scrapes it.
     let mut workers: Vec<Child> = (0..2)
         .map(|i| {
-            let mut cmd = run_cmd(300, 3);
+            let mut run = fixture(300, 3);
             if i == 0 {
-                cmd.args(["--metrics-addr", "127.0.0.1:0", "--metrics-token-file"]).arg(&token_file);
-                cmd.args(["--checkpoint-every", "100", "--checkpoint-dir"]).arg(dir.path().join("ckpt"));
+                run =
+                    run.set("--metrics-addr", "127.0.0.1:0").set("--metrics-token-file", token_file.to_str().unwrap());
+                run = run.checkpoints(dir.path().join("ckpt"), 100);
+            }
+            let mut cmd = run_cmd(run);
+            if i == 0 {
                 cmd.env("TRAINERD_FAILPOINT", "train-step@611");
             }
             cmd.env("TF_CONFIG", tf_config(&ports, i)).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
@@ -358,9 +360,7 @@ fn clients_without_the_secret_are_refused_on_every_port_and_learn_nothing() {
     let wrong = secret(dir.path(), "other", "another-cluster-secret-987654321\n");
     let ports = free_ports(2);
     let spawn = |i: usize, file: &Path, timeout: &str| {
-        run_cmd(60, 1)
-            .args(["--rendezvous-timeout", timeout, "--secret-file"])
-            .arg(file)
+        run_cmd(fixture(60, 1).set("--rendezvous-timeout", timeout).set("--secret-file", file.to_str().unwrap()))
             .env("TF_CONFIG", tf_config(&ports, i))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -409,7 +409,7 @@ fn clusters_across_hosts_need_a_secret_and_files_others_can_write_are_refused() 
     let dir = tempfile::tempdir().unwrap();
     let cluster =
         r#"{"cluster": {"worker": ["127.0.0.1:1", "192.0.2.7:2222"]}, "task": {"type": "worker", "index": 0}}"#;
-    let out = run_cmd(1, 1).env("TF_CONFIG", cluster).output().unwrap();
+    let out = run_cmd(fixture(1, 1)).env("TF_CONFIG", cluster).output().unwrap();
     assert_eq!(
         error_of(&out),
         "error: TF_CONFIG puts worker 1 at 192.0.2.7:2222, which is not a loopback address: a cluster across hosts \
@@ -419,7 +419,8 @@ fn clusters_across_hosts_need_a_secret_and_files_others_can_write_are_refused() 
     let open = dir.path().join("secret");
     std::fs::write(&open, "the-cluster-secret-0123456789").unwrap();
     std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    let out = run_cmd(1, 1).env("TF_CONFIG", cluster).arg("--secret-file").arg(&open).output().unwrap();
+    let out =
+        run_cmd(fixture(1, 1).set("--secret-file", open.to_str().unwrap())).env("TF_CONFIG", cluster).output().unwrap();
     assert_eq!(
         error_of(&out),
         format!("error: --secret-file {0}: every user can read it (mode 0644); run `chmod 600 {0}`", open.display())
@@ -428,7 +429,7 @@ fn clusters_across_hosts_need_a_secret_and_files_others_can_write_are_refused() 
     let copy = dir.path().join("libtest_fixture.so");
     std::fs::copy(plugin("test-fixture"), &copy).unwrap();
     std::fs::set_permissions(&copy, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    let out = trainerd_cmd().args(["run", "--data"]).arg(dataset()).arg("--plugin").arg(&copy).output().unwrap();
+    let out = RunArgs::with_plugin(&copy).command("run").output().unwrap();
     assert_eq!(
         error_of(&out),
         format!(
@@ -439,7 +440,7 @@ fn clusters_across_hosts_need_a_secret_and_files_others_can_write_are_refused() 
     );
     let out = trainerd_cmd().args(["plugin", "check"]).arg(&copy).output().unwrap();
     assert!(!out.status.success() && text(&out).contains("refused: every user can write it"), "{}", text(&out));
-    let out = run_cmd(1, 1).args(["--metrics-addr", "0.0.0.0:0"]).output().unwrap();
+    let out = run_cmd(fixture(1, 1).set("--metrics-addr", "0.0.0.0:0")).output().unwrap();
     assert_eq!(
         error_of(&out),
         "error: --metrics-addr 0.0.0.0:0 is not a loopback address: give --metrics-token-file so that only your \
@@ -451,7 +452,7 @@ fn clusters_across_hosts_need_a_secret_and_files_others_can_write_are_refused() 
 fn nothing_written_to_a_pipe_or_the_journal_holds_an_escape_code() {
     let ports = free_ports(1);
     // One worker in a TF_CONFIG cluster with --insecure: a warning on standard error.
-    let out = run_cmd(30, 1).arg("--insecure").env("TF_CONFIG", tf_config(&ports, 0)).output().unwrap();
+    let out = run_cmd(fixture(30, 1).on("--insecure")).env("TF_CONFIG", tf_config(&ports, 0)).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let all = text(&out);
     assert!(all.contains("WARN trainerd: --insecure: the cluster's ports accept anyone"), "{all}");
@@ -463,8 +464,7 @@ fn nothing_written_to_a_pipe_or_the_journal_holds_an_escape_code() {
     let err_file = std::fs::File::create(&err_path).unwrap();
     let meta = std::os::unix::fs::MetadataExt::ino(&err_file.metadata().unwrap());
     let dev = std::os::unix::fs::MetadataExt::dev(&err_file.metadata().unwrap());
-    let out = run_cmd(30, 1)
-        .arg("--insecure")
+    let out = run_cmd(fixture(30, 1).on("--insecure"))
         .env("TF_CONFIG", tf_config(&ports, 0))
         .env("JOURNAL_STREAM", format!("{dev}:{meta}"))
         .stderr(err_file)
@@ -476,8 +476,7 @@ fn nothing_written_to_a_pipe_or_the_journal_holds_an_escape_code() {
     assert!(!journal.contains('\x1b'));
 
     // JSON: every line of both streams is an object.
-    let out = run_cmd(30, 1)
-        .args(["--insecure", "--log-format", "json"])
+    let out = run_cmd(fixture(30, 1).on("--insecure").set("--log-format", "json"))
         .env("TF_CONFIG", tf_config(&ports, 0))
         .output()
         .unwrap();
@@ -578,10 +577,11 @@ fn the_kubernetes_workers_arguments_run_under_the_tf_config_a_tfjob_gives() {
         format!("{flag}={value}")
     };
     let args: Vec<String> = container["args"].as_array().unwrap().iter().map(|a| local(a.as_str().unwrap())).collect();
-    let out = trainerd_cmd()
-        .arg("run")
-        .args(&args)
-        .args(["--listen", "127.0.0.1", "--rendezvous-timeout", "1"])
+    let out = RunArgs::default()
+        .extend(&args)
+        .set("--listen", "127.0.0.1")
+        .set("--rendezvous-timeout", 1)
+        .command("run")
         .env("TF_CONFIG", tf_config.to_string())
         .output()
         .unwrap();

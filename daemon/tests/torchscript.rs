@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use trainerd_sdk::{mnist::Mnist, Split};
 use trainerd_testkit::output::{error_line, error_of, json, params_sha256, stdout, step_losses, text};
-use trainerd_testkit::{dataset, free_ports, plugin, python, tf_config, trainerd_cmd, Event, Worker};
+use trainerd_testkit::{dataset, free_ports, plugin, python, tf_config, trainerd_cmd, Event, RunArgs, Worker};
 
 /// Per-worker batch and seed of every run here.
 const BATCH: usize = 32;
@@ -32,32 +32,25 @@ fn script(model: &str, dir: &Path) -> PathBuf {
     file
 }
 
-/// The plugin arguments of `model` scripted to `module`.
-fn plugin_args(model: &str, module: &Path) -> Vec<String> {
-    let mut args = vec!["--plugin-arg".to_string(), format!("module={}", module.display())];
+/// The torchscript plugin training `model` scripted to `module`.
+fn scripted(model: &str, module: &Path) -> RunArgs {
+    let run = RunArgs::new("torchscript").plugin_arg(format!("module={}", module.display()));
     if model == "transformer" {
-        args.extend(["--plugin-arg".into(), "input_shape=28x28".into()]);
+        return run.plugin_arg("input_shape=28x28");
     }
-    args
+    run
 }
 
 /// The flags of a two-worker run of `model` for `epochs` of `steps` steps.
-fn run_args(model: &str, module: &Path, (epochs, steps): (u32, u64), dir: &Path) -> Vec<String> {
-    let mut args: Vec<String> =
-        ["--plugin", path(&plugin("torchscript")), "--data", path(&dataset())].into_iter().map(String::from).collect();
-    args.extend(plugin_args(model, module));
-    for (flag, value) in [
-        ("--epochs", epochs.to_string()),
-        ("--steps-per-epoch", steps.to_string()),
-        ("--batch-size", BATCH.to_string()),
-        ("--seed", SEED.to_string()),
-        ("--threads", "1".into()),
-        ("--summary", dir.join("s.json").display().to_string()),
-        ("--metrics-log", dir.join("steps.jsonl").display().to_string()),
-    ] {
-        args.extend([flag.to_string(), value]);
-    }
-    args
+fn run_args(model: &str, module: &Path, (epochs, steps): (u32, u64), dir: &Path) -> RunArgs {
+    scripted(model, module)
+        .epochs(epochs)
+        .steps(steps)
+        .batch(BATCH as u32)
+        .seed(SEED)
+        .threads(1)
+        .summary(dir.join("s.json"))
+        .set("--metrics-log", path(&dir.join("steps.jsonl")))
 }
 
 /// trainerd's data order for `epochs` epochs of the training split, as little-endian int64s.
@@ -94,9 +87,7 @@ fn eager(model: &str, module: &Path, (epochs, steps): (u32, u64), dir: &Path) ->
 fn trains_as_pytorch_eager_does(model: &str, steps: u64, bar: f64) {
     let tmp = tempfile::tempdir().unwrap();
     let module = script(model, tmp.path());
-    let mut cmd = trainerd_cmd();
-    cmd.args(["local", "--workers", "2"]).args(run_args(model, &module, (1, steps), tmp.path()));
-    let out = cmd.output().unwrap();
+    let out = run_args(model, &module, (1, steps), tmp.path()).local(2).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let (w0, w1) = (json(&tmp.path().join("s.worker0.json")), json(&tmp.path().join("s.worker1.json")));
     assert_eq!(w0["params_sha256"], w1["params_sha256"], "the replicas differ");
@@ -143,13 +134,12 @@ fn a_scripted_batchnorm_model_killed_and_resumed_ends_bitwise_as_the_uninterrupt
     let run = |name: &str| {
         let dir = tmp.path().join(name);
         std::fs::create_dir(&dir).unwrap();
-        let mut args = vec!["local".to_string(), "--workers".into(), "2".into(), "--restart-delay".into(), "0".into()];
-        args.extend(run_args("bn", &module, (2, 150), &dir));
-        args.extend(["--checkpoint-dir".into(), dir.join("ckpt").display().to_string()]);
-        args.extend(["--checkpoint-every".into(), "40".into()]);
+        let args = run_args("bn", &module, (2, 150), &dir).checkpoints(dir.join("ckpt"), 40);
         (dir, args)
     };
-    let start = |args: &[String]| Worker::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let start = |args: &RunArgs| {
+        Worker::start(&[&["local", "--workers", "2", "--restart-delay", "0"][..], &args.strs()].concat())
+    };
     let (reference, args) = run("reference");
     assert!(start(&args).wait().success());
 
@@ -175,15 +165,13 @@ fn a_scripted_batchnorm_model_killed_and_resumed_ends_bitwise_as_the_uninterrupt
     assert_eq!(params_sha256(&killed.join("s.worker1.json")), expected);
 }
 
-/// `trainerd run --plugin torchscript` of worker `index` of a cluster on `ports`, with `extra`.
-fn spawn_worker(ports: &[u16], index: usize, extra: &[String]) -> Child {
-    trainerd_cmd()
-        .args(["run", "--threads", "1", "--steps-per-epoch", "5", "--epochs", "1", "--rendezvous-timeout", "8"])
-        .arg("--plugin")
-        .arg(plugin("torchscript"))
-        .arg("--data")
-        .arg(dataset())
-        .args(extra)
+/// `trainerd run --plugin torchscript` of worker `index` of a cluster on `ports`, with the plugin
+/// arguments `args` (`KEY=VALUE`).
+fn spawn_worker(ports: &[u16], index: usize, args: &[String]) -> Child {
+    let run = RunArgs::new("torchscript").threads(1).steps(5).epochs(1).set("--rendezvous-timeout", 8);
+    args.iter()
+        .fold(run, |run, kv| run.plugin_arg(kv))
+        .command("run")
         .env("TF_CONFIG", tf_config(ports, index))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -210,7 +198,7 @@ fn workers_with_different_files_or_arguments_are_refused_naming_both() {
     let tmp = tempfile::tempdir().unwrap();
     let cnn = script("cnn", tmp.path());
     let bn = script("bn", tmp.path());
-    let arg = |kv: String| vec!["--plugin-arg".to_string(), kv];
+    let arg = |kv: String| vec![kv];
     let (line, w1) = refusal(&arg(format!("module={}", cnn.display())), &arg(format!("module={}", bn.display())));
     assert_eq!(
         line.split(" on the chief").next().unwrap(),
@@ -241,16 +229,11 @@ fn workers_with_different_files_or_arguments_are_refused_naming_both() {
     );
 }
 
-/// `trainerd run` of the torchscript plugin with `args`, alone, for a few steps.
+/// `trainerd run` of the torchscript plugin with the plugin arguments `args` (`KEY=VALUE`), alone,
+/// for a few steps.
 fn run_alone(args: &[&str]) -> Output {
-    trainerd_cmd()
-        .args(["run", "--threads", "1", "--steps-per-epoch", "3", "--epochs", "1", "--no-evaluation", "--plugin"])
-        .arg(plugin("torchscript"))
-        .arg("--data")
-        .arg(dataset())
-        .args(args)
-        .output()
-        .unwrap()
+    let run = RunArgs::new("torchscript").threads(1).steps(3).epochs(1).on("--no-evaluation");
+    args.iter().fold(run, |run, kv| run.plugin_arg(kv)).command("run").output().unwrap()
 }
 
 #[test]
@@ -261,7 +244,7 @@ fn a_wrong_file_or_argument_is_one_error_naming_it() {
     let not_script = tmp.path().join("weights.pt");
     std::fs::write(&not_script, b"not a zip archive").unwrap();
     let module = |p: &Path| format!("module={}", p.display());
-    let out = run_alone(&["--plugin-arg", &module(&not_script)]);
+    let out = run_alone(&[&module(&not_script)]);
     assert!(
         error_of(&out).starts_with(&format!(
             "{prefix}module {} is not a TorchScript file that this libtorch can load (torch.jit.script(model)\
@@ -272,7 +255,7 @@ fn a_wrong_file_or_argument_is_one_error_naming_it() {
         text(&out)
     );
     assert_eq!(
-        error_of(&run_alone(&["--plugin-arg", &module(&tmp.path().join("absent.pt"))])),
+        error_of(&run_alone(&[&module(&tmp.path().join("absent.pt"))])),
         format!(
             "{prefix}module {}: cannot be read: No such file or directory (os error 2)",
             tmp.path().join("absent.pt").display()
@@ -287,7 +270,7 @@ fn a_wrong_file_or_argument_is_one_error_naming_it() {
     );
     // The transformer takes rows as a sequence: fed images, it fails on the sample batch.
     let transformer = script("transformer", tmp.path());
-    let out = run_alone(&["--plugin-arg", &module(&transformer)]);
+    let out = run_alone(&[&module(&transformer)]);
     assert_eq!(
         error_of(&out),
         format!(
@@ -296,7 +279,7 @@ fn a_wrong_file_or_argument_is_one_error_naming_it() {
             transformer.display()
         )
     );
-    let out = run_alone(&["--plugin-arg", &module(&transformer), "--plugin-arg", "input_shape=28x27"]);
+    let out = run_alone(&[&module(&transformer), "input_shape=28x27"]);
     assert_eq!(
         error_of(&out),
         format!(
@@ -304,9 +287,9 @@ fn a_wrong_file_or_argument_is_one_error_naming_it() {
              input is the image reshaped)"
         )
     );
-    let out = run_alone(&["--plugin-arg", &module(&transformer), "--plugin-arg", "loss=hinge"]);
+    let out = run_alone(&[&module(&transformer), "loss=hinge"]);
     assert_eq!(error_of(&out), format!("{prefix}--plugin-arg loss=hinge: expected cross_entropy or mse"));
-    let out = run_alone(&["--plugin-arg", &module(&transformer), "--plugin-arg", "inputshape=28x28"]);
+    let out = run_alone(&[&module(&transformer), "inputshape=28x28"]);
     assert_eq!(
         error_of(&out),
         format!(
@@ -321,7 +304,7 @@ fn a_wrong_file_or_argument_is_one_error_naming_it() {
     let made = Command::new(python()).args(["-c", freeze, path(&frozen)]).output().unwrap();
     assert!(made.status.success(), "{}", text(&made));
     assert_eq!(
-        error_of(&run_alone(&["--plugin-arg", &module(&frozen)])),
+        error_of(&run_alone(&[&module(&frozen)])),
         format!("{prefix}module {} has no trainable parameters: nothing to train", frozen.display())
     );
 }
@@ -366,17 +349,15 @@ fn a_scripted_model_trains_from_parquet_as_from_idx_and_its_checkpoint_is_its_fi
     let tmp = tempfile::tempdir().unwrap();
     let cnn = script("cnn", tmp.path());
     let train = |data: &Path, name: &str| {
-        let out = trainerd_cmd()
-            .args(["run", "--threads", "1", "--epochs", "1", "--steps-per-epoch", "40", "--no-evaluation", "--plugin"])
-            .arg(plugin("torchscript"))
-            .args(["--plugin-arg", &format!("module={}", cnn.display()), "--data"])
-            .arg(data)
-            .args([
-                "--checkpoint-dir",
-                path(&tmp.path().join(name)),
-                "--summary",
-                path(&tmp.path().join(format!("{name}.json"))),
-            ])
+        let out = scripted("cnn", &cnn)
+            .threads(1)
+            .epochs(1)
+            .steps(40)
+            .on("--no-evaluation")
+            .data(data)
+            .checkpoints(tmp.path().join(name), 0)
+            .summary(tmp.path().join(format!("{name}.json")))
+            .command("run")
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));
@@ -385,13 +366,8 @@ fn a_scripted_model_trains_from_parquet_as_from_idx_and_its_checkpoint_is_its_fi
     assert_eq!(train(&trainerd_testkit::parquet_dataset(), "parquet"), train(&dataset(), "idx"));
 
     let evaluate = |module: &Path| {
-        trainerd_cmd()
-            .args(["evaluate", "--threads", "1", "--checkpoint", path(&tmp.path().join("idx")), "--plugin"])
-            .arg(plugin("torchscript"))
-            .args(["--plugin-arg", &format!("module={}", module.display()), "--data"])
-            .arg(dataset())
-            .output()
-            .unwrap()
+        let run = RunArgs::new("torchscript").threads(1).set("--checkpoint", path(&tmp.path().join("idx")));
+        run.plugin_arg(format!("module={}", module.display())).command("evaluate").output().unwrap()
     };
     let same = evaluate(&cnn);
     assert!(same.status.success(), "{}", text(&same));

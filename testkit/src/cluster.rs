@@ -15,6 +15,7 @@ use trainerd_supervise::supervisor::{Happening, Options, Supervisor};
 
 use crate::paths::trainerd;
 use crate::ports::{free_ports, tf_config};
+use crate::run::RunArgs;
 
 /// What a worker did.
 #[derive(Clone, Debug, PartialEq)]
@@ -94,19 +95,19 @@ impl Cluster {
     /// follow it into its restart).
     pub fn start(
         workers: usize,
-        args: &[String],
+        args: &RunArgs,
         env: &[(String, String)],
         first_env: Vec<Vec<(String, String)>>,
         restart_sec: Duration,
     ) -> Cluster {
         let ports = free_ports(workers);
         let place = move |rank: usize| (Command::new(trainerd()), tf_config(&ports, rank));
-        Cluster::launch(workers, (args, env, first_env), restart_sec, place)
+        Cluster::launch(workers, (&args.to_vec(), env, first_env), restart_sec, place)
     }
 
     /// As [`Cluster::start`], each worker in its namespace of `net` (at port 7000 of its
     /// address).
-    pub fn start_in(net: &crate::Netns, workers: usize, args: &[String], restart_sec: Duration) -> Cluster {
+    pub fn start_in(net: &crate::Netns, workers: usize, args: &RunArgs, restart_sec: Duration) -> Cluster {
         let addrs: Vec<String> = (0..workers).map(|i| format!("{}:7000", net.host(i))).collect();
         let prefixes: Vec<Vec<String>> = (0..workers).map(|i| net.exec(i)).collect();
         let place = move |rank: usize| {
@@ -115,7 +116,7 @@ impl Cluster {
             let tf = serde_json::json!({"cluster": {"worker": addrs}, "task": {"type": "worker", "index": rank}});
             (cmd, tf.to_string())
         };
-        Cluster::launch(workers, (args, &[], vec![]), restart_sec, place)
+        Cluster::launch(workers, (&args.to_vec(), &[], vec![]), restart_sec, place)
     }
 
     /// Starts the workers, worker `rank` as `place(rank)` (its command, before `run`, and its

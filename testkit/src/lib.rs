@@ -5,6 +5,7 @@
 //! - [`s3`]: a real S3-compatible server on loopback; [`proxy`]: a link to it a test cuts;
 //!   [`fault`]: a store wrapper that fails writes on request;
 //! - [`notify`]: a socket standing in for systemd's notification socket;
+//! - [`run`]: the flags of a `trainerd run`, built in one place for every test;
 //! - [`cluster`]: real `trainerd run` processes under the daemon's own supervisor (systemd's
 //!   semantics), what they print and the events they emit, and one process watched alone;
 //! - [`output`]: reading what a finished command printed and wrote.
@@ -20,11 +21,13 @@ pub mod output;
 pub mod paths;
 pub mod ports;
 pub mod proxy;
+pub mod run;
 pub mod s3;
 
 pub use cluster::{Cluster, Entry, What, Worker};
 pub use netns::Netns;
 pub use paths::{dataset, parquet_dataset, plugin, python, trainerd, trainerd_cmd};
 pub use ports::{free_ports, tf_config};
+pub use run::RunArgs;
 pub use trainerd_supervise::events::{self, Event};
 pub use trainerd_supervise::exit::Exit;
