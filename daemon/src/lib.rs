@@ -1,20 +1,25 @@
 //! trainerd, the training daemon: loads a model plugin (see `trainerd-sdk`) and trains it with
 //! libtorch, on one worker or with synchronous data parallelism across a TF_CONFIG cluster.
-//! The binary (`main.rs`) only calls [`cli::main`]. `docs/architecture.md` draws the modules and
+//! The binary (`main.rs`) only calls [`cli::main`]. `docs/architecture.md` draws the rooms and
 //! which way their dependencies run.
+//!
+//! The crate is private but for what the binary, the benchmarks and the tests use: the command
+//! line's entry, the collectives, the machine's accelerators and gradient clipping.
 
-pub mod auth;
-pub mod checkpoint;
+#![warn(unreachable_pub)]
+
+mod auth;
+mod checkpoint;
 pub mod cli;
-pub mod cluster;
+mod cluster;
 pub mod collective;
-pub mod input;
-pub mod ops;
+mod input;
+mod ops;
 pub mod optim;
-pub mod plugin;
-pub mod state;
+mod plugin;
+mod state;
 pub mod sys;
-pub mod train;
+mod train;
 
-pub use trainerd_supervise::supervisor as supervise;
-pub use trainerd_supervise::{events, exit};
+use trainerd_supervise::supervisor as supervise;
+use trainerd_supervise::{events, exit};

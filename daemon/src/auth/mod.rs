@@ -15,7 +15,7 @@
 //! nothing about the cluster. A cluster with no secret (loopback only, or `--insecure`) skips
 //! the exchange on both ends.
 
-pub mod trust;
+pub(crate) mod trust;
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -29,15 +29,15 @@ const MAGIC: [u8; 8] = *b"TRDAUTH1";
 const NONCE: usize = 32;
 const TAG: usize = 32;
 /// Bytes of the server's challenge.
-pub const CHALLENGE_BYTES: usize = MAGIC.len() + NONCE;
+pub(crate) const CHALLENGE_BYTES: usize = MAGIC.len() + NONCE;
 /// How long either end waits for the other's part of the exchange.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Shortest secret accepted.
-pub const MIN_SECRET_BYTES: usize = 16;
+pub(crate) const MIN_SECRET_BYTES: usize = 16;
 
 /// Which listener a connection is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Plane {
+pub(crate) enum Plane {
     /// The gRPC control plane (the TF_CONFIG port).
     Control,
     /// The ring's data listener.
@@ -73,12 +73,12 @@ pub enum AuthError {
 /// A problem with the secret file.
 #[derive(Debug, thiserror::Error)]
 #[error("--secret-file {}: {why}", path.display())]
-pub struct SecretFileError {
+pub(crate) struct SecretFileError {
     /// The file.
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     /// What is wrong, and what to do.
     #[source]
-    pub why: trust::TrustError,
+    pub(crate) why: trust::TrustError,
 }
 
 /// The cluster secret. Cheap to clone; its bytes are never printed.
@@ -93,14 +93,14 @@ impl std::fmt::Debug for ClusterKey {
 
 impl ClusterKey {
     /// A key from bytes (tests, and [`ClusterKey::load`]).
-    pub fn from_bytes(bytes: &[u8]) -> ClusterKey {
+    pub(crate) fn from_bytes(bytes: &[u8]) -> ClusterKey {
         ClusterKey(Arc::from(bytes))
     }
 
     /// Reads the secret file: it must be a regular file owned by this user or root that nobody
     /// else can write or read, holding at least [`MIN_SECRET_BYTES`] (surrounding white space,
     /// such as a trailing newline, is not part of the secret).
-    pub fn load(path: &Path) -> Result<ClusterKey, SecretFileError> {
+    pub(crate) fn load(path: &Path) -> Result<ClusterKey, SecretFileError> {
         let hint = " (make one with `head -c 32 /dev/urandom | base64 > FILE`)";
         crate::auth::trust::read_secret(path, "a cluster secret", MIN_SECRET_BYTES, hint)
             .map(|secret| ClusterKey::from_bytes(&secret))
@@ -117,7 +117,7 @@ impl ClusterKey {
 }
 
 /// What a listener logs about a peer it refused.
-pub fn refusal(e: &AuthError) -> String {
+pub(crate) fn refusal(e: &AuthError) -> String {
     match e {
         AuthError::WrongSecret => "it did not prove that it knows the cluster secret".into(),
         AuthError::NoHandshake => "it did not speak the authentication handshake".into(),
@@ -168,7 +168,11 @@ fn io(e: std::io::Error) -> AuthError {
 }
 
 /// The server's side on a blocking stream (read timeouts set by the caller).
-pub fn accept_blocking<S: Read + Write>(stream: &mut S, key: &ClusterKey, plane: Plane) -> Result<(), AuthError> {
+pub(crate) fn accept_blocking<S: Read + Write>(
+    stream: &mut S,
+    key: &ClusterKey,
+    plane: Plane,
+) -> Result<(), AuthError> {
     let (c, nonce) = challenge();
     stream.write_all(&c).map_err(io)?;
     let mut reply = [0u8; NONCE + TAG];
@@ -178,7 +182,11 @@ pub fn accept_blocking<S: Read + Write>(stream: &mut S, key: &ClusterKey, plane:
 }
 
 /// The client's side on a blocking stream (read timeouts set by the caller).
-pub fn connect_blocking<S: Read + Write>(stream: &mut S, key: &ClusterKey, plane: Plane) -> Result<(), AuthError> {
+pub(crate) fn connect_blocking<S: Read + Write>(
+    stream: &mut S,
+    key: &ClusterKey,
+    plane: Plane,
+) -> Result<(), AuthError> {
     let mut c = [0u8; CHALLENGE_BYTES];
     stream.read_exact(&mut c).map_err(|e| match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::UnexpectedEof => {
@@ -198,7 +206,7 @@ pub fn connect_blocking<S: Read + Write>(stream: &mut S, key: &ClusterKey, plane
 }
 
 /// The server's side on an async stream, within [`HANDSHAKE_TIMEOUT`].
-pub async fn accept<S>(stream: &mut S, key: &ClusterKey, plane: Plane) -> Result<(), AuthError>
+pub(crate) async fn accept<S>(stream: &mut S, key: &ClusterKey, plane: Plane) -> Result<(), AuthError>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -215,7 +223,7 @@ where
 }
 
 /// The client's side on an async stream, within [`HANDSHAKE_TIMEOUT`].
-pub async fn connect<S>(stream: &mut S, key: &ClusterKey, plane: Plane) -> Result<(), AuthError>
+pub(crate) async fn connect<S>(stream: &mut S, key: &ClusterKey, plane: Plane) -> Result<(), AuthError>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 /// Why a file is not trusted, and what to do about it.
 #[derive(Debug, thiserror::Error)]
-pub enum TrustError {
+pub(crate) enum TrustError {
     /// Another user owns it.
     #[error("owned by uid {owner}, neither this user (uid {me}) nor root")]
     Owner {
@@ -79,7 +79,7 @@ pub enum TrustError {
 /// Refuses a file that another user could have written (or, with `private`, could read): the
 /// owner must be this user or root, and group and others must not write it (`private`: nor
 /// read it, beyond the group). The error says how to fix it.
-pub fn check_file(path: &Path, meta: &std::fs::Metadata, private: bool) -> Result<(), TrustError> {
+pub(crate) fn check_file(path: &Path, meta: &std::fs::Metadata, private: bool) -> Result<(), TrustError> {
     use std::os::unix::fs::MetadataExt;
     let mode = meta.mode() & 0o7777;
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -100,7 +100,12 @@ pub fn check_file(path: &Path, meta: &std::fs::Metadata, private: bool) -> Resul
 /// The trimmed contents of a secret file (surrounding white space, such as a trailing newline,
 /// is not part of it): a regular file that passes [`check_file`] as private and holds at least
 /// `min` bytes; `what` names it in the error, `hint` says how to make one.
-pub fn read_secret(path: &Path, what: &'static str, min: usize, hint: &'static str) -> Result<Vec<u8>, TrustError> {
+pub(crate) fn read_secret(
+    path: &Path,
+    what: &'static str,
+    min: usize,
+    hint: &'static str,
+) -> Result<Vec<u8>, TrustError> {
     let meta = std::fs::metadata(path).map_err(TrustError::Unreadable)?;
     if !meta.is_file() {
         return Err(TrustError::NotAFile);
@@ -116,7 +121,7 @@ pub fn read_secret(path: &Path, what: &'static str, min: usize, hint: &'static s
 
 /// [`check_file`] for a file that is code: also refuses it when its directory lets others
 /// replace it (writable by group or others, without the sticky bit).
-pub fn check_code(path: &Path) -> Result<(), TrustError> {
+pub(crate) fn check_code(path: &Path) -> Result<(), TrustError> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(path).map_err(TrustError::Metadata)?;
     check_file(path, &meta, false)?;

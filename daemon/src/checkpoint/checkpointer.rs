@@ -33,7 +33,7 @@ type InFlight = ((u64, u64), Instant, JoinHandle<Result<CommitRecord, StorageErr
 
 /// How a background commit ended.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Finished {
+pub(crate) enum Finished {
     /// It is committed.
     Committed {
         /// The commit's sequence.
@@ -56,7 +56,7 @@ pub enum Finished {
 
 /// Commits checkpoints in the background, one at a time, fenced by the cluster's generation and
 /// this process's writer id.
-pub struct Checkpointer {
+pub(crate) struct Checkpointer {
     store: CheckpointStore,
     runtime: Arc<tokio::runtime::Runtime>,
     keep: usize,
@@ -73,7 +73,7 @@ pub struct Checkpointer {
 
 impl Checkpointer {
     /// A checkpointer over `store`, keeping the newest `keep` commits.
-    pub fn new(store: CheckpointStore, keep: usize) -> Result<Checkpointer, CheckpointError> {
+    pub(crate) fn new(store: CheckpointStore, keep: usize) -> Result<Checkpointer, CheckpointError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("trainerd-storage")
@@ -96,24 +96,24 @@ impl Checkpointer {
 
     /// Proves that the location's server refuses a second create-if-absent write (see
     /// [`CheckpointStore::probe_create_if_absent`]); `endpoint` names it.
-    pub fn probe(&self, endpoint: &str) -> Result<(), StorageError> {
+    pub(crate) fn probe(&self, endpoint: &str) -> Result<(), StorageError> {
         self.runtime.block_on(self.store.probe_create_if_absent(endpoint))
     }
 
     /// The location's name.
-    pub fn location(&self) -> &str {
+    pub(crate) fn location(&self) -> &str {
         self.store.name()
     }
 
     /// The last commit's failure, if it failed.
-    pub fn last_error(&self) -> Option<&str> {
+    pub(crate) fn last_error(&self) -> Option<&str> {
         self.last_error.as_deref()
     }
 
     /// The newest verified commit, if any, and the newest generation the location has seen, in
     /// a commit record or in data a writer left (which the cluster's next generation must
     /// exceed, so that every earlier writer is fenced).
-    pub fn restore(&mut self) -> Result<(Option<Restored>, u64), StorageError> {
+    pub(crate) fn restore(&mut self) -> Result<(Option<Restored>, u64), StorageError> {
         let latest = self.runtime.block_on(self.store.latest())?;
         let newest = self.runtime.block_on(self.store.latest_record()).ok().flatten();
         let written = self.runtime.block_on(self.store.newest_data_generation())?;
@@ -127,17 +127,17 @@ impl Checkpointer {
     }
 
     /// Commits from now on carry `generation` (the cluster's current one).
-    pub fn set_generation(&mut self, generation: u64) {
+    pub(crate) fn set_generation(&mut self, generation: u64) {
         self.generation = generation;
     }
 
     /// Whether the state at `progress` is already committed (or on its way).
-    pub fn has(&self, progress: (u64, u64)) -> bool {
+    pub(crate) fn has(&self, progress: (u64, u64)) -> bool {
         self.committed.is_some_and(|c| c >= progress) || self.in_flight.as_ref().is_some_and(|(p, _, _)| *p >= progress)
     }
 
     /// The commit in flight, if it has finished (without waiting).
-    pub fn poll(&mut self) -> Option<Finished> {
+    pub(crate) fn poll(&mut self) -> Option<Finished> {
         if self.in_flight.as_ref().is_some_and(|(_, _, h)| h.is_finished()) {
             return self.wait();
         }
@@ -145,7 +145,7 @@ impl Checkpointer {
     }
 
     /// Waits for the commit in flight, if any; how it ended.
-    pub fn wait(&mut self) -> Option<Finished> {
+    pub(crate) fn wait(&mut self) -> Option<Finished> {
         let (progress, started, handle) = self.in_flight.take()?;
         let step = progress.0;
         let message = match handle.join() {
@@ -164,14 +164,14 @@ impl Checkpointer {
 
     /// Whether a commit is still uploading and the storage failed under it since it began (a
     /// slow but healthy store is waited for; a failing one is not).
-    pub fn stuck(&self) -> bool {
+    pub(crate) fn stuck(&self) -> bool {
         self.in_flight.as_ref().is_some_and(|(_, _, h)| !h.is_finished())
             && self.store.transient_failures() > self.failures_before
     }
 
     /// Starts committing `blobs` (a snapshot in host memory) with `meta` and an epoch-end
     /// commit's `score`, after the previous commit finishes (how that one ended is returned).
-    pub fn commit(
+    pub(crate) fn commit(
         &mut self,
         blobs: Vec<Blob>,
         meta: &Meta,

@@ -13,7 +13,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// `YYYY-MM-DD HH:MM:SS` (UTC) of a Unix time in milliseconds.
-pub fn utc(ms: u64) -> String {
+pub(crate) fn utc(ms: u64) -> String {
     let secs = ms / 1000;
     let (days, rem) = (secs / 86_400, secs % 86_400);
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
@@ -37,14 +37,14 @@ fn best_of(records: &[(u64, Result<CommitRecord, StorageError>)]) -> Option<u64>
 }
 
 /// The best commit at `store`'s location: refused, saying why, when no commit is scored.
-pub fn best(store: &CheckpointStore) -> Result<u64, CheckpointError> {
+pub(crate) fn best(store: &CheckpointStore) -> Result<u64, CheckpointError> {
     let records = runtime().block_on(store.records())?;
     best_of(&records).ok_or_else(|| CheckpointError::NoBest { location: store.name().into() })
 }
 
 /// Lists commits: sequence, step, epoch, time, size, generation, an epoch-end commit's score
 /// (`best` beside the best); a record that cannot be read is listed as damaged, with why.
-pub fn list(store: &CheckpointStore) -> Result<String, StorageError> {
+pub(crate) fn list(store: &CheckpointStore) -> Result<String, StorageError> {
     let records = runtime().block_on(store.records())?;
     if records.is_empty() {
         return Ok(format!("{}: no commits\n", store.name()));
@@ -92,7 +92,7 @@ fn pick(store: &CheckpointStore, rt: &tokio::runtime::Runtime, sequence: Option<
 }
 
 /// A commit's record and manifest, as JSON.
-pub fn show(store: &CheckpointStore, sequence: Option<u64>) -> Result<String, StorageError> {
+pub(crate) fn show(store: &CheckpointStore, sequence: Option<u64>) -> Result<String, StorageError> {
     let rt = runtime();
     let seq = pick(store, &rt, sequence)?;
     let restored = rt.block_on(store.load(seq))?;
@@ -102,7 +102,11 @@ pub fn show(store: &CheckpointStore, sequence: Option<u64>) -> Result<String, St
 
 /// Verifies every commit (or one): each line says `ok` or what is damaged. `Ok(false)` when
 /// any is damaged.
-pub fn verify(store: &CheckpointStore, sequence: Option<u64>, out: &mut dyn Write) -> Result<bool, StorageError> {
+pub(crate) fn verify(
+    store: &CheckpointStore,
+    sequence: Option<u64>,
+    out: &mut dyn Write,
+) -> Result<bool, StorageError> {
     let rt = runtime();
     let sequences: Vec<u64> = match sequence {
         Some(s) => vec![s],
@@ -134,7 +138,7 @@ pub fn verify(store: &CheckpointStore, sequence: Option<u64>, out: &mut dyn Writ
 }
 
 /// Writes a commit's parameters as one safetensors file (atomically). Returns a description.
-pub fn export(store: &CheckpointStore, sequence: Option<u64>, output: &Path) -> Result<String, CheckpointError> {
+pub(crate) fn export(store: &CheckpointStore, sequence: Option<u64>, output: &Path) -> Result<String, CheckpointError> {
     let rt = runtime();
     let seq = pick(store, &rt, sequence)?;
     let restored = rt.block_on(store.load(seq))?;

@@ -1,16 +1,15 @@
 //! Checkpoints as the daemon sees them: the coordinator's background commits ([`checkpointer`])
 //! and what `trainerd ckpt` shows of a location ([`inspect`]).
 
-pub mod checkpointer;
-pub mod inspect;
+pub(crate) mod checkpointer;
+pub(crate) mod inspect;
 
-pub use checkpointer::{Checkpointer, Finished};
-pub use trainerd_storage::StorageError;
+pub(crate) use checkpointer::{Checkpointer, Finished};
 
 /// What went wrong with checkpoints, besides storage's own failures (which [`StorageError`]
 /// names: the location, the operation, the object).
 #[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
+pub(crate) enum CheckpointError {
     /// Storage failed.
     #[error(transparent)]
     Storage(#[from] trainerd_storage::StorageError),

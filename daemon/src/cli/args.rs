@@ -15,19 +15,19 @@ use crate::ops::log::LogFormat;
 /// The command line.
 #[derive(Parser)]
 #[command(name = "trainerd", version, about = "Fault-tolerant data-parallel training daemon")]
-pub struct Cli {
+pub(crate) struct Cli {
     /// What to do.
     #[command(subcommand)]
-    pub command: Command,
+    pub(crate) command: Command,
     /// Log and progress lines: plain (coloured only on a terminal; syslog priorities in the
     /// journal) or json (one object per line).
     #[arg(long, global = true, value_enum, default_value = "plain", env = "TRAINERD_LOG_FORMAT")]
-    pub log_format: LogFormat,
+    pub(crate) log_format: LogFormat,
 }
 
 /// The commands.
 #[derive(Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Train a model plugin on a dataset: one worker, or a member of the TF_CONFIG cluster.
     Run(Box<RunArgs>),
     /// Start N workers on 127.0.0.1 as one cluster (each `trainerd run` with its own
@@ -60,30 +60,30 @@ pub enum Command {
 
 /// `trainerd local`'s flags.
 #[derive(clap::Args)]
-pub struct LocalArgs {
+pub(crate) struct LocalArgs {
     /// Number of workers.
     #[arg(long)]
-    pub workers: usize,
+    pub(crate) workers: usize,
     /// Seconds before a worker that died is started again (systemd's RestartSec).
     #[arg(long, default_value_t = 1.0)]
-    pub restart_delay: f64,
+    pub(crate) restart_delay: f64,
     /// Workers not to restart when they die (a node gone for good), for example
     /// `--no-restart 2`: the others go on without them after `--replace-after`, when a
     /// majority remains.
     #[arg(long, value_delimiter = ',')]
-    pub no_restart: Vec<usize>,
+    pub(crate) no_restart: Vec<usize>,
     /// Write every worker's lifecycle events here, each naming its worker (give it before
     /// the arguments for `trainerd run`).
     #[arg(long, env = "TRAINERD_EVENTS")]
-    pub events: Option<PathBuf>,
+    pub(crate) events: Option<PathBuf>,
     /// Arguments for `trainerd run` (every flag of `run` except --tf-config and --events).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-    pub args: Vec<String>,
+    pub(crate) args: Vec<String>,
 }
 
 /// `trainerd plugin ...`.
 #[derive(Subcommand)]
-pub enum PluginCommand {
+pub(crate) enum PluginCommand {
     /// Load a plugin (in a child process) and print its identity, or why it is refused.
     Check {
         /// Path of the plugin's shared library.
@@ -99,7 +99,7 @@ pub enum PluginCommand {
 
 /// `trainerd data ...`.
 #[derive(Subcommand)]
-pub enum DataCommand {
+pub(crate) enum DataCommand {
     /// Show a dataset's files, rows, row groups, schema, split sizes and fingerprint.
     Inspect {
         /// The dataset: a directory or s3://bucket/prefix of Parquet files.
@@ -132,45 +132,45 @@ pub enum DataCommand {
 
 /// `trainerd data read`'s flags.
 #[derive(clap::Args)]
-pub struct ReadArgs {
+pub(crate) struct ReadArgs {
     /// The plugin whose columns are read.
     #[arg(long)]
-    pub plugin: PathBuf,
+    pub(crate) plugin: PathBuf,
     /// The plugin's arguments.
     #[command(flatten)]
-    pub plugin_args: PluginArgFlags,
+    pub(crate) plugin_args: PluginArgFlags,
     /// The data.
     #[command(flatten)]
-    pub data: DataArgs,
+    pub(crate) data: DataArgs,
     /// Epochs to read.
     #[arg(long, default_value_t = 1)]
-    pub epochs: u32,
+    pub(crate) epochs: u32,
     /// Per-worker batch size (default: the plugin's).
     #[arg(long)]
-    pub batch_size: Option<u32>,
+    pub(crate) batch_size: Option<u32>,
     /// Workers the global batch is shared by.
     #[arg(long, default_value_t = 1)]
-    pub workers: u64,
+    pub(crate) workers: u64,
     /// This worker's rank.
     #[arg(long, default_value_t = 0)]
-    pub rank: u64,
+    pub(crate) rank: u64,
     /// Rows shuffled together (as `trainerd run`'s).
     #[arg(long, default_value_t = 65536)]
-    pub shuffle_window: u64,
+    pub(crate) shuffle_window: u64,
     /// The run's seed.
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Write the figures as JSON to this file.
     #[arg(long)]
-    pub summary: Option<PathBuf>,
+    pub(crate) summary: Option<PathBuf>,
     /// S3 settings.
     #[command(flatten)]
-    pub s3: S3Args,
+    pub(crate) s3: S3Args,
 }
 
 /// `trainerd ckpt ...`.
 #[derive(Subcommand)]
-pub enum CkptCommand {
+pub(crate) enum CkptCommand {
     /// List commits: sequence, step, epoch, time, size, generation.
     List {
         /// Checkpoint location.
@@ -219,25 +219,25 @@ pub enum CkptCommand {
 
 /// S3 settings beyond the standard AWS variables.
 #[derive(clap::Args, Clone, Default)]
-pub struct S3Args {
+pub(crate) struct S3Args {
     /// S3 endpoint URL (MinIO, SeaweedFS, R2...); default: AWS_ENDPOINT_URL or AWS.
     #[arg(long)]
-    pub s3_endpoint: Option<String>,
+    pub(crate) s3_endpoint: Option<String>,
     /// S3 region; default: AWS_REGION or us-east-1.
     #[arg(long)]
-    pub s3_region: Option<String>,
+    pub(crate) s3_region: Option<String>,
     /// Allow plain http to the endpoint (always allowed on loopback).
     #[arg(long)]
-    pub s3_allow_http: bool,
+    pub(crate) s3_allow_http: bool,
     /// Do not prove, before the first commit, that the server refuses a second create-if-absent
     /// write (commits rely on it; a warning says it was skipped).
     #[arg(long)]
-    pub s3_skip_probe: bool,
+    pub(crate) s3_skip_probe: bool,
 }
 
 impl S3Args {
     /// The options the storage crate takes.
-    pub fn options(&self) -> S3Options {
+    pub(crate) fn options(&self) -> S3Options {
         S3Options {
             endpoint: self.s3_endpoint.clone(),
             region: self.s3_region.clone(),
@@ -249,252 +249,252 @@ impl S3Args {
 
 /// `trainerd run`'s flags.
 #[derive(clap::Args)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// The flags `run` and `evaluate` share.
     #[command(flatten)]
-    pub job: JobArgs,
+    pub(crate) job: JobArgs,
     /// Rows of a Parquet dataset shuffled together in training: row groups are shuffled, then
     /// each window of this many rows; a window of at least the split's rows shuffles it
     /// uniformly. Part of the run configuration. Memory: about two windows' worth of each
     /// worker's share of the rows, still encoded.
     #[arg(long, default_value_t = 65536)]
-    pub shuffle_window: u64,
+    pub(crate) shuffle_window: u64,
     /// Train without evaluating after each epoch (a dataset with no test or validation split):
     /// the epoch lines show training figures only. Part of the run configuration.
     #[arg(long)]
-    pub no_evaluation: bool,
+    pub(crate) no_evaluation: bool,
     /// Append every step's example ids (file index in sorted order, row) to this file, one JSON
     /// line per step (a Parquet dataset only): a debug mode for comparing runs' data.
     #[arg(long, env = "TRAINERD_LOG_EXAMPLES")]
-    pub log_examples: Option<PathBuf>,
+    pub(crate) log_examples: Option<PathBuf>,
     /// Epochs (default: the plugin's).
     #[arg(long)]
-    pub epochs: Option<u32>,
+    pub(crate) epochs: Option<u32>,
     /// Optimizer: sgd, adam or rmsprop (default: the plugin's).
     #[arg(long)]
-    pub optimizer: Option<String>,
+    pub(crate) optimizer: Option<String>,
     /// Learning rate.
     #[arg(long)]
-    pub lr: Option<f64>,
+    pub(crate) lr: Option<f64>,
     /// Momentum (sgd, rmsprop).
     #[arg(long)]
-    pub momentum: Option<f64>,
+    pub(crate) momentum: Option<f64>,
     /// L2 weight decay.
     #[arg(long)]
-    pub weight_decay: Option<f64>,
+    pub(crate) weight_decay: Option<f64>,
     /// Clip the averaged gradient to this global 2-norm before each update (Keras's
     /// global_clipnorm, PyTorch's clip_grad_norm_); the norm is in the metrics as grad_norm.
     #[arg(long, value_parser = |t: &str| crate::optim::clip::Clip::parse("--clip-norm", t))]
-    pub clip_norm: Option<f64>,
+    pub(crate) clip_norm: Option<f64>,
     /// Clamp every element of the averaged gradient to [-V, V] before each update (Keras's
     /// clipvalue, PyTorch's clip_grad_value_), after --clip-norm when both are given.
     #[arg(long, value_parser = |t: &str| crate::optim::clip::Clip::parse("--clip-value", t))]
-    pub clip_value: Option<f64>,
+    pub(crate) clip_value: Option<f64>,
     /// Stop when an epoch-end figure (val_loss, val_accuracy, loss, ...) has not improved by more
     /// than MIN_DELTA for PATIENCE epochs, as Keras's EarlyStopping: METRIC:PATIENCE[:MIN_DELTA].
     #[arg(long, value_name = "METRIC:PATIENCE[:MIN_DELTA]")]
-    pub early_stopping: Option<String>,
+    pub(crate) early_stopping: Option<String>,
     /// Multiply the learning rate by FACTOR when an epoch-end figure has not improved for
     /// PATIENCE epochs, as Keras's ReduceLROnPlateau: METRIC:FACTOR:PATIENCE.
     #[arg(long, value_name = "METRIC:FACTOR:PATIENCE")]
-    pub reduce_lr_on_plateau: Option<String>,
+    pub(crate) reduce_lr_on_plateau: Option<String>,
     /// Nesterov momentum (sgd).
     #[arg(long)]
-    pub nesterov: bool,
+    pub(crate) nesterov: bool,
     /// Learning-rate schedule: constant, cosine[:MIN_LR], step:EVERY:GAMMA or exp:GAMMA.
     #[arg(long, value_parser = crate::optim::schedule::parse)]
-    pub lr_schedule: Option<LrSchedule>,
+    pub(crate) lr_schedule: Option<LrSchedule>,
     /// Seed of initialisation and data order.
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// One replica per device in this daemon, as TensorFlow's MirroredStrategy: all (every GPU
     /// visible) or a list such as cuda:0,cuda:1 (cpu,cpu: replicas on the CPU). Each replica is a
     /// slot of the run with its own batch of --batch-size; the daemon is still one worker.
     #[arg(long, conflicts_with = "device")]
-    pub devices: Option<String>,
+    pub(crate) devices: Option<String>,
     /// Gradient accumulation: each update sums N micro-batches of --batch-size per replica (one
     /// all-reduce per update). Each micro-batch is a slot of the run, so W workers accumulating N
     /// are bit for bit W x N workers.
     #[arg(long, default_value_t = 1)]
-    pub accumulate: u32,
+    pub(crate) accumulate: u32,
     /// What carries the gradients: ring (host-staged TCP ring), nccl (NCCL on the GPUs, the same
     /// bits) or auto (NCCL when every worker trains on CUDA with its own GPU).
     #[arg(long, default_value = "ring")]
-    pub collective: String,
+    pub(crate) collective: String,
     /// Stop each epoch after this many steps.
     #[arg(long)]
-    pub steps_per_epoch: Option<u64>,
+    pub(crate) steps_per_epoch: Option<u64>,
     /// Write one JSON line per step (global loss, metrics, learning rate) to this file.
     #[arg(long)]
-    pub metrics_log: Option<PathBuf>,
+    pub(crate) metrics_log: Option<PathBuf>,
     /// Write one JSON line per lifecycle event (resumed, joined, step, abandoned, recovered,
     /// committed, exiting) to this file: a supervisor's channel (`trainerd local` hands each worker
     /// a pipe, /dev/fd/3).
     #[arg(long, env = "TRAINERD_EVENTS")]
-    pub events: Option<PathBuf>,
+    pub(crate) events: Option<PathBuf>,
     /// Write TensorBoard event files here (on the chief), as Keras's TensorBoard callback lays
     /// them out: DIR/train and DIR/validation.
     #[arg(long)]
-    pub tensorboard_dir: Option<PathBuf>,
+    pub(crate) tensorboard_dir: Option<PathBuf>,
     /// Write the step loss to TensorBoard every N global steps (0: per epoch only).
     #[arg(long, default_value_t = 100)]
-    pub tensorboard_every: u64,
+    pub(crate) tensorboard_every: u64,
     /// Serve Prometheus metrics (`/metrics`) and `/healthz` on this address (e.g.
     /// 127.0.0.1:9400; port 0 picks one). An address other than loopback needs
     /// --metrics-token-file (or --insecure).
     #[arg(long, env = "TRAINERD_METRICS_ADDR")]
-    pub metrics_addr: Option<std::net::SocketAddr>,
+    pub(crate) metrics_addr: Option<std::net::SocketAddr>,
     /// A file holding the bearer token `/metrics` requires (Prometheus's
     /// `authorization.credentials_file`).
     #[arg(long, env = "TRAINERD_METRICS_TOKEN_FILE")]
-    pub metrics_token_file: Option<PathBuf>,
+    pub(crate) metrics_token_file: Option<PathBuf>,
     /// Seconds without training progress after which the daemon counts as hung (`/healthz`
     /// fails, systemd's watchdog pings stop); default: systemd's WatchdogSec, else 120.
     #[arg(long)]
-    pub stall_timeout: Option<f64>,
+    pub(crate) stall_timeout: Option<f64>,
     /// Seconds between heartbeats to the chief.
     #[arg(long, default_value_t = 0.1)]
-    pub heartbeat_interval: f64,
+    pub(crate) heartbeat_interval: f64,
     /// Seconds without a heartbeat after which a worker (or the chief) counts as failed.
     #[arg(long, default_value_t = 1.5)]
-    pub heartbeat_deadline: f64,
+    pub(crate) heartbeat_deadline: f64,
     /// Seconds a socket may carry no bytes before its collective fails (a backstop: failures
     /// are normally detected by the heartbeats and pushed notices first).
     #[arg(long, default_value_t = 120.0)]
-    pub collective_timeout: f64,
+    pub(crate) collective_timeout: f64,
     /// Seconds the survivors wait for a lost worker to return before they exit non-zero (so
     /// that their supervisor restarts them); long enough for a node to reboot.
     #[arg(long, default_value_t = 600.0)]
-    pub rejoin_deadline: f64,
+    pub(crate) rejoin_deadline: f64,
     /// Seconds a worker may be missing before the others go on without it, its slots (virtual
     /// ranks) spread over them [default: 300, above a systemd restart and a VM's reboot; half
     /// the rejoin deadline when that is shorter].
     #[arg(long)]
-    pub replace_after: Option<f64>,
+    pub(crate) replace_after: Option<f64>,
     /// The fewest workers that train (default: a majority of TF_CONFIG's training tasks, so that
     /// two sides of a partition never both train); fewer wait, as before.
     #[arg(long)]
-    pub min_workers: Option<usize>,
+    pub(crate) min_workers: Option<usize>,
     /// Accept --min-workers of exactly half the workers, and with it the risk that both halves
     /// of a partition train.
     #[arg(long)]
-    pub allow_even_split: bool,
+    pub(crate) allow_even_split: bool,
     /// Keep this worker's vote here (fsynced), so that it can take part in electing a new
     /// coordinator when the chief is lost for good [default: $STATE_DIRECTORY, which systemd's
     /// StateDirectory= sets; without either, a lost chief is waited for].
     #[arg(long)]
-    pub state_dir: Option<PathBuf>,
+    pub(crate) state_dir: Option<PathBuf>,
     /// Commit checkpoints here (a directory, file:///path, s3://bucket/prefix) and resume from
     /// the newest one at start.
     #[arg(long)]
-    pub checkpoint_dir: Option<String>,
+    pub(crate) checkpoint_dir: Option<String>,
     /// Commit every N steps, as well as at each epoch's end.
     #[arg(long, default_value_t = 0)]
-    pub checkpoint_every: u64,
+    pub(crate) checkpoint_every: u64,
     /// Keep the newest K commits (0: all).
     #[arg(long, default_value_t = 3)]
-    pub keep_checkpoints: usize,
+    pub(crate) keep_checkpoints: usize,
     /// Also keep the commit with the best value of an epoch-end figure (`val_accuracy`,
     /// `val_loss`, ...; losses and errors minimised, the rest maximised, unless `:min` or `:max`
     /// says): Keras's ModelCheckpoint(save_best_only=True). `ckpt list` names it and `evaluate
     /// --best` evaluates it.
     #[arg(long, value_name = "METRIC[:min|max]")]
-    pub keep_best: Option<String>,
+    pub(crate) keep_best: Option<String>,
 }
 
 /// `trainerd evaluate`'s flags.
 #[derive(clap::Args)]
-pub struct EvalArgs {
+pub(crate) struct EvalArgs {
     /// The flags `run` and `evaluate` share.
     #[command(flatten)]
-    pub job: JobArgs,
+    pub(crate) job: JobArgs,
     /// Checkpoint location (a directory, file:///path, s3://bucket/prefix).
     #[arg(long)]
-    pub checkpoint: String,
+    pub(crate) checkpoint: String,
     /// The commit to evaluate (default: the newest that verifies).
     #[arg(long, conflicts_with = "best")]
-    pub sequence: Option<u64>,
+    pub(crate) sequence: Option<u64>,
     /// Evaluate the best commit (of a run with `--keep-best`).
     #[arg(long)]
-    pub best: bool,
+    pub(crate) best: bool,
 }
 
 /// The flags `run` and `evaluate` share: the plugin and its arguments, the data, where and how
 /// the model computes, the cluster, S3, and the result's file.
 #[derive(clap::Args)]
-pub struct JobArgs {
+pub(crate) struct JobArgs {
     /// Path of the model plugin's shared library (.so).
     #[arg(long)]
-    pub plugin: PathBuf,
+    pub(crate) plugin: PathBuf,
     /// The plugin's arguments.
     #[command(flatten)]
-    pub plugin_args: PluginArgFlags,
+    pub(crate) plugin_args: PluginArgFlags,
     /// The data.
     #[command(flatten)]
-    pub data: DataArgs,
+    pub(crate) data: DataArgs,
     /// Per-worker batch size (default: the plugin's).
     #[arg(long)]
-    pub batch_size: Option<u32>,
+    pub(crate) batch_size: Option<u32>,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
-    pub device: String,
+    pub(crate) device: String,
     /// libtorch threads (fixed, so results are reproducible; default: available cores).
     #[arg(long)]
-    pub threads: Option<usize>,
+    pub(crate) threads: Option<usize>,
     /// The forward pass's precision: fp32, or autocast to bf16 (CPU and CUDA) or fp16 (CUDA, with
     /// dynamic loss scaling); parameters, optimizer state and checkpoints stay float32. Part of
     /// the run configuration.
     #[arg(long, default_value = "fp32", value_parser = |t: &str| t.parse::<crate::optim::precision::Precision>())]
-    pub precision: crate::optim::precision::Precision,
+    pub(crate) precision: crate::optim::precision::Precision,
     /// Write the result as JSON to this file: a run's summary, or an evaluation's figures.
     #[arg(long)]
-    pub summary: Option<PathBuf>,
+    pub(crate) summary: Option<PathBuf>,
     /// The cluster.
     #[command(flatten)]
-    pub cluster: ClusterArgs,
+    pub(crate) cluster: ClusterArgs,
     /// Seconds to wait for every worker to join at the start.
     #[arg(long, default_value_t = 300.0)]
-    pub rendezvous_timeout: f64,
+    pub(crate) rendezvous_timeout: f64,
     /// S3 settings.
     #[command(flatten)]
-    pub s3: S3Args,
+    pub(crate) s3: S3Args,
 }
 
 /// The data flags `run` and `evaluate` share.
 #[derive(clap::Args)]
-pub struct DataArgs {
+pub(crate) struct DataArgs {
     /// The dataset: a directory in the plugin's own format (MNIST's idx files), or Parquet files
     /// in Hugging Face's layout (train-*.parquet, test-*.parquet) in a directory or under
     /// s3://bucket/prefix (with the --s3-* settings).
     #[arg(long)]
-    pub data: String,
+    pub(crate) data: String,
     /// Threads that read and decode a Parquet dataset ahead of the step (default: a quarter of
     /// the cores, at least 1: on a machine whose cores all train, each decoding thread slows
     /// the steps).
     #[arg(long)]
-    pub loader_threads: Option<usize>,
+    pub(crate) loader_threads: Option<usize>,
     /// Where remote (S3) data is cached; default: systemd's CACHE_DIRECTORY, else
     /// ~/.cache/trainerd/data. Workers on one host may share it.
     #[arg(long, env = "TRAINERD_DATA_CACHE")]
-    pub data_cache: Option<PathBuf>,
+    pub(crate) data_cache: Option<PathBuf>,
     /// The cache's bound (K, M, G, T: powers of 1024); least recently used data goes first.
     #[arg(long, default_value = "10G", value_parser = parse_bytes)]
-    pub data_cache_size: u64,
+    pub(crate) data_cache_size: u64,
     /// Seconds a read of the data waits for a failing source (retried, logged, shown in STATUS=)
     /// before the run fails naming the file; less than --collective-timeout, so that peers
     /// waiting in a collective do not give up first.
     #[arg(long, default_value_t = 60.0)]
-    pub data_timeout: f64,
+    pub(crate) data_timeout: f64,
 }
 
 impl DataArgs {
     /// Loader threads: the flag, or a quarter of the cores (at least 1).
-    pub fn loader_threads(&self) -> usize {
+    pub(crate) fn loader_threads(&self) -> usize {
         self.loader_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() / 4).max(1))
     }
 
     /// The defaults, for a tool that reads `data` once (`trainerd data inspect`).
-    pub fn for_tools(data: &str) -> DataArgs {
+    pub(crate) fn for_tools(data: &str) -> DataArgs {
         DataArgs {
             data: data.into(),
             loader_threads: Some(4),
@@ -505,7 +505,7 @@ impl DataArgs {
     }
 
     /// The cache directory: the flag, systemd's `CacheDirectory=`, or the user's cache.
-    pub fn cache_dir(&self) -> PathBuf {
+    pub(crate) fn cache_dir(&self) -> PathBuf {
         if let Some(dir) = &self.data_cache {
             return dir.clone();
         }
@@ -520,7 +520,7 @@ impl DataArgs {
 
 /// A size in bytes: digits with an optional K, M, G or T (powers of 1024; a trailing `B` or
 /// `iB` allowed).
-pub fn parse_bytes(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_bytes(text: &str) -> Result<u64, String> {
     let t = text.trim();
     let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
     let (digits, shift) = match t.chars().last() {
@@ -536,17 +536,17 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
 
 /// `--plugin-arg KEY=VALUE`, for every command that loads a plugin.
 #[derive(clap::Args, Clone, Debug, Default)]
-pub struct PluginArgFlags {
+pub(crate) struct PluginArgFlags {
     /// A setting for the plugin, as KEY=VALUE; repeatable. `trainerd plugin check` lists the
     /// keys a plugin accepts. Without any, the space-separated pairs of $TRAINERD_PLUGIN_ARGS.
     /// Every worker must give the same (a plugin may exempt a key, such as a file's path).
     #[arg(long = "plugin-arg", value_name = "KEY=VALUE")]
-    pub plugin_arg: Vec<String>,
+    pub(crate) plugin_arg: Vec<String>,
 }
 
 impl PluginArgFlags {
     /// The arguments: the flags, or else $TRAINERD_PLUGIN_ARGS.
-    pub fn parse(&self) -> anyhow::Result<PluginArgs> {
+    pub(crate) fn parse(&self) -> anyhow::Result<PluginArgs> {
         if !self.plugin_arg.is_empty() {
             return Ok(PluginArgs::parse(&self.plugin_arg)?);
         }
@@ -556,35 +556,35 @@ impl PluginArgFlags {
     }
 
     /// The flags that give `args` to a child `trainerd`.
-    pub fn to_flags(args: &PluginArgs) -> Vec<String> {
+    pub(crate) fn to_flags(args: &PluginArgs) -> Vec<String> {
         args.iter().map(|(k, v)| format!("--plugin-arg={k}={v}")).collect()
     }
 }
 
 /// The cluster flags `run` and `evaluate` share.
 #[derive(clap::Args)]
-pub struct ClusterArgs {
+pub(crate) struct ClusterArgs {
     /// The cluster, as TensorFlow's TF_CONFIG JSON or @FILE (default: the TF_CONFIG variable;
     /// none means one worker).
     #[arg(long)]
-    pub tf_config: Option<String>,
+    pub(crate) tf_config: Option<String>,
     /// The cluster secret: a file (the same on every node, readable only by trainerd's user)
     /// whose contents every control-plane and data-plane connection proves it knows. Needed
     /// when TF_CONFIG has a non-loopback address.
     #[arg(long, env = "TRAINERD_SECRET_FILE")]
-    pub secret_file: Option<PathBuf>,
+    pub(crate) secret_file: Option<PathBuf>,
     /// Run a cluster across hosts without a secret: anyone who can reach its ports can join it.
     #[arg(long)]
-    pub insecure: bool,
+    pub(crate) insecure: bool,
     /// The address the control plane and the data listener bind (default: every interface for a
     /// cluster across hosts, the TF_CONFIG address for a loopback one).
     #[arg(long, env = "TRAINERD_LISTEN")]
-    pub listen: Option<std::net::IpAddr>,
+    pub(crate) listen: Option<std::net::IpAddr>,
 }
 
 impl ClusterArgs {
     /// The cluster and how its members reach each other.
-    pub fn plan(&self) -> anyhow::Result<(Option<ClusterConfig>, Network)> {
+    pub(crate) fn plan(&self) -> anyhow::Result<(Option<ClusterConfig>, Network)> {
         let cluster = cluster(self.tf_config.as_deref())?;
         let key = self.secret_file.as_deref().map(ClusterKey::load).transpose()?;
         let network = match &cluster {

@@ -7,13 +7,13 @@ use super::args::{CkptCommand, S3Args};
 use crate::checkpoint::inspect;
 
 /// The checkpoint store at `url`.
-pub fn open_store(url: &str, s3: &S3Args) -> anyhow::Result<CheckpointStore> {
+pub(crate) fn open_store(url: &str, s3: &S3Args) -> anyhow::Result<CheckpointStore> {
     let location: Location = url.parse()?;
     Ok(location.open(&s3.options())?)
 }
 
 /// Runs `trainerd ckpt ...`; its exit status.
-pub fn run(command: CkptCommand) -> anyhow::Result<i32> {
+pub(crate) fn run(command: CkptCommand) -> anyhow::Result<i32> {
     match command {
         CkptCommand::List { url, s3 } => print!("{}", inspect::list(&open_store(&url, &s3)?)?),
         CkptCommand::Show { url, sequence, s3 } => print!("{}", inspect::show(&open_store(&url, &s3)?, sequence)?),

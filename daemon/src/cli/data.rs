@@ -17,7 +17,7 @@ use crate::ops::progress::{thousands, Progress};
 use crate::plugin::Plugin;
 
 /// Runs `trainerd data inspect|convert|read`; its exit status.
-pub fn run(command: DataCommand) -> anyhow::Result<i32> {
+pub(crate) fn run(command: DataCommand) -> anyhow::Result<i32> {
     match command {
         DataCommand::Inspect { url, s3 } => inspect(&url, &s3),
         DataCommand::Convert { from, to, rows_per_file, rows_per_group, s3 } => {
@@ -32,7 +32,7 @@ pub fn run(command: DataCommand) -> anyhow::Result<i32> {
 }
 
 /// `trainerd data inspect URL`: files, rows, row groups, schema and split sizes.
-pub fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
+pub(crate) fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
     let location: DataLocation = url.parse()?;
     let data = super::args::DataArgs::for_tools(url);
     let options = data_options(&data, s3, Arc::new(Quiet))?;
@@ -77,7 +77,7 @@ pub fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
 
 /// `trainerd data convert FROM TO`: an MNIST-format directory as Parquet, with progress (a bar
 /// on a terminal, a line per file otherwise).
-pub fn convert(from: &Path, to: &str, sharding: Sharding, s3: &S3Args) -> anyhow::Result<i32> {
+pub(crate) fn convert(from: &Path, to: &str, sharding: Sharding, s3: &S3Args) -> anyhow::Result<i32> {
     let location: DataLocation = to.parse()?;
     let mut progress = Progress::stdout(crate::ops::log::LogFormat::Plain);
     let mut split_started = (None, Instant::now());
@@ -106,7 +106,7 @@ pub fn convert(from: &Path, to: &str, sharding: Sharding, s3: &S3Args) -> anyhow
 
 /// `trainerd data read`: the training split read for a plugin's columns by worker `--rank` of
 /// `--workers`, as training would read it, the model excluded; prints examples per second.
-pub fn read(args: &ReadArgs) -> anyhow::Result<i32> {
+pub(crate) fn read(args: &ReadArgs) -> anyhow::Result<i32> {
     let plugin = Plugin::load(&args.plugin, &args.plugin_args.parse()?)?;
     let columns = plugin
         .info()
@@ -160,7 +160,7 @@ pub fn read(args: &ReadArgs) -> anyhow::Result<i32> {
 }
 
 /// `1.2 MB`, `3.4 GB` (powers of 1000).
-pub fn bytes(n: u64) -> String {
+pub(crate) fn bytes(n: u64) -> String {
     let n = n as f64;
     match n {
         n if n >= 1e9 => format!("{:.1} GB", n / 1e9),

@@ -16,7 +16,7 @@ use crate::sys::accel::{self, CudaLibrary};
 use crate::train::evaluate::EvalConfig;
 
 /// Runs `trainerd evaluate`; its exit status.
-pub fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
+pub(crate) fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
     let stop = stop_flag()?;
     let timeouts =
         Timeouts { rendezvous: seconds("--rendezvous-timeout", args.job.rendezvous_timeout)?, ..Timeouts::default() };

@@ -30,7 +30,7 @@ const PER_WORKER_FILES: [&str; 4] = ["--summary", "--metrics-log", "--log-exampl
 const STOP_GRACE: Duration = Duration::from_secs(90);
 
 /// `path` with `.workerN` before its extension.
-pub fn per_worker_path(path: &str, worker: usize) -> String {
+pub(crate) fn per_worker_path(path: &str, worker: usize) -> String {
     let p = Path::new(path);
     let stem = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let name = match p.extension() {
@@ -47,7 +47,7 @@ fn has_flag(args: &[String], flag: &str) -> bool {
 
 /// The `trainerd run` arguments for worker `i`: per-worker file flags rewritten, and a thread
 /// count that shares the machine's cores when none is given.
-pub fn worker_args(args: &[String], worker: usize, workers: usize, cores: usize) -> Vec<String> {
+pub(crate) fn worker_args(args: &[String], worker: usize, workers: usize, cores: usize) -> Vec<String> {
     let mut out = Vec::with_capacity(args.len() + 2);
     let mut it = args.iter();
     while let Some(arg) = it.next() {
@@ -87,7 +87,7 @@ fn check(workers: usize, no_restart: &[usize], args: &[String]) -> anyhow::Resul
 }
 
 /// Runs `trainerd local`; its exit status.
-pub fn run(args: LocalArgs) -> anyhow::Result<i32> {
+pub(crate) fn run(args: LocalArgs) -> anyhow::Result<i32> {
     let LocalArgs { workers, restart_delay, no_restart, events, args } = args;
     let delay = Duration::try_from_secs_f64(restart_delay)
         .map_err(|_| anyhow::anyhow!("--restart-delay {restart_delay}: expected a number of seconds"))?;

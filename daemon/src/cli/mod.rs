@@ -5,13 +5,13 @@
 //! (`main.rs`) only calls [`main`]; what the commands share (signals, threads, devices, the data
 //! options) is here.
 
-pub mod args;
-pub mod ckpt;
-pub mod data;
-pub mod evaluate;
-pub mod local;
-pub mod plugin;
-pub mod run;
+pub(crate) mod args;
+pub(crate) mod ckpt;
+pub(crate) mod data;
+pub(crate) mod evaluate;
+pub(crate) mod local;
+pub(crate) mod plugin;
+pub(crate) mod run;
 
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;

@@ -16,7 +16,7 @@ use crate::supervise::signal_name;
 use crate::sys::accel::{self, CudaLibrary};
 
 /// Runs `trainerd plugin ...`; its exit status.
-pub fn run(command: PluginCommand, cuda: CudaLibrary) -> anyhow::Result<i32> {
+pub(crate) fn run(command: PluginCommand, cuda: CudaLibrary) -> anyhow::Result<i32> {
     let PluginCommand::Check { path, args, in_process } = command;
     let args = args.parse()?;
     if !in_process {

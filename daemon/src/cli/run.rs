@@ -28,7 +28,7 @@ use crate::train::report::Outputs;
 use crate::train::{self, CheckpointConfig, Outcome, RunConfig};
 
 /// Runs `trainerd run`; its exit status. Every way out, errors included, is an `exiting` event.
-pub fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
+pub(crate) fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {
     let events = match &args.events {
         Some(path) => Events::open(path).with_context(|| format!("--events {}", path.display()))?,
         None => Events::none(),

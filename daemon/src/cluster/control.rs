@@ -17,18 +17,18 @@ use tonic::Status;
 use super::membership::{self, Effect, Gone, Report};
 
 /// Generated gRPC code.
-#[allow(missing_docs, clippy::all)]
-pub mod proto {
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub(crate) mod proto {
     tonic::include_proto!("trainerd.control.v1");
 }
 
-pub use super::service::{depose, seated, Chair, Service};
-pub use proto::control_client::ControlClient;
-pub use proto::control_server::ControlServer;
+pub(crate) use super::service::{depose, seated, Chair, Service};
+pub(crate) use proto::control_client::ControlClient;
+pub(crate) use proto::control_server::ControlServer;
 use proto::notice::Kind;
 
 /// The barrier after which members may leave freely: the run is over.
-pub const FINAL_BARRIER: &str = "finished";
+pub(crate) const FINAL_BARRIER: &str = "finished";
 /// Barrier names are bounded, and so are the barriers of a generation (a peer cannot grow the
 /// chief's memory with new names; the training loop uses two per generation at most).
 const MAX_BARRIER_NAME: usize = 64;
@@ -36,45 +36,45 @@ const MAX_BARRIERS: usize = 16;
 
 /// What every member must agree on for the replicas to stay identical.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Identity {
+pub(crate) struct Identity {
     /// The TF_CONFIG `cluster`, canonical JSON.
-    pub cluster_json: String,
+    pub(crate) cluster_json: String,
     /// Plugin name, version and build facts.
-    pub plugin: String,
+    pub(crate) plugin: String,
     /// Run configuration, canonical JSON (an object).
-    pub run_config_json: String,
+    pub(crate) run_config_json: String,
 }
 
 /// A formed generation, as a member learns it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Formed {
+pub(crate) struct Formed {
     /// Its number.
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// Data-plane address of each rank.
-    pub data_addresses: Vec<String>,
+    pub(crate) data_addresses: Vec<String>,
     /// The rank whose state everyone continues from.
-    pub source: usize,
+    pub(crate) source: usize,
     /// That state's progress.
-    pub progress: (u64, u64),
+    pub(crate) progress: (u64, u64),
     /// That state's sha256.
-    pub digest: String,
+    pub(crate) digest: String,
     /// Ranks that receive the source's state.
-    pub receivers: Vec<usize>,
+    pub(crate) receivers: Vec<usize>,
     /// A generation had formed before: this one is a recovery.
-    pub recovery: bool,
+    pub(crate) recovery: bool,
     /// Steps the cluster had trained that this formation does not continue from.
-    pub steps_lost: u64,
+    pub(crate) steps_lost: u64,
     /// The ranks in the generation, ascending (the ring's order).
-    pub members: Vec<usize>,
+    pub(crate) members: Vec<usize>,
     /// The coordinator's rank (it commits).
-    pub coordinator: usize,
+    pub(crate) coordinator: usize,
     /// The coordinator's term (0: the chief's, without a vote).
-    pub term: u64,
+    pub(crate) term: u64,
 }
 
 impl Formed {
     /// The generation of a worker alone, at `progress`.
-    pub fn alone(generation: u64, progress: (u64, u64)) -> Formed {
+    pub(crate) fn alone(generation: u64, progress: (u64, u64)) -> Formed {
         Formed {
             generation,
             data_addresses: Vec::new(),
@@ -157,19 +157,19 @@ struct Coord {
 /// Where a coordinator sits and since when: its rank and term, and the ranks already missing
 /// when it took over (with the instant they were lost), which count as missing since then.
 #[derive(Clone, Debug, Default)]
-pub struct Seat {
+pub(crate) struct Seat {
     /// The rank of the process it lives in.
-    pub rank: usize,
+    pub(crate) rank: usize,
     /// Its term (0: the chief's, without a vote).
-    pub term: u64,
+    pub(crate) term: u64,
     /// Ranks lost before it took over, and since when.
-    pub lost: Vec<(usize, Instant)>,
+    pub(crate) lost: Vec<(usize, Instant)>,
     /// A generation formed before it took over: missing members get the rejoin deadline.
-    pub ever_formed: bool,
+    pub(crate) ever_formed: bool,
 }
 
 /// The coordinator (the chief's, or one elected when the chief was lost for good).
-pub struct Coordinator {
+pub(crate) struct Coordinator {
     expected: Identity,
     names: Vec<String>,
     seat: Seat,
@@ -182,7 +182,12 @@ pub struct Coordinator {
 impl Coordinator {
     /// A coordinator for `names.len()` members that admits only `expected`, sitting in `seat`:
     /// its generations exceed its term.
-    pub fn new(expected: Identity, names: Vec<String>, opts: membership::Options, seat: Seat) -> Arc<Coordinator> {
+    pub(crate) fn new(
+        expected: Identity,
+        names: Vec<String>,
+        opts: membership::Options,
+        seat: Seat,
+    ) -> Arc<Coordinator> {
         let world = names.len();
         let now = Instant::now();
         let mut state = membership::State::new(world, seat.term, now);
@@ -208,13 +213,13 @@ impl Coordinator {
     }
 
     /// Its term.
-    pub fn term(&self) -> u64 {
+    pub(crate) fn term(&self) -> u64 {
         self.seat.term
     }
 
     /// A coordinator of a newer term exists: answer nothing more (waiting calls get `why`, the
     /// heartbeat streams close).
-    pub fn depose(&self, why: &str) {
+    pub(crate) fn depose(&self, why: &str) {
         let mut c = self.lock();
         if c.deposed.is_none() {
             tracing::warn!("{}", why);
@@ -225,13 +230,8 @@ impl Coordinator {
     }
 
     /// Whether it is gathering members (no generation formed, or the last one ended).
-    pub fn gathering(&self) -> bool {
+    pub(crate) fn gathering(&self) -> bool {
         !self.lock().state.formed
-    }
-
-    /// Why it was deposed, if it was.
-    pub fn deposed(&self) -> Option<String> {
-        self.lock().deposed.clone()
     }
 
     /// The name of this coordinator's role: `the chief, worker 0 (…)` or `the coordinator, …`.
@@ -250,7 +250,7 @@ impl Coordinator {
 
     /// After the final barrier: whether every member other than the coordinator's own has left
     /// or disconnected (so that its exit can no longer cut off a reply they wait for).
-    pub fn departed(&self) -> bool {
+    pub(crate) fn departed(&self) -> bool {
         let c = self.lock();
         let others = c.state.members.iter().enumerate().filter(|(r, _)| *r != self.seat.rank);
         c.state.finished && others.map(|(_, m)| m).all(|m| m.gone.is_some() || !m.connected || !m.active)
@@ -258,12 +258,12 @@ impl Coordinator {
 
     /// After a give-up: whether every member told of it has left or disconnected (so that the
     /// chief's exit can no longer cut off the answer on its way).
-    pub fn answered(&self) -> bool {
+    pub(crate) fn answered(&self) -> bool {
         self.lock().state.unanswered.is_empty()
     }
 
     /// The next formation must exceed `generation` (the latest commit's).
-    pub fn set_floor(&self, generation: u64) {
+    pub(crate) fn set_floor(&self, generation: u64) {
         let mut c = self.lock();
         c.state.floor = c.state.floor.max(generation);
     }
@@ -326,7 +326,7 @@ impl Coordinator {
     }
 
     /// Runs the decisions every `interval` (deadlines pass without any message).
-    pub async fn tick(self: Arc<Self>, interval: Duration) {
+    pub(crate) async fn tick(self: Arc<Self>, interval: Duration) {
         loop {
             tokio::time::sleep(interval).await;
             let mut c = self.lock();

@@ -20,13 +20,13 @@ use super::error::VoteError;
 /// A member's vote and what it knows of the coordinator: persisted before any answer that
 /// depends on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Vote {
+pub(crate) struct Vote {
     /// The highest term this member knows of.
-    pub term: u64,
+    pub(crate) term: u64,
     /// Whom it voted for in that term, if it voted.
-    pub voted_for: Option<usize>,
+    pub(crate) voted_for: Option<usize>,
     /// The coordinator of that term, once known.
-    pub coordinator: Option<usize>,
+    pub(crate) coordinator: Option<usize>,
 }
 
 impl Default for Vote {
@@ -38,31 +38,31 @@ impl Default for Vote {
 
 /// A candidate's request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Ballot {
+pub(crate) struct Ballot {
     /// The term it stands in.
-    pub term: u64,
+    pub(crate) term: u64,
     /// Its rank.
-    pub candidate: usize,
+    pub(crate) candidate: usize,
 }
 
 /// What a voter sees when it answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Voter {
+pub(crate) struct Voter {
     /// Its vote so far.
-    pub vote: Vote,
+    pub(crate) vote: Vote,
     /// The highest generation it has been in or been told of.
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// How long it has been without a coordinator (`None`: its coordinator answers).
-    pub lost_for: Option<Duration>,
+    pub(crate) lost_for: Option<Duration>,
     /// It found no kept vote at start (a new machine, an emptied directory) and has since been
     /// in no generation nor heard the term from a majority of the others: it may have voted
     /// before and forgotten.
-    pub forgetful: bool,
+    pub(crate) forgetful: bool,
 }
 
 /// Why a vote is refused.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     /// The voter knows a term at least as high (and voted in it for someone else, or learned it).
     Term(u64),
     /// The voter has been in a generation at least as high.
@@ -77,7 +77,7 @@ pub enum Refusal {
 
 impl Refusal {
     /// The refusal in words.
-    pub fn reason(&self, coordinator: Option<&str>) -> String {
+    pub(crate) fn reason(&self, coordinator: Option<&str>) -> String {
         match self {
             Refusal::Term(t) => format!("it knows term {t}"),
             Refusal::Generation(g) => format!("it has seen generation {g}"),
@@ -94,7 +94,7 @@ impl Refusal {
 /// vote per term (asking again for the same candidate gets the same yes), never for a term at or
 /// below one it knows or a generation it saw, only while it too has been without a coordinator
 /// for the heartbeat deadline, and not while it may have forgotten a vote ([`caught_up`]).
-pub fn answer(voter: &Voter, ballot: &Ballot, heartbeat_deadline: Duration) -> Result<Vote, Refusal> {
+pub(crate) fn answer(voter: &Voter, ballot: &Ballot, heartbeat_deadline: Duration) -> Result<Vote, Refusal> {
     let mine = voter.vote;
     if voter.forgetful {
         return Err(Refusal::Forgetful);
@@ -118,7 +118,7 @@ pub fn answer(voter: &Voter, ballot: &Ballot, heartbeat_deadline: Duration) -> R
 /// `replace_after`, plus a stagger by `place` (its position among the ranks other than the lost
 /// coordinator, so the lowest live rank stands first) and by `tries` (elections it already
 /// lost), two heartbeat deadlines apiece, so that candidates rarely split the votes.
-pub fn stands(lost_for: Duration, place: usize, tries: u32, world: usize, opts: (Duration, Duration)) -> bool {
+pub(crate) fn stands(lost_for: Duration, place: usize, tries: u32, world: usize, opts: (Duration, Duration)) -> bool {
     let (replace_after, heartbeat_deadline) = opts;
     let turns = place as u32 + tries * world as u32;
     lost_for > replace_after + heartbeat_deadline * 2 * turns
@@ -128,23 +128,23 @@ pub fn stands(lost_for: Duration, place: usize, tries: u32, world: usize, opts: 
 /// their term, more than half of all `world` ranks. Every term won was kept by a majority, and
 /// the majority without this member still meets any majority of the others, so it has heard of
 /// every term it may have voted in (it takes the highest first).
-pub fn caught_up(answers: usize, world: usize) -> bool {
+pub(crate) fn caught_up(answers: usize, world: usize) -> bool {
     answers * 2 > world
 }
 
 /// The term a candidate stands in: above every term and generation it knows.
-pub fn next_term(vote: &Vote, generation: u64) -> u64 {
+pub(crate) fn next_term(vote: &Vote, generation: u64) -> u64 {
     vote.term.max(generation) + 1
 }
 
 /// Whether `grants` votes (the candidate's own included) of `world` ranks are a majority.
-pub fn won(grants: usize, world: usize) -> bool {
+pub(crate) fn won(grants: usize, world: usize) -> bool {
     grants * 2 > world
 }
 
 /// The vote after hearing that `coordinator` coordinates `term`, if the member should follow it:
 /// a higher term, or its own term whose coordinator it did not know.
-pub fn follows(mine: &Vote, term: u64, coordinator: usize) -> Option<Vote> {
+pub(crate) fn follows(mine: &Vote, term: u64, coordinator: usize) -> Option<Vote> {
     let newer = term > mine.term || (term == mine.term && mine.coordinator.is_none());
     newer.then_some(Vote {
         term,
@@ -154,7 +154,7 @@ pub fn follows(mine: &Vote, term: u64, coordinator: usize) -> Option<Vote> {
 }
 
 /// A member's elections: its vote (persisted in `--state-dir`), and the facts the rules read.
-pub struct Elections {
+pub(crate) struct Elections {
     file: Option<PathBuf>,
     inner: Mutex<Inner>,
 }
@@ -172,7 +172,7 @@ struct Inner {
 impl Elections {
     /// The elections of the member whose vote lives in `file` (read now; `None`: this member
     /// keeps no vote, and so neither votes nor stands).
-    pub fn open(file: Option<PathBuf>) -> Result<Elections, VoteError> {
+    pub(crate) fn open(file: Option<PathBuf>) -> Result<Elections, VoteError> {
         let (vote, forgetful) = match &file {
             Some(path) => read(path)?,
             None => (Vote::default(), true),
@@ -186,18 +186,18 @@ impl Elections {
     }
 
     /// Whether this member takes part (it has somewhere to keep its vote).
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.file.is_some()
     }
 
     /// Whether it may have voted before and forgotten (no kept vote, not caught up yet).
-    pub fn forgetful(&self) -> bool {
+    pub(crate) fn forgetful(&self) -> bool {
         self.lock().forgetful
     }
 
     /// `answers` of the others told it their terms, the highest `highest`: it takes that term and,
     /// if they are a majority, may vote again.
-    pub fn heard_from(&self, answers: usize, world: usize, highest: u64) -> Result<(), VoteError> {
+    pub(crate) fn heard_from(&self, answers: usize, world: usize, highest: u64) -> Result<(), VoteError> {
         self.heard(highest)?;
         let mut i = self.lock();
         if i.forgetful && caught_up(answers, world) {
@@ -209,24 +209,24 @@ impl Elections {
     }
 
     /// Its vote.
-    pub fn vote(&self) -> Vote {
+    pub(crate) fn vote(&self) -> Vote {
         self.lock().vote
     }
 
     /// The coordinator it follows: (term, rank), if known.
-    pub fn coordinator(&self) -> Option<(u64, usize)> {
+    pub(crate) fn coordinator(&self) -> Option<(u64, usize)> {
         let v = self.lock().vote;
         v.coordinator.map(|c| (v.term, c))
     }
 
     /// The highest generation it has been in or been told of.
-    pub fn generation(&self) -> u64 {
+    pub(crate) fn generation(&self) -> u64 {
         self.lock().generation
     }
 
     /// It is in `generation`, formed by a majority that follows its coordinator's term: it
     /// knows the current term from them, and keeps its vote from now on.
-    pub fn joined(&self, generation: u64) -> Result<(), VoteError> {
+    pub(crate) fn joined(&self, generation: u64) -> Result<(), VoteError> {
         self.saw(generation);
         let mut i = self.lock();
         if i.forgetful && self.file.is_some() {
@@ -237,26 +237,26 @@ impl Elections {
     }
 
     /// It has been in, or was told of, `generation`.
-    pub fn saw(&self, generation: u64) {
+    pub(crate) fn saw(&self, generation: u64) {
         let mut i = self.lock();
         i.generation = i.generation.max(generation);
     }
 
     /// Its coordinator stopped answering at `since` (kept if already lost), or answers again.
-    pub fn set_lost(&self, since: Option<Instant>) {
+    pub(crate) fn set_lost(&self, since: Option<Instant>) {
         let mut i = self.lock();
         i.lost_since = since.map(|s| i.lost_since.unwrap_or(s));
     }
 
     /// How long it has been without a coordinator at `now`.
-    pub fn lost_for(&self, now: Instant) -> Option<Duration> {
+    pub(crate) fn lost_for(&self, now: Instant) -> Option<Duration> {
         self.lock().lost_since.map(|s| now.saturating_duration_since(s))
     }
 
     /// Answers `ballot` at `now`; a granted vote is persisted first, and the clock of the lost
     /// coordinator starts again (the candidate gets its chance before this member stands). A
     /// pre-vote (`pre`) only says what the answer would be, and changes nothing.
-    pub fn answer(
+    pub(crate) fn answer(
         &self,
         ballot: &Ballot,
         now: Instant,
@@ -288,7 +288,7 @@ impl Elections {
     }
 
     /// Stands in `term`: votes for itself, persisted first; false if it knows that term already.
-    pub fn stand(&self, term: u64, rank: usize) -> Result<bool, VoteError> {
+    pub(crate) fn stand(&self, term: u64, rank: usize) -> Result<bool, VoteError> {
         let mut i = self.lock();
         if term <= i.vote.term {
             return Ok(false);
@@ -301,7 +301,7 @@ impl Elections {
 
     /// Takes `vote` if it is the one it replaces by the rules (a term won, a coordinator heard
     /// of); persisted first. Whether it changed anything.
-    pub fn adopt(&self, term: u64, coordinator: usize) -> Result<bool, VoteError> {
+    pub(crate) fn adopt(&self, term: u64, coordinator: usize) -> Result<bool, VoteError> {
         let mut i = self.lock();
         let Some(vote) = follows(&i.vote, term, coordinator) else { return Ok(false) };
         self.persist(&vote)?;
@@ -312,7 +312,7 @@ impl Elections {
 
     /// A term higher than its own was heard of (its coordinator unknown): it will vote in no
     /// lower one.
-    pub fn heard(&self, term: u64) -> Result<bool, VoteError> {
+    pub(crate) fn heard(&self, term: u64) -> Result<bool, VoteError> {
         let mut i = self.lock();
         if term <= i.vote.term {
             return Ok(false);
@@ -343,7 +343,7 @@ fn read(path: &Path) -> Result<(Vote, bool), VoteError> {
 
 /// Where `rank` keeps its vote for the run `identity` (the cluster, the plugin and the run
 /// configuration, so that another run's votes in the same directory do not count).
-pub fn vote_file(dir: &Path, rank: usize, identity: &str) -> PathBuf {
+pub(crate) fn vote_file(dir: &Path, rank: usize, identity: &str) -> PathBuf {
     use sha2::{Digest, Sha256};
     let id: String = Sha256::digest(identity.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect();
     dir.join(format!("vote-rank{rank}-{id}.json"))

@@ -8,7 +8,7 @@ use tonic::{Code, Status};
 
 /// A control-plane failure.
 #[derive(Debug, thiserror::Error)]
-pub enum ClusterError {
+pub(crate) enum ClusterError {
     /// This daemon's own address cannot be served.
     #[error("cannot listen on {address} ({member}'s address in TF_CONFIG): {reason}")]
     Bind {
@@ -83,7 +83,7 @@ pub enum ClusterError {
 
 /// Why this daemon's address cannot be served.
 #[derive(Debug, thiserror::Error)]
-pub enum BindError {
+pub(crate) enum BindError {
     /// It does not resolve (and names no port either).
     #[error(transparent)]
     Resolve(#[from] ResolveError),
@@ -110,7 +110,7 @@ pub enum BindError {
 
 /// Why `host:port` gives no socket address.
 #[derive(Debug, thiserror::Error)]
-pub enum ResolveError {
+pub(crate) enum ResolveError {
     /// The lookup failed.
     #[error("cannot resolve: {0}")]
     Lookup(#[source] std::io::Error),
@@ -121,7 +121,7 @@ pub enum ResolveError {
 
 /// Why a connection to a member's control plane failed.
 #[derive(Debug, thiserror::Error)]
-pub enum DialError {
+pub(crate) enum DialError {
     /// Its address is not a URI.
     #[error("bad address {address}: {source}")]
     Address {
@@ -157,7 +157,7 @@ fn chain(e: &dyn std::error::Error) -> String {
 
 /// Why this member's vote (for electing a coordinator) cannot be read or kept.
 #[derive(Debug, thiserror::Error)]
-pub enum VoteError {
+pub(crate) enum VoteError {
     /// The vote file holds something else.
     #[error("{}: not a trainerd vote ({source}); remove it to start from term 0", path.display())]
     NotAVote {
@@ -181,7 +181,7 @@ pub enum VoteError {
 
 /// A call to the chief, as the mapping names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Call<'a> {
+pub(crate) enum Call<'a> {
     /// A join, in its phase (`rendezvous` or `recovery`).
     Join {
         /// `rendezvous` (the first formation) or `recovery`.
@@ -215,7 +215,7 @@ impl std::fmt::Display for Call<'_> {
 /// - `FailedPrecondition` elsewhere, `InvalidArgument`, `ResourceExhausted`, `OutOfRange`: the
 ///   request itself cannot succeed;
 /// - anything else: transient.
-pub fn from_status(status: &Status, call: Call<'_>) -> Option<ClusterError> {
+pub(crate) fn from_status(status: &Status, call: Call<'_>) -> Option<ClusterError> {
     let message = status.message().to_string();
     Some(match (status.code(), call) {
         (Code::Aborted, Call::Join { phase }) => ClusterError::GaveUp { phase, detail: message },

@@ -18,27 +18,25 @@ use std::time::{Duration, Instant};
 /// What a member says about its training state when it joins. The cluster does not know what
 /// training is: progress is an opaque ordered key, the digest an opaque fingerprint.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
-pub struct Report {
+pub(crate) struct Report {
     /// The last generation this member trained in (0: none).
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// How far its state is; larger is further.
-    pub progress: (u64, u64),
+    pub(crate) progress: (u64, u64),
     /// sha256 of its state; empty when it has none (a fresh process).
-    pub digest: String,
+    pub(crate) digest: String,
 }
 
 impl Report {
     /// Whether the member holds a state.
-    pub fn has_state(&self) -> bool {
+    pub(crate) fn has_state(&self) -> bool {
         !self.digest.is_empty()
     }
 }
 
 /// Why an active member is out of its generation (reported by messages).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Gone {
-    /// Its heartbeat stream closed.
-    Disconnected(String),
+pub(crate) enum Gone {
     /// A peer reported it failed.
     Reported(String),
     /// It left on purpose (stopped).
@@ -49,72 +47,72 @@ pub enum Gone {
 
 /// What the coordinator knows about one rank.
 #[derive(Clone, Debug)]
-pub struct MemberState {
+pub(crate) struct MemberState {
     /// The process holding the rank (random per process start), once one has come.
-    pub incarnation: Option<u64>,
+    pub(crate) incarnation: Option<u64>,
     /// Its heartbeat stream is open.
-    pub connected: bool,
+    pub(crate) connected: bool,
     /// When it was last heard from.
-    pub last_seen: Instant,
+    pub(crate) last_seen: Instant,
     /// Its pending join, if it asked to be in the next generation.
-    pub joined: Option<Report>,
+    pub(crate) joined: Option<Report>,
     /// It is in the current generation, which is formed.
-    pub active: bool,
+    pub(crate) active: bool,
     /// Why it is out, when something said so.
-    pub gone: Option<Gone>,
+    pub(crate) gone: Option<Gone>,
 }
 
 impl MemberState {
     /// A rank nobody has claimed yet.
-    pub fn absent(now: Instant) -> MemberState {
+    pub(crate) fn absent(now: Instant) -> MemberState {
         MemberState { incarnation: None, connected: false, last_seen: now, joined: None, active: false, gone: None }
     }
 }
 
 /// The coordinator's state.
 #[derive(Clone, Debug)]
-pub struct State {
+pub(crate) struct State {
     /// The rank of the process the coordinator lives in (the chief's, 0, unless one was
     /// elected): a formation always holds it.
-    pub own: usize,
+    pub(crate) own: usize,
     /// The current generation.
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// Whether it is formed (training) or gathering members.
-    pub formed: bool,
+    pub(crate) formed: bool,
     /// The next formation's generation must exceed this (the latest commit's generation).
-    pub floor: u64,
+    pub(crate) floor: u64,
     /// Per rank.
-    pub members: Vec<MemberState>,
+    pub(crate) members: Vec<MemberState>,
     /// When the current gathering began.
-    pub gathering_since: Instant,
+    pub(crate) gathering_since: Instant,
     /// A generation was formed before (here, or by a coordinator before this one, as the
     /// members' reports tell): missing members are then given the rejoin deadline.
-    pub ever_formed: bool,
+    pub(crate) ever_formed: bool,
     /// When the coordinator last ran its decisions.
-    pub last_tick: Instant,
+    pub(crate) last_tick: Instant,
     /// The members passed the final barrier: nobody's departure is a failure any more.
-    pub finished: bool,
+    pub(crate) finished: bool,
     /// The furthest global step heard of (beats, joins): what a formation from a state behind it
     /// loses.
-    pub high_water: u64,
+    pub(crate) high_water: u64,
     /// Why recent generations ended (the newest 16), for members that missed the notice.
-    pub ended: BTreeMap<u64, String>,
+    pub(crate) ended: BTreeMap<u64, String>,
     /// Give-ups so far; a join waiting since before the latest one fails with its message.
-    pub give_ups: u64,
+    pub(crate) give_ups: u64,
     /// The latest give-up's message.
-    pub gave_up: String,
+    pub(crate) gave_up: String,
     /// A give-up ends the cluster (the chief exits on it): later joins get its message at once.
-    pub closed: bool,
+    pub(crate) closed: bool,
     /// Members told of the give-up that have not yet left or disconnected: the chief's exit
     /// would cut off the answer on its way to them.
-    pub unanswered: BTreeSet<usize>,
+    pub(crate) unanswered: BTreeSet<usize>,
     /// Each open barrier of a generation, by (generation, name): the ranks that arrived.
-    pub barriers: BTreeMap<(u64, String), BTreeSet<usize>>,
+    pub(crate) barriers: BTreeMap<(u64, String), BTreeSet<usize>>,
 }
 
 impl State {
     /// A coordinator that has just started, with nobody joined.
-    pub fn new(world: usize, floor: u64, now: Instant) -> State {
+    pub(crate) fn new(world: usize, floor: u64, now: Instant) -> State {
         State {
             own: 0,
             generation: 0,
@@ -137,7 +135,7 @@ impl State {
 
     /// Makes `decision`'s changes, taken at `now` (`names`: every member's, by rank), and says
     /// what the coordinator must carry out.
-    pub fn apply(&mut self, decision: Decision, now: Instant, names: &[String]) -> Effect {
+    pub(crate) fn apply(&mut self, decision: Decision, now: Instant, names: &[String]) -> Effect {
         match decision {
             Decision::Grace => {
                 self.members.iter_mut().for_each(|m| m.last_seen = now);
@@ -194,7 +192,7 @@ impl State {
 
 /// What the coordinator must carry out after [`State::apply`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Effect {
+pub(crate) enum Effect {
     /// Nothing to tell anyone (everyone was counted as just heard from).
     Grace,
     /// Tell every member that `generation` ended, and why.
@@ -212,43 +210,43 @@ pub enum Effect {
 
 /// Deadlines the decisions use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Options {
+pub(crate) struct Options {
     /// A member silent for longer has failed.
-    pub heartbeat_deadline: Duration,
+    pub(crate) heartbeat_deadline: Duration,
     /// How long the first formation may wait for every member.
-    pub rendezvous_timeout: Duration,
+    pub(crate) rendezvous_timeout: Duration,
     /// How long a formed cluster waits for a missing member to return.
-    pub rejoin_deadline: Duration,
+    pub(crate) rejoin_deadline: Duration,
     /// How long a member may be missing before a generation forms without it.
-    pub replace_after: Duration,
+    pub(crate) replace_after: Duration,
     /// The fewest members a generation forms with.
-    pub min_workers: usize,
+    pub(crate) min_workers: usize,
 }
 
 /// A generation to form.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Formation {
+pub(crate) struct Formation {
     /// Its number.
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// The member whose state everyone continues from.
-    pub source: usize,
+    pub(crate) source: usize,
     /// That state's progress.
-    pub progress: (u64, u64),
+    pub(crate) progress: (u64, u64),
     /// That state's digest.
-    pub digest: String,
+    pub(crate) digest: String,
     /// Members whose state differs from the source's: they receive it.
-    pub receivers: Vec<usize>,
+    pub(crate) receivers: Vec<usize>,
     /// The members of the generation, ascending (the ring's order).
-    pub members: Vec<usize>,
+    pub(crate) members: Vec<usize>,
     /// A generation had been formed before: this one is a recovery.
-    pub recovery: bool,
+    pub(crate) recovery: bool,
     /// Steps the cluster had trained (as far as heard of) that the source's state does not hold.
-    pub steps_lost: u64,
+    pub(crate) steps_lost: u64,
 }
 
 /// What the coordinator must do.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// The coordinator itself did not run for longer than the heartbeat deadline (it was
     /// frozen, or starved): count everyone as just heard from rather than failing them all.
     Grace,
@@ -266,7 +264,7 @@ pub enum Decision {
 }
 
 /// What the coordinator must do now, if anything.
-pub fn decide(state: &State, now: Instant, opts: &Options) -> Option<Decision> {
+pub(crate) fn decide(state: &State, now: Instant, opts: &Options) -> Option<Decision> {
     if now.saturating_duration_since(state.last_tick) > opts.heartbeat_deadline {
         return Some(Decision::Grace);
     }
@@ -316,7 +314,7 @@ pub fn decide(state: &State, now: Instant, opts: &Options) -> Option<Decision> {
 fn failure(m: &MemberState, now: Instant, opts: &Options) -> Option<String> {
     if let Some(gone) = &m.gone {
         return Some(match gone {
-            Gone::Disconnected(why) | Gone::Reported(why) | Gone::Left(why) => why.clone(),
+            Gone::Reported(why) | Gone::Left(why) => why.clone(),
             Gone::Restarted => "was restarted (a new process took its place)".into(),
         });
     }

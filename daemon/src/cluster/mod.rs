@@ -7,18 +7,18 @@
 //! ([`network`]; who may talk to it is `crate::auth`'s). It knows nothing of training, plugins or
 //! storage: a member's state is an opaque ordered progress and a digest.
 
-pub mod control;
-pub mod election;
-pub mod error;
-pub mod member;
-pub mod membership;
-pub mod network;
-pub mod service;
-pub mod tf_config;
-pub mod timeouts;
+pub(crate) mod control;
+pub(crate) mod election;
+pub(crate) mod error;
+pub(crate) mod member;
+pub(crate) mod membership;
+pub(crate) mod network;
+pub(crate) mod service;
+pub(crate) mod tf_config;
+pub(crate) mod timeouts;
 
-pub use error::{BindError, ClusterError, DialError, ResolveError, VoteError};
-pub use member::ControlPlane;
-pub use network::Network;
-pub use tf_config::{ClusterConfig, Member, TfConfigError};
-pub use timeouts::{TimeoutError, Timeouts};
+pub(crate) use error::{BindError, ClusterError};
+pub(crate) use member::ControlPlane;
+pub(crate) use network::Network;
+pub(crate) use tf_config::{ClusterConfig, Member};
+pub(crate) use timeouts::Timeouts;

@@ -12,11 +12,11 @@ use crate::auth::ClusterKey;
 
 /// How a member meets the network.
 #[derive(Clone, Debug)]
-pub struct Network {
+pub(crate) struct Network {
     /// The address its control plane and data listener bind.
-    pub bind: IpAddr,
+    pub(crate) bind: IpAddr,
     /// The cluster secret every connection proves, if any.
-    pub key: Option<ClusterKey>,
+    pub(crate) key: Option<ClusterKey>,
 }
 
 /// A cluster across hosts without a secret, and without `--insecure`.
@@ -27,20 +27,20 @@ pub struct Network {
      (TRAINERD_SECRET_FILE), or pass --insecure to run without one",
     member.job, member.index, member.address
 )]
-pub struct Unguarded {
+pub(crate) struct Unguarded {
     /// The first member outside this host.
-    pub member: super::Member,
+    pub(crate) member: super::Member,
 }
 
 impl Network {
     /// Loopback, no secret: a cluster on one host (tests, and `Network` for a lone worker).
-    pub fn loopback() -> Network {
+    pub(crate) fn loopback() -> Network {
         Network { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), key: None }
     }
 
     /// The settings for `cluster`: `listen` overrides the bind address; without `key`, a
     /// cluster with any non-loopback address is refused unless `insecure`.
-    pub fn plan(
+    pub(crate) fn plan(
         cluster: &ClusterConfig,
         listen: Option<IpAddr>,
         key: Option<ClusterKey>,

@@ -18,27 +18,27 @@ use proto::control_server::Control;
 
 /// Where this process's coordinator sits when it coordinates: the chief's from the start, an
 /// elected one's from its election, empty once deposed.
-pub type Chair = Arc<RwLock<Option<Arc<Coordinator>>>>;
+pub(crate) type Chair = Arc<RwLock<Option<Arc<Coordinator>>>>;
 
 /// The coordinator in `chair`, if any.
-pub fn seated(chair: &Chair) -> Option<Arc<Coordinator>> {
+pub(crate) fn seated(chair: &Chair) -> Option<Arc<Coordinator>> {
     chair.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
 }
 
 /// The service every daemon serves.
-pub struct Service {
+pub(crate) struct Service {
     /// This member's rank.
-    pub rank: usize,
+    pub(crate) rank: usize,
     /// Every member's name.
-    pub names: Vec<String>,
+    pub(crate) names: Vec<String>,
     /// The coordinator, when this process coordinates.
-    pub chair: Chair,
+    pub(crate) chair: Chair,
     /// This member's vote and what it knows of the coordinator.
-    pub elections: Arc<Elections>,
+    pub(crate) elections: Arc<Elections>,
     /// How long without a coordinator before this member may vote.
-    pub heartbeat_deadline: Duration,
+    pub(crate) heartbeat_deadline: Duration,
     /// This member's collectives, for pushed aborts.
-    pub abort: AbortSignal,
+    pub(crate) abort: AbortSignal,
 }
 
 impl Service {
@@ -67,7 +67,7 @@ impl Service {
 }
 
 /// Takes `c` out of `chair` (if it still sits there) and deposes it.
-pub fn depose(chair: &Chair, c: &Arc<Coordinator>, why: &str) {
+pub(crate) fn depose(chair: &Chair, c: &Arc<Coordinator>, why: &str) {
     let mut seat = chair.write().unwrap_or_else(std::sync::PoisonError::into_inner);
     if seat.as_ref().is_some_and(|s| Arc::ptr_eq(s, c)) {
         *seat = None;

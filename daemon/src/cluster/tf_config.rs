@@ -12,13 +12,13 @@ use serde_json::Value;
 
 /// One training member.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Member {
+pub(crate) struct Member {
     /// `chief` or `worker`.
-    pub job: String,
+    pub(crate) job: String,
     /// Index within the job.
-    pub index: usize,
+    pub(crate) index: usize,
     /// `host:port` of its control plane.
-    pub address: String,
+    pub(crate) address: String,
 }
 
 impl std::fmt::Display for Member {
@@ -29,28 +29,28 @@ impl std::fmt::Display for Member {
 
 /// A parsed cluster, from this process's point of view.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClusterConfig {
+pub(crate) struct ClusterConfig {
     /// Training members in rank order (rank 0 is the chief).
-    pub members: Vec<Member>,
+    pub(crate) members: Vec<Member>,
     /// This process's rank.
-    pub rank: usize,
+    pub(crate) rank: usize,
     /// The `cluster` object as given (job -> addresses), for comparing with peers.
-    pub jobs: BTreeMap<String, Vec<String>>,
+    pub(crate) jobs: BTreeMap<String, Vec<String>>,
 }
 
 impl ClusterConfig {
     /// Number of training members.
-    pub fn world_size(&self) -> usize {
+    pub(crate) fn world_size(&self) -> usize {
         self.members.len()
     }
 
     /// This process.
-    pub fn me(&self) -> &Member {
+    pub(crate) fn me(&self) -> &Member {
         &self.members[self.rank]
     }
 
     /// The `cluster` object as canonical JSON (sorted keys).
-    pub fn cluster_json(&self) -> String {
+    pub(crate) fn cluster_json(&self) -> String {
         serde_json::to_string(&self.jobs).expect("strings serialize")
     }
 }
@@ -58,17 +58,17 @@ impl ClusterConfig {
 /// A `TF_CONFIG` that cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[error("{source_name}: {problem}")]
-pub struct TfConfigError {
+pub(crate) struct TfConfigError {
     /// Where the config came from (`TF_CONFIG` or `--tf-config`).
-    pub source_name: String,
+    pub(crate) source_name: String,
     /// What is wrong, naming the field and value.
     #[source]
-    pub problem: Problem,
+    pub(crate) problem: Problem,
 }
 
 /// What is wrong with a `TF_CONFIG`, naming the field and the value (shortened, as JSON).
 #[derive(Debug, thiserror::Error)]
-pub enum Problem {
+pub(crate) enum Problem {
     /// Not JSON.
     #[error("invalid JSON: {0}")]
     Json(#[source] serde_json::Error),
@@ -200,7 +200,7 @@ const JOBS: [&str; 4] = ["chief", "worker", "ps", "evaluator"];
 
 /// Parses a TF_CONFIG text. `Ok(None)` means no cluster (an empty object, or no `cluster` and no
 /// `task`): train on one worker. `source_name` prefixes errors.
-pub fn parse(text: &str, source_name: &str) -> Result<Option<ClusterConfig>, TfConfigError> {
+pub(crate) fn parse(text: &str, source_name: &str) -> Result<Option<ClusterConfig>, TfConfigError> {
     parse_text(text).map_err(|problem| TfConfigError { source_name: source_name.to_string(), problem })
 }
 

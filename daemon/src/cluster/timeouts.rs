@@ -10,22 +10,22 @@ use super::membership::Options;
 
 /// Every deadline of the cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Timeouts {
+pub(crate) struct Timeouts {
     /// How long the first formation may wait for every member.
-    pub rendezvous: Duration,
+    pub(crate) rendezvous: Duration,
     /// Between two heartbeats.
-    pub heartbeat_interval: Duration,
+    pub(crate) heartbeat_interval: Duration,
     /// A member (or the chief) silent for longer has failed.
-    pub heartbeat_deadline: Duration,
+    pub(crate) heartbeat_deadline: Duration,
     /// A socket with no progress for longer fails its collective.
-    pub collective: Duration,
+    pub(crate) collective: Duration,
     /// How long survivors wait for a missing member before giving up.
-    pub rejoin: Duration,
+    pub(crate) rejoin: Duration,
     /// How long a member may be missing before a generation forms without it (its slots spread
     /// over those present).
-    pub replace_after: Duration,
+    pub(crate) replace_after: Duration,
     /// The fewest workers a generation forms with; `None`: a majority of TF_CONFIG's.
-    pub min_workers: Option<usize>,
+    pub(crate) min_workers: Option<usize>,
 }
 
 impl Default for Timeouts {
@@ -45,7 +45,7 @@ impl Default for Timeouts {
 impl Timeouts {
     /// Whether the hierarchy holds: interval < deadline < collective < rejoin, with the flag
     /// names in the error.
-    pub fn check(&self) -> Result<(), TimeoutError> {
+    pub(crate) fn check(&self) -> Result<(), TimeoutError> {
         let chain = [
             ("--heartbeat-interval", self.heartbeat_interval),
             ("--heartbeat-deadline", self.heartbeat_deadline),
@@ -77,7 +77,7 @@ impl Timeouts {
     /// `--replace-after` when not given: 300 s (a systemd restart takes seconds, a cloud VM's
     /// reboot one to three minutes: both come back first), or half the rejoin deadline when that
     /// is shorter, so that the hierarchy holds whatever deadlines were given.
-    pub fn default_replace_after(heartbeat_deadline: Duration, rejoin: Duration) -> Duration {
+    pub(crate) fn default_replace_after(heartbeat_deadline: Duration, rejoin: Duration) -> Duration {
         let half = rejoin / 2;
         if half >= Duration::from_secs(300) {
             Duration::from_secs(300)
@@ -89,14 +89,14 @@ impl Timeouts {
     }
 
     /// The fewest workers of `world` a generation forms with: `--min-workers`, else a majority.
-    pub fn min_workers(&self, world: usize) -> usize {
+    pub(crate) fn min_workers(&self, world: usize) -> usize {
         self.min_workers.unwrap_or(world / 2 + 1)
     }
 
     /// Whether `--min-workers` fits a cluster of `world` workers: more than half of them (two
     /// sides of a partition can never both train) and at most all; exactly half only when
     /// `even_split` (`--allow-even-split`) accepts that two halves may then both train.
-    pub fn check_min_workers(&self, world: usize, even_split: bool) -> Result<(), TimeoutError> {
+    pub(crate) fn check_min_workers(&self, world: usize, even_split: bool) -> Result<(), TimeoutError> {
         match self.min_workers {
             Some(m) if m == 0 || m > world || m * 2 < world || (m * 2 == world && !even_split) => {
                 Err(TimeoutError::MinWorkers { min_workers: m, world })
@@ -106,7 +106,7 @@ impl Timeouts {
     }
 
     /// The deadlines the membership decisions use, in a cluster of `world` workers.
-    pub fn options(&self, world: usize) -> Options {
+    pub(crate) fn options(&self, world: usize) -> Options {
         Options {
             heartbeat_deadline: self.heartbeat_deadline,
             rendezvous_timeout: self.rendezvous,
@@ -119,7 +119,7 @@ impl Timeouts {
 
 /// Deadlines that do not make one hierarchy, naming the flags.
 #[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
-pub enum TimeoutError {
+pub(crate) enum TimeoutError {
     /// Two deadlines of the chain in the wrong order.
     #[error(
         "{} {} must be less than {} {} (the timeouts must grow: heartbeat interval < heartbeat deadline < \

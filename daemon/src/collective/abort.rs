@@ -13,11 +13,11 @@ use std::sync::{Arc, Mutex};
 /// A generation that was aborted, and why (a peer failed, the cluster moved on).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("generation {generation} aborted: {reason}")]
-pub struct Aborted {
+pub(crate) struct Aborted {
     /// The generation.
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// Why, as whoever raised the signal said.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 impl From<Aborted> for super::CollectiveError {
@@ -52,7 +52,7 @@ impl AbortSignal {
     }
 
     /// Starts generation `generation`: forgets the sockets of older ones.
-    pub fn arm(&self, generation: u64) {
+    pub(crate) fn arm(&self, generation: u64) {
         let mut inner = self.lock();
         if generation > inner.armed {
             inner.armed = generation;
@@ -62,7 +62,7 @@ impl AbortSignal {
 
     /// Registers a socket of `generation`, to be shut down when it is aborted (at once if it
     /// already is).
-    pub fn register(&self, generation: u64, socket: &TcpStream) -> Result<(), Aborted> {
+    pub(crate) fn register(&self, generation: u64, socket: &TcpStream) -> Result<(), Aborted> {
         let mut inner = self.lock();
         if generation <= inner.aborted_through {
             let _ = socket.shutdown(Shutdown::Both);
@@ -78,7 +78,7 @@ impl AbortSignal {
 
     /// Aborts every generation up to `generation`; returns true if this raised it (it was not
     /// already aborted).
-    pub fn trigger(&self, generation: u64, reason: &str) -> bool {
+    pub(crate) fn trigger(&self, generation: u64, reason: &str) -> bool {
         let mut inner = self.lock();
         if generation <= inner.aborted_through {
             return false;
@@ -94,7 +94,7 @@ impl AbortSignal {
     }
 
     /// Fails, saying why, when `generation` is aborted.
-    pub fn check(&self, generation: u64) -> Result<(), Aborted> {
+    pub(crate) fn check(&self, generation: u64) -> Result<(), Aborted> {
         let inner = self.lock();
         if generation <= inner.aborted_through {
             Err(Aborted { generation, reason: inner.reason.clone() })
@@ -104,7 +104,8 @@ impl AbortSignal {
     }
 
     /// The highest aborted generation (0: none).
-    pub fn aborted_through(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn aborted_through(&self) -> u64 {
         self.lock().aborted_through
     }
 }

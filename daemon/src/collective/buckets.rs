@@ -12,11 +12,11 @@ use tch::{Device, Kind, Tensor};
 use super::{host_slice, Collective, CollectiveError};
 
 /// Default bucket size, as PyTorch DDP's `bucket_cap_mb`.
-pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+pub(crate) const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 /// Which parameters go in which bucket, and each bucket's host buffer per slot held.
 #[derive(Debug)]
-pub struct Buckets {
+pub(crate) struct Buckets {
     /// Parameter indices per bucket, in parameter order.
     groups: Vec<Vec<usize>>,
     /// Per slot held, per bucket: a float32 host buffer, pinned when the parameters are on CUDA,
@@ -46,7 +46,7 @@ fn host_buffer(len: usize, device: Device) -> Tensor {
 impl Buckets {
     /// Groups `params` (in order) into buckets of at most `cap_bytes` of float32 each (a larger
     /// tensor gets a bucket of its own).
-    pub fn new(params: &[(String, Tensor)], cap_bytes: usize) -> Buckets {
+    pub(crate) fn new(params: &[(String, Tensor)], cap_bytes: usize) -> Buckets {
         let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
         let mut bytes = 0;
         for (i, (_, p)) in params.iter().enumerate() {
@@ -62,21 +62,11 @@ impl Buckets {
         Buckets { groups, staging: Vec::new(), extras: Vec::new(), on_device: false, home }
     }
 
-    /// Number of buckets.
-    pub fn len(&self) -> usize {
-        self.groups.len()
-    }
-
-    /// True when there are no parameters.
-    pub fn is_empty(&self) -> bool {
-        self.groups.iter().all(Vec::is_empty)
-    }
-
     /// Replaces every gradient with its mean over the ring's slots, and `extra` with its sum:
     /// [`Buckets::stage`] then [`Buckets::reduce`] for a worker holding one slot (the tests' way in;
     /// a step stages each slot it holds, then reduces).
     #[cfg(test)]
-    pub fn all_reduce(
+    pub(crate) fn all_reduce(
         &mut self,
         ring: &mut dyn Collective,
         params: &mut [(String, Tensor)],
@@ -90,7 +80,7 @@ impl Buckets {
 
     /// Stages on the parameters' CUDA device for NCCL (`true`), or in host memory for the ring:
     /// as the generation's backend takes them. Changing it drops the buffers made for the other.
-    pub fn stage_on_device(&mut self, on_device: bool) {
+    pub(crate) fn stage_on_device(&mut self, on_device: bool) {
         if self.on_device != on_device {
             self.on_device = on_device;
             self.staging.clear();
@@ -103,7 +93,7 @@ impl Buckets {
     /// the device and cross in one copy; on the CPU each is copied into the buffer directly.
     /// `params` may be another replica's, on another device: the buffers stay where the first
     /// replica's parameters are.
-    pub fn stage(&mut self, i: usize, params: &[(String, Tensor)], extra: &[f32]) {
+    pub(crate) fn stage(&mut self, i: usize, params: &[(String, Tensor)], extra: &[f32]) {
         let _no_grad = tch::no_grad_guard();
         while self.staging.len() <= i {
             self.staging.push(self.groups.iter().map(|_| None).collect());
@@ -151,7 +141,7 @@ impl Buckets {
     ///
     /// A parameter that no slot has a gradient for keeps none (the optimizer skips it, exactly as
     /// it does with one worker); one that some slot has a gradient for gets the average here.
-    pub fn reduce(
+    pub(crate) fn reduce(
         &mut self,
         collective: &mut dyn Collective,
         params: &mut [(String, Tensor)],

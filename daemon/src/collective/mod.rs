@@ -10,13 +10,14 @@
 //! backend reduces ([`buckets`]). It knows nothing of training, plugins or membership, and reads
 //! no environment: what it needs to know is handed to it.
 
-pub mod abort;
-pub mod buckets;
+pub(crate) mod abort;
+pub(crate) mod buckets;
 pub mod nccl;
-pub mod ring;
-pub mod slots;
+pub(crate) mod ring;
+pub(crate) mod slots;
 
-pub use abort::{AbortSignal, Aborted};
+pub use abort::AbortSignal;
+pub(crate) use abort::Aborted;
 pub use ring::listener::DataListener;
 pub use ring::{Link, Ring};
 pub use slots::Slots;
@@ -86,7 +87,7 @@ pub enum CollectiveError {
 
 impl CollectiveError {
     /// The peer this failure points at, when it points at one.
-    pub fn suspect(&self) -> Option<usize> {
+    pub(crate) fn suspect(&self) -> Option<usize> {
         match self {
             CollectiveError::Timeout { rank, .. } | CollectiveError::Io { rank, .. } => Some(*rank),
             _ => None,
@@ -197,13 +198,13 @@ struct Counters {
 
 impl Traffic {
     /// An all-reduce sent `bytes` and took `took`.
-    pub fn count(&self, bytes: u64, took: Duration) {
+    pub(crate) fn count(&self, bytes: u64, took: Duration) {
         self.0.bytes.fetch_add(bytes, Ordering::Relaxed);
         self.0.nanos.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Bytes sent and seconds spent so far.
-    pub fn totals(&self) -> (u64, f64) {
+    pub(crate) fn totals(&self) -> (u64, f64) {
         (self.0.bytes.load(Ordering::Relaxed), self.0.nanos.load(Ordering::Relaxed) as f64 / 1e9)
     }
 }
@@ -225,7 +226,7 @@ pub(crate) unsafe fn host_slice(t: &mut Tensor) -> &mut [f32] {
 
 /// Why `--collective` cannot be what it says.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum BackendError {
+pub(crate) enum BackendError {
     /// No backend of that name.
     #[error("--collective {choice}: expected ring, nccl or auto")]
     Unknown {
@@ -255,7 +256,7 @@ pub enum Backend {
 impl Backend {
     /// How it enters the run configuration every worker must agree on (`None` for the ring, so
     /// that the configuration of ring runs, and of their checkpoints, stays as it was).
-    pub fn agreement(self) -> Option<String> {
+    pub(crate) fn agreement(self) -> Option<String> {
         match self {
             Backend::Ring => None,
             Backend::Nccl(n) => Some(format!("nccl {} (send/recv, ring-order sums)", nccl::version_text(n.version))),
@@ -263,7 +264,7 @@ impl Backend {
     }
 
     /// For the start-up line.
-    pub fn describe(self) -> String {
+    pub(crate) fn describe(self) -> String {
         match self {
             Backend::Ring => "host-staged ring".into(),
             Backend::Nccl(n) => format!("NCCL {} (ring-order sums on the device)", nccl::version_text(n.version)),
@@ -284,22 +285,22 @@ impl Backend {
 /// and whether ranks may share a GPU (`NCCL_HOSTID` set), and then whether they enter NCCL
 /// together.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Host {
+pub(crate) struct Host {
     /// Other workers of the cluster on this host.
-    pub sharing: usize,
+    pub(crate) sharing: usize,
     /// GPUs visible here.
-    pub gpus: usize,
+    pub(crate) gpus: usize,
     /// Each rank has its own `NCCL_HOSTID`, so that NCCL accepts two on one GPU.
-    pub hostid: bool,
+    pub(crate) hostid: bool,
     /// Ranks sharing a GPU wait for their backward pass and meet at a barrier before NCCL
     /// (`TRAINERD_NCCL_ENTER_TOGETHER=0` turns it off, to measure what it does).
-    pub enter_together: bool,
+    pub(crate) enter_together: bool,
 }
 
 /// The backend `--collective CHOICE` gives a worker training on `device` on `host`; with `auto`,
 /// also why not NCCL. `auto` is NCCL only when it can run here and no two workers can land on one
 /// GPU (NCCL refuses two ranks on one GPU unless each has its own `NCCL_HOSTID`).
-pub fn choose(choice: &str, device: Device, host: Host) -> Result<(Backend, Option<String>), BackendError> {
+pub(crate) fn choose(choice: &str, device: Device, host: Host) -> Result<(Backend, Option<String>), BackendError> {
     let settings = |n: &nccl::Nccl| {
         let Device::Cuda(index) = device else { unreachable!("NCCL is usable on CUDA only") };
         Backend::Nccl(nccl::Settings { version: n.version(), device: index, enter_together: host.enter_together })

@@ -10,37 +10,32 @@ use std::ops::Range;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Slots {
     /// V: slots in the run.
-    pub count: usize,
+    pub(crate) count: usize,
     /// The slots this worker holds (contiguous, in ring order).
-    pub held: Range<usize>,
+    pub(crate) held: Range<usize>,
 }
 
 impl Slots {
     /// A run of one slot, held here.
-    pub fn single() -> Slots {
+    pub(crate) fn single() -> Slots {
         Slots { count: 1, held: 0..1 }
     }
 
     /// Slot `rank` of `count`: a worker in a full cluster.
-    pub fn one(rank: usize, count: usize) -> Slots {
+    pub(crate) fn one(rank: usize, count: usize) -> Slots {
         Slots { count, held: rank..rank + 1 }
     }
 
     /// How many slots this worker holds.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.held.len()
-    }
-
-    /// True when this worker holds none (never, in a formed generation).
-    pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
     }
 }
 
 /// The slots each present worker holds, in the order of `present` (the task ranks present,
 /// ascending, which is the ring's order): contiguous, balanced ranges covering `0..count`, the
 /// larger ones first. With every rank present, rank r holds slot r.
-pub fn assign(count: usize, present: &[usize]) -> Vec<Range<usize>> {
+pub(crate) fn assign(count: usize, present: &[usize]) -> Vec<Range<usize>> {
     let w = present.len();
     if w == 0 {
         return Vec::new();
@@ -58,7 +53,7 @@ pub fn assign(count: usize, present: &[usize]) -> Vec<Range<usize>> {
 }
 
 /// Which present worker (its index in `present`) holds `slot`.
-pub fn holder(count: usize, present: &[usize], slot: usize) -> usize {
+pub(crate) fn holder(count: usize, present: &[usize], slot: usize) -> usize {
     assign(count, present).iter().position(|r| r.contains(&slot)).expect("every slot is held")
 }
 

@@ -11,21 +11,21 @@ use super::{DataSource, Files, InputError};
 use crate::plugin::{self, InputPipeline, ModelInstance};
 
 /// One batch: this worker's slice of a global batch.
-pub struct Batch {
+pub(crate) struct Batch {
     /// Its epoch.
-    pub epoch: u32,
+    pub(crate) epoch: u32,
     /// Its step (from 0).
-    pub step: u64,
+    pub(crate) step: u64,
     /// Inputs.
-    pub xs: Tensor,
+    pub(crate) xs: Tensor,
     /// Labels.
-    pub ys: Tensor,
+    pub(crate) ys: Tensor,
     /// Its example ids (file, row), when the data has them (a columnar dataset).
-    pub ids: Option<Vec<(u32, u64)>>,
+    pub(crate) ids: Option<Vec<(u32, u64)>>,
 }
 
 /// A run's data, with its model.
-pub enum Data<'m> {
+pub(crate) enum Data<'m> {
     /// Read by the plugin.
     Plugin {
         /// The training split.
@@ -39,7 +39,7 @@ pub enum Data<'m> {
 
 impl<'m> Data<'m> {
     /// The data `source` names, for `model`.
-    pub fn load(source: &DataSource, model: &'m ModelInstance<'m>) -> Result<Data<'m>, InputError> {
+    pub(crate) fn load(source: &DataSource, model: &'m ModelInstance<'m>) -> Result<Data<'m>, InputError> {
         Ok(match source {
             DataSource::Plugin(dir, evaluate) => {
                 let test = evaluate.then(|| model.load_data(dir, Split::Test)).transpose()?;
@@ -50,7 +50,7 @@ impl<'m> Data<'m> {
     }
 
     /// Steps in an epoch of the training split for `ctx`'s slice.
-    pub fn steps(&self, ctx: &InputContext) -> Result<u64, InputError> {
+    pub(crate) fn steps(&self, ctx: &InputContext) -> Result<u64, InputError> {
         match self {
             Data::Plugin { train, .. } => Ok(train.pipeline(ctx)?.steps()),
             Data::Files(f) => Ok(slice(ctx).steps(f.train.rows())),
@@ -60,7 +60,11 @@ impl<'m> Data<'m> {
     /// Batches of `ctx` (its split by `ctx.training`) from `(ctx.epoch, ctx.first_step)` on:
     /// to the end of that epoch, or (a columnar dataset's training) through epoch `end_epoch - 1`,
     /// `steps_per_epoch` steps each.
-    pub fn open(&self, ctx: &InputContext, (end_epoch, steps_per_epoch): (u32, u64)) -> Result<Epochs<'_>, InputError> {
+    pub(crate) fn open(
+        &self,
+        ctx: &InputContext,
+        (end_epoch, steps_per_epoch): (u32, u64),
+    ) -> Result<Epochs<'_>, InputError> {
         match self {
             Data::Plugin { train, test } => {
                 let data = if ctx.training { Some(train) } else { test.as_ref() };
@@ -93,7 +97,7 @@ fn slice(ctx: &InputContext) -> Slice {
 }
 
 /// Batches in order, from where they were opened.
-pub enum Epochs<'d> {
+pub(crate) enum Epochs<'d> {
     /// One epoch of a plugin's pipeline.
     Plugin {
         /// The pipeline.
@@ -111,7 +115,7 @@ pub enum Epochs<'d> {
 
 impl Epochs<'_> {
     /// The next batch, or `None` at the end.
-    pub fn next_batch(&mut self) -> Result<Option<Batch>, InputError> {
+    pub(crate) fn next_batch(&mut self) -> Result<Option<Batch>, InputError> {
         match self {
             Epochs::Plugin { pipeline, epoch, next, steps } => {
                 if *next >= *steps {

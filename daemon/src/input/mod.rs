@@ -11,17 +11,17 @@
 //! [`source`] is what `--data` names, opened before the cluster forms; [`data`] is the loaded
 //! data of a model and its batches from any (epoch, step) on.
 
-pub mod data;
-pub mod source;
+pub(crate) mod data;
+pub(crate) mod source;
 
-pub use data::{Batch, Data, Epochs};
-pub use source::{DataFigures, DataSource, Files, Watch};
+pub(crate) use data::{Batch, Data, Epochs};
+pub(crate) use source::{DataFigures, DataSource, Files, Watch};
 
 use crate::plugin::CallError;
 
 /// Why the data cannot be read.
 #[derive(Debug, thiserror::Error)]
-pub enum InputError {
+pub(crate) enum InputError {
     /// The columnar dataset failed.
     #[error(transparent)]
     Data(#[from] trainerd_data::DataError),

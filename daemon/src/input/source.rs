@@ -14,7 +14,7 @@ use crate::ops::Telemetry;
 
 /// What `--data` names.
 #[derive(Clone)]
-pub enum DataSource {
+pub(crate) enum DataSource {
     /// A directory in the plugin's own format, and whether its test split is read (evaluated).
     Plugin(PathBuf, bool),
     /// A columnar dataset, indexed.
@@ -22,16 +22,16 @@ pub enum DataSource {
 }
 
 /// A columnar dataset, opened, with the readers of the plugin's columns.
-pub struct Files {
+pub(crate) struct Files {
     /// The dataset.
-    pub dataset: Dataset,
+    pub(crate) dataset: Dataset,
     /// Rows shuffled together in training.
-    pub window: u64,
+    pub(crate) window: u64,
     /// The training split's reader.
-    pub train: Reader,
+    pub(crate) train: Reader,
     /// The test split's reader (the validation split's where there is no test split); none when
     /// the run does not evaluate.
-    pub test: Option<Reader>,
+    pub(crate) test: Option<Reader>,
 }
 
 impl std::fmt::Debug for DataSource {
@@ -49,7 +49,7 @@ impl DataSource {
     /// What `text` names for `info`'s plugin: a columnar dataset (an `s3://` prefix, or a
     /// directory of `.parquet` files), opened and checked against the plugin's columns; else a
     /// directory the plugin reads itself. `evaluate`: the test split is needed.
-    pub fn open(
+    pub(crate) fn open(
         text: &str,
         info: &PluginInfo,
         (window, evaluate): (u64, bool),
@@ -78,7 +78,7 @@ impl DataSource {
 
     /// What every worker must agree on about the data (none for a plugin's own format, whose
     /// reading the plugin's identity covers).
-    pub fn agreement(&self) -> Option<serde_json::Value> {
+    pub(crate) fn agreement(&self) -> Option<serde_json::Value> {
         let DataSource::Files(f) = self else { return None };
         Some(serde_json::json!({
             "format": "parquet",
@@ -88,7 +88,7 @@ impl DataSource {
     }
 
     /// One line on the data, for the run's first lines.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             DataSource::Plugin(dir, _) => format!("data: {} (the plugin's own format)", dir.display()),
             DataSource::Files(f) => {
@@ -125,33 +125,33 @@ impl DataSource {
 
 /// What a worker read of a columnar dataset, as the summary reports it.
 #[derive(Clone, Debug, serde::Serialize)]
-pub struct DataFigures {
+pub(crate) struct DataFigures {
     /// The dataset's location.
-    pub location: String,
+    pub(crate) location: String,
     /// Its fingerprint.
-    pub fingerprint: String,
+    pub(crate) fingerprint: String,
     /// Rows shuffled together in training.
-    pub shuffle_window: u64,
+    pub(crate) shuffle_window: u64,
     /// Rows of the training split.
-    pub train_rows: u64,
+    pub(crate) train_rows: u64,
     /// Bytes of the training split's files.
-    pub train_bytes: u64,
+    pub(crate) train_bytes: u64,
     /// Bytes of the training split's row groups that the plugin's columns project: the most a
     /// worker fetches in an epoch (each row group once).
-    pub train_projected_bytes: u64,
+    pub(crate) train_projected_bytes: u64,
     /// Bytes fetched (and served from the local cache) for each training epoch this process read.
-    pub train_epochs: Vec<(u32, trainerd_data::Traffic)>,
+    pub(crate) train_epochs: Vec<(u32, trainerd_data::Traffic)>,
     /// Bytes read for the evaluations, all epochs together.
-    pub test: trainerd_data::Traffic,
+    pub(crate) test: trainerd_data::Traffic,
     /// Bytes of footers read.
-    pub index: trainerd_data::Traffic,
+    pub(crate) index: trainerd_data::Traffic,
     /// The most bytes of rows held at once (read, not yet batched).
-    pub peak_held_bytes: u64,
+    pub(crate) peak_held_bytes: u64,
 }
 
 impl DataSource {
     /// What this worker read, for a columnar dataset.
-    pub fn figures(&self) -> Option<DataFigures> {
+    pub(crate) fn figures(&self) -> Option<DataFigures> {
         let DataSource::Files(f) = self else { return None };
         let traffic = f.dataset.traffic();
         let train = f.dataset.split(Split::Train).expect("a dataset always has a training split");
@@ -184,7 +184,7 @@ impl DataSource {
 
 /// Tells the telemetry (systemd's `STATUS=` and watchdog, `/healthz`) that the data source is
 /// failing and retried within its bound, and when it answers again.
-pub struct Watch(pub Arc<Telemetry>);
+pub(crate) struct Watch(pub(crate) Arc<Telemetry>);
 
 impl trainerd_data::Observer for Watch {
     fn retrying(&self, file: &str, error: &str, waited: Duration, bound: Duration) {

@@ -14,7 +14,7 @@ use tracing_subscriber::registry::LookupSpan;
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
+pub(crate) enum LogFormat {
     /// One readable line per event.
     Plain,
     /// One JSON object per line.
@@ -22,7 +22,7 @@ pub enum LogFormat {
 }
 
 /// Whether `JOURNAL_STREAM` (`device:inode`) is this process's standard error or output.
-pub fn journal(stream: impl std::os::fd::AsFd) -> bool {
+pub(crate) fn journal(stream: impl std::os::fd::AsFd) -> bool {
     use std::os::unix::fs::MetadataExt;
     let Some(value) = std::env::var_os("JOURNAL_STREAM") else { return false };
     let Some((dev, ino)) = value.to_str().and_then(|v| v.split_once(':')) else { return false };
@@ -31,7 +31,7 @@ pub fn journal(stream: impl std::os::fd::AsFd) -> bool {
 }
 
 /// The syslog priority journald reads from a `<N>` prefix.
-pub fn priority(level: Level) -> u8 {
+pub(crate) fn priority(level: Level) -> u8 {
     match level {
         Level::ERROR => 3,
         Level::WARN => 4,
@@ -66,7 +66,7 @@ where
 
 /// Installs the process's logger on standard error; the level comes from `TRAINERD_LOG`
 /// (default `warn`).
-pub fn init(format: LogFormat) {
+pub(crate) fn init(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TRAINERD_LOG").unwrap_or_else(|_| "warn".into());
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let tty = std::io::stderr().is_terminal();

@@ -4,11 +4,11 @@
 //! ([`tensorboard`]: event files). The training loop reports into one [`Telemetry`]
 //! ([`telemetry`]); systemd, Prometheus and the journal read it.
 
-pub mod log;
-pub mod notify;
-pub mod progress;
-pub mod serve;
-pub mod telemetry;
-pub mod tensorboard;
+pub(crate) mod log;
+pub(crate) mod notify;
+pub(crate) mod progress;
+pub(crate) mod serve;
+pub(crate) mod telemetry;
+pub(crate) mod tensorboard;
 
-pub use telemetry::Telemetry;
+pub(crate) use telemetry::Telemetry;

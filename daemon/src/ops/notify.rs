@@ -28,7 +28,7 @@ const EXTEND_BY: Duration = Duration::from_secs(10);
 
 /// The watchdog period systemd asked for: `WATCHDOG_USEC`, when `WATCHDOG_PID` is absent or
 /// this process (as libsystemd's `sd_watchdog_enabled` reads them).
-pub fn watchdog_period() -> Option<Duration> {
+pub(crate) fn watchdog_period() -> Option<Duration> {
     let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok().filter(|&u| u > 0)?;
     match std::env::var("WATCHDOG_PID") {
         Ok(pid) if pid.parse() != Ok(std::process::id()) => None,
@@ -37,14 +37,14 @@ pub fn watchdog_period() -> Option<Duration> {
 }
 
 /// The notifier thread, while it runs.
-pub struct Notifier {
+pub(crate) struct Notifier {
     done: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Notifier {
     /// Starts notifying systemd, if the daemon runs under it. `stop` is the stop-signal flag.
-    pub fn start(telemetry: Arc<Telemetry>, stop: Arc<AtomicBool>) -> Option<Notifier> {
+    pub(crate) fn start(telemetry: Arc<Telemetry>, stop: Arc<AtomicBool>) -> Option<Notifier> {
         std::env::var_os("NOTIFY_SOCKET")?;
         let done = Arc::new(AtomicBool::new(false));
         let finished = Arc::clone(&done);
@@ -57,7 +57,7 @@ impl Notifier {
     }
 
     /// Sends `STOPPING=1` (if not yet sent) and ends the thread.
-    pub fn finish(mut self) {
+    pub(crate) fn finish(mut self) {
         self.end();
     }
 

@@ -21,7 +21,7 @@ enum Style {
 }
 
 /// Where progress goes and how it is drawn.
-pub struct Progress {
+pub(crate) struct Progress {
     out: Box<dyn Write + Send>,
     style: Style,
     last_draw: Option<Instant>,
@@ -35,7 +35,7 @@ const BAR_WIDTH: usize = 30;
 
 impl Progress {
     /// Progress on standard output in `format`, drawn for a terminal when it is one.
-    pub fn stdout(format: LogFormat) -> Progress {
+    pub(crate) fn stdout(format: LogFormat) -> Progress {
         let style = match format {
             LogFormat::Json => Style::Json,
             LogFormat::Plain if std::io::stdout().is_terminal() => Style::Terminal,
@@ -45,13 +45,14 @@ impl Progress {
     }
 
     /// Progress into any writer, plain lines unless `tty`.
-    pub fn to_writer(out: Box<dyn Write + Send>, tty: bool) -> Progress {
+    #[cfg(test)]
+    pub(crate) fn to_writer(out: Box<dyn Write + Send>, tty: bool) -> Progress {
         let style = if tty { Style::Terminal } else { Style::Lines { journal: false } };
         Progress { out, style, last_draw: None, step_lines: true, epoch: 0 }
     }
 
     /// Only epoch lines, no step lines (workers other than the chief print less).
-    pub fn without_step_lines(mut self) -> Progress {
+    pub(crate) fn without_step_lines(mut self) -> Progress {
         self.step_lines = false;
         self
     }
@@ -69,7 +70,7 @@ impl Progress {
 
     /// Prints a line as it is (for messages between epochs); one that starts with `warning:` or
     /// `error:` carries that level.
-    pub fn line(&mut self, text: &str) {
+    pub(crate) fn line(&mut self, text: &str) {
         let level = if text.starts_with("error:") {
             tracing::Level::ERROR
         } else if text.starts_with("warning:") {
@@ -94,7 +95,7 @@ impl Progress {
     }
 
     /// `Epoch i/n` (1-based).
-    pub fn epoch_start(&mut self, epoch: u32, epochs: u32) {
+    pub(crate) fn epoch_start(&mut self, epoch: u32, epochs: u32) {
         self.last_draw = None;
         self.epoch = epoch;
         if self.style == Style::Json {
@@ -105,7 +106,7 @@ impl Progress {
 
     /// Whether [`Progress::step`] would draw at this step; lets the caller skip computing the
     /// values (which waits for the device) when it would not.
-    pub fn wants(&self, step: u64, steps: u64) -> bool {
+    pub(crate) fn wants(&self, step: u64, steps: u64) -> bool {
         if step == steps || !self.step_lines {
             return false; // the epoch's end line follows
         }
@@ -140,7 +141,7 @@ impl Progress {
     }
 
     /// Draws step `step` of `steps` (1-based, done so far) with running values.
-    pub fn step(&mut self, step: u64, steps: u64, elapsed: Duration, values: &[(String, f64)]) {
+    pub(crate) fn step(&mut self, step: u64, steps: u64, elapsed: Duration, values: &[(String, f64)]) {
         self.last_draw = Some(Instant::now());
         if self.style == Style::Json {
             let object = self.values_json("step", step, steps, elapsed, values);
@@ -157,7 +158,7 @@ impl Progress {
 
     /// Ends a bar drawn in place on a terminal (its line stays; the next starts below it).
     /// Elsewhere every step was a line of its own: nothing to end.
-    pub fn finish_bar(&mut self) {
+    pub(crate) fn finish_bar(&mut self) {
         if self.tty() && self.last_draw.take().is_some() {
             let _ = writeln!(self.out);
             let _ = self.out.flush();
@@ -166,7 +167,13 @@ impl Progress {
 
     /// The epoch's last line, as Keras prints it: time, per-step time, values (evaluation
     /// included), and throughput.
-    pub fn epoch_end(&mut self, steps: u64, elapsed: Duration, values: &[(String, f64)], examples_per_second: f64) {
+    pub(crate) fn epoch_end(
+        &mut self,
+        steps: u64,
+        elapsed: Duration,
+        values: &[(String, f64)],
+        examples_per_second: f64,
+    ) {
         if self.style == Style::Json {
             let mut object = self.values_json("epoch_end", steps, steps, elapsed, values);
             object["examples_per_second"] = examples_per_second.into();
@@ -186,7 +193,7 @@ impl Progress {
 
 /// A value as Keras's progress bar prints it: four decimals, or scientific notation with a
 /// two-digit exponent at or below 1e-3 (`0.4521`, `1.0000e-04`).
-pub fn keras_number(value: f64) -> String {
+pub(crate) fn keras_number(value: f64) -> String {
     if value.abs() > 1e-3 || !value.is_finite() {
         return format!("{value:.4}");
     }
@@ -199,7 +206,7 @@ pub fn keras_number(value: f64) -> String {
 
 /// `step/steps [bar] - 3s[ 5ms/step] - loss: 0.4521 - accuracy: 0.8412` (no bar when not a
 /// terminal).
-pub fn step_line(
+pub(crate) fn step_line(
     step: u64,
     steps: u64,
     elapsed: Duration,
@@ -232,7 +239,7 @@ fn bar_text(step: u64, steps: u64) -> String {
 }
 
 /// `12345.6` as `12,346`.
-pub fn thousands(x: f64) -> String {
+pub(crate) fn thousands(x: f64) -> String {
     let digits = format!("{:.0}", x.max(0.0));
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {

@@ -17,7 +17,7 @@ use super::Telemetry;
 
 /// Why `/metrics` cannot be served.
 #[derive(Debug, thiserror::Error)]
-pub enum ServeError {
+pub(crate) enum ServeError {
     /// The token file is not to be trusted, or not a token.
     #[error("--metrics-token-file {}: {why}", path.display())]
     Token {
@@ -42,11 +42,11 @@ pub enum ServeError {
 
 /// The bearer token `/metrics` requires.
 #[derive(Clone)]
-pub struct Token(Arc<[u8]>);
+pub(crate) struct Token(Arc<[u8]>);
 
 impl Token {
     /// Reads `--metrics-token-file` (held to the same rules as the cluster secret).
-    pub fn load(path: &Path) -> Result<Token, ServeError> {
+    pub(crate) fn load(path: &Path) -> Result<Token, ServeError> {
         crate::auth::trust::read_secret(path, "a token", crate::auth::MIN_SECRET_BYTES, "")
             .map(|token| Token(Arc::from(token)))
             .map_err(|why| ServeError::Token { path: path.to_path_buf(), why })
@@ -87,7 +87,11 @@ fn answer(t: &Telemetry, token: Option<&Token>, req: &Request<hyper::body::Incom
 }
 
 /// Serves `/metrics` and `/healthz` on `addr` until the process ends; the bound address.
-pub fn start(addr: SocketAddr, telemetry: Arc<Telemetry>, token: Option<Token>) -> Result<SocketAddr, ServeError> {
+pub(crate) fn start(
+    addr: SocketAddr,
+    telemetry: Arc<Telemetry>,
+    token: Option<Token>,
+) -> Result<SocketAddr, ServeError> {
     let listener = std::net::TcpListener::bind(addr).map_err(|source| ServeError::Bind { addr, source })?;
     let bound = listener.local_addr().map_err(ServeError::Setup)?;
     listener.set_nonblocking(true).map_err(ServeError::Setup)?;

@@ -20,9 +20,9 @@ use prometheus_client::registry::Registry;
 /// Why the daemon counts as hung: no training progress, and no bounded wait, for this long.
 #[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
 #[error("no training progress for {:.0}s", since.as_secs_f64())]
-pub struct Stalled {
+pub(crate) struct Stalled {
     /// Since the last progress.
-    pub since: Duration,
+    pub(crate) since: Duration,
 }
 
 type FloatGauge = Gauge<f64, AtomicU64>;
@@ -215,7 +215,7 @@ impl Status {
 
 /// The daemon's health and figures, shared by the training loop (which writes them) and the
 /// notifier and metrics server (which read them).
-pub struct Telemetry {
+pub(crate) struct Telemetry {
     registry: Registry,
     series: Series,
     started: Instant,
@@ -233,7 +233,7 @@ pub struct Telemetry {
 impl Telemetry {
     /// Telemetry for a run of `epochs` epochs on `world` workers, hung after `stall` without
     /// progress.
-    pub fn new(stall: Duration, epochs: u32, world: usize) -> Telemetry {
+    pub(crate) fn new(stall: Duration, epochs: u32, world: usize) -> Telemetry {
         let mut registry = Registry::default();
         let series = Series::register(&mut registry);
         let status = Status { epochs, world, ..Status::default() };
@@ -261,20 +261,20 @@ impl Telemetry {
     }
 
     /// Training made progress: alive for another stall period.
-    pub fn progress(&self) {
+    pub(crate) fn progress(&self) {
         self.deadline_ms.store(self.now_ms() + self.stall.as_millis() as u64, Ordering::Relaxed);
         self.status().waiting = None;
     }
 
     /// A wait the daemon bounds itself, at most `bound` long: alive until then.
-    pub fn waiting(&self, what: &str, bound: Duration) {
+    pub(crate) fn waiting(&self, what: &str, bound: Duration) {
         let until = self.now_ms() + (bound + self.stall).as_millis() as u64;
         self.deadline_ms.store(until, Ordering::Relaxed);
         self.status().waiting = Some(what.to_string());
     }
 
     /// `Ok` while the daemon makes progress or waits within a bound; otherwise why not.
-    pub fn healthy(&self) -> Result<(), Stalled> {
+    pub(crate) fn healthy(&self) -> Result<(), Stalled> {
         let (now, deadline) = (self.now_ms(), self.deadline_ms.load(Ordering::Relaxed));
         if now <= deadline {
             return Ok(());
@@ -282,28 +282,23 @@ impl Telemetry {
         Err(Stalled { since: Duration::from_millis(now - deadline) + self.stall })
     }
 
-    /// The stall period.
-    pub fn stall(&self) -> Duration {
-        self.stall
-    }
-
     /// Whether the worker has joined its cluster (once true, stays true).
-    pub fn ready(&self) -> bool {
+    pub(crate) fn ready(&self) -> bool {
         self.ready.load(Ordering::Relaxed)
     }
 
     /// The daemon is shutting down (a signal, or the end of the run).
-    pub fn set_stopping(&self) {
+    pub(crate) fn set_stopping(&self) {
         self.stopping.store(true, Ordering::Relaxed);
     }
 
     /// Whether the daemon is shutting down.
-    pub fn stopping(&self) -> bool {
+    pub(crate) fn stopping(&self) -> bool {
         self.stopping.load(Ordering::Relaxed)
     }
 
     /// A generation formed with `world` workers, this one in it holding the slots `held`.
-    pub fn joined(&self, generation: u64, world: usize, held: std::ops::Range<usize>) {
+    pub(crate) fn joined(&self, generation: u64, world: usize, held: std::ops::Range<usize>) {
         self.series.generation.set(generation as i64);
         self.series.peers_up.set(world as i64);
         self.series.slots_held.set(held.len() as i64);
@@ -318,7 +313,7 @@ impl Telemetry {
     }
 
     /// This worker abandoned a generation because of `why`; it re-forms within `bound`.
-    pub fn abandoned(&self, why: &str, bound: Duration) {
+    pub(crate) fn abandoned(&self, why: &str, bound: Duration) {
         self.series.failures.inc();
         self.series.peers_up.set(0);
         self.status().peers = 0;
@@ -326,7 +321,7 @@ impl Telemetry {
     }
 
     /// A recovery finished: its first step is done.
-    pub fn recovered(&self, steps_lost: u64, seconds: f64) {
+    pub(crate) fn recovered(&self, steps_lost: u64, seconds: f64) {
         self.series.recoveries.inc();
         self.series.steps_lost.inc_by(steps_lost);
         self.series.recovery_seconds.observe(seconds);
@@ -334,7 +329,7 @@ impl Telemetry {
 
     /// A step finished.
     #[allow(clippy::too_many_arguments)]
-    pub fn step(
+    pub(crate) fn step(
         &self,
         (epoch, step, steps): (u32, u64, u64),
         global_step: u64,
@@ -360,7 +355,7 @@ impl Telemetry {
     }
 
     /// The all-reduces have sent `bytes` and taken `seconds` so far (the session's totals).
-    pub fn traffic(&self, (bytes, seconds): (u64, f64)) {
+    pub(crate) fn traffic(&self, (bytes, seconds): (u64, f64)) {
         let s = &self.series;
         let mut seen = self.traffic_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         s.allreduce_bytes.inc_by(bytes.saturating_sub(seen.0));
@@ -369,7 +364,7 @@ impl Telemetry {
     }
 
     /// An evaluation's values (`loss`, then the metrics, unprefixed).
-    pub fn evaluated(&self, named: &[(String, f64)]) {
+    pub(crate) fn evaluated(&self, named: &[(String, f64)]) {
         self.values("validation", named);
     }
 
@@ -391,24 +386,24 @@ impl Telemetry {
     }
 
     /// The chief committed `bytes` in `seconds`.
-    pub fn committed(&self, seconds: f64, bytes: u64) {
+    pub(crate) fn committed(&self, seconds: f64, bytes: u64) {
         self.series.commits.inc();
         self.series.commit_seconds.observe(seconds);
         self.series.commit_bytes.inc_by(bytes);
     }
 
     /// A commit failed.
-    pub fn commit_failed(&self) {
+    pub(crate) fn commit_failed(&self) {
         self.series.commit_failures.inc();
     }
 
     /// The `STATUS=` line.
-    pub fn status_line(&self) -> String {
+    pub(crate) fn status_line(&self) -> String {
         self.status().line()
     }
 
     /// Every series in the OpenMetrics text format.
-    pub fn encode(&self) -> String {
+    pub(crate) fn encode(&self) -> String {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &self.registry).expect("writing to a String");
         text

@@ -64,7 +64,8 @@ fn now() -> f64 {
 }
 
 /// One event file.
-pub struct EventWriter {
+pub(crate) struct EventWriter {
+    #[cfg_attr(not(test), allow(dead_code, reason = "read by the tests, which open the file"))]
     path: PathBuf,
     out: BufWriter<File>,
 }
@@ -73,7 +74,7 @@ impl EventWriter {
     /// Creates `dir` (and its parents) and a new event file in it, named as TensorFlow names
     /// them (`events.out.tfevents.TIME.HOST.PID.N.v2`), so that a restarted process adds a file
     /// beside the old ones.
-    pub fn create(dir: &Path) -> std::io::Result<EventWriter> {
+    pub(crate) fn create(dir: &Path) -> std::io::Result<EventWriter> {
         std::fs::create_dir_all(dir)?;
         let host = hostname();
         let (time, pid) = (now() as u64, std::process::id());
@@ -93,7 +94,8 @@ impl EventWriter {
     }
 
     /// The file's path.
-    pub fn path(&self) -> &Path {
+    #[cfg(test)]
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
@@ -107,7 +109,7 @@ impl EventWriter {
     }
 
     /// Writes scalars (tag, value) at `step`, and flushes them to the file.
-    pub fn scalars(&mut self, step: u64, scalars: &[(String, f64)]) -> std::io::Result<()> {
+    pub(crate) fn scalars(&mut self, step: u64, scalars: &[(String, f64)]) -> std::io::Result<()> {
         let value = scalars.iter().map(|(tag, v)| Value { tag: tag.clone(), simple_value: Some(*v as f32) }).collect();
         self.record(&Event { wall_time: now(), step: step as i64, what: Some(What::Summary(Summary { value })) })?;
         self.out.flush()
@@ -133,17 +135,17 @@ fn hostname() -> String {
 }
 
 /// The chief's TensorBoard output: Keras's `train` and `validation` writers.
-pub struct TensorBoard {
+pub(crate) struct TensorBoard {
     dir: PathBuf,
     train: EventWriter,
     validation: EventWriter,
     /// Write the step loss every this many global steps (0: only per epoch).
-    pub every: u64,
+    pub(crate) every: u64,
 }
 
 impl TensorBoard {
     /// Opens new event files under `dir/train` and `dir/validation`.
-    pub fn create(dir: &Path, every: u64) -> std::io::Result<TensorBoard> {
+    pub(crate) fn create(dir: &Path, every: u64) -> std::io::Result<TensorBoard> {
         Ok(TensorBoard {
             dir: dir.to_path_buf(),
             train: EventWriter::create(&dir.join("train"))?,
@@ -153,12 +155,12 @@ impl TensorBoard {
     }
 
     /// The log directory.
-    pub fn dir(&self) -> &Path {
+    pub(crate) fn dir(&self) -> &Path {
         &self.dir
     }
 
     /// After global step `global_step`: `batch_loss` (and the step's metrics) every `every` steps.
-    pub fn step(&mut self, global_step: u64, values: &[(String, f64)]) -> std::io::Result<()> {
+    pub(crate) fn step(&mut self, global_step: u64, values: &[(String, f64)]) -> std::io::Result<()> {
         if self.every == 0 || !global_step.is_multiple_of(self.every) {
             return Ok(());
         }
@@ -170,7 +172,7 @@ impl TensorBoard {
     /// values (`epoch_loss`, `epoch_accuracy`..., with the learning rate and examples/s) under
     /// `train`; the evaluation's under `validation`, by epoch and, as Keras's
     /// `evaluation_loss_vs_iterations`, by global step.
-    pub fn epoch(
+    pub(crate) fn epoch(
         &mut self,
         (epoch, global_step): (u32, u64),
         train: &[(String, f64)],

@@ -15,40 +15,40 @@ const PLATEAU_MIN_DELTA: f64 = 1e-4;
 
 /// One epoch-end figure watched for improvement.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Watch {
+pub(crate) struct Watch {
     /// `val_loss`, `val_NAME`, `loss` or `NAME`.
-    pub metric: String,
+    pub(crate) metric: String,
     /// Epochs without improvement before acting.
-    pub patience: u32,
+    pub(crate) patience: u32,
     /// The smallest change that counts as an improvement.
-    pub min_delta: f64,
+    pub(crate) min_delta: f64,
 }
 
 /// The callbacks of a run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct Callbacks {
+pub(crate) struct Callbacks {
     /// Stop once the figure has not improved for `patience` epochs.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub early_stopping: Option<Watch>,
+    pub(crate) early_stopping: Option<Watch>,
     /// Multiply the learning rate by the factor once the figure has not improved for `patience`
     /// epochs.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub reduce_lr_on_plateau: Option<(Watch, f64)>,
+    pub(crate) reduce_lr_on_plateau: Option<(Watch, f64)>,
 }
 
 /// What the callbacks remember between epochs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CallbackState {
+pub(crate) struct CallbackState {
     /// Early stopping's best figure and epochs since.
-    pub early: Watched,
+    pub(crate) early: Watched,
     /// The plateau's best figure and epochs since.
-    pub plateau: Watched,
+    pub(crate) plateau: Watched,
     /// The product of the plateau's reductions so far (1 when none; absent in the state then).
     #[serde(default = "one", skip_serializing_if = "is_one")]
-    pub lr_scale: f64,
+    pub(crate) lr_scale: f64,
     /// Early stopping ended the run after this epoch (1-based).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stopped_after: Option<u32>,
+    pub(crate) stopped_after: Option<u32>,
 }
 
 fn one() -> f64 {
@@ -68,27 +68,27 @@ impl Default for CallbackState {
 impl CallbackState {
     /// True when no callback has anything to remember (a run without callbacks): the state then
     /// encodes as it always did.
-    pub fn is_unused(&self) -> bool {
+    pub(crate) fn is_unused(&self) -> bool {
         *self == CallbackState::default()
     }
 }
 
 /// A figure's best value and the epochs since it was reached.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Watched {
+pub(crate) struct Watched {
     /// The best value so far (none before the first epoch's end).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub best: Option<f64>,
+    pub(crate) best: Option<f64>,
     /// Epochs since it improved.
     #[serde(default)]
-    pub wait: u32,
+    pub(crate) wait: u32,
 }
 
 impl Watched {
     /// Takes an epoch's `value` of `metric`: an improvement (by more than `min_delta`, in the
     /// metric's direction) becomes the best and resets the wait, anything else adds an epoch to
     /// it. True when it improved.
-    pub fn observe(&mut self, metric: &str, value: f64, min_delta: f64) -> bool {
+    pub(crate) fn observe(&mut self, metric: &str, value: f64, min_delta: f64) -> bool {
         let improved = match self.best {
             None => true,
             Some(best) if minimised(metric) => value < best - min_delta,
@@ -105,21 +105,21 @@ impl Watched {
 
 /// What the callbacks did at an epoch's end, to be told.
 #[derive(Debug, Default, PartialEq)]
-pub struct Acted {
+pub(crate) struct Acted {
     /// Early stopping ends the run now.
-    pub stop: Option<String>,
+    pub(crate) stop: Option<String>,
     /// The learning rate was multiplied.
-    pub reduced: Option<String>,
+    pub(crate) reduced: Option<String>,
 }
 
 impl Callbacks {
     /// True when there are none.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.early_stopping.is_none() && self.reduce_lr_on_plateau.is_none()
     }
 
     /// The epoch `epoch` (1-based) ended with `figures` (name, value): updates `state`.
-    pub fn epoch_end(&self, epoch: u32, figures: &[(String, f64)], state: &mut CallbackState) -> Acted {
+    pub(crate) fn epoch_end(&self, epoch: u32, figures: &[(String, f64)], state: &mut CallbackState) -> Acted {
         let value = |metric: &str| figures.iter().find(|(n, _)| n == metric).map(|&(_, v)| v);
         let mut acted = Acted::default();
         if let Some((w, factor)) = &self.reduce_lr_on_plateau {
@@ -156,7 +156,7 @@ impl Callbacks {
 }
 
 /// `METRIC:PATIENCE[:MIN_DELTA]` of `--early-stopping`, its METRIC one of `names`.
-pub fn parse_early_stopping(text: &str, names: &[String]) -> Result<Watch, FlagError> {
+pub(crate) fn parse_early_stopping(text: &str, names: &[String]) -> Result<Watch, FlagError> {
     let flag = "--early-stopping";
     let parts: Vec<&str> = text.split(':').collect();
     let expected = || FlagError::Form {
@@ -175,7 +175,7 @@ pub fn parse_early_stopping(text: &str, names: &[String]) -> Result<Watch, FlagE
 }
 
 /// `METRIC:FACTOR:PATIENCE` of `--reduce-lr-on-plateau`, its METRIC one of `names`.
-pub fn parse_reduce_lr(text: &str, names: &[String]) -> Result<(Watch, f64), FlagError> {
+pub(crate) fn parse_reduce_lr(text: &str, names: &[String]) -> Result<(Watch, f64), FlagError> {
     let flag = "--reduce-lr-on-plateau";
     let expected = || FlagError::Form {
         flag,
@@ -191,13 +191,13 @@ pub fn parse_reduce_lr(text: &str, names: &[String]) -> Result<(Watch, f64), Fla
 
 /// Whether a lower value of `metric` is better: a loss or an error (`val_loss`,
 /// `mean_absolute_error`); anything else (accuracy) is maximised.
-pub fn minimised(metric: &str) -> bool {
+pub(crate) fn minimised(metric: &str) -> bool {
     metric.contains("loss") || metric.contains("error")
 }
 
 /// `METRIC[:min|max]` of `--keep-best`, its METRIC one of `names`; the mode, when not given, as
 /// [`minimised`] says.
-pub fn parse_keep_best(text: &str, names: &[String]) -> Result<(String, trainerd_storage::Mode), FlagError> {
+pub(crate) fn parse_keep_best(text: &str, names: &[String]) -> Result<(String, trainerd_storage::Mode), FlagError> {
     use trainerd_storage::Mode;
     let flag = "--keep-best";
     let (metric, mode) = match text.split(':').collect::<Vec<_>>()[..] {
@@ -221,7 +221,7 @@ fn known(flag: &'static str, text: &str, metric: &str, names: &[String]) -> Resu
 
 /// The figures a run can watch: the training means of `metrics` (with the loss) and, when it
 /// evaluates, the same on the test split as `val_NAME`.
-pub fn figure_names(metrics: &[String], evaluates: bool) -> Vec<String> {
+pub(crate) fn figure_names(metrics: &[String], evaluates: bool) -> Vec<String> {
     let train: Vec<String> = std::iter::once("loss".to_string()).chain(metrics.iter().cloned()).collect();
     let val: Vec<String> = if evaluates { train.iter().map(|n| format!("val_{n}")).collect() } else { Vec::new() };
     train.into_iter().chain(val).collect()

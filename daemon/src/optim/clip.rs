@@ -22,12 +22,12 @@ pub struct Clip {
 
 impl Clip {
     /// True when it clips nothing.
-    pub fn is_off(&self) -> bool {
+    pub(crate) fn is_off(&self) -> bool {
         self.norm.is_none() && self.value.is_none()
     }
 
     /// A flag's value: a positive, finite number.
-    pub fn parse(flag: &'static str, text: &str) -> Result<f64, FlagError> {
+    pub(crate) fn parse(flag: &'static str, text: &str) -> Result<f64, FlagError> {
         match text.parse::<f64>() {
             Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
             _ => Err(FlagError::Form { flag, text: text.into(), expected: "a positive number" }),

@@ -8,23 +8,23 @@ use super::FlagError;
 
 /// Optimizer overrides from the command line.
 #[derive(Clone, Debug, Default)]
-pub struct OptimizerFlags {
+pub(crate) struct OptimizerFlags {
     /// `--optimizer`: `sgd`, `adam` or `rmsprop`.
-    pub name: Option<String>,
+    pub(crate) name: Option<String>,
     /// `--lr`.
-    pub lr: Option<f64>,
+    pub(crate) lr: Option<f64>,
     /// `--momentum` (sgd, rmsprop).
-    pub momentum: Option<f64>,
+    pub(crate) momentum: Option<f64>,
     /// `--weight-decay`.
-    pub weight_decay: Option<f64>,
+    pub(crate) weight_decay: Option<f64>,
     /// `--nesterov` (sgd).
-    pub nesterov: bool,
+    pub(crate) nesterov: bool,
 }
 
 /// The plugin's default optimizer with the operator's overrides applied. Choosing another
 /// optimizer starts from PyTorch's defaults for it (and the plugin's learning rate, unless
 /// `--lr` is given).
-pub fn optimizer(default: &OptimizerConfig, flags: &OptimizerFlags) -> Result<OptimizerConfig, FlagError> {
+pub(crate) fn optimizer(default: &OptimizerConfig, flags: &OptimizerFlags) -> Result<OptimizerConfig, FlagError> {
     let mut config = match flags.name.as_deref() {
         None => default.clone(),
         Some(name) if name == default.name() => default.clone(),

@@ -2,17 +2,17 @@
 //! ([`flags`]), learning-rate schedules ([`schedule`]), gradient clipping ([`clip`]), mixed
 //! precision ([`precision`]) and the epoch-end callbacks ([`callbacks`]).
 
-pub mod callbacks;
+pub(crate) mod callbacks;
 pub mod clip;
-pub mod flags;
-pub mod optimizer;
-pub mod precision;
-pub mod schedule;
+pub(crate) mod flags;
+pub(crate) mod optimizer;
+pub(crate) mod precision;
+pub(crate) mod schedule;
 
 /// A flag of the step's mathematics whose value cannot be used: each names the flag, what it was
 /// given, and what it takes.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum FlagError {
+pub(crate) enum FlagError {
     /// A value not of the flag's form.
     #[error("{flag} {text}: expected {expected}")]
     Form {

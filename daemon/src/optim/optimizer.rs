@@ -79,7 +79,7 @@ impl FlatAdam {
 
 /// An optimizer over a fixed, ordered list of parameters.
 #[derive(Debug)]
-pub struct Optimizer {
+pub(crate) struct Optimizer {
     config: OptimizerConfig,
     names: Vec<String>,
     slots: Vec<Slots>,
@@ -89,7 +89,7 @@ pub struct Optimizer {
 
 /// Optimizer state that does not fit the optimizer it is restored into.
 #[derive(Debug, thiserror::Error, PartialEq)]
-pub enum RestoreError {
+pub(crate) enum RestoreError {
     /// A state tensor the optimizer needs is missing.
     #[error("optimizer state: missing {key}")]
     Missing {
@@ -118,7 +118,7 @@ pub enum RestoreError {
 
 impl Optimizer {
     /// A fresh optimizer for `params` (name, tensor), zero state.
-    pub fn new(config: OptimizerConfig, params: &[(String, Tensor)]) -> Optimizer {
+    pub(crate) fn new(config: OptimizerConfig, params: &[(String, Tensor)]) -> Optimizer {
         if let (OptimizerConfig::Adam { .. }, Some(numels)) = (&config, flat_layout(params)) {
             let first = &params[0].1;
             let zeros = || Tensor::zeros([numels.iter().sum::<i64>()], (first.kind(), first.device()));
@@ -155,18 +155,8 @@ impl Optimizer {
         Optimizer { config, names: params.iter().map(|(n, _)| n.clone()).collect(), slots, flat: None, steps: 0 }
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &OptimizerConfig {
-        &self.config
-    }
-
-    /// Steps taken.
-    pub fn steps(&self) -> u64 {
-        self.steps
-    }
-
     /// Every state tensor, named `<parameter>/<slot>`, in parameter order.
-    pub fn state(&self) -> Vec<(String, Tensor)> {
+    pub(crate) fn state(&self) -> Vec<(String, Tensor)> {
         self.names
             .iter()
             .zip(&self.slots)
@@ -177,7 +167,7 @@ impl Optimizer {
     }
 
     /// Restores state exported by [`Optimizer::state`] after `steps` steps.
-    pub fn restore(&mut self, steps: u64, state: &[(String, Tensor)]) -> Result<(), RestoreError> {
+    pub(crate) fn restore(&mut self, steps: u64, state: &[(String, Tensor)]) -> Result<(), RestoreError> {
         let find = |name: &str| state.iter().find(|(n, _)| n == name).map(|(_, t)| t);
         let mut used = 0;
         for (name, slots) in self.names.iter().zip(self.slots.iter_mut()) {
@@ -220,22 +210,8 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Creates every lazily created buffer (SGD's momentum) as zeros, so that all workers hold
-    /// the same state layout before the chief's state is broadcast to them. With no dampening
-    /// a zero buffer gives exactly PyTorch's first update.
-    pub fn materialize(&mut self, params: &[(String, Tensor)]) {
-        let momentum = matches!(self.config, OptimizerConfig::Sgd { momentum, .. } if momentum != 0.0);
-        for (slots, (_, p)) in self.slots.iter_mut().zip(params) {
-            if let Slots::Sgd { momentum_buffer: buf @ None } = slots {
-                if momentum {
-                    *buf = Some(p.detach().zeros_like());
-                }
-            }
-        }
-    }
-
     /// One update of every parameter that has a gradient, at learning rate `lr`.
-    pub fn step(&mut self, params: &mut [(String, Tensor)], lr: f64) {
+    pub(crate) fn step(&mut self, params: &mut [(String, Tensor)], lr: f64) {
         let _no_grad = tch::no_grad_guard();
         self.steps += 1;
         if !self.step_flat(params, lr) {

@@ -24,7 +24,7 @@ unsafe extern "C" {
 
 /// The precision of the forward pass.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Precision {
+pub(crate) enum Precision {
     /// Float32 throughout.
     #[default]
     Fp32,
@@ -49,7 +49,7 @@ impl std::str::FromStr for Precision {
 
 impl Precision {
     /// Its name, as the flag takes it.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Precision::Fp32 => "fp32",
             Precision::Bf16 => "bf16",
@@ -58,7 +58,7 @@ impl Precision {
     }
 
     /// Whether it can train on `device`: float16 (with loss scaling) is for GPUs.
-    pub fn check(self, device: Device) -> Result<(), FlagError> {
+    pub(crate) fn check(self, device: Device) -> Result<(), FlagError> {
         if self == Precision::Fp16 && !device.is_cuda() {
             return Err(FlagError::Fp16OnCpu);
         }
@@ -67,12 +67,12 @@ impl Precision {
 
     /// What the run configuration says of it (nothing for float32, so that a run configuration
     /// stays what it was before precisions).
-    pub fn agreement(self) -> Option<&'static str> {
+    pub(crate) fn agreement(self) -> Option<&'static str> {
         (self != Precision::Fp32).then_some(self.name())
     }
 
     /// Autocast for `device` until the guard drops (none for float32).
-    pub fn autocast(self, device: Device) -> Result<Option<Autocast>, tch::TchError> {
+    pub(crate) fn autocast(self, device: Device) -> Result<Option<Autocast>, tch::TchError> {
         if self == Precision::Fp32 {
             return Ok(None);
         }
@@ -88,7 +88,7 @@ impl Precision {
 
 /// An autocast region on this thread; left on drop, the settings it replaced put back.
 #[derive(Debug)]
-pub struct Autocast {
+pub(crate) struct Autocast {
     cuda: c_int,
     /// Whether autocast was on, and its dtype (libtorch's ScalarType), before the region.
     was: (c_int, c_int),
@@ -111,13 +111,13 @@ impl Drop for Autocast {
 /// as a PyTorch loop's do. Decided on the all-reduced gradient, so every worker skips the same
 /// steps; part of the training state, so a resumed run scales as the uninterrupted one.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct LossScale {
+pub(crate) struct LossScale {
     /// The scale.
-    pub scale: f64,
+    pub(crate) scale: f64,
     /// Finite steps since the scale last changed.
-    pub good_steps: u32,
+    pub(crate) good_steps: u32,
     /// Steps skipped so far.
-    pub skipped: u64,
+    pub(crate) skipped: u64,
 }
 
 impl Default for LossScale {
@@ -128,10 +128,10 @@ impl Default for LossScale {
 
 impl LossScale {
     /// Finite steps before the scale doubles.
-    pub const GROWTH_INTERVAL: u32 = 2000;
+    pub(crate) const GROWTH_INTERVAL: u32 = 2000;
 
     /// Takes a step whose averaged gradient was `finite` or not; whether to apply the update.
-    pub fn update(&mut self, finite: bool) -> bool {
+    pub(crate) fn update(&mut self, finite: bool) -> bool {
         if !finite {
             (self.scale, self.good_steps, self.skipped) = (self.scale * 0.5, 0, self.skipped + 1);
             return false;
@@ -146,7 +146,7 @@ impl LossScale {
 
 /// Divides the gradients of `params` by `scale` (as a float32 reciprocal, as PyTorch's
 /// unscaling does); whether every one of them is finite (if not, they are left as they were).
-pub fn unscale(params: &[(String, tch::Tensor)], scale: f64) -> Result<bool, tch::TchError> {
+pub(crate) fn unscale(params: &[(String, tch::Tensor)], scale: f64) -> Result<bool, tch::TchError> {
     let _no_grad = tch::no_grad_guard();
     let grads: Vec<tch::Tensor> = params.iter().map(|(_, p)| p.grad()).filter(|g| g.defined()).collect();
     let mut finite = true;

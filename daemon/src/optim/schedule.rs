@@ -6,7 +6,7 @@ use trainerd_sdk::LrSchedule;
 use super::FlagError;
 
 /// The learning rate for `step` (0-based) of a run of `total_steps` steps.
-pub fn lr_at(schedule: &LrSchedule, base: f64, step: u64, total_steps: u64) -> f64 {
+pub(crate) fn lr_at(schedule: &LrSchedule, base: f64, step: u64, total_steps: u64) -> f64 {
     match *schedule {
         LrSchedule::Constant => base,
         LrSchedule::Step { every, gamma } => base * gamma.powi((step / every.max(1)) as i32),
@@ -21,7 +21,7 @@ pub fn lr_at(schedule: &LrSchedule, base: f64, step: u64, total_steps: u64) -> f
 
 /// Parses the `--lr-schedule` flag: `constant`, `cosine[:MIN_LR]`, `step:EVERY:GAMMA` or
 /// `exp:GAMMA`.
-pub fn parse(text: &str) -> Result<LrSchedule, FlagError> {
+pub(crate) fn parse(text: &str) -> Result<LrSchedule, FlagError> {
     const FLAG: &str = "--lr-schedule";
     let parts: Vec<&str> = text.split(':').collect();
     let part = |part: &'static str, value: &str, what: &'static str| FlagError::Part {

@@ -10,7 +10,7 @@ use trainerd_sdk::{ArgSpec, PluginArgs};
 /// A human-readable description of a loaded plugin, and of the libtorch it would train on.
 /// Builds one model on the CPU to count its parameters, which also proves that construction
 /// works.
-pub fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallError> {
+pub(crate) fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallError> {
     let info = plugin.info();
     let facts = plugin.facts();
     let model = plugin.create_model("model", Device::Cpu)?;
@@ -61,7 +61,7 @@ pub fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallError> {
 }
 
 /// The keys a plugin accepts, one per line, with the value given (`= VALUE`) where one is.
-pub fn arguments(specs: &[ArgSpec], given: &PluginArgs) -> String {
+pub(crate) fn arguments(specs: &[ArgSpec], given: &PluginArgs) -> String {
     if specs.is_empty() {
         return "arguments: none".into();
     }

@@ -14,7 +14,7 @@ use trainerd_sdk::abi::{
 
 /// Why a plugin was refused.
 #[derive(Debug, thiserror::Error)]
-pub enum LoadError {
+pub(crate) enum LoadError {
     /// Nothing at the path.
     #[error("plugin {path}: no such file")]
     NotFound {
@@ -128,23 +128,23 @@ pub enum LoadError {
 
 /// The build facts a header carries.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BuildFacts {
+pub(crate) struct BuildFacts {
     /// ABI version.
-    pub abi_version: u32,
+    pub(crate) abi_version: u32,
     /// trainerd-sdk version.
-    pub sdk_version: String,
+    pub(crate) sdk_version: String,
     /// tch version.
-    pub tch_version: String,
+    pub(crate) tch_version: String,
     /// libtorch version.
-    pub libtorch_version: String,
+    pub(crate) libtorch_version: String,
     /// Target triple.
-    pub target: String,
+    pub(crate) target: String,
     /// `unwind` or `abort`.
-    pub panic_strategy: String,
+    pub(crate) panic_strategy: String,
 }
 
 /// Loads the library at `path`, checks its header, and returns its vtable and build facts.
-pub fn open(path: &Path) -> Result<(&'static PluginVTable, BuildFacts), LoadError> {
+pub(super) fn open(path: &Path) -> Result<(&'static PluginVTable, BuildFacts), LoadError> {
     let path_buf = || path.to_path_buf();
     if !path.exists() {
         return Err(LoadError::NotFound { path: path_buf() });

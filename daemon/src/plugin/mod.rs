@@ -6,7 +6,7 @@
 //! therefore *are* the plugin's parameters, and the daemon's in-place optimizer updates reach
 //! the model.
 
-pub mod describe;
+pub(crate) mod describe;
 mod load;
 
 use std::ffi::CStr;
@@ -16,26 +16,26 @@ use tch::{Device, Tensor};
 use trainerd_sdk::abi::{Handle, InputContext, PluginVTable, RawDevice, Status, StrRef, SPLIT_TEST, SPLIT_TRAIN};
 use trainerd_sdk::{ArgSpec, PluginArgs, PluginInfo, Split};
 
-pub use load::{BuildFacts, LoadError};
+pub(crate) use load::{BuildFacts, LoadError};
 
 /// The key, in a run configuration's `plugin` object, of the model's identity values
 /// ([`PluginInfo::identity`]): a checkpoint is evaluated only by a model with the same.
-pub const PLUGIN_IDENTITY_KEY: &str = "identity";
+pub(crate) const PLUGIN_IDENTITY_KEY: &str = "identity";
 
 /// An error returned (or a panic caught) inside a plugin call.
 #[derive(Debug, thiserror::Error)]
 #[error("plugin {plugin}: {call} failed: {message}")]
-pub struct CallError {
+pub(crate) struct CallError {
     /// The plugin's name.
-    pub plugin: String,
+    pub(crate) plugin: String,
     /// Which call.
-    pub call: &'static str,
+    pub(crate) call: &'static str,
     /// The plugin's message.
-    pub message: String,
+    pub(crate) message: String,
 }
 
 /// A loaded, checked plugin, configured by its arguments.
-pub struct Plugin {
+pub(crate) struct Plugin {
     path: PathBuf,
     vtable: &'static PluginVTable,
     facts: BuildFacts,
@@ -53,7 +53,7 @@ impl std::fmt::Debug for Plugin {
 
 impl Plugin {
     /// Loads and checks the plugin at `path`, and has it take `args` (`--plugin-arg`).
-    pub fn load(path: &Path, args: &PluginArgs) -> Result<Plugin, LoadError> {
+    pub(crate) fn load(path: &Path, args: &PluginArgs) -> Result<Plugin, LoadError> {
         let (vtable, facts) = load::open(path)?;
         let refused = |message: String| LoadError::Refused { path: path.to_path_buf(), message };
         let arguments = arguments_of(vtable, path)?;
@@ -86,24 +86,24 @@ impl Plugin {
 
     /// The keys the plugin at `path` accepts, read without configuring it (for telling an
     /// operator whose arguments it refused what it takes).
-    pub fn accepted(path: &Path) -> Result<Vec<ArgSpec>, LoadError> {
+    pub(crate) fn accepted(path: &Path) -> Result<Vec<ArgSpec>, LoadError> {
         arguments_of(load::open(path)?.0, path)
     }
 
     /// The keys it accepts.
-    pub fn arguments(&self) -> &[ArgSpec] {
+    pub(crate) fn arguments(&self) -> &[ArgSpec] {
         &self.arguments
     }
 
     /// The arguments it was given.
-    pub fn args(&self) -> &PluginArgs {
+    pub(crate) fn args(&self) -> &PluginArgs {
         &self.args
     }
 
     /// What every worker must have alike about this plugin's configuration, beyond its identity
     /// string: the model's identity values and the arguments marked agreed. `None` when there is
     /// neither, so that a run configuration stays what it was before plugins took arguments.
-    pub fn agreement(&self) -> Option<serde_json::Value> {
+    pub(crate) fn agreement(&self) -> Option<serde_json::Value> {
         let args = self.args.agreed(&self.arguments);
         if self.info.identity.is_empty() && args.is_empty() {
             return None;
@@ -119,17 +119,17 @@ impl Plugin {
     }
 
     /// Where it was loaded from.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
     /// Its identity and defaults.
-    pub fn info(&self) -> &PluginInfo {
+    pub(crate) fn info(&self) -> &PluginInfo {
         &self.info
     }
 
     /// The build facts its header declared.
-    pub fn facts(&self) -> &BuildFacts {
+    pub(crate) fn facts(&self) -> &BuildFacts {
         &self.facts
     }
 
@@ -142,7 +142,7 @@ impl Plugin {
     }
 
     /// What must match on every worker about the plugin: its name, version and build facts.
-    pub fn identity(&self) -> String {
+    pub(crate) fn identity(&self) -> String {
         let (i, f) = (&self.info, &self.facts);
         format!(
             "{} {} (trainerd-sdk {}, tch {}, libtorch {}, {})",
@@ -151,7 +151,7 @@ impl Plugin {
     }
 
     /// Builds a model whose parameters live under VarStore path `prefix` on `device`.
-    pub fn create_model(&self, prefix: &str, device: Device) -> Result<ModelInstance<'_>, CallError> {
+    pub(crate) fn create_model(&self, prefix: &str, device: Device) -> Result<ModelInstance<'_>, CallError> {
         let raw_device: RawDevice = match device {
             Device::Cuda(n) => n as RawDevice,
             _ => -1,
@@ -212,10 +212,10 @@ unsafe fn take_string(vtable: &PluginVTable, string: *mut std::ffi::c_char) -> O
 }
 
 /// Named tensors, in name order.
-pub type Named = Vec<(String, Tensor)>;
+pub(crate) type Named = Vec<(String, Tensor)>;
 
 /// A model instance inside a plugin.
-pub struct ModelInstance<'p> {
+pub(crate) struct ModelInstance<'p> {
     plugin: &'p Plugin,
     handle: Handle,
     parameters: Vec<(String, Tensor)>,
@@ -225,18 +225,8 @@ impl ModelInstance<'_> {
     /// The model's variables as (trainable parameters, buffers), each in name order, sharing the
     /// model's tensors: a variable that requires no gradient (BatchNorm's running statistics, a
     /// frozen layer) is state that the optimizer never touches.
-    pub fn split_variables(&self) -> (Named, Named) {
+    pub(crate) fn split_variables(&self) -> (Named, Named) {
         self.parameters.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).partition(|(_, t)| t.requires_grad())
-    }
-
-    /// Named parameters in name order (references to the model's own tensors).
-    pub fn parameters(&self) -> &[(String, Tensor)] {
-        &self.parameters
-    }
-
-    /// Mutable access to the parameters, for the optimizer's in-place updates.
-    pub fn parameters_mut(&mut self) -> &mut [(String, Tensor)] {
-        &mut self.parameters
     }
 
     /// Runs a call that produces one tensor and takes a reference to it.
@@ -253,14 +243,14 @@ impl ModelInstance<'_> {
     }
 
     /// Logits for `xs`.
-    pub fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, CallError> {
+    pub(crate) fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, CallError> {
         let vt = self.plugin.vtable;
         // SAFETY: live handles; the input stays ours (borrowed for the call).
         self.output("forward", |out| unsafe { (vt.forward)(self.handle, xs.as_ptr() as *mut _, train, out) })
     }
 
     /// Mean loss of a batch.
-    pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, CallError> {
+    pub(crate) fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, CallError> {
         let vt = self.plugin.vtable;
         // SAFETY: as in `forward`.
         self.output("loss", |out| unsafe {
@@ -269,7 +259,7 @@ impl ModelInstance<'_> {
     }
 
     /// Per-batch sums of each metric.
-    pub fn metrics(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, CallError> {
+    pub(crate) fn metrics(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, CallError> {
         let vt = self.plugin.vtable;
         // SAFETY: as in `forward`.
         self.output("metrics", |out| unsafe {
@@ -278,7 +268,7 @@ impl ModelInstance<'_> {
     }
 
     /// Loads a split of the dataset in `dir`.
-    pub fn load_data(&self, dir: &Path, split: Split) -> Result<Dataset<'_>, CallError> {
+    pub(crate) fn load_data(&self, dir: &Path, split: Split) -> Result<Dataset<'_>, CallError> {
         let raw_split = match split {
             Split::Train => SPLIT_TRAIN,
             Split::Test => SPLIT_TEST,
@@ -301,14 +291,14 @@ impl Drop for ModelInstance<'_> {
 }
 
 /// A loaded dataset split inside a plugin.
-pub struct Dataset<'m> {
+pub(crate) struct Dataset<'m> {
     model: &'m ModelInstance<'m>,
     handle: Handle,
 }
 
 impl Dataset<'_> {
     /// Opens an input pipeline over this split.
-    pub fn pipeline(&self, ctx: &InputContext) -> Result<InputPipeline<'_>, CallError> {
+    pub(crate) fn pipeline(&self, ctx: &InputContext) -> Result<InputPipeline<'_>, CallError> {
         let plugin = self.model.plugin;
         let (mut handle, mut steps) = (std::ptr::null_mut(), 0u64);
         // SAFETY: live handles; valid pointers.
@@ -327,7 +317,7 @@ impl Drop for Dataset<'_> {
 }
 
 /// One epoch of batches from a plugin's input pipeline.
-pub struct InputPipeline<'d> {
+pub(crate) struct InputPipeline<'d> {
     plugin: &'d Plugin,
     handle: Handle,
     steps: u64,
@@ -336,12 +326,12 @@ pub struct InputPipeline<'d> {
 
 impl InputPipeline<'_> {
     /// How many batches it yields.
-    pub fn steps(&self) -> u64 {
+    pub(crate) fn steps(&self) -> u64 {
         self.steps
     }
 
     /// The next batch (inputs, labels), or `None` at the end.
-    pub fn next_batch(&mut self) -> Result<Option<(Tensor, Tensor)>, CallError> {
+    pub(crate) fn next_batch(&mut self) -> Result<Option<(Tensor, Tensor)>, CallError> {
         let (mut xs, mut labels, mut done) = (std::ptr::null_mut(), std::ptr::null_mut(), false);
         // SAFETY: live handle; valid out pointers.
         let status = unsafe { (self.plugin.vtable.pipeline_next)(self.handle, &mut xs, &mut labels, &mut done) };

@@ -35,7 +35,7 @@ fn kind(dtype: Dtype) -> Kind {
 }
 
 /// A tensor's elements as contiguous native-endian bytes in host memory.
-pub fn host_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
+pub(crate) fn host_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
     let t = t.detach().to_device(Device::Cpu).contiguous();
     let numel = t.numel();
     let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
@@ -44,7 +44,7 @@ pub fn host_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
 }
 
 /// Copies a tensor into host memory.
-pub fn host_copy(name: &str, t: &Tensor) -> Result<TensorData, StateError> {
+pub(crate) fn host_copy(name: &str, t: &Tensor) -> Result<TensorData, StateError> {
     let dtype = dtype(t.kind()).ok_or_else(|| StateError::Kind { name: name.into(), kind: t.kind() })?;
     let data = host_bytes(t).map_err(|source| StateError::Tensor { name: name.into(), source })?;
     Ok(TensorData {
@@ -56,7 +56,7 @@ pub fn host_copy(name: &str, t: &Tensor) -> Result<TensorData, StateError> {
 }
 
 /// A tensor (on the CPU) from host memory.
-pub fn to_tensor(t: &TensorData) -> Result<Tensor, StateError> {
+pub(crate) fn to_tensor(t: &TensorData) -> Result<Tensor, StateError> {
     let shape: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
     Tensor::f_from_data_size(&t.data, &shape, kind(t.dtype))
         .map_err(|source| StateError::Tensor { name: t.name.clone(), source })
@@ -64,7 +64,7 @@ pub fn to_tensor(t: &TensorData) -> Result<Tensor, StateError> {
 
 /// Copies restored values into `dst` (name, tensor) in place, checking names, types and
 /// shapes. `what` names the source in messages ("checkpoint 3's model").
-pub fn copy_into(dst: &mut [(String, Tensor)], src: &[TensorData], what: &str) -> Result<(), StateError> {
+pub(crate) fn copy_into(dst: &mut [(String, Tensor)], src: &[TensorData], what: &str) -> Result<(), StateError> {
     let _no_grad = tch::no_grad_guard();
     for (name, t) in dst.iter_mut() {
         let Some(s) = src.iter().find(|s| &s.name == name) else {

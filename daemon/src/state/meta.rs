@@ -11,7 +11,7 @@ use super::position::{Position, RNG_SCHEME};
 
 /// Why a commit cannot serve a reader.
 #[derive(Debug, thiserror::Error)]
-pub enum MetaError {
+pub(crate) enum MetaError {
     /// Its metadata is not a trainerd checkpoint's of this version.
     #[error("checkpoint {sequence} was not written by this version of trainerd: {source}")]
     Unreadable {
@@ -27,7 +27,7 @@ pub enum MetaError {
 
 /// How a commit differs from what its reader needs.
 #[derive(Debug, thiserror::Error, PartialEq)]
-pub enum Mismatch {
+pub(crate) enum Mismatch {
     /// A run resumes a commit of another plugin.
     #[error("checkpoint {sequence} was written by plugin {theirs}, this run uses {ours}")]
     PluginOfRun {
@@ -100,13 +100,13 @@ fn global_batch_hint(global: u64, workers: usize) -> String {
 
 /// A key whose value differs between a commit's run configuration and its reader's.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Difference {
+pub(crate) struct Difference {
     /// The key, nested keys dotted (`data.fingerprint`).
-    pub key: String,
+    pub(crate) key: String,
     /// Its value in the commit (`"absent"` when it lacks the key).
-    pub theirs: serde_json::Value,
+    pub(crate) theirs: serde_json::Value,
     /// Its value for the reader.
-    pub ours: serde_json::Value,
+    pub(crate) ours: serde_json::Value,
 }
 
 impl std::fmt::Display for Difference {
@@ -117,7 +117,7 @@ impl std::fmt::Display for Difference {
 
 /// Every key that differs, told one after the other.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Differences(pub Vec<Difference>);
+pub(crate) struct Differences(pub(crate) Vec<Difference>);
 
 impl std::fmt::Display for Differences {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -128,41 +128,41 @@ impl std::fmt::Display for Differences {
 
 /// The manifest metadata of a trainerd checkpoint.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Meta {
+pub(crate) struct Meta {
     /// Position.
-    pub position: Position,
+    pub(crate) position: Position,
     /// Plugin name.
-    pub plugin: String,
+    pub(crate) plugin: String,
     /// Plugin version.
-    pub plugin_version: String,
+    pub(crate) plugin_version: String,
     /// Slots that trained: the workers, times the replicas of each (`--devices`).
-    pub workers: usize,
+    pub(crate) workers: usize,
     /// Everything that must agree to continue exactly (the run configuration as the cluster
     /// checks it).
-    pub run_config: serde_json::Value,
+    pub(crate) run_config: serde_json::Value,
     /// How the RNG continues.
-    pub rng: String,
+    pub(crate) rng: String,
 }
 
 /// The run configuration's key for the replicas of each worker (`--devices`). The math depends on
 /// the slot count (a checkpoint's `workers`), not on how its slots are spread over processes, so a
 /// resume does not compare it: one daemon of two replicas continues two daemons' commit exactly.
-pub const REPLICAS_KEY: &str = "replicas_per_worker";
+pub(crate) const REPLICAS_KEY: &str = "replicas_per_worker";
 
 /// The run configuration's key for the micro-batches of each update (`--accumulate`): slots too,
 /// so not compared on resume either.
-pub const ACCUMULATE_KEY: &str = "accumulate";
+pub(crate) const ACCUMULATE_KEY: &str = "accumulate";
 
 /// The run configuration's key for the plugin's configuration: its model's identity values
 /// (`identity`, compared by evaluation too) and its agreed arguments (`args`).
-pub const PLUGIN_KEY: &str = "plugin";
+pub(crate) const PLUGIN_KEY: &str = "plugin";
 
 /// What a resume does not compare: how the slots are spread (the slot count is compared).
 const SPREAD: [&str; 2] = [REPLICAS_KEY, ACCUMULATE_KEY];
 
 /// Who reads a checkpoint, which decides what must match and how a mismatch is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reader<'a> {
+pub(crate) enum Reader<'a> {
     /// A run that resumes it: the plugin, the cluster size and the run configuration (canonical
     /// JSON) must be the checkpoint's.
     Training {
@@ -178,7 +178,7 @@ pub enum Reader<'a> {
 impl Meta {
     /// The metadata of a commit of `position` by `workers` workers of `info`'s plugin with
     /// `run_config` (canonical JSON).
-    pub fn new(position: Position, info: &PluginInfo, workers: usize, run_config: &str) -> Meta {
+    pub(crate) fn new(position: Position, info: &PluginInfo, workers: usize, run_config: &str) -> Meta {
         Meta {
             position,
             plugin: info.name.clone(),
@@ -190,7 +190,7 @@ impl Meta {
     }
 
     /// The metadata of a restored commit, checked for `reader` against `info`'s plugin.
-    pub fn read(restored: &Restored, info: &PluginInfo, reader: Reader<'_>) -> Result<Meta, MetaError> {
+    pub(crate) fn read(restored: &Restored, info: &PluginInfo, reader: Reader<'_>) -> Result<Meta, MetaError> {
         let sequence = restored.record.sequence;
         let meta: Meta = serde_json::from_value(restored.manifest.meta.clone())
             .map_err(|source| MetaError::Unreadable { sequence, source })?;

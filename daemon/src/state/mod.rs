@@ -7,25 +7,25 @@
 //! (`train`) changes a state, the session (`train::session`) carries it to peers, the
 //! checkpointer (`checkpoint`) hands it to storage.
 
-pub mod host;
-pub mod meta;
-pub mod position;
-pub mod replica;
-pub mod totals;
+pub(crate) mod host;
+pub(crate) mod meta;
+pub(crate) mod position;
+pub(crate) mod replica;
+pub(crate) mod totals;
 
-pub use meta::{Difference, Differences, Meta, MetaError, Reader, ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY};
-pub use position::Position;
-pub use replica::{sha256_hex, ModelState, Named, Shareable, TrainState};
-pub use totals::{epoch_figures, Totals};
+pub(crate) use meta::{Meta, MetaError, Reader, ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY};
+pub(crate) use position::Position;
+pub(crate) use replica::{sha256_hex, ModelState, Shareable, TrainState};
+pub(crate) use totals::{epoch_figures, Totals};
 
 /// Blob of the parameters and buffers.
-pub const MODEL_BLOB: &str = "model.safetensors";
+pub(crate) const MODEL_BLOB: &str = "model.safetensors";
 /// Blob of the optimizer state.
-pub const OPTIMIZER_BLOB: &str = "optimizer.safetensors";
+pub(crate) const OPTIMIZER_BLOB: &str = "optimizer.safetensors";
 
 /// Why a state could not be taken in (from a checkpoint or a peer) or given out.
 #[derive(Debug, thiserror::Error)]
-pub enum StateError {
+pub(crate) enum StateError {
     /// libtorch failed reading or writing a tensor.
     #[error("tensor {name}: {source}")]
     Tensor {

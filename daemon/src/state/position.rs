@@ -14,35 +14,35 @@ use crate::optim::callbacks::CallbackState;
 use crate::optim::precision::LossScale;
 
 /// How the RNG continues, as checkpoints record it.
-pub const RNG_SCHEME: &str = "libtorch generator re-seeded from (seed, global_step, rank) before every step";
+pub(crate) const RNG_SCHEME: &str = "libtorch generator re-seeded from (seed, global_step, rank) before every step";
 
 /// Where training stands.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Position {
+pub(crate) struct Position {
     /// Epoch to continue in (0-based).
-    pub epoch: u32,
+    pub(crate) epoch: u32,
     /// Steps of that epoch already done.
-    pub step_in_epoch: u64,
+    pub(crate) step_in_epoch: u64,
     /// Optimizer steps taken in all.
-    pub global_step: u64,
+    pub(crate) global_step: u64,
     /// The epoch's running totals so far.
-    pub totals: Totals,
+    pub(crate) totals: Totals,
     /// The last completed epoch's totals (for the summary of a finished run).
-    pub last_epoch: Totals,
+    pub(crate) last_epoch: Totals,
     /// The last evaluation's totals on the test split (none before the first).
     #[serde(default, with = "totals::optional")]
-    pub last_eval: Option<Totals>,
+    pub(crate) last_eval: Option<Totals>,
     /// What `--early-stopping` and `--reduce-lr-on-plateau` remember (absent when unused).
     #[serde(default, skip_serializing_if = "CallbackState::is_unused")]
-    pub callbacks: CallbackState,
+    pub(crate) callbacks: CallbackState,
     /// Float16's loss scaling (absent unless `--precision fp16`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loss_scale: Option<LossScale>,
+    pub(crate) loss_scale: Option<LossScale>,
 }
 
 impl Position {
     /// The start of training, for a plugin with `metrics` metrics.
-    pub fn start(metrics: usize) -> Position {
+    pub(crate) fn start(metrics: usize) -> Position {
         Position {
             epoch: 0,
             step_in_epoch: 0,
@@ -57,12 +57,12 @@ impl Position {
 
     /// How far it is: (global step, epoch), larger is further (the epoch moves on after each
     /// epoch's evaluation, with the global step unchanged).
-    pub fn progress(&self) -> (u64, u64) {
+    pub(crate) fn progress(&self) -> (u64, u64) {
         (self.global_step, u64::from(self.epoch))
     }
 
     /// One step done, with `step` its totals over every worker.
-    pub fn stepped(&mut self, step: &Totals) {
+    pub(crate) fn stepped(&mut self, step: &Totals) {
         self.global_step += 1;
         self.step_in_epoch += 1;
         self.totals.add(step);
@@ -70,7 +70,7 @@ impl Position {
 
     /// The epoch is done, and evaluated (`eval`) unless the run does not evaluate: the next one
     /// starts with zero totals.
-    pub fn next_epoch(&mut self, eval: Option<Totals>) {
+    pub(crate) fn next_epoch(&mut self, eval: Option<Totals>) {
         let metrics = self.totals.metric_means().len();
         self.epoch += 1;
         self.step_in_epoch = 0;
@@ -83,7 +83,7 @@ impl Position {
     /// The seed of libtorch's generator for the next step on the replica of `rank` in a run
     /// seeded `seed`: dropout masks and any other draws repeat exactly in a resumed run, and
     /// differ between replicas (as each replica's examples do).
-    pub fn step_seed(&self, seed: u64, rank: usize) -> i64 {
+    pub(crate) fn step_seed(&self, seed: u64, rank: usize) -> i64 {
         replica_seed(seed, self.global_step, rank)
     }
 }

@@ -24,7 +24,7 @@ const MAGIC: &[u8; 8] = b"TRDSTAT1";
 
 /// What a member brings to a formation: how far its state is, and the state itself as bytes for
 /// the members that lack it (a [`TrainState`] in training, a [`ModelState`] in an evaluation).
-pub trait Shareable {
+pub(crate) trait Shareable {
     /// How far it is: larger is further.
     fn progress(&self) -> (u64, u64);
     /// Whether it is a state of the run (a fresh process's model is not, unless it is the
@@ -44,47 +44,47 @@ pub trait Shareable {
 }
 
 /// The sha256 of `bytes`, lower-case hex: how a state's report and its receiver fingerprint it.
-pub fn sha256_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-pub use crate::plugin::Named;
+pub(crate) use crate::plugin::Named;
 
 /// The model's part of a replica: position, parameters and buffers.
-pub struct ModelState {
+pub(crate) struct ModelState {
     /// Where training stands.
-    pub position: Position,
+    pub(crate) position: Position,
     /// The model's trainable parameters (shared with the plugin's model), in name order.
-    pub params: Named,
+    pub(crate) params: Named,
     /// The model's non-trainable variables (shared with the plugin's model), in name order.
-    pub buffers: Named,
+    pub(crate) buffers: Named,
     /// False for a process that has not received or restored a state yet (its freshly built
     /// model is not the run's state unless it is the chief's).
-    pub live: bool,
+    pub(crate) live: bool,
     device: Device,
 }
 
 /// A training replica: the model's state and the optimizer's.
-pub struct TrainState {
+pub(crate) struct TrainState {
     /// Position, parameters and buffers.
-    pub model: ModelState,
+    pub(crate) model: ModelState,
     /// The optimizer and its state tensors.
-    pub optimizer: Optimizer,
+    pub(crate) optimizer: Optimizer,
 }
 
 impl ModelState {
     /// The model's variables `(params, buffers)` at the start of training.
-    pub fn new((params, buffers): (Named, Named), metrics: usize, device: Device, live: bool) -> ModelState {
+    pub(crate) fn new((params, buffers): (Named, Named), metrics: usize, device: Device, live: bool) -> ModelState {
         ModelState { position: Position::start(metrics), params, buffers, live, device }
     }
 
     /// Every model variable, parameters then buffers.
-    pub fn variables(&self) -> impl Iterator<Item = &(String, Tensor)> {
+    pub(crate) fn variables(&self) -> impl Iterator<Item = &(String, Tensor)> {
         self.params.iter().chain(&self.buffers)
     }
 
     /// sha256 over every variable's bytes, in name order (a summary's `params_sha256`).
-    pub fn params_sha256(&self) -> String {
+    pub(crate) fn params_sha256(&self) -> String {
         let mut sorted: Vec<&(String, Tensor)> = self.variables().collect();
         sorted.sort_by(|a, b| a.0.cmp(&b.0));
         let mut hasher = Sha256::new();
@@ -96,12 +96,12 @@ impl ModelState {
 
     /// A copy of every buffer, to put back with [`ModelState::restore_buffers`] when a step is
     /// abandoned after its forward pass updated them. Empty when the model has none.
-    pub fn save_buffers(&self) -> Vec<Tensor> {
+    pub(crate) fn save_buffers(&self) -> Vec<Tensor> {
         self.buffers.iter().map(|(_, b)| b.detach().copy()).collect()
     }
 
     /// Puts back buffers saved by [`ModelState::save_buffers`].
-    pub fn restore_buffers(&mut self, saved: &[Tensor]) {
+    pub(crate) fn restore_buffers(&mut self, saved: &[Tensor]) {
         let _no_grad = tch::no_grad_guard();
         for ((_, b), s) in self.buffers.iter_mut().zip(saved) {
             b.copy_(s);
@@ -135,14 +135,14 @@ impl ModelState {
 
     /// Takes only the model of a verified checkpoint, and `position`: what an evaluation needs,
     /// whatever optimizer trained it.
-    pub fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), StateError> {
+    pub(crate) fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), StateError> {
         let seq = restored.record.sequence;
         let model = restored.blobs.get(MODEL_BLOB).ok_or(StateError::NoBlob { sequence: seq, blob: MODEL_BLOB })?;
         self.load(position, model, &format!("checkpoint {seq}'s model"))
     }
 
     /// Takes a peer's model state from `bytes`.
-    pub fn decode(&mut self, bytes: &[u8]) -> Result<(), StateError> {
+    pub(crate) fn decode(&mut self, bytes: &[u8]) -> Result<(), StateError> {
         let (position, model, _) = decode(bytes)?;
         self.load(position, &model, "the received state's model")
     }
@@ -164,17 +164,17 @@ impl Shareable for ModelState {
 
 impl TrainState {
     /// A state at the start of training.
-    pub fn new(model: ModelState, optimizer: Optimizer) -> Self {
+    pub(crate) fn new(model: ModelState, optimizer: Optimizer) -> Self {
         TrainState { model, optimizer }
     }
 
     /// Where training stands.
-    pub fn position(&self) -> &Position {
+    pub(crate) fn position(&self) -> &Position {
         &self.model.position
     }
 
     /// Takes a peer's state from `bytes` (checked against this model: names, types, shapes).
-    pub fn decode(&mut self, bytes: &[u8]) -> Result<(), StateError> {
+    pub(crate) fn decode(&mut self, bytes: &[u8]) -> Result<(), StateError> {
         let (position, model, optim) = decode(bytes)?;
         self.load(position, &model, &optim, "the received state")
     }
@@ -202,7 +202,7 @@ impl TrainState {
     }
 
     /// Takes a verified checkpoint's state (its metadata already checked against this run).
-    pub fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), StateError> {
+    pub(crate) fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), StateError> {
         let seq = restored.record.sequence;
         let blob =
             |name: &'static str| restored.blobs.get(name).ok_or(StateError::NoBlob { sequence: seq, blob: name });
@@ -210,7 +210,7 @@ impl TrainState {
     }
 
     /// The state as checkpoint blobs, in host memory.
-    pub fn blobs(&self) -> Result<Vec<Blob>, StateError> {
+    pub(crate) fn blobs(&self) -> Result<Vec<Blob>, StateError> {
         let snapshot = |ts: &[(String, Tensor)]| {
             ts.iter().map(|(n, t)| checkpoint::host_copy(n, t)).collect::<Result<Vec<_>, _>>()
         };

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 /// Sums of examples, loss × examples and metrics.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(from = "Vec<f64>", into = "Vec<f64>")]
-pub struct Totals {
+pub(crate) struct Totals {
     loss: f64,
     examples: f64,
     metrics: Vec<f64>,
@@ -20,17 +20,17 @@ pub struct Totals {
 
 impl Totals {
     /// Zero sums for `metrics` metrics.
-    pub fn new(metrics: usize) -> Totals {
+    pub(crate) fn new(metrics: usize) -> Totals {
         Totals { metrics: vec![0.0; metrics], ..Default::default() }
     }
 
     /// One batch's sums: `n` examples of mean loss `loss` and metric sums `metrics`.
-    pub fn of_batch(n: i64, loss: f64, metrics: Vec<f64>) -> Totals {
+    pub(crate) fn of_batch(n: i64, loss: f64, metrics: Vec<f64>) -> Totals {
         Totals { loss: loss * n as f64, examples: n as f64, metrics }
     }
 
     /// Sums laid out as `[loss × n, n, metric...]` (an all-reduce's buffer, a checkpoint's).
-    pub fn flat(&self) -> Vec<f64> {
+    pub(crate) fn flat(&self) -> Vec<f64> {
         let mut v = vec![self.loss, self.examples];
         v.extend(&self.metrics);
         v
@@ -38,7 +38,7 @@ impl Totals {
 
     /// Sums from the layout of [`Totals::flat`]; no sums (zero examples, no metrics) when
     /// `flat` is too short to hold the two first.
-    pub fn from_flat(flat: &[f64]) -> Totals {
+    pub(crate) fn from_flat(flat: &[f64]) -> Totals {
         match flat {
             [loss, examples, metrics @ ..] => Totals { loss: *loss, examples: *examples, metrics: metrics.to_vec() },
             _ => Totals::default(),
@@ -46,29 +46,29 @@ impl Totals {
     }
 
     /// Adds `other`'s sums to these.
-    pub fn add(&mut self, other: &Totals) {
+    pub(crate) fn add(&mut self, other: &Totals) {
         self.loss += other.loss;
         self.examples += other.examples;
         self.metrics.iter_mut().zip(&other.metrics).for_each(|(m, s)| *m += s);
     }
 
     /// Examples counted.
-    pub fn examples(&self) -> f64 {
+    pub(crate) fn examples(&self) -> f64 {
         self.examples
     }
 
     /// Mean loss.
-    pub fn loss_mean(&self) -> f64 {
+    pub(crate) fn loss_mean(&self) -> f64 {
         self.loss / self.examples.max(1.0)
     }
 
     /// Mean of each metric.
-    pub fn metric_means(&self) -> Vec<f64> {
+    pub(crate) fn metric_means(&self) -> Vec<f64> {
         self.metrics.iter().map(|m| m / self.examples.max(1.0)).collect()
     }
 
     /// `(PREFIXloss, mean), (PREFIXmetric, mean)...`.
-    pub fn named(&self, names: &[String], prefix: &str) -> Vec<(String, f64)> {
+    pub(crate) fn named(&self, names: &[String], prefix: &str) -> Vec<(String, f64)> {
         std::iter::once((format!("{prefix}loss"), self.loss_mean()))
             .chain(names.iter().zip(self.metric_means()).map(|(n, m)| (format!("{prefix}{n}"), m)))
             .collect()
@@ -77,7 +77,7 @@ impl Totals {
 
 /// An epoch's figures by name, as the epoch line shows them: the training means of `metrics`
 /// (with the loss) from `train`, then the same from `eval` as `val_NAME`.
-pub fn epoch_figures(metrics: &[String], train: &Totals, eval: Option<&Totals>) -> Vec<(String, f64)> {
+pub(crate) fn epoch_figures(metrics: &[String], train: &Totals, eval: Option<&Totals>) -> Vec<(String, f64)> {
     let mut figures = train.named(metrics, "");
     figures.extend(eval.map(|e| e.named(metrics, "val_")).unwrap_or_default());
     figures
@@ -97,18 +97,18 @@ impl From<Totals> for Vec<f64> {
 
 /// `Option<Totals>` as a checkpoint holds it: an empty list for none (before the first
 /// evaluation), as trainerd's first checkpoints wrote it.
-pub mod optional {
+pub(crate) mod optional {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
     use super::Totals;
 
     /// `None` as `[]`.
-    pub fn serialize<S: Serializer>(value: &Option<Totals>, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(value: &Option<Totals>, s: S) -> Result<S::Ok, S::Error> {
         value.as_ref().map_or_else(Vec::new, Totals::flat).serialize(s)
     }
 
     /// `[]` (or an absent field, with `#[serde(default)]`) as `None`.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Totals>, D::Error> {
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Totals>, D::Error> {
         let flat = Vec::<f64>::deserialize(d)?;
         Ok((!flat.is_empty()).then(|| Totals::from_flat(&flat)))
     }

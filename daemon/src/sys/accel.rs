@@ -52,7 +52,7 @@ fn symbol(name: &str) -> Option<*mut c_void> {
 }
 
 /// The directory of the libtorch this process runs on.
-pub fn libtorch_dir() -> Option<PathBuf> {
+pub(crate) fn libtorch_dir() -> Option<PathBuf> {
     let addr = symbol("_ZN2at13globalContextEv")?;
     // SAFETY: Dl_info is plain data (pointers and integers); all zeroes is a valid value.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
@@ -66,7 +66,7 @@ pub fn libtorch_dir() -> Option<PathBuf> {
 }
 
 /// Whether the machine has NVIDIA devices (the driver's device files).
-pub fn nvidia_devices() -> bool {
+pub(crate) fn nvidia_devices() -> bool {
     std::fs::read_dir("/dev").is_ok_and(|entries| {
         entries.flatten().any(|e| {
             let name = e.file_name();
@@ -135,21 +135,21 @@ fn gpu_name(index: i64) -> Option<String> {
 
 /// What this libtorch and this machine offer.
 #[derive(Clone, Debug)]
-pub struct Facts {
+pub(crate) struct Facts {
     /// libtorch's version (from the build).
-    pub libtorch: String,
+    pub(crate) libtorch: String,
     /// What became of its CUDA library.
-    pub cuda_library: CudaLibrary,
+    pub(crate) cuda_library: CudaLibrary,
     /// The CUDA runtime libtorch was built with, once its CUDA is loaded.
-    pub cuda: Option<String>,
+    pub(crate) cuda: Option<String>,
     /// cuDNN's version, once libtorch's CUDA is loaded.
-    pub cudnn: Option<String>,
+    pub(crate) cudnn: Option<String>,
     /// The visible GPUs, by index: their names.
-    pub gpus: Vec<String>,
+    pub(crate) gpus: Vec<String>,
 }
 
 /// Asks libtorch (after [`load_cuda`]).
-pub fn facts(cuda_library: CudaLibrary) -> Facts {
+pub(crate) fn facts(cuda_library: CudaLibrary) -> Facts {
     let loaded = matches!(cuda_library, CudaLibrary::Loaded(_));
     let cuda = (loaded && tch::utils::has_cudart()).then(|| cuda_version(tch::utils::version_cudart()));
     let cudnn = loaded.then(tch::utils::version_cudnn).filter(|&v| v > 0).map(cudnn_version);
@@ -159,7 +159,7 @@ pub fn facts(cuda_library: CudaLibrary) -> Facts {
 
 impl Facts {
     /// `libtorch 2.13.0 (CUDA 13.0, cuDNN 9.19.0); GPUs: cuda:0 NVIDIA H100 80GB HBM3`.
-    pub fn line(&self) -> String {
+    pub(crate) fn line(&self) -> String {
         let build = match (&self.cuda_library, &self.cuda) {
             (_, Some(cuda)) => {
                 format!("CUDA {cuda}{}", self.cudnn.as_ref().map(|v| format!(", cuDNN {v}")).unwrap_or_default())
@@ -181,7 +181,7 @@ impl Facts {
 
     /// The device `--device TEXT` names. `auto` is `cuda:(LOCAL_RANK mod GPUs)` when GPUs are
     /// visible (`local_rank`, as torchrun's LOCAL_RANK), else the CPU.
-    pub fn device(&self, text: &str, local_rank: usize) -> Result<Device, DeviceError> {
+    pub(crate) fn device(&self, text: &str, local_rank: usize) -> Result<Device, DeviceError> {
         self.named(("--device", text), text, local_rank).ok_or_else(|| DeviceError::DeviceForm { text: text.into() })?
     }
 
@@ -215,7 +215,7 @@ impl Facts {
     /// `cuda` and `cuda:N`. Every replica must be on one kind of device (a step's bits are the same
     /// on every device of one kind); a device may be named twice (two replicas on one GPU, to try
     /// the replica logic on a machine with one).
-    pub fn devices(&self, text: &str) -> Result<Vec<Device>, DeviceError> {
+    pub(crate) fn devices(&self, text: &str) -> Result<Vec<Device>, DeviceError> {
         if text == "all" {
             let all: Vec<Device> = (0..self.gpus.len()).map(Device::Cuda).collect();
             return Ok(if all.is_empty() { vec![Device::Cpu] } else { all });
@@ -234,7 +234,7 @@ impl Facts {
     }
 
     /// `cuda:0 (NVIDIA H100 80GB HBM3)` or `cpu`.
-    pub fn describe(&self, device: Device) -> String {
+    pub(crate) fn describe(&self, device: Device) -> String {
         match device {
             Device::Cuda(n) => format!("cuda:{n} ({})", self.gpus.get(n).map_or("?", String::as_str)),
             _ => "cpu".into(),
@@ -244,7 +244,7 @@ impl Facts {
 
 /// A device flag that names no device here.
 #[derive(Debug, PartialEq, thiserror::Error)]
-pub enum DeviceError {
+pub(crate) enum DeviceError {
     /// A GPU this machine does not have.
     #[error("{flag} {text}: there is no cuda:{index}; {facts}")]
     NoSuchGpu {
@@ -283,7 +283,7 @@ pub enum DeviceError {
 /// Makes libtorch's CUDA results reproducible: deterministic cuDNN, no cuDNN benchmarking, and
 /// deterministic algorithms wherever libtorch has them (an operation without one warns once
 /// rather than failing). Returns what could not be set.
-pub fn make_deterministic() -> Vec<&'static str> {
+pub(crate) fn make_deterministic() -> Vec<&'static str> {
     type SetBool = unsafe extern "C" fn(*mut c_void, bool);
     type SetTwo = unsafe extern "C" fn(*mut c_void, bool, bool);
     type Global = unsafe extern "C" fn() -> *mut c_void;
@@ -306,7 +306,8 @@ pub fn make_deterministic() -> Vec<&'static str> {
 }
 
 /// Whether cuDNN is in deterministic mode (what [`make_deterministic`] set).
-pub fn cudnn_deterministic() -> Option<bool> {
+#[cfg(test)]
+pub(crate) fn cudnn_deterministic() -> Option<bool> {
     type GetBool = unsafe extern "C" fn(*const c_void) -> bool;
     type Global = unsafe extern "C" fn() -> *mut c_void;
     let global = symbol("_ZN2at13globalContextEv")?;

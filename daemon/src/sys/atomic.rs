@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// Writes `chunks` to `path` through a temporary file beside it: write, fsync, rename, fsync
 /// the directory.
-pub fn write_file(path: &Path, chunks: &[&[u8]]) -> std::io::Result<()> {
+pub(crate) fn write_file(path: &Path, chunks: &[&[u8]]) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),

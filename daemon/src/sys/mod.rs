@@ -2,4 +2,4 @@
 //! ([`atomic`]).
 
 pub mod accel;
-pub mod atomic;
+pub(crate) mod atomic;

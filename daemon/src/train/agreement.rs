@@ -14,7 +14,7 @@ use crate::state::{ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY};
 
 /// A job whose workers must agree.
 #[derive(Clone, Copy, Debug)]
-pub enum Job<'a> {
+pub(crate) enum Job<'a> {
     /// A training run.
     Training(&'a RunConfig),
     /// An evaluation of a commit.
@@ -22,7 +22,7 @@ pub enum Job<'a> {
 }
 
 /// What every worker of `job` must agree on, as canonical JSON.
-pub fn agreement(job: Job<'_>) -> String {
+pub(crate) fn agreement(job: Job<'_>) -> String {
     let (data, plugin, precision, device, threads, batch_size) = match job {
         Job::Training(c) => (&c.data, &c.plugin, c.precision, c.device, c.threads, c.batch_size),
         Job::Evaluation(c) => (&c.data, &c.plugin, c.precision, c.device, c.threads, c.batch_size),

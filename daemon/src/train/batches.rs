@@ -13,7 +13,7 @@ use crate::input::{Batch, Data, Epochs};
 
 /// The input context of worker `rank` of `world`, each taking `batch_size` examples of every
 /// global batch, in `epoch` of a run seeded `seed`.
-pub fn input_context(
+pub(crate) fn input_context(
     (rank, world): (usize, usize),
     batch_size: u32,
     (training, epoch, seed): (bool, u64, u64),
@@ -40,7 +40,7 @@ struct Cursor<'d> {
 
 /// Batches `(epoch, step)` (0-based step) of the training split, on `device`, per input pipeline
 /// (one per slot this worker holds), reopening the data only when it is not positioned there.
-pub struct Batches<'d> {
+pub(crate) struct Batches<'d> {
     data: &'d Data<'d>,
     device: Device,
     /// The run's last epoch + 1, and the steps of each epoch.
@@ -51,18 +51,18 @@ pub struct Batches<'d> {
 
 impl<'d> Batches<'d> {
     /// Batches of `data` on `device`, for a run of `span` (epochs, steps per epoch).
-    pub fn new(data: &'d Data<'d>, device: Device, span: (u32, u64)) -> Batches<'d> {
+    pub(crate) fn new(data: &'d Data<'d>, device: Device, span: (u32, u64)) -> Batches<'d> {
         Batches { data, device, span, cursors: BTreeMap::new() }
     }
 
     /// Closes the pipelines of slots no longer held here (their streams and prefetch threads).
-    pub fn keep(&mut self, held: &std::ops::Range<usize>) {
+    pub(crate) fn keep(&mut self, held: &std::ops::Range<usize>) {
         self.cursors.retain(|&pipeline, _| held.contains(&(pipeline as usize)));
     }
 
     /// The batch of step `step` (0-based) of `ctx`'s epoch: inputs, labels and (for a columnar
     /// dataset) example ids.
-    pub fn get(&mut self, ctx: &InputContext, step: u64) -> Result<Batch, TrainError> {
+    pub(crate) fn get(&mut self, ctx: &InputContext, step: u64) -> Result<Batch, TrainError> {
         let at = (ctx.epoch as u32, step);
         let pipeline = ctx.input_pipeline_id;
         if let Some(b) = self.cursors.get(&pipeline).and_then(|c| c.recent.iter().find(|b| (b.epoch, b.step) == at)) {

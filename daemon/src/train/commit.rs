@@ -13,7 +13,7 @@ use crate::state::{Meta, Position, TrainState};
 
 /// Where the loop is when it asks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Moment {
+pub(crate) enum Moment {
     /// A step is done.
     Step,
     /// An epoch is done and evaluated.
@@ -33,25 +33,25 @@ impl Moment {
 
 /// The settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Policy {
+pub(crate) struct Policy {
     /// Commit every this many global steps (0: only at epoch ends).
-    pub every: u64,
+    pub(crate) every: u64,
     /// Steps in an epoch (the epoch's last step is committed at its end, after evaluation).
-    pub steps_per_epoch: u64,
+    pub(crate) steps_per_epoch: u64,
 }
 
 /// The state of the last commit, as the checkpointer knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Last {
+pub(crate) struct Last {
     /// This state (or a later one) is already committed or on its way.
-    pub holds: bool,
+    pub(crate) holds: bool,
     /// A commit is still uploading and the storage failed under it.
-    pub stuck: bool,
+    pub(crate) stuck: bool,
 }
 
 /// What to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     /// Commit the state; for the last moments, then wait for the commit.
     Commit,
     /// The state is already on its way: wait for the commit in flight.
@@ -62,7 +62,7 @@ pub enum Action {
 
 /// Why nothing is committed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Skip {
+pub(crate) enum Skip {
     /// No commit is due at this step.
     NotDue,
     /// This state is already committed or on its way.
@@ -75,7 +75,7 @@ pub enum Skip {
 }
 
 /// What to do at `moment` with a state at `position` (`live`: a state of the run).
-pub fn decide(moment: Moment, position: &Position, live: bool, policy: Policy, last: Last) -> Action {
+pub(crate) fn decide(moment: Moment, position: &Position, live: bool, policy: Policy, last: Last) -> Action {
     if !live {
         return Action::Skip(Skip::NoState);
     }
@@ -99,7 +99,7 @@ pub fn decide(moment: Moment, position: &Position, live: bool, policy: Policy, l
 }
 
 /// The chief's commits: the policy's decisions, carried out.
-pub struct Committer {
+pub(crate) struct Committer {
     checkpointer: Checkpointer,
     policy: Policy,
     info: PluginInfo,
@@ -115,7 +115,7 @@ pub struct Committer {
 impl Committer {
     /// Commits through `checkpointer` by `policy`, each commit's metadata naming `info`'s
     /// plugin, `workers` and `run_config` (canonical JSON).
-    pub fn new(
+    pub(crate) fn new(
         checkpointer: Checkpointer,
         policy: Policy,
         info: &PluginInfo,
@@ -127,7 +127,7 @@ impl Committer {
 
     /// Scores every epoch-end commit by `best` (figure and mode), so that retention keeps the
     /// best one.
-    pub fn keeping_best(mut self, best: Option<(String, Mode)>) -> Self {
+    pub(crate) fn keeping_best(mut self, best: Option<(String, Mode)>) -> Self {
         self.best = best;
         self
     }
@@ -199,7 +199,7 @@ impl Committer {
     }
 
     /// The checkpointer (restoring, its location, the generation commits carry).
-    pub fn checkpointer(&mut self) -> &mut Checkpointer {
+    pub(crate) fn checkpointer(&mut self) -> &mut Checkpointer {
         &mut self.checkpointer
     }
 
@@ -212,7 +212,7 @@ impl Committer {
 
     /// Does what the policy decides at `moment` for `state`. For the last moments, returns the
     /// sequence of the commit waited for, if it committed.
-    pub fn at(
+    pub(crate) fn at(
         &mut self,
         moment: Moment,
         state: &TrainState,
@@ -262,7 +262,7 @@ impl Committer {
 
     /// Where the state at `progress` lives on after the run's last commit (`sequence`, if it
     /// committed).
-    pub fn saved(&self, sequence: Option<u64>, progress: (u64, u64)) -> String {
+    pub(crate) fn saved(&self, sequence: Option<u64>, progress: (u64, u64)) -> String {
         let c = &self.checkpointer;
         match sequence {
             Some(seq) => format!("committed as checkpoint {seq} in {}", c.location()),
@@ -275,7 +275,7 @@ impl Committer {
     }
 
     /// Why the last commit failed, if it did.
-    pub fn last_error(&self) -> Option<String> {
+    pub(crate) fn last_error(&self) -> Option<String> {
         self.checkpointer.last_error().map(String::from)
     }
 }

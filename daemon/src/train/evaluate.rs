@@ -31,66 +31,66 @@ use crate::train::TrainError;
 
 /// What to evaluate and where.
 #[derive(Clone, Debug)]
-pub struct EvalConfig {
+pub(crate) struct EvalConfig {
     /// The data: the plugin's own format, or a columnar dataset.
-    pub data: DataSource,
+    pub(crate) data: DataSource,
     /// The plugin's configuration every worker must share ([`crate::plugin::Plugin::agreement`]).
-    pub plugin: Option<serde_json::Value>,
+    pub(crate) plugin: Option<serde_json::Value>,
     /// The forward pass's precision.
-    pub precision: crate::optim::precision::Precision,
+    pub(crate) precision: crate::optim::precision::Precision,
     /// Where the checkpoints are.
-    pub location: Location,
+    pub(crate) location: Location,
     /// S3 settings beyond the AWS variables.
-    pub s3: S3Options,
+    pub(crate) s3: S3Options,
     /// The commit to evaluate (default: the newest that verifies).
-    pub sequence: Option<u64>,
+    pub(crate) sequence: Option<u64>,
     /// Per-worker batch size.
-    pub batch_size: u32,
+    pub(crate) batch_size: u32,
     /// Where the model lives.
-    pub device: Device,
+    pub(crate) device: Device,
     /// libtorch intra-op threads.
-    pub threads: usize,
+    pub(crate) threads: usize,
     /// The cluster, or `None` to evaluate alone.
-    pub cluster: Option<ClusterConfig>,
+    pub(crate) cluster: Option<ClusterConfig>,
     /// Where the cluster's listeners bind, and its secret.
-    pub network: Network,
+    pub(crate) network: Network,
     /// The cluster's deadlines.
-    pub timeouts: Timeouts,
+    pub(crate) timeouts: Timeouts,
 }
 
 /// The result, written as JSON by `--summary`.
 #[derive(Clone, Debug, Serialize)]
-pub struct Evaluation {
+pub(crate) struct Evaluation {
     /// Plugin name.
-    pub plugin: String,
+    pub(crate) plugin: String,
     /// Plugin version.
-    pub plugin_version: String,
+    pub(crate) plugin_version: String,
     /// The checkpoint location.
-    pub checkpoint: String,
+    pub(crate) checkpoint: String,
     /// The commit evaluated.
-    pub sequence: u64,
+    pub(crate) sequence: u64,
     /// Epochs the checkpoint had completed.
-    pub epoch: u32,
+    pub(crate) epoch: u32,
     /// Its global step.
-    pub global_step: u64,
+    pub(crate) global_step: u64,
     /// Workers that evaluated.
-    pub workers: usize,
+    pub(crate) workers: usize,
     /// Per-worker batch size.
-    pub batch_size: u32,
+    pub(crate) batch_size: u32,
     /// Test examples evaluated.
-    pub examples: u64,
+    pub(crate) examples: u64,
     /// Mean loss on the test split.
-    pub test_loss: f64,
+    pub(crate) test_loss: f64,
     /// Accuracy, when the plugin reports `accuracy`.
-    pub test_accuracy: Option<f64>,
+    pub(crate) test_accuracy: Option<f64>,
     /// Mean of each metric.
-    pub test_metrics: BTreeMap<String, f64>,
+    pub(crate) test_metrics: BTreeMap<String, f64>,
     /// Seconds the pass took.
-    pub seconds: f64,
+    pub(crate) seconds: f64,
     /// Device.
-    pub device: String,
+    pub(crate) device: String,
     /// sha256 over the model's variables, as a training summary's `params_sha256`.
-    pub params_sha256: String,
+    pub(crate) params_sha256: String,
 }
 
 /// The interrupt of an evaluation, as an error: there is no state to keep, so a failed member
@@ -104,7 +104,7 @@ fn failed(interrupt: Interrupt) -> TrainError {
 }
 
 /// Evaluates the checkpoint on the test split; `stop` ends a wait for the cluster.
-pub fn run(
+pub(crate) fn run(
     plugin: &Plugin,
     cfg: &EvalConfig,
     progress: &mut Progress,

@@ -22,17 +22,17 @@
 //! [`commit`] when the chief commits, [`session`] a member's place in the cluster, [`summary`] the
 //! result.
 
-pub mod agreement;
-pub mod batches;
-pub mod commit;
-pub mod driver;
-pub mod evaluate;
-pub mod replicas;
-pub mod report;
-pub mod session;
-pub mod startup;
-pub mod step;
-pub mod summary;
+pub(crate) mod agreement;
+pub(crate) mod batches;
+pub(crate) mod commit;
+pub(crate) mod driver;
+pub(crate) mod evaluate;
+pub(crate) mod replicas;
+pub(crate) mod report;
+pub(crate) mod session;
+pub(crate) mod startup;
+pub(crate) mod step;
+pub(crate) mod summary;
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -54,76 +54,76 @@ use crate::state::{MetaError, StateError};
 use driver::Driver;
 use replicas::Replicas;
 use report::{Outputs, Reporter};
-pub use summary::{Recovery, Summary};
+pub(crate) use summary::Summary;
 
 /// What to train and how.
 #[derive(Clone, Debug)]
-pub struct RunConfig {
+pub(crate) struct RunConfig {
     /// The data: the plugin's own format, or a columnar dataset.
-    pub data: DataSource,
+    pub(crate) data: DataSource,
     /// The plugin's configuration every worker must share ([`crate::plugin::Plugin::agreement`]).
-    pub plugin: Option<serde_json::Value>,
+    pub(crate) plugin: Option<serde_json::Value>,
     /// The forward pass's precision.
-    pub precision: crate::optim::precision::Precision,
+    pub(crate) precision: crate::optim::precision::Precision,
     /// Evaluate on the test split after each epoch (false: `--no-evaluation`).
-    pub evaluate: bool,
+    pub(crate) evaluate: bool,
     /// Epochs to run.
-    pub epochs: u32,
+    pub(crate) epochs: u32,
     /// Per-worker batch size.
-    pub batch_size: u32,
+    pub(crate) batch_size: u32,
     /// Optimizer and hyper-parameters.
-    pub optimizer: OptimizerConfig,
+    pub(crate) optimizer: OptimizerConfig,
     /// Learning-rate schedule.
-    pub schedule: LrSchedule,
+    pub(crate) schedule: LrSchedule,
     /// Seed of the parameters' initialisation and the data order.
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Where the model lives (its first replica, when there are several).
-    pub device: Device,
+    pub(crate) device: Device,
     /// One device per replica in this daemon (`--devices`, as MirroredStrategy), the first being
     /// `device`: each replica is a slot of the run, so a worker with D replicas counts as D
     /// workers in the math.
-    pub devices: Vec<Device>,
+    pub(crate) devices: Vec<Device>,
     /// Micro-batches per update on each replica (`--accumulate`), each a slot of the run.
-    pub accumulate: usize,
+    pub(crate) accumulate: usize,
     /// Gradient clipping before each update.
-    pub clip: crate::optim::clip::Clip,
+    pub(crate) clip: crate::optim::clip::Clip,
     /// Early stopping and learning-rate reduction on a plateau.
-    pub callbacks: crate::optim::callbacks::Callbacks,
+    pub(crate) callbacks: crate::optim::callbacks::Callbacks,
     /// Stop each epoch after this many steps (all of them when `None`).
-    pub steps_per_epoch: Option<u64>,
+    pub(crate) steps_per_epoch: Option<u64>,
     /// libtorch intra-op threads (recorded in the summary; set by the caller).
-    pub threads: usize,
+    pub(crate) threads: usize,
     /// The cluster, or `None` for one worker.
-    pub cluster: Option<ClusterConfig>,
+    pub(crate) cluster: Option<ClusterConfig>,
     /// Where the cluster's listeners bind, and the secret its connections prove.
-    pub network: Network,
+    pub(crate) network: Network,
     /// Every deadline of the cluster.
-    pub timeouts: Timeouts,
+    pub(crate) timeouts: Timeouts,
     /// Gradient bucket size in bytes.
-    pub bucket_bytes: usize,
+    pub(crate) bucket_bytes: usize,
     /// What carries the gradients' all-reduce.
-    pub collective: Backend,
+    pub(crate) collective: Backend,
     /// Append one JSON line per step (time, global loss, metrics, learning rate) to this file.
-    pub metrics_log: Option<PathBuf>,
+    pub(crate) metrics_log: Option<PathBuf>,
     /// Checkpoints, if any.
-    pub checkpoint: Option<CheckpointConfig>,
+    pub(crate) checkpoint: Option<CheckpointConfig>,
     /// The chief writes TensorBoard event files here: per epoch, and the step loss every
     /// `tensorboard_every` steps (0: per epoch only).
-    pub tensorboard_dir: Option<PathBuf>,
+    pub(crate) tensorboard_dir: Option<PathBuf>,
     /// See `tensorboard_dir`.
-    pub tensorboard_every: u64,
+    pub(crate) tensorboard_every: u64,
     /// Append every step's example ids, one JSON line per step, to this file (a columnar dataset
     /// only): a debug mode for comparing runs' data.
-    pub log_examples: Option<PathBuf>,
+    pub(crate) log_examples: Option<PathBuf>,
     /// Where this worker keeps its vote for electing a coordinator (none: it takes no part).
-    pub state_dir: Option<PathBuf>,
+    pub(crate) state_dir: Option<PathBuf>,
 }
 
 #[cfg(test)]
 impl RunConfig {
     /// A run of 2 epochs of batch `batch_size` on `data` with Adam (lr 0.001), seed 3, one thread,
     /// alone on `device`, with no option set.
-    pub fn plain(data: DataSource, batch_size: u32, device: Device) -> RunConfig {
+    pub(crate) fn plain(data: DataSource, batch_size: u32, device: Device) -> RunConfig {
         RunConfig {
             data,
             plugin: None,
@@ -158,22 +158,22 @@ impl RunConfig {
 
 /// Checkpointing settings.
 #[derive(Clone, Debug)]
-pub struct CheckpointConfig {
+pub(crate) struct CheckpointConfig {
     /// Where.
-    pub location: Location,
+    pub(crate) location: Location,
     /// S3 settings beyond the AWS variables.
-    pub s3: S3Options,
+    pub(crate) s3: S3Options,
     /// Commit every this many steps (0: only at each epoch's end).
-    pub every: u64,
+    pub(crate) every: u64,
     /// Keep the newest this many commits (0: all).
-    pub keep: usize,
+    pub(crate) keep: usize,
     /// Keep the commit with the best value of this epoch-end figure, too.
-    pub best: Option<(String, trainerd_storage::Mode)>,
+    pub(crate) best: Option<(String, trainerd_storage::Mode)>,
 }
 
 /// Why training stopped.
 #[derive(Debug, thiserror::Error)]
-pub enum TrainError {
+pub(crate) enum TrainError {
     /// The plugin returned an error or panicked.
     #[error(transparent)]
     Plugin(#[from] CallError),
@@ -305,7 +305,7 @@ impl From<StateError> for TrainError {
 
 /// How this worker's run ended.
 #[derive(Debug)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Training is complete.
     Finished(Box<Summary>),
     /// Stopped by a signal, after the cluster's commit (or with nothing newer to commit).
@@ -320,7 +320,7 @@ pub enum Outcome {
 /// Trains the plugin's model and evaluates it after each epoch, surviving the failure of any
 /// member as long as the cluster re-forms. `stop` (SIGTERM) ends the run at the next step
 /// boundary after the cluster's commit.
-pub fn run(
+pub(crate) fn run(
     plugin: &Plugin,
     cfg: &RunConfig,
     outputs: Outputs<'_>,

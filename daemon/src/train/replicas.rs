@@ -14,7 +14,7 @@ use crate::optim::precision::Precision;
 use crate::plugin::{ModelInstance, Named, Plugin};
 
 /// The replicas after the first, each a model instance on its own device.
-pub struct Replicas<'p> {
+pub(crate) struct Replicas<'p> {
     /// The first replica's device (the run's `device`).
     first: Device,
     /// The forward pass's precision, the same on every replica.
@@ -32,7 +32,11 @@ struct Other<'p> {
 impl<'p> Replicas<'p> {
     /// The plugin's model built on every device of `devices` after the first (whose instance the
     /// run already has).
-    pub fn build(plugin: &'p Plugin, devices: &[Device], precision: Precision) -> Result<Replicas<'p>, TrainError> {
+    pub(crate) fn build(
+        plugin: &'p Plugin,
+        devices: &[Device],
+        precision: Precision,
+    ) -> Result<Replicas<'p>, TrainError> {
         let mut others = Vec::with_capacity(devices.len().saturating_sub(1));
         for &device in devices.iter().skip(1) {
             let model = plugin.create_model("model", device)?;
@@ -44,7 +48,7 @@ impl<'p> Replicas<'p> {
 
     /// The replicas of one step, the first being `model` with the state's `variables`; the others
     /// take those variables' values first.
-    pub fn of_step<'s>(
+    pub(crate) fn of_step<'s>(
         &'s mut self,
         model: &'s ModelInstance<'p>,
         (params, buffers): Variables<'s>,

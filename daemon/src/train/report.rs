@@ -96,64 +96,64 @@ struct Recovering {
 }
 
 /// A step just done, as the hooks see it.
-pub struct StepDone<'t> {
+pub(crate) struct StepDone<'t> {
     /// The epoch (0-based).
-    pub epoch: u32,
+    pub(crate) epoch: u32,
     /// The step in the epoch (1-based).
-    pub step: u64,
+    pub(crate) step: u64,
     /// Steps in the epoch.
-    pub steps_per_epoch: u64,
+    pub(crate) steps_per_epoch: u64,
     /// Where training stands after it.
-    pub position: &'t Position,
+    pub(crate) position: &'t Position,
     /// Its totals over every worker.
-    pub totals: &'t Totals,
+    pub(crate) totals: &'t Totals,
     /// The learning rate it used.
-    pub lr: f64,
+    pub(crate) lr: f64,
     /// The averaged gradient's global 2-norm before clipping (with `--clip-norm`/`--clip-value`).
-    pub grad_norm: Option<f64>,
+    pub(crate) grad_norm: Option<f64>,
     /// The whole step (forward, backward, all-reduce, the prefetch included, and the update), of
     /// which making the next batch, and of which the optimizer's update.
-    pub timing: (Duration, Duration, Duration),
+    pub(crate) timing: (Duration, Duration, Duration),
     /// This worker's example ids, when the data has them.
-    pub ids: Option<&'t [(u32, u64)]>,
+    pub(crate) ids: Option<&'t [(u32, u64)]>,
     /// Bytes this worker's all-reduces have sent, and seconds they took, so far.
-    pub traffic: (u64, f64),
+    pub(crate) traffic: (u64, f64),
 }
 
 /// A generation this worker is in, as the hooks see it.
-pub struct JoinedGeneration<'n> {
+pub(crate) struct JoinedGeneration<'n> {
     /// Its number.
-    pub generation: u64,
+    pub(crate) generation: u64,
     /// This worker's rank.
-    pub rank: usize,
+    pub(crate) rank: usize,
     /// Slots of the run (every training task of TF_CONFIG).
-    pub workers: usize,
+    pub(crate) workers: usize,
     /// Workers in it.
-    pub present: usize,
+    pub(crate) present: usize,
     /// Who holds which slots, when some worker holds more than one (`worker 0: slots 0-1, ...`).
-    pub layout: Option<String>,
+    pub(crate) layout: Option<String>,
     /// The global step it continues from.
-    pub global_step: u64,
+    pub(crate) global_step: u64,
     /// A generation had formed before.
-    pub recovery: bool,
+    pub(crate) recovery: bool,
     /// Steps lost.
-    pub steps_lost: u64,
+    pub(crate) steps_lost: u64,
     /// Whom the state came from (its rank and name), when some member received it.
-    pub source: Option<(usize, &'n str)>,
+    pub(crate) source: Option<(usize, &'n str)>,
 }
 
 /// Where a run's outputs go: the progress lines, the telemetry, the lifecycle events.
-pub struct Outputs<'p> {
+pub(crate) struct Outputs<'p> {
     /// Progress and messages (standard output).
-    pub progress: &'p mut Progress,
+    pub(crate) progress: &'p mut Progress,
     /// What systemd and Prometheus see.
-    pub telemetry: Arc<Telemetry>,
+    pub(crate) telemetry: Arc<Telemetry>,
     /// What a supervisor reads.
-    pub events: Events,
+    pub(crate) events: Events,
 }
 
 /// The one owner of a run's outputs.
-pub struct Reporter<'p> {
+pub(crate) struct Reporter<'p> {
     progress: &'p mut Progress,
     telemetry: Arc<Telemetry>,
     events: Events,
@@ -180,7 +180,7 @@ pub struct Reporter<'p> {
 impl<'p> Reporter<'p> {
     /// The outputs of a run with `cfg` on a worker that is the chief or not; opens the metrics
     /// log and (on the chief) TensorBoard's event files.
-    pub fn open(
+    pub(crate) fn open(
         cfg: &RunConfig,
         metric_names: &[String],
         chief: bool,
@@ -219,22 +219,22 @@ impl<'p> Reporter<'p> {
     }
 
     /// A line as it is.
-    pub fn line(&mut self, text: &str) {
+    pub(crate) fn line(&mut self, text: &str) {
         self.progress.line(text);
     }
 
     /// A wait the daemon bounds itself (systemd and `/healthz` see it alive until `bound`).
-    pub fn waiting(&self, what: &str, bound: Duration) {
+    pub(crate) fn waiting(&self, what: &str, bound: Duration) {
         self.telemetry.waiting(what, bound);
     }
 
     /// A wait bounded by the rejoin deadline (the cluster gathering, a commit, a barrier).
-    pub fn waiting_for_cluster(&self, what: &str) {
+    pub(crate) fn waiting_for_cluster(&self, what: &str) {
         self.telemetry.waiting(what, self.rejoin);
     }
 
     /// The chief restored commit `sequence` from `location`.
-    pub fn resumed(&mut self, sequence: u64, location: &str, position: &Position) {
+    pub(crate) fn resumed(&mut self, sequence: u64, location: &str, position: &Position) {
         let (epoch, step, global_step) = (position.epoch, position.step_in_epoch, position.global_step);
         self.progress.line(&if epoch >= self.epochs {
             format!("trainerd: checkpoint {sequence} in {location} is the end of this run (global step {global_step})")
@@ -250,13 +250,13 @@ impl<'p> Reporter<'p> {
 
     /// Generation `generation` formed with `workers` workers, this one in it holding the slots
     /// `held` (systemd's readiness, the metrics).
-    pub fn formed(&self, generation: u64, workers: usize, held: std::ops::Range<usize>) {
+    pub(crate) fn formed(&self, generation: u64, workers: usize, held: std::ops::Range<usize>) {
         self.telemetry.joined(generation, workers, held);
     }
 
     /// This worker is admitted to generation `g` and trains from here; `started` is when this
     /// process started (a restarted worker's recovery counts from there).
-    pub fn joined(&mut self, g: &JoinedGeneration<'_>, started: Instant) {
+    pub(crate) fn joined(&mut self, g: &JoinedGeneration<'_>, started: Instant) {
         self.events.emit(Event::Joined {
             generation: g.generation,
             rank: g.rank,
@@ -302,7 +302,7 @@ impl<'p> Reporter<'p> {
     }
 
     /// Step `step` (1-based, global) of `generation` was abandoned because of `why`.
-    pub fn abandoned(&mut self, step: u64, generation: u64, why: &str) {
+    pub(crate) fn abandoned(&mut self, step: u64, generation: u64, why: &str) {
         self.recovery.failures_seen += 1;
         self.telemetry.abandoned(why, self.rejoin);
         self.interrupted_at.get_or_insert_with(Instant::now);
@@ -313,7 +313,7 @@ impl<'p> Reporter<'p> {
     }
 
     /// Training is in `epoch` (0-based): its header, once.
-    pub fn epoch(&mut self, epoch: u32) {
+    pub(crate) fn epoch(&mut self, epoch: u32) {
         if self.clock.shown_epoch != Some(epoch) {
             self.progress.epoch_start(epoch, self.epochs);
             let c = &mut self.clock;
@@ -323,7 +323,7 @@ impl<'p> Reporter<'p> {
 
     /// A step is done: the telemetry, TensorBoard, a recovery's report, the metrics log, the
     /// event. The progress line comes with [`Reporter::step_line`].
-    pub fn step(&mut self, s: &StepDone<'_>) -> Result<(), TrainError> {
+    pub(crate) fn step(&mut self, s: &StepDone<'_>) -> Result<(), TrainError> {
         let (c, (took, prefetch, optimizer)) = (&mut self.clock, s.timing);
         c.phases.steps += 1;
         c.phases.step += took.saturating_sub(prefetch + optimizer);
@@ -350,7 +350,7 @@ impl<'p> Reporter<'p> {
 
     /// The step's progress line, when the progress wants one (computing it waits for the
     /// device).
-    pub fn step_line(&mut self, s: &StepDone<'_>) {
+    pub(crate) fn step_line(&mut self, s: &StepDone<'_>) {
         if self.progress.wants(s.step, s.steps_per_epoch) {
             let values = s.position.totals.named(&self.metric_names, "");
             self.progress.step(s.step, s.steps_per_epoch, self.clock.epoch_time, &values);
@@ -359,7 +359,7 @@ impl<'p> Reporter<'p> {
 
     /// What generation `generation`'s backend built beside its ring (`what`) was ready `took`
     /// after its creation began.
-    pub fn backend_ready(&mut self, generation: u64, what: &str, took: std::time::Duration) {
+    pub(crate) fn backend_ready(&mut self, generation: u64, what: &str, took: std::time::Duration) {
         self.recovery.communicator_seconds.push(took.as_secs_f64());
         self.progress.line(&format!(
             "trainerd: generation {generation}: {what} ready {:.2}s after it was started (alongside the state \
@@ -417,13 +417,13 @@ impl<'p> Reporter<'p> {
     }
 
     /// The test split is being evaluated after `epoch` (0-based).
-    pub fn evaluating(&self, epoch: u32) {
+    pub(crate) fn evaluating(&self, epoch: u32) {
         self.telemetry.waiting(&format!("evaluating epoch {}", epoch + 1), self.collective);
     }
 
     /// `epoch` (0-based) is done, with `train` its totals and `eval` the evaluation's, its last
     /// step at `lr`; `global_step` steps done.
-    pub fn epoch_end(
+    pub(crate) fn epoch_end(
         &mut self,
         (epoch, global_step, steps): (u32, u64, u64),
         totals: &Totals,
@@ -448,14 +448,14 @@ impl<'p> Reporter<'p> {
     }
 
     /// The chief waits for its commit to `location`.
-    pub fn committing(&self, location: &str) {
+    pub(crate) fn committing(&self, location: &str) {
         // The store retries a failing request within a bounded policy; the rejoin deadline
         // bounds the wait well beyond it.
         self.waiting_for_cluster(&format!("committing to {location}"));
     }
 
     /// A commit to `location` finished.
-    pub fn commit_finished(&mut self, location: &str, finished: &Finished) {
+    pub(crate) fn commit_finished(&mut self, location: &str, finished: &Finished) {
         match finished {
             Finished::Committed { sequence, step, bytes, seconds } => {
                 self.telemetry.committed(*seconds, *bytes);
@@ -485,7 +485,7 @@ impl<'p> Reporter<'p> {
 
     /// The run is over: closes the metrics log; (examples per second, seconds of training
     /// steps, failures and recoveries) for the summary.
-    pub fn finish(mut self) -> (f64, f64, Recovery) {
+    pub(crate) fn finish(mut self) -> (f64, f64, Recovery) {
         self.metrics_log.take();
         let c = &self.clock;
         let rate = |(examples, seconds): (f64, f64)| (seconds > 0.0).then(|| examples / seconds);

@@ -19,7 +19,7 @@ const NOTICE_GRACE: std::time::Duration = std::time::Duration::from_millis(30);
 
 /// Why a formation, a step or a barrier did not go through.
 #[derive(Debug)]
-pub enum Interrupt {
+pub(crate) enum Interrupt {
     /// The generation was abandoned (a peer failed, or the cluster moved on): join again.
     Abandoned(String),
     /// A stop signal arrived while waiting for the cluster.
@@ -40,15 +40,15 @@ impl From<TrainError> for Interrupt {
 
 /// A generation this member has joined, its ring formed.
 #[derive(Debug)]
-pub struct Joined {
+pub(crate) struct Joined {
     /// The formation.
-    pub formed: Formed,
+    pub(crate) formed: Formed,
     /// The source's state, when this member is one of its receivers (verified).
-    pub received: Option<Vec<u8>>,
+    pub(crate) received: Option<Vec<u8>>,
 }
 
 /// A member of a cluster (or a worker alone).
-pub struct Session {
+pub(crate) struct Session {
     cluster: Option<Box<Member>>,
     /// The current generation's collectives.
     collective: Box<dyn Collective>,
@@ -76,7 +76,7 @@ struct Member {
 
 impl Session {
     /// A worker alone.
-    pub fn single() -> Session {
+    pub(crate) fn single() -> Session {
         Session {
             cluster: None,
             collective: Box::new(Ring::single()),
@@ -91,7 +91,7 @@ impl Session {
 
     /// A worker alone when `cluster` is `None`, else a member of it whose peers must agree on
     /// `plugin` (its identity) and `run_config_json` (what decides the result).
-    pub fn open(
+    pub(crate) fn open(
         cluster: Option<&ClusterConfig>,
         (plugin, run_config_json): (String, String),
         timeouts: Timeouts,
@@ -109,7 +109,7 @@ impl Session {
 
     /// Serves the control plane and the data listener at once (peers can reach this member while
     /// it loads), for `cluster` with `identity`.
-    pub fn start(
+    pub(crate) fn start(
         cluster: &ClusterConfig,
         identity: Identity,
         timeouts: Timeouts,
@@ -140,74 +140,74 @@ impl Session {
 
     /// Carries the collectives over `backend` from the next generation on (each generation
     /// forms it over its ring, while its state moves).
-    pub fn set_backend(&mut self, backend: Backend) {
+    pub(crate) fn set_backend(&mut self, backend: Backend) {
         self.backend = backend;
     }
 
     /// Bytes this session sent in all-reduces, and seconds it spent in them.
-    pub fn traffic(&self) -> (u64, f64) {
+    pub(crate) fn traffic(&self) -> (u64, f64) {
         self.traffic.totals()
     }
 
     /// Where this member listens: `control A, data B`; `None` for a lone worker.
-    pub fn listening(&self) -> Option<String> {
+    pub(crate) fn listening(&self) -> Option<String> {
         let m = self.cluster.as_ref()?;
         Some(format!("control {}, data {}", m.plane.listening(), m.listener.local_addr()))
     }
 
     /// This member's rank.
-    pub fn rank(&self) -> usize {
+    pub(crate) fn rank(&self) -> usize {
         self.cluster.as_ref().map_or(0, |m| m.plane.rank())
     }
 
     /// Whether this member coordinates now (a lone worker always does): it commits.
-    pub fn coordinates(&self) -> bool {
+    pub(crate) fn coordinates(&self) -> bool {
         self.cluster.as_ref().is_none_or(|m| m.plane.coordinates().is_some())
     }
 
     /// Members in all.
-    pub fn world(&self) -> usize {
+    pub(crate) fn world(&self) -> usize {
         self.cluster.as_ref().map_or(1, |m| m.plane.names().len())
     }
 
     /// Gives each worker `n` slots of the run (one per device and micro-batch) from the next
     /// generation on.
-    pub fn set_slots_per_worker(&mut self, n: usize) {
+    pub(crate) fn set_slots_per_worker(&mut self, n: usize) {
         self.slots_per_worker = n;
     }
 
     /// The run's slots: every worker's.
-    pub fn slot_count(&self) -> usize {
+    pub(crate) fn slot_count(&self) -> usize {
         self.world() * self.slots_per_worker
     }
 
     /// Every member's name, by rank.
-    pub fn name(&self, rank: usize) -> String {
+    pub(crate) fn name(&self, rank: usize) -> String {
         self.cluster.as_ref().map_or_else(|| "this worker".into(), |m| m.plane.names()[rank].clone())
     }
 
     /// The rank of the worker holding `slot` in the current generation.
-    pub fn holder(&self, slot: usize) -> usize {
+    pub(crate) fn holder(&self, slot: usize) -> usize {
         self.members[crate::collective::slots::holder(self.collective.slots().count, &self.members, slot)]
     }
 
     /// The run's slots, and the ones this worker holds in the current generation.
-    pub fn slots(&self) -> &Slots {
+    pub(crate) fn slots(&self) -> &Slots {
         self.collective.slots()
     }
 
     /// The ranks in the current generation, ascending (the ring's order).
-    pub fn members(&self) -> &[usize] {
+    pub(crate) fn members(&self) -> &[usize] {
         &self.members
     }
 
     /// The current generation's collectives.
-    pub fn collective(&mut self) -> &mut dyn Collective {
+    pub(crate) fn collective(&mut self) -> &mut dyn Collective {
         self.collective.as_mut()
     }
 
     /// The current generation (0 before the first).
-    pub fn generation(&self) -> u64 {
+    pub(crate) fn generation(&self) -> u64 {
         match &self.cluster {
             Some(_) => self.generation,
             None => self.floor,
@@ -215,7 +215,7 @@ impl Session {
     }
 
     /// On the chief: generations must exceed `generation` (the latest commit's).
-    pub fn set_floor(&mut self, generation: u64) {
+    pub(crate) fn set_floor(&mut self, generation: u64) {
         match &self.cluster {
             Some(m) => m.plane.set_floor(generation),
             None => self.floor = self.floor.max(generation),
@@ -223,7 +223,7 @@ impl Session {
     }
 
     /// The global step heartbeats carry.
-    pub fn set_step(&self, step: u64) {
+    pub(crate) fn set_step(&self, step: u64) {
         if let Some(m) = &self.cluster {
             m.plane.set_step(step);
         }
@@ -232,7 +232,7 @@ impl Session {
     /// Joins the next generation with `state` (`None`: a fresh process with nothing to report),
     /// forms its ring, and receives the source's state if this member lacks it. Waits while the
     /// cluster gathers; `stop` ends the wait.
-    pub fn join(&mut self, state: Option<&dyn Shareable>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
+    pub(crate) fn join(&mut self, state: Option<&dyn Shareable>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
         let Some(m) = self.cluster.as_mut() else {
             let mut ring = Ring::single();
             ring.set_slots(Slots { count: self.slots_per_worker, held: 0..self.slots_per_worker });
@@ -331,7 +331,7 @@ impl Session {
     }
 
     /// A collective of `generation` failed here: abort the generation everywhere, and say why.
-    pub fn abandon(&self, generation: u64, e: CollectiveError) -> Interrupt {
+    pub(crate) fn abandon(&self, generation: u64, e: CollectiveError) -> Interrupt {
         if let CollectiveError::Aborted { reason, .. } = &e {
             return Interrupt::Abandoned(reason.clone());
         }
@@ -359,7 +359,7 @@ impl Session {
     }
 
     /// Turns a step's error into an interrupt, abandoning the generation on a collective failure.
-    pub fn interrupt(&self, e: TrainError) -> Interrupt {
+    pub(crate) fn interrupt(&self, e: TrainError) -> Interrupt {
         match e {
             TrainError::Collective(c) => self.abandon(self.generation(), c),
             other => Interrupt::Fatal(other),
@@ -367,7 +367,7 @@ impl Session {
     }
 
     /// Waits until every member reaches the barrier `name` of the current generation.
-    pub fn barrier(&self, name: &str) -> Result<(), Interrupt> {
+    pub(crate) fn barrier(&self, name: &str) -> Result<(), Interrupt> {
         let Some(m) = &self.cluster else { return Ok(()) };
         match m.plane.barrier(self.generation(), name) {
             Ok(()) => Ok(()),
@@ -377,21 +377,21 @@ impl Session {
     }
 
     /// The run is over for every member (the final barrier passed): leave in an orderly way.
-    pub fn finish(&self) {
+    pub(crate) fn finish(&self) {
         if let Some(m) = &self.cluster {
             m.plane.finish();
         }
     }
 
     /// Tells the chief this member leaves on purpose.
-    pub fn leave(&self, reason: &str) {
+    pub(crate) fn leave(&self, reason: &str) {
         if let Some(m) = &self.cluster {
             m.plane.leave(reason);
         }
     }
 
     /// Why this process no longer counts (a newer one took its rank), if so.
-    pub fn replaced(&self) -> Option<String> {
+    pub(crate) fn replaced(&self) -> Option<String> {
         self.cluster.as_ref().and_then(|m| m.plane.replaced())
     }
 }

@@ -158,11 +158,11 @@ pub(super) fn join_in_background(
 /// The model's data, this worker's input context, and the steps of an epoch.
 pub(super) struct Data<'m> {
     /// Both splits.
-    pub input: Input<'m>,
+    pub(super) input: Input<'m>,
     /// This worker's input pipeline (its epoch and `training` set per use).
-    pub ctx: InputContext,
+    pub(super) ctx: InputContext,
     /// Steps per epoch (the pipeline's, or fewer when the run says so).
-    pub steps_per_epoch: u64,
+    pub(super) steps_per_epoch: u64,
 }
 
 /// Both splits (loaded through the plugin, or the columnar dataset's readers), for slot `rank`

@@ -35,41 +35,41 @@ fn batch_totals(n: i64, loss: &Tensor, metrics: &Tensor) -> Result<Totals, Train
 }
 
 /// A model's variables as a step changes them: (parameters, buffers).
-pub type Variables<'a> = (&'a mut [(String, Tensor)], &'a mut [(String, Tensor)]);
+pub(crate) type Variables<'a> = (&'a mut [(String, Tensor)], &'a mut [(String, Tensor)]);
 
 /// What a step produced, the same on every member.
-pub struct StepResult {
+pub(crate) struct StepResult {
     /// The step's totals over every slot.
-    pub totals: Totals,
+    pub(crate) totals: Totals,
     /// The slots whose workers asked to stop after this step.
-    pub stopping: Vec<usize>,
+    pub(crate) stopping: Vec<usize>,
 }
 
 /// One slot's part of a step: its slice of the global batch and its dropout seed.
-pub struct SlotBatch<'b> {
+pub(crate) struct SlotBatch<'b> {
     /// Inputs.
-    pub xs: &'b Tensor,
+    pub(crate) xs: &'b Tensor,
     /// Labels.
-    pub labels: &'b Tensor,
+    pub(crate) labels: &'b Tensor,
     /// The seed of libtorch's generator for this slot's forward pass.
-    pub seed: i64,
+    pub(crate) seed: i64,
 }
 
 /// One model instance of this worker and its variables: the worker's only one, or one per device
 /// with `--devices` ([`super::replicas`]), the first holding the state.
-pub struct Replica<'s> {
+pub(crate) struct Replica<'s> {
     /// The model.
-    pub model: &'s ModelInstance<'s>,
+    pub(crate) model: &'s ModelInstance<'s>,
     /// Where it computes.
-    pub device: Device,
+    pub(crate) device: Device,
     /// Its parameters.
-    pub params: &'s mut [(String, Tensor)],
+    pub(crate) params: &'s mut [(String, Tensor)],
     /// Its buffers.
-    pub buffers: &'s mut [(String, Tensor)],
+    pub(crate) buffers: &'s mut [(String, Tensor)],
     /// The forward pass's precision.
-    pub precision: Precision,
+    pub(crate) precision: Precision,
     /// What the loss is multiplied by before backward (float16's loss scale; else 1).
-    pub loss_scale: f64,
+    pub(crate) loss_scale: f64,
 }
 
 /// Forward, loss and backward of every slot this worker holds (`batches`, in slot order): the
@@ -79,7 +79,7 @@ pub struct Replica<'s> {
 /// (with `stop` as the stop flag of this worker's slots) and its buffers made the same on every
 /// member ([`sync_slot_buffers`]). `meanwhile` runs once the devices have their work and before
 /// the host waits for it. The parameters are untouched: the caller applies the update.
-pub fn train_step(
+pub(crate) fn train_step(
     replicas: &mut [Replica<'_>],
     buckets: &mut Buckets,
     collective: &mut dyn Collective,
@@ -165,7 +165,7 @@ fn forward_backward(
 
 /// One slot's buffers after its forward pass: the floating-point ones as float64, the others'
 /// bytes.
-pub struct Captured {
+pub(crate) struct Captured {
     floating: Vec<f64>,
     other: Vec<u8>,
 }
@@ -195,7 +195,7 @@ fn capture(buffers: &[(String, Tensor)]) -> Result<Captured, TrainError> {
 /// statistics; the mean is taken in float64 in the slots' ring order, so a buffer that is
 /// already the same everywhere keeps its exact value, and the result is the same whoever holds
 /// which slots. Other buffers (counters, masks) take slot 0's values, bit for bit.
-pub fn sync_slot_buffers(
+pub(crate) fn sync_slot_buffers(
     collective: &mut dyn Collective,
     buffers: &mut [(String, Tensor)],
     mut captured: Vec<Captured>,
@@ -234,7 +234,11 @@ pub fn sync_slot_buffers(
 }
 
 /// [`sync_slot_buffers`] for a worker holding one slot, from the buffers as they stand.
-pub fn sync_buffers(collective: &mut dyn Collective, buffers: &mut [(String, Tensor)]) -> Result<(), TrainError> {
+#[cfg(test)]
+pub(crate) fn sync_buffers(
+    collective: &mut dyn Collective,
+    buffers: &mut [(String, Tensor)],
+) -> Result<(), TrainError> {
     if collective.slots().count == 1 || buffers.is_empty() {
         return Ok(());
     }
@@ -247,7 +251,7 @@ pub fn sync_buffers(collective: &mut dyn Collective, buffers: &mut [(String, Ten
 /// already evaluated on these parameters (by slot): an evaluation abandoned when a peer failed is
 /// taken up again without redoing them, and every shard computed here is added to it. Between
 /// batches the generation's abort is checked, so that a failure stops the pass at once.
-pub fn evaluate(
+pub(crate) fn evaluate(
     model: &ModelInstance<'_>,
     data: &Data<'_>,
     ctxs: &[InputContext],

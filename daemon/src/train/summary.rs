@@ -12,104 +12,104 @@ use crate::input::DataFigures;
 
 /// Failures and recoveries this worker went through.
 #[derive(Clone, Debug, Default, Serialize)]
-pub struct Recovery {
+pub(crate) struct Recovery {
     /// Generations this worker abandoned because a member failed (or was stopped).
-    pub failures_seen: u64,
+    pub(crate) failures_seen: u64,
     /// Generations formed again after a failure, with this worker in them.
-    pub recoveries: u64,
+    pub(crate) recoveries: u64,
     /// Steps the cluster lost in those recoveries (0 whenever a member kept the state).
-    pub steps_lost: u64,
+    pub(crate) steps_lost: u64,
     /// Seconds from each failure (or this process's start, for a restarted worker) to its first
     /// step in the recovered generation.
-    pub recovery_seconds: Vec<f64>,
+    pub(crate) recovery_seconds: Vec<f64>,
     /// Per generation whose backend builds a communicator beside its ring (on GPUs): seconds from
     /// the start of its creation to when it was known ready (the creation overlaps the state
     /// transfer). Empty on the ring.
-    pub communicator_seconds: Vec<f64>,
+    pub(crate) communicator_seconds: Vec<f64>,
     /// Seconds of training in generations with fewer workers than TF_CONFIG's (their slots
     /// spread over those present).
-    pub seconds_short: f64,
+    pub(crate) seconds_short: f64,
     /// Training throughput over those seconds (`null` when the run was never short).
-    pub examples_per_second_short: Option<f64>,
+    pub(crate) examples_per_second_short: Option<f64>,
     /// Training throughput with every worker present (`null` when never).
-    pub examples_per_second_full: Option<f64>,
+    pub(crate) examples_per_second_full: Option<f64>,
 }
 
 /// The result of a run, written as JSON by `--summary`.
 #[derive(Clone, Debug, Serialize)]
-pub struct Summary {
+pub(crate) struct Summary {
     /// Plugin name.
-    pub plugin: String,
+    pub(crate) plugin: String,
     /// Plugin version.
-    pub plugin_version: String,
+    pub(crate) plugin_version: String,
     /// Workers in TF_CONFIG.
-    pub workers: usize,
+    pub(crate) workers: usize,
     /// Workers present at the end (fewer than `workers` when some were replaced).
-    pub workers_present: usize,
+    pub(crate) workers_present: usize,
     /// Replicas in each worker (`--devices`).
-    pub replicas: usize,
+    pub(crate) replicas: usize,
     /// Micro-batches per update on each replica (`--accumulate`): the run's slots (virtual
     /// ranks), whose math it is, are `workers` times `replicas` times this.
-    pub accumulate: usize,
+    pub(crate) accumulate: usize,
     /// The forward pass's precision (`fp32`, `bf16`, `fp16`).
-    pub precision: &'static str,
+    pub(crate) precision: &'static str,
     /// Float16's loss scale at the end, and the steps it skipped (`--precision fp16` only).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub loss_scale: Option<crate::optim::precision::LossScale>,
+    pub(crate) loss_scale: Option<crate::optim::precision::LossScale>,
     /// The slots this worker held at the end.
-    pub slots: Vec<usize>,
+    pub(crate) slots: Vec<usize>,
     /// This worker's rank.
-    pub rank: usize,
+    pub(crate) rank: usize,
     /// Epochs run.
-    pub epochs: u32,
+    pub(crate) epochs: u32,
     /// Early stopping ended the run after this epoch (1-based).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub stopped_early_after_epoch: Option<u32>,
+    pub(crate) stopped_early_after_epoch: Option<u32>,
     /// Optimizer steps taken.
-    pub steps: u64,
+    pub(crate) steps: u64,
     /// Examples per step over all workers.
-    pub global_batch_size: u64,
+    pub(crate) global_batch_size: u64,
     /// Optimizer and hyper-parameters.
-    pub optimizer: OptimizerConfig,
+    pub(crate) optimizer: OptimizerConfig,
     /// Learning-rate schedule.
-    pub schedule: LrSchedule,
+    pub(crate) schedule: LrSchedule,
     /// Run seed.
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// Device.
-    pub device: String,
+    pub(crate) device: String,
     /// libtorch intra-op threads.
-    pub threads: usize,
+    pub(crate) threads: usize,
     /// Mean training loss over the last epoch, over all workers.
-    pub final_train_loss: f64,
+    pub(crate) final_train_loss: f64,
     /// Mean of each metric over the last training epoch, over all workers.
-    pub final_train_metrics: BTreeMap<String, f64>,
+    pub(crate) final_train_metrics: BTreeMap<String, f64>,
     /// Mean loss on the test split after the last epoch (none: the run did not evaluate).
-    pub test_loss: Option<f64>,
+    pub(crate) test_loss: Option<f64>,
     /// Test accuracy after the last epoch, when the plugin reports `accuracy`.
-    pub test_accuracy: Option<f64>,
+    pub(crate) test_accuracy: Option<f64>,
     /// Mean of each metric on the test split.
-    pub test_metrics: BTreeMap<String, f64>,
+    pub(crate) test_metrics: BTreeMap<String, f64>,
     /// Training examples per second over all workers and epochs (evaluation excluded).
-    pub examples_per_second: f64,
+    pub(crate) examples_per_second: f64,
     /// Seconds spent in training steps.
-    pub train_seconds: f64,
+    pub(crate) train_seconds: f64,
     /// sha256 over every model variable's bytes (parameters and buffers; native-endian,
     /// contiguous), in name order.
-    pub params_sha256: String,
+    pub(crate) params_sha256: String,
     /// Failures and recoveries.
-    pub fault_tolerance: Recovery,
+    pub(crate) fault_tolerance: Recovery,
     /// Why the last checkpoint commit failed, if it did (the run's result is then not durable).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub checkpoint_error: Option<String>,
+    pub(crate) checkpoint_error: Option<String>,
     /// What this worker read of a columnar dataset (none for a plugin's own format).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub data: Option<DataFigures>,
+    pub(crate) data: Option<DataFigures>,
     /// This process's peak resident memory (VmHWM), in bytes, where the kernel tells it.
-    pub peak_rss_bytes: Option<u64>,
+    pub(crate) peak_rss_bytes: Option<u64>,
 }
 
 /// This process's peak resident memory so far (`VmHWM` in `/proc/self/status`), in bytes.
-pub fn peak_rss_bytes() -> Option<u64> {
+pub(crate) fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -119,14 +119,14 @@ pub fn peak_rss_bytes() -> Option<u64> {
 impl Summary {
     /// Writes the summary as JSON, atomically: a reader (or a restart after a crash) sees the
     /// whole file or none of it.
-    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+    pub(crate) fn write(&self, path: &Path) -> std::io::Result<()> {
         let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)? + "\n";
         crate::sys::atomic::write_file(path, &[json.as_bytes()])
     }
 }
 
 /// `cpu` or `cuda:N`, as `--device` spells it.
-pub fn device_name(device: Device) -> String {
+pub(crate) fn device_name(device: Device) -> String {
     match device {
         Device::Cuda(n) => format!("cuda:{n}"),
         other => format!("{other:?}").to_lowercase(),

@@ -26,7 +26,7 @@ pub(super) fn push_abort(peers: &Arc<Vec<Option<ControlClient<Channel>>>>, gener
 }
 
 /// The first socket address of `host:port`.
-pub fn resolve(address: &str) -> Result<std::net::SocketAddr, ResolveError> {
+pub(crate) fn resolve(address: &str) -> Result<std::net::SocketAddr, ResolveError> {
     use std::net::ToSocketAddrs;
     address.to_socket_addrs().map_err(ResolveError::Lookup)?.next().ok_or(ResolveError::NoAddress)
 }

@@ -10,10 +10,10 @@
 //! join stops waiting. The chief's answers are read one way for every call
 //! ([`super::error::from_status`]); [`dial`] is how a member reaches the others.
 
-pub mod dial;
+pub(crate) mod dial;
 mod elect;
-pub mod heartbeat;
-pub mod watch;
+pub(crate) mod heartbeat;
+pub(crate) mod watch;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,7 +33,7 @@ use super::network::Network;
 use super::tf_config::ClusterConfig;
 use super::timeouts::Timeouts;
 use crate::collective::{AbortSignal, Aborted};
-pub use dial::resolve;
+pub(crate) use dial::resolve;
 use dial::{authenticated, port_of, push_abort, Dial};
 use heartbeat::Beater;
 use watch::{JoinEnd, JoinWait};
@@ -85,7 +85,7 @@ fn new_incarnation() -> u64 {
 }
 
 /// This daemon's control plane: its server, and its calls to the coordinator and its peers.
-pub struct ControlPlane {
+pub(crate) struct ControlPlane {
     runtime: tokio::runtime::Runtime,
     listening: std::net::SocketAddr,
     rank: usize,
@@ -161,7 +161,7 @@ impl ControlPlane {
     /// or the member its kept vote says coordinates), bound and authenticated as `network`
     /// says, and starts beating to the coordinator. `state_dir` keeps this member's vote (none:
     /// it takes no part in electing a coordinator when the chief is lost for good).
-    pub fn start(
+    pub(crate) fn start(
         cluster: &ClusterConfig,
         identity: Identity,
         timeouts: Timeouts,
@@ -237,33 +237,33 @@ impl ControlPlane {
     }
 
     /// Whether this process coordinates now, and in which term.
-    pub fn coordinates(&self) -> Option<u64> {
+    pub(crate) fn coordinates(&self) -> Option<u64> {
         self.seated().map(|c| c.term())
     }
 
     /// The address the control plane listens on.
-    pub fn listening(&self) -> std::net::SocketAddr {
+    pub(crate) fn listening(&self) -> std::net::SocketAddr {
         self.listening
     }
 
     /// Names of the members, by rank (`worker 1 (host:port)`).
-    pub fn names(&self) -> &[String] {
+    pub(crate) fn names(&self) -> &[String] {
         &self.names
     }
 
     /// This member's rank.
-    pub fn rank(&self) -> usize {
+    pub(crate) fn rank(&self) -> usize {
         self.rank
     }
 
     /// The abort signal of this member's collectives (raised by notices).
-    pub fn abort_signal(&self) -> AbortSignal {
+    pub(crate) fn abort_signal(&self) -> AbortSignal {
         self.shared.abort.clone()
     }
 
     /// The next formation's generation must exceed `generation` (the latest commit's), whoever
     /// coordinates it.
-    pub fn set_floor(&self, generation: u64) {
+    pub(crate) fn set_floor(&self, generation: u64) {
         self.shared.floor.fetch_max(generation, Ordering::Relaxed);
         if let Some(c) = self.seated() {
             c.set_floor(generation);
@@ -271,12 +271,12 @@ impl ControlPlane {
     }
 
     /// The global step the beats carry.
-    pub fn set_step(&self, step: u64) {
+    pub(crate) fn set_step(&self, step: u64) {
         self.shared.step.store(step, Ordering::Relaxed);
     }
 
     /// Why this process no longer counts (a newer one holds its rank), if so.
-    pub fn replaced(&self) -> Option<String> {
+    pub(crate) fn replaced(&self) -> Option<String> {
         self.shared.replaced()
     }
 
@@ -309,7 +309,12 @@ impl ControlPlane {
     /// Joins the next generation with `report`, waiting while the chief is reachable for as long
     /// as the coordinator waits (it enforces the rendezvous timeout and the rejoin deadline), and
     /// at most that long while it is not. `data_address` is this member's ring listener.
-    pub fn join(&mut self, data_address: &str, report: &Report, stop: &AtomicBool) -> Result<Formed, ClusterError> {
+    pub(crate) fn join(
+        &mut self,
+        data_address: &str,
+        report: &Report,
+        stop: &AtomicBool,
+    ) -> Result<Formed, ClusterError> {
         let wait = JoinWait::new(Instant::now(), self.formed_once, (self.timeouts.rendezvous, self.timeouts.rejoin));
         let request = proto::JoinRequest {
             rank: self.rank as u32,
@@ -417,7 +422,7 @@ impl ControlPlane {
 
     /// Waits until every member of `generation` reaches the barrier `name`; fails if the
     /// generation ends first (a member failed, or the chief was lost).
-    pub fn barrier(&self, generation: u64, name: &str) -> Result<(), ClusterError> {
+    pub(crate) fn barrier(&self, generation: u64, name: &str) -> Result<(), ClusterError> {
         let request = proto::BarrierRequest {
             generation,
             rank: self.rank as u32,
@@ -456,7 +461,7 @@ impl ControlPlane {
 
     /// A failure seen here in `generation`: aborts this member's collectives, and if this is the
     /// first word of it, pushes the notice to every peer and reports `suspect` to the chief.
-    pub fn abandon(&self, generation: u64, reason: &str, suspect: Option<usize>) {
+    pub(crate) fn abandon(&self, generation: u64, reason: &str, suspect: Option<usize>) {
         if generation == 0 || !self.shared.abort.trigger(generation, reason) {
             return;
         }
@@ -482,7 +487,7 @@ impl ControlPlane {
 
     /// After the final barrier: a member says it leaves; the chief waits (a bounded while) until
     /// every member has, since its exit would cut off a barrier reply still on its way.
-    pub fn finish(&self) {
+    pub(crate) fn finish(&self) {
         match self.seated() {
             None => self.leave("finished"),
             Some(c) => self.linger(|| c.departed()),
@@ -509,7 +514,7 @@ impl ControlPlane {
     }
 
     /// Tells the chief this member leaves on purpose (best effort, bounded).
-    pub fn leave(&self, reason: &str) {
+    pub(crate) fn leave(&self, reason: &str) {
         let request =
             proto::LeaveRequest { rank: self.rank as u32, incarnation: self.incarnation, reason: reason.into() };
         let Some((_, _, dial)) = self.coordinator() else { return };

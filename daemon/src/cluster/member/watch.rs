@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 /// Where the heartbeat link to the chief stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Link {
+pub(crate) enum Link {
     /// Connecting to the chief, since then.
     Connecting(Instant),
     /// Connected; the heartbeat stream is being opened, since then.
@@ -29,7 +29,7 @@ pub enum Link {
 
 /// What the member saw on the link.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Seen {
+pub(crate) enum Seen {
     /// Nothing before the deadline it waited to.
     Nothing,
     /// A connection to the chief.
@@ -46,7 +46,7 @@ pub enum Seen {
 
 /// Why the chief counts as lost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Lost {
+pub(crate) enum Lost {
     /// No connection within the heartbeat deadline.
     Unreachable,
     /// Connected, but no heartbeat stream opened within the deadline (or it was refused).
@@ -60,7 +60,7 @@ pub enum Lost {
 impl Lost {
     /// Why, naming the coordinator by its `role` (`chief`, or `coordinator` once one was
     /// elected) and `name`.
-    pub fn reason(self, role: &str, name: &str) -> String {
+    pub(crate) fn reason(self, role: &str, name: &str) -> String {
         match self {
             Lost::Unreachable => format!("cannot reach the {role}, {name}"),
             Lost::NoStream => format!("the {role}, {name}, did not open a heartbeat stream"),
@@ -72,21 +72,21 @@ impl Lost {
 
 /// What a member knows of its link to the chief.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Watch {
+pub(crate) struct Watch {
     /// The link's state.
-    pub link: Link,
+    pub(crate) link: Link,
     /// When the chief last answered (or the watch began).
-    pub last_notice: Instant,
+    pub(crate) last_notice: Instant,
 }
 
 impl Watch {
     /// A watch that starts connecting at `now`.
-    pub fn new(now: Instant) -> Watch {
+    pub(crate) fn new(now: Instant) -> Watch {
         Watch { link: Link::Connecting(now), last_notice: now }
     }
 
     /// Takes in what the member saw at `now`.
-    pub fn saw(&mut self, seen: Seen, now: Instant) {
+    pub(crate) fn saw(&mut self, seen: Seen, now: Instant) {
         self.link = match seen {
             Seen::Nothing => return,
             Seen::Connected => Link::Opening(now),
@@ -101,7 +101,7 @@ impl Watch {
 
     /// When the link's current state runs out: the instant after which [`Watch::lost`] says the
     /// chief is lost if nothing is seen before.
-    pub fn deadline(&self, heartbeat_deadline: Duration) -> Instant {
+    pub(crate) fn deadline(&self, heartbeat_deadline: Duration) -> Instant {
         match self.link {
             Link::Connecting(since) | Link::Opening(since) => since + heartbeat_deadline,
             Link::Open => self.last_notice + heartbeat_deadline,
@@ -110,7 +110,7 @@ impl Watch {
     }
 
     /// Whether the chief counts as lost at `now`, and why.
-    pub fn lost(&self, now: Instant, heartbeat_deadline: Duration) -> Option<Lost> {
+    pub(crate) fn lost(&self, now: Instant, heartbeat_deadline: Duration) -> Option<Lost> {
         let expired = now >= self.deadline(heartbeat_deadline);
         match self.link {
             Link::Connecting(_) if expired => Some(Lost::Unreachable),
@@ -125,7 +125,7 @@ impl Watch {
 
 /// How a join's wait ends without an answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum JoinEnd {
+pub(crate) enum JoinEnd {
     /// A stop signal arrived.
     Stopped,
     /// A newer process took this member's rank (why).
@@ -136,32 +136,38 @@ pub enum JoinEnd {
 
 /// A join waiting for its formation.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct JoinWait {
+pub(crate) struct JoinWait {
     /// When the join began.
-    pub started: Instant,
+    pub(crate) started: Instant,
     /// How long the chief may stay silent: the rendezvous timeout before the first formation, the
     /// rejoin deadline after (the coordinator enforces the same ones while it is reachable).
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// `rendezvous` or `recovery`.
-    pub phase: &'static str,
+    pub(crate) phase: &'static str,
 }
 
 impl JoinWait {
     /// A join beginning at `now`, after a first formation or not.
-    pub fn new(now: Instant, formed_once: bool, (rendezvous, rejoin): (Duration, Duration)) -> JoinWait {
+    pub(crate) fn new(now: Instant, formed_once: bool, (rendezvous, rejoin): (Duration, Duration)) -> JoinWait {
         let (phase, timeout) = if formed_once { ("recovery", rejoin) } else { ("rendezvous", rendezvous) };
         JoinWait { started: now, timeout, phase }
     }
 
     /// The instant after which the chief, last heard from at `last_contact`, counts as silent:
     /// the wait goes on as long as the chief answers, and gives up only when it is unreachable.
-    pub fn deadline(&self, last_contact: Instant) -> Instant {
+    pub(crate) fn deadline(&self, last_contact: Instant) -> Instant {
         last_contact.max(self.started) + self.timeout
     }
 
     /// Whether the wait is over at `now` (`stop`: a stop signal came; `replaced`: why a newer
     /// process holds the rank, if one does).
-    pub fn end(&self, now: Instant, last_contact: Instant, stop: bool, replaced: Option<String>) -> Option<JoinEnd> {
+    pub(crate) fn end(
+        &self,
+        now: Instant,
+        last_contact: Instant,
+        stop: bool,
+        replaced: Option<String>,
+    ) -> Option<JoinEnd> {
         if stop {
             return Some(JoinEnd::Stopped);
         }

@@ -23,7 +23,7 @@ pub struct Settings {
 }
 
 /// A generation's collectives with NCCL: its ring, and the communicator made over it.
-pub struct NcclGroup {
+pub(crate) struct NcclGroup {
     ring: Ring,
     comm: Comm,
     enter_together: bool,
@@ -40,7 +40,7 @@ impl NcclGroup {
     /// over the ring; the creation goes on in NCCL's background while the caller does other work
     /// (the state transfer), and the first NCCL collective waits for it. A ring of one needs none
     /// and stays a ring.
-    pub fn over(mut ring: Ring, settings: Settings) -> Result<Box<dyn Collective>, CollectiveError> {
+    pub(crate) fn over(mut ring: Ring, settings: Settings) -> Result<Box<dyn Collective>, CollectiveError> {
         if ring.world() == 1 {
             return Ok(Box::new(ring));
         }

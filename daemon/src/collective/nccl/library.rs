@@ -10,9 +10,9 @@ use tch::Device;
 use crate::collective::BackendError;
 
 /// The first NCCL whose `ncclCommAbort` cannot hang (pytorch#149153).
-pub const MIN_VERSION: c_int = 22600;
+pub(crate) const MIN_VERSION: c_int = 22600;
 /// Bytes of an `ncclUniqueId`.
-pub const UNIQUE_ID_BYTES: usize = 128;
+pub(crate) const UNIQUE_ID_BYTES: usize = 128;
 
 pub(super) type NcclComm = *mut c_void;
 pub(super) type CudaStream = *mut c_void;
@@ -156,7 +156,7 @@ unsafe fn function<T: Copy>(lib: &Library, name: &'static str) -> Result<T, Nccl
 }
 
 /// `2.29.7` from NCCL's `22907`.
-pub fn version_text(code: c_int) -> String {
+pub(crate) fn version_text(code: c_int) -> String {
     format!("{}.{}.{}", code / 10000, code % 10000 / 100, code % 100)
 }
 
@@ -245,7 +245,7 @@ pub fn library() -> Result<&'static Nccl, NcclError> {
 }
 
 /// Why `--collective nccl` cannot run on `device` here, if it cannot.
-pub fn usable_on(device: Device) -> Result<&'static Nccl, BackendError> {
+pub(crate) fn usable_on(device: Device) -> Result<&'static Nccl, BackendError> {
     let Device::Cuda(_) = device else {
         return Err(BackendError::NeedsCuda { device: format!("{device:?}").to_lowercase() });
     };
@@ -253,7 +253,7 @@ pub fn usable_on(device: Device) -> Result<&'static Nccl, BackendError> {
 }
 
 /// A fresh id for a communicator, made by one worker and sent to the others.
-pub fn unique_id() -> Result<Vec<u8>, NcclError> {
+pub(crate) fn unique_id() -> Result<Vec<u8>, NcclError> {
     let nccl = library()?;
     let mut id = UniqueId { internal: [0; UNIQUE_ID_BYTES] };
     // SAFETY: `id` is a valid ncclUniqueId to fill.

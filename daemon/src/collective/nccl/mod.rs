@@ -47,19 +47,21 @@ use super::CollectiveError;
 mod group;
 mod library;
 
-pub use group::{NcclGroup, Settings};
+pub(crate) use group::NcclGroup;
+pub use group::Settings;
 
-pub use library::{library, unique_id, usable_on, version_text, Nccl, NcclError, MIN_VERSION, UNIQUE_ID_BYTES};
+pub use library::{library, Nccl, NcclError};
+pub(crate) use library::{unique_id, usable_on, version_text, UNIQUE_ID_BYTES};
 use library::{
     Config, CudaEvent, NcclComm, UniqueId, CUDA_EVENT_DISABLE_TIMING, CUDA_NOT_READY, CUDA_SUCCESS, DEFAULT_STREAM,
     NCCL_FLOAT32, NCCL_IN_PROGRESS, NCCL_SUCCESS,
 };
 
 /// What a collective checks between polls: `Err` when its generation was aborted.
-pub type AbortCheck<'a> = &'a dyn Fn() -> Result<(), CollectiveError>;
+pub(crate) type AbortCheck<'a> = &'a dyn Fn() -> Result<(), CollectiveError>;
 
 /// A non-blocking NCCL communicator of one generation: this worker's place among `world`.
-pub struct Comm {
+pub(crate) struct Comm {
     nccl: &'static Nccl,
     comm: NcclComm,
     device: c_int,
@@ -92,7 +94,7 @@ fn nccl_failure(op: &'static str, message: String) -> CollectiveError {
 impl Comm {
     /// Starts creating this worker's communicator (place `place` of `world`, on CUDA device
     /// `device`) from the id every worker received; returns at once.
-    pub fn start(id: &[u8], world: usize, place: usize, device: usize) -> Result<Comm, CollectiveError> {
+    pub(crate) fn start(id: &[u8], world: usize, place: usize, device: usize) -> Result<Comm, CollectiveError> {
         let nccl = library().map_err(|e| nccl_failure("creating the communicator", e.to_string()))?;
         let id: [u8; UNIQUE_ID_BYTES] = id
             .try_into()
@@ -142,13 +144,9 @@ impl Comm {
         })
     }
 
-    /// How long the communicator took to create, once it is known to be ready.
-    pub fn created_in(&self) -> Option<Duration> {
-        self.created_in
-    }
-
-    /// [`Comm::created_in`], the first time it is known (`None` before, and after).
-    pub fn take_created_in(&mut self) -> Option<Duration> {
+    /// How long the communicator took to create, the first time it is known to be ready (`None`
+    /// before, and after).
+    pub(crate) fn take_created_in(&mut self) -> Option<Duration> {
         if self.told {
             return None;
         }
@@ -307,7 +305,7 @@ impl Comm {
 
     /// Waits, polling a CUDA event, until the device has done everything queued so far (this
     /// worker's backward pass).
-    pub fn wait_for_device(&mut self, timeout: Duration, check: AbortCheck<'_>) -> Result<(), CollectiveError> {
+    pub(crate) fn wait_for_device(&mut self, timeout: Duration, check: AbortCheck<'_>) -> Result<(), CollectiveError> {
         // SAFETY: sets this thread's device to the communicator's.
         unsafe { (self.nccl.cuda_set_device)(self.device) };
         self.complete("waiting for the backward pass", Instant::now() + timeout, check)
@@ -318,7 +316,7 @@ impl Comm {
     /// `bufs[0]` holds the sum on every worker, bit for bit the ring's (the others are scratch).
     /// `slots` says which slots this worker holds; every place holds the ranges
     /// [`assign`] gives for `world` workers.
-    pub fn all_reduce_slots(
+    pub(crate) fn all_reduce_slots(
         &mut self,
         bufs: &[Tensor],
         slots: &Slots,
@@ -499,13 +497,13 @@ fn pause(spins: &mut u32) {
 }
 
 /// Chunk `c` (taken modulo `v`) of a buffer of `len` elements cut into `v` chunks: the ring's.
-pub fn chunk_of(c: usize, v: usize, len: usize) -> Range<usize> {
+pub(crate) fn chunk_of(c: usize, v: usize, len: usize) -> Range<usize> {
     (c % v) * len / v..(c % v + 1) * len / v
 }
 
 /// The sum of `parts` (one tensor per slot, in slot order) for chunk `c`, in the V-slot ring's
 /// order: slot c first, then c+1, ... c+V-1 (mod V).
-pub fn ring_order_sum(parts: &[Tensor], c: usize) -> Tensor {
+pub(crate) fn ring_order_sum(parts: &[Tensor], c: usize) -> Tensor {
     let v = parts.len();
     let mut sum = &parts[c % v] + &parts[(c + 1) % v];
     for k in 2..v {
@@ -607,6 +605,6 @@ mod tests {
     #[test]
     fn versions_read_as_nccl_writes_them() {
         assert_eq!(version_text(22907), "2.29.7");
-        assert_eq!(version_text(MIN_VERSION), "2.26.0");
+        assert_eq!(version_text(library::MIN_VERSION), "2.26.0");
     }
 }

@@ -20,12 +20,12 @@ use crate::collective::abort::AbortSignal;
 
 const HELLO_MAGIC: [u8; 8] = *b"TRDRING2";
 /// Bytes of a hello.
-pub const HELLO_BYTES: usize = 24;
+pub(crate) const HELLO_BYTES: usize = 24;
 /// How long an accepted connection may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The hello a connection from `rank` of `generation` opens with.
-pub fn hello(generation: u64, rank: usize) -> [u8; HELLO_BYTES] {
+pub(crate) fn hello(generation: u64, rank: usize) -> [u8; HELLO_BYTES] {
     let mut h = [0u8; HELLO_BYTES];
     h[..8].copy_from_slice(&HELLO_MAGIC);
     h[8..16].copy_from_slice(&generation.to_le_bytes());
@@ -104,13 +104,13 @@ impl DataListener {
     }
 
     /// The address peers connect to.
-    pub fn local_addr(&self) -> SocketAddr {
+    pub(crate) fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
     /// Waits for the connection of `rank` in `generation`, until `deadline` or an abort.
     /// Connections of older generations are closed from now on.
-    pub fn take(
+    pub(crate) fn take(
         &self,
         generation: u64,
         rank: usize,
@@ -183,7 +183,7 @@ fn file_connection(shared: &Shared, mut stream: TcpStream) {
 impl DataListener {
     /// Connects to `addr` as `rank` of `generation`, retrying until `deadline` or an abort, and
     /// proves this listener's key there.
-    pub fn connect(
+    pub(crate) fn connect(
         &self,
         addr: SocketAddr,
         rank: usize,

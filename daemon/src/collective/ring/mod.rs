@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-pub mod listener;
+pub(crate) mod listener;
 
 use bytemuck::Pod;
 
@@ -115,7 +115,7 @@ impl std::fmt::Debug for Ring {
 
 impl Ring {
     /// A ring of one: every collective is a no-op (mean divides by one).
-    pub fn single() -> Ring {
+    pub(crate) fn single() -> Ring {
         Ring {
             rank: 0,
             world: 1,
@@ -175,12 +175,12 @@ impl Ring {
     }
 
     /// The collective timeout: how long a socket may carry no bytes before its collective fails.
-    pub fn timeout(&self) -> Duration {
+    pub(crate) fn timeout(&self) -> Duration {
         self.link.timeout
     }
 
     /// The counters this ring's traffic goes to.
-    pub fn traffic(&self) -> &Traffic {
+    pub(crate) fn traffic(&self) -> &Traffic {
         &self.link.traffic
     }
 
@@ -228,7 +228,7 @@ impl Ring {
 
     /// Names the neighbours by the ranks they hold in the cluster (`members`: the rank at each
     /// place of the ring), for the errors that point at a peer.
-    pub fn set_members(&mut self, members: &[usize]) {
+    pub(crate) fn set_members(&mut self, members: &[usize]) {
         if self.world > 1 {
             self.next_peer.rank = members[(self.rank + 1) % self.world];
             self.prev_peer.rank = members[(self.rank + self.world - 1) % self.world];
@@ -237,7 +237,7 @@ impl Ring {
 
     /// Sets which slots this worker holds: every worker of the ring must be told the assignment
     /// of the same (V, workers present).
-    pub fn set_slots(&mut self, slots: Slots) {
+    pub(crate) fn set_slots(&mut self, slots: Slots) {
         self.slots = slots;
     }
 
@@ -246,7 +246,11 @@ impl Ring {
     /// result on every worker (the others are scratch). The buffer is cut into V chunks and the
     /// V-slot ring is run step for step (hops between two slots held here are additions in
     /// memory), so the result is bit for bit the V-worker run's, whoever holds which slots.
-    pub fn all_reduce_slots<T: Element>(&mut self, bufs: &mut [&mut [T]], op: ReduceOp) -> Result<(), CollectiveError> {
+    pub(crate) fn all_reduce_slots<T: Element>(
+        &mut self,
+        bufs: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         let slots = self.slots.clone();
         self.reduce(&slots, bufs, op)
     }
@@ -295,7 +299,7 @@ impl Ring {
     }
 
     /// Copies rank `root`'s `buf` to every rank, forwarding piece by piece along the ring.
-    pub fn broadcast_from<T: Pod>(&mut self, root: usize, buf: &mut [T]) -> Result<(), CollectiveError> {
+    pub(crate) fn broadcast_from<T: Pod>(&mut self, root: usize, buf: &mut [T]) -> Result<(), CollectiveError> {
         if self.world == 1 {
             return Ok(());
         }
