@@ -88,22 +88,7 @@ fn fit(tokens: &[i64], length: usize, pad: i64, truncate: Side) -> impl Iterator
 /// Decodes a PNG or JPEG image into `out`, channel-major (`[c, h, w]`), checking its size and
 /// channels against the declaration.
 fn decode_image(encoded: &[u8], (c, h, w): (usize, usize, usize), out: &mut [u8]) -> Result<(), ValueError> {
-    let format = image::guess_format(encoded).map_err(|_| ValueError::NotAnImage)?;
-    if !matches!(format, image::ImageFormat::Png | image::ImageFormat::Jpeg) {
-        return Err(ValueError::ImageFormat(format));
-    }
-    let img = image::load_from_memory_with_format(encoded, format)
-        .map_err(|source| ValueError::DamagedImage { format, source })?;
-    let (iw, ih) = (img.width() as usize, img.height() as usize);
-    let ic = usize::from(img.color().channel_count());
-    if (iw, ih) != (w, h) || ic != c {
-        return Err(ValueError::ImageSize { found: (ic, ih, iw), expected: (c, h, w) });
-    }
-    let raw = match c {
-        1 => img.into_luma8().into_raw(),
-        3 => img.into_rgb8().into_raw(),
-        _ => img.into_rgba8().into_raw(),
-    };
+    let raw = crate::codec::decode(encoded, (c, h, w))?.samples;
     if c == 1 {
         out.copy_from_slice(&raw);
     } else {
@@ -121,20 +106,24 @@ fn decode_image(encoded: &[u8], (c, h, w): (usize, usize, usize), out: &mut [u8]
 mod tests {
     use super::*;
 
-    fn png(w: u32, h: u32, color: image::ExtendedColorType, raw: &[u8]) -> Vec<u8> {
+    fn png(w: u32, h: u32, color: png::ColorType, raw: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
-        image::ImageEncoder::write_image(image::codecs::png::PngEncoder::new(&mut out), raw, w, h, color).unwrap();
+        let mut encoder = png::Encoder::new(&mut out, w, h);
+        encoder.set_color(color);
+        let mut writer = encoder.write_header().unwrap();
+        writer.write_image_data(raw).unwrap();
+        writer.finish().unwrap();
         out
     }
 
     #[test]
     fn grey_and_rgb_images_decode_channel_major_and_scaled() {
-        let grey = Value::Bytes(png(2, 1, image::ExtendedColorType::L8, &[0, 255]));
+        let grey = Value::Bytes(png(2, 1, png::ColorType::Grayscale, &[0, 255]));
         let column = Column { name: "image".into(), decode: Decode::Image { channels: 1, height: 1, width: 2 } };
         let t = stack(&[&grey, &grey], &column).unwrap();
         assert_eq!(t.size(), [2, 1, 1, 2]);
         assert_eq!(Vec::<f32>::try_from(t.flatten(0, -1)).unwrap(), [0.0, 1.0, 0.0, 1.0]);
-        let rgb = Value::Bytes(png(2, 1, image::ExtendedColorType::Rgb8, &[1, 2, 3, 4, 5, 6]));
+        let rgb = Value::Bytes(png(2, 1, png::ColorType::Rgb, &[1, 2, 3, 4, 5, 6]));
         let column = Column { name: "image".into(), decode: Decode::Image { channels: 3, height: 1, width: 2 } };
         let t = stack(&[&rgb], &column).unwrap();
         let scaled: Vec<f32> = [1u8, 4, 2, 5, 3, 6].iter().map(|&v| f32::from(v) / 255.0).collect();
@@ -144,7 +133,7 @@ mod tests {
     #[test]
     fn an_image_of_another_size_or_kind_is_named() {
         let column = Column { name: "image".into(), decode: Decode::Image { channels: 1, height: 28, width: 28 } };
-        let small = Value::Bytes(png(2, 1, image::ExtendedColorType::L8, &[0, 255]));
+        let small = Value::Bytes(png(2, 1, png::ColorType::Grayscale, &[0, 255]));
         let told = |(i, e): Failed| (i, e.to_string());
         assert_eq!(
             told(stack(&[&small], &column).unwrap_err()),

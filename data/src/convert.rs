@@ -141,8 +141,5 @@ fn file(
 
 /// A lossless greyscale PNG of an image `h` x `w`.
 fn png(pixels: &[u8], (h, w): (u32, u32)) -> Result<Vec<u8>, WriteError> {
-    let mut out = Vec::new();
-    let encoder = image::codecs::png::PngEncoder::new(&mut out);
-    image::ImageEncoder::write_image(encoder, pixels, w, h, image::ExtendedColorType::L8).map_err(WriteError::Png)?;
-    Ok(out)
+    crate::codec::encode_grey_png(pixels, (h, w)).map_err(WriteError::Png)
 }

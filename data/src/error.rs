@@ -346,14 +346,14 @@ pub enum ValueError {
     NotAnImage,
     /// An image of another format.
     #[error("a {0:?} image: expected PNG or JPEG")]
-    ImageFormat(image::ImageFormat),
+    ImageFormat(crate::codec::ImageFormat),
     /// A damaged image.
     #[error("a damaged {format:?} image: {source}")]
     DamagedImage {
         /// Its format.
-        format: image::ImageFormat,
+        format: crate::codec::ImageFormat,
         /// What the decoder said.
-        source: image::ImageError,
+        source: DecodeError,
     },
     /// An image of another size or channel count than declared.
     #[error(
@@ -369,6 +369,21 @@ pub enum ValueError {
     /// The batch's tensor could not be shaped.
     #[error("{0}")]
     Torch(#[source] trainerd_sdk::tch::TchError),
+}
+
+/// What an image's decoder said of it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The PNG decoder's error.
+    #[error("{0}")]
+    Png(#[source] png::DecodingError),
+    /// A PNG whose pixels would not fit in memory's addresses.
+    #[error("its pixels would not fit in memory")]
+    PngTooLarge,
+    /// The JPEG decoder's error.
+    #[error("{0}")]
+    Jpeg(#[source] zune_jpeg::errors::DecodeErrors),
 }
 
 /// Why a dataset could not be written (`trainerd data convert`).
@@ -389,7 +404,7 @@ pub enum WriteError {
     Arrow(#[source] arrow_schema::ArrowError),
     /// An image's PNG encoding.
     #[error("{0}")]
-    Png(#[source] image::ImageError),
+    Png(#[source] png::EncodingError),
     /// The store's error.
     #[error("{0}")]
     Store(#[source] object_store::Error),

@@ -8,7 +8,8 @@
 //! - [`order`]: the order of an epoch, a pure function of (seed, epoch, row groups, window).
 //! - [`source`] and [`cache`]: byte ranges read against the files as they were at start, retried
 //!   within a bound, remote ones cached on local disk within a bound.
-//! - [`rows`], [`batch`]: a row group's wanted rows, and a batch's tensors.
+//! - [`rows`], [`batch`]: a row group's wanted rows, and a batch's tensors; [`codec`]: its images
+//!   (PNG and JPEG).
 //! - [`stream`]: the prefetching pipeline, in bounded memory.
 //! - [`convert`]: an MNIST-format directory written as Parquet in Hugging Face's layout.
 //!
@@ -17,6 +18,7 @@
 
 pub mod batch;
 pub mod cache;
+pub mod codec;
 pub mod convert;
 pub mod error;
 pub mod index;

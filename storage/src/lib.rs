@@ -3,13 +3,15 @@
 //!
 //! This crate is the mechanism; the daemon decides when to commit. [`location`] parses and opens
 //! locations, [`protocol`] holds the commit protocol's pure decisions, [`store`] carries them out,
-//! [`tensors`] encodes tensors as safetensors. Test servers and fault-injecting stores are the
-//! test kit's (`trainerd-testkit`), failpoints their own crate's (`trainerd-failpoint`).
+//! [`tensors`] encodes tensors as safetensors, [`tls`] gives S3 clients their crypto provider.
+//! Test servers and fault-injecting stores are the test kit's (`trainerd-testkit`), failpoints
+//! their own crate's (`trainerd-failpoint`).
 
 pub mod location;
 pub mod protocol;
 pub mod store;
 pub mod tensors;
+pub mod tls;
 
 pub use location::{s3_store, Location, LocationError, OpenError, S3Options};
 pub use store::types::transient;

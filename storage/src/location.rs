@@ -158,6 +158,7 @@ impl Location {
 /// without object_store's own retries: its callers retry, count and log each failure themselves
 /// (checkpoints through [`crate::Retry`], datasets within their wait bound).
 pub fn s3_store(bucket: &str, s3: &S3Options) -> object_store::Result<object_store::aws::AmazonS3> {
+    crate::tls::install_crypto_provider();
     let mut builder = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
     let endpoint = s3.endpoint.clone().or_else(|| std::env::var("AWS_ENDPOINT_URL").ok());
     let loopback = endpoint.as_deref().is_some_and(|e| {

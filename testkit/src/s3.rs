@@ -151,6 +151,7 @@ impl S3Server {
     }
 
     fn client(&self, endpoint: &str) -> object_store::aws::AmazonS3Builder {
+        trainerd_storage::tls::install_crypto_provider();
         object_store::aws::AmazonS3Builder::new()
             .with_bucket_name(&self.bucket)
             .with_endpoint(endpoint)
