@@ -3,6 +3,6 @@
 # and 2 loader threads; mnist-cnn's training from Parquet beside the in-memory path (bench/data.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --tests
 source scripts/env.sh
 exec python bench/data.py "$@"

@@ -3,7 +3,7 @@
 # Installs TensorFlow (tensorflow-cpu, tf_keras) into its own virtualenv on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --workspace
 source scripts/env.sh
 export TF_VENV="$TRAINERD_CACHE/venv-tf"
 if [ ! -e "$TF_VENV/.trainerd-complete" ]; then

@@ -3,7 +3,7 @@
 # crate (the plugins the tests load included), and runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh --no-build
+scripts/setup.sh --tests --no-build
 source scripts/env.sh
 cargo fmt --all --check
 # Sizes: no function over 60 lines (clap's argument structs and tests aside), no file over 600
