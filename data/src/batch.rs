@@ -88,7 +88,7 @@ fn fit(tokens: &[i64], length: usize, pad: i64, truncate: Side) -> impl Iterator
 /// Decodes a PNG or JPEG image into `out`, channel-major (`[c, h, w]`), checking its size and
 /// channels against the declaration.
 fn decode_image(encoded: &[u8], (c, h, w): (usize, usize, usize), out: &mut [u8]) -> Result<(), ValueError> {
-    let raw = crate::codec::decode(encoded, (c, h, w))?.samples;
+    let raw = crate::codec::decode(encoded, (c, h, w))?;
     if c == 1 {
         out.copy_from_slice(&raw);
     } else {

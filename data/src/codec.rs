@@ -79,93 +79,63 @@ pub fn guess_format(bytes: &[u8]) -> Option<ImageFormat> {
     })
 }
 
-/// A decoded image: 8-bit samples, interleaved (height, width, channels).
-#[derive(Debug)]
-pub struct Pixels {
-    /// Channels per pixel.
-    pub channels: usize,
-    /// Height.
-    pub height: usize,
-    /// Width.
-    pub width: usize,
-    /// The samples.
-    pub samples: Vec<u8>,
-}
-
-/// Decodes a PNG or JPEG image to 8-bit samples, after checking from its header that it is
-/// `(c, h, w)` (channels, height, width): an image of another size is refused before its pixels
-/// are decoded. PNG's palettes and low bit depths are expanded (a palette to RGB, or RGBA where
-/// it has transparency), 16-bit samples rounded to the nearest 8-bit value.
-pub fn decode(encoded: &[u8], (c, h, w): (usize, usize, usize)) -> Result<Pixels, ValueError> {
-    let format = guess_format(encoded).ok_or(ValueError::NotAnImage)?;
-    let damaged = |source| ValueError::DamagedImage { format, source };
+/// Decodes a PNG or JPEG image to 8-bit samples, interleaved (height, width, channels), after
+/// checking from its header that it is `(c, h, w)` (channels, height, width): an image of another
+/// size is refused before its pixels are decoded. PNG's palettes and low bit depths are expanded (a
+/// palette to RGB, or RGBA where it has transparency), 16-bit samples rounded to the nearest 8-bit
+/// value.
+pub fn decode(encoded: &[u8], (c, h, w): (usize, usize, usize)) -> Result<Vec<u8>, ValueError> {
     let check = |found: (usize, usize, usize)| match found == (c, h, w) {
         true => Ok(()),
         false => Err(ValueError::ImageSize { found, expected: (c, h, w) }),
     };
-    match format {
-        ImageFormat::Png => decode_png(encoded, check).map_err(|e| e.map_decode(damaged)),
-        ImageFormat::Jpeg => decode_jpeg(encoded, check).map_err(|e| e.map_decode(damaged)),
+    match guess_format(encoded).ok_or(ValueError::NotAnImage)? {
+        ImageFormat::Png => decode_png(encoded, check),
+        ImageFormat::Jpeg => decode_jpeg(encoded, check),
         other => Err(ValueError::ImageFormat(other)),
-    }
-}
-
-/// A decoding failure: the decoder's, or the caller's check of the header.
-enum Failure {
-    Decode(DecodeError),
-    Refused(ValueError),
-}
-
-impl Failure {
-    fn map_decode(self, f: impl FnOnce(DecodeError) -> ValueError) -> ValueError {
-        match self {
-            Failure::Decode(e) => f(e),
-            Failure::Refused(e) => e,
-        }
     }
 }
 
 fn decode_png(
     encoded: &[u8],
     check: impl FnOnce((usize, usize, usize)) -> Result<(), ValueError>,
-) -> Result<Pixels, Failure> {
-    let png_error = |e| Failure::Decode(DecodeError::Png(e));
+) -> Result<Vec<u8>, ValueError> {
+    let damaged = |source| ValueError::DamagedImage { format: ImageFormat::Png, source };
     let mut decoder = png::Decoder::new(Cursor::new(encoded));
     decoder.set_transformations(png::Transformations::EXPAND);
-    let mut reader = decoder.read_info().map_err(png_error)?;
+    let mut reader = decoder.read_info().map_err(|e| damaged(DecodeError::Png(e)))?;
     let (color, depth) = reader.output_color_type();
     let (width, height) = (reader.info().width as usize, reader.info().height as usize);
     let channels = color.samples();
-    check((channels, height, width)).map_err(Failure::Refused)?;
-    let size = reader.output_buffer_size().ok_or(Failure::Decode(DecodeError::PngTooLarge))?;
+    check((channels, height, width))?;
+    let size = reader.output_buffer_size().ok_or(damaged(DecodeError::PngTooLarge))?;
     let mut buf = vec![0; size];
-    reader.next_frame(&mut buf).map_err(png_error)?;
-    let samples = match depth {
+    reader.next_frame(&mut buf).map_err(|e| damaged(DecodeError::Png(e)))?;
+    Ok(match depth {
+        // Big-endian 16-bit samples to the nearest 8-bit value (as `image` converts them).
         png::BitDepth::Sixteen => {
-            // Big-endian 16-bit samples to the nearest 8-bit value (as `image` converts them).
             buf.chunks_exact(2).map(|b| ((u32::from(u16::from_be_bytes([b[0], b[1]])) + 128) / 257) as u8).collect()
         }
         _ => {
             buf.truncate(channels * height * width);
             buf
         }
-    };
-    Ok(Pixels { channels, height, width, samples })
+    })
 }
 
 fn decode_jpeg(
     encoded: &[u8],
     check: impl FnOnce((usize, usize, usize)) -> Result<(), ValueError>,
-) -> Result<Pixels, Failure> {
+) -> Result<Vec<u8>, ValueError> {
     use zune_core::colorspace::ColorSpace;
-    let jpeg_error = |e| Failure::Decode(DecodeError::Jpeg(e));
+    let damaged = |e| ValueError::DamagedImage { format: ImageFormat::Jpeg, source: DecodeError::Jpeg(e) };
     // `image`'s settings: lenient, no size limit of the decoder's own (the size is checked here).
     let options = zune_core::options::DecoderOptions::default()
         .set_strict_mode(false)
         .set_max_width(usize::MAX)
         .set_max_height(usize::MAX);
     let mut decoder = zune_jpeg::JpegDecoder::new_with_options(zune_core::bytestream::ZCursor::new(encoded), options);
-    decoder.decode_headers().map_err(jpeg_error)?;
+    decoder.decode_headers().map_err(damaged)?;
     let (width, height) = decoder.dimensions().expect("the headers are decoded");
     let input = decoder.input_colorspace().expect("the headers are decoded");
     // Greyscale and RGB(A) as they are; YCbCr, CMYK and YCCK as RGB.
@@ -174,10 +144,8 @@ fn decode_jpeg(
         _ => ColorSpace::RGB,
     };
     decoder.set_options(decoder.options().jpeg_set_out_colorspace(output));
-    let channels = output.num_components();
-    check((channels, height, width)).map_err(Failure::Refused)?;
-    let samples = decoder.decode().map_err(jpeg_error)?;
-    Ok(Pixels { channels, height, width, samples })
+    check((output.num_components(), height, width))?;
+    decoder.decode().map_err(damaged)
 }
 
 /// A lossless 8-bit greyscale PNG of `pixels`, `h` x `w` (`image`'s default settings: fast
@@ -215,8 +183,7 @@ mod tests {
     fn a_png_round_trips_and_its_size_is_checked_before_decoding() {
         let pixels: Vec<u8> = (0..6).map(|v| v * 40).collect();
         let png = encode_grey_png(&pixels, (2, 3)).unwrap();
-        let decoded = decode(&png, (1, 2, 3)).unwrap();
-        assert_eq!((decoded.channels, decoded.height, decoded.width, decoded.samples), (1, 2, 3, pixels));
+        assert_eq!(decode(&png, (1, 2, 3)).unwrap(), pixels);
         assert_eq!(
             decode(&png, (3, 2, 3)).unwrap_err().to_string(),
             "a 3x2 image with 1 channel(s); the plugin expects 3x2 with 3 (images are not resized or converted)"
@@ -233,7 +200,18 @@ mod tests {
         writer.write_image_data(&[0, 0, 0x80, 0x7f, 0xff, 0xff]).unwrap();
         writer.finish().unwrap();
         // 0x807f / 257 = 127.99..., rounded: 128.
-        assert_eq!(decode(&out, (1, 1, 3)).unwrap().samples, [0, 128, 255]);
+        assert_eq!(decode(&out, (1, 1, 3)).unwrap(), [0, 128, 255]);
+    }
+
+    #[test]
+    fn grey_and_alpha_keeps_its_two_channels() {
+        let mut out = Vec::new();
+        let mut encoder = png::Encoder::new(&mut out, 2, 1);
+        encoder.set_color(png::ColorType::GrayscaleAlpha);
+        let mut writer = encoder.write_header().unwrap();
+        writer.write_image_data(&[10, 255, 20, 0]).unwrap();
+        writer.finish().unwrap();
+        assert_eq!(decode(&out, (2, 1, 2)).unwrap(), [10, 255, 20, 0]);
     }
 
     #[test]
