@@ -8,9 +8,11 @@ on disk are what a reader must hold: a dataset several times larger than a memor
 `--rows` times 3,136 bytes. The label is a function of the pixels (the class of the brightest of
 ten bands), so a model can learn it.
 
-  python3 scripts/synthetic_parquet.py --rows 200000 --out /tmp/big   # about 630 MB
+  scripts/setup.sh --tests --no-build      # pyarrow, in the PyTorch virtualenv
+  ~/.cache/trainerd/venv-torch-2.13.0/bin/python scripts/synthetic_parquet.py --rows 200000 --out /tmp/big   # about 630 MB
 
-Train on it with a plugin that declares these columns, e.g. the test fixture:
+Train on it with a plugin that declares these columns, e.g. the test fixture (built by
+`cargo build --release -p test-fixture`; the main job builds only mnist-cnn):
   TRAINERD_FIXTURE_COLUMNS='{"input":{"name":"pixels","decode":{"kind":"numbers","shape":[1,28,28]}},
                              "label":{"name":"label","decode":{"kind":"integer"}}}' \\
   trainerd run --plugin target/release/libtest_fixture.so --data /tmp/big

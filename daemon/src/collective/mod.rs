@@ -94,6 +94,7 @@ impl CollectiveError {
         }
     }
 }
+
 /// Why a generation's ring could not be formed.
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
