@@ -13,8 +13,8 @@ ten bands), so a model can learn it.
 
 Train on it with a plugin that declares these columns, e.g. the test fixture (built by
 `cargo build --release -p test-fixture`; the main job builds only mnist-cnn):
-  TRAINERD_FIXTURE_COLUMNS='{"input":{"name":"pixels","decode":{"kind":"numbers","shape":[1,28,28]}},
-                             "label":{"name":"label","decode":{"kind":"integer"}}}' \\
+  TRAINERD_FIXTURE_COLUMNS='[{"name":"pixels","decode":{"kind":"numbers","shape":[1,28,28]}},
+                             {"name":"label","decode":{"kind":"integer"}}]' \\
   trainerd run --plugin target/release/libtest_fixture.so --data /tmp/big
 """
 

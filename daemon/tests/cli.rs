@@ -11,7 +11,7 @@ use std::process::Output;
 use trainerd_testkit::output::{error_of, json, stderr, stdout, text};
 use trainerd_testkit::{dataset, plugin, trainerd_cmd, RunArgs};
 
-use trainerd_sdk::abi::{LIBTORCH_VERSION, SDK_VERSION, TARGET, TCH_VERSION};
+use trainerd_sdk::abi::{ABI_VERSION, LIBTORCH_VERSION, SDK_VERSION, TARGET, TCH_VERSION};
 use trainerd_sdk::mnist::{write_idx, IMAGES_MAGIC, LABELS_MAGIC};
 
 /// A small MNIST-format dataset (random pixels, 10 classes).
@@ -164,7 +164,7 @@ fn panics_in_plugin_code_come_back_as_errors() {
     tiny_dataset(data.path(), 256, 16);
     let fixture = plugin("test-fixture");
     for (fault, message) in [
-        ("panic-forward", "error: plugin test-fixture: forward failed: panicked: fixture: forward pass failed on purpose"),
+        ("panic-forward", "error: plugin test-fixture: step failed: panicked: fixture: forward pass failed on purpose"),
         (
             "panic-pipeline",
             "error: plugin test-fixture: input_pipeline failed: panicked: fixture: input pipeline failed on purpose at batch 2",
@@ -233,7 +233,7 @@ fn plugin_check_prints_identity() {
     );
     assert!(
         text.contains(&format!(
-            "built with: abi 3, trainerd-sdk {SDK_VERSION}, tch {TCH_VERSION}, libtorch {LIBTORCH_VERSION}, {TARGET}, panic=unwind\n"
+            "built with: abi {ABI_VERSION}, trainerd-sdk {SDK_VERSION}, tch {TCH_VERSION}, libtorch {LIBTORCH_VERSION}, {TARGET}, panic=unwind\n"
         )),
         "{text}"
     );

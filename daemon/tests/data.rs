@@ -234,7 +234,8 @@ fn a_checkpoint_resumes_on_another_worker_count_with_the_same_global_batch() {
 }
 
 /// The fixture's columns for `scripts/synthetic_parquet.py`'s datasets.
-const PIXELS: &str = r#"{"input":{"name":"pixels","decode":{"kind":"numbers","shape":[1,28,28]}},"label":{"name":"label","decode":{"kind":"integer"}}}"#;
+const PIXELS: &str =
+    r#"[{"name":"pixels","decode":{"kind":"numbers","shape":[1,28,28]}},{"name":"label","decode":{"kind":"integer"}}]"#;
 
 fn synthetic(rows: u64, out: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/synthetic_parquet.py");

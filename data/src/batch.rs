@@ -76,6 +76,29 @@ pub fn stack(values: &[&Value], column: &Column) -> Result<Tensor, Failed> {
     tensor.f_view(shape.as_slice()).map_err(|e| (0, ValueError::Torch(e)))
 }
 
+/// The padding mask of a token column's `values`: int64 `[rows, length]`, 1 where a row has a
+/// token and 0 where it was padded (a row cut to `length` is all ones).
+pub fn padding_mask(values: &[&Value], decode: &Decode) -> Result<Tensor, Failed> {
+    let Decode::Tokens { length, .. } = decode else {
+        return Err((
+            0,
+            ValueError::Mismatch { value: "a column that is not tokens".into(), expects: decode.expects() },
+        ));
+    };
+    let length = *length as usize;
+    let mut out = Vec::with_capacity(values.len() * length);
+    for (i, v) in values.iter().enumerate() {
+        match v {
+            Value::Ints(x) => {
+                let real = x.len().min(length);
+                out.extend(std::iter::repeat_n(1i64, real).chain(std::iter::repeat_n(0, length - real)));
+            }
+            other => return Err((i, ValueError::Mismatch { value: format!("{other:?}"), expects: decode.expects() })),
+        }
+    }
+    Tensor::from_slice(&out).f_view([values.len() as i64, length as i64]).map_err(|e| (0, ValueError::Torch(e)))
+}
+
 /// `tokens` made `length` long: padded with `pad` at the end, or cut at `truncate`'s side.
 fn fit(tokens: &[i64], length: usize, pad: i64, truncate: Side) -> impl Iterator<Item = i64> + '_ {
     let kept = match truncate {
@@ -159,5 +182,8 @@ mod tests {
         assert_eq!(Vec::<i64>::try_from(t.flatten(0, -1)).unwrap(), [7, -1, -1, 1, 2, 3]);
         let t = stack(&[&long], &column(Side::Left)).unwrap();
         assert_eq!(Vec::<i64>::try_from(t.flatten(0, -1)).unwrap(), [3, 4, 5]);
+        let mask = padding_mask(&[&short, &long], &column(Side::Right).decode).unwrap();
+        assert_eq!(mask.size(), [2, 3]);
+        assert_eq!(Vec::<i64>::try_from(mask.flatten(0, -1)).unwrap(), [1, 0, 0, 1, 1, 1]);
     }
 }

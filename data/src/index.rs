@@ -200,13 +200,11 @@ fn decode_footer(raw: &[u8]) -> Result<ArrowReaderMetadata, FooterError> {
 
 /// Checks every file of `split` against `columns`: what to read of each.
 pub fn check(source: &Source, split: &SplitIndex, columns: &Columns) -> Result<Vec<Projection>, DataError> {
-    for c in [&columns.input, &columns.label] {
-        c.decode.validate().map_err(|reason| DataError::Declaration {
-            file: source.location().to_string(),
-            column: c.name.clone(),
-            reason,
-        })?;
-    }
+    columns.validate().map_err(|(column, reason)| DataError::Declaration {
+        file: source.location().to_string(),
+        column,
+        reason,
+    })?;
     split
         .files
         .iter()

@@ -48,19 +48,17 @@ impl Value {
     }
 }
 
-/// One row: its input and label values.
+/// One row: the value of each declared column, in the declaration's order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Row {
-    /// The input column's value.
-    pub input: Value,
-    /// The label column's value.
-    pub label: Value,
+    /// The values.
+    pub values: Vec<Value>,
 }
 
 impl Row {
     /// Bytes it holds in memory.
     pub fn size(&self) -> usize {
-        self.input.size() + self.label.size()
+        self.values.iter().map(Value::size).sum()
     }
 }
 
@@ -149,7 +147,7 @@ pub fn read(
         let array = |c: &Column| {
             batch.column_by_name(&c.name).cloned().ok_or_else(|| failed(GroupError::NoColumn(c.name.clone())))
         };
-        let (input, label) = (array(&columns.input)?, array(&columns.label)?);
+        let arrays = columns.iter().map(|c| Ok((c, array(c)?))).collect::<Result<Vec<_>, DataError>>()?;
         for i in 0..batch.num_rows() {
             let row = place.first_row + wanted.get(rows.len()).copied().unwrap_or(0);
             let at = |c: &Column, a: &ArrayRef| {
@@ -161,7 +159,7 @@ pub fn read(
                     reason: Box::new(reason),
                 })
             };
-            rows.push(Row { input: at(&columns.input, &input)?, label: at(&columns.label, &label)? });
+            rows.push(Row { values: arrays.iter().map(|(c, a)| at(c, a)).collect::<Result<_, _>>()? });
         }
     }
     if rows.len() != wanted.len() {

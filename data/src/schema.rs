@@ -32,7 +32,7 @@ pub fn check(
     columns: &Columns,
 ) -> Result<Projection, DataError> {
     let mut leaves = Vec::new();
-    for column in [&columns.input, &columns.label] {
+    for column in columns.iter() {
         let field = find(file, schema, column)?;
         fits(&column.decode, field.data_type()).map_err(|()| DataError::Schema {
             file: file.to_string(),
@@ -162,7 +162,7 @@ mod tests {
     #[test]
     fn a_missing_column_lists_what_the_file_has() {
         let mut columns = Columns::image_classification(1, 28, 28);
-        columns.label.name = "class".into();
+        columns.0[1].name = "class".into();
         assert_eq!(
             checked(&hf_image(), &columns).unwrap_err().to_string(),
             "data file f.parquet: no column `class` (the plugin reads it as an integer); the file has: image \
@@ -185,10 +185,10 @@ mod tests {
             true,
         );
         let schema = Schema::new(vec![pixels, Field::new("label", DataType::Int32, true)]);
-        let columns = Columns {
-            input: Column { name: "pixels".into(), decode: Decode::Numbers { shape: vec![1, 28, 28] } },
-            label: Column { name: "label".into(), decode: Decode::Integer },
-        };
+        let columns = Columns(vec![
+            Column { name: "pixels".into(), decode: Decode::Numbers { shape: vec![1, 28, 28] } },
+            Column { name: "label".into(), decode: Decode::Integer },
+        ]);
         assert_eq!(
             checked(&schema, &columns).unwrap_err().to_string(),
             "data file f.parquet: column `pixels`: expected a list of 784 numbers (shape [1, 28, 28]), found \

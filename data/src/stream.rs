@@ -22,14 +22,13 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bytes::Bytes;
-use trainerd_sdk::tch::Tensor;
 use trainerd_sdk::{Columns, Split};
 
-use crate::batch::stack;
+use crate::batch::{padding_mask, stack};
 use crate::error::{caught, DataError, GroupError, ValueError};
 use crate::index::SplitIndex;
 use crate::order::{EpochOrder, Shuffle, Slice};
-use crate::rows::{self, Chunk, Place, Row};
+use crate::rows::{self, Chunk, Place, Row, Value};
 use crate::schema::Projection;
 use crate::source::{Purpose, Source};
 
@@ -42,10 +41,9 @@ pub struct Batch {
     pub epoch: u32,
     /// Its step in the epoch (from 0).
     pub step: u64,
-    /// Inputs, `[rows, ...]` (CPU).
-    pub xs: Tensor,
-    /// Labels, `[rows, ...]` (CPU).
-    pub ys: Tensor,
+    /// Its columns, each `[rows, ...]` (CPU), named as declared, and the derived padding mask of
+    /// token columns ([`trainerd_sdk::Columns::masked_tokens`]).
+    pub columns: trainerd_sdk::Batch,
     /// Each row's example id: (file index in sorted order, row in the file).
     pub ids: Vec<(u32, u64)>,
 }
@@ -420,10 +418,15 @@ fn make(input: &Input, epoch: u32, step: u64, taken: Vec<(u64, Row)>) -> Result<
             reason: Box::new(reason),
         }
     };
-    let (inputs, labels): (Vec<_>, Vec<_>) = taken.iter().map(|(_, row)| (&row.input, &row.label)).unzip();
-    let c = &input.columns;
-    let xs = stack(&inputs, &c.input).map_err(|(i, e)| named(i, &c.input.name, e))?;
-    let ys = stack(&labels, &c.label).map_err(|(i, e)| named(i, &c.label.name, e))?;
+    let mut columns = trainerd_sdk::Batch::new();
+    for (k, c) in input.columns.iter().enumerate() {
+        let values: Vec<&Value> = taken.iter().map(|(_, row)| &row.values[k]).collect();
+        columns.push(c.name.clone(), stack(&values, c).map_err(|(i, e)| named(i, &c.name, e))?);
+        if input.columns.masked_tokens().is_some_and(|m| m.name == c.name) {
+            let mask = padding_mask(&values, &c.decode).map_err(|(i, e)| named(i, &c.name, e))?;
+            columns.push(trainerd_sdk::ATTENTION_MASK, mask);
+        }
+    }
     let ids = taken.iter().map(|(r, _)| split.example_id(*r)).collect();
-    Ok(Batch { epoch, step, xs, ys, ids })
+    Ok(Batch { epoch, step, columns, ids })
 }

@@ -108,9 +108,12 @@ fn with_a_window_over_the_split_the_batches_are_the_idx_loaders_bit_for_bit() {
                 expected.extend(mnist.pipeline(&ctx).unwrap().batches.map(Result::unwrap));
             }
             assert_eq!(batches.len(), expected.len());
-            for (got, (xs, ys)) in batches.iter().zip(&expected) {
+            for (got, want) in batches.iter().zip(&expected) {
+                let names = |b: &trainerd_sdk::Batch| b.iter().map(|(n, _)| n.to_string()).collect::<Vec<_>>();
+                assert_eq!(names(&got.columns), ["image", "label"]);
                 assert!(
-                    same(&got.xs, xs) && same(&got.ys, ys),
+                    names(want) == names(&got.columns)
+                        && got.columns.iter().zip(want.iter()).all(|((_, a), (_, b))| same(a, b)),
                     "{split:?} rank {rank} epoch {} step {}",
                     got.epoch,
                     got.step
@@ -143,8 +146,9 @@ fn a_windowed_order_is_the_same_for_any_worker_count_and_from_any_step() {
     for (i, whole) in one.iter().enumerate() {
         let joined: Vec<(u32, u64)> = four.iter().flat_map(|w| w[i].ids.clone()).collect();
         assert_eq!(joined, whole.ids, "step {} of epoch {}", whole.step, whole.epoch);
-        let xs = Tensor::cat(&four.iter().map(|w| w[i].xs.shallow_clone()).collect::<Vec<_>>(), 0);
-        assert!(same(&xs, &whole.xs));
+        let xs =
+            Tensor::cat(&four.iter().map(|w| w[i].columns.input().unwrap().shallow_clone()).collect::<Vec<_>>(), 0);
+        assert!(same(&xs, whole.columns.input().unwrap()));
     }
     // Each epoch takes distinct rows (its first 984 positions), and the epochs differ.
     let epoch =
@@ -177,7 +181,7 @@ fn evaluation_covers_every_row_once_in_file_order() {
     all.sort_unstable();
     assert_eq!(all, (0..210).map(|r| (0, r)).collect::<Vec<_>>());
     // The last global batch holds 18 rows: 8, 8 and the last worker's 2.
-    assert_eq!(shards[2][8].xs.size(), [2, 1, 28, 28], "the last worker's share of the last batch is short");
+    assert_eq!(shards[2][8].columns.examples(), 2, "the last worker's share of the last batch is short");
 }
 
 #[test]
@@ -261,7 +265,7 @@ fn a_missing_shard_a_wrong_schema_and_a_file_that_is_not_parquet_are_refused_bef
     let location = DataLocation::Local(parquet.clone());
 
     let mut columns = columns();
-    columns.label.name = "class".into();
+    columns.0[1].name = "class".into();
     let err = open(&parquet).reader(Split::Train, &columns).err().unwrap().to_string();
     assert_eq!(
         err,

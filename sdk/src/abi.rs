@@ -21,8 +21,10 @@ pub const MAGIC: [u8; 8] = *b"TRAINERD";
 
 /// Version of the layout behind `header_size`: bumped on any change to the header, the vtable or
 /// what crosses it. 2: the input context's `first_step`, and the plugin info's `columns`. 3: plugin
-/// arguments (`arguments`; `info` and `create` take them), and the info's `identity`.
-pub const ABI_VERSION: u32 = 3;
+/// arguments (`arguments`; `info` and `create` take them), and the info's `identity`. 4: batches of
+/// named columns ([`RawBatch`]); `step` (loss and metrics in one call) and `predict` in place of
+/// `forward`, `loss` and `metrics`.
+pub const ABI_VERSION: u32 = 4;
 
 /// Name of the one symbol a plugin exports (a `extern "C" fn() -> *const PluginHeader`).
 pub const ENTRY_SYMBOL: &str = "trainerd_plugin_entry";
@@ -126,6 +128,65 @@ pub const SPLIT_TRAIN: RawSplit = 0;
 /// [`RawSplit`] of the test split.
 pub const SPLIT_TEST: RawSplit = 1;
 
+/// A batch crossing the boundary: `len` names and as many tensor handles, borrowed by the receiver
+/// (see the module's rules).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RawBatch {
+    /// Number of columns.
+    pub len: usize,
+    /// The columns' names.
+    pub names: *const StrRef,
+    /// The columns' tensors, in the same order.
+    pub tensors: *const *mut C_tensor,
+}
+
+impl RawBatch {
+    /// A batch of no columns.
+    pub const EMPTY: RawBatch = RawBatch { len: 0, names: std::ptr::null(), tensors: std::ptr::null() };
+
+    /// The batch, each tensor a new reference to the sender's (so the sender's handles stay its own).
+    ///
+    /// # Safety
+    /// `names` and `tensors` must point at `len` valid entries each, live for the call.
+    pub unsafe fn to_batch(&self) -> crate::Batch {
+        if self.len == 0 {
+            return crate::Batch::new();
+        }
+        // SAFETY: per the function contract.
+        let (names, tensors) = unsafe {
+            (std::slice::from_raw_parts(self.names, self.len), std::slice::from_raw_parts(self.tensors, self.len))
+        };
+        names
+            .iter()
+            .zip(tensors)
+            // SAFETY: live handles and names, per the function contract; `clone_from_ptr` takes a
+            // new reference and leaves the sender's.
+            .map(|(n, &t)| unsafe { (n.to_string_lossy(), tch::Tensor::clone_from_ptr(t)) })
+            .collect()
+    }
+}
+
+/// The parts of a [`RawBatch`] over a [`crate::Batch`]: valid while both live.
+#[derive(Debug, Default)]
+pub struct RawParts {
+    names: Vec<StrRef>,
+    tensors: Vec<*mut C_tensor>,
+}
+
+impl RawParts {
+    /// The handles of `batch`'s columns.
+    pub fn of(batch: &crate::Batch) -> RawParts {
+        let (names, tensors) = batch.iter().map(|(n, t)| (StrRef::new(n), t.as_ptr() as *mut C_tensor)).unzip();
+        RawParts { names, tensors }
+    }
+
+    /// The batch as it crosses: valid while these parts and their batch live.
+    pub fn raw(&self) -> RawBatch {
+        RawBatch { len: self.names.len(), names: self.names.as_ptr(), tensors: self.tensors.as_ptr() }
+    }
+}
+
 /// Where one input pipeline stands in the cluster, as TensorFlow's `tf.distribute.InputContext`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -180,22 +241,19 @@ pub struct PluginVTable {
         out_name: *mut StrRef,
         out_tensor: *mut *mut C_tensor,
     ) -> Status,
-    /// Forward pass: logits for a batch of inputs.
-    pub forward: unsafe extern "C" fn(model: Handle, xs: *mut C_tensor, train: bool, out: *mut *mut C_tensor) -> Status,
-    /// Mean loss of a batch (a scalar that backward runs from).
-    pub loss: unsafe extern "C" fn(
+    /// One batch's mean loss (a scalar that backward runs from, with the autograd graph to the
+    /// parameters when `train`) and per-batch *sums* of each metric named in the plugin info (a
+    /// 1-D float64 tensor), in one call: the forward pass, the loss and the metrics.
+    pub step: unsafe extern "C" fn(
         model: Handle,
-        logits: *mut C_tensor,
-        labels: *mut C_tensor,
-        out: *mut *mut C_tensor,
+        batch: *const RawBatch,
+        train: bool,
+        out_loss: *mut *mut C_tensor,
+        out_metrics: *mut *mut C_tensor,
     ) -> Status,
-    /// Per-batch *sums* of each metric named in the plugin info (a 1-D float64 tensor).
-    pub metrics: unsafe extern "C" fn(
-        model: Handle,
-        logits: *mut C_tensor,
-        labels: *mut C_tensor,
-        out: *mut *mut C_tensor,
-    ) -> Status,
+    /// What `trainerd predict` writes for each example of a batch (first dimension: examples),
+    /// in evaluation mode and without gradients.
+    pub predict: unsafe extern "C" fn(model: Handle, batch: *const RawBatch, out: *mut *mut C_tensor) -> Status,
     /// Loads a split of the dataset in directory `dir`.
     pub data_load: unsafe extern "C" fn(model: Handle, dir: StrRef, split: RawSplit, out: *mut Handle) -> Status,
     /// Drops a loaded dataset (after every pipeline over it is freed).
@@ -209,14 +267,9 @@ pub struct PluginVTable {
         out: *mut Handle,
         out_steps: *mut u64,
     ) -> Status,
-    /// Next batch: inputs and labels, borrowed until the next call on this pipeline; `out_done`
-    /// is set when the pipeline is exhausted.
-    pub pipeline_next: unsafe extern "C" fn(
-        pipeline: Handle,
-        out_xs: *mut *mut C_tensor,
-        out_labels: *mut *mut C_tensor,
-        out_done: *mut bool,
-    ) -> Status,
+    /// Next batch, its names and tensors borrowed until the next call on this pipeline;
+    /// `out_done` is set when the pipeline is exhausted.
+    pub pipeline_next: unsafe extern "C" fn(pipeline: Handle, out: *mut RawBatch, out_done: *mut bool) -> Status,
     /// Drops a pipeline.
     pub pipeline_free: unsafe extern "C" fn(pipeline: Handle),
 }

@@ -1,6 +1,6 @@
 //! How a record of a columnar dataset (Parquet, as Hugging Face Datasets, pandas, Polars, Spark
-//! and DuckDB write it) becomes the tensors a model takes: which column is the input, which the
-//! label, and how each is decoded. A plugin declares this ([`crate::PluginInfo::columns`]); the
+//! and DuckDB write it) becomes the tensors a model takes: which columns it reads, and how each is
+//! decoded into the batch's column of the same name. A plugin declares this ([`crate::PluginInfo::columns`]); the
 //! daemon reads, checks and decodes the files, so a plugin holds no reader and every plugin
 //! gets the same streaming, ordering and failure handling.
 //!
@@ -9,14 +9,11 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The columns a model trains on.
+/// The columns a model trains on, in the order its batches hold them. A dataset may have no label
+/// column: examples are counted along the first dimension.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Columns {
-    /// The model's input (what `forward` receives, batched).
-    pub input: Column,
-    /// The label (what `loss` and `metrics` receive, batched).
-    pub label: Column,
-}
+#[serde(transparent)]
+pub struct Columns(pub Vec<Column>);
 
 /// One column and its decoding.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -79,10 +76,88 @@ impl Columns {
     /// An image classifier's columns in Hugging Face's layout: the image struct `image` decoded to
     /// `[channels, height, width]`, the integer class `label`.
     pub fn image_classification(channels: u32, height: u32, width: u32) -> Columns {
-        Columns {
-            input: Column { name: "image".into(), decode: Decode::Image { channels, height, width } },
-            label: Column { name: "label".into(), decode: Decode::Integer },
+        Columns(vec![
+            Column { name: "image".into(), decode: Decode::Image { channels, height, width } },
+            Column { name: crate::LABEL.into(), decode: Decode::Integer },
+        ])
+    }
+
+    /// The columns, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &Column> {
+        self.0.iter()
+    }
+
+    /// The column named `name`.
+    pub fn get(&self, name: &str) -> Option<&Column> {
+        self.0.iter().find(|c| c.name == name)
+    }
+
+    /// The token column whose padding the batch's [`crate::ATTENTION_MASK`] is derived from: the
+    /// first token column, when the dataset does not declare the mask itself.
+    pub fn masked_tokens(&self) -> Option<&Column> {
+        if self.get(crate::ATTENTION_MASK).is_some() {
+            return None;
         }
+        self.0.iter().find(|c| matches!(c.decode, Decode::Tokens { .. }))
+    }
+
+    /// Tokens per example: the declared length of the first token column, if any.
+    pub fn tokens_per_example(&self) -> Option<u32> {
+        self.0.iter().find_map(|c| match c.decode {
+            Decode::Tokens { length, .. } => Some(length),
+            _ => None,
+        })
+    }
+
+    /// Checks the declaration: at least one column, no name twice, each decoding sensible. The
+    /// error names the column.
+    pub fn validate(&self) -> Result<(), (String, DeclarationError)> {
+        if self.0.is_empty() {
+            return Err((String::new(), DeclarationError::NoColumns));
+        }
+        for (i, c) in self.0.iter().enumerate() {
+            if self.0[..i].iter().any(|d| d.name == c.name) {
+                return Err((c.name.clone(), DeclarationError::Twice));
+            }
+            c.decode.validate().map_err(|e| (c.name.clone(), e))?;
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for Decode {
+    type Err = DeclarationError;
+
+    /// A decoding as users spell it: `integer`, `number`, `numbers:N` (or `numbers:AxB`),
+    /// `tokens:LEN` (padded with 0 at the end, cut at the end), `image:CxHxW`.
+    fn from_str(spec: &str) -> Result<Decode, DeclarationError> {
+        let bad = || DeclarationError::Spelling { spec: spec.to_string() };
+        let (kind, size) = match spec.trim().split_once(':') {
+            Some((k, s)) => (k.trim(), Some(s.trim())),
+            None => (spec.trim(), None),
+        };
+        let dims = |s: Option<&str>| -> Result<Vec<i64>, DeclarationError> {
+            let s = s.ok_or_else(bad)?;
+            s.split('x').map(|d| d.trim().parse::<i64>().map_err(|_| bad())).collect()
+        };
+        let decode = match kind {
+            "integer" if size.is_none() => Decode::Integer,
+            "number" if size.is_none() => Decode::Number,
+            "numbers" => Decode::Numbers { shape: dims(size)? },
+            "tokens" => {
+                let length = size.and_then(|s| s.parse::<u32>().ok()).ok_or_else(bad)?;
+                Decode::Tokens { length, pad: 0, truncate: Side::Right }
+            }
+            "image" => match dims(size)?.as_slice() {
+                &[c, h, w] if c >= 0 && h >= 0 && w >= 0 => {
+                    Decode::Image { channels: c as u32, height: h as u32, width: w as u32 }
+                }
+                _ => return Err(bad()),
+            },
+            _ => return Err(bad()),
+        };
+        decode.validate()?;
+        Ok(decode)
     }
 }
 
@@ -160,6 +235,21 @@ pub enum DeclarationError {
     /// Token lists of no tokens.
     #[error("a token length of 0: expected at least 1")]
     TokenLength,
+    /// A declaration of no columns.
+    #[error("no columns are declared: expected at least one")]
+    NoColumns,
+    /// A column declared twice.
+    #[error("the column is declared twice")]
+    Twice,
+    /// A decoding spelled in no known way.
+    #[error(
+        "{spec:?} is not a column kind: expected integer, number, numbers:N (or numbers:AxB), tokens:LEN or \
+         image:CxHxW (such as image:1x28x28)"
+    )]
+    Spelling {
+        /// What was written.
+        spec: String,
+    },
 }
 
 #[cfg(test)]
@@ -172,7 +262,7 @@ mod tests {
         let c = Columns::image_classification(1, 28, 28);
         assert_eq!(
             serde_json::to_string(&c).unwrap(),
-            r#"{"input":{"name":"image","decode":{"kind":"image","channels":1,"height":28,"width":28}},"label":{"name":"label","decode":{"kind":"integer"}}}"#
+            r#"[{"name":"image","decode":{"kind":"image","channels":1,"height":28,"width":28}},{"name":"label","decode":{"kind":"integer"}}]"#
         );
         let t = Decode::Tokens { length: 8, pad: 0, truncate: Side::Left };
         assert_eq!(serde_json::to_string(&t).unwrap(), r#"{"kind":"tokens","length":8,"pad":0,"truncate":"left"}"#);
@@ -189,5 +279,40 @@ mod tests {
         );
         assert!(Decode::Numbers { shape: vec![3, 0] }.validate().is_err());
         assert!(Decode::Numbers { shape: vec![3, 4] }.validate().is_ok());
+    }
+
+    #[test]
+    fn kinds_are_spelled_as_users_write_them() {
+        assert_eq!("integer".parse::<Decode>().unwrap(), Decode::Integer);
+        assert_eq!("number".parse::<Decode>().unwrap(), Decode::Number);
+        assert_eq!("numbers:4".parse::<Decode>().unwrap(), Decode::Numbers { shape: vec![4] });
+        assert_eq!("numbers:2x3".parse::<Decode>().unwrap(), Decode::Numbers { shape: vec![2, 3] });
+        assert_eq!(
+            "tokens:128".parse::<Decode>().unwrap(),
+            Decode::Tokens { length: 128, pad: 0, truncate: Side::Right }
+        );
+        assert_eq!("image:3x32x32".parse::<Decode>().unwrap(), Decode::Image { channels: 3, height: 32, width: 32 });
+        assert_eq!(
+            "tokens".parse::<Decode>().unwrap_err().to_string(),
+            "\"tokens\" is not a column kind: expected integer, number, numbers:N (or numbers:AxB), tokens:LEN or \
+             image:CxHxW (such as image:1x28x28)"
+        );
+        assert_eq!("tokens:0".parse::<Decode>().unwrap_err(), DeclarationError::TokenLength);
+        assert_eq!("image:2x1x1".parse::<Decode>().unwrap_err(), DeclarationError::Channels { channels: 2 });
+    }
+
+    #[test]
+    fn a_derived_mask_follows_the_first_token_column_unless_declared() {
+        let tokens = Column { name: "input_ids".into(), decode: "tokens:8".parse().unwrap() };
+        let lm = Columns(vec![tokens.clone()]);
+        assert_eq!(lm.masked_tokens().map(|c| c.name.as_str()), Some("input_ids"));
+        assert_eq!(lm.tokens_per_example(), Some(8));
+        let mask = Column { name: crate::ATTENTION_MASK.into(), decode: "tokens:8".parse().unwrap() };
+        assert_eq!(Columns(vec![tokens.clone(), mask]).masked_tokens(), None);
+        assert_eq!(Columns::image_classification(1, 28, 28).masked_tokens(), None);
+        assert_eq!(
+            Columns(vec![tokens.clone(), tokens]).validate().unwrap_err(),
+            ("input_ids".into(), DeclarationError::Twice)
+        );
     }
 }

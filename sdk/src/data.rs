@@ -16,6 +16,7 @@ use rand_chacha::ChaCha8Rng;
 use tch::Tensor;
 
 use crate::abi::InputContext;
+use crate::batch::Batch;
 use crate::model::{Pipeline, PluginError};
 
 /// The order of `n` examples in `epoch` of a run seeded with `seed`.
@@ -63,19 +64,19 @@ pub fn shard_plan(n: usize, ctx: &InputContext) -> Vec<Vec<i64>> {
     }
 }
 
-/// An input pipeline over in-memory `inputs` and `labels` (first dimension = examples).
+/// An input pipeline over in-memory `inputs` and `labels` (first dimension = examples): batches
+/// of two columns, `input` and [`crate::LABEL`].
 pub fn sharded_batches(inputs: &Tensor, labels: &Tensor, ctx: &InputContext) -> Result<Pipeline, PluginError> {
-    sharded_map(inputs, labels, ctx, Ok)
+    sharded_map((inputs, labels), ctx, ("input", Ok))
 }
 
-/// As [`sharded_batches`], with `prepare` applied to each batch's inputs as it is drawn (u8 pixels
-/// to floats, say), so that a dataset stays compact in memory and loads fast: a restarted worker
-/// reloads it on its way back into the run.
+/// As [`sharded_batches`], the input column named `name` and `prepare` applied to each batch's
+/// inputs as it is drawn (u8 pixels to floats, say), so that a dataset stays compact in memory and
+/// loads fast: a restarted worker reloads it on its way back into the run.
 pub fn sharded_map(
-    inputs: &Tensor,
-    labels: &Tensor,
+    (inputs, labels): (&Tensor, &Tensor),
     ctx: &InputContext,
-    prepare: impl Fn(Tensor) -> Result<Tensor, tch::TchError> + Send + 'static,
+    (name, prepare): (&'static str, impl Fn(Tensor) -> Result<Tensor, tch::TchError> + Send + 'static),
 ) -> Result<Pipeline, PluginError> {
     let n = inputs.size().first().copied().unwrap_or(0);
     let n_labels = labels.size().first().copied().unwrap_or(0);
@@ -89,7 +90,9 @@ pub fn sharded_map(
         first_step: ctx.first_step,
         batches: Box::new(plan.into_iter().skip(ctx.first_step as usize).map(move |idx| {
             let idx = Tensor::from_slice(&idx);
-            Ok((prepare(inputs.f_index_select(0, &idx)?)?, labels.f_index_select(0, &idx)?))
+            Ok(Batch::new()
+                .with(name, prepare(inputs.f_index_select(0, &idx)?)?)
+                .with(crate::LABEL, labels.f_index_select(0, &idx)?))
         })),
     })
 }
@@ -158,9 +161,9 @@ mod tests {
         let p = sharded_batches(&x, &y, &ctx(2, 1, 2, false)).unwrap();
         assert_eq!(p.steps, 2);
         let batches: Vec<_> = p.batches.map(Result::unwrap).collect();
-        assert_eq!(Vec::<i64>::try_from(&batches[0].1).unwrap(), [2, 3]);
-        assert_eq!(Vec::<f32>::try_from(batches[0].0.flatten(0, -1)).unwrap(), [4., 5., 6., 7.]);
-        assert_eq!(batches[1].1.size(), [0]);
+        assert_eq!(Vec::<i64>::try_from(batches[0].label().unwrap()).unwrap(), [2, 3]);
+        assert_eq!(Vec::<f32>::try_from(batches[0].input().unwrap().flatten(0, -1)).unwrap(), [4., 5., 6., 7.]);
+        assert_eq!(batches[1].examples(), 0);
     }
 
     /// A pipeline opened at a step yields what the epoch's pipeline yields from there, and
@@ -171,7 +174,11 @@ mod tests {
         let y = Tensor::arange(20, (tch::Kind::Int64, tch::Device::Cpu));
         let labels = |first_step| {
             let p = sharded_batches(&x, &y, &InputContext { first_step, ..ctx(2, 1, 3, true) }).unwrap();
-            (p.steps, p.first_step, p.batches.map(|b| Vec::<i64>::try_from(&b.unwrap().1).unwrap()).collect::<Vec<_>>())
+            (
+                p.steps,
+                p.first_step,
+                p.batches.map(|b| Vec::<i64>::try_from(b.unwrap().label().unwrap()).unwrap()).collect::<Vec<_>>(),
+            )
         };
         let (steps, _, all) = labels(0);
         assert_eq!(steps, 3);

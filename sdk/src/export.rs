@@ -5,7 +5,6 @@
 //! kept in a slot owned by the plugin object, so the daemon only ever borrows it.
 
 use std::ffi::{c_char, CString};
-use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::Arc;
@@ -13,10 +12,11 @@ use std::sync::Arc;
 use tch::{nn, Device, Tensor};
 
 use crate::abi::{
-    C_tensor, Handle, InputContext, OwnedString, PluginHeader, PluginVTable, RawDevice, RawSplit, Status, StrRef,
-    ABI_VERSION, LIBTORCH_VERSION, MAGIC, SDK_VERSION, SPLIT_TEST, SPLIT_TRAIN, TARGET, TCH_VERSION,
+    C_tensor, Handle, InputContext, OwnedString, PluginHeader, PluginVTable, RawBatch, RawDevice, RawParts, RawSplit,
+    Status, StrRef, ABI_VERSION, LIBTORCH_VERSION, MAGIC, SDK_VERSION, SPLIT_TEST, SPLIT_TRAIN, TARGET, TCH_VERSION,
 };
 use crate::args::PluginArgs;
+use crate::batch::Batch;
 use crate::model::{Model, Pipeline, PluginError, Split};
 
 /// Exports `$model` (a type implementing [`Model`]) as this library's plugin. Call once, in a
@@ -60,9 +60,8 @@ pub const fn vtable<M: Model>() -> PluginVTable {
         destroy: destroy::<M>,
         parameter_count: parameter_count::<M>,
         parameter: parameter::<M>,
-        forward: forward::<M>,
-        loss: loss::<M>,
-        metrics: metrics::<M>,
+        step: step::<M>,
+        predict: predict::<M>,
         data_load: data_load::<M>,
         data_free: data_free::<M>,
         pipeline_open: pipeline_open::<M>,
@@ -74,15 +73,16 @@ pub const fn vtable<M: Model>() -> PluginVTable {
 struct ModelBox<M> {
     model: M,
     params: Vec<(String, Tensor)>,
-    /// The last output handed out; valid until the next call.
-    out: Tensor,
+    /// The last outputs handed out (a loss, or predictions, and metrics); valid until the next
+    /// call.
+    out: (Tensor, Tensor),
     _vs: nn::VarStore,
 }
 
 struct PipelineBox {
     pipeline: Pipeline,
-    xs: Tensor,
-    labels: Tensor,
+    /// The last batch handed out and its handles; valid until the next call.
+    batch: (Batch, RawParts),
 }
 
 /// Runs `f`, turning an error or a panic into a [`Status`].
@@ -111,15 +111,6 @@ fn guard_quiet(what: &str, f: impl FnOnce()) {
     if catch_unwind(AssertUnwindSafe(f)).is_err() {
         eprintln!("trainerd plugin: panic in {what} (ignored)");
     }
-}
-
-/// A daemon-owned tensor, borrowed for the duration of a call.
-///
-/// # Safety
-/// `ptr` must be a live tensor handle.
-unsafe fn borrowed(ptr: *mut C_tensor) -> ManuallyDrop<Tensor> {
-    // SAFETY: the caller guarantees the handle; ManuallyDrop keeps us from freeing it.
-    ManuallyDrop::new(unsafe { Tensor::from_ptr(ptr) })
 }
 
 fn device(raw: RawDevice) -> Device {
@@ -184,7 +175,7 @@ unsafe extern "C" fn create<M: Model>(
         let model = M::new(&root, &args)?;
         let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
-        let boxed = Box::new(ModelBox { model, params, out: Tensor::new(), _vs: vs });
+        let boxed = Box::new(ModelBox { model, params, out: (Tensor::new(), Tensor::new()), _vs: vs });
         // SAFETY: valid out pointer from the daemon.
         unsafe { *out = Box::into_raw(boxed) as Handle };
         Ok(())
@@ -228,53 +219,39 @@ unsafe extern "C" fn parameter<M: Model>(
     })
 }
 
-/// Runs `f` on the model and hands out its result through the model's output slot.
-///
-/// # Safety
-/// `model` is a live model handle and `out` a valid out pointer.
-unsafe fn with_output<M: Model>(
+unsafe extern "C" fn step<M: Model>(
     model: Handle,
-    out: *mut *mut C_tensor,
-    f: impl FnOnce(&M) -> Result<Tensor, PluginError>,
+    batch: *const RawBatch,
+    train: bool,
+    out_loss: *mut *mut C_tensor,
+    out_metrics: *mut *mut C_tensor,
 ) -> Status {
     guard(|| {
-        // SAFETY: per the function contract.
-        let m = unsafe { model_mut::<M>(model) };
-        m.out = f(&m.model)?;
-        // SAFETY: per the function contract.
-        unsafe { *out = m.out.as_mut_ptr() };
+        // SAFETY: a live model handle and a valid batch from the daemon.
+        let (m, batch) = unsafe { (model_mut::<M>(model), (*batch).to_batch()) };
+        let outputs = m.model.forward(&batch, train)?;
+        let loss = m.model.loss(&outputs, &batch)?;
+        let metrics = m.model.metrics(&outputs.detach(), &batch)?;
+        m.out = (loss, metrics);
+        // SAFETY: valid out pointers; the tensors live in the model's slots until the next call.
+        unsafe {
+            *out_loss = m.out.0.as_mut_ptr();
+            *out_metrics = m.out.1.as_mut_ptr();
+        }
         Ok(())
     })
 }
 
-unsafe extern "C" fn forward<M: Model>(
-    model: Handle,
-    xs: *mut C_tensor,
-    train: bool,
-    out: *mut *mut C_tensor,
-) -> Status {
-    // SAFETY: handles from the daemon.
-    unsafe { with_output::<M>(model, out, |m| m.forward(&borrowed(xs), train)) }
-}
-
-unsafe extern "C" fn loss<M: Model>(
-    model: Handle,
-    logits: *mut C_tensor,
-    labels: *mut C_tensor,
-    out: *mut *mut C_tensor,
-) -> Status {
-    // SAFETY: handles from the daemon.
-    unsafe { with_output::<M>(model, out, |m| m.loss(&borrowed(logits), &borrowed(labels))) }
-}
-
-unsafe extern "C" fn metrics<M: Model>(
-    model: Handle,
-    logits: *mut C_tensor,
-    labels: *mut C_tensor,
-    out: *mut *mut C_tensor,
-) -> Status {
-    // SAFETY: handles from the daemon.
-    unsafe { with_output::<M>(model, out, |m| m.metrics(&borrowed(logits), &borrowed(labels))) }
+unsafe extern "C" fn predict<M: Model>(model: Handle, batch: *const RawBatch, out: *mut *mut C_tensor) -> Status {
+    guard(|| {
+        // SAFETY: a live model handle and a valid batch from the daemon.
+        let (m, batch) = unsafe { (model_mut::<M>(model), (*batch).to_batch()) };
+        let _no_grad = tch::no_grad_guard();
+        m.out.0 = m.model.predict(&batch)?;
+        // SAFETY: a valid out pointer; the tensor lives in the model's slot until the next call.
+        unsafe { *out = m.out.0.as_mut_ptr() };
+        Ok(())
+    })
 }
 
 unsafe extern "C" fn data_load<M: Model>(model: Handle, dir: StrRef, split: RawSplit, out: *mut Handle) -> Status {
@@ -319,7 +296,7 @@ unsafe extern "C" fn pipeline_open<M: Model>(
             pipeline.first_step += 1;
         }
         let steps = pipeline.steps;
-        let boxed = Box::new(PipelineBox { pipeline, xs: Tensor::new(), labels: Tensor::new() });
+        let boxed = Box::new(PipelineBox { pipeline, batch: Default::default() });
         // SAFETY: valid out pointers.
         unsafe {
             *out = Box::into_raw(boxed) as Handle;
@@ -329,24 +306,19 @@ unsafe extern "C" fn pipeline_open<M: Model>(
     })
 }
 
-unsafe extern "C" fn pipeline_next(
-    pipeline: Handle,
-    out_xs: *mut *mut C_tensor,
-    out_labels: *mut *mut C_tensor,
-    out_done: *mut bool,
-) -> Status {
+unsafe extern "C" fn pipeline_next(pipeline: Handle, out: *mut RawBatch, out_done: *mut bool) -> Status {
     guard(|| {
         // SAFETY: live pipeline handle from the daemon.
         let p = unsafe { &mut *(pipeline as *mut PipelineBox) };
         let done = match p.pipeline.batches.next() {
             None => true,
             Some(batch) => {
-                (p.xs, p.labels) = batch?;
-                // SAFETY: valid out pointers; the tensors live in the pipeline's slots.
-                unsafe {
-                    *out_xs = p.xs.as_mut_ptr();
-                    *out_labels = p.labels.as_mut_ptr();
-                }
+                let batch = batch?;
+                let parts = RawParts::of(&batch);
+                p.batch = (batch, parts);
+                // SAFETY: a valid out pointer; the batch and its handles live in the pipeline's
+                // slot until the next call.
+                unsafe { *out = p.batch.1.raw() };
                 false
             }
         };

@@ -5,7 +5,7 @@
 //! ```ignore
 //! use trainerd_sdk::{export_plugin, Model};
 //! struct MyModel { /* layers */ }
-//! impl Model for MyModel { /* info, new, forward, load_data, input_pipeline; arguments */ }
+//! impl Model for MyModel { /* info, new, forward, load_data, input_pipeline; loss, metrics, arguments */ }
 //! export_plugin!(MyModel);
 //! ```
 //!
@@ -20,6 +20,7 @@
 
 pub mod abi;
 pub mod args;
+pub mod batch;
 pub mod columns;
 pub mod data;
 #[doc(hidden)]
@@ -29,8 +30,9 @@ pub mod mnist;
 pub mod model;
 
 pub use args::{ArgError, ArgSpec, PluginArgs};
+pub use batch::{Batch, ATTENTION_MASK, LABEL};
 pub use columns::{Column, Columns, DeclarationError, Decode, Side};
 pub use model::{
-    Batch, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
+    InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
 };
 pub use tch;

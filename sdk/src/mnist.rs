@@ -108,10 +108,15 @@ impl Mnist {
         Ok(Mnist { images, labels })
     }
 
-    /// The input pipeline of `ctx` over this split: batches of float images in [0, 1] (`[batch,
-    /// 1, rows, cols]`) and int64 labels, converted batch by batch.
+    /// The input pipeline of `ctx` over this split: batches of float images in [0, 1] (column
+    /// `image`, `[batch, 1, rows, cols]`) and int64 labels (column `label`), converted batch by
+    /// batch: the batches a Parquet dataset of [`crate::Columns::image_classification`] gives.
     pub fn pipeline(&self, ctx: &InputContext) -> Result<Pipeline, PluginError> {
-        crate::data::sharded_map(&self.images, &self.labels, ctx, |x| x.f_to_kind(Kind::Float)?.f_div_scalar(255.0))
+        crate::data::sharded_map(
+            (&self.images, &self.labels),
+            ctx,
+            ("image", |x: Tensor| x.f_to_kind(Kind::Float)?.f_div_scalar(255.0)),
+        )
     }
 
     /// Number of examples.
@@ -125,14 +130,15 @@ impl Mnist {
     }
 }
 
-/// Checks that `xs` is a batch of 28x28 single-channel images (`[batch, 1, 28, 28]`), the input
-/// every MNIST-format model takes; the error names `plugin` and the shape it got.
-pub fn expect_images(plugin: &str, xs: &Tensor) -> Result<(), PluginError> {
+/// The batch's input, checked to be 28x28 single-channel images (`[batch, 1, 28, 28]`), the input
+/// every MNIST-format model takes; the error names `plugin` and what it got.
+pub fn expect_images<'b>(plugin: &str, batch: &'b crate::Batch) -> Result<&'b Tensor, PluginError> {
+    let xs = batch.input()?;
     let shape = xs.size();
     if shape.len() != 4 || shape[1..] != [1, 28, 28] {
         return Err(PluginError::Other(format!("{plugin} expects images of shape [batch, 1, 28, 28], got {shape:?}")));
     }
-    Ok(())
+    Ok(xs)
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
@@ -263,7 +269,8 @@ mod tests {
                 seed: 0,
                 first_step: 0,
             };
-            let (xs, _) = m.pipeline(&ctx).unwrap().batches.next().unwrap().unwrap();
+            let batch = m.pipeline(&ctx).unwrap().batches.next().unwrap().unwrap();
+            let xs = batch.column("image").unwrap();
             assert_eq!(xs.kind(), Kind::Float);
             assert_eq!(xs.double_value(&[1, 0, 0, 1]), f64::from(5.0f32 / 255.0));
         }

@@ -13,6 +13,7 @@ use tch::{nn, Kind, Tensor};
 
 pub use crate::abi::InputContext;
 use crate::args::{ArgSpec, PluginArgs};
+use crate::batch::Batch;
 use crate::columns::Columns;
 
 /// An error raised by plugin code; its message reaches the operator as it is, so it should name
@@ -39,9 +40,6 @@ pub enum Split {
     /// Held-out test examples.
     Test,
 }
-
-/// One batch: inputs and labels.
-pub type Batch = (Tensor, Tensor);
 
 /// An input pipeline: one epoch of a known number of batches, from its first step on.
 pub struct Pipeline {
@@ -76,21 +74,34 @@ pub trait Model: Sized + 'static {
     /// before this, so initial values are reproducible.
     fn new(root: &nn::Path, args: &PluginArgs) -> Result<Self, PluginError>;
 
-    /// Logits for a batch of inputs. `train` is false during evaluation (for dropout and the
-    /// like).
-    fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, PluginError>;
+    /// The model's outputs for a batch (logits, for a classifier), from the columns it reads
+    /// ([`Batch::input`] when it has one input). `train` is false during evaluation and
+    /// prediction (for dropout and the like).
+    fn forward(&self, batch: &Batch, train: bool) -> Result<Tensor, PluginError>;
 
-    /// Mean loss over the batch. Default: softmax cross-entropy on integer labels.
-    fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, PluginError> {
-        Ok(logits.f_log_softmax(-1, Kind::Float)?.f_nll_loss::<Tensor>(labels, None, tch::Reduction::Mean, -100)?)
+    /// Mean loss over the batch, from the outputs of [`Model::forward`]. Default: softmax
+    /// cross-entropy against the integer labels (column [`crate::batch::LABEL`]).
+    fn loss(&self, outputs: &Tensor, batch: &Batch) -> Result<Tensor, PluginError> {
+        Ok(outputs.f_log_softmax(-1, Kind::Float)?.f_nll_loss::<Tensor>(
+            batch.label()?,
+            None,
+            tch::Reduction::Mean,
+            -100,
+        )?)
     }
 
     /// Per-batch sums of each metric in [`PluginInfo::metrics`], as a 1-D float64 tensor; the
     /// daemon divides by the number of examples. Default: the count of correct argmax
     /// predictions (accuracy).
-    fn metrics(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, PluginError> {
-        let correct = logits.f_argmax(-1, false)?.f_eq_tensor(labels)?;
+    fn metrics(&self, outputs: &Tensor, batch: &Batch) -> Result<Tensor, PluginError> {
+        let correct = outputs.f_argmax(-1, false)?.f_eq_tensor(batch.label()?)?;
         Ok(correct.f_sum(Kind::Double)?.f_reshape([1])?)
+    }
+
+    /// What `trainerd predict` writes for each example of a batch (first dimension: examples).
+    /// Default: the outputs of [`Model::forward`] in evaluation mode.
+    fn predict(&self, batch: &Batch) -> Result<Tensor, PluginError> {
+        self.forward(batch, false)
     }
 
     /// Loads one split from the data directory (the plugin's own format; a columnar dataset is
@@ -125,6 +136,10 @@ pub struct PluginInfo {
     /// resumed or evaluated only by a model with its values.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub identity: BTreeMap<String, String>,
+    /// The loss is a language model's mean cross-entropy per token: the epoch lines show its
+    /// perplexity (`exp` of the loss) beside it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub language_model: bool,
 }
 
 impl PluginInfo {
@@ -144,6 +159,7 @@ impl PluginInfo {
             },
             columns: None,
             identity: BTreeMap::new(),
+            language_model: false,
         }
     }
 

@@ -127,7 +127,7 @@ pub(crate) fn read(args: &ReadArgs) -> anyhow::Result<i32> {
     let mut stream = reader.open(Plan { slice, shuffle, first: (0, 0), end_epoch: args.epochs, steps_per_epoch });
     let mut examples = 0u64;
     while let Some(b) = stream.next_batch()? {
-        examples += b.xs.size()[0] as u64;
+        examples += b.columns.examples() as u64;
     }
     let seconds = started.elapsed().as_secs_f64();
     let rate = examples as f64 / seconds.max(1e-9);

@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 
-use tch::Tensor;
 use trainerd_data::{Plan, Shuffle, Slice, Stream};
 use trainerd_sdk::{InputContext, Split};
 
@@ -16,10 +15,8 @@ pub(crate) struct Batch {
     pub(crate) epoch: u32,
     /// Its step (from 0).
     pub(crate) step: u64,
-    /// Inputs.
-    pub(crate) xs: Tensor,
-    /// Labels.
-    pub(crate) ys: Tensor,
+    /// Its columns.
+    pub(crate) columns: trainerd_sdk::Batch,
     /// Its example ids (file, row), when the data has them (a columnar dataset).
     pub(crate) ids: Option<Vec<(u32, u64)>>,
 }
@@ -121,15 +118,14 @@ impl Epochs<'_> {
                 if *next >= *steps {
                     return Ok(None);
                 }
-                let Some((xs, ys)) = pipeline.next_batch()? else { return Ok(None) };
+                let Some(columns) = pipeline.next_batch()? else { return Ok(None) };
                 *next += 1;
-                Ok(Some(Batch { epoch: *epoch, step: *next - 1, xs, ys, ids: None }))
+                Ok(Some(Batch { epoch: *epoch, step: *next - 1, columns, ids: None }))
             }
             Epochs::Files(stream) => Ok(stream.next_batch()?.map(|b| Batch {
                 epoch: b.epoch,
                 step: b.step,
-                xs: b.xs,
-                ys: b.ys,
+                columns: b.columns,
                 ids: Some(b.ids),
             })),
         }

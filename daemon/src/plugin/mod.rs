@@ -13,8 +13,10 @@ use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 
 use tch::{Device, Tensor};
-use trainerd_sdk::abi::{Handle, InputContext, PluginVTable, RawDevice, Status, StrRef, SPLIT_TEST, SPLIT_TRAIN};
-use trainerd_sdk::{ArgSpec, PluginArgs, PluginInfo, Split};
+use trainerd_sdk::abi::{
+    Handle, InputContext, PluginVTable, RawBatch, RawDevice, RawParts, Status, StrRef, SPLIT_TEST, SPLIT_TRAIN,
+};
+use trainerd_sdk::{ArgSpec, Batch, PluginArgs, PluginInfo, Split};
 
 pub(crate) use load::{BuildFacts, LoadError};
 
@@ -74,10 +76,10 @@ impl Plugin {
             source,
             json: json.clone(),
         })?;
-        for c in info.columns.iter().flat_map(|c| [&c.input, &c.label]) {
-            c.decode.validate().map_err(|source| LoadError::BadColumn {
+        if let Some(columns) = &info.columns {
+            columns.validate().map_err(|(column, source)| LoadError::BadColumn {
                 path: path.to_path_buf(),
-                column: c.name.clone(),
+                column,
                 source,
             })?;
         }
@@ -229,42 +231,17 @@ impl ModelInstance<'_> {
         self.parameters.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).partition(|(_, t)| t.requires_grad())
     }
 
-    /// Runs a call that produces one tensor and takes a reference to it.
-    fn output(
-        &self,
-        call: &'static str,
-        f: impl FnOnce(&mut *mut trainerd_sdk::abi::C_tensor) -> Status,
-    ) -> Result<Tensor, CallError> {
-        let mut out = std::ptr::null_mut();
-        self.plugin.check(call, f(&mut out))?;
-        // SAFETY: the plugin hands out a handle it keeps until the next call; we take our own
-        // reference now.
-        Ok(unsafe { Tensor::clone_from_ptr(out) })
-    }
-
-    /// Logits for `xs`.
-    pub(crate) fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, CallError> {
+    /// One batch's mean loss and per-batch sums of each metric (one call: the forward pass, the
+    /// loss and the metrics), in training mode when `train`.
+    pub(crate) fn step(&self, batch: &Batch, train: bool) -> Result<(Tensor, Tensor), CallError> {
         let vt = self.plugin.vtable;
-        // SAFETY: live handles; the input stays ours (borrowed for the call).
-        self.output("forward", |out| unsafe { (vt.forward)(self.handle, xs.as_ptr() as *mut _, train, out) })
-    }
-
-    /// Mean loss of a batch.
-    pub(crate) fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, CallError> {
-        let vt = self.plugin.vtable;
-        // SAFETY: as in `forward`.
-        self.output("loss", |out| unsafe {
-            (vt.loss)(self.handle, logits.as_ptr() as *mut _, labels.as_ptr() as *mut _, out)
-        })
-    }
-
-    /// Per-batch sums of each metric.
-    pub(crate) fn metrics(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor, CallError> {
-        let vt = self.plugin.vtable;
-        // SAFETY: as in `forward`.
-        self.output("metrics", |out| unsafe {
-            (vt.metrics)(self.handle, logits.as_ptr() as *mut _, labels.as_ptr() as *mut _, out)
-        })
+        let parts = RawParts::of(batch);
+        let (mut loss, mut metrics) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: live handles; the batch stays ours (borrowed for the call); valid out pointers.
+        let status = unsafe { (vt.step)(self.handle, &parts.raw(), train, &mut loss, &mut metrics) };
+        self.plugin.check("step", status)?;
+        // SAFETY: the plugin keeps both outputs until its next call; we take our own references now.
+        Ok(unsafe { (Tensor::clone_from_ptr(loss), Tensor::clone_from_ptr(metrics)) })
     }
 
     /// Loads a split of the dataset in `dir`.
@@ -330,17 +307,18 @@ impl InputPipeline<'_> {
         self.steps
     }
 
-    /// The next batch (inputs, labels), or `None` at the end.
-    pub(crate) fn next_batch(&mut self) -> Result<Option<(Tensor, Tensor)>, CallError> {
-        let (mut xs, mut labels, mut done) = (std::ptr::null_mut(), std::ptr::null_mut(), false);
+    /// The next batch, or `None` at the end.
+    pub(crate) fn next_batch(&mut self) -> Result<Option<Batch>, CallError> {
+        let (mut raw, mut done) = (RawBatch::EMPTY, false);
         // SAFETY: live handle; valid out pointers.
-        let status = unsafe { (self.plugin.vtable.pipeline_next)(self.handle, &mut xs, &mut labels, &mut done) };
+        let status = unsafe { (self.plugin.vtable.pipeline_next)(self.handle, &mut raw, &mut done) };
         self.plugin.check("input_pipeline", status)?;
         if done {
             return Ok(None);
         }
-        // SAFETY: handles kept by the pipeline until its next call; we take our own references.
-        Ok(Some(unsafe { (Tensor::clone_from_ptr(xs), Tensor::clone_from_ptr(labels)) }))
+        // SAFETY: names and handles kept by the pipeline until its next call; we take our own
+        // references.
+        Ok(Some(unsafe { raw.to_batch() }))
     }
 }
 

@@ -110,13 +110,14 @@ impl<'d> Batches<'d> {
     }
 
     fn to_device(&self, b: Batch) -> Result<Batch, TrainError> {
-        Ok(Batch { xs: to_device(b.xs, self.device)?, ys: to_device(b.ys, self.device)?, ..b })
+        let columns = b.columns.map(|t| to_device(t.shallow_clone(), self.device))?;
+        Ok(Batch { columns, ..b })
     }
 }
 
 /// Another reference to the same batch.
 fn shallow(b: &Batch) -> Batch {
-    Batch { epoch: b.epoch, step: b.step, xs: b.xs.shallow_clone(), ys: b.ys.shallow_clone(), ids: b.ids.clone() }
+    Batch { epoch: b.epoch, step: b.step, columns: b.columns.shallow_clone(), ids: b.ids.clone() }
 }
 
 /// `t` on `device`; to a GPU from page-locked memory without waiting, so the copy queues behind

@@ -238,7 +238,7 @@ impl<'a> Driver<'a> {
         trainerd_failpoint::point("train-step");
         let began = Instant::now();
         let slot_batches: Vec<SlotBatch<'_>> =
-            batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { xs: &b.xs, labels: &b.ys, seed }).collect();
+            batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { columns: &b.columns, seed }).collect();
         let (result, prefetch) = self.gradients(state, session, (&ctxs, step), &slot_batches, stopping)?;
         if let Some((what, took)) = session.collective().take_setup() {
             self.report.backend_ready(session.generation(), what, took);

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use tch::{Device, Kind, Tensor};
-use trainerd_sdk::InputContext;
+use trainerd_sdk::{Batch, InputContext};
 
 use super::TrainError;
 use crate::collective::buckets::Buckets;
@@ -47,10 +47,8 @@ pub(crate) struct StepResult {
 
 /// One slot's part of a step: its slice of the global batch and its dropout seed.
 pub(crate) struct SlotBatch<'b> {
-    /// Inputs.
-    pub(crate) xs: &'b Tensor,
-    /// Labels.
-    pub(crate) labels: &'b Tensor,
+    /// Its columns.
+    pub(crate) columns: &'b Batch,
     /// The seed of libtorch's generator for this slot's forward pass.
     pub(crate) seed: i64,
 }
@@ -139,13 +137,11 @@ fn forward_backward(
             b.f_copy_(s).map_err(torch("resetting the buffers"))?;
         }
     }
-    let moved = |t: &Tensor| t.f_to_device(replica.device).map_err(torch("moving the batch to the device"));
-    let (xs, labels) = (moved(batch.xs)?, moved(batch.labels)?);
+    let columns =
+        batch.columns.map(|t| t.f_to_device(replica.device)).map_err(torch("moving the batch to the device"))?;
     tch::manual_seed(batch.seed);
     let autocast = replica.precision.autocast(replica.device).map_err(torch("entering autocast"))?;
-    let logits = replica.model.forward(&xs, true)?;
-    let loss = replica.model.loss(&logits, &labels)?;
-    let metrics = replica.model.metrics(&logits.detach(), &labels)?;
+    let (loss, metrics) = replica.model.step(&columns, true)?;
     drop(autocast);
     // A loss computed in the low precision (a plugin's own) is scaled and differentiated in float32.
     let loss = match loss.kind() {
@@ -160,7 +156,7 @@ fn forward_backward(
     } else {
         loss.f_mul_scalar(replica.loss_scale).and_then(|l| l.f_backward()).map_err(torch("backward"))?;
     }
-    Ok((xs.size()[0], loss, metrics))
+    Ok((columns.examples(), loss, metrics))
 }
 
 /// One slot's buffers after its forward pass: the floating-point ones as float64, the others'
@@ -269,16 +265,15 @@ pub(crate) fn evaluate(
         }
         let mut batches = data.open(ctx, (ctx.epoch as u32 + 1, u64::MAX))?;
         let mut totals = Totals::new(metrics);
-        while let Some(crate::input::Batch { xs, ys: labels, .. }) = batches.next_batch()? {
+        while let Some(crate::input::Batch { columns, .. }) = batches.next_batch()? {
             collective.check_abort()?;
-            let n = xs.size()[0];
+            let n = columns.examples();
             if n == 0 {
                 continue; // this pipeline's share of the last global batch is empty
             }
-            let xs = xs.f_to_device(device).map_err(torch("moving the batch to the device"))?;
-            let labels = labels.f_to_device(device).map_err(torch("moving the batch to the device"))?;
-            let logits = model.forward(&xs, false)?;
-            totals.add(&batch_totals(n, &model.loss(&logits, &labels)?, &model.metrics(&logits, &labels)?)?);
+            let columns = columns.map(|t| t.f_to_device(device)).map_err(torch("moving the batch to the device"))?;
+            let (loss, metrics) = model.step(&columns, false)?;
+            totals.add(&batch_totals(n, &loss, &metrics)?);
             // Chaos tests stop a member here: a failure in the middle of an evaluation.
             trainerd_failpoint::point("evaluate");
         }

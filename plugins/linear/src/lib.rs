@@ -7,7 +7,7 @@ use std::sync::Arc;
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, Tensor};
 use trainerd_sdk::{
-    export_plugin, Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginArgs, PluginError,
+    export_plugin, Batch, Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginArgs, PluginError,
     PluginInfo, Split, TrainDefaults,
 };
 
@@ -33,6 +33,7 @@ impl Model for Linear {
             },
             columns: Some(Columns::image_classification(1, 28, 28)),
             identity: Default::default(),
+            language_model: false,
         })
     }
 
@@ -40,7 +41,8 @@ impl Model for Linear {
         Ok(Linear { dense: nn::linear(root / "dense", 28 * 28, 10, Default::default()) })
     }
 
-    fn forward(&self, xs: &Tensor, _train: bool) -> Result<Tensor, PluginError> {
+    fn forward(&self, batch: &Batch, _train: bool) -> Result<Tensor, PluginError> {
+        let xs = batch.input()?;
         Ok(xs.f_flatten(1, -1)?.apply(&self.dense))
     }
 

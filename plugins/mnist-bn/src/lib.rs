@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
-use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split};
+use trainerd_sdk::{
+    export_plugin, Batch, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split,
+};
 
 /// Dropout rate.
 const DROPOUT: f64 = 0.2;
@@ -49,8 +51,8 @@ impl Model for MnistBn {
         })
     }
 
-    fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, PluginError> {
-        expect_images("mnist-bn", xs)?;
+    fn forward(&self, batch: &Batch, train: bool) -> Result<Tensor, PluginError> {
+        let xs = expect_images("mnist-bn", batch)?;
         Ok(self
             .conv
             .forward(xs)

@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
-use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split};
+use trainerd_sdk::{
+    export_plugin, Batch, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split,
+};
 
 /// The model.
 pub struct MnistCnnBig {
@@ -38,8 +40,8 @@ impl Model for MnistCnnBig {
         })
     }
 
-    fn forward(&self, xs: &Tensor, _train: bool) -> Result<Tensor, PluginError> {
-        expect_images("mnist-cnn-big", xs)?;
+    fn forward(&self, batch: &Batch, _train: bool) -> Result<Tensor, PluginError> {
+        let xs = expect_images("mnist-cnn-big", batch)?;
         Ok(self.conv.forward(xs).relu().flatten(1, -1).apply(&self.dense).relu().apply(&self.logits))
     }
 

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use trainerd_sdk::mnist::{expect_images, Mnist};
 use trainerd_sdk::tch::{nn, nn::Module, Tensor};
-use trainerd_sdk::{export_plugin, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split};
+use trainerd_sdk::{
+    export_plugin, Batch, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split,
+};
 
 /// The model.
 pub struct MnistCnn {
@@ -36,8 +38,8 @@ impl Model for MnistCnn {
         })
     }
 
-    fn forward(&self, xs: &Tensor, _train: bool) -> Result<Tensor, PluginError> {
-        expect_images("mnist-cnn", xs)?;
+    fn forward(&self, batch: &Batch, _train: bool) -> Result<Tensor, PluginError> {
+        let xs = expect_images("mnist-cnn", batch)?;
         Ok(self
             .conv
             .forward(xs)

@@ -26,8 +26,8 @@ use trainerd_sdk::export::{header, vtable};
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, Tensor};
 use trainerd_sdk::{
-    Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginArgs, PluginError, PluginInfo, Split,
-    TrainDefaults,
+    Batch, Columns, InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginArgs, PluginError, PluginInfo,
+    Split, TrainDefaults,
 };
 
 fn fault() -> String {
@@ -69,6 +69,7 @@ impl Model for Fixture {
             },
             columns: columns(),
             identity: Default::default(),
+            language_model: false,
         })
     }
 
@@ -84,7 +85,8 @@ impl Model for Fixture {
         Ok(Fixture { dense: nn::linear(root / "dense", 28 * 28, 10, Default::default()), buffers })
     }
 
-    fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, PluginError> {
+    fn forward(&self, batch: &Batch, train: bool) -> Result<Tensor, PluginError> {
+        let xs = batch.input()?;
         if fault() == "panic-forward" {
             panic!("fixture: forward pass failed on purpose");
         }

@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 use trainerd_sdk::mnist::Mnist;
 use trainerd_sdk::tch::{nn, Device, Kind, Tensor};
 use trainerd_sdk::{
-    export_plugin, ArgSpec, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split,
+    export_plugin, ArgSpec, Batch, Columns, InputContext, Model, Pipeline, PluginArgs, PluginError, PluginInfo, Split,
 };
 
 /// The loss a module trains with.
@@ -330,18 +330,19 @@ impl Model for TorchScript {
         Ok(TorchScript { settings, module, training: Cell::new(None) })
     }
 
-    fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor, PluginError> {
+    fn forward(&self, batch: &Batch, train: bool) -> Result<Tensor, PluginError> {
         if self.training.get() != Some(train) {
             self.module.train(train).map_err(PluginError::Other)?;
             self.training.set(Some(train));
         }
-        let xs = self.settings.input(xs)?;
+        let xs = self.settings.input(batch.input()?)?;
         self.module.forward(&xs).map_err(|why| {
             PluginError::Other(format!("module {}: {}", self.settings.module.display(), essential(&why)))
         })
     }
 
-    fn loss(&self, out: &Tensor, labels: &Tensor) -> Result<Tensor, PluginError> {
+    fn loss(&self, out: &Tensor, batch: &Batch) -> Result<Tensor, PluginError> {
+        let labels = batch.label()?;
         match self.settings.loss {
             Loss::CrossEntropy => Ok(out.f_log_softmax(-1, Kind::Float)?.f_nll_loss::<Tensor>(
                 labels,
@@ -358,7 +359,8 @@ impl Model for TorchScript {
         }
     }
 
-    fn metrics(&self, out: &Tensor, labels: &Tensor) -> Result<Tensor, PluginError> {
+    fn metrics(&self, out: &Tensor, batch: &Batch) -> Result<Tensor, PluginError> {
+        let labels = batch.label()?;
         let sums = self
             .settings
             .metrics
