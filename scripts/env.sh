@@ -6,3 +6,5 @@ TRAINERD_VENV="$TRAINERD_CACHE/venv-torch-$TORCH_VERSION"
 export VIRTUAL_ENV="$TRAINERD_VENV"
 export PATH="$TRAINERD_VENV/bin:$PATH"
 export LIBTORCH_USE_PYTORCH=1
+# The Python model plugin embeds this venv's interpreter (pyo3 and its build script ask it).
+export PYO3_PYTHON="$TRAINERD_VENV/bin/python"

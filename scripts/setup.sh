@@ -67,6 +67,13 @@ if [ ! -e "$marker" ]; then
     touch "$marker"
 fi
 
+# The Python model plugin's examples: a Hugging Face GPT-2 and a byte-level BPE tokenizer.
+if ! "$TRAINERD_VENV/bin/python" -c "import transformers, tokenizers" 2>/dev/null; then
+    echo "setup: installing transformers and tokenizers (the Python model examples)"
+    "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "transformers==5.24.0" "tokenizers==0.23.3" \
+        "huggingface-hub==2.4.0"
+fi
+
 if [ "$tests" = 1 ]; then
     # The partition tests make network namespaces with iproute2's `ip`.
     if ! command -v ip >/dev/null; then

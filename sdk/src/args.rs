@@ -29,7 +29,17 @@ pub struct ArgSpec {
     pub agreed: bool,
 }
 
+/// The key of [`ArgSpec::others`].
+pub const OTHER_KEYS: &str = "*";
+
 impl ArgSpec {
+    /// Any key besides the others, checked by the plugin itself once [`crate::Model::info`] has
+    /// the arguments (a Python model plugin: the keys its model file declares). What makes the
+    /// model the one it is, among them, belongs in [`crate::PluginInfo::identity`].
+    pub fn others(help: &str) -> ArgSpec {
+        ArgSpec { key: OTHER_KEYS.into(), help: help.into(), default: None, agreed: false }
+    }
+
     /// A key every worker must give the same value for.
     pub fn new(key: &str, help: &str, default: Option<&str>) -> ArgSpec {
         ArgSpec { key: key.into(), help: help.into(), default: default.map(Into::into), agreed: true }
@@ -130,6 +140,9 @@ impl PluginArgs {
 
     /// Refuses a key that `specs` does not name, listing the keys accepted.
     pub fn check(&self, specs: &[ArgSpec]) -> Result<(), ArgError> {
+        if specs.iter().any(|s| s.key == OTHER_KEYS) {
+            return Ok(());
+        }
         match self.0.keys().find(|k| !specs.iter().any(|s| &s.key == *k)) {
             None => Ok(()),
             Some(key) => Err(ArgError::NoSuchKey { key: key.clone(), accepted: accepted(specs) }),
@@ -213,6 +226,9 @@ mod tests {
         );
         assert_eq!(args.check(&[]).unwrap_err().to_string(), "--plugin-arg los: no such key; it takes no --plugin-arg");
         assert!(PluginArgs::parse(&["loss=mse"]).unwrap().check(&specs()).is_ok());
+        let open = [ArgSpec::new("module", "a path", None), ArgSpec::others("the file's keys")];
+        assert!(args.check(&open).is_ok(), "the plugin checks the other keys itself");
+        assert!(args.agreed(&open).get("los").is_none());
     }
 
     #[test]

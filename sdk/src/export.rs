@@ -229,10 +229,7 @@ unsafe extern "C" fn step<M: Model>(
     guard(|| {
         // SAFETY: a live model handle and a valid batch from the daemon.
         let (m, batch) = unsafe { (model_mut::<M>(model), (*batch).to_batch()) };
-        let outputs = m.model.forward(&batch, train)?;
-        let loss = m.model.loss(&outputs, &batch)?;
-        let metrics = m.model.metrics(&outputs.detach(), &batch)?;
-        m.out = (loss, metrics);
+        m.out = m.model.step(&batch, train)?;
         // SAFETY: valid out pointers; the tensors live in the model's slots until the next call.
         unsafe {
             *out_loss = m.out.0.as_mut_ptr();

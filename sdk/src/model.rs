@@ -98,6 +98,17 @@ pub trait Model: Sized + 'static {
         Ok(correct.f_sum(Kind::Double)?.f_reshape([1])?)
     }
 
+    /// One training or evaluation step's mean loss and metric sums (the daemon computes
+    /// gradients from the loss). Default: [`Model::forward`], [`Model::loss`] of its outputs, and
+    /// [`Model::metrics`] of its outputs detached. A model whose loss runs its own forward pass
+    /// (a Python model file's `loss(module, batch)`) computes them together here.
+    fn step(&self, batch: &Batch, train: bool) -> Result<(Tensor, Tensor), PluginError> {
+        let outputs = self.forward(batch, train)?;
+        let loss = self.loss(&outputs, batch)?;
+        let metrics = self.metrics(&outputs.detach(), batch)?;
+        Ok((loss, metrics))
+    }
+
     /// What `trainerd predict` writes for each example of a batch (first dimension: examples).
     /// Default: the outputs of [`Model::forward`] in evaluation mode.
     fn predict(&self, batch: &Batch) -> Result<Tensor, PluginError> {

@@ -1,0 +1,373 @@
+"""trainerd's side of a Python model file, run inside the python-model plugin's interpreter.
+
+The plugin (Rust) calls `info`, `Runner`, `Runner.step` and `Runner.predict`; everything that
+reads the user's file, calls it, and checks what it returned is here. Every problem is raised as
+`ModelFileError` with a message that names the file; an exception in the user's code says its
+type, its message and the file and line of the user's frame.
+
+The file's contract (see the plugin's README section):
+    arguments = {"key": "default", ...}       optional: the --plugin-arg keys it accepts
+    columns = {"input_ids": "tokens:128"}     what it reads of a Parquet dataset
+    def model(args) -> torch.nn.Module        required
+    def loss(module, batch) -> Tensor         optional: the batch's mean loss, a 0-dim tensor
+    def metrics(module, batch) -> dict        optional: sums over the batch's examples
+    def predict(module, batch) -> Tensor      optional: outputs per example
+    language_model = True                     optional: the epoch line shows perplexity
+"""
+
+import ast
+import hashlib
+import importlib.metadata
+import importlib.util
+import math
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+LABEL = "label"
+ATTENTION_MASK = "attention_mask"
+
+
+class ModelFileError(Exception):
+    """A problem with the model file, its message complete."""
+
+
+_loaded = {}
+
+
+def _where(path, exc):
+    """`FILE:LINE` of the user's innermost frame in `exc`'s traceback (else the innermost)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if os.path.abspath(f.filename) == path]
+    frame = (mine or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame else path
+
+
+def _raised(path, what, exc):
+    """The error for exception `exc` raised while doing `what` with the file at `path`."""
+    message = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    text = f"model file {path}: {what} raised {type(exc).__name__}: {message} ({_where(path, exc)})"
+    return ModelFileError(text)
+
+
+def load(path):
+    """The model file at `path` as a module, loaded once per process."""
+    path = os.path.abspath(path)
+    if path in _loaded:
+        return _loaded[path]
+    if not os.path.exists(path):
+        raise ModelFileError(
+            f"model file {path} does not exist (--plugin-arg module=PATH names a Python file that defines "
+            f"model(args) -> torch.nn.Module)"
+        )
+    if not os.path.isfile(path):
+        raise ModelFileError(f"model file {path} is not a file: expected a Python file defining model(args)")
+    with open(path, "rb") as f:
+        source = f.read()
+    try:
+        text = source.decode("utf-8")
+        if "\0" in text:
+            raise UnicodeDecodeError("utf-8", source, 0, 1, "a NUL byte")
+    except UnicodeDecodeError:
+        raise ModelFileError(
+            f"model file {path} is not Python: it is not UTF-8 text (a TorchScript archive goes to the "
+            f"torchscript plugin; this one takes a .py file defining model(args))"
+        ) from None
+    try:
+        code = compile(text, path, "exec")
+    except SyntaxError as e:
+        raise ModelFileError(f"model file {path} is not valid Python: {type(e).__name__}: {e.msg} ({path}:{e.lineno})")
+    name = "trainerd_model_" + hashlib.sha256(path.encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException as e:  # noqa: BLE001 - SystemExit in a user's file is an error too
+        del sys.modules[name]
+        raise _raised(path, "importing it", e) from None
+    module.__trainerd_source__ = source
+    _loaded[path] = module
+    return module
+
+
+def _metric_names(path, fn):
+    """The keys of the dict literal(s) that `metrics` returns, read from its source."""
+    source = open(path, encoding="utf-8").read()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == fn.__name__ and node.lineno == fn.__code__.co_firstlineno:
+            break
+    else:
+        node = None
+    found = []
+    for r in ast.walk(node) if node else []:
+        if isinstance(r, ast.Return):
+            if not isinstance(r.value, ast.Dict) or not all(
+                isinstance(k, ast.Constant) and isinstance(k.value, str) for k in r.value.keys
+            ):
+                found = None
+                break
+            found.append([k.value for k in r.value.keys])
+    if not found or any(f != found[0] for f in found):
+        raise ModelFileError(
+            f"model file {path}: metrics(module, batch) must return a dict literal with the same string keys on "
+            f"every return (such as return {{\"accuracy\": correct}}), or the file must name them: "
+            f"metric_names = [...]"
+        )
+    return found[0]
+
+
+def _imported_distributions(path, source):
+    """{distribution: version} of the installed distributions the file imports at top level."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return {}
+    tops = set()
+    for node in tree.body:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Import):
+                tops.update(a.name.split(".")[0] for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+                tops.add(n.module.split(".")[0])
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                break
+    dists = importlib.metadata.packages_distributions()
+    out = {}
+    for top in sorted(tops):
+        for dist in dists.get(top, []):
+            try:
+                out[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+    return out
+
+
+def _arguments(path, module, given):
+    """The file's arguments: its declared defaults with the given values over them; a key it does
+    not declare is refused, listing those it does."""
+    declared = getattr(module, "arguments", {})
+    if not isinstance(declared, dict):
+        raise ModelFileError(
+            f"model file {path}: arguments is {type(declared).__name__}, expected a dict of key to default"
+        )
+    declared = {str(k): (None if v is None else str(v)) for k, v in declared.items()}
+    for key in given:
+        if key not in declared:
+            accepted = ", ".join(["module"] + sorted(declared))
+            raise ModelFileError(f"--plugin-arg {key}: no such key in model file {path}; it accepts {accepted}")
+    args = dict(declared)
+    args.update(given)
+    missing = [k for k, v in args.items() if v is None]
+    if missing:
+        raise ModelFileError(f"model file {path} requires --plugin-arg {missing[0]}=VALUE (it has no default)")
+    return args
+
+
+def info(path, given):
+    """What the plugin's info says of the file: a dict of plain values."""
+    module = load(path)
+    path = os.path.abspath(path)
+    args = _arguments(path, module, given)
+    if not callable(getattr(module, "model", None)):
+        raise ModelFileError(
+            f"model file {path} defines no model function: expected def model(args) -> torch.nn.Module"
+        )
+    columns = getattr(module, "columns", None)
+    if columns is not None and not (isinstance(columns, dict) and all(isinstance(k, str) for k in columns)):
+        raise ModelFileError(
+            f"model file {path}: columns is {type(columns).__name__}, expected a dict of column name to kind, "
+            f"such as {{\"input_ids\": \"tokens:128\"}}"
+        )
+    loss_fn = getattr(module, "loss", None)
+    metrics_fn = getattr(module, "metrics", None)
+    if metrics_fn is not None:
+        names = getattr(module, "metric_names", None)
+        names = [str(n) for n in names] if names is not None else _metric_names(path, metrics_fn)
+    else:
+        names = [] if loss_fn is not None else ["accuracy"]
+    source = module.__trainerd_source__
+    identity = {"module_sha256": hashlib.sha256(source).hexdigest(), "torch": torch.__version__}
+    packages = _imported_distributions(path, source)
+    packages.pop("torch", None)
+    identity.update({f"package {d}": v for d, v in packages.items()})
+    identity.update({f"arg {k}": v for k, v in sorted(args.items())})
+    doc = (module.__doc__ or "").strip().splitlines()
+    return {
+        "description": doc[0] if doc else f"model(args) of {os.path.basename(path)}",
+        "columns": None if columns is None else [[k, str(v)] for k, v in columns.items()],
+        "metrics": names,
+        "identity": identity,
+        "language_model": bool(getattr(module, "language_model", False)),
+    }
+
+
+def _tensor(value):
+    return isinstance(value, torch.Tensor)
+
+
+def _describe(value):
+    if _tensor(value):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {list(value.shape)}"
+    return f"{type(value).__name__}"
+
+
+def _input(batch):
+    inputs = [k for k in batch if k not in (LABEL, ATTENTION_MASK)]
+    if len(inputs) != 1:
+        raise TypeError(
+            f"the default loss and predict take the one input column besides {LABEL!r} and {ATTENTION_MASK!r}; "
+            f"the batch has {', '.join(batch) or 'none'}: define loss(module, batch) and predict(module, batch)"
+        )
+    return batch[inputs[0]]
+
+
+def _outputs(value):
+    """A module's outputs as a tensor: itself, or a model output's `logits` (Hugging Face)."""
+    if not _tensor(value) and _tensor(getattr(value, "logits", None)):
+        return value.logits
+    return value
+
+
+class Runner:
+    """One instance of the file's module on a device, with its loss, metrics and predict."""
+
+    def __init__(self, path, given, device):
+        module = load(path)
+        self.path = path = os.path.abspath(path)
+        self.args = _arguments(path, module, given)
+        self.loss_fn = getattr(module, "loss", None)
+        self.metrics_fn = getattr(module, "metrics", None)
+        self.predict_fn = getattr(module, "predict", None)
+        self.names = info(path, given)["metrics"]
+        self.first = True
+        device = torch.device(device)
+        torch.use_deterministic_algorithms(True)
+        if device.type == "cuda":
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        try:
+            net = module.model(dict(self.args))
+        except Exception as e:  # noqa: BLE001
+            raise _raised(path, "model(args)", e) from None
+        if not isinstance(net, torch.nn.Module):
+            raise ModelFileError(
+                f"model file {path}: model(args) returned {_describe(net)}, expected a torch.nn.Module"
+            )
+        self.module = net.to(device)
+        self.training = None
+        params = list(self.module.named_parameters())
+        if not any(p.requires_grad for _, p in params):
+            raise ModelFileError(
+                f"model file {path}: the module model(args) returned has no parameter that requires a gradient: "
+                f"nothing to train"
+            )
+        persistent = set(self.module.state_dict().keys())
+        buffers = [(n, b) for n, b in self.module.named_buffers() if n in persistent]
+        # Parameters (shared ones once) and persistent buffers, each under its state_dict name.
+        self.tensors = params + buffers
+        # Every state_dict key and the name of the tensor it is (tied weights: two keys, one tensor).
+        ids = {id(t): n for n, t in self.tensors}
+        self.state_names = [(k, ids.get(id(t))) for k, t in self.module.state_dict(keep_vars=True).items()]
+
+    def _mode(self, train):
+        if self.training != train:
+            self.module.train(train)
+            self.training = train
+
+    def _call(self, what, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            raise _raised(self.path, what, e) from None
+
+    def _default_loss(self, batch):
+        logits = _outputs(self.module(_input(batch)))
+        return logits, F.nll_loss(logits.log_softmax(-1, dtype=torch.float32), batch[LABEL])
+
+    def step(self, batch, train):
+        """(mean loss, float64 metric sums in `names` order) of a batch."""
+        self._mode(train)
+        logits = None
+        if self.loss_fn is not None:
+            loss = self._call("loss(module, batch)", self.loss_fn, self.module, batch)
+        else:
+            logits, loss = self._call("the forward pass (the default loss)", self._default_loss, batch)
+        self._check_loss(loss, train)
+        with torch.no_grad():
+            if self.metrics_fn is not None:
+                values = self._call("metrics(module, batch)", self.metrics_fn, self.module, batch)
+                sums = self._sums(values)
+            elif logits is not None:
+                correct = logits.argmax(-1).eq(batch[LABEL]).sum(dtype=torch.float64)
+                sums = correct.reshape(1)
+            else:
+                sums = torch.zeros(0, dtype=torch.float64, device=loss.device)
+        return loss, sums
+
+    def _check_loss(self, loss, train):
+        what = "loss(module, batch)" if self.loss_fn is not None else "the default loss"
+        if not _tensor(loss):
+            raise ModelFileError(
+                f"model file {self.path}: {what} returned {_describe(loss)}, expected a 0-dim tensor: the batch's "
+                f"mean loss"
+            )
+        if loss.dim() != 0:
+            raise ModelFileError(
+                f"model file {self.path}: {what} returned {_describe(loss)}, expected a 0-dim tensor: the batch's "
+                f"mean loss (reduce it with .mean())"
+            )
+        if train and torch.is_grad_enabled() and not loss.requires_grad:
+            raise ModelFileError(
+                f"model file {self.path}: {what} returned a tensor that does not require a gradient: it must be "
+                f"computed from the module's parameters (not under torch.no_grad(), not detached)"
+            )
+        if self.first and train:
+            self.first = False
+            if not math.isfinite(loss.item()):
+                raise ModelFileError(f"model file {self.path}: {what} is {loss.item()} on the first batch")
+
+    def _sums(self, values):
+        if not isinstance(values, dict):
+            raise ModelFileError(
+                f"model file {self.path}: metrics(module, batch) returned {_describe(values)}, expected a dict of "
+                f"name to the sum over the batch's examples"
+            )
+        if list(values) != self.names:
+            raise ModelFileError(
+                f"model file {self.path}: metrics(module, batch) returned the keys {list(values)}, expected "
+                f"{self.names}"
+            )
+        out = []
+        for name, v in values.items():
+            v = torch.as_tensor(v)
+            if v.numel() != 1:
+                raise ModelFileError(
+                    f"model file {self.path}: metrics(module, batch)[{name!r}] is {_describe(v)}, expected one "
+                    f"number: the sum over the batch's examples"
+                )
+            out.append(v.reshape(()).to(torch.float64))
+        return torch.stack(out)
+
+    def predict(self, batch):
+        """Outputs per example of a batch, in evaluation mode without gradients."""
+        self._mode(False)
+        with torch.no_grad():
+            if self.predict_fn is not None:
+                out = self._call("predict(module, batch)", self.predict_fn, self.module, batch)
+            else:
+                out = self._call("the forward pass (the default predict)", lambda b: self.module(_input(b)), batch)
+        out = _outputs(out)
+        n = next(iter(batch.values())).shape[0] if batch else 0
+        if not _tensor(out) or out.dim() == 0 or out.shape[0] != n:
+            raise ModelFileError(
+                f"model file {self.path}: predict returned {_describe(out)}, expected a tensor of {n} examples along "
+                f"its first dimension"
+            )
+        return out
