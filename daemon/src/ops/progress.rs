@@ -166,22 +166,28 @@ impl Progress {
     }
 
     /// The epoch's last line, as Keras prints it: time, per-step time, values (evaluation
-    /// included), and throughput.
+    /// included), and throughput (examples, and tokens when the model reads them).
     pub(crate) fn epoch_end(
         &mut self,
         steps: u64,
         elapsed: Duration,
         values: &[(String, f64)],
-        examples_per_second: f64,
+        (examples_per_second, tokens_per_second): (f64, Option<f64>),
     ) {
         if self.style == Style::Json {
             let mut object = self.values_json("epoch_end", steps, steps, elapsed, values);
             object["examples_per_second"] = examples_per_second.into();
+            if let Some(tokens) = tokens_per_second {
+                object["tokens_per_second"] = tokens.into();
+            }
             return self.json(object);
         }
         let per_step = elapsed.as_secs_f64() * 1e3 / steps.max(1) as f64;
         let mut text = step_line(steps, steps, elapsed, Some(per_step), values, self.tty());
         text.push_str(&format!(" - {} examples/s", thousands(examples_per_second)));
+        if let Some(tokens) = tokens_per_second {
+            text.push_str(&format!(" - {} tokens/s", thousands(tokens)));
+        }
         if self.tty() {
             let _ = write!(self.out, "\r{text}\x1b[K\n");
             let _ = self.out.flush();
@@ -189,6 +195,18 @@ impl Progress {
             self.line(&text);
         }
     }
+}
+
+/// A language model's figures: each loss (`loss`, `val_loss`) followed by its perplexity (`exp` of
+/// the mean cross-entropy per token).
+pub(crate) fn with_perplexity(values: Vec<(String, f64)>) -> Vec<(String, f64)> {
+    let mut out = Vec::with_capacity(values.len() + 2);
+    for (name, value) in values {
+        let perplexity = name.strip_suffix("loss").map(|prefix| (format!("{prefix}perplexity"), value.exp()));
+        out.push((name, value));
+        out.extend(perplexity);
+    }
+    out
 }
 
 /// A value as Keras's progress bar prints it: four decimals, or scientific notation with a
@@ -254,6 +272,16 @@ pub(crate) fn thousands(x: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_language_model_shows_its_perplexity_after_each_loss() {
+        let values = vec![("loss".to_string(), 2.0), ("accuracy".into(), 0.5), ("val_loss".into(), 1.0)];
+        let names: Vec<(String, String)> =
+            with_perplexity(values).into_iter().map(|(n, v)| (n, keras_number(v))).collect();
+        let expected = [("loss", "2.0000"), ("perplexity", "7.3891"), ("accuracy", "0.5000"), ("val_loss", "1.0000")];
+        assert_eq!(names[..4], expected.map(|(n, v)| (n.to_string(), v.to_string())));
+        assert_eq!(names[4], ("val_perplexity".to_string(), "2.7183".to_string()));
+    }
 
     #[test]
     fn numbers_are_printed_as_keras_prints_them() {

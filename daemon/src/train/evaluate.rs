@@ -136,8 +136,13 @@ pub(crate) fn run(
         session.finish();
     }
     let steps = (totals.examples() / (f64::from(cfg.batch_size) * world as f64)).ceil() as u64;
-    let values = totals.named(&info.metrics, "");
-    progress.epoch_end(steps, began.elapsed(), &values, totals.examples() / seconds.max(1e-9));
+    let mut values = totals.named(&info.metrics, "");
+    if info.language_model {
+        values = crate::ops::progress::with_perplexity(values);
+    }
+    let rate = totals.examples() / seconds.max(1e-9);
+    let tokens = info.columns.as_ref().and_then(trainerd_sdk::Columns::tokens_per_example);
+    progress.epoch_end(steps, began.elapsed(), &values, (rate, tokens.map(|t| rate * f64::from(t))));
     Ok(Evaluation::new((cfg, info, world), (sequence, &state), &totals, seconds))
 }
 

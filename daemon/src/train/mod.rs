@@ -334,7 +334,7 @@ pub(crate) fn run(
     // The math's world: every replica of every worker is a slot.
     let (rank, world) = (session.rank(), session.slot_count());
     tracing::debug!("start-up: control plane up after {:?}", started.elapsed());
-    let mut report = Reporter::open(cfg, &info.metrics, rank == 0, outputs)?;
+    let mut report = Reporter::open(cfg, &info, rank == 0, outputs)?;
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model("model", cfg.device)?;
     let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());

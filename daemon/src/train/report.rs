@@ -12,13 +12,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use trainerd_sdk::LrSchedule;
+use trainerd_sdk::{Columns, LrSchedule, PluginInfo};
 
 use super::summary::Recovery;
 use super::{RunConfig, TrainError};
 use crate::checkpoint::Finished;
 use crate::events::{Event, Events};
-use crate::ops::progress::Progress;
+use crate::ops::progress::{with_perplexity, Progress};
 use crate::ops::tensorboard::TensorBoard;
 use crate::ops::Telemetry;
 use crate::state::{Position, Totals};
@@ -161,6 +161,10 @@ pub(crate) struct Reporter<'p> {
     examples_log: Option<JsonLines>,
     tensorboard: Option<TensorBoard>,
     metric_names: Vec<String>,
+    /// Tokens in an example, when the model reads a token column: the lines then show tokens/s.
+    tokens_per_example: Option<u32>,
+    /// The loss is a language model's: the lines show its perplexity.
+    perplexity: bool,
     epochs: u32,
     schedule_moves: bool,
     /// Bounds of the waits the telemetry reports.
@@ -182,7 +186,7 @@ impl<'p> Reporter<'p> {
     /// log and (on the chief) TensorBoard's event files.
     pub(crate) fn open(
         cfg: &RunConfig,
-        metric_names: &[String],
+        info: &PluginInfo,
         chief: bool,
         Outputs { progress, telemetry, events }: Outputs<'p>,
     ) -> Result<Reporter<'p>, TrainError> {
@@ -204,7 +208,9 @@ impl<'p> Reporter<'p> {
             metrics_log,
             examples_log,
             tensorboard,
-            metric_names: metric_names.to_vec(),
+            metric_names: info.metrics.clone(),
+            tokens_per_example: info.columns.as_ref().and_then(Columns::tokens_per_example),
+            perplexity: info.language_model,
             epochs: cfg.epochs,
             schedule_moves: cfg.schedule != LrSchedule::Constant || cfg.callbacks.reduce_lr_on_plateau.is_some(),
             rejoin: cfg.timeouts.rejoin,
@@ -352,7 +358,7 @@ impl<'p> Reporter<'p> {
     /// device).
     pub(crate) fn step_line(&mut self, s: &StepDone<'_>) {
         if self.progress.wants(s.step, s.steps_per_epoch) {
-            let values = s.position.totals.named(&self.metric_names, "");
+            let values = self.shown(s.position.totals.named(&self.metric_names, ""));
             self.progress.step(s.step, s.steps_per_epoch, self.clock.epoch_time, &values);
         }
     }
@@ -435,7 +441,7 @@ impl<'p> Reporter<'p> {
         self.telemetry.evaluated(&validation);
         self.telemetry.progress();
         let rate = self.clock.epoch_rate();
-        let mut values = crate::state::epoch_figures(&self.metric_names, totals, eval);
+        let mut values = self.shown(crate::state::epoch_figures(&self.metric_names, totals, eval));
         if self.schedule_moves {
             // The rate the epoch's last step used (what Keras's PrintLR shows at the epoch's end).
             values.push(("learning_rate".into(), lr));
@@ -444,7 +450,16 @@ impl<'p> Reporter<'p> {
         scalars.extend([("learning_rate".to_string(), lr), ("examples_per_second".to_string(), rate)]);
         self.tensorboard(|tb| tb.epoch((epoch, global_step), &scalars, &validation));
         std::mem::take(&mut self.clock.phases).report(epoch);
-        self.progress.epoch_end(steps, self.clock.epoch_time, &values, rate);
+        let tokens = self.tokens_per_example.map(|t| rate * f64::from(t));
+        self.progress.epoch_end(steps, self.clock.epoch_time, &values, (rate, tokens));
+    }
+
+    /// `values` as the lines show them: a language model's perplexity after each loss.
+    fn shown(&self, values: Vec<(String, f64)>) -> Vec<(String, f64)> {
+        if self.perplexity {
+            return with_perplexity(values);
+        }
+        values
     }
 
     /// The chief waits for its commit to `location`.

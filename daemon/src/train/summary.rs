@@ -91,6 +91,12 @@ pub(crate) struct Summary {
     pub(crate) test_metrics: BTreeMap<String, f64>,
     /// Training examples per second over all workers and epochs (evaluation excluded).
     pub(crate) examples_per_second: f64,
+    /// The same in tokens, when the model reads a token column (examples times its length).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tokens_per_second: Option<f64>,
+    /// A language model's perplexity on the test split (`exp` of the test loss).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) test_perplexity: Option<f64>,
     /// Seconds spent in training steps.
     pub(crate) train_seconds: f64,
     /// sha256 over every model variable's bytes (parameters and buffers; native-endian,
