@@ -12,13 +12,17 @@ pub enum Exit {
     /// The run finished but its last commit failed: restarting cannot help, the other workers
     /// are done.
     FinishedUncommitted,
+    /// The model failed in a step (an exception in a Python model's forward pass, a panic in a
+    /// plugin's loss): every worker computes the same step from the same data and fails the same
+    /// way, so a restart cannot help. Nothing half-done was committed.
+    ModelFailed,
     /// `trainerd local` was interrupted (Ctrl-C, SIGTERM) and stopped its workers.
     Interrupted,
 }
 
 impl Exit {
     /// The statuses after which a supervisor does not restart a worker.
-    pub const FINAL: [Exit; 2] = [Exit::Done, Exit::FinishedUncommitted];
+    pub const FINAL: [Exit; 3] = [Exit::Done, Exit::FinishedUncommitted, Exit::ModelFailed];
 
     /// The process exit status.
     pub fn code(self) -> i32 {
@@ -26,6 +30,7 @@ impl Exit {
             Exit::Done => 0,
             Exit::Failed => 1,
             Exit::FinishedUncommitted => 3,
+            Exit::ModelFailed => 4,
             Exit::Interrupted => 130,
         }
     }
@@ -47,6 +52,7 @@ mod tests {
         let listed: Vec<i32> =
             line["RestartPreventExitStatus=".len()..].split(' ').map(|c| c.parse().unwrap()).collect();
         assert_eq!(listed, Exit::FINAL.map(Exit::code));
-        assert!(Exit::is_final(0) && Exit::is_final(3) && !Exit::is_final(1) && !Exit::is_final(137));
+        assert!(Exit::is_final(0) && Exit::is_final(3) && Exit::is_final(4));
+        assert!(!Exit::is_final(1) && !Exit::is_final(137));
     }
 }

@@ -66,9 +66,23 @@ pub fn main() -> ExitCode {
                 LogFormat::Json => eprintln!("{}", serde_json::json!({"level": "error", "message": message})),
                 LogFormat::Plain => eprintln!("error: {message}"),
             }
-            ExitCode::FAILURE
+            ExitCode::from(status_of(&e) as u8)
         }
     }
+}
+
+/// The exit status of a command that failed with `e`: [`Exit::ModelFailed`] when the model failed
+/// in a step (every worker fails the same way: a supervisor must not restart it), else
+/// [`Exit::Failed`].
+pub(crate) fn status_of(e: &anyhow::Error) -> i32 {
+    let in_step = |c: &(dyn std::error::Error + 'static)| match c.downcast_ref::<crate::plugin::CallError>() {
+        Some(call) => call.call == "step",
+        None => false,
+    };
+    if e.chain().any(in_step) {
+        return crate::exit::Exit::ModelFailed.code();
+    }
+    crate::exit::Exit::Failed.code()
 }
 
 /// An error and each cause it does not already tell, `: `-separated. trainerd's errors, as

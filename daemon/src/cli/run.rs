@@ -34,7 +34,7 @@ pub(crate) fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> an
         None => Events::none(),
     };
     let result = train(args, cuda, log_format, &events);
-    let status = result.as_ref().map_or(Exit::Failed.code(), |&code| code);
+    let status = result.as_ref().map_or_else(super::status_of, |&code| code);
     events.emit(Event::Exiting { status });
     result
 }

@@ -40,6 +40,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import argparse
 import gzip
 import importlib.util
+import inspect
 import io
 import json
 import time
@@ -212,13 +213,23 @@ def make_loss(mod, columns):
     return lambda module, batch: F.cross_entropy(module(batch[x]), batch[LABEL])
 
 
+def split_loss(value):
+    """(loss, outputs or None): a file's loss may return (loss, outputs) for its metrics."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return value[0], value[1]
+    return value, None
+
+
 def make_metrics(mod, columns):
     if hasattr(mod, "metrics"):
-        return mod.metrics
+        params = inspect.signature(mod.metrics).parameters
+        if len(params) >= 3:
+            return lambda module, batch, outputs=None: mod.metrics(module, batch, outputs)
+        return lambda module, batch, outputs=None: mod.metrics(module, batch)
     if hasattr(mod, "loss"):
-        return lambda module, batch: {}
+        return lambda module, batch, outputs=None: {}
     x = input_column(columns)
-    return lambda module, batch: {"accuracy": (module(batch[x]).argmax(-1) == batch[LABEL]).sum().to(torch.float32)}
+    return lambda module, batch, outputs=None: {"accuracy": (module(batch[x]).argmax(-1) == batch[LABEL]).sum().to(torch.float32)}
 
 
 def main():
@@ -276,7 +287,7 @@ def main():
         batch = train.batch(order[step], device)
         torch.manual_seed(step_seed(a.seed, step))
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(module, batch)
+        loss, _ = split_loss(loss_fn(module, batch))
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -291,8 +302,9 @@ def main():
             for start in range(0, test.rows, a.batch):
                 rows = list(range(start, min(start + a.batch, test.rows)))
                 batch = test.batch(rows, device)
-                totals["loss"] = totals.get("loss", 0.0) + loss_fn(module, batch).item() * len(rows)
-                for k, v in metrics_fn(module, batch).items():
+                loss, outputs = split_loss(loss_fn(module, batch))
+                totals["loss"] = totals.get("loss", 0.0) + loss.item() * len(rows)
+                for k, v in metrics_fn(module, batch, outputs).items():
                     totals[k] = totals.get(k, 0.0) + v.item()
                 examples += len(rows)
         result["test"] = {k: v / examples for k, v in totals.items()}

@@ -1,6 +1,6 @@
 """A small GPT for trainerd's Python model plugin, written as a plain PyTorch module.
 
-    trainerd train --plugin python-model --plugin-arg module=gpt.py --data DIR ...
+    trainerd run --plugin libpython_model.so --plugin-arg module=gpt.py --data DIR ...
 
 DIR as tokenize.py writes it (its defaults: a 512-id byte-level BPE, rows of 128 tokens). Token
 and learned position embeddings, pre-norm blocks of causal self-attention
@@ -100,16 +100,17 @@ def _next_tokens(batch):
 
 
 def loss(module, batch):
-    """Mean next-token cross-entropy over the batch's real next tokens."""
+    """Mean next-token cross-entropy over the batch's real next tokens, and the logits (which
+    metrics takes, so that a step runs the module once)."""
     logits = module(batch["input_ids"])
     targets, _ = _next_tokens(batch)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+    mean = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+    return mean, logits
 
 
-def metrics(module, batch):
+def metrics(module, batch, logits):
     """accuracy: each example's share of next tokens predicted right (argmax), summed over the
     batch's examples."""
-    logits = module(batch["input_ids"])
     targets, real = _next_tokens(batch)
     right = (logits[:, :-1].argmax(-1) == targets) & real
     per_example = right.sum(1).to(torch.float32) / real.sum(1).clamp(min=1).to(torch.float32)

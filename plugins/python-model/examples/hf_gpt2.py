@@ -1,7 +1,7 @@
 """Hugging Face's GPT-2 (transformers.GPT2LMHeadModel), small and randomly initialised, for
 trainerd's Python model plugin: a model from a library, trained as it is.
 
-    trainerd train --plugin python-model --plugin-arg module=hf_gpt2.py --data DIR ...
+    trainerd run --plugin libpython_model.so --plugin-arg module=hf_gpt2.py --data DIR ...
 
 DIR as tokenize.py writes it (its defaults: a 512-id byte-level BPE, rows of 128 tokens). Built
 from a GPT2Config alone: nothing is downloaded, no network is touched. Attention is transformers'
@@ -68,13 +68,13 @@ def _labels(batch):
 def loss(module, batch):
     """Mean next-token cross-entropy over the batch's real next tokens (transformers'
     ForCausalLMLoss: logits[:, :-1] against labels[:, 1:], ignoring -100)."""
-    return module(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=_labels(batch)).loss
+    out = module(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=_labels(batch))
+    return out.loss, out.logits
 
 
-def metrics(module, batch):
+def metrics(module, batch, logits):
     """accuracy: each example's share of next tokens predicted right (argmax), summed over the
-    batch's examples."""
-    logits = module(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    batch's examples, from the logits loss returned."""
     targets = _labels(batch)[:, 1:]
     real = targets != -100
     right = (logits[:, :-1].argmax(-1) == targets) & real

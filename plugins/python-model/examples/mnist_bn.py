@@ -2,7 +2,7 @@
 trainerd's Python model plugin: buffers (running mean and variance, the batch count) that are
 state, not parameters.
 
-    trainerd train --plugin python-model --plugin-arg module=mnist_bn.py --data MNIST_DIR ...
+    trainerd run --plugin libpython_model.so --plugin-arg module=mnist_bn.py --data MNIST_DIR ...
 
 The batch is {"image": float32 [B, 1, 28, 28] in [0, 1], "label": int64 [B]}; trainerd's default
 loss (cross-entropy of module(image) against label) and metric (accuracy).

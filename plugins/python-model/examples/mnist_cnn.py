@@ -1,7 +1,7 @@
 """The TensorFlow multi-worker tutorials' CNN (trainerd's mnist-cnn plugin) for trainerd's Python
 model plugin: Conv 32 3x3 ReLU, MaxPool 2, Dense 64 ReLU, Dense 10.
 
-    trainerd train --plugin python-model --plugin-arg module=mnist_cnn.py --data MNIST_DIR ...
+    trainerd run --plugin libpython_model.so --plugin-arg module=mnist_cnn.py --data MNIST_DIR ...
 
 On MNIST-format data (declaring no columns) the batch is {"image": float32 [B, 1, 28, 28] in
 [0, 1], "label": int64 [B]}; the file defines only model(), so trainerd applies its defaults:

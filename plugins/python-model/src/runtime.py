@@ -9,8 +9,9 @@ The file's contract (see the plugin's README section):
     arguments = {"key": "default", ...}       optional: the --plugin-arg keys it accepts
     columns = {"input_ids": "tokens:128"}     what it reads of a Parquet dataset
     def model(args) -> torch.nn.Module        required
-    def loss(module, batch) -> Tensor         optional: the batch's mean loss, a 0-dim tensor
-    def metrics(module, batch) -> dict        optional: sums over the batch's examples
+    def loss(module, batch) -> Tensor         optional: the batch's mean loss, a 0-dim tensor, or
+                                              (loss, outputs) to hand the outputs to metrics
+    def metrics(module, batch[, outputs])     optional: a dict of sums over the batch's examples
     def predict(module, batch) -> Tensor      optional: outputs per example
     language_model = True                     optional: the epoch line shows perplexity
 """
@@ -19,6 +20,7 @@ import ast
 import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -208,6 +210,18 @@ def info(path, given):
     }
 
 
+def _positional(fn):
+    """How many positional parameters `fn` takes."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(1 for p in params if p.kind in kinds)
+
+
 def _tensor(value):
     return isinstance(value, torch.Tensor)
 
@@ -245,6 +259,7 @@ class Runner:
         self.loss_fn = getattr(module, "loss", None)
         self.metrics_fn = getattr(module, "metrics", None)
         self.predict_fn = getattr(module, "predict", None)
+        self.metrics_take_outputs = self.metrics_fn is not None and _positional(self.metrics_fn) >= 3
         self.names = info(path, given)["metrics"]
         self.first = True
         device = torch.device(device)
@@ -294,14 +309,25 @@ class Runner:
     def step(self, batch, train):
         """(mean loss, float64 metric sums in `names` order) of a batch."""
         self._mode(train)
-        logits = None
+        logits = outputs = None
         if self.loss_fn is not None:
             loss = self._call("loss(module, batch)", self.loss_fn, self.module, batch)
+            if isinstance(loss, (tuple, list)) and len(loss) == 2:
+                loss, outputs = loss
         else:
             logits, loss = self._call("the forward pass (the default loss)", self._default_loss, batch)
         self._check_loss(loss, train)
         with torch.no_grad():
-            if self.metrics_fn is not None:
+            if self.metrics_take_outputs:
+                if outputs is None:
+                    raise ModelFileError(
+                        f"model file {self.path}: metrics(module, batch, outputs) takes the outputs, but loss(module, "
+                        f"batch) returned none: return (loss, outputs) from it"
+                    )
+                outputs = outputs.detach() if _tensor(outputs) else outputs
+                values = self._call("metrics(module, batch, outputs)", self.metrics_fn, self.module, batch, outputs)
+                sums = self._sums(values)
+            elif self.metrics_fn is not None:
                 values = self._call("metrics(module, batch)", self.metrics_fn, self.module, batch)
                 sums = self._sums(values)
             elif logits is not None:
