@@ -12,6 +12,7 @@
 //!   (PNG and JPEG).
 //! - [`stream`]: the prefetching pipeline, in bounded memory.
 //! - [`convert`]: an MNIST-format directory written as Parquet in Hugging Face's layout.
+//! - [`predictions`]: `trainerd predict`'s file of outputs per example.
 //!
 //! This crate knows nothing of the cluster or of training: a worker hands it its slice and the
 //! step to start at, and gets batches.
@@ -24,6 +25,7 @@ pub mod error;
 pub mod index;
 pub mod location;
 pub mod order;
+pub mod predictions;
 pub mod rows;
 pub mod schema;
 pub mod source;
@@ -221,6 +223,12 @@ impl Reader {
     /// Rows in the split.
     pub fn rows(&self) -> u64 {
         self.input.split.rows()
+    }
+
+    /// The number in the split (files in name order, rows in file order, from 0) of the example
+    /// `id` (file, row in the file).
+    pub fn example_number(&self, (file, row): (u32, u64)) -> u64 {
+        self.input.split.files[file as usize].first_row + row
     }
 
     /// Bytes of the split's row groups that the columns project: what one worker reads of it in

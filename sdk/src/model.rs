@@ -151,6 +151,12 @@ pub struct PluginInfo {
     /// perplexity (`exp` of the loss) beside it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub language_model: bool,
+    /// The names `trainerd ckpt export` writes, when they are not the variables' own: (name in
+    /// the exported file, variable name under the model's path), a variable under several names
+    /// when the model shares it (tied weights). A Python model gives its module's `state_dict()`
+    /// keys, so that `load_state_dict` takes the export as it is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub export_names: Vec<(String, String)>,
 }
 
 impl PluginInfo {
@@ -171,6 +177,7 @@ impl PluginInfo {
             columns: None,
             identity: BTreeMap::new(),
             language_model: false,
+            export_names: Vec::new(),
         }
     }
 

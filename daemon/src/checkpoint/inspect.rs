@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::path::Path;
 
+use trainerd_storage::tensors::TensorData;
 use trainerd_storage::{CheckpointStore, CommitRecord, StorageError};
 
 use super::CheckpointError;
@@ -143,6 +144,8 @@ pub(crate) fn export(store: &CheckpointStore, sequence: Option<u64>, output: &Pa
     let seq = pick(store, &rt, sequence)?;
     let restored = rt.block_on(store.load(seq))?;
     let tensors = restored.blobs.get(MODEL_BLOB).ok_or(CheckpointError::NoBlob { sequence: seq, blob: MODEL_BLOB })?;
+    let renamed = exported_names(&restored.manifest.meta, tensors, seq)?;
+    let tensors = renamed.as_deref().unwrap_or(tensors);
     let chunks = trainerd_storage::tensors::encode(tensors).map_err(CheckpointError::Encode)?;
     let parts: Vec<&[u8]> = chunks.iter().map(|c| c.as_ref()).collect();
     crate::sys::atomic::write_file(output, &parts)
@@ -153,6 +156,34 @@ pub(crate) fn export(store: &CheckpointStore, sequence: Option<u64>, output: &Pa
         tensors.len(),
         output.display()
     ))
+}
+
+/// The tensors under the names the plugin gave for export (a Python model's `state_dict()` keys;
+/// a tied weight under each of its names), when the checkpoint records them.
+fn exported_names(
+    meta: &serde_json::Value,
+    tensors: &[TensorData],
+    sequence: u64,
+) -> Result<Option<Vec<TensorData>>, CheckpointError> {
+    let names: Vec<(String, String)> = match meta.get("export_names") {
+        Some(v) => serde_json::from_value(v.clone()).unwrap_or_default(),
+        None => return Ok(None),
+    };
+    if names.is_empty() {
+        return Ok(None);
+    }
+    let by_name: std::collections::BTreeMap<&str, &TensorData> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let prefix = format!("{}.", crate::plugin::MODEL_PATH);
+    names
+        .into_iter()
+        .map(|(key, variable)| {
+            let stored = by_name
+                .get(format!("{prefix}{variable}").as_str())
+                .ok_or_else(|| CheckpointError::NoTensor { sequence, name: format!("{prefix}{variable}") })?;
+            Ok(TensorData { name: key, ..(*stored).clone() })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 #[cfg(test)]

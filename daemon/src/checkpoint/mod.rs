@@ -38,6 +38,14 @@ pub(crate) enum CheckpointError {
         /// The blob.
         blob: &'static str,
     },
+    /// A commit whose export names a variable it does not hold.
+    #[error("commit {sequence} has no variable {name}, which its export names")]
+    NoTensor {
+        /// The commit.
+        sequence: u64,
+        /// The variable.
+        name: String,
+    },
     /// A commit's tensors could not be written as safetensors.
     #[error("{0}")]
     Encode(#[source] trainerd_storage::tensors::TensorError),

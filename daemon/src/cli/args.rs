@@ -37,6 +37,9 @@ pub(crate) enum Command {
     /// Evaluate a committed checkpoint on the test split (as Keras's model.evaluate): alone, or
     /// sharded over the TF_CONFIG cluster.
     Evaluate(Box<EvalArgs>),
+    /// Write a committed checkpoint's outputs for every example of a split to Parquet (as Keras's
+    /// model.predict): alone, or sharded over the TF_CONFIG cluster.
+    Predict(Box<PredictArgs>),
     /// Inspect a checkpoint location (a directory, file:///path, s3://bucket/prefix).
     Ckpt {
         /// What to do.
@@ -417,6 +420,29 @@ pub(crate) struct EvalArgs {
     /// Evaluate the best commit (of a run with `--keep-best`).
     #[arg(long)]
     pub(crate) best: bool,
+}
+
+/// `trainerd predict`'s flags.
+#[derive(clap::Args)]
+pub(crate) struct PredictArgs {
+    /// The checkpoint and the job, as `evaluate` takes them.
+    #[command(flatten)]
+    pub(crate) eval: EvalArgs,
+    /// The split whose examples are predicted: test or train.
+    #[arg(long, default_value = "test", value_parser = parse_split)]
+    pub(crate) split: trainerd_sdk::Split,
+    /// The Parquet file to write (example, output); in a cluster each worker writes
+    /// NAME-0000r-of-0000n.parquet beside it.
+    #[arg(long)]
+    pub(crate) output: PathBuf,
+}
+
+fn parse_split(text: &str) -> Result<trainerd_sdk::Split, String> {
+    match text {
+        "test" => Ok(trainerd_sdk::Split::Test),
+        "train" => Ok(trainerd_sdk::Split::Train),
+        other => Err(format!("{other:?}: expected test or train")),
+    }
 }
 
 /// The flags `run` and `evaluate` share: the plugin and its arguments, the data, where and how

@@ -11,6 +11,7 @@ pub(crate) mod data;
 pub(crate) mod evaluate;
 pub(crate) mod local;
 pub(crate) mod plugin;
+pub(crate) mod predict;
 pub(crate) mod run;
 
 use std::process::ExitCode;
@@ -54,6 +55,7 @@ pub fn main() -> ExitCode {
         Command::Run(args) => run::run(*args, cuda, cli.log_format),
         Command::Local(args) => local::run(args),
         Command::Evaluate(args) => evaluate::evaluate(*args, cuda, cli.log_format),
+        Command::Predict(args) => predict::predict(*args, cuda, cli.log_format),
         Command::Ckpt { command } => ckpt::run(command),
         Command::Data { command } => data::run(command),
         Command::Plugin { command } => plugin::run(command, cuda),

@@ -84,6 +84,64 @@ impl<'m> Data<'m> {
     }
 }
 
+impl Data<'_> {
+    /// Every example of `split` once, in order, `ctx`'s share of each global batch (as evaluation
+    /// reads the test split), and how many batches that is: what `trainerd predict` reads.
+    pub(crate) fn in_order(&self, ctx: &InputContext, split: Split) -> Result<(Epochs<'_>, u64), InputError> {
+        let ctx = InputContext { training: false, first_step: 0, ..*ctx };
+        match self {
+            Data::Plugin { train, test } => {
+                let data = match split {
+                    Split::Train => Some(train),
+                    Split::Test => test.as_ref(),
+                };
+                let pipeline = data.ok_or(InputError::NoEvaluation)?.pipeline(&ctx)?;
+                let steps = pipeline.steps();
+                Ok((Epochs::Plugin { pipeline, epoch: ctx.epoch as u32, next: 0, steps }, steps))
+            }
+            Data::Files(f) => {
+                let reader = reader(f, split)?;
+                let slice = slice(&ctx);
+                let (first, end_epoch, steps) =
+                    ((ctx.epoch as u32, 0), ctx.epoch as u32 + 1, slice.steps(reader.rows()));
+                let plan = Plan { slice, shuffle: None, first, end_epoch, steps_per_epoch: steps };
+                Ok((Epochs::Files(reader.open(plan)), steps))
+            }
+        }
+    }
+
+    /// The number of each example of `batch` (read by [`Data::in_order`] for `ctx`) in its split:
+    /// files in name order and rows in file order, or the position in the plugin's own data.
+    pub(crate) fn example_numbers(
+        &self,
+        batch: &Batch,
+        ctx: &InputContext,
+        split: Split,
+    ) -> Result<Vec<i64>, InputError> {
+        match (self, &batch.ids) {
+            (Data::Files(f), Some(ids)) => {
+                let reader = reader(f, split)?;
+                Ok(ids.iter().map(|&id| reader.example_number(id) as i64).collect())
+            }
+            _ => {
+                // The SDK's evaluation sharding: step s holds positions s*G.. of the split, this
+                // pipeline the slice at its index.
+                let local = u64::from(ctx.per_replica_batch_size);
+                let first = batch.step * ctx.global_batch_size() + u64::from(ctx.input_pipeline_id) * local;
+                Ok((0..batch.columns.examples()).map(|j| (first + j as u64) as i64).collect())
+            }
+        }
+    }
+}
+
+/// The reader of `split`.
+fn reader(f: &Files, split: Split) -> Result<&trainerd_data::Reader, InputError> {
+    match split {
+        Split::Train => Ok(&f.train),
+        Split::Test => f.test.as_ref().ok_or(InputError::NoEvaluation),
+    }
+}
+
 fn slice(ctx: &InputContext) -> Slice {
     Slice {
         rank: u64::from(ctx.input_pipeline_id),

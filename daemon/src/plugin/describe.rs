@@ -13,7 +13,7 @@ use trainerd_sdk::{ArgSpec, PluginArgs};
 pub(crate) fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallError> {
     let info = plugin.info();
     let facts = plugin.facts();
-    let model = plugin.create_model("model", Device::Cpu)?;
+    let model = plugin.create_model(crate::plugin::MODEL_PATH, Device::Cpu)?;
     let (params, buffers) = model.split_variables();
     let values: i64 = params.iter().map(|(_, t)| t.numel() as i64).sum();
     let shapes = |named: &[(String, tch::Tensor)]| {

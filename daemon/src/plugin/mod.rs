@@ -24,6 +24,10 @@ pub(crate) use load::{BuildFacts, LoadError};
 /// ([`PluginInfo::identity`]): a checkpoint is evaluated only by a model with the same.
 pub(crate) const PLUGIN_IDENTITY_KEY: &str = "identity";
 
+/// The VarStore path under which the daemon builds every model: its variables are named
+/// `model.NAME`.
+pub(crate) const MODEL_PATH: &str = "model";
+
 /// An error returned (or a panic caught) inside a plugin call.
 #[derive(Debug, thiserror::Error)]
 #[error("plugin {plugin}: {call} failed: {message}")]
@@ -242,6 +246,18 @@ impl ModelInstance<'_> {
         self.plugin.check("step", status)?;
         // SAFETY: the plugin keeps both outputs until its next call; we take our own references now.
         Ok(unsafe { (Tensor::clone_from_ptr(loss), Tensor::clone_from_ptr(metrics)) })
+    }
+
+    /// What `trainerd predict` writes for each example of `batch` (a new reference to the tensor
+    /// the plugin keeps until its next call).
+    pub(crate) fn predict(&self, batch: &Batch) -> Result<Tensor, CallError> {
+        let parts = RawParts::of(batch);
+        let mut out = std::ptr::null_mut();
+        // SAFETY: live handles; the batch stays ours (borrowed for the call); a valid out pointer.
+        let status = unsafe { (self.plugin.vtable.predict)(self.handle, &parts.raw(), &mut out) };
+        self.plugin.check("predict", status)?;
+        // SAFETY: the plugin keeps the output until its next call; we take our own reference now.
+        Ok(unsafe { Tensor::clone_from_ptr(out) })
     }
 
     /// Loads a split of the dataset in `dir`.

@@ -142,6 +142,9 @@ pub(crate) struct Meta {
     pub(crate) run_config: serde_json::Value,
     /// How the RNG continues.
     pub(crate) rng: String,
+    /// The names `ckpt export` writes, when the plugin gives them ([`PluginInfo::export_names`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) export_names: Vec<(String, String)>,
 }
 
 /// The run configuration's key for the replicas of each worker (`--devices`). The math depends on
@@ -186,6 +189,7 @@ impl Meta {
             workers,
             run_config: serde_json::from_str(run_config).expect("canonical JSON of our own"),
             rng: RNG_SCHEME.into(),
+            export_names: info.export_names.clone(),
         }
     }
 

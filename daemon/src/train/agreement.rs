@@ -9,6 +9,7 @@
 use serde_json::json;
 
 use super::evaluate::EvalConfig;
+use super::predict::PredictConfig;
 use super::RunConfig;
 use crate::state::{ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY};
 
@@ -19,13 +20,17 @@ pub(crate) enum Job<'a> {
     Training(&'a RunConfig),
     /// An evaluation of a commit.
     Evaluation(&'a EvalConfig),
+    /// A prediction of a split by a commit.
+    Prediction(&'a PredictConfig),
 }
 
 /// What every worker of `job` must agree on, as canonical JSON.
 pub(crate) fn agreement(job: Job<'_>) -> String {
     let (data, plugin, precision, device, threads, batch_size) = match job {
         Job::Training(c) => (&c.data, &c.plugin, c.precision, c.device, c.threads, c.batch_size),
-        Job::Evaluation(c) => (&c.data, &c.plugin, c.precision, c.device, c.threads, c.batch_size),
+        Job::Evaluation(c) | Job::Prediction(PredictConfig { eval: c, .. }) => {
+            (&c.data, &c.plugin, c.precision, c.device, c.threads, c.batch_size)
+        }
     };
     // Bitwise agreement needs the same kind of device and the same thread count.
     let mut agreement = json!({
@@ -49,6 +54,11 @@ pub(crate) fn agreement(job: Job<'_>) -> String {
         Job::Evaluation(c) => {
             agreement["evaluate"] = c.location.to_string().into();
             agreement["sequence"] = json!(c.sequence);
+        }
+        Job::Prediction(p) => {
+            agreement["predict"] = p.eval.location.to_string().into();
+            agreement["sequence"] = json!(p.eval.sequence);
+            agreement["split"] = json!(p.split);
         }
     }
     agreement.to_string()

@@ -95,12 +95,44 @@ pub(crate) struct Evaluation {
 
 /// The interrupt of an evaluation, as an error: there is no state to keep, so a failed member
 /// ends it (run it again).
-fn failed(interrupt: Interrupt) -> TrainError {
+pub(crate) fn failed(interrupt: Interrupt) -> TrainError {
     match interrupt {
         Interrupt::Fatal(e) => e,
         Interrupt::Abandoned(why) => TrainError::EvaluationAbandoned(why),
         Interrupt::Stopped => TrainError::Stopped,
     }
+}
+
+/// A committed checkpoint's model on every member of the cluster (or alone): the session, the
+/// model instance holding it, and its state.
+pub(crate) struct Loaded<'p> {
+    /// The cluster's session.
+    pub(crate) session: Session,
+    /// The model, its variables the checkpoint's.
+    pub(crate) model: crate::plugin::ModelInstance<'p>,
+    /// Its state (position, variables).
+    pub(crate) state: ModelState,
+    /// The commit.
+    pub(crate) sequence: u64,
+}
+
+/// Joins the cluster (or not), and puts the checkpoint's model in `plugin`'s model on every
+/// member: the chief restores it, the others receive it. `stop` ends a wait for the cluster.
+pub(crate) fn load<'p>(
+    plugin: &'p Plugin,
+    (cfg, job): (&EvalConfig, Job<'_>),
+    progress: &mut Progress,
+    stop: &AtomicBool,
+) -> Result<Loaded<'p>, TrainError> {
+    let info = plugin.info();
+    let identity = (plugin.identity(), agreement(job));
+    let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, None)?;
+    let rank = session.rank();
+    let model = plugin.create_model(crate::plugin::MODEL_PATH, cfg.device)?;
+    let mut state = ModelState::new(model.split_variables(), info.metrics.len(), cfg.device, rank == 0);
+    let sequence = if rank == 0 { restore(cfg, info, &mut state, progress)? } else { 0 };
+    let sequence = share(&mut session, &mut state, sequence, stop)?;
+    Ok(Loaded { session, model, state, sequence })
 }
 
 /// Evaluates the checkpoint on the test split; `stop` ends a wait for the cluster.
@@ -111,13 +143,8 @@ pub(crate) fn run(
     stop: &AtomicBool,
 ) -> Result<Evaluation, TrainError> {
     let info = plugin.info();
-    let identity = (plugin.identity(), agreement(Job::Evaluation(cfg)));
-    let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, None)?;
+    let Loaded { mut session, model, state, sequence } = load(plugin, (cfg, Job::Evaluation(cfg)), progress, stop)?;
     let (rank, world) = (session.rank(), session.world());
-    let model = plugin.create_model("model", cfg.device)?;
-    let mut state = ModelState::new(model.split_variables(), info.metrics.len(), cfg.device, rank == 0);
-    let sequence = if rank == 0 { restore(cfg, info, &mut state, progress)? } else { 0 };
-    let sequence = share(&mut session, &mut state, sequence, stop)?;
     let test_data = Data::load(&cfg.data, &model)?;
     let ctx = input_context((rank, world), cfg.batch_size, (false, u64::from(state.position.epoch), 0));
     let began = Instant::now();

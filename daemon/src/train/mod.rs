@@ -27,6 +27,7 @@ pub(crate) mod batches;
 pub(crate) mod commit;
 pub(crate) mod driver;
 pub(crate) mod evaluate;
+pub(crate) mod predict;
 pub(crate) mod replicas;
 pub(crate) mod report;
 pub(crate) mod session;
@@ -272,6 +273,17 @@ pub(crate) enum TrainError {
         /// What was asked for.
         asked: (u32, u64),
     },
+    /// The plugin's predictions do not fit the file.
+    #[error("predict: {0}")]
+    Predict(String),
+    /// The predictions file could not be written.
+    #[error("writing the predictions to {}: {source}", path.display())]
+    Predictions {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: trainerd_data::predictions::WriteError,
+    },
     /// An evaluation's cluster lost a member: an evaluation keeps no state to wait with, so it
     /// ends (run it again).
     #[error("the evaluation was abandoned: {0}; run trainerd evaluate again")]
@@ -336,7 +348,7 @@ pub(crate) fn run(
     tracing::debug!("start-up: control plane up after {:?}", started.elapsed());
     let mut report = Reporter::open(cfg, &info, rank == 0, outputs)?;
     tch::manual_seed(cfg.seed as i64);
-    let model = plugin.create_model("model", cfg.device)?;
+    let model = plugin.create_model(crate::plugin::MODEL_PATH, cfg.device)?;
     let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);

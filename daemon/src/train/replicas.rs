@@ -39,7 +39,7 @@ impl<'p> Replicas<'p> {
     ) -> Result<Replicas<'p>, TrainError> {
         let mut others = Vec::with_capacity(devices.len().saturating_sub(1));
         for &device in devices.iter().skip(1) {
-            let model = plugin.create_model("model", device)?;
+            let model = plugin.create_model(crate::plugin::MODEL_PATH, device)?;
             let (params, buffers) = model.split_variables();
             others.push(Other { model, device, params, buffers });
         }

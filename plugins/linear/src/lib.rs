@@ -34,6 +34,7 @@ impl Model for Linear {
             columns: Some(Columns::image_classification(1, 28, 28)),
             identity: Default::default(),
             language_model: false,
+            export_names: Vec::new(),
         })
     }
 

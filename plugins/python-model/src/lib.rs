@@ -61,6 +61,7 @@ struct FileInfo {
     metrics: Vec<String>,
     identity: BTreeMap<String, String>,
     language_model: bool,
+    export_names: Vec<(String, String)>,
 }
 
 fn device_name(device: Device) -> String {
@@ -119,6 +120,7 @@ impl Model for PythonModel {
         info.metrics = file.metrics;
         info.identity = file.identity;
         info.language_model = file.language_model;
+        info.export_names = file.export_names;
         if let Some(columns) = file.columns {
             let parsed = columns
                 .into_iter()

@@ -125,6 +125,15 @@ def _metric_names(path, fn):
     return found[0]
 
 
+def _metrics_of(path, module):
+    """The names of the metrics the file reports, in order."""
+    metrics_fn = getattr(module, "metrics", None)
+    if metrics_fn is None:
+        return [] if getattr(module, "loss", None) is not None else ["accuracy"]
+    names = getattr(module, "metric_names", None)
+    return [str(n) for n in names] if names is not None else _metric_names(path, metrics_fn)
+
+
 def _imported_distributions(path, source):
     """{distribution: version} of the installed distributions the file imports at top level."""
     try:
@@ -187,13 +196,7 @@ def info(path, given):
             f"model file {path}: columns is {type(columns).__name__}, expected a dict of column name to kind, "
             f"such as {{\"input_ids\": \"tokens:128\"}}"
         )
-    loss_fn = getattr(module, "loss", None)
-    metrics_fn = getattr(module, "metrics", None)
-    if metrics_fn is not None:
-        names = getattr(module, "metric_names", None)
-        names = [str(n) for n in names] if names is not None else _metric_names(path, metrics_fn)
-    else:
-        names = [] if loss_fn is not None else ["accuracy"]
+    names = _metrics_of(path, module)
     source = module.__trainerd_source__
     identity = {"module_sha256": hashlib.sha256(source).hexdigest(), "torch": torch.__version__}
     packages = _imported_distributions(path, source)
@@ -207,6 +210,7 @@ def info(path, given):
         "metrics": names,
         "identity": identity,
         "language_model": bool(getattr(module, "language_model", False)),
+        "export_names": _export_names(module, args),
     }
 
 
@@ -220,6 +224,29 @@ def _positional(fn):
     if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
         return 3
     return sum(1 for p in params if p.kind in kinds)
+
+
+def _variables(net):
+    """A module's variables as trainerd holds them: its parameters (a shared one once) and its
+    persistent buffers, each under its state_dict name."""
+    persistent = set(net.state_dict().keys())
+    return list(net.named_parameters()) + [(n, b) for n, b in net.named_buffers() if n in persistent]
+
+
+def _export_names(module, args):
+    """[state_dict key, variable name] of every key, the module built on the meta device (no
+    memory, no generator): what `trainerd ckpt export` names the tensors, so that
+    load_state_dict takes the export as it is, tied weights under each of their keys. None when
+    the module does not build there."""
+    try:
+        with torch.device("meta"):
+            net = module.model(dict(args))
+    except Exception:  # noqa: BLE001 - the real build reports it
+        return []
+    if not isinstance(net, torch.nn.Module):
+        return []
+    ids = {id(t): n for n, t in _variables(net)}
+    return [[k, ids[id(t)]] for k, t in net.state_dict(keep_vars=True).items() if id(t) in ids]
 
 
 def _tensor(value):
@@ -260,7 +287,7 @@ class Runner:
         self.metrics_fn = getattr(module, "metrics", None)
         self.predict_fn = getattr(module, "predict", None)
         self.metrics_take_outputs = self.metrics_fn is not None and _positional(self.metrics_fn) >= 3
-        self.names = info(path, given)["metrics"]
+        self.names = _metrics_of(path, module)
         self.first = True
         device = torch.device(device)
         torch.use_deterministic_algorithms(True)
@@ -283,13 +310,8 @@ class Runner:
                 f"model file {path}: the module model(args) returned has no parameter that requires a gradient: "
                 f"nothing to train"
             )
-        persistent = set(self.module.state_dict().keys())
-        buffers = [(n, b) for n, b in self.module.named_buffers() if n in persistent]
         # Parameters (shared ones once) and persistent buffers, each under its state_dict name.
-        self.tensors = params + buffers
-        # Every state_dict key and the name of the tensor it is (tied weights: two keys, one tensor).
-        ids = {id(t): n for n, t in self.tensors}
-        self.state_names = [(k, ids.get(id(t))) for k, t in self.module.state_dict(keep_vars=True).items()]
+        self.tensors = _variables(self.module)
 
     def _mode(self, train):
         if self.training != train:

@@ -70,6 +70,7 @@ impl Model for Fixture {
             columns: columns(),
             identity: Default::default(),
             language_model: false,
+            export_names: Vec::new(),
         })
     }
 
