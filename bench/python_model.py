@@ -141,23 +141,34 @@ def peer_rank(rank, world, a, port, out):
     g = torch.Generator().manual_seed(a.seed)
     perm, epoch = None, -1
 
+    # Host time per phase, as trainerd's phases: the batch, forward+loss+backward (with DDP's
+    # all-reduce, which overlaps the backward), the optimizer (the CPU computes synchronously).
+    clock = [0.0, 0.0, 0.0]
+
     def step(s):
         nonlocal perm, epoch
+        t0 = time.perf_counter()
         if s // per_epoch != epoch:
             epoch, perm = s // per_epoch, torch.randperm(ids.shape[0], generator=g)
         start = (s % per_epoch) * world * a.batch + rank * a.batch
         take = perm[start:start + a.batch]
         batch = {"input_ids": ids[take], "attention_mask": mask[take]}
+        t1 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = mod.loss(net, batch)[0]
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        t3 = time.perf_counter()
+        for i, d in enumerate((t2 - t1, t1 - t0, t3 - t2)):
+            clock[i] += d
         return loss
 
     for s in range(a.warmup):
         step(s)
     if world > 1:
         dist.barrier()
+    clock[:] = [0.0, 0.0, 0.0]
     began = time.perf_counter()
     for s in range(a.warmup, a.warmup + a.steps):
         loss = step(s)
@@ -167,7 +178,8 @@ def peer_rank(rank, world, a, port, out):
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"rate": a.steps * world * a.batch / seconds, "seconds": seconds, "steps": a.steps,
-                       "parameters": parameters, "loss": loss.item()}, f)
+                       "parameters": parameters, "loss": loss.item(),
+                       "phases_ms": [c * 1000 / a.steps for c in clock]}, f)
     if world > 1:
         dist.destroy_process_group()
 
@@ -208,12 +220,14 @@ def compare(name, workers, a, epochs, goal):
             raise SystemExit(f"trainerd took {ours[-1]['steps']} steps, expected {steps}")
         theirs.append(peer(kind, a.batch, a.threads, steps, a.seed, a.warmup))
         o, t = ours[-1], theirs[-1]
-        ph = o["phases_ms"]
+        ph, tp = o["phases_ms"], t["phases_ms"]
         phase = (f"; per step {ph[0]:.1f} ms fwd+bwd+all-reduce, {ph[1]:.2f} ms next batch, {ph[2]:.1f} ms optimizer"
                  if ph else "")
         steady = f"steady {o['steady'] * TOKENS:,.0f}; " if o["steady"] else ""
         print(f"  {name} run {r + 1}: trainerd {o['rate'] * TOKENS:,.0f} tokens/s ({steady}"
-              f"{o['seconds']:.1f} s){phase} | {peer_name} {t['rate'] * TOKENS:,.0f} tokens/s ({t['seconds']:.1f} s)",
+              f"{o['seconds']:.1f} s){phase} | {peer_name} {t['rate'] * TOKENS:,.0f} tokens/s ({t['seconds']:.1f} s; "
+              f"{tp[0]:.1f} ms fwd+bwd{'+all-reduce' if workers > 1 else ''}, {tp[1]:.2f} ms batch, {tp[2]:.1f} ms "
+              f"optimizer)",
               flush=True)
     med = lambda xs: statistics.median(xs)
     o, t = med([x["rate"] for x in ours]), med([x["rate"] for x in theirs])
