@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use trainerd_testkit::output::{error_of, json, stderr, stdout, text};
+use trainerd_testkit::output::{error_line, error_of, json, stderr, stdout, text};
 use trainerd_testkit::{dataset, plugin, trainerd_cmd, RunArgs};
 
 use trainerd_sdk::abi::{ABI_VERSION, LIBTORCH_VERSION, SDK_VERSION, TARGET, TCH_VERSION};
@@ -163,16 +163,20 @@ fn panics_in_plugin_code_come_back_as_errors() {
     let data = tempfile::tempdir().unwrap();
     tiny_dataset(data.path(), 256, 16);
     let fixture = plugin("test-fixture");
-    for (fault, message) in [
-        ("panic-forward", "error: plugin test-fixture: step failed: panicked: fixture: forward pass failed on purpose"),
+    // A panic in a step is the model's failure, final (exit status 4: every worker would fail the
+    // same way); the others may pass with a restart (1).
+    for (fault, message, status) in [
+        ("panic-forward", "error: plugin test-fixture: step failed: panicked: fixture: forward pass failed on purpose", 4),
         (
             "panic-pipeline",
             "error: plugin test-fixture: input_pipeline failed: panicked: fixture: input pipeline failed on purpose at batch 2",
+            1,
         ),
-        ("panic-load", "error: plugin test-fixture: load_data failed: panicked: fixture: data loading failed on purpose"),
+        ("panic-load", "error: plugin test-fixture: load_data failed: panicked: fixture: data loading failed on purpose", 1),
     ] {
         let out = run_with(&fixture, data.path(), &[], Some(fault));
-        assert_eq!(error_of(&out), message, "{fault}");
+        assert_eq!(error_line(&out), message, "{fault}");
+        assert_eq!(out.status.code(), Some(status), "{fault}");
     }
     // Without a fault the same plugin trains.
     let out = run_with(&fixture, data.path(), &[], None);

@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// What the build's Python says about itself: base prefix, library directory and name, include
-/// directory, site-packages.
+/// directory, site-packages, version, executable.
 const PROBE: &str = "import sys, sysconfig; \
 print(sys.base_prefix); print(sysconfig.get_config_var('LIBDIR')); \
 print(sysconfig.get_config_var('LDLIBRARY')); print(sysconfig.get_paths()['include']); \
-print(sysconfig.get_paths()['purelib']); print('%d.%d' % sys.version_info[:2])";
+print(sysconfig.get_paths()['purelib']); print('%d.%d' % sys.version_info[:2]); print(sys.executable)";
 
 fn main() {
     println!("cargo:rerun-if-changed=src/shim.cpp");
@@ -24,7 +24,7 @@ fn main() {
         .unwrap_or_else(|e| panic!("running {python} (the PyTorch virtualenv's python; PYO3_PYTHON): {e}"));
     assert!(out.status.success(), "{python} -c ...: {}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).expect("UTF-8 paths");
-    let [home, libdir, ldlibrary, include, site, version] = text.lines().collect::<Vec<_>>()[..] else {
+    let [home, libdir, ldlibrary, include, site, version, executable] = text.lines().collect::<Vec<_>>()[..] else {
         panic!("unexpected answer from {python}: {text}")
     };
     assert!(
@@ -39,7 +39,7 @@ fn main() {
     println!("cargo:rustc-env=TRAINERD_PYTHON_HOME={home}");
     println!("cargo:rustc-env=TRAINERD_PYTHON_SITE={site}");
     println!("cargo:rustc-env=TRAINERD_PYTHON_VERSION={version}");
-    println!("cargo:rustc-env=TRAINERD_PYTHON_LIBRARY={ldlibrary}");
+    println!("cargo:rustc-env=TRAINERD_PYTHON_EXECUTABLE={executable}");
 
     let lib = PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys says where libtorch is"));
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());

@@ -77,9 +77,12 @@ pub fn main() -> ExitCode {
 /// in a step (every worker fails the same way: a supervisor must not restart it), else
 /// [`Exit::Failed`].
 pub(crate) fn status_of(e: &anyhow::Error) -> i32 {
-    let in_step = |c: &(dyn std::error::Error + 'static)| match c.downcast_ref::<crate::plugin::CallError>() {
-        Some(call) => call.call == "step",
-        None => false,
+    let in_step = |c: &(dyn std::error::Error + 'static)| {
+        let call = match c.downcast_ref::<crate::train::TrainError>() {
+            Some(crate::train::TrainError::Plugin(call)) => Some(call),
+            _ => c.downcast_ref::<crate::plugin::CallError>(),
+        };
+        call.is_some_and(|call| call.call == "step")
     };
     if e.chain().any(in_step) {
         return crate::exit::Exit::ModelFailed.code();

@@ -8,7 +8,8 @@ it: the reference that trainerd's losses are compared against, and a benchmark.
 The module: torch's default generator seeded with --init-seed (default --seed, as trainerd seeds
 it with the run's seed) just before model(args), where args are the file's `arguments` defaults
 updated by --arg (strings, as trainerd passes --plugin-arg); with --init, those initial weights
-(and buffers) loaded over it (safetensors; tied weights stored once are fine).
+(and buffers) loaded over it as plain PyTorch loads trainerd's export:
+module.load_state_dict(safetensors.torch.load_file(PATH)).
 
 The data: the training split's rows in file-name order, rows in file order, numbered from 0 (the
 Parquet files directly in DIR: train-0000i-of-0000n.parquet or train.parquet), or, for a file
@@ -264,9 +265,9 @@ def main():
     torch.manual_seed(a.seed if a.init_seed is None else a.init_seed)
     module = mod.model(args)
     if a.init:
-        from safetensors.torch import load_model
+        from safetensors.torch import load_file
 
-        load_model(module, a.init, strict=True)
+        module.load_state_dict(load_file(a.init))
     module.to(device)
     loss_fn, metrics_fn = make_loss(mod, columns), make_metrics(mod, columns)
 

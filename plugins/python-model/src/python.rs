@@ -18,18 +18,24 @@ unsafe extern "C" {
 
 /// The virtualenv's base interpreter (its `sys.base_prefix`), as the build found it.
 const HOME: &str = env!("TRAINERD_PYTHON_HOME");
-/// The virtualenv's site-packages.
+/// The virtualenv's site-packages, as the build found it; `TRAINERD_PYTHON_SITE` names another
+/// (a virtualenv of the same Python and the same torch at another path).
 const SITE: &str = env!("TRAINERD_PYTHON_SITE");
 /// `3.11`.
 const VERSION: &str = env!("TRAINERD_PYTHON_VERSION");
+/// The virtualenv's python.
+const PYTHON: &str = env!("TRAINERD_PYTHON_EXECUTABLE");
 
 const RUNTIME: &str = include_str!("runtime.py");
 
 /// Before the interpreter starts: its checks, with the site-packages on the path, `torch` not yet
 /// imported (a `torch` of another version would load a second libtorch).
 const PREFLIGHT: &str = r#"
-import importlib.metadata, importlib.util, site, sys
+import importlib.metadata, importlib.util, os, site, sys
 site.addsitedir(SITE)
+# PYTHONPATH after the virtualenv's packages (the interpreter was started ignoring it).
+sys.path.extend(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+sys.executable = PYTHON
 spec = importlib.util.find_spec("torch")
 if spec is None:
     raise ImportError(f"no torch in {SITE} (the virtualenv this plugin was built with; scripts/setup.sh makes it)")
@@ -38,6 +44,11 @@ if found.split("+")[0] != LIBTORCH.split("+")[0]:
     raise ImportError(f"the virtualenv's torch is {found} ({spec.origin}) but trainerd links libtorch {LIBTORCH}: "
                       f"install torch=={LIBTORCH.split('+')[0]} there, or rebuild trainerd against {found}")
 "#;
+
+/// The site-packages the interpreter takes its packages from.
+fn site() -> String {
+    std::env::var("TRAINERD_PYTHON_SITE").unwrap_or_else(|_| SITE.to_string())
+}
 
 static RUNTIME_MODULE: OnceLock<Result<Py<PyModule>, String>> = OnceLock::new();
 
@@ -61,20 +72,60 @@ fn promote_libpython() -> Result<(), String> {
     Ok(())
 }
 
+/// Starts the interpreter: the virtualenv's base Python, found from its home whatever the
+/// process's PATH and Python variables say (PYTHONHOME, a `python3` of another virtualenv first on
+/// PATH), without the site-packages of any environment (the preflight adds the virtualenv's), and
+/// without Python's signal handlers (the daemon handles SIGTERM and SIGINT). The GIL is released
+/// for [`Python::with_gil`].
+fn initialize() -> Result<(), String> {
+    use pyo3::ffi;
+    let text = |s: &str| CString::new(s).map_err(|_| format!("{s:?} holds a NUL"));
+    let (home, program) = (text(HOME)?, text(&format!("{HOME}/bin/python{VERSION}"))?);
+    // SAFETY: the documented PyConfig sequence (init, set, initialize, clear) on a config that
+    // lives through it, once per process (under the OnceLock), before any other Python call.
+    unsafe {
+        let mut config = std::mem::MaybeUninit::<ffi::PyConfig>::uninit();
+        ffi::PyConfig_InitPythonConfig(config.as_mut_ptr());
+        let mut config = config.assume_init();
+        config.install_signal_handlers = 0;
+        config.site_import = 0;
+        config.parse_argv = 0;
+        config.use_environment = 0;
+        let home_field: *mut *mut libc::wchar_t = &mut config.home;
+        let program_field: *mut *mut libc::wchar_t = &mut config.program_name;
+        let set = [
+            ffi::PyConfig_SetBytesString(&mut config, home_field, home.as_ptr()),
+            ffi::PyConfig_SetBytesString(&mut config, program_field, program.as_ptr()),
+        ];
+        let status = match set.into_iter().find(|s| ffi::PyStatus_Exception(*s) != 0) {
+            Some(failed) => failed,
+            None => ffi::Py_InitializeFromConfig(&config),
+        };
+        ffi::PyConfig_Clear(&mut config);
+        if ffi::PyStatus_Exception(status) != 0 {
+            let why = if status.err_msg.is_null() {
+                "no reason given".into()
+            } else {
+                CStr::from_ptr(status.err_msg).to_string_lossy().into_owned()
+            };
+            return Err(format!("starting Python {VERSION} from {HOME}: {why}"));
+        }
+        ffi::PyEval_SaveThread();
+    }
+    Ok(())
+}
+
 /// Starts the interpreter and loads the runtime, once per process.
 fn runtime() -> Result<&'static Py<PyModule>, PluginError> {
     let started = RUNTIME_MODULE.get_or_init(|| {
         promote_libpython()?;
-        if std::env::var_os("PYTHONHOME").is_none() {
-            // Before any thread of the process reads the environment for Python (none has yet: the
-            // interpreter starts here, under the OnceLock).
-            std::env::set_var("PYTHONHOME", HOME);
-        }
-        pyo3::prepare_freethreaded_python();
+        initialize()?;
         Python::with_gil(|py| {
             let globals = pyo3::types::PyDict::new(py);
             let prepared = (|| {
-                globals.set_item("SITE", SITE)?;
+                globals.set_item("SITE", site())?;
+                // Where the virtualenv's own interpreter is: what multiprocessing and the like start.
+                globals.set_item("PYTHON", PYTHON)?;
                 globals.set_item("LIBTORCH", LIBTORCH_VERSION)?;
                 let code = CString::new(PREFLIGHT).expect("no NUL");
                 py.run(&code, Some(&globals), None)?;
@@ -82,8 +133,9 @@ fn runtime() -> Result<&'static Py<PyModule>, PluginError> {
                 let module = PyModule::from_code(py, &code, c"trainerd_python_runtime.py", c"trainerd_python_runtime")?;
                 Ok::<_, PyErr>(module.unbind())
             })();
-            prepared
-                .map_err(|e| format!("starting Python {VERSION} ({HOME}, packages from {SITE}): {}", message(py, &e)))
+            prepared.map_err(|e| {
+                format!("starting Python {VERSION} ({HOME}, packages from {}): {}", site(), message(py, &e))
+            })
         })
     });
     started.as_ref().map_err(|e| PluginError::Other(e.clone()))

@@ -84,6 +84,11 @@ def load(path):
         code = compile(text, path, "exec")
     except SyntaxError as e:
         raise ModelFileError(f"model file {path} is not valid Python: {type(e).__name__}: {e.msg} ({path}:{e.lineno})")
+    # Its folder last on the path: modules beside it import, and none of them shadows the
+    # standard library's (an examples folder may hold a tokenize.py).
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.append(folder)
     name = "trainerd_model_" + hashlib.sha256(path.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
