@@ -134,6 +134,66 @@ fn evaluate(plugin_name: &str, ckpt: &Path) -> RunArgs {
     RunArgs::new(plugin_name).threads(1).set("--checkpoint", path(ckpt))
 }
 
+/// `trainerd predict` of a Rust plugin's commit: alone, one file of every test example in order
+/// with its 10 logits; sharded over a two-worker TF_CONFIG cluster, two files that together hold
+/// every example once, with the same logits.
+#[test]
+fn predict_writes_every_example_once_alone_and_sharded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let out = RunArgs::new("mnist-cnn").threads(1).epochs(1).steps(20).checkpoints(&ckpt, 0).command("run").output();
+    let out = out.unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let predict = |output: &Path| evaluate("mnist-cnn", &ckpt).set("--output", path(output)).command("predict");
+    let alone = tmp.path().join("alone.parquet");
+    let out = predict(&alone).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        stdout(&out).contains("predicted 10000 test examples with checkpoint 1 on 1 worker(s) in ")
+            && stdout(&out).contains(&format!("outputs of shape [10] each in {}", alone.display())),
+        "{}",
+        stdout(&out)
+    );
+    let ports = free_ports(2);
+    let sharded = tmp.path().join("sharded.parquet");
+    let members: Vec<Child> = (0..2)
+        .map(|i| {
+            predict(&sharded)
+                .env("TF_CONFIG", tf_config(&ports, i))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for m in members {
+        let out = m.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let check = r#"
+import sys, numpy as np, pyarrow.parquet as pq
+def read(*files):
+    ids, out = [], []
+    for f in files:
+        t = pq.read_table(f)
+        assert t.schema.metadata[b"trainerd.shape"] == b"10", t.schema.metadata
+        ids += t.column("example").to_pylist()
+        out.append(np.stack(t.column("output").to_numpy(zero_copy_only=False)))
+    return ids, np.concatenate(out)
+ids, alone = read(sys.argv[1])
+assert ids == list(range(10000)), ids[:10]
+shard_ids, shards = read(sys.argv[2], sys.argv[3])
+assert sorted(shard_ids) == ids, "every example once"
+assert np.allclose(shards, alone[shard_ids], rtol=1e-5, atol=1e-6), np.abs(shards - alone[shard_ids]).max()
+"#;
+    let shard = |r: usize| tmp.path().join(format!("sharded-{r:05}-of-00002.parquet"));
+    let out = Command::new(trainerd_testkit::python())
+        .args(["-c", check, path(&alone), path(&shard(0)), path(&shard(1))])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+}
+
 #[test]
 fn evaluate_gives_the_runs_test_figures_alone_sharded_and_for_an_older_commit() {
     let tmp = tempfile::tempdir().unwrap();

@@ -445,7 +445,7 @@ impl<'a> Driver<'a> {
         let test_metrics = p.last_eval.as_ref().map(|e| named(e.metric_means())).unwrap_or_default();
         let checkpoint_error = self.committer.as_ref().and_then(Committer::last_error);
         let tokens_per_example = info.columns.as_ref().and_then(trainerd_sdk::Columns::tokens_per_example);
-        let (examples_per_second, train_seconds, fault_tolerance) = self.report.finish();
+        let (examples_per_second, train_seconds, fault_tolerance, step_phases) = self.report.finish();
         let tokens_per_second = tokens_per_example.map(|t| examples_per_second * f64::from(t));
         Summary {
             plugin: info.name.clone(),
@@ -476,6 +476,7 @@ impl<'a> Driver<'a> {
             tokens_per_second,
             test_perplexity: p.last_eval.as_ref().filter(|_| info.language_model).map(|e| e.loss_mean().exp()),
             train_seconds,
+            step_phases,
             params_sha256: state.model.params_sha256(),
             fault_tolerance,
             checkpoint_error,

@@ -12,14 +12,14 @@ use std::time::Instant;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 use trainerd_data::predictions::Writer;
-use trainerd_sdk::Split;
+use trainerd_sdk::{InputContext, Split};
 
 use super::evaluate::{failed, load, EvalConfig, Loaded};
 use super::TrainError;
 use crate::cluster::control::FINAL_BARRIER;
 use crate::input::Data;
 use crate::ops::progress::Progress;
-use crate::plugin::Plugin;
+use crate::plugin::{ModelInstance, Plugin};
 use crate::train::agreement::Job;
 use crate::train::batches::input_context;
 use crate::train::summary::device_name;
@@ -110,43 +110,7 @@ pub(crate) fn run(
     let ctx = input_context((rank, world), e.batch_size, (false, u64::from(state.position.epoch), 0));
     let output = member_file(&cfg.output, (rank, world));
     let began = Instant::now();
-    let (mut batches, steps) = data.in_order(&ctx, cfg.split)?;
-    let _no_grad = tch::no_grad_guard();
-    let _autocast = e.precision.autocast(e.device).map_err(torch("entering autocast"))?;
-    let mut writer: Option<Writer> = None;
-    let written = |source| TrainError::Predictions { path: output.clone(), source };
-    let mut step = 0u64;
-    while let Some(batch) = batches.next_batch()? {
-        step += 1;
-        let n = batch.columns.examples();
-        if n == 0 {
-            continue; // this member's share of the last global batch is empty
-        }
-        let ids = data.example_numbers(&batch, &ctx, cfg.split)?;
-        let columns =
-            batch.columns.map(|t| t.f_to_device(e.device)).map_err(torch("moving the batch to the device"))?;
-        let (values, shape) = host_outputs(&model.predict(&columns)?, n)?;
-        let w = match &mut writer {
-            Some(w) => w,
-            None => writer.insert(Writer::create(&output, &shape).map_err(written)?),
-        };
-        if w.shape() != shape.as_slice() {
-            return Err(TrainError::Predict(format!(
-                "the plugin's predict returned outputs of shape {shape:?} per example at batch {step}, {:?} before",
-                w.shape()
-            )));
-        }
-        w.write(&ids, values).map_err(written)?;
-        if progress.wants(step, steps) {
-            progress.step(step, steps, began.elapsed(), &[]);
-        }
-    }
-    let writer = match writer {
-        Some(w) => w,
-        None => Writer::create(&output, &[]).map_err(written)?,
-    };
-    let shape = writer.shape().to_vec();
-    let examples = writer.finish().map_err(written)?;
+    let (examples, shape) = write(&model, (&data, &ctx), cfg, &output, progress)?;
     if world > 1 {
         session.barrier(FINAL_BARRIER).map_err(failed)?;
         session.finish();
@@ -165,4 +129,54 @@ pub(crate) fn run(
         device: device_name(e.device),
         params_sha256: state.params_sha256(),
     })
+}
+
+/// Every batch of `ctx`'s share of the split through the model's `predict`, written to `output`:
+/// (examples, one example's shape).
+fn write(
+    model: &ModelInstance<'_>,
+    (data, ctx): (&Data<'_>, &InputContext),
+    cfg: &PredictConfig,
+    output: &Path,
+    progress: &mut Progress,
+) -> Result<(u64, Vec<i64>), TrainError> {
+    let e = &cfg.eval;
+    let began = Instant::now();
+    let (mut batches, steps) = data.in_order(ctx, cfg.split)?;
+    let _no_grad = tch::no_grad_guard();
+    let _autocast = e.precision.autocast(e.device).map_err(torch("entering autocast"))?;
+    let mut writer: Option<Writer> = None;
+    let written = |source| TrainError::Predictions { path: output.to_path_buf(), source };
+    let mut step = 0u64;
+    while let Some(batch) = batches.next_batch()? {
+        step += 1;
+        let n = batch.columns.examples();
+        if n == 0 {
+            continue; // this member's share of the last global batch is empty
+        }
+        let ids = data.example_numbers(&batch, ctx, cfg.split)?;
+        let columns =
+            batch.columns.map(|t| t.f_to_device(e.device)).map_err(torch("moving the batch to the device"))?;
+        let (values, shape) = host_outputs(&model.predict(&columns)?, n)?;
+        let w = match &mut writer {
+            Some(w) => w,
+            None => writer.insert(Writer::create(output, &shape).map_err(written)?),
+        };
+        if w.shape() != shape.as_slice() {
+            return Err(TrainError::Predict(format!(
+                "the plugin's predict returned outputs of shape {shape:?} per example at batch {step}, {:?} before",
+                w.shape()
+            )));
+        }
+        w.write(&ids, values).map_err(written)?;
+        if progress.wants(step, steps) {
+            progress.step(step, steps, began.elapsed(), &[]);
+        }
+    }
+    let writer = match writer {
+        Some(w) => w,
+        None => Writer::create(output, &[]).map_err(written)?,
+    };
+    let shape = writer.shape().to_vec();
+    Ok((writer.finish().map_err(written)?, shape))
 }

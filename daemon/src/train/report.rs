@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use trainerd_sdk::{Columns, LrSchedule, PluginInfo};
 
-use super::summary::Recovery;
+use super::summary::{Recovery, StepPhases};
 use super::{RunConfig, TrainError};
 use crate::checkpoint::Finished;
 use crate::events::{Event, Events};
@@ -45,7 +45,7 @@ impl JsonLines {
 }
 
 /// Host time per step, by phase, over an epoch (`TRAINERD_LOG=trainerd=debug` shows it).
-#[derive(Default)]
+#[derive(Clone, Copy, Default)]
 struct Phases {
     steps: u32,
     /// Forward, loss, backward, waiting for the device, the all-reduce (the prefetch excluded).
@@ -56,6 +56,23 @@ struct Phases {
 }
 
 impl Phases {
+    fn add(&mut self, other: Phases) {
+        self.steps += other.steps;
+        (self.step, self.prefetch, self.optimizer) =
+            (self.step + other.step, self.prefetch + other.prefetch, self.optimizer + other.optimizer);
+    }
+
+    /// Milliseconds per step of each phase, as the summary gives them.
+    fn per_step(&self) -> StepPhases {
+        let per = |d: Duration| d.as_secs_f64() * 1e3 / f64::from(self.steps.max(1));
+        StepPhases {
+            steps: self.steps,
+            compute_ms: per(self.step),
+            next_batch_ms: per(self.prefetch),
+            optimizer_ms: per(self.optimizer),
+        }
+    }
+
     fn report(self, epoch: u32) {
         let per = |d: Duration| d.as_secs_f64() * 1e6 / f64::from(self.steps.max(1));
         tracing::debug!(
@@ -78,6 +95,8 @@ struct Clock {
     train_time: Duration,
     examples: f64,
     phases: Phases,
+    /// The phases of every epoch done.
+    run_phases: Phases,
 }
 
 impl Clock {
@@ -449,7 +468,9 @@ impl<'p> Reporter<'p> {
         let mut scalars = train;
         scalars.extend([("learning_rate".to_string(), lr), ("examples_per_second".to_string(), rate)]);
         self.tensorboard(|tb| tb.epoch((epoch, global_step), &scalars, &validation));
-        std::mem::take(&mut self.clock.phases).report(epoch);
+        let phases = std::mem::take(&mut self.clock.phases);
+        self.clock.run_phases.add(phases);
+        phases.report(epoch);
         let tokens = self.tokens_per_example.map(|t| rate * f64::from(t));
         self.progress.epoch_end(steps, self.clock.epoch_time, &values, (rate, tokens));
     }
@@ -500,13 +521,20 @@ impl<'p> Reporter<'p> {
 
     /// The run is over: closes the metrics log; (examples per second, seconds of training
     /// steps, failures and recoveries) for the summary.
-    pub(crate) fn finish(mut self) -> (f64, f64, Recovery) {
+    pub(crate) fn finish(mut self) -> (f64, f64, Recovery, StepPhases) {
         self.metrics_log.take();
         let c = &self.clock;
         let rate = |(examples, seconds): (f64, f64)| (seconds > 0.0).then(|| examples / seconds);
         self.recovery.seconds_short = self.trained[1].1;
         self.recovery.examples_per_second_short = rate(self.trained[1]);
         self.recovery.examples_per_second_full = rate(self.trained[0]);
-        (c.examples / c.train_time.as_secs_f64().max(1e-9), c.train_time.as_secs_f64(), self.recovery)
+        let mut phases = c.run_phases;
+        phases.add(c.phases);
+        (
+            c.examples / c.train_time.as_secs_f64().max(1e-9),
+            c.train_time.as_secs_f64(),
+            self.recovery,
+            phases.per_step(),
+        )
     }
 }

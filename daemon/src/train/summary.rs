@@ -99,6 +99,8 @@ pub(crate) struct Summary {
     pub(crate) test_perplexity: Option<f64>,
     /// Seconds spent in training steps.
     pub(crate) train_seconds: f64,
+    /// Where a training step's time went, on average.
+    pub(crate) step_phases: StepPhases,
     /// sha256 over every model variable's bytes (parameters and buffers; native-endian,
     /// contiguous), in name order.
     pub(crate) params_sha256: String,
@@ -112,6 +114,21 @@ pub(crate) struct Summary {
     pub(crate) data: Option<DataFigures>,
     /// This process's peak resident memory (VmHWM), in bytes, where the kernel tells it.
     pub(crate) peak_rss_bytes: Option<u64>,
+}
+
+/// Where a training step's time goes, in milliseconds per step: the forward and backward passes
+/// with the all-reduce, the wait for the next batch (made ahead: the time the step waits for its
+/// input), and the optimizer.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub(crate) struct StepPhases {
+    /// Steps timed.
+    pub(crate) steps: u32,
+    /// Forward, loss, backward, the all-reduce.
+    pub(crate) compute_ms: f64,
+    /// Getting the next batch.
+    pub(crate) next_batch_ms: f64,
+    /// The update.
+    pub(crate) optimizer_ms: f64,
 }
 
 /// This process's peak resident memory so far (`VmHWM` in `/proc/self/status`), in bytes.
