@@ -134,6 +134,23 @@ fn evaluate(plugin_name: &str, ckpt: &Path) -> RunArgs {
     RunArgs::new(plugin_name).threads(1).set("--checkpoint", path(ckpt))
 }
 
+/// `command(i)` as member `i` of an `n`-worker TF_CONFIG cluster on loopback, for each `i`; each
+/// must succeed.
+fn on_cluster(n: usize, command: impl Fn(usize) -> Command) {
+    let ports = free_ports(n);
+    let members: Vec<Child> = (0..n)
+        .map(|i| {
+            let mut cmd = command(i);
+            cmd.env("TF_CONFIG", tf_config(&ports, i)).stdout(Stdio::piped()).stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    for m in members {
+        let out = m.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+    }
+}
+
 /// `trainerd predict` of a Rust plugin's commit: alone, one file of every test example in order
 /// with its 10 logits; sharded over a two-worker TF_CONFIG cluster, two files that together hold
 /// every example once, with the same logits.
@@ -154,22 +171,8 @@ fn predict_writes_every_example_once_alone_and_sharded() {
         "{}",
         stdout(&out)
     );
-    let ports = free_ports(2);
     let sharded = tmp.path().join("sharded.parquet");
-    let members: Vec<Child> = (0..2)
-        .map(|i| {
-            predict(&sharded)
-                .env("TF_CONFIG", tf_config(&ports, i))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for m in members {
-        let out = m.wait_with_output().unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-    }
+    on_cluster(2, |_| predict(&sharded));
     let check = r#"
 import sys, numpy as np, pyarrow.parquet as pq
 def read(*files):
@@ -217,25 +220,10 @@ fn evaluate_gives_the_runs_test_figures_alone_sharded_and_for_an_older_commit() 
     assert!((loss(&alone) - loss(&trained)).abs() < 1e-9, "{} vs {}", loss(&alone), loss(&trained));
 
     // Sharded over a two-worker TF_CONFIG cluster, commit 1 (step 25): both members agree.
-    let ports = free_ports(2);
-    let members: Vec<Child> = (0..2)
-        .map(|i| {
-            let out = tmp.path().join(format!("shard{i}.json"));
-            evaluate("mnist-bn", &ckpt)
-                .set("--sequence", 1)
-                .summary(&out)
-                .command("evaluate")
-                .env("TF_CONFIG", tf_config(&ports, i))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for m in members {
-        let out = m.wait_with_output().unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-    }
+    on_cluster(2, |i| {
+        let out = tmp.path().join(format!("shard{i}.json"));
+        evaluate("mnist-bn", &ckpt).set("--sequence", 1).summary(&out).command("evaluate")
+    });
     let (s0, s1) = (json(&tmp.path().join("shard0.json")), json(&tmp.path().join("shard1.json")));
     assert_eq!(
         (s0["sequence"].as_u64(), s0["global_step"].as_u64(), s0["workers"].as_u64()),

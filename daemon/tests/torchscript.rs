@@ -343,7 +343,7 @@ fn plugin_check_describes_the_module_and_lists_the_keys() {
 
 /// A scripted model reads Fashion-MNIST as Parquet (the plugin declares Hugging Face's image
 /// columns) exactly as it reads the idx files: the same parameters, bit for bit. Its checkpoint is
-/// evaluated with the same file, and refused with another, naming both hashes.
+/// evaluated and predicts with the same file, and is refused with another, naming both hashes.
 #[test]
 fn a_scripted_model_trains_from_parquet_as_from_idx_and_its_checkpoint_is_its_files_alone() {
     let tmp = tempfile::tempdir().unwrap();
@@ -371,6 +371,19 @@ fn a_scripted_model_trains_from_parquet_as_from_idx_and_its_checkpoint_is_its_fi
     };
     let same = evaluate(&cnn);
     assert!(same.status.success(), "{}", text(&same));
+    // Its predictions: every test example's 10 logits.
+    let predictions = tmp.path().join("predictions.parquet");
+    let out = RunArgs::new("torchscript")
+        .threads(1)
+        .plugin_arg(format!("module={}", cnn.display()))
+        .set("--checkpoint", path(&tmp.path().join("idx")))
+        .set("--output", path(&predictions))
+        .command("predict")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(stdout(&out).contains("predicted 10000 test examples with checkpoint 1"), "{}", stdout(&out));
+    assert!(stdout(&out).contains("outputs of shape [10] each"), "{}", stdout(&out));
     let bn = script("bn", tmp.path());
     assert_eq!(
         error_of(&evaluate(&bn)),
