@@ -537,3 +537,40 @@ fn another_torch_is_refused_naming_both_versions() {
         "{told}"
     );
 }
+
+/// Workers whose model files take other arguments are refused at admission, naming the argument
+/// and both values (the file's arguments, its sha256 and its packages' versions are the model's
+/// identity); a default given is the default left out.
+#[test]
+fn workers_whose_models_differ_are_refused_naming_both() {
+    let gpt = format!("module={}", examples().join("gpt.py").display());
+    let spawn = |ports: &[u16], i: usize, args: &[&str]| {
+        let run = RunArgs::new("python-model").data(tokens()).threads(1).steps(2).epochs(1).batch(2);
+        let run = run.on("--no-evaluation").set("--rendezvous-timeout", 20);
+        args.iter()
+            .fold(run.plugin_arg(&gpt), |run, kv| run.plugin_arg(kv))
+            .command("run")
+            .env("TF_CONFIG", trainerd_testkit::tf_config(ports, i))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let ports = trainerd_testkit::free_ports(2);
+    let (chief, other) = (spawn(&ports, 0, &["d_model=64"]), spawn(&ports, 1, &[]));
+    let other = other.wait_with_output().unwrap();
+    let _ = chief.wait_with_output().unwrap();
+    let w1 = format!("worker 1 (127.0.0.1:{})", ports[1]);
+    let line = error_line(&other);
+    assert!(
+        line.starts_with(&format!(
+            "error: rendezvous refused by the chief: {w1} has a different run configuration: \
+             plugin.identity.arg d_model = \"128\" on {w1}, \"64\" on the chief"
+        )),
+        "{line}"
+    );
+    let ports = trainerd_testkit::free_ports(2);
+    let (a, b) = (spawn(&ports, 0, &["d_model=128"]), spawn(&ports, 1, &[]));
+    let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert!(a.status.success() && b.status.success(), "{}\n{}", text(&a), text(&b));
+}
