@@ -5,8 +5,8 @@ tokens, a 512-id BPE), in one session:
   - 2 workers on the CPU: `trainerd local --workers 2` beside PyTorch DDP (gloo, 2 processes on
     127.0.0.1) training the same module; goal: trainerd at least 1.2x DDP;
   - 1 worker: `trainerd run` beside a plain PyTorch eager loop; goal: at least 1.0x;
-  - the time a step waits for its token batch (goal: none): trainerd's per-step phases, which it
-    logs at each epoch's end under TRAINERD_LOG=trainerd::train::report=debug.
+  - the time a step waits for its token batch (goal: none): the summary's `step_phases` (compute,
+    next batch, optimizer, in ms per step).
 Same module (the file's model(args) under torch.manual_seed(seed)), loss (the file's loss),
 per-worker batch, number of steps, Adam lr 1e-3, T libtorch threads per process; runs alternate
 (trainerd, peer, trainerd, peer, ...) and the medians are printed. Throughput is tokens/s
@@ -24,7 +24,7 @@ libpython_model.so are; default target/release).
 
 Internally `python_model.py --peer ddp|eager ...` is the PyTorch side of one run (prints JSON).
 """
-import argparse, importlib.util, json, os, re, socket, statistics, subprocess, sys, tempfile, time
+import argparse, importlib.util, json, os, socket, statistics, subprocess, sys, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "plugins", "python-model", "examples")
@@ -36,8 +36,6 @@ DATA = os.environ.get("DATA") or os.path.join(CACHE, "bench", "lm-gpt")
 THREADS = int(os.environ.get("THREADS", "1"))
 TOKENS = 128  # gpt.py's CONTEXT: every row is this many tokens
 LR = 1e-3
-PHASES = re.compile(r"(?:\[worker (\d+)\] )?.*epoch (\d+): (\d+) steps; per step: (\d+) us forward\+backward\+all-reduce, "
-                    r"(\d+) us next batch, (\d+) us optimizer")
 
 
 def free_port():
@@ -74,7 +72,7 @@ def ensure_data():
 
 def trainerd(workers, batch, threads, epochs, seed, warmup):
     """One trainerd run: its summary's rate, a steady rate from the metrics log's clock, and the
-    per-step phases (ms) averaged over its epochs and workers."""
+    per-step phases (ms, the summary's step_phases) of worker 0."""
     with tempfile.TemporaryDirectory() as d:
         summary, metrics = os.path.join(d, "s.json"), os.path.join(d, "m.jsonl")
         head = [os.path.join(TARGET, "trainerd")]
@@ -83,9 +81,7 @@ def trainerd(workers, batch, threads, epochs, seed, warmup):
                       "--data", DATA, "--batch-size", str(batch), "--threads", str(threads), "--epochs", str(epochs),
                       "--optimizer", "adam", "--lr", str(LR), "--seed", str(seed), "--no-evaluation",
                       "--summary", summary, "--metrics-log", metrics]
-        env = {**os.environ, "TRAINERD_LOG": "warn,trainerd::train::report=debug"}
-        env.pop("TRAINERD_LOG_FORMAT", None)
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"trainerd failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
         suffix = ".worker0" if workers > 1 else ""
@@ -95,11 +91,9 @@ def trainerd(workers, batch, threads, epochs, seed, warmup):
     if len(lines) > warmup + 1:
         first, last = lines[warmup], lines[-1]
         steady = (last["global_step"] - first["global_step"]) * s["global_batch_size"] / (last["time"] - first["time"])
-    phases = [tuple(int(x) for x in m.groups()[2:]) for m in map(PHASES.search, p.stderr.splitlines()) if m]
-    steps = sum(ph[0] for ph in phases)
-    mean = [sum(ph[0] * ph[i] for ph in phases) / max(steps, 1) / 1000 for i in (1, 2, 3)] if phases else None
+    ph = s["step_phases"]
     return {"rate": s["examples_per_second"], "steady": steady, "steps": s["steps"], "seconds": s["train_seconds"],
-            "phases_ms": mean}
+            "phases_ms": [ph["compute_ms"], ph["next_batch_ms"], ph["optimizer_ms"]]}
 
 
 # ---- the PyTorch peers ----
@@ -221,8 +215,7 @@ def compare(name, workers, a, epochs, goal):
         theirs.append(peer(kind, a.batch, a.threads, steps, a.seed, a.warmup))
         o, t = ours[-1], theirs[-1]
         ph, tp = o["phases_ms"], t["phases_ms"]
-        phase = (f"; per step {ph[0]:.1f} ms fwd+bwd+all-reduce, {ph[1]:.2f} ms next batch, {ph[2]:.1f} ms optimizer"
-                 if ph else "")
+        phase = f"; per step {ph[0]:.1f} ms fwd+bwd+all-reduce, {ph[1]:.2f} ms next batch, {ph[2]:.1f} ms optimizer"
         steady = f"steady {o['steady'] * TOKENS:,.0f}; " if o["steady"] else ""
         print(f"  {name} run {r + 1}: trainerd {o['rate'] * TOKENS:,.0f} tokens/s ({steady}"
               f"{o['seconds']:.1f} s){phase} | {peer_name} {t['rate'] * TOKENS:,.0f} tokens/s ({t['seconds']:.1f} s; "
@@ -233,20 +226,16 @@ def compare(name, workers, a, epochs, goal):
     o, t = med([x["rate"] for x in ours]), med([x["rate"] for x in theirs])
     steady = [x["steady"] for x in ours if x["steady"]]
     steady = f"; steady {med(steady) * TOKENS:,.0f}" if steady else ""
-    phases = [x["phases_ms"] for x in ours if x["phases_ms"]]
-    wait = med([p[1] for p in phases]) if phases else None
-    step_ms = med([p[0] + p[1] + p[2] for p in phases]) if phases else None
+    phases = [x["phases_ms"] for x in ours]
+    wait, step_ms = med([p[1] for p in phases]), med([p[0] + p[1] + p[2] for p in phases])
     params = theirs[0]["parameters"] / 1e6
     print(f"{name}, gpt.py ({params:.2f} M parameters), batch {a.batch} x {TOKENS} tokens per worker "
           f"(global {workers * a.batch}), {a.threads} thread(s) per worker, {steps} steps, median of {a.runs}: "
           f"trainerd {o * TOKENS:,.0f} tokens/s ({o:,.0f} examples/s{steady}), {peer_name} "
           f"{t * TOKENS:,.0f} tokens/s ({t:,.0f} examples/s), ratio {o / t:.2f}x (goal >= {goal:.1f}x: "
           f"{'met' if o / t >= goal else 'NOT met'})", flush=True)
-    if wait is None:
-        print(f"{name}: trainerd logged no per-step phases (TRAINERD_LOG=trainerd::train::report=debug)")
-    else:
-        print(f"{name}: trainerd's step waits {wait:.2f} ms for its token batch ({100 * wait / step_ms:.1f}% of a "
-              f"{step_ms:.1f} ms step; goal: none)", flush=True)
+    print(f"{name}: trainerd's step waits {wait:.2f} ms for its token batch ({100 * wait / step_ms:.1f}% of a "
+          f"{step_ms:.1f} ms step; goal: none)", flush=True)
 
 
 def main():
