@@ -574,3 +574,46 @@ fn workers_whose_models_differ_are_refused_naming_both() {
     let (a, b) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
     assert!(a.status.success() && b.status.success(), "{}\n{}", text(&a), text(&b));
 }
+
+/// The metrics forms a user writes: decorated, with a nested helper, taking the outputs of the
+/// file's loss, or of the default loss (on MNIST-format images): each reported under its name.
+#[test]
+fn metrics_are_read_in_the_forms_users_write_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lm = file(
+        tmp.path(),
+        "lm.py",
+        &format!(
+            "{LM}def loss(module, batch):\n    out = module(batch['input_ids'])\n    return out.mean(), out\n\
+             @torch.no_grad()\ndef metrics(module, batch, outputs):\n    def helper(x):\n        return x.sum()\n    \
+             return {{'activity': helper(outputs.abs().mean((1, 2)))}}\n"
+        ),
+    );
+    let images = file(
+        tmp.path(),
+        "images.py",
+        "import torch\ndef model(args):\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))\n\
+         def metrics(module, batch, outputs):\n    top = outputs.argmax(-1) == batch['label']\n    \
+         return {'right': top.sum(), 'seen': top.numel()}\n",
+    );
+    for (model, data, names) in
+        [(&lm, tokens().to_path_buf(), vec!["activity"]), (&images, trainerd_testkit::dataset(), vec!["right", "seen"])]
+    {
+        let summary = tmp.path().join("s.json");
+        let out = RunArgs::new("python-model")
+            .data(&data)
+            .plugin_arg(format!("module={}", model.display()))
+            .threads(1)
+            .steps(3)
+            .epochs(1)
+            .batch(4)
+            .on("--no-evaluation")
+            .summary(&summary)
+            .command("run")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let metrics = json(&summary)["final_train_metrics"].as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        assert_eq!(metrics, names, "{}", model.display());
+    }
+}

@@ -15,6 +15,7 @@ use trainerd_data::predictions::Writer;
 use trainerd_sdk::{InputContext, Split};
 
 use super::evaluate::{failed, load, EvalConfig, Loaded};
+use super::step::{on_device, torch};
 use super::TrainError;
 use crate::cluster::control::FINAL_BARRIER;
 use crate::input::Data;
@@ -72,10 +73,6 @@ pub(crate) fn member_file(output: &Path, (rank, world): (usize, usize)) -> PathB
     let stem = output.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let ext = output.extension().map(|e| format!(".{}", e.to_string_lossy())).unwrap_or_default();
     output.with_file_name(format!("{stem}-{rank:05}-of-{world:05}{ext}"))
-}
-
-fn torch(what: &'static str) -> impl FnOnce(tch::TchError) -> TrainError {
-    move |source| TrainError::Torch { what, source }
 }
 
 /// One batch's outputs as float32 on the host, row-major, and one example's shape.
@@ -155,8 +152,7 @@ fn write(
             continue; // this member's share of the last global batch is empty
         }
         let ids = data.example_numbers(&batch, ctx, cfg.split)?;
-        let columns =
-            batch.columns.map(|t| t.f_to_device(e.device)).map_err(torch("moving the batch to the device"))?;
+        let columns = on_device(&batch.columns, e.device)?;
         let (values, shape) = host_outputs(&model.predict(&columns)?, n)?;
         let w = match &mut writer {
             Some(w) => w,

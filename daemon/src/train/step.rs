@@ -20,8 +20,13 @@ use crate::plugin::ModelInstance;
 use crate::state::host::host_bytes;
 use crate::state::Totals;
 
-fn torch(what: &'static str) -> impl FnOnce(tch::TchError) -> TrainError {
+pub(crate) fn torch(what: &'static str) -> impl FnOnce(tch::TchError) -> TrainError {
     move |source| TrainError::Torch { what, source }
+}
+
+/// `batch`'s columns on `device`.
+pub(crate) fn on_device(batch: &Batch, device: Device) -> Result<Batch, TrainError> {
+    batch.map(|t| t.f_to_device(device)).map_err(torch("moving the batch to the device"))
 }
 
 /// One batch's totals from the plugin's outputs on its `n` examples.
@@ -137,8 +142,7 @@ fn forward_backward(
             b.f_copy_(s).map_err(torch("resetting the buffers"))?;
         }
     }
-    let columns =
-        batch.columns.map(|t| t.f_to_device(replica.device)).map_err(torch("moving the batch to the device"))?;
+    let columns = on_device(batch.columns, replica.device)?;
     tch::manual_seed(batch.seed);
     let autocast = replica.precision.autocast(replica.device).map_err(torch("entering autocast"))?;
     let (loss, metrics) = replica.model.step(&columns, true)?;
@@ -271,7 +275,7 @@ pub(crate) fn evaluate(
             if n == 0 {
                 continue; // this pipeline's share of the last global batch is empty
             }
-            let columns = columns.map(|t| t.f_to_device(device)).map_err(torch("moving the batch to the device"))?;
+            let columns = on_device(&columns, device)?;
             let (loss, metrics) = model.step(&columns, false)?;
             totals.add(&batch_totals(n, &loss, &metrics)?);
             // Chaos tests stop a member here: a failure in the middle of an evaluation.

@@ -103,29 +103,44 @@ def load(path):
     return module
 
 
-def _metric_names(path, fn):
-    """The keys of the dict literal(s) that `metrics` returns, read from its source."""
-    source = open(path, encoding="utf-8").read()
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == fn.__name__ and node.lineno == fn.__code__.co_firstlineno:
-            break
-    else:
-        node = None
+def _returns(node):
+    """The return statements of function `node`, not those of functions, lambdas or classes
+    nested in it."""
+    found, todo = [], list(node.body)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, ast.Return):
+            found.append(n)
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(n))
+    return found
+
+
+def _metric_names(path, module, fn):
+    """The keys of the dict literal(s) that `metrics` returns, read from the file's source."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    node = None
+    if code is not None and os.path.abspath(code.co_filename) == path:
+        tree = ast.parse(module.__trainerd_source__)
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == fn.__name__:
+                lines = [n.lineno] + [d.lineno for d in n.decorator_list]
+                if code.co_firstlineno in lines:
+                    node = n
+                    break
     found = []
-    for r in ast.walk(node) if node else []:
-        if isinstance(r, ast.Return):
-            if not isinstance(r.value, ast.Dict) or not all(
-                isinstance(k, ast.Constant) and isinstance(k.value, str) for k in r.value.keys
-            ):
-                found = None
-                break
-            found.append([k.value for k in r.value.keys])
+    for r in _returns(node) if node else []:
+        if not isinstance(r.value, ast.Dict) or not all(
+            isinstance(k, ast.Constant) and isinstance(k.value, str) for k in r.value.keys
+        ):
+            found = None
+            break
+        found.append([k.value for k in r.value.keys])
     if not found or any(f != found[0] for f in found):
         raise ModelFileError(
-            f"model file {path}: metrics(module, batch) must return a dict literal with the same string keys on "
-            f"every return (such as return {{\"accuracy\": correct}}), or the file must name them: "
-            f"metric_names = [...]"
+            f"model file {path}: metrics must return a dict literal with the same string keys on every return "
+            f"(such as return {{\"accuracy\": correct}}), or the file must name them: metric_names = [...]"
         )
     return found[0]
 
@@ -136,7 +151,7 @@ def _metrics_of(path, module):
     if metrics_fn is None:
         return [] if getattr(module, "loss", None) is not None else ["accuracy"]
     names = getattr(module, "metric_names", None)
-    return [str(n) for n in names] if names is not None else _metric_names(path, metrics_fn)
+    return [str(n) for n in names] if names is not None else _metric_names(path, module, metrics_fn)
 
 
 def _imported_distributions(path, source):
@@ -215,7 +230,7 @@ def info(path, given):
         "metrics": names,
         "identity": identity,
         "language_model": bool(getattr(module, "language_model", False)),
-        "export_names": _export_names(module, args),
+        "export_names": _export_names(path, module, args),
     }
 
 
@@ -238,7 +253,7 @@ def _variables(net):
     return list(net.named_parameters()) + [(n, b) for n, b in net.named_buffers() if n in persistent]
 
 
-def _export_names(module, args):
+def _export_names(path, module, args):
     """[state_dict key, variable name] of every key, the module built on the meta device (no
     memory, no generator): what `trainerd ckpt export` names the tensors, so that
     load_state_dict takes the export as it is, tied weights under each of their keys. None when
@@ -246,7 +261,13 @@ def _export_names(module, args):
     try:
         with torch.device("meta"):
             net = module.model(dict(args))
-    except Exception:  # noqa: BLE001 - the real build reports it
+    except Exception as e:  # noqa: BLE001 - the real build reports its own errors
+        print(
+            f"trainerd python-model: warning: model file {path}: model(args) does not build on the meta device "
+            f"({type(e).__name__}: {e}); `trainerd ckpt export` will name its tensors model.NAME, not by its "
+            f"state_dict() keys",
+            file=sys.stderr,
+        )
         return []
     if not isinstance(net, torch.nn.Module):
         return []
@@ -295,7 +316,9 @@ class Runner:
         self.names = _metrics_of(path, module)
         self.first = True
         device = torch.device(device)
-        torch.use_deterministic_algorithms(True)
+        # As the daemon sets it: deterministic kernels wherever libtorch has them, and a warning
+        # (not an error) for an operation that has none.
+        torch.use_deterministic_algorithms(True, warn_only=True)
         if device.type == "cuda":
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
@@ -308,7 +331,6 @@ class Runner:
                 f"model file {path}: model(args) returned {_describe(net)}, expected a torch.nn.Module"
             )
         self.module = net.to(device)
-        self.training = None
         params = list(self.module.named_parameters())
         if not any(p.requires_grad for _, p in params):
             raise ModelFileError(
@@ -319,9 +341,9 @@ class Runner:
         self.tensors = _variables(self.module)
 
     def _mode(self, train):
-        if self.training != train:
+        # From the module itself: the file's own code may have switched it.
+        if self.module.training != train:
             self.module.train(train)
-            self.training = train
 
     def _call(self, what, fn, *args):
         try:
@@ -343,6 +365,7 @@ class Runner:
                 loss, outputs = loss
         else:
             logits, loss = self._call("the forward pass (the default loss)", self._default_loss, batch)
+            outputs = logits
         self._check_loss(loss, train)
         with torch.no_grad():
             if self.metrics_take_outputs:
@@ -353,10 +376,14 @@ class Runner:
                     )
                 outputs = outputs.detach() if _tensor(outputs) else outputs
                 values = self._call("metrics(module, batch, outputs)", self.metrics_fn, self.module, batch, outputs)
-                sums = self._sums(values)
+                sums = self._sums(values, loss.device)
             elif self.metrics_fn is not None:
+                # It runs the module again: in evaluation mode, so that BatchNorm's statistics are
+                # not updated twice and dropout draws nothing more.
+                self._mode(False)
                 values = self._call("metrics(module, batch)", self.metrics_fn, self.module, batch)
-                sums = self._sums(values)
+                self._mode(train)
+                sums = self._sums(values, loss.device)
             elif logits is not None:
                 correct = logits.argmax(-1).eq(batch[LABEL]).sum(dtype=torch.float64)
                 sums = correct.reshape(1)
@@ -386,26 +413,32 @@ class Runner:
             if not math.isfinite(loss.item()):
                 raise ModelFileError(f"model file {self.path}: {what} is {loss.item()} on the first batch")
 
-    def _sums(self, values):
+    def _sums(self, values, device):
         if not isinstance(values, dict):
             raise ModelFileError(
-                f"model file {self.path}: metrics(module, batch) returned {_describe(values)}, expected a dict of "
-                f"name to the sum over the batch's examples"
+                f"model file {self.path}: metrics returned {_describe(values)}, expected a dict of name to the sum "
+                f"over the batch's examples"
             )
         if list(values) != self.names:
             raise ModelFileError(
-                f"model file {self.path}: metrics(module, batch) returned the keys {list(values)}, expected "
-                f"{self.names}"
+                f"model file {self.path}: metrics returned the keys {list(values)}, expected {self.names}"
             )
         out = []
         for name, v in values.items():
-            v = torch.as_tensor(v)
+            try:
+                v = torch.as_tensor(v, dtype=torch.float64, device=device)
+            except Exception as e:  # noqa: BLE001
+                raise ModelFileError(
+                    f"model file {self.path}: metrics[{name!r}] is {_describe(v)}, which is not a number: {e}"
+                ) from None
             if v.numel() != 1:
                 raise ModelFileError(
-                    f"model file {self.path}: metrics(module, batch)[{name!r}] is {_describe(v)}, expected one "
-                    f"number: the sum over the batch's examples"
+                    f"model file {self.path}: metrics[{name!r}] is {_describe(v)}, expected one number: the sum "
+                    f"over the batch's examples"
                 )
-            out.append(v.reshape(()).to(torch.float64))
+            out.append(v.reshape(()))
+        if not out:
+            return torch.zeros(0, dtype=torch.float64, device=device)
         return torch.stack(out)
 
     def predict(self, batch):
