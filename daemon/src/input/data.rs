@@ -62,33 +62,36 @@ impl<'m> Data<'m> {
         ctx: &InputContext,
         (end_epoch, steps_per_epoch): (u32, u64),
     ) -> Result<Epochs<'_>, InputError> {
+        if !ctx.training {
+            return Ok(self.in_order(ctx, Split::Test)?.0);
+        }
         match self {
-            Data::Plugin { train, test } => {
-                let data = if ctx.training { Some(train) } else { test.as_ref() };
-                let pipeline = data.ok_or(InputError::NoEvaluation)?.pipeline(ctx)?;
+            Data::Plugin { train, .. } => {
+                let pipeline = train.pipeline(ctx)?;
                 let steps = pipeline.steps().min(steps_per_epoch);
                 Ok(Epochs::Plugin { pipeline, epoch: ctx.epoch as u32, next: ctx.first_step, steps })
             }
             Data::Files(f) => {
-                let slice = slice(ctx);
-                let (reader, shuffle, end, steps) = if ctx.training {
-                    (&f.train, Some(Shuffle { seed: ctx.seed, window: f.window }), end_epoch, steps_per_epoch)
-                } else {
-                    let test = f.test.as_ref().ok_or(InputError::NoEvaluation)?;
-                    (test, None, ctx.epoch as u32 + 1, slice.steps(test.rows()))
+                let shuffle = Some(Shuffle { seed: ctx.seed, window: f.window });
+                let plan = Plan {
+                    slice: slice(ctx),
+                    shuffle,
+                    first: (ctx.epoch as u32, ctx.first_step),
+                    end_epoch,
+                    steps_per_epoch,
                 };
-                let first = (ctx.epoch as u32, ctx.first_step);
-                Ok(Epochs::Files(reader.open(Plan { slice, shuffle, first, end_epoch: end, steps_per_epoch: steps })))
+                Ok(Epochs::Files(f.train.open(plan)))
             }
         }
     }
 }
 
 impl Data<'_> {
-    /// Every example of `split` once, in order, `ctx`'s share of each global batch (as evaluation
-    /// reads the test split), and how many batches that is: what `trainerd predict` reads.
+    /// Every example of `split` once, in order, `ctx`'s share of each global batch, from
+    /// `ctx.first_step` on, and how many batches the whole pass has: what evaluation reads of the
+    /// test split and `trainerd predict` of either.
     pub(crate) fn in_order(&self, ctx: &InputContext, split: Split) -> Result<(Epochs<'_>, u64), InputError> {
-        let ctx = InputContext { training: false, first_step: 0, ..*ctx };
+        let ctx = InputContext { training: false, ..*ctx };
         match self {
             Data::Plugin { train, test } => {
                 let data = match split {
@@ -97,13 +100,13 @@ impl Data<'_> {
                 };
                 let pipeline = data.ok_or(InputError::NoEvaluation)?.pipeline(&ctx)?;
                 let steps = pipeline.steps();
-                Ok((Epochs::Plugin { pipeline, epoch: ctx.epoch as u32, next: 0, steps }, steps))
+                Ok((Epochs::Plugin { pipeline, epoch: ctx.epoch as u32, next: ctx.first_step, steps }, steps))
             }
             Data::Files(f) => {
                 let reader = reader(f, split)?;
                 let slice = slice(&ctx);
                 let (first, end_epoch, steps) =
-                    ((ctx.epoch as u32, 0), ctx.epoch as u32 + 1, slice.steps(reader.rows()));
+                    ((ctx.epoch as u32, ctx.first_step), ctx.epoch as u32 + 1, slice.steps(reader.rows()));
                 let plan = Plan { slice, shuffle: None, first, end_epoch, steps_per_epoch: steps };
                 Ok((Epochs::Files(reader.open(plan)), steps))
             }
