@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use trainerd_testkit::{Cluster, Event, RunArgs};
+use trainerd_testkit::{Cluster, Entry, Event, RunArgs, What};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 const RESTART_SEC: Duration = Duration::from_millis(200);
@@ -488,4 +488,108 @@ fn trainerd_local_can_leave_the_chief_dead_and_a_new_coordinator_takes_over() {
             local.wait_line(|l| l.contains("] trainerd: worker ") && l.contains(" coordinates from term "), DEADLINE);
         assert!(elected.contains("elected by 2 of 3"), "{elected}");
     });
+}
+
+/// The systemd unit's `RestartSec=`: a killed worker's new process starts 2 s later.
+const UNIT_RESTART: Duration = Duration::from_secs(2);
+
+/// `trainerd run` arguments of `job` with the defaults a user gets: no `--replace-after` (the
+/// survivors go on at once) and no `--state-dir` (each worker keeps its vote in its default
+/// state directory, here under `dir`).
+fn at_once(job: Job, dir: &Path) -> (RunArgs, Vec<(String, String)>) {
+    let run = RunArgs::new(job.plugin).epochs(job.epochs).steps(job.steps).threads(1).seed(5);
+    let run = run.optimizer("adam", 0.001).summary(dir.join("summary.{rank}.json")).checkpoints(dir.join("ckpt"), 40);
+    let run = job.batch.map_or(run.clone(), |b| run.batch(b));
+    (run, vec![("XDG_STATE_HOME".to_string(), dir.join("state").to_str().unwrap().to_string())])
+}
+
+/// Whether `e` is the chief's formation without worker `victim` (2 of 3) or `victim`'s new
+/// process starting: whichever comes first says whether the survivors waited for it.
+fn short_formation_or_restart(coordinators: &[usize], victim: usize) -> impl Fn(&Entry) -> bool + '_ {
+    move |e: &Entry| {
+        let formed = coordinators.contains(&e.worker) && e.event().is_some_and(formed_with(2, 3));
+        formed || (e.worker == victim && e.what == What::Restarted)
+    }
+}
+
+/// A worker SIGKILLed and restarted 2 s later, as the unit does: the survivors form a generation
+/// without it before its new process starts, it takes its slot back when it returns, and the run
+/// is bitwise the failure-free one.
+#[test]
+fn a_killed_worker_is_not_waited_for_and_takes_its_slot_back_when_it_returns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, env) = at_once(LONGER, tmp.path());
+    let mut c = Cluster::start(LONGER.workers, &run, &env, vec![], UNIT_RESTART);
+    wait_for_step(&mut c, LONGER, 1, 30);
+    c.signal(2, libc::SIGKILL);
+    let first = c.wait_for(short_formation_or_restart(&[0], 2), DEADLINE);
+    assert_eq!(first.worker, 0, "the survivors waited for the restart:\n{}", c.transcript());
+    let (_, joined) = c.wait_event(2, |e| matches!(e, Event::Joined { .. }), DEADLINE);
+    assert!(matches!(joined, Event::Joined { present: None, source: Some(0 | 1), .. }), "{joined:?}");
+    assert_finished_exactly(&mut c, LONGER, tmp.path(), &[0, 1, 2]);
+    assert_eq!(summary(tmp.path(), 0)["fault_tolerance"]["steps_lost"].as_u64(), Some(0));
+}
+
+/// The chief SIGKILLed and restarted 2 s later, with no `--state-dir` (the default state
+/// directory keeps the votes): a survivor is elected at once and forms a generation of the two
+/// before the chief's new process starts; the chief returns as a member, and the run is bitwise
+/// the failure-free one.
+#[test]
+fn a_killed_chief_is_replaced_at_once_and_returns_as_a_member() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, env) = at_once(LONGER, tmp.path());
+    let mut c = Cluster::start(LONGER.workers, &run, &env, vec![], UNIT_RESTART);
+    wait_for_step(&mut c, LONGER, 1, 30);
+    let killed = c.mark();
+    c.signal(0, libc::SIGKILL);
+    let first = c.wait_for(short_formation_or_restart(&[1, 2], 0), DEADLINE);
+    assert_ne!(first.worker, 0, "the survivors waited for the chief's restart:\n{}", c.transcript());
+    elected_after(&mut c, killed);
+    let (_, line) = c.wait_line(0, "trainerd: worker 0 ", killed, DEADLINE);
+    assert!(line.contains(" coordinates (term ") && line.contains("joining as a member"), "{line}");
+    assert_finished_exactly(&mut c, LONGER, tmp.path(), &[0, 1, 2]);
+    let state = std::fs::read_dir(tmp.path().join("state/trainerd")).unwrap().count();
+    assert_eq!(state, 1, "one default state directory for the job");
+}
+
+/// The chief killed for good, with the README's cluster command (no `--state-dir`, no
+/// `--replace-after`): the survivors elect a coordinator, go on, and finish bitwise.
+#[test]
+fn the_chief_killed_for_good_without_a_state_dir_is_replaced_by_default() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, env) = at_once(LINEAR, tmp.path());
+    let mut c = Cluster::start(LINEAR.workers, &run, &env, vec![], RESTART_SEC);
+    c.hold(0);
+    wait_for_step(&mut c, LINEAR, 1, 40);
+    let killed = c.mark();
+    c.signal(0, libc::SIGKILL);
+    elected_after(&mut c, killed);
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[1, 2]);
+}
+
+/// A worker that returns after the run finished exits 0 at once, naming the step and commit the
+/// run finished at, instead of waiting for a cluster that is gone.
+#[test]
+fn a_worker_returning_after_the_end_exits_0_naming_where_the_run_finished() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, env) = at_once(LINEAR, tmp.path());
+    let mut c = Cluster::start(LINEAR.workers, &run, &env, vec![], RESTART_SEC);
+    c.hold(2);
+    wait_for_step(&mut c, LINEAR, 2, 100);
+    c.signal(2, libc::SIGKILL);
+    // Both survivors finish (in either order), and only then does worker 2 come back.
+    let mut finished = [false; 2];
+    while finished != [true, true] {
+        let e = c.wait_for(|e| e.worker < 2 && matches!(e.what, What::Finished(_)), DEADLINE);
+        assert_eq!(e.what, What::Finished(0), "worker {}:\n{}", e.worker, c.transcript());
+        finished[e.worker] = true;
+    }
+    let back = c.mark();
+    c.bring_back(2);
+    let (_, code) = c.wait_exit(2, DEADLINE);
+    assert_eq!(code, 0, "{}", c.transcript());
+    let (_, line) = c.wait_line(2, "trainerd: the run finished", back, DEADLINE);
+    let steps = 2 * LINEAR.steps;
+    assert!(line.starts_with(&format!("trainerd: the run finished at step {steps} (commit ")), "{line}");
+    assert!(line.ends_with("); nothing left to do"), "{line}");
 }

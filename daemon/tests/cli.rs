@@ -304,7 +304,8 @@ fn bad_flags_are_refused_with_the_flag_named() {
         "error: the training split gives no batch: with batch size 1000 per worker and 1 worker(s) the input \
          pipeline yields 0 steps per epoch"
     );
-    let out = run_with(&linear, data.path(), &["--heartbeat-deadline", "200"], None);
+    // Two timeouts given by hand that contradict each other are refused, naming both.
+    let out = run_with(&linear, data.path(), &["--heartbeat-deadline", "200", "--collective-timeout", "120"], None);
     assert_eq!(
         error_of(&out),
         "error: --heartbeat-deadline 200s must be less than --collective-timeout 120s (the timeouts must grow: \
@@ -312,7 +313,7 @@ fn bad_flags_are_refused_with_the_flag_named() {
     );
     let out = run_with(&linear, data.path(), &["--rejoin-deadline", "0"], None);
     assert_eq!(error_of(&out), "error: --rejoin-deadline 0: expected a positive number of seconds");
-    let out = run_with(&linear, data.path(), &["--data-timeout", "150"], None);
+    let out = run_with(&linear, data.path(), &["--data-timeout", "150", "--collective-timeout", "120"], None);
     assert_eq!(
         error_of(&out),
         "error: --data-timeout 150s must be less than --collective-timeout 120s: a worker waiting for its data must \
@@ -321,6 +322,31 @@ fn bad_flags_are_refused_with_the_flag_named() {
     let out = run_with(&linear, data.path(), &["--data-cache-size", "lots"], None);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(stderr(&out).contains("\"lots\": expected a size such as 512M or 10G"), "{}", text(&out));
+}
+
+/// A timeout given alone never contradicts a default: the ones not given follow from it (the
+/// refusal "--data-timeout 60s must be less than --collective-timeout 10s" of a user who set only
+/// the collective timeout is gone).
+#[test]
+fn every_timeout_flag_alone_starts() {
+    let data = tempfile::tempdir().unwrap();
+    tiny_dataset(data.path(), 64, 16);
+    let linear = plugin("linear");
+    for flag in [
+        ["--collective-timeout", "10"],
+        ["--collective-timeout", "2"],
+        ["--heartbeat-interval", "1"],
+        ["--heartbeat-deadline", "200"],
+        ["--heartbeat-deadline", "0.3"],
+        ["--rejoin-deadline", "5"],
+        ["--replace-after", "900"],
+        ["--replace-after", "0"],
+        ["--rendezvous-timeout", "1"],
+        ["--data-timeout", "150"],
+    ] {
+        let out = run_with(&linear, data.path(), &flag, None);
+        assert!(out.status.success(), "{flag:?}: {}", text(&out));
+    }
 }
 
 /// Rust links with `--as-needed`, so a plain link drops `libtorch_cuda.so` and libtorch never

@@ -126,6 +126,16 @@ impl Checkpointer {
         Ok((latest, floor))
     }
 
+    /// The newest commit's record, if any (its data unread).
+    pub(crate) fn latest(&self) -> Result<Option<CommitRecord>, StorageError> {
+        self.runtime.block_on(self.store.latest_record())
+    }
+
+    /// Commit `sequence`, verified.
+    pub(crate) fn load(&self, sequence: u64) -> Result<Restored, StorageError> {
+        self.runtime.block_on(self.store.load(sequence))
+    }
+
     /// Commits from now on carry `generation` (the cluster's current one).
     pub(crate) fn set_generation(&mut self, generation: u64) {
         self.generation = generation;

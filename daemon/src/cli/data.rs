@@ -35,7 +35,7 @@ pub(crate) fn run(command: DataCommand) -> anyhow::Result<i32> {
 pub(crate) fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
     let location: DataLocation = url.parse()?;
     let data = super::args::DataArgs::for_tools(url);
-    let options = data_options(&data, s3, Arc::new(Quiet))?;
+    let options = data_options(&data, s3, Arc::new(Quiet), super::data_timeout(&data)?)?;
     let dataset = Dataset::open(&location, options)?;
     println!("dataset: {location}");
     println!("fingerprint: {}", dataset.fingerprint());
@@ -114,7 +114,7 @@ pub(crate) fn read(args: &ReadArgs) -> anyhow::Result<i32> {
         .clone()
         .ok_or_else(|| anyhow::anyhow!("plugin {} declares no columns", plugin.info().name))?;
     let location: DataLocation = args.data.data.parse()?;
-    let options = data_options(&args.data, &args.s3, Arc::new(Quiet))?;
+    let options = data_options(&args.data, &args.s3, Arc::new(Quiet), super::data_timeout(&args.data)?)?;
     let opened = Instant::now();
     let dataset = Dataset::open(&location, options)?;
     let reader = dataset.reader(Split::Train, &columns)?;

@@ -6,8 +6,7 @@ use anyhow::Context;
 use super::args::EvalArgs;
 use std::sync::Arc;
 
-use super::{data_options, device, seconds, set_threads, stop_flag};
-use crate::cluster::Timeouts;
+use super::{data_options, device, set_threads, stop_flag};
 use crate::input::DataSource;
 use crate::ops::log::LogFormat;
 use crate::ops::progress::Progress;
@@ -42,15 +41,13 @@ pub(crate) fn evaluate(args: EvalArgs, cuda: CudaLibrary, log_format: LogFormat)
 /// The plugin and the configuration of a pass over `split` by a committed checkpoint
 /// (`evaluate`, `predict`).
 pub(super) fn prepare(args: &EvalArgs, cuda: CudaLibrary, split: Split) -> anyhow::Result<(Plugin, EvalConfig)> {
-    let timeouts =
-        Timeouts { rendezvous: seconds("--rendezvous-timeout", args.job.rendezvous_timeout)?, ..Timeouts::default() };
+    let timeouts = super::timeouts(&args.job, &super::args::TimeoutArgs::default())?;
     let (cluster, network) = args.job.cluster.plan()?;
     let facts = accel::facts(cuda);
     let device = device(&args.job.device, &facts)?;
     let threads = set_threads(args.job.threads)?;
     let plugin = Plugin::load(&args.job.plugin, &args.job.plugin_args.parse()?)?;
-    super::data_wait_fits(&args.job.data, timeouts.collective)?;
-    let options = data_options(&args.job.data, &args.job.s3, Arc::new(trainerd_data::Quiet))?;
+    let options = data_options(&args.job.data, &args.job.s3, Arc::new(trainerd_data::Quiet), timeouts.data)?;
     // Evaluation reads the test split in file order: the window plays no part.
     let data = DataSource::open(&args.job.data.data, plugin.info(), (u64::MAX, split == Split::Test), options)?;
     let sequence = match args.best {

@@ -114,7 +114,7 @@ fn launch(
     let options = Options { restart_delay, give_up_before_join: true };
     // Each worker keeps its vote (for electing a coordinator if the chief is lost for good) for
     // as long as the launcher runs, unless --state-dir says where.
-    let votes = (!has_flag(args, "--state-dir"))
+    let votes = (!has_flag(args, "--state-dir") && !has_flag(args, "--no-failover"))
         .then(|| tempfile::Builder::new().prefix("trainerd-local-votes.").tempdir())
         .transpose()?;
     let command = worker_command(workers, args, votes.as_ref().map(|d| d.path().to_path_buf()))?;

@@ -133,27 +133,41 @@ fn asks_for_cuda(args: &[String]) -> bool {
     })
 }
 
-/// The data's wait bound checked below `collective` (the collective timeout): a worker waiting
-/// for its data gives up before its peers waiting in a collective do.
-fn data_wait_fits(data: &args::DataArgs, collective: Duration) -> anyhow::Result<()> {
-    if seconds("--data-timeout", data.data_timeout)? >= collective {
-        anyhow::bail!(
-            "--data-timeout {}s must be less than --collective-timeout {}s: a worker waiting for its data must give up \
-             before its peers waiting in a collective do",
-            data.data_timeout,
-            collective.as_secs_f64()
-        );
+/// Every timeout of a job, from the flags given (the others derived from them, so that the
+/// hierarchy holds), checked as one hierarchy.
+fn timeouts(job: &args::JobArgs, cluster: &args::TimeoutArgs) -> anyhow::Result<crate::cluster::Timeouts> {
+    let given = |flag: &str, v: Option<f64>| v.map(|v| seconds(flag, v)).transpose();
+    let replace_after = match cluster.replace_after {
+        Some(0.0) => Some(Duration::ZERO),
+        v => given("--replace-after", v)?,
+    };
+    let timeouts = crate::cluster::timeouts::Given {
+        rendezvous: given("--rendezvous-timeout", job.rendezvous_timeout)?,
+        heartbeat_interval: given("--heartbeat-interval", cluster.heartbeat_interval)?,
+        heartbeat_deadline: given("--heartbeat-deadline", cluster.heartbeat_deadline)?,
+        collective: given("--collective-timeout", cluster.collective_timeout)?,
+        rejoin: given("--rejoin-deadline", cluster.rejoin_deadline)?,
+        replace_after,
+        data: given("--data-timeout", job.data.data_timeout)?,
     }
-    Ok(())
+    .derive();
+    timeouts.check()?;
+    Ok(timeouts)
 }
 
-/// How a columnar dataset is read, from the data flags and the S3 flags.
+/// A tool's wait for a failing data source (no cluster: no collective timeout to stay under).
+fn data_timeout(data: &args::DataArgs) -> anyhow::Result<Duration> {
+    data.data_timeout.map_or(Ok(crate::cluster::Timeouts::default().data), |v| seconds("--data-timeout", v))
+}
+
+/// How a columnar dataset is read, from the data flags and the S3 flags, waiting at most
+/// `timeout` for a failing source.
 fn data_options(
     data: &args::DataArgs,
     s3: &S3Args,
     observer: Arc<dyn trainerd_data::Observer>,
+    timeout: Duration,
 ) -> anyhow::Result<trainerd_data::Options> {
-    let timeout = seconds("--data-timeout", data.data_timeout)?;
     if data.loader_threads == Some(0) {
         anyhow::bail!("--loader-threads 0: expected at least 1");
     }

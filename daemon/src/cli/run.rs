@@ -43,7 +43,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     // SIGTERM or SIGINT: stop at the next step boundary after the cluster's commit; a second one
     // ends the process at once.
     let stop = stop_flag()?;
-    let timeouts = timeouts(&args)?;
+    let timeouts = Timeouts { min_workers: args.min_workers, ..super::timeouts(&args.job, &args.timeouts)? };
     let (cluster, network) = args.job.cluster.plan()?;
     if let Some(c) = &cluster {
         timeouts.check_min_workers(c.world_size(), args.allow_even_split)?;
@@ -76,7 +76,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     let epochs = args.epochs.unwrap_or(plugin.info().defaults.epochs);
     // Before the data opens: a failing data source is shown in STATUS= and keeps the watchdog fed.
     let telemetry = Arc::new(Telemetry::new(stall, epochs, workers));
-    let data = data_source(&args, &plugin, timeouts.collective, &telemetry)?;
+    let data = data_source(&args, &plugin, timeouts.data, &telemetry)?;
     let mut cfg = run_config(&args, &plugin, (cluster, network, data), (timeouts, devices, threads))?;
     cfg.collective = collective;
     let mut progress = Progress::stdout(log_format);
@@ -140,37 +140,16 @@ fn collective(
     Ok(crate::collective::choose(choice, device, host)?)
 }
 
-/// Every deadline of the cluster, from the flags, checked as one hierarchy.
-fn timeouts(args: &RunArgs) -> anyhow::Result<Timeouts> {
-    let timeouts = Timeouts {
-        rendezvous: seconds("--rendezvous-timeout", args.job.rendezvous_timeout)?,
-        heartbeat_interval: seconds("--heartbeat-interval", args.heartbeat_interval)?,
-        heartbeat_deadline: seconds("--heartbeat-deadline", args.heartbeat_deadline)?,
-        collective: seconds("--collective-timeout", args.collective_timeout)?,
-        rejoin: seconds("--rejoin-deadline", args.rejoin_deadline)?,
-        replace_after: match args.replace_after {
-            Some(s) => seconds("--replace-after", s)?,
-            None => Timeouts::default_replace_after(
-                seconds("--heartbeat-deadline", args.heartbeat_deadline)?,
-                seconds("--rejoin-deadline", args.rejoin_deadline)?,
-            ),
-        },
-        min_workers: args.min_workers,
-    };
-    timeouts.check()?;
-    Ok(timeouts)
-}
-
 /// The data `--data` names, opened (a columnar dataset: indexed and checked against the
-/// plugin's columns), its failures told to `telemetry`.
+/// plugin's columns), its failures told to `telemetry`; a read waits `data_timeout` for a
+/// failing source.
 fn data_source(
     args: &RunArgs,
     plugin: &Plugin,
-    collective: Duration,
+    data_timeout: Duration,
     telemetry: &Arc<Telemetry>,
 ) -> anyhow::Result<DataSource> {
-    super::data_wait_fits(&args.job.data, collective)?;
-    let options = data_options(&args.job.data, &args.job.s3, Arc::new(Watch(Arc::clone(telemetry))))?;
+    let options = data_options(&args.job.data, &args.job.s3, Arc::new(Watch(Arc::clone(telemetry))), data_timeout)?;
     let data =
         DataSource::open(&args.job.data.data, plugin.info(), (args.shuffle_window, !args.no_evaluation), options)?;
     if let (Some(path), DataSource::Plugin(dir, _)) = (&args.log_examples, &data) {
@@ -235,7 +214,7 @@ fn run_config(
         precision: args.job.precision,
         evaluate: !args.no_evaluation,
         log_examples: args.log_examples.clone(),
-        state_dir: state_dir(args.state_dir.as_ref())?,
+        state_dir: state_dir(args, cluster.as_ref())?,
         epochs: args.epochs.unwrap_or(defaults.epochs),
         batch_size,
         optimizer,
@@ -316,6 +295,12 @@ fn ended(outcome: Outcome, progress: &mut Progress, summary_path: Option<&PathBu
             progress.line(&format!("trainerd: stopped by signal at global step {step}; the state is {saved}"));
             return Ok(Exit::Done.code());
         }
+        Outcome::AlreadyFinished { step, sequence, location } => {
+            progress.line(&format!(
+                "trainerd: the run finished at step {step} (commit {sequence} in {location}); nothing left to do"
+            ));
+            return Ok(Exit::Done.code());
+        }
     };
     let evaluated = match summary.test_loss {
         Some(loss) => format!(
@@ -351,17 +336,36 @@ fn ended(outcome: Outcome, progress: &mut Progress, summary_path: Option<&PathBu
 }
 
 /// Where this worker keeps its vote for electing a coordinator: `--state-dir`, else systemd's
-/// `$STATE_DIRECTORY` (the unit's `StateDirectory=`); created if missing. None: this worker takes
-/// no part in an election (a chief lost for good is waited for, as before).
-fn state_dir(flag: Option<&PathBuf>) -> anyhow::Result<Option<PathBuf>> {
-    let dir = match flag {
-        Some(d) => d.clone(),
-        None => match std::env::var_os("STATE_DIRECTORY") {
-            // systemd may list several, separated by colons: the first is the unit's own.
-            Some(v) => PathBuf::from(v.to_string_lossy().split(':').next().unwrap_or_default()),
-            None => return Ok(None),
-        },
+/// `$STATE_DIRECTORY` (the unit's `StateDirectory=`), else the user's state directory
+/// (`$XDG_STATE_HOME`, or `~/.local/state`) under `trainerd/JOB`, JOB named for the cluster;
+/// created if missing. None with `--no-failover`, or alone: this worker takes no part in an
+/// election (a chief lost for good is waited for).
+fn state_dir(args: &RunArgs, cluster: Option<&ClusterConfig>) -> anyhow::Result<Option<PathBuf>> {
+    let Some(cluster) = cluster.filter(|_| !args.no_failover) else { return Ok(None) };
+    let dir = match (&args.state_dir, std::env::var_os("STATE_DIRECTORY")) {
+        (Some(d), _) => d.clone(),
+        // systemd may list several, separated by colons: the first is the unit's own.
+        (None, Some(v)) => PathBuf::from(v.to_string_lossy().split(':').next().unwrap_or_default()),
+        (None, None) => {
+            let base = match (std::env::var_os("XDG_STATE_HOME"), std::env::var_os("HOME")) {
+                (Some(x), _) if !x.is_empty() => PathBuf::from(x),
+                (_, Some(home)) => PathBuf::from(home).join(".local/state"),
+                _ => anyhow::bail!(
+                    "no --state-dir, $STATE_DIRECTORY, $XDG_STATE_HOME or $HOME to keep this worker's vote in: give \
+                     --state-dir, or --no-failover to wait for a lost chief instead"
+                ),
+            };
+            base.join("trainerd").join(job_name(&cluster.cluster_json()))
+        }
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("--state-dir {}", dir.display()))?;
     Ok(Some(dir))
+}
+
+/// A job's name for its default state directory: the first 16 hex digits of the sha256 of
+/// TF_CONFIG's cluster, so that every job on a machine has its own.
+fn job_name(cluster_json: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(cluster_json.as_bytes());
+    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }

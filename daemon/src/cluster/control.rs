@@ -195,6 +195,7 @@ impl Coordinator {
         state.ever_formed = seat.ever_formed;
         for &(rank, since) in &seat.lost {
             state.members[rank].last_seen = since;
+            state.members[rank].lost = true;
         }
         Arc::new(Coordinator {
             expected,
@@ -373,6 +374,7 @@ impl Coordinator {
         m.incarnation = Some(incarnation);
         m.joined = None;
         m.connected = false;
+        m.lost = false;
         if let Some((old, sink)) = c.sinks[rank].take() {
             let _ = sink.send(Ok(notice(
                 Kind::Replaced,
@@ -494,6 +496,7 @@ impl Coordinator {
         let m = &mut c.state.members[rank];
         let newly = !m.connected;
         m.connected = true;
+        m.lost = false;
         m.last_seen = Instant::now();
         // A member still in a generation that ended (it missed the notice, or was frozen) is told.
         let stale = beat.generation > 0 && beat.generation < generation && !m.active && m.joined.is_none();
@@ -512,6 +515,7 @@ impl Coordinator {
         let mut c = self.lock();
         if c.state.members[rank].incarnation == Some(incarnation) {
             c.state.members[rank].connected = false;
+            c.state.members[rank].lost = true;
             c.sinks[rank] = None;
             c.state.unanswered.remove(&rank);
             self.settle(&mut c);

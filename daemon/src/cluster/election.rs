@@ -92,9 +92,11 @@ impl Refusal {
 
 /// The voter's answer to `ballot`: the vote to persist before saying yes, or why not. At most one
 /// vote per term (asking again for the same candidate gets the same yes), never for a term at or
-/// below one it knows or a generation it saw, only while it too has been without a coordinator
-/// for the heartbeat deadline, and not while it may have forgotten a vote ([`caught_up`]).
-pub(crate) fn answer(voter: &Voter, ballot: &Ballot, heartbeat_deadline: Duration) -> Result<Vote, Refusal> {
+/// below one it knows or a generation it saw, only while it too has lost its coordinator (its
+/// link broke, or stayed silent for the heartbeat deadline: a member cut off alone cannot depose
+/// a coordinator the others still hear), and not while it may have forgotten a vote
+/// ([`caught_up`]).
+pub(crate) fn answer(voter: &Voter, ballot: &Ballot) -> Result<Vote, Refusal> {
     let mine = voter.vote;
     if voter.forgetful {
         return Err(Refusal::Forgetful);
@@ -108,7 +110,7 @@ pub(crate) fn answer(voter: &Voter, ballot: &Ballot, heartbeat_deadline: Duratio
     if ballot.term <= voter.generation {
         return Err(Refusal::Generation(voter.generation));
     }
-    if voter.lost_for.is_none_or(|lost| lost < heartbeat_deadline) {
+    if voter.lost_for.is_none() {
         return Err(Refusal::Healthy);
     }
     Ok(Vote { term: ballot.term, voted_for: Some(ballot.candidate), coordinator: None })
@@ -157,6 +159,8 @@ pub(crate) fn follows(mine: &Vote, term: u64, coordinator: usize) -> Option<Vote
 pub(crate) struct Elections {
     file: Option<PathBuf>,
     inner: Mutex<Inner>,
+    /// Told when the coordinator is newly lost: the elector looks at once.
+    lost: tokio::sync::Notify,
 }
 
 struct Inner {
@@ -178,7 +182,7 @@ impl Elections {
             None => (Vote::default(), true),
         };
         let inner = Inner { vote, forgetful, generation: 0, lost_since: None };
-        Ok(Elections { file, inner: Mutex::new(inner) })
+        Ok(Elections { file, inner: Mutex::new(inner), lost: tokio::sync::Notify::new() })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -245,7 +249,16 @@ impl Elections {
     /// Its coordinator stopped answering at `since` (kept if already lost), or answers again.
     pub(crate) fn set_lost(&self, since: Option<Instant>) {
         let mut i = self.lock();
+        let newly = i.lost_since.is_none() && since.is_some();
         i.lost_since = since.map(|s| i.lost_since.unwrap_or(s));
+        if newly {
+            self.lost.notify_one();
+        }
+    }
+
+    /// Returns when the coordinator is newly lost (or was, since the last call).
+    pub(crate) async fn newly_lost(&self) {
+        self.lost.notified().await;
     }
 
     /// How long it has been without a coordinator at `now`.
@@ -256,13 +269,7 @@ impl Elections {
     /// Answers `ballot` at `now`; a granted vote is persisted first, and the clock of the lost
     /// coordinator starts again (the candidate gets its chance before this member stands). A
     /// pre-vote (`pre`) only says what the answer would be, and changes nothing.
-    pub(crate) fn answer(
-        &self,
-        ballot: &Ballot,
-        now: Instant,
-        heartbeat_deadline: Duration,
-        pre: bool,
-    ) -> Result<(), (Refusal, Vote, u64)> {
+    pub(crate) fn answer(&self, ballot: &Ballot, now: Instant, pre: bool) -> Result<(), (Refusal, Vote, u64)> {
         let mut i = self.lock();
         if self.file.is_none() {
             return Err((Refusal::Term(u64::MAX), i.vote, i.generation));
@@ -273,7 +280,7 @@ impl Elections {
             generation: i.generation,
             lost_for: i.lost_since.map(|s| now.saturating_duration_since(s)),
         };
-        match answer(&voter, ballot, heartbeat_deadline) {
+        match answer(&voter, ballot) {
             Ok(_) if pre => Ok(()),
             Ok(vote) => {
                 if vote != i.vote {
@@ -363,30 +370,31 @@ mod tests {
     #[test]
     fn a_vote_is_granted_once_per_term_and_again_to_the_same_candidate() {
         let v = lost(Vote::default(), 7);
-        let granted = answer(&v, &Ballot { term: 8, candidate: 1 }, HB).unwrap();
+        let granted = answer(&v, &Ballot { term: 8, candidate: 1 }).unwrap();
         assert_eq!(granted, Vote { term: 8, voted_for: Some(1), coordinator: None });
         let after = lost(granted, 7);
-        assert_eq!(answer(&after, &Ballot { term: 8, candidate: 1 }, HB), Ok(granted));
-        assert_eq!(answer(&after, &Ballot { term: 8, candidate: 2 }, HB), Err(Refusal::Term(8)));
-        assert_eq!(answer(&after, &Ballot { term: 7, candidate: 2 }, HB), Err(Refusal::Term(8)));
-        assert_eq!(answer(&after, &Ballot { term: 9, candidate: 2 }, HB).unwrap().voted_for, Some(2));
+        assert_eq!(answer(&after, &Ballot { term: 8, candidate: 1 }), Ok(granted));
+        assert_eq!(answer(&after, &Ballot { term: 8, candidate: 2 }), Err(Refusal::Term(8)));
+        assert_eq!(answer(&after, &Ballot { term: 7, candidate: 2 }), Err(Refusal::Term(8)));
+        assert_eq!(answer(&after, &Ballot { term: 9, candidate: 2 }).unwrap().voted_for, Some(2));
     }
 
     #[test]
     fn no_vote_below_a_generation_seen_or_while_the_coordinator_answers() {
         let v = lost(Vote::default(), 12);
-        assert_eq!(answer(&v, &Ballot { term: 12, candidate: 1 }, HB), Err(Refusal::Generation(12)));
+        assert_eq!(answer(&v, &Ballot { term: 12, candidate: 1 }), Err(Refusal::Generation(12)));
         let healthy = Voter { lost_for: None, ..v };
-        assert_eq!(answer(&healthy, &Ballot { term: 13, candidate: 1 }, HB), Err(Refusal::Healthy));
-        let just = Voter { lost_for: Some(Duration::from_millis(200)), ..v };
-        assert_eq!(answer(&just, &Ballot { term: 13, candidate: 1 }, HB), Err(Refusal::Healthy));
+        assert_eq!(answer(&healthy, &Ballot { term: 13, candidate: 1 }), Err(Refusal::Healthy));
+        // A link that broke a moment ago is lost: the vote is granted at once.
+        let just = Voter { lost_for: Some(Duration::from_millis(1)), ..v };
+        assert_eq!(answer(&just, &Ballot { term: 13, candidate: 1 }).unwrap().voted_for, Some(1));
         assert_eq!(Refusal::Healthy.reason(Some("worker 0 (h:1)")), "its coordinator, worker 0 (h:1), answers");
     }
 
     #[test]
     fn a_member_without_its_vote_file_votes_once_a_majority_told_it_the_term_or_it_joined_a_generation() {
         let fresh = Voter { forgetful: true, ..lost(Vote::default(), 9) };
-        assert_eq!(answer(&fresh, &Ballot { term: 12, candidate: 1 }, HB), Err(Refusal::Forgetful));
+        assert_eq!(answer(&fresh, &Ballot { term: 12, candidate: 1 }), Err(Refusal::Forgetful));
         assert!(!caught_up(1, 3) && caught_up(2, 3) && !caught_up(2, 4) && caught_up(3, 4));
         assert!(!caught_up(1, 2), "in a 2-worker job the other alone is no majority of the two");
         let dir = tempfile::tempdir().unwrap();
@@ -437,14 +445,14 @@ mod tests {
         e.heard_from(2, 3, 0).unwrap();
         let now = Instant::now();
         e.set_lost(Some(now - Duration::from_secs(5)));
-        e.answer(&Ballot { term: 4, candidate: 1 }, now, HB, true).unwrap();
+        e.answer(&Ballot { term: 4, candidate: 1 }, now, true).unwrap();
         assert_eq!(e.vote(), Vote::default(), "a pre-vote changes nothing");
-        e.answer(&Ballot { term: 4, candidate: 1 }, now, HB, false).unwrap();
+        e.answer(&Ballot { term: 4, candidate: 1 }, now, false).unwrap();
         drop(e);
         let again = Elections::open(Some(path.clone())).unwrap();
         assert_eq!(again.vote(), Vote { term: 4, voted_for: Some(1), coordinator: None });
         again.set_lost(Some(now - Duration::from_secs(5)));
-        let (refusal, _, _) = again.answer(&Ballot { term: 4, candidate: 3 }, now, HB, false).unwrap_err();
+        let (refusal, _, _) = again.answer(&Ballot { term: 4, candidate: 3 }, now, false).unwrap_err();
         assert_eq!(refusal, Refusal::Term(4), "the restarted member does not vote twice in term 4");
         std::fs::write(&path, b"{").unwrap();
         let err = Elections::open(Some(path.clone())).err().unwrap().to_string();
@@ -505,7 +513,7 @@ mod tests {
                         let mut grants = 1;
                         for m in (0..n).filter(|&m| m != c && asked & (1 << m) != 0) {
                             let voter = Voter { vote: votes[m], generation: seen[m], lost_for: Some(HB * 2), forgetful: false };
-                            if let Ok(v) = answer(&voter, &Ballot { term, candidate: c }, HB) {
+                            if let Ok(v) = answer(&voter, &Ballot { term, candidate: c }) {
                                 votes[m] = v;
                                 grants += 1;
                             }

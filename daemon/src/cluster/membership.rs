@@ -7,10 +7,11 @@
 //! carries the effects. The protocol is described in `docs/fault-tolerance.md`.
 //!
 //! The run's slots (V, every rank) are fixed; a generation trains with every member present, or,
-//! once the missing ones have been away for longer than `replace_after`, with at least
-//! `min_workers` of them (a majority: two sides of a partition can never both train), their slots
-//! spread over those present. Every change of membership (a failure, a formation, a member coming
-//! back) is a new generation.
+//! as soon as the missing ones are known gone (their streams closed, or silent past the heartbeat
+//! deadline; waited for `replace_after` when that is set), with at least `min_workers` of them (a
+//! majority: two sides of a partition can never both train), their slots spread over those
+//! present. Every change of membership (a failure, a formation, a member coming back) is a new
+//! generation.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -52,6 +53,9 @@ pub(crate) struct MemberState {
     pub(crate) incarnation: Option<u64>,
     /// Its heartbeat stream is open.
     pub(crate) connected: bool,
+    /// Known gone: its stream closed, or the coordinator before this one lost it (cleared when a
+    /// new process claims the rank, or its stream opens again).
+    pub(crate) lost: bool,
     /// When it was last heard from.
     pub(crate) last_seen: Instant,
     /// Its pending join, if it asked to be in the next generation.
@@ -65,7 +69,15 @@ pub(crate) struct MemberState {
 impl MemberState {
     /// A rank nobody has claimed yet.
     pub(crate) fn absent(now: Instant) -> MemberState {
-        MemberState { incarnation: None, connected: false, last_seen: now, joined: None, active: false, gone: None }
+        MemberState {
+            incarnation: None,
+            connected: false,
+            lost: false,
+            last_seen: now,
+            joined: None,
+            active: false,
+            gone: None,
+        }
     }
 }
 
@@ -294,10 +306,18 @@ pub(crate) fn decide(state: &State, now: Instant, opts: &Options) -> Option<Deci
         return Some(Decision::Form(form(state, present)));
     }
     let rejoin = state.ever_formed || state.members.iter().any(|m| m.joined.as_ref().is_some_and(|r| r.generation > 0));
-    // Members missing (not joined, or not live) for longer than this are replaced.
-    let replace = if rejoin { opts.replace_after } else { opts.rendezvous_timeout };
-    let gone_long = |m: &MemberState| now.saturating_duration_since(m.last_seen) > replace;
-    let replaceable = state.members.iter().enumerate().all(|(r, m)| present.contains(&r) || gone_long(m));
+    let unseen = |m: &MemberState| now.saturating_duration_since(m.last_seen);
+    // After a formation, a member known gone (its stream closed, or silent past the deadline) is
+    // replaced once out of sight for `replace_after` (0: at once); one that is live but has not
+    // joined yet is on its way and waited for. Before it, anyone missing for the rendezvous timeout.
+    let replaceable = |m: &MemberState| match rejoin {
+        true => {
+            (m.lost || unseen(m) > opts.heartbeat_deadline)
+                && (opts.replace_after.is_zero() || unseen(m) > opts.replace_after)
+        }
+        false => unseen(m) > opts.rendezvous_timeout,
+    };
+    let replaceable = state.members.iter().enumerate().all(|(r, m)| present.contains(&r) || replaceable(m));
     if present.len() >= opts.min_workers && present.contains(&state.own) && replaceable {
         return Some(Decision::Form(form(state, present)));
     }
@@ -381,6 +401,8 @@ mod tests {
 
     /// A majority of three, replaced after 10 s.
     const ELASTIC: Options = Options { replace_after: Duration::from_secs(10), min_workers: 2, ..OPTS };
+    /// The defaults: a majority, and no wait for a member known gone.
+    const AT_ONCE: Options = Options { replace_after: Duration::ZERO, min_workers: 2, ..OPTS };
 
     fn report(generation: u64, step: u64, digest: &str) -> Report {
         Report { generation, progress: (step, 0), digest: digest.into() }
@@ -396,6 +418,7 @@ mod tests {
             *m = MemberState {
                 incarnation: Some(i as u64 + 10),
                 connected: true,
+                lost: false,
                 last_seen: t0,
                 joined: None,
                 active: true,
@@ -667,6 +690,41 @@ mod tests {
     }
 
     #[test]
+    fn a_member_known_gone_is_replaced_at_once_and_a_live_one_is_waited_for() {
+        let t0 = Instant::now();
+        let mut s = gathering(t0, [Some(report(4, 9, "a")), Some(report(4, 9, "a")), None]);
+        // Worker 2 is live (it beats) but has not rejoined yet: it is on its way.
+        assert_eq!(decide(&s, t0, &AT_ONCE), None);
+        // Its stream closes (killed): the others form without it at once.
+        s.members[2].connected = false;
+        s.members[2].lost = true;
+        let Some(Decision::Form(f)) = decide(&s, t0, &AT_ONCE) else { panic!("formed without worker 2") };
+        assert_eq!((f.members, f.receivers), (vec![0, 1], vec![]));
+        // --replace-after waits for it from its last sign of life.
+        assert_eq!(decide(&s, t0, &ELASTIC), None);
+        // Frozen: its stream stays open, but it is silent past the heartbeat deadline.
+        let mut s = gathering(t0, [Some(report(4, 9, "a")), Some(report(4, 9, "a")), None]);
+        let at = t0 + OPTS.heartbeat_deadline;
+        tick(&mut s, at);
+        s.members[2].last_seen = t0;
+        assert_eq!(decide(&s, at, &AT_ONCE), None, "exactly at the deadline it is not silent past it");
+        let at = at + ms(1);
+        tick(&mut s, at);
+        s.members[2].last_seen = t0;
+        let Some(Decision::Form(f)) = decide(&s, at, &AT_ONCE) else { panic!("formed without the frozen one") };
+        assert_eq!(f.members, vec![0, 1]);
+        // A member never seen by a coordinator that has just started is given the deadline to
+        // find it (an elected coordinator's followers).
+        let mut s = gathering(t0, [Some(report(4, 9, "a")), Some(report(4, 9, "a")), None]);
+        s.members[2] = MemberState::absent(t0);
+        assert_eq!(decide(&s, t0, &AT_ONCE), None);
+        let at = t0 + OPTS.heartbeat_deadline + ms(1);
+        tick(&mut s, at);
+        s.members[2].last_seen = t0;
+        assert!(matches!(decide(&s, at, &AT_ONCE), Some(Decision::Form(_))));
+    }
+
+    #[test]
     fn an_elected_coordinator_forms_without_the_lost_chief_and_never_without_itself() {
         let t0 = Instant::now();
         // Worker 1 coordinates (the chief was lost long ago); it and worker 2 joined.
@@ -767,6 +825,8 @@ mod tests {
     enum Event {
         /// A member's process dies (its stream closes).
         Lose(usize),
+        /// A member freezes (its stream stays open, it stops beating), or wakes.
+        Freeze(usize),
         /// A member's process starts (again) and joins with no state.
         Start(usize),
         /// Every live active member abandons its step and rejoins with its state.
@@ -778,6 +838,7 @@ mod tests {
     fn event(world: usize) -> impl Strategy<Value = Event> {
         prop_oneof![
             (0..world).prop_map(Event::Lose),
+            (0..world).prop_map(Event::Freeze),
             (0..world).prop_map(Event::Start),
             Just(Event::Rejoin),
             (1u64..30).prop_map(Event::Wait),
@@ -785,15 +846,18 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever the sequence of losses, returns and waits: every formation holds at least
-        /// `min_workers` live members that joined, the chief among them, so the slots of
-        /// `assign` are each held exactly once; generations only grow; a lone side never forms.
+        /// Whatever the sequence of losses, freezes, returns and waits, going on at once or
+        /// after `--replace-after`: every formation holds at least `min_workers` live members
+        /// that joined, the chief among them, so the slots of `assign` are each held exactly
+        /// once; generations only grow; a lone side never forms.
         #[test]
         fn formations_hold_a_majority_and_generations_grow(
             world in 2usize..6,
+            at_once in proptest::bool::ANY,
             events in proptest::collection::vec(event(5), 1..40),
         ) {
-            let opts = Options { min_workers: world / 2 + 1, ..ELASTIC };
+            let opts = Options { min_workers: world / 2 + 1, ..if at_once { AT_ONCE } else { ELASTIC } };
+            let mut frozen = vec![false; world];
             let t0 = Instant::now();
             let mut now = t0;
             let mut s = State::new(world, 0, t0);
@@ -804,25 +868,29 @@ mod tests {
                 match e {
                     Event::Lose(r) if r < world && r != 0 => {
                         s.members[r].connected = false;
+                        s.members[r].lost = true;
                     }
+                    Event::Freeze(r) if r < world && r != 0 => frozen[r] = !frozen[r],
                     Event::Start(r) if r < world && r != 0 => {
                         incarnation += 1;
                         let m = &mut s.members[r];
                         if m.active {
                             m.gone = Some(Gone::Restarted);
                         }
-                        *m = MemberState { incarnation: Some(incarnation), connected: true, last_seen: now, joined: Some(report(0, 0, "")), ..m.clone() };
+                        *m = MemberState { incarnation: Some(incarnation), connected: true, lost: false, last_seen: now, joined: Some(report(0, 0, "")), ..m.clone() };
+                        frozen[r] = false;
                     }
                     Event::Rejoin => {
-                        for m in s.members.iter_mut().filter(|m| m.connected && (m.active || m.joined.is_none())) {
+                        let awake = s.members.iter_mut().zip(&frozen).filter(|(_, f)| !**f).map(|(m, _)| m);
+                        for m in awake.filter(|m| m.connected && (m.active || m.joined.is_none())) {
                             m.joined = Some(report(s.generation, 1, "x"));
                         }
                     }
                     Event::Wait(secs) => now += Duration::from_secs(secs),
                     _ => {}
                 }
-                // Live members beat.
-                for m in s.members.iter_mut().filter(|m| m.connected) {
+                // Live members that are not frozen beat.
+                for (m, _) in s.members.iter_mut().zip(&frozen).filter(|(m, f)| m.connected && !**f) {
                     m.last_seen = now;
                 }
                 s.last_tick = now;
@@ -832,6 +900,7 @@ mod tests {
                         prop_assert!(f.members.len() >= opts.min_workers, "{:?}", f.members);
                         prop_assert!(f.members.contains(&0));
                         prop_assert!(f.members.iter().all(|&r| s.members[r].connected && s.members[r].joined.is_some()));
+                        prop_assert!(f.members.iter().all(|&r| !frozen[r] || now.saturating_duration_since(s.members[r].last_seen) <= opts.heartbeat_deadline), "a frozen member trains");
                         prop_assert!(f.generation > last_generation);
                         last_generation = f.generation;
                         let held: Vec<usize> = crate::collective::slots::assign(world, &f.members).into_iter().flatten().collect();

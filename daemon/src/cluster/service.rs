@@ -5,7 +5,7 @@
 
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -35,8 +35,6 @@ pub(crate) struct Service {
     pub(crate) chair: Chair,
     /// This member's vote and what it knows of the coordinator.
     pub(crate) elections: Arc<Elections>,
-    /// How long without a coordinator before this member may vote.
-    pub(crate) heartbeat_deadline: Duration,
     /// This member's collectives, for pushed aborts.
     pub(crate) abort: AbortSignal,
 }
@@ -142,7 +140,7 @@ impl Control for Service {
         let req = request.into_inner();
         let candidate = check_rank(req.candidate, self.names.len())?;
         let ballot = Ballot { term: req.term, candidate };
-        let reply = match self.elections.answer(&ballot, Instant::now(), self.heartbeat_deadline, req.pre) {
+        let reply = match self.elections.answer(&ballot, Instant::now(), req.pre) {
             Ok(()) => {
                 if !req.pre {
                     tracing::info!("voted for {} in term {}", self.names[candidate], req.term);
@@ -154,7 +152,7 @@ impl Control for Service {
                 let reason = if self.elections.enabled() {
                     refusal.reason(coordinator)
                 } else {
-                    "it keeps no vote (no --state-dir)".to_string()
+                    "it keeps no vote (--no-failover)".to_string()
                 };
                 proto::VoteReply { granted: false, term: vote.term, generation, reason }
             }

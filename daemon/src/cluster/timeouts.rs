@@ -2,7 +2,8 @@
 //! for the heartbeat deadline has failed; a socket with no bytes for the collective timeout is
 //! an error even if nothing else noticed (a backstop); a missing member is waited for until the
 //! rejoin deadline, long enough for a node to reboot. Each must be larger than the one before,
-//! which [`Timeouts::check`] enforces at start-up.
+//! which [`Timeouts::check`] enforces at start-up. The ones the user did not set are derived
+//! from the ones they did ([`Given::derive`]), so only two flags set by hand can contradict.
 
 use std::time::Duration;
 
@@ -21,9 +22,11 @@ pub(crate) struct Timeouts {
     pub(crate) collective: Duration,
     /// How long survivors wait for a missing member before giving up.
     pub(crate) rejoin: Duration,
-    /// How long a member may be missing before a generation forms without it (its slots spread
-    /// over those present).
+    /// How long a known-gone member is waited for before a generation forms without it (its
+    /// slots spread over those present); 0, the default: not at all.
     pub(crate) replace_after: Duration,
+    /// How long a read of the data waits for a failing source.
+    pub(crate) data: Duration,
     /// The fewest workers a generation forms with; `None`: a majority of TF_CONFIG's.
     pub(crate) min_workers: Option<usize>,
 }
@@ -36,7 +39,59 @@ impl Default for Timeouts {
             heartbeat_deadline: Duration::from_millis(1500),
             collective: Duration::from_secs(120),
             rejoin: Duration::from_secs(600),
-            replace_after: Duration::from_secs(300),
+            replace_after: Duration::ZERO,
+            data: Duration::from_secs(60),
+            min_workers: None,
+        }
+    }
+}
+
+/// The timeouts the user set (`None`: not given).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Given {
+    /// `--rendezvous-timeout`.
+    pub(crate) rendezvous: Option<Duration>,
+    /// `--heartbeat-interval`.
+    pub(crate) heartbeat_interval: Option<Duration>,
+    /// `--heartbeat-deadline`.
+    pub(crate) heartbeat_deadline: Option<Duration>,
+    /// `--collective-timeout`.
+    pub(crate) collective: Option<Duration>,
+    /// `--rejoin-deadline`.
+    pub(crate) rejoin: Option<Duration>,
+    /// `--replace-after`.
+    pub(crate) replace_after: Option<Duration>,
+    /// `--data-timeout`.
+    pub(crate) data: Option<Duration>,
+}
+
+impl Given {
+    /// Every timeout: the given ones, and the others from their defaults, moved only as far as
+    /// the given ones require for the hierarchy to hold (pure; the result is then checked, so
+    /// that two given ones that contradict each other are refused naming both).
+    pub(crate) fn derive(&self) -> Timeouts {
+        let d = Timeouts::default();
+        // The collective timeout's bound from above, when one is given: it bounds the deadline.
+        let cap = self.collective.or(self.rejoin.map(|r| r / 2));
+        let deadline = self.heartbeat_deadline.unwrap_or_else(|| {
+            let at_least = self.heartbeat_interval.map_or(d.heartbeat_deadline, |i| d.heartbeat_deadline.max(i * 15));
+            cap.map_or(at_least, |c| at_least.min(c / 3))
+        });
+        let interval = self.heartbeat_interval.unwrap_or(d.heartbeat_interval.min(deadline / 5));
+        let collective = self.collective.unwrap_or_else(|| {
+            let at_least = d.collective.max(deadline * 4).max(self.data.map_or(Duration::ZERO, |t| t * 2));
+            self.rejoin.map_or(at_least, |r| at_least.min(r / 2))
+        });
+        let replace_after = self.replace_after.unwrap_or(d.replace_after);
+        let rejoin = self.rejoin.unwrap_or_else(|| d.rejoin.max(collective * 2).max(replace_after * 2));
+        Timeouts {
+            rendezvous: self.rendezvous.unwrap_or(d.rendezvous),
+            heartbeat_interval: interval,
+            heartbeat_deadline: deadline,
+            collective,
+            rejoin,
+            replace_after,
+            data: self.data.unwrap_or_else(|| d.data.min(collective / 2)),
             min_workers: None,
         }
     }
@@ -58,12 +113,11 @@ impl Timeouts {
                 return Err(TimeoutError::Order { shorter, longer });
             }
         }
-        if !(self.heartbeat_deadline < self.replace_after && self.replace_after < self.rejoin) {
-            return Err(TimeoutError::ReplaceAfter {
-                replace_after: self.replace_after,
-                heartbeat_deadline: self.heartbeat_deadline,
-                rejoin: self.rejoin,
-            });
+        if self.replace_after >= self.rejoin {
+            return Err(TimeoutError::ReplaceAfter { replace_after: self.replace_after, rejoin: self.rejoin });
+        }
+        if self.data >= self.collective {
+            return Err(TimeoutError::Data { data: self.data, collective: self.collective });
         }
         if self.heartbeat_deadline < self.heartbeat_interval * 3 {
             return Err(TimeoutError::FewBeats {
@@ -72,20 +126,6 @@ impl Timeouts {
             });
         }
         Ok(())
-    }
-
-    /// `--replace-after` when not given: 300 s (a systemd restart takes seconds, a cloud VM's
-    /// reboot one to three minutes: both come back first), or half the rejoin deadline when that
-    /// is shorter, so that the hierarchy holds whatever deadlines were given.
-    pub(crate) fn default_replace_after(heartbeat_deadline: Duration, rejoin: Duration) -> Duration {
-        let half = rejoin / 2;
-        if half >= Duration::from_secs(300) {
-            Duration::from_secs(300)
-        } else if half > heartbeat_deadline {
-            half
-        } else {
-            (heartbeat_deadline + rejoin) / 2
-        }
     }
 
     /// The fewest workers of `world` a generation forms with: `--min-workers`, else a majority.
@@ -132,19 +172,29 @@ pub(crate) enum TimeoutError {
         /// The flag that must be longer, and its value.
         longer: (&'static str, Duration),
     },
-    /// `--replace-after` outside its bounds.
+    /// `--replace-after` past the rejoin deadline.
     #[error(
-        "--replace-after {} must be more than --heartbeat-deadline {} and less than --rejoin-deadline {} (a member \
-         is replaced after it failed, and before the survivors give up)",
-        seconds(*replace_after), seconds(*heartbeat_deadline), seconds(*rejoin)
+        "--replace-after {} must be less than --rejoin-deadline {} (a lost worker is waited for before the others go \
+         on without it, and they give up only later)",
+        seconds(*replace_after), seconds(*rejoin)
     )]
     ReplaceAfter {
         /// `--replace-after`.
         replace_after: Duration,
-        /// `--heartbeat-deadline`.
-        heartbeat_deadline: Duration,
         /// `--rejoin-deadline`.
         rejoin: Duration,
+    },
+    /// A data wait as long as the collective timeout.
+    #[error(
+        "--data-timeout {} must be less than --collective-timeout {}: a worker waiting for its data must give up \
+         before its peers waiting in a collective do",
+        seconds(*data), seconds(*collective)
+    )]
+    Data {
+        /// `--data-timeout`.
+        data: Duration,
+        /// `--collective-timeout`.
+        collective: Duration,
     },
     /// A heartbeat deadline shorter than three beats.
     #[error(
@@ -203,8 +253,14 @@ mod tests {
         let t = Timeouts { replace_after: Duration::from_secs(700), ..Timeouts::default() };
         assert_eq!(
             t.check().unwrap_err().to_string(),
-            "--replace-after 700s must be more than --heartbeat-deadline 1.5s and less than --rejoin-deadline 600s (a \
-             member is replaced after it failed, and before the survivors give up)"
+            "--replace-after 700s must be less than --rejoin-deadline 600s (a lost worker is waited for before the \
+             others go on without it, and they give up only later)"
+        );
+        let t = Timeouts { data: Duration::from_secs(120), ..Timeouts::default() };
+        assert_eq!(
+            t.check().unwrap_err().to_string(),
+            "--data-timeout 120s must be less than --collective-timeout 120s: a worker waiting for its data must give \
+             up before its peers waiting in a collective do"
         );
     }
 
@@ -222,9 +278,59 @@ mod tests {
         assert_eq!(Timeouts { min_workers: Some(2), ..t }.check_min_workers(4, true), Ok(()));
         assert!(Timeouts { min_workers: Some(1), ..t }.check_min_workers(4, true).is_err());
         assert!(Timeouts { min_workers: Some(4), ..t }.check_min_workers(3, false).is_err());
-        let secs = Duration::from_secs_f64;
-        assert_eq!(Timeouts::default_replace_after(secs(1.5), secs(600.0)), secs(300.0));
-        assert_eq!(Timeouts::default_replace_after(secs(1.5), secs(60.0)), secs(30.0));
-        assert_eq!(Timeouts::default_replace_after(secs(1.5), secs(2.5)), secs(2.0));
+    }
+
+    fn secs(s: f64) -> Option<Duration> {
+        Some(Duration::from_secs_f64(s))
+    }
+
+    #[test]
+    fn timeouts_not_given_follow_the_given_ones() {
+        assert_eq!(Given::default().derive(), Timeouts::default());
+        // --collective-timeout 10 alone: the data wait goes under it, the deadline stays.
+        let t = Given { collective: secs(10.0), ..Given::default() }.derive();
+        assert_eq!(
+            (t.data, t.heartbeat_deadline, t.rejoin),
+            (secs(5.0).unwrap(), secs(1.5).unwrap(), secs(600.0).unwrap())
+        );
+        assert_eq!(t.check(), Ok(()));
+        // A short collective timeout pulls the heartbeat deadline under it, and a long interval
+        // pushes the deadline above it.
+        let t = Given { collective: secs(3.0), ..Given::default() }.derive();
+        assert_eq!((t.heartbeat_deadline, t.data), (secs(1.0).unwrap(), secs(1.5).unwrap()));
+        let t = Given { heartbeat_interval: secs(1.0), ..Given::default() }.derive();
+        assert_eq!(t.heartbeat_deadline, secs(15.0).unwrap());
+        let t = Given { heartbeat_deadline: secs(0.3), ..Given::default() }.derive();
+        assert_eq!(t.heartbeat_interval, secs(0.06).unwrap());
+        let t = Given { heartbeat_deadline: secs(60.0), ..Given::default() }.derive();
+        assert_eq!(t.collective, secs(240.0).unwrap());
+        let t = Given { data: secs(300.0), ..Given::default() }.derive();
+        assert_eq!((t.collective, t.rejoin), (secs(600.0).unwrap(), secs(1200.0).unwrap()));
+        let t = Given { rejoin: secs(30.0), ..Given::default() }.derive();
+        assert_eq!((t.collective, t.data), (secs(15.0).unwrap(), secs(7.5).unwrap()));
+        let t = Given { replace_after: secs(900.0), ..Given::default() }.derive();
+        assert_eq!(t.rejoin, secs(1800.0).unwrap());
+        // Two given ones that contradict each other are refused, naming both.
+        let t = Given { collective: secs(10.0), data: secs(20.0), ..Given::default() }.derive();
+        assert_eq!(t.check(), Err(TimeoutError::Data { data: secs(20.0).unwrap(), collective: secs(10.0).unwrap() }));
+    }
+
+    proptest::proptest! {
+        /// Any single flag given alone, at any value in its range, makes a hierarchy that holds.
+        #[test]
+        fn any_one_flag_alone_is_accepted(flag in 0usize..7, value in 0.05f64..5000.0) {
+            let mut g = Given::default();
+            let v = secs(value);
+            match flag {
+                0 => g.rendezvous = v,
+                1 => g.heartbeat_interval = v,
+                2 => g.heartbeat_deadline = v,
+                3 => g.collective = v,
+                4 => g.rejoin = v,
+                5 => g.replace_after = v,
+                _ => g.data = v,
+            }
+            proptest::prop_assert_eq!(g.derive().check(), Ok(()), "{:?}", g);
+        }
     }
 }

@@ -320,6 +320,16 @@ impl From<StateError> for TrainError {
 pub(crate) enum Outcome {
     /// Training is complete.
     Finished(Box<Summary>),
+    /// The run had finished before this worker started (or returned): its last commit holds
+    /// the final state of this run's configuration, so there is nothing left to do.
+    AlreadyFinished {
+        /// The global step the run finished at.
+        step: u64,
+        /// The final commit's sequence.
+        sequence: u64,
+        /// The checkpoint location.
+        location: String,
+    },
     /// Stopped by a signal, after the cluster's commit (or with nothing newer to commit).
     Stopped {
         /// The global step it stopped at.
@@ -353,6 +363,9 @@ pub(crate) fn run(
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
     let checkpointer = startup::restore((cfg, &run_config), (&info, world), &mut session, &mut state, &mut report)?;
+    if let Some(finished) = startup::finished(checkpointer.as_ref(), (cfg, &run_config), (&info, world))? {
+        return Ok(finished);
+    }
     let joining = startup::join_in_background(session, state, stop, &report, cfg)?;
     tracing::debug!("start-up: model built (and restored) after {:?}", started.elapsed());
     let data = startup::load_data(&model, cfg, (rank, world))?;

@@ -38,11 +38,16 @@ pub(super) fn open_session(
         let how = if cfg.network.key.is_some() { "peers must prove the cluster secret" } else { "no secret" };
         progress.line(&format!("trainerd: listening on {listening} ({how})"));
     }
-    if session.world() > 2 && cfg.state_dir.is_none() {
-        progress.line(
-            "trainerd: no --state-dir (or $STATE_DIRECTORY): this worker takes no part in electing a new \
-             coordinator; a chief lost for good is waited for",
-        );
+    match &cfg.state_dir {
+        Some(dir) if session.world() > 2 => progress.line(&format!(
+            "trainerd: this worker's vote for electing a coordinator if the chief is lost is kept in {}",
+            dir.display()
+        )),
+        None if session.world() > 2 => progress.line(
+            "trainerd: --no-failover: this worker takes no part in electing a new coordinator; a lost chief is \
+             waited for",
+        ),
+        _ => {}
     }
     if session.rank() == 0 && session.world() > 1 {
         progress.line(&format!("trainerd: waiting for {} worker(s) to join", session.world()));
@@ -97,6 +102,31 @@ pub(super) fn restore(
         .map_err(|source| TrainError::Restore { location: location.clone(), source: Box::new(source) })?;
     report.resumed(r.record.sequence, &location, state.position());
     Ok(Some(checkpointer))
+}
+
+/// Whether the run has finished already: the latest commit at the checkpoint location is the
+/// final state of this run's configuration (its last epoch done, or stopped early). Then every
+/// worker, a returning one included, has nothing left to do. Only the latest record is read,
+/// and the commit itself only when that record is at or past the last epoch.
+pub(super) fn finished(
+    checkpointer: Option<&Checkpointer>,
+    (cfg, run_config): (&RunConfig, &str),
+    (info, workers): (&PluginInfo, usize),
+) -> Result<Option<super::Outcome>, TrainError> {
+    let Some(checkpointer) = checkpointer else { return Ok(None) };
+    let Some(record) = checkpointer.latest()? else { return Ok(None) };
+    if record.epoch < u64::from(cfg.epochs) {
+        return Ok(None);
+    }
+    let location = checkpointer.location().to_string();
+    let restored = checkpointer.load(record.sequence)?;
+    let Ok(meta) = Meta::read(&restored, info, Reader::Training { workers, run_config }) else { return Ok(None) };
+    let done = meta.position.epoch >= cfg.epochs || meta.position.callbacks.stopped_after.is_some();
+    Ok(done.then_some(super::Outcome::AlreadyFinished {
+        step: meta.position.global_step,
+        sequence: record.sequence,
+        location,
+    }))
 }
 
 /// The chief's committer over `checkpointer`, once the steps of an epoch are known; each commit

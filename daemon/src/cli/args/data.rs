@@ -99,9 +99,10 @@ pub(crate) struct DataArgs {
     pub(crate) data_cache_size: u64,
     /// Seconds a read of the data waits for a failing source (retried, logged, shown in STATUS=)
     /// before the run fails naming the file; less than --collective-timeout, so that peers
-    /// waiting in a collective do not give up first.
-    #[arg(long, default_value_t = 60.0)]
-    pub(crate) data_timeout: f64,
+    /// waiting in a collective do not give up first [default: 60; at most half the collective
+    /// timeout].
+    #[arg(long)]
+    pub(crate) data_timeout: Option<f64>,
 }
 
 impl DataArgs {
@@ -117,7 +118,7 @@ impl DataArgs {
             loader_threads: Some(4),
             data_cache: None,
             data_cache_size: 10 << 30,
-            data_timeout: 60.0,
+            data_timeout: None,
         }
     }
 

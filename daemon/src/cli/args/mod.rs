@@ -288,25 +288,9 @@ pub(crate) struct RunArgs {
     /// fails, systemd's watchdog pings stop); default: systemd's WatchdogSec, else 120.
     #[arg(long)]
     pub(crate) stall_timeout: Option<f64>,
-    /// Seconds between heartbeats to the chief.
-    #[arg(long, default_value_t = 0.1)]
-    pub(crate) heartbeat_interval: f64,
-    /// Seconds without a heartbeat after which a worker (or the chief) counts as failed.
-    #[arg(long, default_value_t = 1.5)]
-    pub(crate) heartbeat_deadline: f64,
-    /// Seconds a socket may carry no bytes before its collective fails (a backstop: failures
-    /// are normally detected by the heartbeats and pushed notices first).
-    #[arg(long, default_value_t = 120.0)]
-    pub(crate) collective_timeout: f64,
-    /// Seconds the survivors wait for a lost worker to return before they exit non-zero (so
-    /// that their supervisor restarts them); long enough for a node to reboot.
-    #[arg(long, default_value_t = 600.0)]
-    pub(crate) rejoin_deadline: f64,
-    /// Seconds a worker may be missing before the others go on without it, its slots (virtual
-    /// ranks) spread over them [default: 300, above a systemd restart and a VM's reboot; half
-    /// the rejoin deadline when that is shorter].
-    #[arg(long)]
-    pub(crate) replace_after: Option<f64>,
+    /// The cluster's timeouts.
+    #[command(flatten)]
+    pub(crate) timeouts: TimeoutArgs,
     /// The fewest workers that train (default: a majority of TF_CONFIG's training tasks, so that
     /// two sides of a partition never both train); fewer wait, as before.
     #[arg(long)]
@@ -316,10 +300,14 @@ pub(crate) struct RunArgs {
     #[arg(long)]
     pub(crate) allow_even_split: bool,
     /// Keep this worker's vote here (fsynced), so that it can take part in electing a new
-    /// coordinator when the chief is lost for good [default: $STATE_DIRECTORY, which systemd's
-    /// StateDirectory= sets; without either, a lost chief is waited for].
+    /// coordinator when the chief is lost [default: $STATE_DIRECTORY, which systemd's
+    /// StateDirectory= sets, else $XDG_STATE_HOME/trainerd/JOB or ~/.local/state/trainerd/JOB,
+    /// JOB named for TF_CONFIG's cluster].
     #[arg(long)]
     pub(crate) state_dir: Option<PathBuf>,
+    /// Take no part in electing a coordinator: a lost chief is waited for until it comes back.
+    #[arg(long, conflicts_with = "state_dir")]
+    pub(crate) no_failover: bool,
     /// Commit checkpoints here (a directory, file:///path, s3://bucket/prefix) and resume from
     /// the newest one at start.
     #[arg(long)]
@@ -411,9 +399,9 @@ pub(crate) struct JobArgs {
     /// The cluster.
     #[command(flatten)]
     pub(crate) cluster: ClusterArgs,
-    /// Seconds to wait for every worker to join at the start.
-    #[arg(long, default_value_t = 300.0)]
-    pub(crate) rendezvous_timeout: f64,
+    /// Seconds to wait for every worker to join at the start [default: 300].
+    #[arg(long)]
+    pub(crate) rendezvous_timeout: Option<f64>,
     /// S3 settings.
     #[command(flatten)]
     pub(crate) s3: S3Args,
@@ -444,6 +432,33 @@ impl PluginArgFlags {
     pub(crate) fn to_flags(args: &PluginArgs) -> Vec<String> {
         args.iter().map(|(k, v)| format!("--plugin-arg={k}={v}")).collect()
     }
+}
+
+/// The cluster's timeouts that only `run` has (a timeout not given is derived from those given).
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub(crate) struct TimeoutArgs {
+    /// Seconds between heartbeats to the chief [default: 0.1; at most a fifth of the heartbeat
+    /// deadline].
+    #[arg(long)]
+    pub(crate) heartbeat_interval: Option<f64>,
+    /// Seconds without a heartbeat after which a worker (or the chief) counts as failed
+    /// [default: 1.5; at least 15 heartbeat intervals, under a third of the collective timeout].
+    #[arg(long)]
+    pub(crate) heartbeat_deadline: Option<f64>,
+    /// Seconds a socket may carry no bytes before its collective fails (a backstop: failures
+    /// are normally detected by the heartbeats and pushed notices first) [default: 120; above 4
+    /// heartbeat deadlines and twice the data timeout, under half the rejoin deadline].
+    #[arg(long)]
+    pub(crate) collective_timeout: Option<f64>,
+    /// Seconds the survivors wait for a lost worker to return, when fewer than --min-workers
+    /// are left, before they exit non-zero (so that their supervisor restarts them); long
+    /// enough for a node to reboot [default: 600; above twice the collective timeout].
+    #[arg(long)]
+    pub(crate) rejoin_deadline: Option<f64>,
+    /// Seconds a lost worker is waited for before the others go on without it, its slots
+    /// (virtual ranks) spread over them [default: 0, they go on at once].
+    #[arg(long)]
+    pub(crate) replace_after: Option<f64>,
 }
 
 /// The cluster flags `run` and `evaluate` share.

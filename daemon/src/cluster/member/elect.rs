@@ -11,7 +11,7 @@ use tokio::task::JoinSet;
 use tonic::transport::Channel;
 
 use super::super::control::{depose, proto, seated, Chair, ControlClient, Coordinator, Identity, Seat};
-use super::super::election::{next_term, stands, won};
+use super::super::election::{caught_up, next_term, stands, won};
 use super::super::timeouts::Timeouts;
 use super::Shared;
 
@@ -40,8 +40,10 @@ impl Elector {
         loop {
             // Every heartbeat interval while something is to be found out (a lost coordinator,
             // a winner not known yet), else every third of a heartbeat deadline.
+            // A coordinator newly lost wakes it at once.
             let t = &self.timeouts;
-            tokio::time::sleep(if busy { t.heartbeat_interval } else { t.heartbeat_deadline / 3 }).await;
+            let pause = if busy { t.heartbeat_interval } else { t.heartbeat_deadline / 3 };
+            let _ = tokio::time::timeout(pause, elections.newly_lost()).await;
             if self.shared.replaced().is_some() {
                 return;
             }
@@ -84,7 +86,12 @@ impl Elector {
     /// Asks every peer whom it follows, and follows the highest term heard of; a coordinator here
     /// of an older term is deposed, saying so.
     async fn ask_who(&self, coordinated: &mut Option<u64>) {
-        let answers = self.ask(|mut client| async move { client.who(proto::Empty {}).await }).await;
+        // A majority's answers tell the highest term won (every one was kept by a majority).
+        let world = self.names.len();
+        let enough = move |answers: &[(usize, Result<tonic::Response<proto::WhoReply>, tonic::Status>)]| {
+            caught_up(answers.iter().filter(|(_, a)| a.is_ok()).count(), world)
+        };
+        let answers = self.ask(|mut client| async move { client.who(proto::Empty {}).await }, enough).await;
         let elections = &self.shared.elections;
         let mut best: Option<(u64, usize)> = None;
         let (mut heard, mut highest) = (0, 0);
@@ -174,7 +181,12 @@ impl Elector {
     async fn ballot(&self, term: u64, pre: bool) -> (Vec<usize>, Vec<String>) {
         let elections = &self.shared.elections;
         let request = proto::VoteRequest { term, candidate: self.rank as u32, pre };
-        let answers = self.ask(move |mut client| async move { client.vote(request).await }).await;
+        // Done once a majority granted (a dead or frozen peer's answer is not waited for).
+        let world = self.names.len();
+        let enough = move |answers: &[(usize, Result<tonic::Response<proto::VoteReply>, tonic::Status>)]| {
+            won(1 + answers.iter().filter(|(_, a)| a.as_ref().is_ok_and(|r| r.get_ref().granted)).count(), world)
+        };
+        let answers = self.ask(move |mut client| async move { client.vote(request).await }, enough).await;
         let mut voters = vec![self.rank];
         let mut refusals = Vec::new();
         for (rank, reply) in answers {
@@ -192,8 +204,13 @@ impl Elector {
         (voters, refusals)
     }
 
-    /// Calls every peer at once, each bounded by the heartbeat deadline; the answers, by rank.
-    async fn ask<F, Fut, T>(&self, call: F) -> Vec<(usize, Result<T, tonic::Status>)>
+    /// Calls every peer at once, each bounded by the heartbeat deadline, until every one answered
+    /// or the answers so far are `enough`; the answers, by rank.
+    async fn ask<F, Fut, T>(
+        &self,
+        call: F,
+        enough: impl Fn(&[(usize, Result<T, tonic::Status>)]) -> bool,
+    ) -> Vec<(usize, Result<T, tonic::Status>)>
     where
         F: Fn(ControlClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<T, tonic::Status>> + Send + 'static,
@@ -213,6 +230,9 @@ impl Elector {
         while let Some(done) = calls.join_next().await {
             if let Ok(a) = done {
                 answers.push(a);
+                if enough(&answers) {
+                    break;
+                }
             }
         }
         answers.sort_by_key(|(rank, _)| *rank);

@@ -180,7 +180,6 @@ impl ControlPlane {
             names: names.clone(),
             chair: Arc::clone(&chair),
             elections: Arc::clone(&elections),
-            heartbeat_deadline: timeouts.heartbeat_deadline,
             abort: abort.clone(),
         };
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
@@ -593,6 +592,7 @@ mod tests {
         collective: Duration::from_secs(5),
         rejoin: Duration::from_secs(20),
         replace_after: Duration::from_secs(10),
+        data: Duration::from_secs(2),
         min_workers: None,
     };
 
