@@ -96,7 +96,8 @@ run_checks() {
     # ring's figures beside them are then taken too); =devices: the replica checks alone;
     # =precision: bf16 and fp16 beside PyTorch autocast; =torchscript: a PyTorch model through the
     # torchscript plugin; =bench:
-    # the all-reduce and DDP tables alone.
+    # the all-reduce and DDP tables alone; =untried: the precision and torchscript checks (the
+    # ones that had not run on a GPU yet, about two minutes).
     # (The whole set runs past one 600 s command of the device machine: run it in two parts,
     # GPU_CHECK_ONLY=first then =second.)
     case "${GPU_CHECK_ONLY:-all}" in
@@ -109,6 +110,7 @@ run_checks() {
         train) training_bench ;;
         first) correctness_checks; nccl_checks; devices_checks ;;
         second) precision_checks; torchscript_checks; throughput_checks; nccl_bench ;;
+        untried) precision_checks; torchscript_checks ;;
         *) correctness_checks; nccl_checks; devices_checks; precision_checks; torchscript_checks; throughput_checks; nccl_bench ;;
     esac
     say ""

@@ -452,7 +452,7 @@ fn local_without(gone: usize, check: impl FnOnce(&mut trainerd_testkit::Worker, 
         died,
         format!(
             "trainerd local: worker {gone} died (SIGKILL); not restarted (--no-restart): the others go on without it \
-             after --replace-after, if a majority of the workers remains{coordinator}"
+             (after --replace-after, when given) if a majority of the workers remains{coordinator}"
         )
     );
     let prefix = format!("trainerd local: worker {gone} gone for ");

@@ -216,8 +216,8 @@ impl Launcher {
                 self.died[worker] = Some(at);
                 let coordinator = if worker == 0 { ", electing a new coordinator among them" } else { "" };
                 say(&format!(
-                    "worker {worker} died ({how}); not restarted (--no-restart): the others go on without it after \
-                     --replace-after, if a majority of the workers remains{coordinator}"
+                    "worker {worker} died ({how}); not restarted (--no-restart): the others go on without it (after \
+                     --replace-after, when given) if a majority of the workers remains{coordinator}"
                 ));
             }
             Happening::Died { worker, how, at } => {
@@ -256,9 +256,13 @@ impl Launcher {
         let gone: Vec<String> = (0..workers)
             .filter_map(|w| self.died[w].map(|at| format!("worker {w} gone for {:.0} s", at.elapsed().as_secs_f64())))
             .collect();
+        // The survivors can form before this launcher has seen the death.
+        let who = match gone.is_empty() {
+            true => format!("{} worker(s) lost", workers - present),
+            false => gone.join(", "),
+        };
         say(&format!(
-            "{}: its slots move to the others ({layout}); {present} of {workers} workers, {:.2}x speed",
-            gone.join(", "),
+            "{who}: its slots move to the others ({layout}); {present} of {workers} workers, {:.2}x speed",
             present as f64 / workers as f64
         ));
     }

@@ -295,10 +295,8 @@ fn ended(outcome: Outcome, progress: &mut Progress, summary_path: Option<&PathBu
             progress.line(&format!("trainerd: stopped by signal at global step {step}; the state is {saved}"));
             return Ok(Exit::Done.code());
         }
-        Outcome::AlreadyFinished { step, sequence, location } => {
-            progress.line(&format!(
-                "trainerd: the run finished at step {step} (commit {sequence} in {location}); nothing left to do"
-            ));
+        Outcome::AlreadyFinished(said) => {
+            progress.line(&format!("trainerd: {said}; nothing left to do"));
             return Ok(Exit::Done.code());
         }
     };

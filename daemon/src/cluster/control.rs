@@ -444,6 +444,7 @@ impl Coordinator {
                 }
                 return Err(Status::aborted(c.state.gave_up.clone()));
             }
+            tracing::debug!("{} asks to join (term {})", self.names[rank], req.term);
             let m = &mut c.state.members[rank];
             m.joined = Some(report);
             m.last_seen = Instant::now();
@@ -506,6 +507,7 @@ impl Coordinator {
         };
         let _ = sink.send(Ok(reply));
         if newly {
+            tracing::debug!("{}'s heartbeat stream is open", self.names[rank]);
             self.settle(&mut c);
         }
         true

@@ -91,8 +91,8 @@ impl Refusal {
 }
 
 /// The voter's answer to `ballot`: the vote to persist before saying yes, or why not. At most one
-/// vote per term (asking again for the same candidate gets the same yes), never for a term at or
-/// below one it knows or a generation it saw, only while it too has lost its coordinator (its
+/// vote per term (asking again for the same candidate gets the same yes), never for a term below
+/// one it knows, nor one it voted in or knows the winner of, nor at or below a generation it saw, only while it too has lost its coordinator (its
 /// link broke, or stayed silent for the heartbeat deadline: a member cut off alone cannot depose
 /// a coordinator the others still hear), and not while it may have forgotten a vote
 /// ([`caught_up`]).
@@ -104,7 +104,10 @@ pub(crate) fn answer(voter: &Voter, ballot: &Ballot) -> Result<Vote, Refusal> {
     if ballot.term == mine.term && mine.voted_for == Some(ballot.candidate) {
         return Ok(mine);
     }
-    if ballot.term <= mine.term {
+    // A term only heard of (from a candidate's `Who` answer: no vote given in it, no winner
+    // known) can still be voted in, once: hearing of a term does not spend the vote.
+    let open = ballot.term == mine.term && mine.voted_for.is_none() && mine.coordinator.is_none();
+    if ballot.term <= mine.term && !open {
         return Err(Refusal::Term(mine.term));
     }
     if ballot.term <= voter.generation {
@@ -159,8 +162,12 @@ pub(crate) fn follows(mine: &Vote, term: u64, coordinator: usize) -> Option<Vote
 pub(crate) struct Elections {
     file: Option<PathBuf>,
     inner: Mutex<Inner>,
-    /// Told when the coordinator is newly lost: the elector looks at once.
-    lost: tokio::sync::Notify,
+    /// Told when the elector should look at once: the coordinator is newly lost, or a vote was
+    /// given (the winner is soon known).
+    look: tokio::sync::Notify,
+    /// Told when the coordinator followed changes: the heartbeat and a waiting join link to
+    /// it at once.
+    moved: tokio::sync::Notify,
 }
 
 struct Inner {
@@ -182,7 +189,12 @@ impl Elections {
             None => (Vote::default(), true),
         };
         let inner = Inner { vote, forgetful, generation: 0, lost_since: None };
-        Ok(Elections { file, inner: Mutex::new(inner), lost: tokio::sync::Notify::new() })
+        Ok(Elections {
+            file,
+            inner: Mutex::new(inner),
+            look: tokio::sync::Notify::new(),
+            moved: tokio::sync::Notify::new(),
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -252,13 +264,24 @@ impl Elections {
         let newly = i.lost_since.is_none() && since.is_some();
         i.lost_since = since.map(|s| i.lost_since.unwrap_or(s));
         if newly {
-            self.lost.notify_one();
+            self.look.notify_one();
         }
     }
 
-    /// Returns when the coordinator is newly lost (or was, since the last call).
-    pub(crate) async fn newly_lost(&self) {
-        self.lost.notified().await;
+    /// Returns when the elector should look at once: the coordinator was newly lost, or a vote
+    /// given, since the last call.
+    pub(crate) async fn look_now(&self) {
+        self.look.notified().await;
+    }
+
+    /// Returns when the coordinator followed changes.
+    pub(crate) async fn moved(&self) {
+        self.moved.notified().await;
+    }
+
+    /// Returns when the coordinator followed changes, or after `at_most`.
+    pub(crate) async fn moved_within(&self, at_most: Duration) {
+        let _ = tokio::time::timeout(at_most, self.moved()).await;
     }
 
     /// How long it has been without a coordinator at `now`.
@@ -288,6 +311,7 @@ impl Elections {
                     i.vote = vote;
                 }
                 i.lost_since = Some(now);
+                self.look.notify_one();
                 Ok(())
             }
             Err(r) => Err((r, i.vote, i.generation)),
@@ -314,6 +338,7 @@ impl Elections {
         self.persist(&vote)?;
         i.vote = vote;
         i.lost_since = None;
+        self.moved.notify_waiters();
         Ok(true)
     }
 
@@ -377,6 +402,19 @@ mod tests {
         assert_eq!(answer(&after, &Ballot { term: 8, candidate: 2 }), Err(Refusal::Term(8)));
         assert_eq!(answer(&after, &Ballot { term: 7, candidate: 2 }), Err(Refusal::Term(8)));
         assert_eq!(answer(&after, &Ballot { term: 9, candidate: 2 }).unwrap().voted_for, Some(2));
+    }
+
+    #[test]
+    fn a_term_only_heard_of_can_still_be_voted_in_once() {
+        // The candidate's own `Who` answer told this voter of term 8 before its ballot arrived.
+        let heard = lost(Vote { term: 8, voted_for: None, coordinator: None }, 3);
+        let granted = answer(&heard, &Ballot { term: 8, candidate: 1 }).unwrap();
+        assert_eq!(granted, Vote { term: 8, voted_for: Some(1), coordinator: None });
+        let after = Voter { vote: granted, ..heard };
+        assert_eq!(answer(&after, &Ballot { term: 8, candidate: 2 }), Err(Refusal::Term(8)));
+        // A term whose winner it follows is closed.
+        let follows = lost(Vote { term: 8, voted_for: None, coordinator: Some(2) }, 3);
+        assert_eq!(answer(&follows, &Ballot { term: 8, candidate: 1 }), Err(Refusal::Term(8)));
     }
 
     #[test]
@@ -525,10 +563,17 @@ mod tests {
                     }
                     Event::Who { member, peer } => {
                         let (m, p) = (member % n, peer % n);
-                        if let Some(c) = votes[p].coordinator {
-                            if let Some(v) = follows(&votes[m], votes[p].term, c) {
-                                votes[m] = v;
+                        match votes[p].coordinator {
+                            Some(c) => {
+                                if let Some(v) = follows(&votes[m], votes[p].term, c) {
+                                    votes[m] = v;
+                                }
                             }
+                            // A higher term heard of, its winner unknown (`Elections::heard`).
+                            None if votes[p].term > votes[m].term => {
+                                votes[m] = Vote { term: votes[p].term, voted_for: None, coordinator: None };
+                            }
+                            None => {}
                         }
                     }
                     Event::Restart { member } => seen[member % n] = 0,

@@ -43,6 +43,10 @@ pub(crate) enum ClusterError {
         /// What happened last.
         detail: String,
     },
+    /// The run had finished: a worker that came back after its end learned it (from the final
+    /// commit) while its coordinator did not answer; nothing is left to do.
+    #[error("{0}")]
+    Finished(String),
     /// The generation ended while this member waited in it.
     #[error("generation {generation} ended: {reason}")]
     Aborted {

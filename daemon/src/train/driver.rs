@@ -115,6 +115,9 @@ impl<'a> Driver<'a> {
                     self.report.abandoned(state.position().global_step + 1, session.generation(), &why)
                 }
                 Err(Interrupt::Stopped) => return self.stopped(&state),
+                Err(Interrupt::Fatal(TrainError::Cluster(ClusterError::Finished(said)))) => {
+                    return Ok(Outcome::AlreadyFinished(said))
+                }
                 Err(Interrupt::Fatal(e)) => return Err(e),
             }
         }

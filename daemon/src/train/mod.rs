@@ -320,16 +320,10 @@ impl From<StateError> for TrainError {
 pub(crate) enum Outcome {
     /// Training is complete.
     Finished(Box<Summary>),
-    /// The run had finished before this worker started (or returned): its last commit holds
-    /// the final state of this run's configuration, so there is nothing left to do.
-    AlreadyFinished {
-        /// The global step the run finished at.
-        step: u64,
-        /// The final commit's sequence.
-        sequence: u64,
-        /// The checkpoint location.
-        location: String,
-    },
+    /// The run had finished when this worker came back (its coordinator did not answer, and the
+    /// latest commit holds the final state of this run's configuration): nothing is left to do.
+    /// What to say: at which step and commit it finished.
+    AlreadyFinished(String),
     /// Stopped by a signal, after the cluster's commit (or with nothing newer to commit).
     Stopped {
         /// The global step it stopped at.
@@ -363,13 +357,17 @@ pub(crate) fn run(
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
     let checkpointer = startup::restore((cfg, &run_config), (&info, world), &mut session, &mut state, &mut report)?;
-    if let Some(finished) = startup::finished(checkpointer.as_ref(), (cfg, &run_config), (&info, world))? {
-        return Ok(finished);
+    if !session.coordinates() {
+        if let Some(probe) = startup::finished_probe((cfg, &run_config), (&info, world))? {
+            session.set_finished_probe(probe);
+        }
     }
-    let joining = startup::join_in_background(session, state, stop, &report, cfg)?;
     tracing::debug!("start-up: model built (and restored) after {:?}", started.elapsed());
+    // The data first, then the join: a worker that returns to a running cluster ends its
+    // generation by joining, so everything slow is done before (the peers wait from then on).
     let data = startup::load_data(&model, cfg, (rank, world))?;
     tracing::debug!("start-up: data loaded after {:?}", started.elapsed());
+    let joining = startup::join_in_background(session, state, stop, &report, cfg)?;
     let committer = startup::committer(checkpointer, (cfg, &run_config), (&info, world), data.steps_per_epoch);
     let (session, state, joined) = joining.join().expect("the joining thread does not panic");
     tracing::debug!("start-up: joined after {:?}", started.elapsed());

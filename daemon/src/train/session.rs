@@ -384,6 +384,13 @@ impl Session {
     }
 
     /// Tells the chief this member leaves on purpose.
+    /// While a join gets no answer, `probe` says whether the run has finished.
+    pub(crate) fn set_finished_probe(&mut self, probe: crate::cluster::member::FinishedProbe) {
+        if let Some(m) = self.cluster.as_mut() {
+            m.plane.set_finished_probe(probe);
+        }
+    }
+
     pub(crate) fn leave(&self, reason: &str) {
         if let Some(m) = &self.cluster {
             m.plane.leave(reason);

@@ -104,29 +104,41 @@ pub(super) fn restore(
     Ok(Some(checkpointer))
 }
 
-/// Whether the run has finished already: the latest commit at the checkpoint location is the
-/// final state of this run's configuration (its last epoch done, or stopped early). Then every
-/// worker, a returning one included, has nothing left to do. Only the latest record is read,
-/// and the commit itself only when that record is at or past the last epoch.
-pub(super) fn finished(
-    checkpointer: Option<&Checkpointer>,
+/// On a member with checkpoints: a probe of whether the run has finished, asked while its join
+/// gets no answer (a worker that comes back after the end, its coordinator gone).
+pub(super) fn finished_probe(
     (cfg, run_config): (&RunConfig, &str),
     (info, workers): (&PluginInfo, usize),
-) -> Result<Option<super::Outcome>, TrainError> {
-    let Some(checkpointer) = checkpointer else { return Ok(None) };
-    let Some(record) = checkpointer.latest()? else { return Ok(None) };
-    if record.epoch < u64::from(cfg.epochs) {
-        return Ok(None);
+) -> Result<Option<crate::cluster::member::FinishedProbe>, TrainError> {
+    let Some(c) = cfg.checkpoint.as_ref() else { return Ok(None) };
+    let checkpointer = std::sync::Mutex::new(Checkpointer::new(c.location.open(&c.s3)?, c.keep)?);
+    let (epochs, run_config, info) = (cfg.epochs, run_config.to_string(), info.clone());
+    Ok(Some(std::sync::Arc::new(move || {
+        let checkpointer = checkpointer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        finished(&checkpointer, epochs, (&info, workers, &run_config))
+    })))
+}
+
+/// Whether the latest commit at the checkpoint location is the final state of this run's
+/// configuration (its last epoch done, or stopped early): what to say, naming the step and commit.
+/// Only the latest record is read, and the commit itself only when that record is at or past the
+/// last epoch; a location that cannot be read, or a commit that does not verify, tells nothing.
+fn finished(
+    checkpointer: &Checkpointer,
+    epochs: u32,
+    (info, workers, run_config): (&PluginInfo, usize, &str),
+) -> Option<String> {
+    let record = checkpointer.latest().ok()??;
+    if record.epoch < u64::from(epochs) {
+        return None;
     }
-    let location = checkpointer.location().to_string();
-    let restored = checkpointer.load(record.sequence)?;
-    let Ok(meta) = Meta::read(&restored, info, Reader::Training { workers, run_config }) else { return Ok(None) };
-    let done = meta.position.epoch >= cfg.epochs || meta.position.callbacks.stopped_after.is_some();
-    Ok(done.then_some(super::Outcome::AlreadyFinished {
-        step: meta.position.global_step,
-        sequence: record.sequence,
-        location,
-    }))
+    let restored = checkpointer.load(record.sequence).ok()?;
+    let meta = Meta::read(&restored, info, Reader::Training { workers, run_config }).ok()?;
+    let done = meta.position.epoch >= epochs || meta.position.callbacks.stopped_after.is_some();
+    done.then(|| {
+        let (step, location) = (meta.position.global_step, checkpointer.location());
+        format!("the run finished at step {step} (commit {} in {location})", record.sequence)
+    })
 }
 
 /// The chief's committer over `checkpointer`, once the steps of an epoch are known; each commit
@@ -164,9 +176,10 @@ fn open_checkpointer(c: &CheckpointConfig, report: &mut Reporter<'_>) -> Result<
 /// What the joining thread gives back: the session and the state it took, and how the join went.
 pub(super) type Joining = JoinHandle<(Session, TrainState, Result<Joined, Interrupt>)>;
 
-/// Joins the first generation in the background: the rendezvous, the ring and the state transfer
-/// go on while the data loads (a fresh worker reports no state; the chief reports what it
-/// restored).
+/// Joins the first generation on a thread of its own, once the data is loaded (a worker returning
+/// to a running cluster ends its generation by joining: its peers wait from then on): the
+/// rendezvous, the ring and the state transfer (a fresh worker reports no state; the chief
+/// reports what it restored).
 pub(super) fn join_in_background(
     mut session: Session,
     state: TrainState,

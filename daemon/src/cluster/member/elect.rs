@@ -38,12 +38,7 @@ impl Elector {
         let mut coordinated = seated(&self.chair).map(|c| c.term());
         let mut busy = false;
         loop {
-            // Every heartbeat interval while something is to be found out (a lost coordinator,
-            // a winner not known yet), else every third of a heartbeat deadline.
-            // A coordinator newly lost wakes it at once.
-            let t = &self.timeouts;
-            let pause = if busy { t.heartbeat_interval } else { t.heartbeat_deadline / 3 };
-            let _ = tokio::time::timeout(pause, elections.newly_lost()).await;
+            let _ = tokio::time::timeout(self.pause(busy), elections.look_now()).await;
             if self.shared.replaced().is_some() {
                 return;
             }
@@ -74,22 +69,42 @@ impl Elector {
             if !stands(lost_for, place, tries, world, opts) {
                 continue;
             }
-            if self.stand(followed, lost_for).await {
-                tries = 0;
-                coordinated = seated(&self.chair).map(|c| c.term());
-            } else {
-                tries += 1;
+            // A pre-vote that fails (a voter has not seen the loss yet, or this member is cut
+            // off) raises no term and costs no turn: it is tried again at the next look.
+            match self.stand(followed, lost_for).await {
+                Some(true) => {
+                    tries = 0;
+                    coordinated = seated(&self.chair).map(|c| c.term());
+                }
+                Some(false) => tries += 1,
+                None => {}
             }
+        }
+    }
+
+    /// How long to wait before looking again (a coordinator newly lost, or a vote given, wakes
+    /// it at once): every heartbeat interval while something is to be found out (`busy`: a lost
+    /// coordinator, a winner not known yet), ten times as often after a vote given in an election
+    /// whose winner is not known yet, else every third of a heartbeat deadline.
+    fn pause(&self, busy: bool) -> Duration {
+        let (t, elections) = (&self.timeouts, &self.shared.elections);
+        let voted = elections.coordinator().is_none() && elections.vote().voted_for.is_some();
+        match (busy, voted) {
+            (true, true) => t.heartbeat_interval / 10,
+            (true, false) => t.heartbeat_interval,
+            (false, _) => t.heartbeat_deadline / 3,
         }
     }
 
     /// Asks every peer whom it follows, and follows the highest term heard of; a coordinator here
     /// of an older term is deposed, saying so.
     async fn ask_who(&self, coordinated: &mut Option<u64>) {
-        // A majority's answers tell the highest term won (every one was kept by a majority).
+        // A majority's answers tell the highest term won (every one was kept by a majority): its
+        // own counts, unless it lost its kept vote; a frozen peer's answer is not waited for.
         let world = self.names.len();
+        let own = usize::from(!self.shared.elections.forgetful());
         let enough = move |answers: &[(usize, Result<tonic::Response<proto::WhoReply>, tonic::Status>)]| {
-            caught_up(answers.iter().filter(|(_, a)| a.is_ok()).count(), world)
+            caught_up(own + answers.iter().filter(|(_, a)| a.is_ok()).count(), world)
         };
         let answers = self.ask(|mut client| async move { client.who(proto::Empty {}).await }, enough).await;
         let elections = &self.shared.elections;
@@ -128,8 +143,9 @@ impl Elector {
         }
     }
 
-    /// Stands in the next term; whether it won.
-    async fn stand(&self, followed: Option<usize>, lost_for: Duration) -> bool {
+    /// Stands in the next term; whether it won (`None`: its pre-vote found no majority, so it did
+    /// not stand).
+    async fn stand(&self, followed: Option<usize>, lost_for: Duration) -> Option<bool> {
         let elections = &self.shared.elections;
         let world = self.names.len();
         let me = &self.names[self.rank];
@@ -138,14 +154,14 @@ impl Elector {
         let (voters, refusals) = self.ballot(term, true).await;
         if !won(voters.len(), world) {
             tracing::info!("{me} would not win term {term}: {} of {world} ({})", voters.len(), refusals.join("; "));
-            return false;
+            return None;
         }
         match elections.stand(term, self.rank) {
             Ok(true) => {}
-            Ok(false) => return false,
+            Ok(false) => return Some(false),
             Err(e) => {
                 tracing::error!("cannot keep the vote: {e}");
-                return false;
+                return Some(false);
             }
         }
         let lost = followed.map_or_else(|| "no coordinator".to_string(), |r| self.names[r].clone());
@@ -153,10 +169,10 @@ impl Elector {
         let (voters, refusals) = self.ballot(term, false).await;
         if !won(voters.len(), world) {
             tracing::warn!("{me} stood in term {term}: {} of {world} votes ({})", voters.len(), refusals.join("; "));
-            return false;
+            return Some(false);
         }
         if !matches!(elections.adopt(term, self.rank), Ok(true)) {
-            return false;
+            return Some(false);
         }
         let since = Instant::now() - lost_for;
         let seat =
@@ -172,7 +188,7 @@ impl Elector {
             named.join(", "),
             lost_for.as_secs_f64()
         );
-        true
+        Some(true)
     }
 
     /// Asks every peer for its vote (or pre-vote) in `term`: the ranks that granted it (this one

@@ -50,7 +50,7 @@ impl Beater {
             let Some((term, rank)) = self.shared.elections.coordinator() else {
                 // Voted in an election whose winner is not known yet: nobody to beat to.
                 self.shared.elections.set_lost(Some(Instant::now()));
-                tokio::time::sleep(self.timeouts.heartbeat_interval).await;
+                self.shared.elections.moved_within(self.timeouts.heartbeat_interval).await;
                 continue;
             };
             match self.link((term, rank)).await {
@@ -62,7 +62,8 @@ impl Beater {
                     self.lost(&lost.reason(role, &self.names[rank]));
                 }
             }
-            tokio::time::sleep(self.timeouts.heartbeat_interval).await;
+            // Again after an interval, or at once to a newly elected coordinator.
+            self.shared.elections.moved_within(self.timeouts.heartbeat_interval).await;
         }
     }
 

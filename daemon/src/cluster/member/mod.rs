@@ -27,7 +27,7 @@ use super::control::{
 };
 use super::election::{vote_file, Elections};
 use super::error::BindError;
-use super::error::{from_status, Call, ClusterError};
+use super::error::{from_status, Call, ClusterError, DialError};
 use super::membership::Report;
 use super::network::Network;
 use super::tf_config::ClusterConfig;
@@ -101,6 +101,23 @@ pub(crate) struct ControlPlane {
     peers: Arc<Vec<Option<ControlClient<Channel>>>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     formed_once: bool,
+    /// Whether the run has finished (from the checkpoint location), asked while a join gets no
+    /// answer from the coordinator: `Some(what to say)`.
+    finished: Option<FinishedProbe>,
+}
+
+/// Says whether the run has finished, and at which step and commit (blocking: it reads storage).
+pub(crate) type FinishedProbe = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
+/// `call`'s answer, or `None` once `gone` says it is no longer waited for (looked at every 50 ms).
+async fn answered<T>(call: impl std::future::Future<Output = T>, gone: impl Fn() -> bool) -> Option<T> {
+    tokio::pin!(call);
+    loop {
+        tokio::select! {
+            r = &mut call => return Some(r),
+            () = tokio::time::sleep(Duration::from_millis(50)) => if gone() { return None },
+        }
+    }
 }
 
 /// The control plane's runtime: two threads.
@@ -208,6 +225,7 @@ impl ControlPlane {
             peers: Arc::new(peers),
             tasks,
             formed_once: false,
+            finished: None,
         };
         let beater = plane.beater();
         plane.tasks.push(plane.runtime.spawn(beater.run()));
@@ -346,6 +364,26 @@ impl ControlPlane {
         Ok(result)
     }
 
+    /// While a join gets no answer, ask `probe` now and then whether the run has finished (a worker
+    /// that comes back after the end then exits 0 instead of waiting for a cluster that is gone).
+    pub(crate) fn set_finished_probe(&mut self, probe: FinishedProbe) {
+        self.finished = Some(probe);
+    }
+
+    /// Whether the run has finished, when the coordinator has not answered for two heartbeat
+    /// deadlines since `since` and `probed` (the last look) is a second old: what to say.
+    async fn finished(&self, since: Instant, probed: &mut Option<Instant>) -> Option<String> {
+        let probe = self.finished.clone()?;
+        let now = Instant::now();
+        let silent = now.saturating_duration_since(since.max(self.shared.last_contact()));
+        let due = probed.is_none_or(|p| now.saturating_duration_since(p) >= Duration::from_secs(1));
+        if silent < self.timeouts.heartbeat_deadline * 2 || !due {
+            return None;
+        }
+        *probed = Some(now);
+        tokio::task::spawn_blocking(move || probe()).await.ok().flatten()
+    }
+
     /// Asks the chief to join until it answers, or [`JoinWait::end`] says the wait is over.
     async fn ask_to_join(
         &self,
@@ -357,33 +395,30 @@ impl ControlPlane {
         let over = || wait.end(Instant::now(), shared.last_contact(), stop.load(Ordering::Relaxed), shared.replaced());
         let interval = self.timeouts.heartbeat_interval;
         let mut last = String::from("no attempt finished");
+        let mut probed = None;
         loop {
             if let Some(end) = over() {
                 return Err(self.join_ended(end, wait, last));
             }
+            if let Some(said) = self.finished(wait.started, &mut probed).await {
+                return Err(ClusterError::Finished(said));
+            }
             let Some((term, rank, dial)) = self.coordinator() else {
                 last = "a coordinator is being elected".into();
-                tokio::time::sleep(interval).await;
+                self.shared.elections.moved_within(interval).await;
                 continue;
             };
             let following = || self.shared.elections.coordinator() == Some((term, rank));
             let request = proto::JoinRequest { term: self.shared.elections.vote().term, ..request.clone() };
-            let mut client = match dial.connect(Instant::now() + interval * 5).await {
-                Ok(c) => c,
-                Err(e) => {
+            let mut client = match self.reach(dial, interval * 5).await {
+                Some(Ok(c)) => c,
+                Some(Err(e)) => {
                     last = e.to_string();
                     continue;
                 }
+                None => continue,
             };
-            let call = client.join(request);
-            tokio::pin!(call);
-            let answer = loop {
-                tokio::select! {
-                    r = &mut call => break Some(r),
-                    () = tokio::time::sleep(Duration::from_millis(50)) => if over().is_some() || !following() { break None },
-                }
-            };
-            match answer {
+            match answered(client.join(request), || over().is_some() || !following()).await {
                 None => continue,
                 Some(Ok(reply)) => {
                     let formed = Formed::from(reply.into_inner());
@@ -404,6 +439,15 @@ impl ControlPlane {
                     }
                 },
             }
+        }
+    }
+
+    /// A client of the coordinator `dial` reaches within `wait`; `None` when another coordinator
+    /// is followed first (a connection that hangs, to one that died or froze, is given up on).
+    async fn reach(&self, dial: &Dial, wait: Duration) -> Option<Result<ControlClient<Channel>, DialError>> {
+        tokio::select! {
+            c = dial.connect(Instant::now() + wait) => Some(c),
+            () = self.shared.elections.moved() => None,
         }
     }
 
