@@ -165,9 +165,11 @@ pub(crate) struct Elections {
     /// Told when the elector should look at once: the coordinator is newly lost, or a vote was
     /// given (the winner is soon known).
     look: tokio::sync::Notify,
-    /// Told when the coordinator followed changes: the heartbeat and a waiting join link to
-    /// it at once.
+    /// Told when the coordinator followed changes (or takes its seat): the heartbeat and a
+    /// waiting join link to it at once.
     moved: tokio::sync::Notify,
+    /// How many times it has: a waiter compares with what it saw before its last try.
+    moves: std::sync::atomic::AtomicU64,
 }
 
 struct Inner {
@@ -194,6 +196,7 @@ impl Elections {
             inner: Mutex::new(inner),
             look: tokio::sync::Notify::new(),
             moved: tokio::sync::Notify::new(),
+            moves: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -274,14 +277,38 @@ impl Elections {
         self.look.notified().await;
     }
 
-    /// Returns when the coordinator followed changes.
-    pub(crate) async fn moved(&self) {
-        self.moved.notified().await;
+    /// Returns once the coordinator followed is no longer `from` (at once if it changed
+    /// already: the wait is registered before the look, so a change in between is not missed).
+    pub(crate) async fn moved_from(&self, from: Option<(u64, usize)>) {
+        let notified = self.moved.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.coordinator() == from {
+            notified.await;
+        }
     }
 
-    /// Returns when the coordinator followed changes, or after `at_most`.
-    pub(crate) async fn moved_within(&self, at_most: Duration) {
-        let _ = tokio::time::timeout(at_most, self.moved()).await;
+    /// Wakes whoever waits for the coordinator to move, and will only now find it (its seat is
+    /// taken after its term was adopted: a link tried in between was refused).
+    pub(crate) fn seated(&self) {
+        self.moves.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.moved.notify_waiters();
+    }
+
+    /// How many times the coordinator followed has changed or taken its seat.
+    pub(crate) fn moves(&self) -> u64 {
+        self.moves.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Returns once [`Elections::moves`] is past `seen` (at once if it is already), or after
+    /// `at_most`.
+    pub(crate) async fn moved_since(&self, seen: u64, at_most: Duration) {
+        let notified = self.moved.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.moves() == seen {
+            let _ = tokio::time::timeout(at_most, notified).await;
+        }
     }
 
     /// How long it has been without a coordinator at `now`.
@@ -338,6 +365,7 @@ impl Elections {
         self.persist(&vote)?;
         i.vote = vote;
         i.lost_since = None;
+        self.moves.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.moved.notify_waiters();
         Ok(true)
     }

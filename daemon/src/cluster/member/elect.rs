@@ -37,8 +37,13 @@ impl Elector {
         let mut followed = elections.coordinator().map(|(_, r)| r);
         let mut coordinated = seated(&self.chair).map(|c| c.term());
         let mut busy = false;
+        // Pre-votes that found no majority in a row: the first few are tried again soon (a voter
+        // that has not seen the loss yet sees it within milliseconds).
+        let mut unripe = 0u32;
         loop {
-            let _ = tokio::time::timeout(self.pause(busy), elections.look_now()).await;
+            let pause =
+                if (1..=5).contains(&unripe) { self.timeouts.heartbeat_interval / 10 } else { self.pause(busy) };
+            let _ = tokio::time::timeout(pause, elections.look_now()).await;
             if self.shared.replaced().is_some() {
                 return;
             }
@@ -50,7 +55,7 @@ impl Elector {
             let asking = gathering || (elections.enabled() && elections.forgetful());
             busy = elections.lost_for(Instant::now()).is_some() || elections.coordinator().is_none();
             if !busy && !asking {
-                tries = 0;
+                (tries, unripe) = (0, 0);
                 if let Some((_, r)) = elections.coordinator() {
                     followed = Some(r);
                 }
@@ -73,11 +78,11 @@ impl Elector {
             // off) raises no term and costs no turn: it is tried again at the next look.
             match self.stand(followed, lost_for).await {
                 Some(true) => {
-                    tries = 0;
+                    (tries, unripe) = (0, 0);
                     coordinated = seated(&self.chair).map(|c| c.term());
                 }
-                Some(false) => tries += 1,
-                None => {}
+                Some(false) => (tries, unripe) = (tries + 1, 0),
+                None => unripe += 1,
             }
         }
     }
@@ -180,6 +185,7 @@ impl Elector {
         let c = Coordinator::new(self.identity.clone(), self.names.to_vec(), self.timeouts.options(world), seat);
         c.set_floor(self.shared.floor.load(std::sync::atomic::Ordering::Relaxed));
         *self.chair.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::clone(&c));
+        elections.seated();
         tokio::spawn(Arc::clone(&c).tick(self.timeouts.heartbeat_interval / 4));
         let named: Vec<&str> = voters.iter().map(|&r| self.names[r].as_str()).collect();
         eprintln!(

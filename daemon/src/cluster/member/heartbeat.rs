@@ -47,10 +47,11 @@ impl Beater {
     /// interval and links again.
     pub(super) async fn run(self) {
         loop {
+            let seen = self.shared.elections.moves();
             let Some((term, rank)) = self.shared.elections.coordinator() else {
                 // Voted in an election whose winner is not known yet: nobody to beat to.
                 self.shared.elections.set_lost(Some(Instant::now()));
-                self.shared.elections.moved_within(self.timeouts.heartbeat_interval).await;
+                self.shared.elections.moved_since(seen, self.timeouts.heartbeat_interval).await;
                 continue;
             };
             match self.link((term, rank)).await {
@@ -63,7 +64,7 @@ impl Beater {
                 }
             }
             // Again after an interval, or at once to a newly elected coordinator.
-            self.shared.elections.moved_within(self.timeouts.heartbeat_interval).await;
+            self.shared.elections.moved_since(seen, self.timeouts.heartbeat_interval).await;
         }
     }
 
@@ -78,7 +79,6 @@ impl Beater {
     /// One link to the coordinator of `term` (`rank`): connect, open the heartbeat stream, read
     /// its notices, until the watch says it is lost or this member follows another.
     async fn link(&self, (term, rank): (u64, usize)) -> End {
-        let dial = &self.dials[rank];
         let moved = || self.shared.elections.coordinator() != Some((term, rank));
         let deadline = self.timeouts.heartbeat_deadline;
         let mut watch = Watch::new(Instant::now());
@@ -95,12 +95,14 @@ impl Beater {
             // cannot be taken up again) by a look for a new coordinator now and then.
             let until = watch.deadline(deadline).min(Instant::now() + deadline / 4);
             let seen = match watch.link {
-                Link::Connecting(_) => match dial.connect(until).await {
-                    Ok(c) => {
+                // Given up on at once when another coordinator is followed (it retries until then).
+                Link::Connecting(_) => match self.reach((term, rank), until).await {
+                    Some(Ok(c)) => {
                         client = Some(c);
                         Seen::Connected
                     }
-                    Err(_) => Seen::Nothing,
+                    Some(Err(())) => Seen::Nothing,
+                    None => continue,
                 },
                 Link::Opening(_) => {
                     let c = client.as_mut().expect("connected");
@@ -133,6 +135,15 @@ impl Beater {
         };
         beats.abort();
         end
+    }
+
+    /// A client of the coordinator of `term` (`rank`) by `until`; `None` when another coordinator
+    /// is followed first.
+    async fn reach(&self, (term, rank): (u64, usize), until: Instant) -> Option<Result<ControlClient<Channel>, ()>> {
+        tokio::select! {
+            c = self.dials[rank].connect(until) => Some(c.map_err(|_| ())),
+            () = self.shared.elections.moved_from(Some((term, rank))) => None,
+        }
     }
 
     /// Beats into `tx` every interval, carrying this member's generation and global step.

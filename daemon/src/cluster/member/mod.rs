@@ -403,14 +403,15 @@ impl ControlPlane {
             if let Some(said) = self.finished(wait.started, &mut probed).await {
                 return Err(ClusterError::Finished(said));
             }
+            let seen = self.shared.elections.moves();
             let Some((term, rank, dial)) = self.coordinator() else {
                 last = "a coordinator is being elected".into();
-                self.shared.elections.moved_within(interval).await;
+                self.shared.elections.moved_since(seen, interval).await;
                 continue;
             };
             let following = || self.shared.elections.coordinator() == Some((term, rank));
             let request = proto::JoinRequest { term: self.shared.elections.vote().term, ..request.clone() };
-            let mut client = match self.reach(dial, interval * 5).await {
+            let mut client = match self.reach((term, rank, dial), interval * 5).await {
                 Some(Ok(c)) => c,
                 Some(Err(e)) => {
                     last = e.to_string();
@@ -433,21 +434,27 @@ impl ControlPlane {
                 Some(Err(status)) => match from_status(&status, Call::Join { phase: wait.phase }) {
                     Some(e) => return Err(e),
                     None => {
-                        // The chief went away while we waited; wait for it to come back.
+                        // The chief went away while we waited (or is not seated yet): wait for it to
+                        // come back, or for another to be followed.
                         last = status.message().to_string();
-                        tokio::time::sleep(interval).await;
+                        self.shared.elections.moved_since(seen, interval).await;
                     }
                 },
             }
         }
     }
 
-    /// A client of the coordinator `dial` reaches within `wait`; `None` when another coordinator
-    /// is followed first (a connection that hangs, to one that died or froze, is given up on).
-    async fn reach(&self, dial: &Dial, wait: Duration) -> Option<Result<ControlClient<Channel>, DialError>> {
+    /// A client of the coordinator of `term` (`rank`, reached by `dial`) within `wait`; `None`
+    /// when another coordinator is followed first (a connection that hangs, to one that died or
+    /// froze, is given up on).
+    async fn reach(
+        &self,
+        (term, rank, dial): (u64, usize, &Dial),
+        wait: Duration,
+    ) -> Option<Result<ControlClient<Channel>, DialError>> {
         tokio::select! {
             c = dial.connect(Instant::now() + wait) => Some(c),
-            () = self.shared.elections.moved() => None,
+            () = self.shared.elections.moved_from(Some((term, rank))) => None,
         }
     }
 
