@@ -111,7 +111,8 @@ impl Elector {
         let enough = move |answers: &[(usize, Result<tonic::Response<proto::WhoReply>, tonic::Status>)]| {
             caught_up(own + answers.iter().filter(|(_, a)| a.is_ok()).count(), world)
         };
-        let answers = self.ask(|mut client| async move { client.who(proto::Empty {}).await }, enough).await;
+        let quick = self.timeouts.heartbeat_deadline / 5;
+        let answers = self.ask(|mut client| async move { client.who(proto::Empty {}).await }, (enough, quick)).await;
         let elections = &self.shared.elections;
         let mut best: Option<(u64, usize)> = None;
         let (mut heard, mut highest) = (0, 0);
@@ -208,7 +209,10 @@ impl Elector {
         let enough = move |answers: &[(usize, Result<tonic::Response<proto::VoteReply>, tonic::Status>)]| {
             won(1 + answers.iter().filter(|(_, a)| a.as_ref().is_ok_and(|r| r.get_ref().granted)).count(), world)
         };
-        let answers = self.ask(move |mut client| async move { client.vote(request).await }, enough).await;
+        // A pre-vote changes nothing and answers at once: a peer that does not answer within a
+        // fifth of a heartbeat deadline (frozen) is not waited for; a vote is kept on disk first.
+        let wait = if pre { self.timeouts.heartbeat_deadline / 5 } else { self.timeouts.heartbeat_deadline };
+        let answers = self.ask(move |mut client| async move { client.vote(request).await }, (enough, wait)).await;
         let mut voters = vec![self.rank];
         let mut refusals = Vec::new();
         for (rank, reply) in answers {
@@ -226,19 +230,18 @@ impl Elector {
         (voters, refusals)
     }
 
-    /// Calls every peer at once, each bounded by the heartbeat deadline, until every one answered
+    /// Calls every peer at once, each bounded by `deadline`, until every one answered
     /// or the answers so far are `enough`; the answers, by rank.
     async fn ask<F, Fut, T>(
         &self,
         call: F,
-        enough: impl Fn(&[(usize, Result<T, tonic::Status>)]) -> bool,
+        (enough, deadline): (impl Fn(&[(usize, Result<T, tonic::Status>)]) -> bool, Duration),
     ) -> Vec<(usize, Result<T, tonic::Status>)>
     where
         F: Fn(ControlClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<T, tonic::Status>> + Send + 'static,
         T: Send + 'static,
     {
-        let deadline = self.timeouts.heartbeat_deadline;
         let mut calls = JoinSet::new();
         for (rank, client) in self.peers.iter().enumerate() {
             let Some(client) = client.clone() else { continue };
