@@ -12,6 +12,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::super::control::{proto, ControlClient};
 use crate::auth::{self, ClusterKey, Plane};
+use crate::cluster::election::Elections;
 use crate::cluster::error::{DialError, ResolveError};
 
 /// Pushes an abort notice for `generation` to every peer (fire and forget, bounded).
@@ -128,6 +129,21 @@ impl Dial {
     pub(super) fn lazy(&self) -> Option<ControlClient<Channel>> {
         let endpoint = self.endpoint().ok()?;
         Some(ControlClient::new(endpoint.connect_with_connector_lazy(self.connector())))
+    }
+
+    /// A client, retrying until `until` ([`Dial::connect`]); `None` once `elections` follows
+    /// another coordinator than the one of `term` (`rank`) this dials: a connection to one that
+    /// died or froze is given up on at once.
+    pub(super) async fn connect_while_followed(
+        &self,
+        until: Instant,
+        elections: &Elections,
+        (term, rank): (u64, usize),
+    ) -> Option<Result<ControlClient<Channel>, DialError>> {
+        tokio::select! {
+            c = self.connect(until) => Some(c),
+            () = elections.moved_from(Some((term, rank))) => None,
+        }
     }
 
     /// A client, retrying until `deadline` (the peer may not be up yet).

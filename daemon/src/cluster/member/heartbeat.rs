@@ -79,7 +79,8 @@ impl Beater {
     /// One link to the coordinator of `term` (`rank`): connect, open the heartbeat stream, read
     /// its notices, until the watch says it is lost or this member follows another.
     async fn link(&self, (term, rank): (u64, usize)) -> End {
-        let moved = || self.shared.elections.coordinator() != Some((term, rank));
+        let (dial, elections) = (&self.dials[rank], &self.shared.elections);
+        let moved = || elections.coordinator() != Some((term, rank));
         let deadline = self.timeouts.heartbeat_deadline;
         let mut watch = Watch::new(Instant::now());
         let mut client = None;
@@ -96,12 +97,12 @@ impl Beater {
             let until = watch.deadline(deadline).min(Instant::now() + deadline / 4);
             let seen = match watch.link {
                 // Given up on at once when another coordinator is followed (it retries until then).
-                Link::Connecting(_) => match self.reach((term, rank), until).await {
+                Link::Connecting(_) => match dial.connect_while_followed(until, elections, (term, rank)).await {
                     Some(Ok(c)) => {
                         client = Some(c);
                         Seen::Connected
                     }
-                    Some(Err(())) => Seen::Nothing,
+                    Some(Err(_)) => Seen::Nothing,
                     None => continue,
                 },
                 Link::Opening(_) => {
@@ -135,15 +136,6 @@ impl Beater {
         };
         beats.abort();
         end
-    }
-
-    /// A client of the coordinator of `term` (`rank`) by `until`; `None` when another coordinator
-    /// is followed first.
-    async fn reach(&self, (term, rank): (u64, usize), until: Instant) -> Option<Result<ControlClient<Channel>, ()>> {
-        tokio::select! {
-            c = self.dials[rank].connect(until) => Some(c.map_err(|_| ())),
-            () = self.shared.elections.moved_from(Some((term, rank))) => None,
-        }
     }
 
     /// Beats into `tx` every interval, carrying this member's generation and global step.

@@ -27,7 +27,7 @@ use super::control::{
 };
 use super::election::{vote_file, Elections};
 use super::error::BindError;
-use super::error::{from_status, Call, ClusterError, DialError};
+use super::error::{from_status, Call, ClusterError};
 use super::membership::Report;
 use super::network::Network;
 use super::tf_config::ClusterConfig;
@@ -411,7 +411,8 @@ impl ControlPlane {
             };
             let following = || self.shared.elections.coordinator() == Some((term, rank));
             let request = proto::JoinRequest { term: self.shared.elections.vote().term, ..request.clone() };
-            let mut client = match self.reach((term, rank, dial), interval * 5).await {
+            let until = Instant::now() + interval * 5;
+            let mut client = match dial.connect_while_followed(until, &self.shared.elections, (term, rank)).await {
                 Some(Ok(c)) => c,
                 Some(Err(e)) => {
                     last = e.to_string();
@@ -441,20 +442,6 @@ impl ControlPlane {
                     }
                 },
             }
-        }
-    }
-
-    /// A client of the coordinator of `term` (`rank`, reached by `dial`) within `wait`; `None`
-    /// when another coordinator is followed first (a connection that hangs, to one that died or
-    /// froze, is given up on).
-    async fn reach(
-        &self,
-        (term, rank, dial): (u64, usize, &Dial),
-        wait: Duration,
-    ) -> Option<Result<ControlClient<Channel>, DialError>> {
-        tokio::select! {
-            c = dial.connect(Instant::now() + wait) => Some(c),
-            () = self.shared.elections.moved_from(Some((term, rank))) => None,
         }
     }
 
