@@ -35,17 +35,20 @@ const LONGER: Job = Job { plugin: "linear", epochs: 2, steps: 600, workers: 3, b
 /// BatchNorm (running statistics, one copy per slot) and dropout (masks drawn per slot).
 const BN: Job = Job { plugin: "mnist-bn", epochs: 1, steps: 40, workers: 3, batch: None };
 
-/// `trainerd run` arguments of `job`, each worker's summary in `dir`; a worker missing for 3 s is
-/// replaced.
-fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
+/// `trainerd run` arguments of `job`, each worker's summary in `dir`, with the defaults a user
+/// gets.
+fn job_args(job: Job, dir: &Path) -> RunArgs {
     let run = RunArgs::new(job.plugin).epochs(job.epochs).steps(job.steps).threads(1).seed(5);
     let run = run.optimizer("adam", 0.001).summary(dir.join("summary.{rank}.json")).checkpoints(dir.join("ckpt"), 40);
-    let run = run.set("--replace-after", 3);
-    let run = match job.batch {
+    match job.batch {
         Some(batch) => run.batch(batch),
         None => run,
-    };
-    run.extend(extra)
+    }
+}
+
+/// [`job_args`] with `extra`; a worker missing for 3 s is replaced.
+fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
+    job_args(job, dir).set("--replace-after", 3).extend(extra)
 }
 
 /// The failure-free run's `params_sha256` on all of `job`'s workers (computed once per job).
@@ -497,10 +500,7 @@ const UNIT_RESTART: Duration = Duration::from_secs(2);
 /// survivors go on at once) and no `--state-dir` (each worker keeps its vote in its default
 /// state directory, here under `dir`).
 fn at_once(job: Job, dir: &Path) -> (RunArgs, Vec<(String, String)>) {
-    let run = RunArgs::new(job.plugin).epochs(job.epochs).steps(job.steps).threads(1).seed(5);
-    let run = run.optimizer("adam", 0.001).summary(dir.join("summary.{rank}.json")).checkpoints(dir.join("ckpt"), 40);
-    let run = job.batch.map_or(run.clone(), |b| run.batch(b));
-    (run, vec![("XDG_STATE_HOME".to_string(), dir.join("state").to_str().unwrap().to_string())])
+    (job_args(job, dir), vec![("XDG_STATE_HOME".to_string(), dir.join("state").to_str().unwrap().to_string())])
 }
 
 /// Whether `e` is the chief's formation without worker `victim` (2 of 3) or `victim`'s new
