@@ -5,7 +5,11 @@ TensorFlow MultiWorkerMirroredStrategy with RING (../shared/bench/tf_mwms_cnn.py
 Adam 1e-3, per-worker batch 64 (global 128), one thread per worker process, alternating runs;
 prints medians and ratios. TensorFlow runs from its own virtualenv (TF_VENV).
 
-Usage: bench/multi_worker.sh [--model cnn|big] [--runs N] [--steps N]
+Usage: bench/multi_worker.sh [--model cnn|big] [--runs N] [--steps N] [--no-peers]
+The same session also runs trainerd without the replicas' comparison (`--replica-check-every 0`:
+only the epoch's end and the run's end are compared) beside its default (every 100 steps), and
+prints what the comparison costs: its share of the step time, measured both ways.
+--no-peers leaves the peers out (trainerd's own figures only).
 --model cnn (default) is the tutorials' CNN (mnist-cnn, 0.35 M parameters); --model big is seed 000's
 CNN (mnist-cnn-big; the peers' CNN=big; 2.77 M parameters), where communication dominates.
 trainerd's figure covers every step of its run, warm-up included; the peers exclude 20 warm-up
@@ -28,14 +32,17 @@ def rate(out):
 
 PLUGINS = {"cnn": "libmnist_cnn.so", "big": "libmnist_cnn_big.so"}
 
-def trainerd(steps, model):
+def trainerd(steps, model, extra=()):
+    """Examples/s of a 2-worker run, and the share of its training time the replica checks took."""
     with tempfile.TemporaryDirectory() as d:
         summary = os.path.join(d, "s.json")
         subprocess.run([os.path.join(ROOT, "target/release/trainerd"), "local", "--workers", "2",
                         "--plugin", os.path.join(ROOT, "target/release", PLUGINS[model]), "--data", DATA,
                         "--epochs", "1", "--batch-size", "64", "--threads", "1", "--steps-per-epoch", str(steps),
-                        "--summary", summary], check=True, capture_output=True, text=True)
-        return json.load(open(os.path.join(d, "s.worker0.json")))["examples_per_second"]
+                        "--summary", summary, *extra], check=True, capture_output=True, text=True)
+        s = json.load(open(os.path.join(d, "s.worker0.json")))
+        integrity = s["integrity"]
+        return s["examples_per_second"], integrity["seconds"] / s["train_seconds"], integrity["checks"]
 
 def peer_env(model):
     env = {**os.environ, "DATA": DATA}
@@ -68,19 +75,35 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--model", choices=sorted(PLUGINS), default="cnn")
+    ap.add_argument("--no-peers", action="store_true")
     a = ap.parse_args()
-    results = {"trainerd": [], "pytorch-ddp": [], "tf-mwms": []}
+    results = {"trainerd": [], "trainerd-unchecked": []}
+    if not a.no_peers:
+        results.update({"pytorch-ddp": [], "tf-mwms": []})
+    shares, checks = [], []
     for r in range(a.runs):
-        results["pytorch-ddp"].append(ddp(a.steps, a.model))
-        results["tf-mwms"].append(mwms(a.steps, a.model))
-        results["trainerd"].append(trainerd(a.steps + 20, a.model))
+        if not a.no_peers:
+            results["pytorch-ddp"].append(ddp(a.steps, a.model))
+            results["tf-mwms"].append(mwms(a.steps, a.model))
+        rate, share, n = trainerd(a.steps + 20, a.model)
+        results["trainerd"].append(rate)
+        shares.append(share)
+        checks.append(n)
+        results["trainerd-unchecked"].append(trainerd(a.steps + 20, a.model, ("--replica-check-every", "0"))[0])
         print(f"run {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()) + " examples/s", flush=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     name = {"cnn": "mnist-cnn (0.35 M parameters)", "big": "mnist-cnn-big (2.77 M parameters)"}[a.model]
-    print(f"2-worker {name}, global batch 128, 1 thread per worker, median of {a.runs}: "
-          f"trainerd {med['trainerd']:,.0f} examples/s, PyTorch DDP {med['pytorch-ddp']:,.0f} "
-          f"({med['trainerd'] / med['pytorch-ddp']:.2f}x), TF MWMS {med['tf-mwms']:,.0f} "
-          f"({med['trainerd'] / med['tf-mwms']:.2f}x)")
+    line = (f"2-worker {name}, global batch 128, 1 thread per worker, median of {a.runs}: "
+            f"trainerd {med['trainerd']:,.0f} examples/s")
+    if not a.no_peers:
+        line += (f", PyTorch DDP {med['pytorch-ddp']:,.0f} ({med['trainerd'] / med['pytorch-ddp']:.2f}x), "
+                 f"TF MWMS {med['tf-mwms']:,.0f} ({med['trainerd'] / med['tf-mwms']:.2f}x)")
+    print(line)
+    print(f"replica check (default: every 100 steps, {statistics.median(checks):.0f} checks in "
+          f"{a.steps + 20} steps): {med['trainerd']:,.0f} examples/s with it, "
+          f"{med['trainerd-unchecked']:,.0f} without (--replica-check-every 0), "
+          f"{(1 - med['trainerd'] / med['trainerd-unchecked']) * 100:+.1f}% ; the checks' own time: "
+          f"{statistics.median(shares) * 100:.3f}% of the training time (median)")
 
 if __name__ == "__main__":
     main()

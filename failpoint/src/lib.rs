@@ -1,8 +1,10 @@
 //! Failpoints for chaos tests: named places in the code where a test can stop the process, to
-//! kill it exactly there (in the middle of a commit, in the middle of an all-reduce).
-//! `TRAINERD_FAILPOINT=NAME@N` makes the process pause for good the N-th time it reaches NAME
-//! (counting from 1), after printing `trainerd: failpoint NAME reached` to standard error. Unset,
-//! as in production, a point costs one check of an initialised value.
+//! kill it exactly there (in the middle of a commit, in the middle of an all-reduce), or make it
+//! do a fault on purpose (flip a bit of its state, as faulty memory would).
+//! `TRAINERD_FAILPOINT=NAME@N` arms the N-th time the process reaches NAME (counting from 1): a
+//! [`point`] pauses there for good, a [`hit`] says so to its caller; both print
+//! `trainerd: failpoint NAME reached` to standard error. Unset, as in production, a point costs
+//! one check of an initialised value.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -20,14 +22,22 @@ fn parse(value: &str) -> Option<(String, u64)> {
     Some((name.to_string(), n.parse().ok().filter(|&n| n > 0)?))
 }
 
-/// Marks the failpoint `name`: pauses here for good if it is armed and this is its N-th visit.
-pub fn point(name: &str) {
+/// Whether the failpoint `name` is armed and this is its N-th visit (said on standard error).
+pub fn hit(name: &str) -> bool {
     let armed = ARMED.get_or_init(|| std::env::var(VARIABLE).ok().as_deref().and_then(parse));
-    let Some((wanted, n)) = armed else { return };
+    let Some((wanted, n)) = armed else { return false };
     if wanted != name || REACHED.fetch_add(1, Ordering::SeqCst) + 1 != *n {
-        return;
+        return false;
     }
     eprintln!("trainerd: failpoint {name} reached");
+    true
+}
+
+/// Marks the failpoint `name`: pauses here for good if it is armed and this is its N-th visit.
+pub fn point(name: &str) {
+    if !hit(name) {
+        return;
+    }
     loop {
         std::thread::sleep(Duration::from_secs(3600));
     }

@@ -235,6 +235,7 @@ fn run_config(
         metrics_log: args.metrics_log.clone(),
         tensorboard_dir: args.tensorboard_dir.clone(),
         tensorboard_every: args.tensorboard_every,
+        replica_check_every: args.replica_check_every,
         checkpoint,
     })
 }

@@ -360,12 +360,19 @@ fn form(state: &State, members: Vec<usize>) -> Formation {
     let report = |r: usize| state.members[r].joined.as_ref().expect("every member joined");
     let seen = members.iter().map(|&r| report(r).generation).max().unwrap_or(0);
     let generation = state.generation.max(state.floor).max(seen) + 1;
-    // The furthest state that exists; on a tie the lowest rank (the chief first).
+    // The furthest state that exists; where members hold different states that far, the one
+    // most of them hold (a replica corrupted in silence is outvoted); on a tie the lowest rank
+    // (the chief first).
+    let same = |a: &Report, b: &Report| (a.progress, &a.digest) == (b.progress, &b.digest);
+    let holders = |r: usize| members.iter().filter(|&&o| same(report(o), report(r))).count();
     let source = members
         .iter()
         .copied()
         .filter(|&r| report(r).has_state())
-        .max_by(|&a, &b| report(a).progress.cmp(&report(b).progress).then(b.cmp(&a)))
+        .max_by(|&a, &b| {
+            let key = |r: usize| (report(r).progress, holders(r));
+            key(a).cmp(&key(b)).then(b.cmp(&a))
+        })
         .unwrap_or(members[0]);
     let chosen = report(source);
     let receivers = members
@@ -531,6 +538,15 @@ mod tests {
                 steps_lost: 0,
             }))
         );
+    }
+
+    #[test]
+    fn among_different_states_as_far_the_one_most_members_hold_is_the_source() {
+        let t0 = Instant::now();
+        // The chief's state differs from the two others' at the same step (corrupted in silence).
+        let s = gathering(t0, [Some(report(4, 7, "bad")), Some(report(3, 7, "x")), Some(report(4, 7, "x"))]);
+        let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
+        assert_eq!((f.source, f.digest.as_str(), f.receivers), (1, "x", vec![0]));
     }
 
     #[test]

@@ -51,6 +51,8 @@ struct Series {
     generation: Gauge,
     slots_held: Gauge,
     peers_up: Gauge,
+    replica_checks: Counter,
+    replica_mismatches: Family<Labels, Counter>,
 }
 
 impl Series {
@@ -77,6 +79,8 @@ impl Series {
             generation: Gauge::default(),
             slots_held: Gauge::default(),
             peers_up: Gauge::default(),
+            replica_checks: Counter::default(),
+            replica_mismatches: Family::default(),
         }
     }
 
@@ -86,7 +90,18 @@ impl Series {
         s.register_training(registry);
         s.register_traffic_and_commits(registry);
         s.register_recovery(registry);
+        s.register_integrity(registry);
         s
+    }
+
+    /// The replicas' comparisons.
+    fn register_integrity(&self, r: &mut Registry) {
+        r.register("trainerd_replica_checks", "Comparisons of every member's state", self.replica_checks.clone());
+        r.register(
+            "trainerd_replica_mismatches",
+            "Comparisons in which this member's state differed from the agreed one, by member",
+            self.replica_mismatches.clone(),
+        );
     }
 
     /// Steps, examples, epoch, loss and metrics, learning rate.
@@ -318,6 +333,16 @@ impl Telemetry {
         self.series.peers_up.set(0);
         self.status().peers = 0;
         self.waiting(&format!("re-forming: {why}"), bound);
+    }
+
+    /// The members compared their states.
+    pub(crate) fn replica_checked(&self) {
+        self.series.replica_checks.inc();
+    }
+
+    /// `member`'s state differed from the agreed one.
+    pub(crate) fn replica_mismatch(&self, member: &str) {
+        self.series.replica_mismatches.get_or_create(&vec![("member", member.to_string())]).inc();
     }
 
     /// A recovery finished: its first step is done.

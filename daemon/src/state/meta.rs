@@ -160,8 +160,13 @@ pub(crate) const ACCUMULATE_KEY: &str = "accumulate";
 /// (`identity`, compared by evaluation too) and its agreed arguments (`args`).
 pub(crate) const PLUGIN_KEY: &str = "plugin";
 
-/// What a resume does not compare: how the slots are spread (the slot count is compared).
-const SPREAD: [&str; 2] = [REPLICAS_KEY, ACCUMULATE_KEY];
+/// The run configuration's key for when the members compare their states
+/// (`--replica-check-every`): it does not change the math, so a resume does not compare it.
+pub(crate) const REPLICA_CHECK_KEY: &str = "replica_check";
+
+/// What a resume does not compare: how the slots are spread (the slot count is compared), and
+/// when the replicas are compared.
+const SPREAD: [&str; 3] = [REPLICAS_KEY, ACCUMULATE_KEY, REPLICA_CHECK_KEY];
 
 /// Who reads a checkpoint, which decides what must match and how a mismatch is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -235,7 +240,7 @@ impl Meta {
             // The data order does not depend on the worker count: another count with the same
             // global batch continues with the same global batches.
             self.same_global_batch(sequence, workers, &ours)?;
-            let keys = [REPLICAS_KEY, ACCUMULATE_KEY, "batch_size"];
+            let keys = [REPLICAS_KEY, ACCUMULATE_KEY, REPLICA_CHECK_KEY, "batch_size"];
             (without(&self.run_config, &keys), without(&ours, &keys))
         };
         if theirs != ours {

@@ -11,7 +11,7 @@ use serde_json::json;
 use super::evaluate::EvalConfig;
 use super::predict::PredictConfig;
 use super::RunConfig;
-use crate::state::{ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY};
+use crate::state::{ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY};
 
 /// A job whose workers must agree.
 #[derive(Clone, Copy, Debug)]
@@ -95,6 +95,10 @@ fn training(c: &RunConfig, agreement: &mut serde_json::Value) {
     if !c.evaluate {
         agreement["evaluate"] = false.into();
     }
+    // So is the replicas' comparison, which falls on these steps (not compared on resume: it
+    // does not change the math).
+    let integrity = c.integrity();
+    agreement[REPLICA_CHECK_KEY] = json!({"every": integrity.every, "commits": integrity.commits});
 }
 
 #[cfg(test)]
@@ -125,6 +129,8 @@ mod tests {
             "seed": 3,
             "steps_per_epoch": null,
             "threads": 1,
+            // Added after checkpoints existed; a resume does not compare it.
+            REPLICA_CHECK_KEY: {"every": 100, "commits": 0},
         });
         assert_eq!(a, expected);
     }

@@ -13,6 +13,7 @@ use trainerd_sdk::{InputContext, PluginInfo};
 
 use super::batches::Batches;
 use super::commit::{Committer, Moment};
+use super::integrity::{self, Integrity};
 use super::replicas::Replicas;
 use super::report::{JoinedGeneration, Reporter, StepDone};
 use super::session::{Interrupt, Joined, Session};
@@ -56,6 +57,8 @@ pub(super) struct Driver<'a> {
     evaluated: (u64, BTreeMap<u32, Vec<f64>>),
     /// This worker coordinates the current generation: it commits.
     coordinates: bool,
+    /// The replicas' comparisons.
+    integrity: Integrity,
 }
 
 impl<'a> Driver<'a> {
@@ -82,6 +85,7 @@ impl<'a> Driver<'a> {
             committer,
             evaluated: (u64::MAX, BTreeMap::new()),
             coordinates: true,
+            integrity: Integrity::new(cfg.integrity()),
         }
     }
 
@@ -106,7 +110,7 @@ impl<'a> Driver<'a> {
             };
             let ended = joined.and_then(|j| self.adopt(&mut state, &mut session, j, started)).and_then(|()| {
                 let ended = self.train(&mut state, &mut session)?;
-                self.conclude(&mut state, &session, ended)
+                self.conclude(&mut state, &mut session, ended)
             });
             match ended {
                 Ok(Some(outcome)) => return Ok(outcome),
@@ -153,11 +157,12 @@ impl<'a> Driver<'a> {
         let Joined { formed, received } = joined;
         let world = session.world();
         self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
-        if let Some(bytes) = received {
-            state.decode(&bytes).map_err(|e| Interrupt::Fatal(e.into()))?;
+        if let Some(bytes) = &received {
+            state.decode(bytes).map_err(|e| Interrupt::Fatal(e.into()))?;
         }
         tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
         state.model.live = true;
+        self.integrity.formed(state, received.is_some())?;
         self.coordinates = formed.coordinator == session.rank();
         if let Some(c) = self.committer.as_mut() {
             c.checkpointer().set_generation(formed.generation);
@@ -258,10 +263,19 @@ impl<'a> Driver<'a> {
             false => None,
         };
         let optimizer = stepped.elapsed();
+        // Chaos tests corrupt a replica here, as faulty memory would.
+        if trainerd_failpoint::hit("flip-bit") {
+            let flipped = integrity::flip_bit(state).unwrap_or_else(|| "no parameter to flip".into());
+            self.report.line(&format!("trainerd: failpoint flip-bit: {flipped}"));
+        }
         state.model.position.stepped(&result.totals);
         let took = began.elapsed();
         session.set_step(state.position().global_step);
         let steps_per_epoch = self.steps_per_epoch;
+        // Compared before the step is told and committed: a step undone is told when redone.
+        if integrity::due(self.integrity.schedule(), state.position(), steps_per_epoch) {
+            self.check(state, session)?;
+        }
         let (position, totals) = (state.position(), &result.totals);
         let ids: Option<Vec<(u32, u64)>> =
             batches.iter().map(|b| b.ids.clone()).collect::<Option<Vec<Vec<_>>>>().map(|v| v.concat());
@@ -354,6 +368,7 @@ impl<'a> Driver<'a> {
 
     /// The epoch's evaluation, its last line, and its commit.
     fn end_epoch(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
+        self.check(state, session)?;
         let epoch = state.position().epoch;
         let at = (epoch, state.position().global_step);
         let eval = if self.cfg.evaluate { Some(self.evaluate(at, session)?) } else { None };
@@ -383,6 +398,14 @@ impl<'a> Driver<'a> {
         }
     }
 
+    /// The members compare their states (with another member to compare with).
+    fn check(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
+        if session.collective().world() < 2 {
+            return Ok(());
+        }
+        self.integrity.check(state, session, &mut self.report, self.coordinates)
+    }
+
     /// Asks the coordinator's committer at `moment`; the sequence of a last commit waited for.
     fn commit(&mut self, moment: Moment, state: &TrainState) -> Result<Option<u64>, TrainError> {
         match self.committer.as_mut().filter(|_| self.coordinates) {
@@ -397,11 +420,12 @@ impl<'a> Driver<'a> {
     fn conclude(
         &mut self,
         state: &mut TrainState,
-        session: &Session,
+        session: &mut Session,
         ended: Ended,
     ) -> Result<Option<Outcome>, Interrupt> {
         match ended {
             Ended::Finished => {
+                self.check(state, session)?;
                 // The last commit completes before anyone leaves: a chief lost during it is
                 // recovered from a member that still holds the final state.
                 self.commit(Moment::Finish, state)?;
@@ -482,6 +506,7 @@ impl<'a> Driver<'a> {
             step_phases,
             params_sha256: state.model.params_sha256(),
             fault_tolerance,
+            integrity: self.integrity.figures(),
             checkpoint_error,
             data: cfg.data.figures(),
             peak_rss_bytes: super::summary::peak_rss_bytes(),

@@ -27,6 +27,7 @@ pub(crate) mod batches;
 pub(crate) mod commit;
 pub(crate) mod driver;
 pub(crate) mod evaluate;
+pub(crate) mod integrity;
 pub(crate) mod predict;
 pub(crate) mod replicas;
 pub(crate) mod report;
@@ -118,6 +119,9 @@ pub(crate) struct RunConfig {
     pub(crate) log_examples: Option<PathBuf>,
     /// Where this worker keeps its vote for electing a coordinator (none: it takes no part).
     pub(crate) state_dir: Option<PathBuf>,
+    /// Compare the members' states every this many global steps, as well as before commits (0:
+    /// before commits only).
+    pub(crate) replica_check_every: u64,
 }
 
 #[cfg(test)]
@@ -153,6 +157,17 @@ impl RunConfig {
             tensorboard_every: 0,
             log_examples: None,
             state_dir: None,
+            replica_check_every: integrity::DEFAULT_EVERY,
+        }
+    }
+}
+
+impl RunConfig {
+    /// When the members compare their states.
+    pub(crate) fn integrity(&self) -> integrity::Schedule {
+        integrity::Schedule {
+            every: self.replica_check_every,
+            commits: self.checkpoint.as_ref().map_or(0, |c| c.every),
         }
     }
 }

@@ -248,6 +248,19 @@ impl<'p> Reporter<'p> {
         self.progress.line(text);
     }
 
+    /// The members compared their states.
+    pub(crate) fn replica_checked(&self) {
+        self.telemetry.replica_checked();
+    }
+
+    /// Their states differed: `line` tells it, `members` differed.
+    pub(crate) fn replica_mismatch(&mut self, line: &str, members: &[String]) {
+        for m in members {
+            self.telemetry.replica_mismatch(m);
+        }
+        self.line(line);
+    }
+
     /// A wait the daemon bounds itself (systemd and `/healthz` see it alive until `bound`).
     pub(crate) fn waiting(&self, what: &str, bound: Duration) {
         self.telemetry.waiting(what, bound);

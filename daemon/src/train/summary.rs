@@ -106,6 +106,8 @@ pub(crate) struct Summary {
     pub(crate) params_sha256: String,
     /// Failures and recoveries.
     pub(crate) fault_tolerance: Recovery,
+    /// The replicas' comparisons, and every mismatch found (docs/fault-tolerance.md).
+    pub(crate) integrity: super::integrity::Figures,
     /// Why the last checkpoint commit failed, if it did (the run's result is then not durable).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) checkpoint_error: Option<String>,

@@ -308,6 +308,12 @@ pub(crate) struct RunArgs {
     /// Take no part in electing a coordinator: a lost chief is waited for until it comes back.
     #[arg(long, conflicts_with = "state_dir")]
     pub(crate) no_failover: bool,
+    /// Compare every member's state (an xxh3 digest of its parameters, buffers and optimizer
+    /// state) every N global steps, as well as before each commit (0: before commits only). A
+    /// member that differs (silent corruption) is named, and every member goes back to the last
+    /// state they agreed on (docs/fault-tolerance.md).
+    #[arg(long, default_value_t = crate::train::integrity::DEFAULT_EVERY)]
+    pub(crate) replica_check_every: u64,
     /// Commit checkpoints here (a directory, file:///path, s3://bucket/prefix) and resume from
     /// the newest one at start.
     #[arg(long)]

@@ -1,0 +1,81 @@
+//! Silent corruption: one replica's parameters drift (a bit flipped through the `flip-bit`
+//! failpoint, as faulty memory would). The members' comparison names it, every member goes back
+//! to the last state they agreed on, and the run ends bit for bit the failure-free one, whether
+//! the member that drifts is a worker or the coordinator.
+//!
+//! CI budget: three 3-worker runs of the linear plugin, about 20 s on 2 cores.
+
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use trainerd_testkit::{Cluster, RunArgs};
+
+const DEADLINE: Duration = Duration::from_secs(240);
+const RESTART_SEC: Duration = Duration::from_millis(200);
+const WORKERS: usize = 3;
+
+/// 2 epochs of 120 steps, checkpoints every 40 steps, the replicas compared every 25.
+fn args(dir: &Path) -> RunArgs {
+    let run = RunArgs::new("linear").epochs(2).steps(120).threads(1).seed(5).optimizer("adam", 0.001);
+    run.summary(dir.join("summary.{rank}.json")).checkpoints(dir.join("ckpt"), 40).set("--replica-check-every", 25)
+}
+
+fn summary(dir: &Path, rank: usize) -> serde_json::Value {
+    let path = dir.join(format!("summary.{rank}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+/// The run, with `flip` (a worker and the step of its process after which a bit of its
+/// parameters flips); each worker's summary.
+fn run(flip: Option<(usize, u32)>) -> (Vec<serde_json::Value>, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut first_env = vec![vec![]; WORKERS];
+    if let Some((victim, step)) = flip {
+        first_env[victim] = vec![("TRAINERD_FAILPOINT".to_string(), format!("flip-bit@{step}"))];
+    }
+    let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], first_env, RESTART_SEC);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    ((0..WORKERS).map(|r| summary(tmp.path(), r)).collect(), c.transcript())
+}
+
+/// A bit of `victim`'s parameters flipped after its 30th step: the check at step 40 (a commit's)
+/// names it on every worker, before anything is committed, and the run ends with the failure-free
+/// run's parameters on every worker.
+fn drifts(victim: usize) {
+    static REFERENCE: OnceLock<String> = OnceLock::new();
+    let expected = REFERENCE.get_or_init(|| {
+        let (reference, _) = run(None);
+        assert!(reference.iter().all(|s| s["integrity"]["mismatches"] == serde_json::json!([])));
+        reference[0]["params_sha256"].as_str().unwrap().to_string()
+    });
+    let (summaries, transcript) = run(Some((victim, 30)));
+    // Names are TF_CONFIG's: "worker 2 (127.0.0.1:PORT)".
+    let name = format!("worker {victim} (");
+    let said = format!("trainerd: replica check at step 40: the state of {name}");
+    for (rank, s) in summaries.iter().enumerate() {
+        assert_eq!(s["params_sha256"], expected.as_str(), "worker {rank}\n{transcript}");
+        let mismatches = s["integrity"]["mismatches"].as_array().unwrap();
+        assert_eq!(mismatches.len(), 1, "worker {rank}: {mismatches:?}");
+        assert_eq!(mismatches[0]["step"], 40);
+        let members = mismatches[0]["members"].as_array().unwrap();
+        assert!(members.len() == 1 && members[0].as_str().unwrap().starts_with(&name), "{members:?}");
+        // The others go back to the check at step 25; the one that drifted takes their state.
+        let back_to = if rank == victim { serde_json::Value::Null } else { 25.into() };
+        assert_eq!(mismatches[0]["back_to"], back_to, "worker {rank}");
+        assert!(s["integrity"]["checks"].as_u64().unwrap() >= 10, "{s}");
+    }
+    let lines =
+        transcript.lines().filter(|l| l.contains(&said) && l.contains(") differs from that of worker ")).count();
+    assert_eq!(lines, WORKERS, "every worker names {name}:\n{transcript}");
+}
+
+#[test]
+fn a_worker_whose_parameters_drift_is_named_and_the_run_ends_bitwise_the_failure_free_one() {
+    drifts(2);
+}
+
+#[test]
+fn a_coordinator_whose_parameters_drift_is_outvoted_and_takes_the_majoritys_state() {
+    drifts(0);
+}
