@@ -1,8 +1,9 @@
 //! Generates the control plane's gRPC code (with a vendored protoc, so no system package is
-//! needed), compiles the autocast shim (`csrc/autocast.cpp`) against the libtorch that torch-sys
+//! needed), compiles the autocast and CPU-capability shims (`csrc/`) against the libtorch that torch-sys
 //! links, and gives the daemon and its tests an rpath to that libtorch.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=csrc/autocast.cpp");
+    println!("cargo:rerun-if-changed=csrc/cpu.cpp");
     println!("cargo:rerun-if-changed=../sdk/csrc/trainerd_shim.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib = std::path::PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB")?);
@@ -23,6 +24,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into())
         ))
         .file("csrc/autocast.cpp")
+        .file("csrc/cpu.cpp")
         .compile("trainerd_autocast");
     // SAFETY: a build script is single-threaded, so nothing reads the environment concurrently;
     // prost-build reads PROTOC.

@@ -324,6 +324,18 @@ fn bad_flags_are_refused_with_the_flag_named() {
     assert!(stderr(&out).contains("\"lots\": expected a size such as 512M or 10G"), "{}", text(&out));
 }
 
+/// libtorch's kernel variable is checked before libtorch reads it: a value it does not know is
+/// refused, naming what it expects (kernels the CPU lacks would die of an illegal instruction,
+/// and are refused the same way, naming the missing features).
+#[test]
+fn an_unknown_cpu_kernel_set_is_refused_naming_what_is_expected() {
+    let data = tempfile::tempdir().unwrap();
+    tiny_dataset(data.path(), 64, 16);
+    let mut cmd = RunArgs::with_plugin(plugin("linear")).data(data.path()).threads(1).command("run");
+    let out = cmd.env("ATEN_CPU_CAPABILITY", "avx9").output().unwrap();
+    assert_eq!(error_of(&out), "error: ATEN_CPU_CAPABILITY=avx9: expected default, avx2 or avx512");
+}
+
 /// A timeout given alone never contradicts a default: the ones not given follow from it (the
 /// refusal "--data-timeout 60s must be less than --collective-timeout 10s" of a user who set only
 /// the collective timeout is gone).

@@ -33,7 +33,9 @@ pub(crate) fn run(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat) -> an
         Some(path) => Events::open(path).with_context(|| format!("--events {}", path.display()))?,
         None => Events::none(),
     };
-    let result = train(args, cuda, log_format, &events);
+    // Before libtorch reads it: kernels this CPU cannot run would die of an illegal instruction.
+    let checked = crate::sys::cpu::check_variable().map_err(anyhow::Error::from);
+    let result = checked.and_then(|()| train(args, cuda, log_format, &events));
     let status = result.as_ref().map_or_else(super::status_of, |&code| code);
     events.emit(Event::Exiting { status });
     result
@@ -78,6 +80,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     let telemetry = Arc::new(Telemetry::new(stall, epochs, workers));
     let data = data_source(&args, &plugin, timeouts.data, &telemetry)?;
     let mut cfg = run_config(&args, &plugin, (cluster, network, data), (timeouts, devices, threads))?;
+    cfg.gpus = gpus(&cfg.devices, &facts);
     cfg.collective = collective;
     let mut progress = Progress::stdout(log_format);
     if cfg.cluster.as_ref().is_some_and(|c| c.rank != 0) {
@@ -236,8 +239,15 @@ fn run_config(
         tensorboard_dir: args.tensorboard_dir.clone(),
         tensorboard_every: args.tensorboard_every,
         replica_check_every: args.replica_check_every,
+        gpus: Vec::new(),
         checkpoint,
     })
+}
+
+/// The GPU model of each CUDA device in `devices` (none on the CPU).
+fn gpus(devices: &[tch::Device], facts: &Facts) -> Vec<String> {
+    let name = |i: usize| facts.gpus.get(i).cloned().unwrap_or_else(|| format!("cuda:{i}"));
+    devices.iter().filter_map(|d| if let tch::Device::Cuda(i) = d { Some(name(*i)) } else { None }).collect()
 }
 
 /// The run's first lines: what trains where, which libtorch, and (in a cluster) what carries the
@@ -270,6 +280,10 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_n
         cfg.seed
     ));
     progress.line(&format!("trainerd: {}", facts.line()));
+    match crate::sys::cpu::resolved() {
+        Ok(resolved) => progress.line(&format!("trainerd: {}", crate::sys::cpu::describe(resolved))),
+        Err(e) => progress.line(&format!("warning: {e}")),
+    }
     match cfg.precision {
         crate::optim::precision::Precision::Fp32 => {}
         crate::optim::precision::Precision::Bf16 => progress.line(

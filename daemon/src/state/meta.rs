@@ -164,6 +164,11 @@ pub(crate) const PLUGIN_KEY: &str = "plugin";
 /// (`--replica-check-every`): it does not change the math, so a resume does not compare it.
 pub(crate) const REPLICA_CHECK_KEY: &str = "replica_check";
 
+/// The run configuration's key for the GPU model of each device (CUDA runs): a resume on
+/// another model is refused, naming both, since its kernels round differently. Commits made
+/// before the key existed do not have it, and are not compared on it.
+pub(crate) const GPU_KEY: &str = "gpus";
+
 /// What a resume does not compare: how the slots are spread (the slot count is compared), and
 /// when the replicas are compared.
 const SPREAD: [&str; 3] = [REPLICAS_KEY, ACCUMULATE_KEY, REPLICA_CHECK_KEY];
@@ -233,7 +238,10 @@ impl Meta {
             return Err(Mismatch::Model { sequence, plugin: info.name.clone(), differences });
         }
         let Reader::Training { workers, run_config } = reader else { return Ok(()) };
-        let ours: serde_json::Value = serde_json::from_str(run_config).expect("canonical JSON of our own");
+        let mut ours: serde_json::Value = serde_json::from_str(run_config).expect("canonical JSON of our own");
+        if self.run_config.get(GPU_KEY).is_none() {
+            ours = without(&ours, &[GPU_KEY]);
+        }
         let (theirs, ours) = if self.workers == workers {
             (without(&self.run_config, &SPREAD), without(&ours, &SPREAD))
         } else {

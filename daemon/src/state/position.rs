@@ -38,6 +38,10 @@ pub(crate) struct Position {
     /// Float16's loss scaling (absent unless `--precision fp16`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) loss_scale: Option<LossScale>,
+    /// The CPU kernels the run computes with (libtorch's name: DEFAULT, AVX2, AVX512), pinned at
+    /// its first formation (absent before, and in commits of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) cpu_capability: Option<String>,
 }
 
 impl Position {
@@ -52,6 +56,7 @@ impl Position {
             last_eval: None,
             callbacks: CallbackState::default(),
             loss_scale: None,
+            cpu_capability: None,
         }
     }
 

@@ -11,7 +11,7 @@ use serde_json::json;
 use super::evaluate::EvalConfig;
 use super::predict::PredictConfig;
 use super::RunConfig;
-use crate::state::{ACCUMULATE_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY};
+use crate::state::{ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY};
 
 /// A job whose workers must agree.
 #[derive(Clone, Copy, Debug)]
@@ -94,6 +94,10 @@ fn training(c: &RunConfig, agreement: &mut serde_json::Value) {
     // An evaluation is a collective: every worker takes it or none does.
     if !c.evaluate {
         agreement["evaluate"] = false.into();
+    }
+    // On CUDA the bits are the GPU model's (cuBLAS and cuDNN pick kernels by its architecture).
+    if !c.gpus.is_empty() {
+        agreement[GPU_KEY] = json!(c.gpus);
     }
     // So is the replicas' comparison, which falls on these steps (not compared on resume: it
     // does not change the math).

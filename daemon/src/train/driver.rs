@@ -14,6 +14,7 @@ use trainerd_sdk::{InputContext, PluginInfo};
 use super::batches::Batches;
 use super::commit::{Committer, Moment};
 use super::integrity::{self, Integrity};
+use super::kernels;
 use super::replicas::Replicas;
 use super::report::{JoinedGeneration, Reporter, StepDone};
 use super::session::{Interrupt, Joined, Session};
@@ -162,15 +163,13 @@ impl<'a> Driver<'a> {
         }
         tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
         state.model.live = true;
-        self.integrity.formed(state, received.is_some())?;
         self.coordinates = formed.coordinator == session.rank();
         if let Some(c) = self.committer.as_mut() {
             c.checkpointer().set_generation(formed.generation);
         }
         self.batches.keep(&session.collective().slots().held);
-        if session.collective().world() > 1 {
-            self.agree_on_steps(session)?;
-        }
+        self.agree(state, session)?;
+        self.integrity.formed(state, received.is_some())?;
         let source_name = session.name(formed.source);
         let generation = JoinedGeneration {
             generation: formed.generation,
@@ -187,25 +186,37 @@ impl<'a> Driver<'a> {
         Ok(())
     }
 
-    /// Every member's steps per epoch, exchanged once per generation before any step: members
-    /// whose input pipelines yield different counts would desynchronise the collectives (one
-    /// member would evaluate while the others still train), so the run is refused, naming both
-    /// counts. Every member sees the same counts, so every member refuses.
-    fn agree_on_steps(&mut self, session: &mut Session) -> Result<(), Interrupt> {
+    /// What every member must agree on, exchanged once per generation before any step: its steps
+    /// per epoch (members whose input pipelines yield different counts would desynchronise the
+    /// collectives: the run is refused, naming both counts) and its CPU kernels (the run's are
+    /// pinned: [`kernels`]). Every member sees the same values, so every member decides alike.
+    fn agree(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
+        let mine = crate::sys::cpu::resolved().map_err(|e| Interrupt::Fatal(e.into()))?;
         let (place, present) = (session.collective().rank(), session.collective().world());
-        let mut counts = vec![0f64; present];
-        counts[place] = self.steps_per_epoch as f64;
-        session.collective().all_reduce_workers(&mut counts, ReduceOp::Sum).map_err(|e| session.interrupt(e.into()))?;
-        match counts.iter().position(|&c| c != counts[0]) {
-            None => Ok(()),
-            Some(other) => Err(Interrupt::Fatal(TrainError::StepsDiffer {
+        let mut values = vec![0f64; 2 * present];
+        values[2 * place] = self.steps_per_epoch as f64;
+        values[2 * place + 1] = f64::from(mine.map_or(0, |c| c.code()));
+        if present > 1 {
+            let reduced = session.collective().all_reduce_workers(&mut values, ReduceOp::Sum);
+            reduced.map_err(|e| session.interrupt(e.into()))?;
+        }
+        let counts: Vec<f64> = values.iter().copied().step_by(2).collect();
+        if let Some(other) = counts.iter().position(|&c| c != counts[0]) {
+            return Err(Interrupt::Fatal(TrainError::StepsDiffer {
                 chief: session.name(session.members()[0]),
                 chief_steps: counts[0] as u64,
                 other: session.name(session.members()[other]),
                 other_steps: counts[other] as u64,
                 batch_size: self.cfg.batch_size,
-            })),
+            }));
         }
+        let codes: Vec<u8> = values.iter().skip(1).step_by(2).map(|&c| c as u8).collect();
+        let (Some(mine), Some(run)) =
+            (mine, kernels::run_capability(state.position().cpu_capability.as_deref(), &codes))
+        else {
+            return Ok(());
+        };
+        kernels::pin(&mut state.model.position, (run, mine), "the run", &mut self.report).map_err(Interrupt::Fatal)
     }
 
     /// Trains until every epoch is done and evaluated, or a member asks to stop.
@@ -506,6 +517,7 @@ impl<'a> Driver<'a> {
             step_phases,
             params_sha256: state.model.params_sha256(),
             fault_tolerance,
+            cpu_capability: p.cpu_capability.clone(),
             integrity: self.integrity.figures(),
             checkpoint_error,
             data: cfg.data.figures(),

@@ -28,6 +28,7 @@ pub(crate) mod commit;
 pub(crate) mod driver;
 pub(crate) mod evaluate;
 pub(crate) mod integrity;
+pub(crate) mod kernels;
 pub(crate) mod predict;
 pub(crate) mod replicas;
 pub(crate) mod report;
@@ -122,6 +123,9 @@ pub(crate) struct RunConfig {
     /// Compare the members' states every this many global steps, as well as before commits (0:
     /// before commits only).
     pub(crate) replica_check_every: u64,
+    /// On CUDA: the GPU model of each device (libtorch picks cuBLAS and cuDNN kernels by the
+    /// GPU's architecture, so the bits are the model's).
+    pub(crate) gpus: Vec<String>,
 }
 
 #[cfg(test)]
@@ -158,6 +162,7 @@ impl RunConfig {
             log_examples: None,
             state_dir: None,
             replica_check_every: integrity::DEFAULT_EVERY,
+            gpus: Vec::new(),
         }
     }
 }
@@ -233,6 +238,28 @@ pub(crate) enum TrainError {
         /// Per-worker batch size.
         batch_size: u32,
     },
+    /// The run's CPU kernels are not the ones this worker runs, and it cannot run them.
+    #[error(
+        "{whose} was trained with {} CPU kernels; this worker's are {} ({mine_why}): continuing here would \
+         change the run's bits. {hint}",
+        run.name(),
+        mine.name()
+    )]
+    CpuCapability {
+        /// Whose capability it is ("checkpoint 3 in /ckpt", "the run").
+        whose: String,
+        /// The run's.
+        run: crate::sys::cpu::Capability,
+        /// This worker's.
+        mine: crate::sys::cpu::Capability,
+        /// How this worker's was chosen.
+        mine_why: String,
+        /// What to do.
+        hint: String,
+    },
+    /// The CPU kernels could not be pinned.
+    #[error(transparent)]
+    Cpu(#[from] crate::sys::cpu::CpuError),
     /// Cluster membership failed.
     #[error(transparent)]
     Cluster(#[from] ClusterError),

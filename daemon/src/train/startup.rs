@@ -100,6 +100,8 @@ pub(super) fn restore(
     state
         .restore(&r, meta.position)
         .map_err(|source| TrainError::Restore { location: location.clone(), source: Box::new(source) })?;
+    let whose = format!("checkpoint {} in {location}", r.record.sequence);
+    super::kernels::restored(&mut state.model.position, &whose, report)?;
     report.resumed(r.record.sequence, &location, state.position());
     Ok(Some(checkpointer))
 }

@@ -104,6 +104,10 @@ pub(crate) struct Summary {
     /// sha256 over every model variable's bytes (parameters and buffers; native-endian,
     /// contiguous), in name order.
     pub(crate) params_sha256: String,
+    /// The CPU kernels the run computed with (libtorch's name; pinned for every member), when
+    /// known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) cpu_capability: Option<String>,
     /// Failures and recoveries.
     pub(crate) fault_tolerance: Recovery,
     /// The replicas' comparisons, and every mismatch found (docs/fault-tolerance.md).
