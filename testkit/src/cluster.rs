@@ -83,6 +83,8 @@ pub struct Cluster {
     /// Everything seen so far, in the order it arrived.
     pub seen: Vec<Entry>,
     poller: Option<std::thread::JoinHandle<()>>,
+    /// Environment for each worker's next start only ([`Cluster::arm`]).
+    armed: Arc<Mutex<Vec<Env>>>,
 }
 
 /// Environment variables for a process.
@@ -128,6 +130,8 @@ impl Cluster {
         place: impl Fn(usize) -> (Command, String) + Send + 'static,
     ) -> Cluster {
         let (args, env) = (args.to_vec(), env.to_vec());
+        let armed: Arc<Mutex<Vec<Env>>> = Arc::new(Mutex::new(vec![Vec::new(); workers]));
+        let next_env = Arc::clone(&armed);
         let command = move |rank: usize, start: usize| {
             let (mut cmd, tf_config) = place(rank);
             cmd.arg("run").args(args.iter().map(|a| a.replace("{rank}", &rank.to_string())));
@@ -135,6 +139,7 @@ impl Cluster {
             if start == 1 {
                 cmd.envs(first_env.get(rank).cloned().unwrap_or_default());
             }
+            cmd.envs(std::mem::take(&mut next_env.lock().unwrap()[rank]));
             cmd
         };
         let options = Options { restart_delay: restart_sec, give_up_before_join: false };
@@ -154,7 +159,18 @@ impl Cluster {
                 }
             })
         };
-        Cluster { supervisor, closed, entries, seen: Vec::new(), poller: Some(poller) }
+        Cluster { supervisor, closed, entries, seen: Vec::new(), poller: Some(poller), armed }
+    }
+
+    /// Adds `env` to worker `rank`'s next start only (a failpoint for the process that replaces
+    /// the one about to be killed).
+    pub fn arm(&self, rank: usize, env: Vec<(String, String)>) {
+        self.armed.lock().unwrap()[rank] = env;
+    }
+
+    /// Takes what has arrived, without waiting.
+    pub fn drain(&mut self) {
+        while self.take(Duration::ZERO).is_some() {}
     }
 
     /// The pid of worker `rank`'s current process.

@@ -1,0 +1,559 @@
+//! The randomized soak: 4 workers train one job round after round while a seeded random schedule
+//! applies, mixed, what each chaos test applies alone:
+//! - SIGKILLs of any worker, the chief included (restarted 1 s later, as systemd would);
+//! - SIGSTOP, then SIGCONT some seconds later;
+//! - a worker held down (not restarted) for a while, then brought back;
+//! - two workers killed close together;
+//! - cuts of the link to the S3 test server that holds the checkpoints;
+//! - a partition (a worker's port on the namespaces' bridge taken down), in the rounds run in
+//!   network namespaces where the machine allows them (those rounds commit to a shared local
+//!   directory, as to a NAS);
+//! - a bit flipped in one replica's parameters (failpoint `flip-bit`, armed for a worker's next
+//!   process and that worker killed).
+//!
+//! Every round must end with every worker exiting 0 with the failure-free run's parameters, no
+//! hang (no progress for [`HANG`] fails), and every commit verifying. Each event is printed with
+//! the pause it caused (the longest time without a new global step until the next event), and a
+//! table at the end.
+//!
+//! `SOAK_MINUTES` (default 2) and `SOAK_SEED` (default 1) size and seed it: the suite runs the
+//! 2-minute version with seed 1; `bench/soak.sh --minutes N --seed S` runs longer ones.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use trainerd_storage::{CheckpointStore, Location, S3Options};
+use trainerd_testkit::proxy::TcpProxy;
+use trainerd_testkit::s3::S3Server;
+use trainerd_testkit::{Cluster, Event, Netns, RunArgs, What};
+
+const WORKERS: usize = 4;
+const RESTART_SEC: Duration = Duration::from_secs(1);
+/// No new global step for this long, with nothing planned that explains it, is a hang.
+const HANG: Duration = Duration::from_secs(90);
+/// Each worker's summary, in the round's directory.
+const SUMMARY: &str = "summary.{rank}.json";
+/// A round's outer deadline.
+const DEADLINE: Duration = Duration::from_secs(1800);
+
+/// splitmix64: the schedule's only source of chance, so a seed replays it.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn seconds(&mut self, lo: f64, hi: f64) -> Duration {
+        Duration::from_secs_f64(lo + (hi - lo) * (self.next() >> 11) as f64 / (1u64 << 53) as f64)
+    }
+}
+
+/// How long and how hard.
+#[derive(Clone, Copy)]
+struct Soak {
+    minutes: f64,
+    seed: u64,
+    /// Epochs of the round's job (937 steps each: the training split in global batches of 64).
+    epochs: u32,
+    /// How long a worker is held down.
+    hold: (f64, f64),
+}
+
+impl Soak {
+    fn from_env() -> Soak {
+        let var = |name: &str, default: f64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+        let minutes = var("SOAK_MINUTES", 2.0);
+        let seed = var("SOAK_SEED", 1.0) as u64;
+        // Long soaks run longer rounds, with workers held down for minutes.
+        if minutes >= 10.0 {
+            Soak { minutes, seed, epochs: 16, hold: (60.0, 150.0) }
+        } else {
+            Soak { minutes, seed, epochs: 4, hold: (10.0, 25.0) }
+        }
+    }
+}
+
+/// The kinds of events, in the table's order.
+const KINDS: [&str; 9] =
+    ["kill", "kill chief", "two close", "freeze", "hold down", "return", "S3 cut", "partition", "bit flip"];
+
+/// An event applied: its kind, what exactly, when, at which global step.
+struct Applied {
+    kind: &'static str,
+    what: String,
+    at: Instant,
+    step: u64,
+}
+
+/// Something to undo later: SIGCONT, a link restored, a worker brought back, a partition healed.
+enum Undo {
+    Cont(usize),
+    Restore,
+    BringBack(usize),
+    Heal(usize),
+}
+
+/// Where a round commits, and how the schedule reaches it.
+enum Storage {
+    S3 { server: S3Server, link: TcpProxy, prefix: String },
+    Shared { dir: std::path::PathBuf },
+}
+
+impl Storage {
+    fn url(&self) -> String {
+        match self {
+            Storage::S3 { server, prefix, .. } => format!("s3://{}/{prefix}", server.bucket),
+            Storage::Shared { dir } => dir.to_str().unwrap().to_string(),
+        }
+    }
+
+    fn env(&self) -> Vec<(String, String)> {
+        match self {
+            Storage::S3 { server, link, .. } => {
+                let mut env: Vec<(String, String)> =
+                    server.env().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+                env.retain(|(k, _)| k != "AWS_ENDPOINT_URL");
+                env.push(("AWS_ENDPOINT_URL".into(), link.endpoint()));
+                env
+            }
+            Storage::Shared { .. } => Vec::new(),
+        }
+    }
+
+    /// Every commit of the round loads and verifies (sha256 of every blob); how many.
+    fn verify_all(&self) -> usize {
+        let store = match self {
+            Storage::S3 { server, prefix, .. } => {
+                CheckpointStore::new(Arc::new(server.store().unwrap()), prefix.as_str().into(), "s3")
+            }
+            Storage::Shared { dir } => {
+                dir.to_str().unwrap().parse::<Location>().unwrap().open(&S3Options::default()).unwrap()
+            }
+        };
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let records = rt.block_on(store.list()).unwrap();
+        for r in &records {
+            rt.block_on(store.load(r.sequence))
+                .unwrap_or_else(|e| panic!("commit {} does not verify: {e}", r.sequence));
+        }
+        records.len()
+    }
+}
+
+/// The round's job: linear, batch 16, committed every 500 steps (every commit kept, to
+/// verify them all), the replicas compared every 100 steps.
+fn job(soak: &Soak, dir: &Path) -> RunArgs {
+    RunArgs::new("linear").epochs(soak.epochs).batch(16).threads(1).seed(11).summary(dir.join(SUMMARY))
+}
+
+/// The failure-free run's parameters: one process holding the 4 slots (`--accumulate 4`), whose
+/// math is the 4 workers' (virtual ranks).
+fn reference(soak: &Soak) -> (String, u64) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = job(soak, tmp.path()).set("--accumulate", 4).command("run").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // A process alone writes the path as given.
+    let s = summary(tmp.path(), SUMMARY);
+    (s["params_sha256"].as_str().unwrap().to_string(), s["steps"].as_u64().unwrap())
+}
+
+fn summary(dir: &Path, name: &str) -> serde_json::Value {
+    let path = dir.join(name);
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+/// The highest global step any worker reported so far, and when it was first reached.
+fn progress(c: &Cluster) -> (u64, Instant) {
+    let mut best = (0, Instant::now());
+    for e in &c.seen {
+        if let Some(Event::Step { global_step, .. }) = e.event() {
+            if *global_step > best.0 {
+                best = (*global_step, e.at);
+            }
+        }
+    }
+    best
+}
+
+/// One round under the schedule; the events applied.
+struct Round<'a> {
+    soak: &'a Soak,
+    c: Cluster,
+    storage: Storage,
+    net: Option<Netns>,
+    rng: &'a mut Rng,
+    applied: Vec<Applied>,
+    pending: Vec<(Instant, Undo)>,
+    /// The worker held down or frozen, if any (one at a time).
+    down: Option<usize>,
+    /// The workers a bit was flipped in.
+    flipped: Vec<usize>,
+    started: Instant,
+}
+
+impl Round<'_> {
+    fn running(&self, rank: usize) -> bool {
+        self.c.pid(rank).is_some() && self.down != Some(rank)
+    }
+
+    /// A running worker other than `except`, at random.
+    fn pick(&mut self, except: Option<usize>) -> Option<usize> {
+        let choices: Vec<usize> = (0..WORKERS).filter(|&r| Some(r) != except && self.running(r)).collect();
+        (!choices.is_empty()).then(|| choices[self.rng.below(choices.len() as u64) as usize])
+    }
+
+    fn apply(&mut self, kind: &'static str, what: String) {
+        let step = progress(&self.c).0;
+        println!("[+{:6.1}s step {step:6}] {kind}: {what}", self.started.elapsed().as_secs_f64());
+        self.applied.push(Applied { kind, what, at: Instant::now(), step });
+    }
+
+    fn kill(&mut self, rank: usize) {
+        self.c.signal(rank, libc::SIGKILL);
+    }
+
+    /// One event of the schedule, drawn at random among those possible now.
+    fn inject(&mut self) {
+        let roll = self.rng.below(100);
+        let partitions = self.net.is_some();
+        match roll {
+            0..=19 => {
+                if let Some(r) = self.pick(Some(0)) {
+                    self.kill(r);
+                    self.apply("kill", format!("SIGKILL worker {r}"));
+                }
+            }
+            20..=31 if self.running(0) => {
+                self.kill(0);
+                self.apply("kill chief", "SIGKILL worker 0 (TF_CONFIG's chief)".into());
+            }
+            32..=41 => {
+                let Some(a) = self.pick(None) else { return };
+                let Some(b) = self.pick(Some(a)) else { return };
+                let gap = self.rng.seconds(0.05, 1.0);
+                self.kill(a);
+                self.c.idle(gap);
+                self.kill(b);
+                self.apply("two close", format!("SIGKILL worker {a}, then worker {b} {:.2}s later", gap.as_secs_f64()));
+            }
+            42..=53 if self.down.is_none() => {
+                let Some(r) = self.pick(None) else { return };
+                let secs = self.rng.seconds(1.0, 8.0);
+                self.c.signal(r, libc::SIGSTOP);
+                self.down = Some(r);
+                self.pending.push((Instant::now() + secs, Undo::Cont(r)));
+                self.apply("freeze", format!("SIGSTOP worker {r}, SIGCONT after {:.1}s", secs.as_secs_f64()));
+            }
+            54..=61 if self.down.is_none() => {
+                let Some(r) = self.pick(None) else { return };
+                let secs = self.rng.seconds(self.soak.hold.0, self.soak.hold.1);
+                self.c.hold(r);
+                self.kill(r);
+                self.down = Some(r);
+                self.pending.push((Instant::now() + secs, Undo::BringBack(r)));
+                self.apply("hold down", format!("worker {r} killed and kept down for {:.0}s", secs.as_secs_f64()));
+            }
+            62..=77 if !partitions => {
+                let Storage::S3 { link, .. } = &self.storage else { return };
+                if self.pending.iter().any(|(_, u)| matches!(u, Undo::Restore)) {
+                    return;
+                }
+                let secs = self.rng.seconds(2.0, 20.0);
+                link.cut();
+                self.pending.push((Instant::now() + secs, Undo::Restore));
+                self.apply(
+                    "S3 cut",
+                    format!("the link to the checkpoints' S3 server cut for {:.1}s", secs.as_secs_f64()),
+                );
+            }
+            62..=77 if self.down.is_none() => {
+                let Some(r) = self.pick(None) else { return };
+                let secs = self.rng.seconds(3.0, 12.0);
+                self.net.as_ref().unwrap().cut(r);
+                self.down = Some(r);
+                self.pending.push((Instant::now() + secs, Undo::Heal(r)));
+                self.apply("partition", format!("worker {r} cut off for {:.1}s", secs.as_secs_f64()));
+            }
+            78..=87 => {
+                let Some(r) = self.pick(None) else { return };
+                let n = 10 + self.rng.below(190);
+                self.c.arm(r, vec![("TRAINERD_FAILPOINT".into(), format!("flip-bit@{n}"))]);
+                self.kill(r);
+                self.flipped.push(r);
+                self.apply(
+                    "bit flip",
+                    format!("worker {r} restarted to flip a bit of its parameters after its step {n}"),
+                );
+            }
+            _ => {}
+        }
+    }
+
+    /// Carries out what is due.
+    fn undo_due(&mut self, all: bool) {
+        let now = Instant::now();
+        let (due, later): (Vec<_>, Vec<_>) = self.pending.drain(..).partition(|(at, _)| all || *at <= now);
+        self.pending = later;
+        for (_, undo) in due {
+            match undo {
+                Undo::Cont(r) => {
+                    self.c.signal(r, libc::SIGCONT);
+                    self.down = None;
+                }
+                Undo::Restore => {
+                    if let Storage::S3 { link, .. } = &self.storage {
+                        link.restore();
+                    }
+                }
+                Undo::BringBack(r) => {
+                    self.c.bring_back(r);
+                    self.down = None;
+                    self.apply("return", format!("worker {r} brought back"));
+                }
+                Undo::Heal(r) => {
+                    self.net.as_ref().unwrap().heal(r);
+                    self.down = None;
+                }
+            }
+        }
+    }
+
+    /// Fails on a hang: no new global step for [`HANG`] while nothing planned explains it.
+    fn check_progress(&self) {
+        let (step, at) = progress(&self.c);
+        let waiting = self.pending.iter().any(|(_, u)| matches!(u, Undo::BringBack(_)));
+        if !waiting && step > 0 && at.elapsed() > HANG {
+            let tail: Vec<String> = self.c.transcript().lines().rev().take(80).map(String::from).collect();
+            panic!(
+                "hang: no new global step since step {step}, {:.0}s ago; the last lines:\n{}",
+                at.elapsed().as_secs_f64(),
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+    }
+
+    /// Applies the schedule until the job is 85% done or the soak's time is up, then undoes
+    /// everything and waits for the end.
+    fn run(&mut self, total_steps: u64, until: Instant) {
+        let mut next = Instant::now() + self.rng.seconds(3.0, 8.0);
+        loop {
+            self.c.idle(Duration::from_millis(100));
+            self.undo_due(false);
+            self.check_progress();
+            let step = progress(&self.c).0;
+            if step * 100 >= total_steps * 85 || Instant::now() >= until {
+                break;
+            }
+            if Instant::now() >= next && step > 0 {
+                self.inject();
+                next = Instant::now() + self.rng.seconds(3.0, 10.0);
+            }
+        }
+        // Whatever is still cut, frozen or held comes back.
+        self.undo_due(true);
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            if let Some(codes) = self.finished() {
+                assert_eq!(codes, vec![0; WORKERS], "{}", self.c.transcript());
+                return;
+            }
+            assert!(Instant::now() < deadline, "the round did not end within {DEADLINE:?}");
+            self.c.idle(Duration::from_millis(200));
+            self.check_progress_at_end();
+        }
+    }
+
+    /// The workers' final statuses, once every one has exited for good.
+    fn finished(&self) -> Option<Vec<i32>> {
+        let mut codes = vec![None; WORKERS];
+        for e in &self.c.seen {
+            match e.what {
+                What::Finished(code) => codes[e.worker] = Some(code),
+                What::Restarted => codes[e.worker] = None,
+                _ => {}
+            }
+        }
+        codes.into_iter().collect()
+    }
+
+    /// At the end the workers may be done while the last ones leave: a hang is only no step and
+    /// no exit for [`HANG`].
+    fn check_progress_at_end(&self) {
+        let last = self.c.seen.last().map_or(self.started, |e| e.at);
+        assert!(last.elapsed() < HANG, "hang at the end: nothing for {HANG:?}\n{}", self.c.transcript());
+    }
+}
+
+/// The longest time without a new global step from each event until the next one.
+fn pauses(c: &Cluster, applied: &[Applied], end: Instant) -> Vec<f64> {
+    let mut advances: Vec<Instant> = Vec::new();
+    let mut best = 0;
+    for e in &c.seen {
+        if let Some(Event::Step { global_step, .. }) = e.event() {
+            if *global_step > best {
+                best = *global_step;
+                advances.push(e.at);
+            }
+        }
+    }
+    (0..applied.len())
+        .map(|i| {
+            let (from, to) = (applied[i].at, applied.get(i + 1).map_or(end, |a| a.at));
+            let mut longest = Duration::ZERO;
+            for w in advances.windows(2) {
+                if w[1] > from && w[0] < to {
+                    longest = longest.max(w[1].saturating_duration_since(w[0].max(from)));
+                }
+            }
+            longest.as_secs_f64()
+        })
+        .collect()
+}
+
+/// A worker's summary figures the table sums.
+fn lost_and_repaired(dir: &Path) -> (u64, usize) {
+    let s = summary(dir, "summary.0.json");
+    (s["fault_tolerance"]["steps_lost"].as_u64().unwrap(), s["integrity"]["mismatches"].as_array().unwrap().len())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+#[test]
+fn soak() {
+    let soak = Soak::from_env();
+    let mut rng = Rng(soak.seed);
+    println!(
+        "soak: {} minute(s), seed {}: rounds of 4 workers x {} epochs (linear, batch 16)",
+        soak.minutes, soak.seed, soak.epochs
+    );
+    let (expected, steps) = reference(&soak);
+    println!("soak: the failure-free run ends at step {steps} with params sha256 {expected}");
+    let netns_works = Netns::create(1).is_ok();
+    if !netns_works {
+        println!("soak: no network namespaces here (needs root and ip): no partitions");
+    }
+    let began = Instant::now();
+    let until = began + Duration::from_secs_f64(soak.minutes * 60.0);
+    let mut rows: BTreeMap<&str, (Vec<f64>, usize)> = BTreeMap::new();
+    let (mut rounds, mut commits, mut repaired, mut lost) = (0, 0, 0, 0);
+    while rounds == 0 || Instant::now() < until {
+        rounds += 1;
+        let in_netns = netns_works && rounds % 2 == 0;
+        let tmp = tempfile::tempdir().unwrap();
+        let storage = if in_netns {
+            Storage::Shared { dir: tmp.path().join("ckpt") }
+        } else {
+            let server = S3Server::start().unwrap_or_else(|e| panic!("S3-compatible test server: {e}"));
+            let link = server.link().unwrap();
+            Storage::S3 { server, link, prefix: format!("soak-{rounds}") }
+        };
+        let args = job(&soak, tmp.path())
+            .checkpoints(storage.url(), 500)
+            .set("--keep-checkpoints", 0)
+            .set("--state-dir", tmp.path().join("state.{rank}").to_str().unwrap());
+        let (c, net) = if in_netns {
+            let net = Netns::create(WORKERS).unwrap();
+            let args = args.set("--secret-file", secret(tmp.path()).to_str().unwrap());
+            (Cluster::start_in(&net, WORKERS, &args, RESTART_SEC), Some(net))
+        } else {
+            (Cluster::start(WORKERS, &args, &storage.env(), vec![], RESTART_SEC), None)
+        };
+        let how = if in_netns {
+            "network namespaces, checkpoints in a shared directory"
+        } else {
+            "loopback, checkpoints on S3"
+        };
+        println!("soak: round {rounds} ({how})");
+        let mut round = Round {
+            soak: &soak,
+            c,
+            storage,
+            net,
+            rng: &mut rng,
+            applied: Vec::new(),
+            pending: Vec::new(),
+            down: None,
+            flipped: Vec::new(),
+            started: Instant::now(),
+        };
+        round.run(steps, until);
+        let end = Instant::now();
+        // Every round's transcript is kept, for whoever reads the table.
+        let kept = std::env::temp_dir().join(format!("trainerd-soak-seed{}-round{rounds}.log", soak.seed));
+        std::fs::write(&kept, round.c.transcript()).unwrap();
+        // A replica may differ only where a bit was flipped on purpose.
+        for line in round.c.transcript().lines().filter(|l| l.contains("trainerd: replica check at step")) {
+            println!("  {line}");
+            let flipped = round.flipped.iter().any(|r| line.contains(&format!("the state of worker {r} (")));
+            assert!(flipped, "round {rounds}: a replica differed with no bit flipped in it: {line}");
+        }
+        for rank in 0..WORKERS {
+            let s = summary(tmp.path(), &format!("summary.{rank}.json"));
+            assert_eq!(
+                s["params_sha256"],
+                expected.as_str(),
+                "round {rounds}, worker {rank}\n{}",
+                round.c.transcript()
+            );
+        }
+        let verified = round.storage.verify_all();
+        let (l, r) = lost_and_repaired(tmp.path());
+        let found = pauses(&round.c, &round.applied, end);
+        for (a, p) in round.applied.iter().zip(&found) {
+            println!("  round {rounds} step {:6}  {:10}  {:60} pause {p:6.2}s", a.step, a.kind, a.what);
+            let row = rows.entry(a.kind).or_default();
+            row.0.push(*p);
+            row.1 += 1;
+        }
+        println!(
+            "soak: round {rounds} ended bitwise equal to the failure-free run on all {WORKERS} workers; {verified} \
+             commits verified; {l} step(s) lost, {r} replica mismatch(es) repaired; transcript in {}",
+            kept.display()
+        );
+        (commits, repaired, lost) = (commits + verified, repaired + r, lost + l);
+    }
+    println!(
+        "\nsoak: seed {}, {:.1} minutes, {rounds} round(s), 0 hangs",
+        soak.seed,
+        began.elapsed().as_secs_f64() / 60.0
+    );
+    println!("| event | count | median pause | longest pause |");
+    println!("|---|---|---|---|");
+    for kind in KINDS {
+        if let Some((p, n)) = rows.get_mut(kind) {
+            let max = p.iter().copied().fold(0.0, f64::max);
+            println!("| {kind} | {n} | {:.2} s | {max:.2} s |", median(p));
+        }
+    }
+    println!(
+        "every round bitwise equal to the failure-free run; {commits} commits verified; {lost} step(s) lost (redone); \
+         {repaired} corrupted replica(s) named and repaired"
+    );
+}
+
+/// A cluster secret (the namespaces are not loopback).
+fn secret(dir: &Path) -> std::path::PathBuf {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("secret");
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).unwrap();
+    std::io::Write::write_all(&mut f, b"6a1d2c3b4a5968778695a4b3c2d1e0f00112233445566778899aabbccddeeff").unwrap();
+    path
+}
