@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
         *) echo "usage: bench/soak.sh [--minutes N] [--seed S] [--dev]" >&2; exit 2 ;;
     esac
 done
-scripts/setup.sh --workspace
+scripts/setup.sh --tests --workspace
 source scripts/env.sh
 cargo build --workspace "${profile[@]}"
 SOAK_MINUTES="$minutes" SOAK_SEED="$seed" \
