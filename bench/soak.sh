@@ -7,7 +7,7 @@
 # hang and every commit verifying; each event is printed with the pause it caused, then a table.
 #
 # Usage: bench/soak.sh [--minutes N] [--seed S] [--dev]
-#   --minutes N   how long (default 30); rounds of 16 epochs and workers held down for minutes
+#   --minutes N   how long (default 30); rounds of 96 epochs (about 5 minutes) and workers held down for minutes
 #                 from 10 minutes up
 #   --seed S      the schedule's seed (default 1); the same seed draws the same schedule
 #   --dev         the debug build the test suite uses (default: release)

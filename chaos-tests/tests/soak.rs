@@ -77,7 +77,7 @@ impl Soak {
         let seed = var("SOAK_SEED", 1.0) as u64;
         // Long soaks run longer rounds, with workers held down for minutes.
         if minutes >= 10.0 {
-            Soak { minutes, seed, epochs: 16, hold: (60.0, 150.0) }
+            Soak { minutes, seed, epochs: 96, hold: (60.0, 150.0) }
         } else {
             Soak { minutes, seed, epochs: 4, hold: (10.0, 25.0) }
         }
