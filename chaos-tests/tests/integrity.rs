@@ -95,6 +95,38 @@ fn a_worker_that_took_the_state_from_a_peer_holds_the_same_bytes_as_every_other(
     }
 }
 
+/// Found by the randomized soak: worker 2's bits flip after its step 100 and worker 1 is killed
+/// at once. The formation without worker 1 finds worker 2's state different from worker 0's at
+/// the same step and sends it worker 0's: before, that overwrote the corruption unseen, and
+/// worker 2's wrong gradients, already averaged into every update, stayed in the run (and a
+/// worker that took a peer's state went back to it when a comparison failed). Now the formation
+/// names worker 2, every worker goes back to the last compared state, and the run ends with the
+/// failure-free run's parameters.
+#[test]
+fn a_corrupted_replica_overwritten_at_a_formation_is_still_caught_and_undone() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 1,200 steps, compared only at the epochs' ends and the run's end.
+    let args = |dir: &Path| {
+        let run = RunArgs::new("linear").epochs(2).steps(600).batch(32).threads(1).seed(5).optimizer("adam", 0.001);
+        run.summary(dir.join("summary.{rank}.json")).set("--replica-check-every", 0)
+    };
+    let reference = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(WORKERS, &args(reference.path()), &[], vec![], RESTART_SEC);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    let expected = summary(reference.path(), 0)["params_sha256"].clone();
+    let first_env = vec![vec![], vec![], vec![("TRAINERD_FAILPOINT".to_string(), "flip-bit@100".to_string())]];
+    let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], first_env, RESTART_SEC);
+    c.wait_for(|e| e.worker == 2 && e.line() == Some("trainerd: failpoint flip-bit reached"), DEADLINE);
+    c.signal(1, libc::SIGKILL);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    let transcript = c.transcript();
+    let named = |l: &str| l.contains("trainerd: replica check at step ") && l.contains("the state of worker 2 (");
+    assert!(transcript.lines().any(named), "{transcript}");
+    for rank in 0..WORKERS {
+        assert_eq!(summary(tmp.path(), rank)["params_sha256"], expected, "worker {rank}\n{transcript}");
+    }
+}
+
 #[test]
 fn a_worker_whose_parameters_drift_is_named_and_the_run_ends_bitwise_the_failure_free_one() {
     drifts(2);

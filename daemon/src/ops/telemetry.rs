@@ -466,4 +466,19 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
     }
+
+    #[test]
+    fn a_member_whose_state_differed_is_named_in_the_metrics() {
+        let t = Telemetry::new(Duration::from_secs(60), 2, 3);
+        t.replica_checked();
+        t.replica_checked();
+        t.replica_mismatch("worker 2 (127.0.0.1:7002)");
+        let text = t.encode();
+        for line in [
+            "trainerd_replica_checks_total 2",
+            "trainerd_replica_mismatches_total{member=\"worker 2 (127.0.0.1:7002)\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+    }
 }

@@ -157,6 +157,9 @@ impl<'a> Driver<'a> {
     ) -> Result<(), Interrupt> {
         let Joined { formed, received } = joined;
         let world = session.world();
+        // A live state at the source's step that still had to receive the source's: the two
+        // differed where healthy replicas never do.
+        let differed = received.is_some() && state.live() && state.position().progress() == formed.progress;
         self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
         if let Some(bytes) = &received {
             state.decode(bytes).map_err(|e| Interrupt::Fatal(e.into()))?;
@@ -168,7 +171,7 @@ impl<'a> Driver<'a> {
             c.checkpointer().set_generation(formed.generation);
         }
         self.batches.keep(&session.collective().slots().held);
-        self.agree(state, session)?;
+        self.agree(state, session, (differed, formed.source))?;
         self.integrity.formed(state, received.is_some())?;
         let source_name = session.name(formed.source);
         let generation = JoinedGeneration {
@@ -190,17 +193,23 @@ impl<'a> Driver<'a> {
     /// per epoch (members whose input pipelines yield different counts would desynchronise the
     /// collectives: the run is refused, naming both counts) and its CPU kernels (the run's are
     /// pinned: [`kernels`]). Every member sees the same values, so every member decides alike.
-    fn agree(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
+    fn agree(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        (differed, source): (bool, usize),
+    ) -> Result<(), Interrupt> {
         let mine = crate::sys::cpu::resolved().map_err(|e| Interrupt::Fatal(e.into()))?;
         let (place, present) = (session.collective().rank(), session.collective().world());
-        let mut values = vec![0f64; 2 * present];
-        values[2 * place] = self.steps_per_epoch as f64;
-        values[2 * place + 1] = f64::from(mine.map_or(0, |c| c.code()));
+        let mut values = vec![0f64; 3 * present];
+        values[3 * place] = self.steps_per_epoch as f64;
+        values[3 * place + 1] = f64::from(mine.map_or(0, |c| c.code()));
+        values[3 * place + 2] = if differed { 1.0 } else { 0.0 };
         if present > 1 {
             let reduced = session.collective().all_reduce_workers(&mut values, ReduceOp::Sum);
             reduced.map_err(|e| session.interrupt(e.into()))?;
         }
-        let counts: Vec<f64> = values.iter().copied().step_by(2).collect();
+        let counts: Vec<f64> = values.iter().copied().step_by(3).collect();
         if let Some(other) = counts.iter().position(|&c| c != counts[0]) {
             return Err(Interrupt::Fatal(TrainError::StepsDiffer {
                 chief: session.name(session.members()[0]),
@@ -210,7 +219,11 @@ impl<'a> Driver<'a> {
                 batch_size: self.cfg.batch_size,
             }));
         }
-        let codes: Vec<u8> = values.iter().skip(1).step_by(2).map(|&c| c as u8).collect();
+        let odd: Vec<usize> = (0..present).filter(|p| values[3 * p + 2] > 0.5).collect();
+        if !odd.is_empty() {
+            return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
+        }
+        let codes: Vec<u8> = values.iter().skip(1).step_by(3).map(|&c| c as u8).collect();
         let (Some(mine), Some(run)) =
             (mine, kernels::run_capability(state.position().cpu_capability.as_deref(), &codes))
         else {

@@ -92,6 +92,8 @@ struct Agreed {
 /// A member's comparisons.
 pub(crate) struct Integrity {
     schedule: Schedule,
+    /// This process has been in a formation.
+    formed_once: bool,
     agreed: Option<Agreed>,
     figures: Figures,
 }
@@ -99,7 +101,8 @@ pub(crate) struct Integrity {
 impl Integrity {
     /// Comparisons on `schedule`.
     pub(crate) fn new(schedule: Schedule) -> Integrity {
-        Integrity { schedule, agreed: None, figures: Figures { every: schedule.every, ..Figures::default() } }
+        let figures = Figures { every: schedule.every, ..Figures::default() };
+        Integrity { schedule, formed_once: false, agreed: None, figures }
     }
 
     /// The schedule.
@@ -107,10 +110,16 @@ impl Integrity {
         self.schedule
     }
 
-    /// A generation formed on `state`: every member holds the same state now (the formation
-    /// checked it), so a member without an agreed state, or that `received` this one, keeps it.
+    /// A generation formed on `state`. At this process's first formation, the state it brought
+    /// (the initial one, or a restored commit, which was compared before it was committed)
+    /// becomes its agreed state. Nothing else does: a state received from a peer, or trained since
+    /// without a comparison, may already hold the gradients of a replica corrupted since the last
+    /// comparison (its bits still wrong, unseen until the next one), and going back to it would
+    /// keep them. The last comparison's state is kept instead; a member without one takes the
+    /// agreed state from a peer when a comparison fails (the randomized soak found this).
     pub(crate) fn formed(&mut self, state: &TrainState, received: bool) -> Result<(), Interrupt> {
-        if self.agreed.is_some() && !received || !state.live() {
+        let first = !std::mem::replace(&mut self.formed_once, true);
+        if !first || received || !state.live() {
             return Ok(());
         }
         let bytes = state.encode().map_err(|e| Interrupt::Fatal(e.into()))?;
@@ -156,7 +165,53 @@ impl Integrity {
         let odd: Vec<String> = verdict.odd.iter().map(|&p| name(p)).collect();
         let right: Vec<String> = (0..digests.len()).filter(|p| !verdict.odd.contains(p)).map(name).collect();
         let mine = digests[session.collective().rank()];
-        let back_to = match self.agreed.as_ref().filter(|a| mine == verdict.right && xxh3_64(&a.bytes) == a.digest) {
+        let found: Vec<String> = verdict.odd.iter().map(|&p| format!("{:016x}", digests[p])).collect();
+        let why = format!(
+            "replica check at step {step}: the state of {} differs from that of {} (xxh3 {} against {:016x})",
+            odd.join(", "),
+            right.join(", "),
+            found.join(", "),
+            verdict.right
+        );
+        self.go_back(state, session, report, (mine == verdict.right, odd, why))
+    }
+
+    /// A formation found that these members (`odd`, places in the ring) held another state than
+    /// the source's at the same step, and overwrote it: a corruption seen at the formation
+    /// instead of a comparison. Every member goes back as after a mismatch (the overwritten
+    /// state, since the last comparison, may hold the corrupted replica's gradients).
+    pub(crate) fn differed_at_formation(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        report: &mut Reporter<'_>,
+        (odd, source): (&[usize], usize),
+    ) -> Interrupt {
+        let step = state.position().global_step;
+        let names: Vec<String> = odd.iter().map(|&p| session.name(session.members()[p])).collect();
+        let why = format!(
+            "replica check at step {step}: the state of {} differed from that of {}, the source of generation {}, at \
+             the same step",
+            names.join(", "),
+            session.name(source),
+            session.generation()
+        );
+        let right = !odd.contains(&session.collective().rank());
+        self.go_back(state, session, report, (right, names, why))
+    }
+
+    /// This member goes back to its agreed state if its state was `right` and the agreed one is
+    /// intact, else drops its state; the mismatch (`odd` members, `why`) is told and the
+    /// generation abandoned.
+    fn go_back(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        report: &mut Reporter<'_>,
+        (right, odd, why): (bool, Vec<String>, String),
+    ) -> Interrupt {
+        let step = state.position().global_step;
+        let back_to = match self.agreed.as_ref().filter(|a| right && xxh3_64(&a.bytes) == a.digest) {
             Some(a) => state.decode(&a.bytes).ok().map(|()| a.step),
             None => None,
         };
@@ -167,14 +222,6 @@ impl Integrity {
                 "this worker drops its state and takes the agreed one from a peer".to_string()
             }
         };
-        let found: Vec<String> = verdict.odd.iter().map(|&p| format!("{:016x}", digests[p])).collect();
-        let why = format!(
-            "replica check at step {step}: the state of {} differs from that of {} (xxh3 {} against {:016x})",
-            odd.join(", "),
-            right.join(", "),
-            found.join(", "),
-            verdict.right
-        );
         report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
         self.figures.mismatches.push(Mismatch { step, members: odd, back_to });
         session.abandon_for(&why);
