@@ -99,10 +99,10 @@ fn training(c: &RunConfig, agreement: &mut serde_json::Value) {
     if !c.gpus.is_empty() {
         agreement[GPU_KEY] = json!(c.gpus);
     }
-    // So is the replicas' comparison, which falls on these steps (not compared on resume: it
-    // does not change the math).
-    let integrity = c.integrity();
-    agreement[REPLICA_CHECK_KEY] = json!({"every": integrity.every, "commits": integrity.commits});
+    // So is the replicas' comparison, which falls on these steps (and on every member's commit
+    // steps, exchanged as each generation forms); not compared on resume: it does not change
+    // the math.
+    agreement[REPLICA_CHECK_KEY] = json!({"every": c.replica_check_every});
 }
 
 #[cfg(test)]
@@ -134,7 +134,7 @@ mod tests {
             "steps_per_epoch": null,
             "threads": 1,
             // Added after checkpoints existed; a resume does not compare it.
-            REPLICA_CHECK_KEY: {"every": 100, "commits": 0},
+            REPLICA_CHECK_KEY: {"every": 100},
         });
         assert_eq!(a, expected);
     }

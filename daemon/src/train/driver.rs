@@ -191,8 +191,11 @@ impl<'a> Driver<'a> {
 
     /// What every member must agree on, exchanged once per generation before any step: its steps
     /// per epoch (members whose input pipelines yield different counts would desynchronise the
-    /// collectives: the run is refused, naming both counts) and its CPU kernels (the run's are
-    /// pinned: [`kernels`]). Every member sees the same values, so every member decides alike.
+    /// collectives: the run is refused, naming both counts), its CPU kernels (the run's are
+    /// pinned: [`kernels`]), whether it held another state than the source's at the same step
+    /// (a corruption the formation would hide: [`Integrity::differed_at_formation`]), and its
+    /// checkpoint interval (commits are compared first). Every member sees the same values, so
+    /// every member decides alike.
     fn agree(
         &mut self,
         state: &mut TrainState,
@@ -201,15 +204,16 @@ impl<'a> Driver<'a> {
     ) -> Result<(), Interrupt> {
         let mine = crate::sys::cpu::resolved().map_err(|e| Interrupt::Fatal(e.into()))?;
         let (place, present) = (session.collective().rank(), session.collective().world());
-        let mut values = vec![0f64; 3 * present];
-        values[3 * place] = self.steps_per_epoch as f64;
-        values[3 * place + 1] = f64::from(mine.map_or(0, |c| c.code()));
-        values[3 * place + 2] = if differed { 1.0 } else { 0.0 };
+        let mut values = vec![0f64; 4 * present];
+        values[4 * place] = self.steps_per_epoch as f64;
+        values[4 * place + 1] = f64::from(mine.map_or(0, |c| c.code()));
+        values[4 * place + 2] = if differed { 1.0 } else { 0.0 };
+        values[4 * place + 3] = self.integrity.schedule().commits as f64;
         if present > 1 {
             let reduced = session.collective().all_reduce_workers(&mut values, ReduceOp::Sum);
             reduced.map_err(|e| session.interrupt(e.into()))?;
         }
-        let counts: Vec<f64> = values.iter().copied().step_by(3).collect();
+        let counts: Vec<f64> = values.iter().copied().step_by(4).collect();
         if let Some(other) = counts.iter().position(|&c| c != counts[0]) {
             return Err(Interrupt::Fatal(TrainError::StepsDiffer {
                 chief: session.name(session.members()[0]),
@@ -219,11 +223,12 @@ impl<'a> Driver<'a> {
                 batch_size: self.cfg.batch_size,
             }));
         }
-        let odd: Vec<usize> = (0..present).filter(|p| values[3 * p + 2] > 0.5).collect();
+        self.integrity.set_commits(values.iter().skip(3).step_by(4).map(|&c| c as u64).collect());
+        let odd: Vec<usize> = (0..present).filter(|p| values[4 * p + 2] > 0.5).collect();
         if !odd.is_empty() {
             return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
         }
-        let codes: Vec<u8> = values.iter().skip(1).step_by(3).map(|&c| c as u8).collect();
+        let codes: Vec<u8> = values.iter().skip(1).step_by(4).map(|&c| c as u8).collect();
         let (Some(mine), Some(run)) =
             (mine, kernels::run_capability(state.position().cpu_capability.as_deref(), &codes))
         else {
@@ -297,7 +302,7 @@ impl<'a> Driver<'a> {
         session.set_step(state.position().global_step);
         let steps_per_epoch = self.steps_per_epoch;
         // Compared before the step is told and committed: a step undone is told when redone.
-        if integrity::due(self.integrity.schedule(), state.position(), steps_per_epoch) {
+        if self.integrity.due(state.position(), steps_per_epoch) {
             self.check(state, session)?;
         }
         let (position, totals) = (state.position(), &result.totals);

@@ -21,21 +21,25 @@ use crate::state::{Position, Shareable, TrainState};
 /// costs well under 1% of the step time (bench/multi_worker.sh measures it).
 pub(crate) const DEFAULT_EVERY: u64 = 100;
 
-/// When the members compare their states, the same rule on every member.
+/// When this member compares: every `every` global steps (agreed by every member), and before
+/// the commits of any member that may coordinate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Schedule {
     /// Every this many global steps (0: only before commits).
     pub(crate) every: u64,
-    /// The checkpoint interval in steps (0: epoch ends only), whose commits are checked first.
+    /// This member's checkpoint interval in steps (0: epoch ends only, or no checkpoints). The
+    /// members exchange theirs with each generation, so that the commits of whoever coordinates
+    /// are compared first, though only the chief may have checkpoints.
     pub(crate) commits: u64,
 }
 
-/// Whether a check is due after the step that brought the state to `position` (an epoch's last
-/// step is checked at the epoch's end, before its evaluation).
-pub(crate) fn due(schedule: Schedule, position: &Position, steps_per_epoch: u64) -> bool {
+/// Whether a check is due after the step that brought the state to `position`: on the interval
+/// `every`, or on any member's checkpoint interval in `commits` (an epoch's last step is checked
+/// at the epoch's end, before its evaluation).
+pub(crate) fn due(every: u64, commits: &[u64], position: &Position, steps_per_epoch: u64) -> bool {
     let step = position.global_step;
     let on = |every: u64| every > 0 && step.is_multiple_of(every);
-    (on(schedule.every) || on(schedule.commits)) && position.step_in_epoch < steps_per_epoch
+    (on(every) || commits.iter().any(|&c| on(c))) && position.step_in_epoch < steps_per_epoch
 }
 
 /// The digest taken as right, and the members' places (in the generation's ring order) that
@@ -92,6 +96,8 @@ struct Agreed {
 /// A member's comparisons.
 pub(crate) struct Integrity {
     schedule: Schedule,
+    /// Every member's checkpoint interval in the current generation (those not 0).
+    commits: Vec<u64>,
     /// This process has been in a formation.
     formed_once: bool,
     agreed: Option<Agreed>,
@@ -102,12 +108,22 @@ impl Integrity {
     /// Comparisons on `schedule`.
     pub(crate) fn new(schedule: Schedule) -> Integrity {
         let figures = Figures { every: schedule.every, ..Figures::default() };
-        Integrity { schedule, formed_once: false, agreed: None, figures }
+        Integrity { schedule, commits: vec![schedule.commits], formed_once: false, agreed: None, figures }
     }
 
-    /// The schedule.
+    /// This member's schedule.
     pub(crate) fn schedule(&self) -> Schedule {
         self.schedule
+    }
+
+    /// The checkpoint intervals of the generation's members (exchanged as it formed).
+    pub(crate) fn set_commits(&mut self, intervals: Vec<u64>) {
+        self.commits = intervals.into_iter().filter(|&c| c > 0).collect();
+    }
+
+    /// Whether a check is due after the step that brought the state to `position`.
+    pub(crate) fn due(&self, position: &Position, steps_per_epoch: u64) -> bool {
+        due(self.schedule.every, &self.commits, position, steps_per_epoch)
     }
 
     /// A generation formed on `state`. At this process's first formation, the state it brought
@@ -289,11 +305,13 @@ mod tests {
     #[test]
     fn checks_fall_on_the_interval_and_on_commits_but_not_on_an_epochs_last_step() {
         let at = |global_step, step_in_epoch| Position { global_step, step_in_epoch, ..Position::start(1) };
-        let s = Schedule { every: 100, commits: 30 };
-        assert!(due(s, &at(100, 10), 50));
-        assert!(due(s, &at(30, 30), 50));
-        assert!(!due(s, &at(31, 31), 50));
-        assert!(!due(s, &at(300, 50), 50), "checked at the epoch's end instead");
-        assert!(!due(Schedule { every: 0, commits: 0 }, &at(100, 1), 50));
+        // Every 100 steps, and on the commits of one member every 30 and another every 45.
+        let commits = [30, 45];
+        assert!(due(100, &commits, &at(100, 10), 50));
+        assert!(due(100, &commits, &at(30, 30), 50));
+        assert!(due(100, &commits, &at(45, 45), 50));
+        assert!(!due(100, &commits, &at(31, 31), 50));
+        assert!(!due(100, &commits, &at(300, 50), 50), "checked at the epoch's end instead");
+        assert!(!due(0, &[], &at(100, 1), 50));
     }
 }
