@@ -53,27 +53,30 @@ fn drifts(victim: usize) {
     // Names are TF_CONFIG's: "worker 2 (127.0.0.1:PORT)".
     let name = format!("worker {victim} (");
     let said = format!("trainerd: replica check at step 40: the state of {name}");
+    // Every worker ends with the failure-free run's parameters. Every worker whose comparison
+    // completed names the drifted one (one whose comparison the others' rejoining cut short goes
+    // back without a verdict): at least a majority does.
+    let mut named = 0;
     for (rank, s) in summaries.iter().enumerate() {
         assert_eq!(s["params_sha256"], expected.as_str(), "worker {rank}\n{transcript}");
+        assert!(s["integrity"]["checks"].as_u64().unwrap() >= 10, "{s}");
         let mismatches = s["integrity"]["mismatches"].as_array().unwrap();
-        assert_eq!(mismatches.len(), 1, "worker {rank}: {mismatches:?}");
-        assert_eq!(mismatches[0]["step"], 40);
-        let members = mismatches[0]["members"].as_array().unwrap();
+        assert!(mismatches.len() <= 1, "worker {rank}: {mismatches:?}");
+        let Some(m) = mismatches.first() else { continue };
+        named += 1;
+        assert_eq!(m["step"], 40);
+        let members = m["members"].as_array().unwrap();
         assert!(members.len() == 1 && members[0].as_str().unwrap().starts_with(&name), "{members:?}");
         // The others go back to the check at step 25; the one that drifted takes their state.
         let back_to = if rank == victim { serde_json::Value::Null } else { 25.into() };
-        assert_eq!(mismatches[0]["back_to"], back_to, "worker {rank}");
-        assert!(s["integrity"]["checks"].as_u64().unwrap() >= 10, "{s}");
+        assert_eq!(m["back_to"], back_to, "worker {rank}");
     }
+    assert!(named >= 2, "{transcript}");
     let lines =
         transcript.lines().filter(|l| l.contains(&said) && l.contains(") differs from that of worker ")).count();
-    assert_eq!(lines, WORKERS, "every worker names {name}:\n{transcript}");
+    assert_eq!(lines, named, "every worker that compared names {name}:\n{transcript}");
 }
 
-/// Found by the randomized soak: a worker that took the state from a peer (returning after a kill)
-/// held its running sums one unit in the last place off (JSON's float parsing was best-effort),
-/// and the next comparison named it. Three returns later in the run, no comparison (every 10
-/// steps) may find any difference, and the run ends with the failure-free run's parameters.
 #[test]
 fn a_worker_that_took_the_state_from_a_peer_holds_the_same_bytes_as_every_other() {
     let tmp = tempfile::tempdir().unwrap();
@@ -95,9 +98,10 @@ fn a_worker_that_took_the_state_from_a_peer_holds_the_same_bytes_as_every_other(
     }
 }
 
-/// Found by the randomized soak: worker 2's bits flip after its step 100 and worker 1 is killed
-/// at once. The formation without worker 1 finds worker 2's state different from worker 0's at
-/// the same step and sends it worker 0's: before, that overwrote the corruption unseen, and
+/// Found by the randomized soak: worker 2's bits flip after its step 100, and worker 1, held at the
+/// start of step 101 (so that every survivor is at step 100), is killed. The formation without
+/// worker 1 finds worker 2's state different from worker 0's at the same step and sends it worker
+/// 0's: before, that overwrote the corruption unseen, and
 /// worker 2's wrong gradients, already averaged into every update, stayed in the run (and a
 /// worker that took a peer's state went back to it when a comparison failed). Now the formation
 /// names worker 2, every worker goes back to the last compared state, and the run ends with the
@@ -114,9 +118,12 @@ fn a_corrupted_replica_overwritten_at_a_formation_is_still_caught_and_undone() {
     let mut c = Cluster::start(WORKERS, &args(reference.path()), &[], vec![], RESTART_SEC);
     assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
     let expected = summary(reference.path(), 0)["params_sha256"].clone();
-    let first_env = vec![vec![], vec![], vec![("TRAINERD_FAILPOINT".to_string(), "flip-bit@100".to_string())]];
+    let point = |p: &str| vec![("TRAINERD_FAILPOINT".to_string(), p.to_string())];
+    let first_env = vec![vec![], point("train-step@101"), point("flip-bit@100")];
     let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], first_env, RESTART_SEC);
-    c.wait_for(|e| e.worker == 2 && e.line() == Some("trainerd: failpoint flip-bit reached"), DEADLINE);
+    // Either line may come first: look from the start of the transcript for both.
+    c.wait_line(2, "trainerd: failpoint flip-bit reached", 0, DEADLINE);
+    c.wait_line(1, "trainerd: failpoint train-step reached", 0, DEADLINE);
     c.signal(1, libc::SIGKILL);
     assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
     let transcript = c.transcript();

@@ -156,7 +156,15 @@ impl Integrity {
         let began = Instant::now();
         let bytes = state.encode().map_err(|e| Interrupt::Fatal(e.into()))?;
         let digest = xxh3_64(&bytes);
-        let (digests, coordinator) = exchange(session, digest, coordinates)?;
+        let (digests, coordinator) = match exchange(session, digest, coordinates) {
+            Ok(exchanged) => exchanged,
+            // Interrupted (a peer failed, or found a mismatch first and left): the verdict is
+            // unknown here, so this member goes back to its agreed state, which is right either way.
+            Err(interrupt) => {
+                self.back_without_verdict(state);
+                return Err(interrupt);
+            }
+        };
         self.figures.checks += 1;
         self.figures.seconds += began.elapsed().as_secs_f64();
         report.replica_checked();
@@ -189,7 +197,7 @@ impl Integrity {
             found.join(", "),
             verdict.right
         );
-        self.go_back(state, session, report, (mine == verdict.right, odd, why))
+        self.go_back(state, report, (mine == verdict.right, odd, why))
     }
 
     /// A formation found that these members (`odd`, places in the ring) held another state than
@@ -213,16 +221,24 @@ impl Integrity {
             session.generation()
         );
         let right = !odd.contains(&session.collective().rank());
-        self.go_back(state, session, report, (right, names, why))
+        self.go_back(state, report, (right, names, why))
+    }
+
+    /// A comparison that did not complete: back to the agreed state if it is intact, else the
+    /// state is dropped (a peer's is taken at the next formation).
+    fn back_without_verdict(&mut self, state: &mut TrainState) {
+        let agreed = self.agreed.as_ref().filter(|a| xxh3_64(&a.bytes) == a.digest);
+        if agreed.is_none_or(|a| state.decode(&a.bytes).is_err()) {
+            state.model.live = false;
+        }
     }
 
     /// This member goes back to its agreed state if its state was `right` and the agreed one is
     /// intact, else drops its state; the mismatch (`odd` members, `why`) is told and the
-    /// generation abandoned.
+    /// generation abandoned (this member rejoins, which ends it).
     fn go_back(
         &mut self,
         state: &mut TrainState,
-        session: &mut Session,
         report: &mut Reporter<'_>,
         (right, odd, why): (bool, Vec<String>, String),
     ) -> Interrupt {
@@ -240,7 +256,8 @@ impl Integrity {
         };
         report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
         self.figures.mismatches.push(Mismatch { step, members: odd, back_to });
-        session.abandon_for(&why);
+        // No abort is pushed: every member reaches the same verdict from the same digests, and a
+        // member whose comparison an abort cut short would not know it (it goes back anyway).
         Interrupt::Abandoned(why)
     }
 

@@ -352,11 +352,6 @@ impl Session {
         Interrupt::Abandoned(reason)
     }
 
-    /// Abandons the current generation everywhere for `reason` (no peer is suspected).
-    pub(crate) fn abandon_for(&self, reason: &str) {
-        self.abandon_with(self.generation(), reason, None);
-    }
-
     fn abandon_with(&self, generation: u64, reason: &str, suspect: Option<usize>) {
         if let Some(m) = &self.cluster {
             m.plane.abandon(generation, reason, suspect);
