@@ -25,7 +25,6 @@ use super::{Outcome, RunConfig, TrainError};
 use crate::cluster::control::FINAL_BARRIER;
 use crate::cluster::ClusterError;
 use crate::collective::buckets::Buckets;
-use crate::collective::ReduceOp;
 use crate::input::Data as Input;
 use crate::optim::schedule::lr_at;
 use crate::plugin::ModelInstance;
@@ -203,16 +202,13 @@ impl<'a> Driver<'a> {
         (differed, source): (bool, usize),
     ) -> Result<(), Interrupt> {
         let mine = crate::sys::cpu::resolved().map_err(|e| Interrupt::Fatal(e.into()))?;
-        let (place, present) = (session.collective().rank(), session.collective().world());
-        let mut values = vec![0f64; 4 * present];
-        values[4 * place] = self.steps_per_epoch as f64;
-        values[4 * place + 1] = f64::from(mine.map_or(0, |c| c.code()));
-        values[4 * place + 2] = if differed { 1.0 } else { 0.0 };
-        values[4 * place + 3] = self.integrity.schedule().commits as f64;
-        if present > 1 {
-            let reduced = session.collective().all_reduce_workers(&mut values, ReduceOp::Sum);
-            reduced.map_err(|e| session.interrupt(e.into()))?;
-        }
+        let present = session.collective().world();
+        let values = session.gather(&[
+            self.steps_per_epoch as f64,
+            f64::from(mine.map_or(0, |c| c.code())),
+            if differed { 1.0 } else { 0.0 },
+            self.integrity.schedule().commits as f64,
+        ])?;
         let counts: Vec<f64> = values.iter().copied().step_by(4).collect();
         if let Some(other) = counts.iter().position(|&c| c != counts[0]) {
             return Err(Interrupt::Fatal(TrainError::StepsDiffer {

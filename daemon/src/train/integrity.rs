@@ -14,7 +14,6 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::report::Reporter;
 use super::session::{Interrupt, Session};
-use crate::collective::ReduceOp;
 use crate::state::{Position, Shareable, TrainState};
 
 /// The default of `--replica-check-every`: at mnist-cnn's step on this project's CPUs the check
@@ -227,10 +226,18 @@ impl Integrity {
     /// A comparison that did not complete: back to the agreed state if it is intact, else the
     /// state is dropped (a peer's is taken at the next formation).
     fn back_without_verdict(&mut self, state: &mut TrainState) {
+        self.back_to_agreed(state);
+    }
+
+    /// Puts `state` back to the agreed state, when there is one and its bytes are intact; its
+    /// step. Otherwise the state is dropped (a peer's is taken at the next formation).
+    fn back_to_agreed(&self, state: &mut TrainState) -> Option<u64> {
         let agreed = self.agreed.as_ref().filter(|a| xxh3_64(&a.bytes) == a.digest);
-        if agreed.is_none_or(|a| state.decode(&a.bytes).is_err()) {
+        let back_to = agreed.and_then(|a| state.decode(&a.bytes).ok().map(|()| a.step));
+        if back_to.is_none() {
             state.model.live = false;
         }
+        back_to
     }
 
     /// This member goes back to its agreed state if its state was `right` and the agreed one is
@@ -243,16 +250,15 @@ impl Integrity {
         (right, odd, why): (bool, Vec<String>, String),
     ) -> Interrupt {
         let step = state.position().global_step;
-        let back_to = match self.agreed.as_ref().filter(|a| right && xxh3_64(&a.bytes) == a.digest) {
-            Some(a) => state.decode(&a.bytes).ok().map(|()| a.step),
-            None => None,
+        let back_to = if right {
+            self.back_to_agreed(state)
+        } else {
+            state.model.live = false;
+            None
         };
         let what = match back_to {
             Some(s) => format!("this worker goes back to step {s}, the last state every member agreed on"),
-            None => {
-                state.model.live = false;
-                "this worker drops its state and takes the agreed one from a peer".to_string()
-            }
+            None => "this worker drops its state and takes the agreed one from a peer".to_string(),
         };
         report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
         self.figures.mismatches.push(Mismatch { step, members: odd, back_to });
@@ -271,13 +277,8 @@ impl Integrity {
 /// digest's halves (and a 1 when it coordinates) in its own place of zeros; the sum is then every
 /// member's value, exactly.
 fn exchange(session: &mut Session, digest: u64, coordinates: bool) -> Result<(Vec<u64>, usize), Interrupt> {
-    let (place, present) = (session.collective().rank(), session.collective().world());
-    let mut values = vec![0f64; 3 * present];
-    values[3 * place] = (digest >> 32) as f64;
-    values[3 * place + 1] = (digest & 0xffff_ffff) as f64;
-    values[3 * place + 2] = if coordinates { 1.0 } else { 0.0 };
-    let reduced = session.collective().all_reduce_workers(&mut values, ReduceOp::Sum);
-    reduced.map_err(|e| session.interrupt(e.into()))?;
+    let mine = [(digest >> 32) as f64, (digest & 0xffff_ffff) as f64, if coordinates { 1.0 } else { 0.0 }];
+    let values = session.gather(&mine)?;
     let digests = values.chunks(3).map(|v| ((v[0] as u64) << 32) | v[1] as u64).collect();
     let coordinator = values.chunks(3).position(|v| v[2] > 0.5).unwrap_or(0);
     Ok((digests, coordinator))

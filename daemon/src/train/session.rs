@@ -358,6 +358,20 @@ impl Session {
         }
     }
 
+    /// Every member's `mine` (the same length on every member), in ring order, concatenated: one
+    /// all-reduce of each member's values in its own place of zeros, whose sum is exact (an
+    /// all-gather). Alone, `mine` itself.
+    pub(crate) fn gather(&mut self, mine: &[f64]) -> Result<Vec<f64>, Interrupt> {
+        let (place, present) = (self.collective.rank(), self.collective.world());
+        let mut values = vec![0f64; mine.len() * present];
+        values[place * mine.len()..(place + 1) * mine.len()].copy_from_slice(mine);
+        if present > 1 {
+            let reduced = self.collective.all_reduce_workers(&mut values, crate::collective::ReduceOp::Sum);
+            reduced.map_err(|e| self.interrupt(e.into()))?;
+        }
+        Ok(values)
+    }
+
     /// Turns a step's error into an interrupt, abandoning the generation on a collective failure.
     pub(crate) fn interrupt(&self, e: TrainError) -> Interrupt {
         match e {
