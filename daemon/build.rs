@@ -2,6 +2,7 @@
 //! needed), compiles the autocast and CPU-capability shims (`csrc/`) against the libtorch that torch-sys
 //! links, and gives the daemon and its tests an rpath to that libtorch.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto/control.proto");
     println!("cargo:rerun-if-changed=csrc/autocast.cpp");
     println!("cargo:rerun-if-changed=csrc/cpu.cpp");
     println!("cargo:rerun-if-changed=../sdk/csrc/trainerd_shim.h");

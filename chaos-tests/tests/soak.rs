@@ -398,7 +398,8 @@ impl Round<'_> {
     }
 }
 
-/// The longest time without a new global step from each event until the next one.
+/// The longest time without a new global step from each event until the next one (a pause that
+/// goes on past the next event is that one's from there: two events in one pause).
 fn pauses(c: &Cluster, applied: &[Applied], end: Instant) -> Vec<f64> {
     let mut advances: Vec<Instant> = Vec::new();
     let mut best = 0;
@@ -416,7 +417,7 @@ fn pauses(c: &Cluster, applied: &[Applied], end: Instant) -> Vec<f64> {
             let mut longest = Duration::ZERO;
             for w in advances.windows(2) {
                 if w[1] > from && w[0] < to {
-                    longest = longest.max(w[1].saturating_duration_since(w[0].max(from)));
+                    longest = longest.max(w[1].min(to).saturating_duration_since(w[0].max(from)));
                 }
             }
             longest.as_secs_f64()

@@ -155,6 +155,8 @@ impl Integrity {
         let began = Instant::now();
         let bytes = state.encode().map_err(|e| Interrupt::Fatal(e.into()))?;
         let digest = xxh3_64(&bytes);
+        // Chaos tests hold a member here, so that its peers' comparison is cut short.
+        trainerd_failpoint::point("replica-check");
         let (digests, coordinator) = match exchange(session, digest, coordinates) {
             Ok(exchanged) => exchanged,
             // Interrupted (a peer failed, or found a mismatch first and left): the verdict is
