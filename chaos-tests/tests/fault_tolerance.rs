@@ -437,10 +437,16 @@ fn a_frozen_worker_is_abandoned_within_the_heartbeat_deadline_and_rejoins_after_
     for took in &took {
         assert!(*took < Duration::from_secs(4), "a survivor abandoned the step {took:?} after the freeze");
     }
-    std::thread::sleep(Duration::from_secs(2));
+    // Woken at once (frozen for longer than the deadline already): the survivors finish the
+    // remaining steps of the linear plugin in well under a second on an idle machine.
     c.signal(1, libc::SIGCONT);
     c.wait_event(1, rejoined, DEADLINE);
     let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
     assert_eq!(c.starts(1), 1, "the frozen worker rejoined without a restart");
-    assert_eq!(recovery(&chief, "steps_lost"), 0);
+    // Nothing is lost to the freeze. Its return ends the survivors' generation; where that lands
+    // inside a comparison of the replicas (before each commit, every 25 steps here), they go back
+    // to the last compared state, say so, and train those steps again: at most 25.
+    let (lost, transcript) = (recovery(&chief, "steps_lost"), c.transcript());
+    let cut_short = transcript.lines().any(|l| l.contains("did not complete (") && l.contains("came back"));
+    assert!(lost == 0 || (cut_short && lost <= 25), "{lost} step(s) lost\n{transcript}");
 }

@@ -130,12 +130,7 @@ impl From<proto::JoinReply> for Formed {
 
 fn report_of(r: Option<proto::StateReport>) -> Report {
     let r = r.unwrap_or_default();
-    Report {
-        generation: r.generation,
-        progress: (r.progress_major, r.progress_minor),
-        digest: r.sha256,
-        reached: r.reached,
-    }
+    Report { generation: r.generation, progress: (r.progress_major, r.progress_minor), digest: r.sha256 }
 }
 
 /// A notice for a member's heartbeat stream.
@@ -438,7 +433,7 @@ impl Coordinator {
             let mut c = self.lock();
             self.claim(&mut c, rank, incarnation)?;
             let report = report_of(req.report);
-            c.state.high_water = c.state.high_water.max(report.progress.0).max(report.reached);
+            c.state.high_water = c.state.high_water.max(report.progress.0);
             c.addresses[rank] = req.data_address;
             if let Some(why) = &c.deposed {
                 return Err(Status::unavailable(why.clone()));

@@ -26,9 +26,6 @@ pub(crate) struct Report {
     pub(crate) progress: (u64, u64),
     /// sha256 of its state; empty when it has none (a fresh process).
     pub(crate) digest: String,
-    /// The furthest global step its process trained to, even where it went back since (a
-    /// replicas' comparison that failed or did not complete); 0 when it trained none.
-    pub(crate) reached: u64,
 }
 
 impl Report {
@@ -415,7 +412,7 @@ mod tests {
     const AT_ONCE: Options = Options { replace_after: Duration::ZERO, min_workers: 2, ..OPTS };
 
     fn report(generation: u64, step: u64, digest: &str) -> Report {
-        Report { generation, progress: (step, 0), digest: digest.into(), reached: step }
+        Report { generation, progress: (step, 0), digest: digest.into() }
     }
 
     /// Three members, formed at generation 4, all just heard from.

@@ -162,7 +162,7 @@ impl Integrity {
             // Interrupted (a peer failed, or found a mismatch first and left): the verdict is
             // unknown here, so this member goes back to its agreed state, which is right either way.
             Err(interrupt) => {
-                self.back_without_verdict(state);
+                self.back_without_verdict(state, report, &interrupt);
                 return Err(interrupt);
             }
         };
@@ -226,9 +226,17 @@ impl Integrity {
     }
 
     /// A comparison that did not complete: back to the agreed state if it is intact, else the
-    /// state is dropped (a peer's is taken at the next formation).
-    fn back_without_verdict(&mut self, state: &mut TrainState) {
-        self.back_to_agreed(state);
+    /// state is dropped (a peer's is taken at the next formation). Said in a line, since the
+    /// steps since are trained again.
+    fn back_without_verdict(&mut self, state: &mut TrainState, report: &mut Reporter<'_>, interrupt: &Interrupt) {
+        let step = state.position().global_step;
+        let what = going_back(self.back_to_agreed(state));
+        let why = match interrupt {
+            Interrupt::Abandoned(why) => why.as_str(),
+            Interrupt::Stopped => "a stop signal",
+            Interrupt::Fatal(_) => return,
+        };
+        report.line(&format!("trainerd: the replicas' comparison at step {step} did not complete ({why}); {what}"));
     }
 
     /// Puts `state` back to the agreed state, when there is one and its bytes are intact; its
@@ -258,10 +266,7 @@ impl Integrity {
             state.model.live = false;
             None
         };
-        let what = match back_to {
-            Some(s) => format!("this worker goes back to step {s}, the last state every member agreed on"),
-            None => "this worker drops its state and takes the agreed one from a peer".to_string(),
-        };
+        let what = going_back(back_to);
         report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
         self.figures.mismatches.push(Mismatch { step, members: odd, back_to });
         // No abort is pushed: every member reaches the same verdict from the same digests, and a
@@ -284,6 +289,15 @@ fn exchange(session: &mut Session, digest: u64, coordinates: bool) -> Result<(Ve
     let digests = values.chunks(3).map(|v| ((v[0] as u64) << 32) | v[1] as u64).collect();
     let coordinator = values.chunks(3).position(|v| v[2] > 0.5).unwrap_or(0);
     Ok((digests, coordinator))
+}
+
+/// What a member does after a comparison failed or did not complete: back to the agreed state's
+/// step, or (`None`) it takes the agreed state from a peer.
+fn going_back(back_to: Option<u64>) -> String {
+    match back_to {
+        Some(s) => format!("this worker goes back to step {s}, the last state every member agreed on"),
+        None => "this worker drops its state and takes the agreed one from a peer".to_string(),
+    }
 }
 
 /// Flips one bit of the first parameter's first element (a chaos test's failpoint `flip-bit`:

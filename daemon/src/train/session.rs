@@ -222,8 +222,7 @@ impl Session {
         }
     }
 
-    /// A global step trained (the furthest is what the beats and the joins carry: a formation
-    /// behind it counts the steps it loses).
+    /// The global step heartbeats carry.
     pub(crate) fn set_step(&self, step: u64) {
         if let Some(m) = &self.cluster {
             m.plane.set_step(step);
@@ -247,7 +246,6 @@ impl Session {
                 generation: self.generation,
                 progress: s.progress(),
                 digest: s.digest().map_err(|e| Interrupt::Fatal(e.into()))?,
-                reached: s.progress().0,
             },
             None => Report::default(),
         };
