@@ -12,8 +12,11 @@
 //!   process and that worker killed).
 //!
 //! Every round must end with every worker exiting 0 with the failure-free run's parameters, no
-//! hang (no progress for [`HANG`] fails), and every commit verifying. Each event is printed with
-//! the pause it caused (the longest time without a new global step until the next event), and a
+//! hang (no progress for [`HANG`] fails), and every commit verifying. The steps trained again are
+//! counted twice, from the transcript (a global step that generations trained more than once)
+//! and as the formations reported them: the two must agree, and no step may be lost (trained
+//! again for any reason but the repair of a corrupted replica). Each event is printed with the
+//! pause it caused (the longest time without a new global step until the next event), and a
 //! table at the end.
 //!
 //! `SOAK_MINUTES` (default 2) and `SOAK_SEED` (default 1) size and seed it: the suite runs the
@@ -425,14 +428,35 @@ fn pauses(c: &Cluster, applied: &[Applied], end: Instant) -> Vec<f64> {
         .collect()
 }
 
-/// The steps the round's recoveries lost (each generation's once, whoever reported it), and the
-/// mismatches its comparisons found (each once: every member names it). A summary covers its
-/// process only, and most workers were restarted, so the transcript tells it.
-fn lost_and_repaired(c: &Cluster) -> (u64, usize) {
-    let mut lost = BTreeMap::new();
+/// What a round's transcript says of its steps trained again.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counted {
+    /// Steps trained again, as the formations reported them (each generation's once, whoever
+    /// reported it), and of those the steps lost.
+    reported: (u64, u64),
+    /// Steps trained again, from the steps themselves: for each global step, the generations
+    /// that trained it, less one.
+    trained: u64,
+    /// Mismatches the comparisons found (each once: every member names it).
+    repaired: usize,
+}
+
+/// A summary covers its process only, and most workers were restarted, so the transcript tells
+/// what the round trained again.
+fn counted(c: &Cluster) -> Counted {
+    let mut reported = BTreeMap::new();
+    let mut generation = [0u64; WORKERS];
+    let mut trained: BTreeMap<u64, std::collections::BTreeSet<u64>> = BTreeMap::new();
     for e in &c.seen {
-        if let Some(Event::Recovered { generation, steps_lost, .. }) = e.event() {
-            lost.insert(*generation, *steps_lost);
+        match e.event() {
+            Some(Event::Joined { generation: g, steps_lost, steps_trained_again, .. }) => {
+                generation[e.worker] = *g;
+                reported.insert(*g, (*steps_trained_again, *steps_lost));
+            }
+            Some(Event::Step { global_step, .. }) => {
+                trained.entry(*global_step).or_default().insert(generation[e.worker]);
+            }
+            _ => {}
         }
     }
     let found: std::collections::BTreeSet<&str> = c
@@ -440,7 +464,12 @@ fn lost_and_repaired(c: &Cluster) -> (u64, usize) {
         .iter()
         .filter_map(|e| e.line()?.split_once("trainerd: replica check at step ")?.1.split_once(';').map(|(m, _)| m))
         .collect();
-    (lost.values().sum(), found.len())
+    let sum = |f: fn(&(u64, u64)) -> u64| reported.values().map(f).sum();
+    Counted {
+        reported: (sum(|r| r.0), sum(|r| r.1)),
+        trained: trained.values().map(|g| g.len() as u64 - 1).sum(),
+        repaired: found.len(),
+    }
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -469,7 +498,7 @@ fn soak() {
     let began = Instant::now();
     let until = began + Duration::from_secs_f64(soak.minutes * 60.0);
     let mut rows: BTreeMap<&str, (Vec<f64>, usize)> = BTreeMap::new();
-    let (mut rounds, mut commits, mut repaired, mut lost) = (0, 0, 0, 0);
+    let (mut rounds, mut commits, mut repaired, mut lost, mut trained_again) = (0, 0, 0, 0, 0);
     while rounds == 0 || Instant::now() < until {
         rounds += 1;
         let in_netns = netns_works && rounds % 2 == 0;
@@ -531,7 +560,20 @@ fn soak() {
             );
         }
         let verified = round.storage.verify_all();
-        let (l, r) = lost_and_repaired(&round.c);
+        let counted = counted(&round.c);
+        let ((again, l), r) = (counted.reported, counted.repaired);
+        assert_eq!(
+            again,
+            counted.trained,
+            "round {rounds}: the formations reported {again} step(s) trained again, the transcript shows {}\n{}",
+            counted.trained,
+            round.c.transcript()
+        );
+        assert!(
+            l == 0 && (again == 0 || r > 0),
+            "round {rounds}: {l} step(s) lost, {again} trained again with {r} repair(s)\n{}",
+            round.c.transcript()
+        );
         let found = pauses(&round.c, &round.applied, end);
         for (a, p) in round.applied.iter().zip(&found) {
             println!("  round {rounds} step {:6}  {:10}  {:60} pause {p:6.2}s", a.step, a.kind, a.what);
@@ -541,11 +583,11 @@ fn soak() {
         }
         println!(
             "soak: round {rounds} ended bitwise equal to the failure-free run on all {WORKERS} workers; {verified} \
-             commits verified; {l} step(s) trained again (lost to a failure, or undone with a corrupted replica), \
-             {r} replica mismatch(es) named and repaired; transcript in {}",
+             commits verified; {again} step(s) trained again by the formations' count and the transcript's, {l} \
+             lost; {r} replica mismatch(es) named and repaired; transcript in {}",
             kept.display()
         );
-        (commits, repaired, lost) = (commits + verified, repaired + r, lost + l);
+        (commits, repaired, lost, trained_again) = (commits + verified, repaired + r, lost + l, trained_again + again);
     }
     println!(
         "\nsoak: seed {}, {:.1} minutes, {rounds} round(s), 0 hangs",
@@ -561,7 +603,8 @@ fn soak() {
         }
     }
     println!(
-        "every round bitwise equal to the failure-free run; {commits} commits verified; {lost} step(s) trained again; \
+        "every round bitwise equal to the failure-free run; {commits} commits verified; {trained_again} step(s) \
+         trained again (the formations' count, equal to the transcript's), all of them repairs; {lost} lost; \
          {repaired} corrupted replica(s) named and repaired"
     );
 }

@@ -49,8 +49,13 @@ pub enum Event {
         global_step: u64,
         /// A generation had formed before: this one is a recovery.
         recovery: bool,
-        /// Steps the cluster had trained that this generation does not continue from.
+        /// Steps the cluster lost: trained, and not held by the state this generation continues
+        /// from, with no repair asking for it.
         steps_lost: u64,
+        /// Steps the members' states had reached that this generation does not continue from:
+        /// those lost, and those a repair of a corrupted replica went back over.
+        #[serde(default)]
+        steps_trained_again: u64,
         /// The rank the state came from, when some member received it.
         source: Option<usize>,
         /// Workers present in the generation, when fewer than `workers` (the others' slots are
@@ -70,6 +75,16 @@ pub enum Event {
         /// Global steps done.
         global_step: u64,
     },
+    /// The generation ended at a step boundary every member learned from the step's all-reduce
+    /// (a worker came back): nothing was abandoned, and every member joins the next one.
+    Ended {
+        /// The generation that ended.
+        generation: u64,
+        /// The last global step it completed.
+        step: u64,
+        /// Why.
+        reason: String,
+    },
     /// A step (or a formation, or a barrier) was abandoned: a member failed or was stopped.
     Abandoned {
         /// The generation abandoned.
@@ -87,6 +102,9 @@ pub enum Event {
         global_step: u64,
         /// Steps lost.
         steps_lost: u64,
+        /// Steps trained again (those lost, and those a repair went back over).
+        #[serde(default)]
+        steps_trained_again: u64,
         /// Seconds from the failure (or this process's start) to this step.
         seconds: f64,
     },

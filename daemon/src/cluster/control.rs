@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
 
+use super::difference;
 use super::membership::{self, Effect, Gone, Report};
 
 /// Generated gRPC code.
@@ -27,8 +28,7 @@ pub(crate) use proto::control_client::ControlClient;
 pub(crate) use proto::control_server::ControlServer;
 use proto::notice::Kind;
 
-/// The barrier after which members may leave freely: the run is over.
-pub(crate) const FINAL_BARRIER: &str = "finished";
+pub(crate) use super::membership::FINAL_BARRIER;
 /// Barrier names are bounded, and so are the barriers of a generation (a peer cannot grow the
 /// chief's memory with new names; the training loop uses two per generation at most).
 const MAX_BARRIER_NAME: usize = 64;
@@ -62,7 +62,10 @@ pub(crate) struct Formed {
     pub(crate) receivers: Vec<usize>,
     /// A generation had formed before: this one is a recovery.
     pub(crate) recovery: bool,
-    /// Steps the cluster had trained that this formation does not continue from.
+    /// Steps the members' states had reached that this formation does not continue from: every
+    /// member trains them again.
+    pub(crate) steps_trained_again: u64,
+    /// Of those, the ones no repair of a corrupted replica asked for.
     pub(crate) steps_lost: u64,
     /// The ranks in the generation, ascending (the ring's order).
     pub(crate) members: Vec<usize>,
@@ -83,6 +86,7 @@ impl Formed {
             digest: String::new(),
             receivers: Vec::new(),
             recovery: false,
+            steps_trained_again: 0,
             steps_lost: 0,
             members: vec![0],
             coordinator: 0,
@@ -103,6 +107,7 @@ impl From<&Formed> for proto::JoinReply {
             receivers: f.receivers.iter().map(|&r| r as u32).collect(),
             recovery: f.recovery,
             steps_lost: f.steps_lost,
+            steps_trained_again: f.steps_trained_again,
             members: f.members.iter().map(|&r| r as u32).collect(),
             coordinator: f.coordinator as u32,
             term: f.term,
@@ -120,6 +125,7 @@ impl From<proto::JoinReply> for Formed {
             digest: r.sha256,
             receivers: r.receivers.into_iter().map(|r| r as usize).collect(),
             recovery: r.recovery,
+            steps_trained_again: r.steps_trained_again,
             steps_lost: r.steps_lost,
             members: r.members.into_iter().map(|r| r as usize).collect(),
             coordinator: r.coordinator as usize,
@@ -130,7 +136,14 @@ impl From<proto::JoinReply> for Formed {
 
 fn report_of(r: Option<proto::StateReport>) -> Report {
     let r = r.unwrap_or_default();
-    Report { generation: r.generation, progress: (r.progress_major, r.progress_minor), digest: r.sha256 }
+    Report {
+        generation: r.generation,
+        progress: (r.progress_major, r.progress_minor),
+        digest: r.sha256,
+        reached: r.reached,
+        repaired: r.repaired,
+        members: r.members.into_iter().map(|r| r as usize).collect(),
+    }
 }
 
 /// A notice for a member's heartbeat stream.
@@ -230,6 +243,13 @@ impl Coordinator {
         }
     }
 
+    /// The ranks left out of the formed generation that joined (they came back): it ends at the
+    /// members' next step boundary. The coordinator's process raises their return flags in its
+    /// next step's all-reduce, so every member learns it at the same step.
+    pub(crate) fn returning(&self) -> Vec<usize> {
+        membership::returners(&self.lock().state, Instant::now(), &self.opts)
+    }
+
     /// Whether it is gathering members (no generation formed, or the last one ended).
     pub(crate) fn gathering(&self) -> bool {
         !self.lock().state.formed
@@ -316,6 +336,7 @@ impl Coordinator {
                     digest: f.digest,
                     receivers: f.receivers,
                     recovery: f.recovery,
+                    steps_trained_again: f.steps_trained_again,
                     steps_lost: f.steps_lost,
                     members: f.members,
                     coordinator: self.seat.rank,
@@ -415,7 +436,7 @@ impl Coordinator {
         if req.run_config_json != self.expected.run_config_json {
             return Some(format!(
                 "{who} has a different run configuration: {} on {role}",
-                json_difference(&req.run_config_json, &self.expected.run_config_json, who)
+                difference::json_difference(&req.run_config_json, &self.expected.run_config_json, who)
             ));
         }
         None
@@ -433,7 +454,6 @@ impl Coordinator {
             let mut c = self.lock();
             self.claim(&mut c, rank, incarnation)?;
             let report = report_of(req.report);
-            c.state.high_water = c.state.high_water.max(report.progress.0);
             c.addresses[rank] = req.data_address;
             if let Some(why) = &c.deposed {
                 return Err(Status::unavailable(why.clone()));
@@ -445,7 +465,14 @@ impl Coordinator {
                 return Err(Status::aborted(c.state.gave_up.clone()));
             }
             tracing::debug!("{} asks to join (term {})", self.names[rank], req.term);
+            let (formed, generation) = (c.state.formed, c.state.generation);
             let m = &mut c.state.members[rank];
+            if formed && !m.active && m.joined.is_none() {
+                eprintln!(
+                    "trainerd: {} came back; generation {generation} ends at its members' next step boundary",
+                    self.names[rank]
+                );
+            }
             m.joined = Some(report);
             m.last_seen = Instant::now();
             let seen = (c.formation.as_ref().map_or(0, |f| f.generation), c.state.give_ups);
@@ -492,7 +519,7 @@ impl Coordinator {
         } else if c.state.members[rank].incarnation != Some(beat.incarnation) {
             return false; // replaced; the Replaced notice was sent on this stream
         }
-        c.state.high_water = c.state.high_water.max(beat.step);
+        c.state.heard(beat.generation, beat.step);
         let generation = c.state.generation;
         let m = &mut c.state.members[rank];
         let newly = !m.connected;
@@ -593,38 +620,6 @@ impl Coordinator {
         })
         .await
     }
-}
-
-/// `key = theirs on WHO, ours` for the first differing key of two JSON objects.
-fn json_difference(theirs: &str, ours: &str, who: &str) -> String {
-    let parse = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap_or_default();
-    match first_difference("", &parse(theirs), &parse(ours)) {
-        Some((key, x, y)) => {
-            let show = |v: Option<&serde_json::Value>| v.map_or("(absent)".to_string(), |v| v.to_string());
-            format!("{key} = {} on {who}, {}", show(x), show(y))
-        }
-        None => format!("{theirs} on {who}, {ours}"),
-    }
-}
-
-/// The first key (dotted into objects present on both sides: `plugin.identity.module_sha256`) at
-/// which two run configurations differ, with both values.
-fn first_difference<'a>(
-    prefix: &str,
-    a: &'a serde_json::Value,
-    b: &'a serde_json::Value,
-) -> Option<(String, Option<&'a serde_json::Value>, Option<&'a serde_json::Value>)> {
-    let (serde_json::Value::Object(a), serde_json::Value::Object(b)) = (a, b) else {
-        return (a != b).then(|| (prefix.to_string(), Some(a), Some(b)));
-    };
-    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
-    keys.into_iter().find_map(|key| {
-        let dotted = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
-        match (a.get(key), b.get(key)) {
-            (Some(x), Some(y)) => first_difference(&dotted, x, y),
-            (x, y) => (x != y).then_some((dotted, x, y)),
-        }
-    })
 }
 
 pub(super) fn check_rank(rank: u32, world: usize) -> Result<usize, Status> {

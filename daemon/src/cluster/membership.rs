@@ -26,6 +26,13 @@ pub(crate) struct Report {
     pub(crate) progress: (u64, u64),
     /// sha256 of its state; empty when it has none (a fresh process).
     pub(crate) digest: String,
+    /// The furthest global step its state reached since it last adopted a formation, even where
+    /// it went back since (a repair of a corrupted replica, or a formation's first exchange).
+    pub(crate) reached: u64,
+    /// It went back from `reached` because a comparison of the replicas found a corrupted one.
+    pub(crate) repaired: bool,
+    /// The ranks of the generation it was last in (empty before its first).
+    pub(crate) members: Vec<usize>,
 }
 
 impl Report {
@@ -34,6 +41,13 @@ impl Report {
         !self.digest.is_empty()
     }
 }
+
+/// The barrier after which members may leave freely: the run is over. A return that finds
+/// members waiting in it ends the generation at once (no step boundary will come).
+pub(crate) const FINAL_BARRIER: &str = "finished";
+
+/// Why a returning member ends a generation.
+const CAME_BACK: &str = "came back: it takes its slots back";
 
 /// Why an active member is out of its generation (reported by messages).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,8 +118,9 @@ pub(crate) struct State {
     pub(crate) last_tick: Instant,
     /// The members passed the final barrier: nobody's departure is a failure any more.
     pub(crate) finished: bool,
-    /// The furthest global step heard of (beats, joins): what a formation from a state behind it
-    /// loses.
+    /// The furthest global step a member's state reached in the generation formed last, as its
+    /// beats carried it ([`State::heard`]); with the joins' `reached`, what a formation behind it
+    /// trains again. A formation sets it to its own step.
     pub(crate) high_water: u64,
     /// Why recent generations ended (the newest 16), for members that missed the notice.
     pub(crate) ended: BTreeMap<u64, String>,
@@ -142,6 +157,14 @@ impl State {
             closed: false,
             unanswered: BTreeSet::new(),
             barriers: BTreeMap::new(),
+        }
+    }
+
+    /// A beat of a member in `generation` whose state reached global step `step` in it: only the
+    /// formed generation's count (an older one's steps were counted by the formation after it).
+    pub(crate) fn heard(&mut self, generation: u64, step: u64) {
+        if self.formed && generation == self.generation {
+            self.high_water = self.high_water.max(step);
         }
     }
 
@@ -184,7 +207,7 @@ impl State {
                     }
                     m.gone = None;
                 }
-                self.high_water = self.high_water.max(f.progress.0);
+                self.high_water = f.progress.0;
                 Effect::Formed(f)
             }
             Decision::GiveUp { missing, waited } => {
@@ -252,7 +275,10 @@ pub(crate) struct Formation {
     pub(crate) members: Vec<usize>,
     /// A generation had been formed before: this one is a recovery.
     pub(crate) recovery: bool,
-    /// Steps the cluster had trained (as far as heard of) that the source's state does not hold.
+    /// Steps the members' states had reached that the source's state does not hold: every member
+    /// trains them again.
+    pub(crate) steps_trained_again: u64,
+    /// Of those, the ones no repair of a corrupted replica asked for.
     pub(crate) steps_lost: u64,
 }
 
@@ -283,21 +309,21 @@ pub(crate) fn decide(state: &State, now: Instant, opts: &Options) -> Option<Deci
     if state.finished {
         return None;
     }
-    let live = |m: &MemberState| m.connected && now.saturating_duration_since(m.last_seen) <= opts.heartbeat_deadline;
+    let live = |m: &MemberState| live(m, now, opts);
     if state.formed {
-        let failed: Vec<(usize, String)> = state
+        let mut failed: Vec<(usize, String)> = state
             .members
             .iter()
             .enumerate()
-            .filter_map(|(rank, m)| {
-                if m.active {
-                    failure(m, now, opts).map(|why| (rank, why))
-                } else {
-                    // Left out of the generation, and back: it takes its slots back.
-                    (m.joined.is_some() && live(m)).then(|| (rank, "came back: it takes its slots back".to_string()))
-                }
-            })
+            .filter(|(_, m)| m.active)
+            .filter_map(|(rank, m)| failure(m, now, opts).map(|why| (rank, why)))
             .collect();
+        // A member left out of the generation and back takes its slots back at the members' next
+        // step boundary (the coordinator's process raises the return flag in its step); with
+        // members in the final barrier no step comes, and it ends the generation at once.
+        if !failed.is_empty() || in_final_barrier(state) {
+            failed.extend(returners(state, now, opts).into_iter().map(|rank| (rank, CAME_BACK.to_string())));
+        }
         return (!failed.is_empty()).then_some(Decision::Fail(failed));
     }
     let present: Vec<usize> =
@@ -307,17 +333,19 @@ pub(crate) fn decide(state: &State, now: Instant, opts: &Options) -> Option<Deci
     }
     let rejoin = state.ever_formed || state.members.iter().any(|m| m.joined.as_ref().is_some_and(|r| r.generation > 0));
     let unseen = |m: &MemberState| now.saturating_duration_since(m.last_seen);
-    // After a formation, a member known gone (its stream closed, or silent past the deadline) is
-    // replaced once out of sight for `replace_after` (0: at once); one that is live but has not
-    // joined yet is on its way and waited for. Before it, anyone missing for the rendezvous timeout.
-    let replaceable = |m: &MemberState| match rejoin {
+    let left_out = left_out(state);
+    // After a formation, a member known gone (its stream closed, silent past the deadline, or
+    // never seen here and left out of the newest generation the joins report) is replaced once
+    // out of sight for `replace_after` (0: at once); one that is live but has not joined yet is on
+    // its way and waited for. Before it, anyone missing for the rendezvous timeout.
+    let replaceable = |r: usize, m: &MemberState| match rejoin {
         true => {
-            (m.lost || unseen(m) > opts.heartbeat_deadline)
+            (m.lost || unseen(m) > opts.heartbeat_deadline || (m.incarnation.is_none() && left_out.contains(&r)))
                 && (opts.replace_after.is_zero() || unseen(m) > opts.replace_after)
         }
         false => unseen(m) > opts.rendezvous_timeout,
     };
-    let replaceable = state.members.iter().enumerate().all(|(r, m)| present.contains(&r) || replaceable(m));
+    let replaceable = state.members.iter().enumerate().all(|(r, m)| present.contains(&r) || replaceable(r, m));
     if present.len() >= opts.min_workers && present.contains(&state.own) && replaceable {
         return Some(Decision::Form(form(state, present)));
     }
@@ -328,6 +356,37 @@ pub(crate) fn decide(state: &State, now: Instant, opts: &Options) -> Option<Deci
         return Some(Decision::GiveUp { missing, waited });
     }
     None
+}
+
+/// Whether `m` is connected and was heard from within the heartbeat deadline.
+fn live(m: &MemberState, now: Instant, opts: &Options) -> bool {
+    m.connected && now.saturating_duration_since(m.last_seen) <= opts.heartbeat_deadline
+}
+
+/// The ranks outside the formed generation that joined and are live: they came back, and take
+/// their slots back at the members' next step boundary.
+pub(crate) fn returners(state: &State, now: Instant, opts: &Options) -> Vec<usize> {
+    if !state.formed {
+        return Vec::new();
+    }
+    let back = |m: &MemberState| !m.active && m.joined.is_some() && live(m, now, opts);
+    state.members.iter().enumerate().filter(|(_, m)| back(m)).map(|(rank, _)| rank).collect()
+}
+
+/// Whether a member of the formed generation waits in its final barrier.
+fn in_final_barrier(state: &State) -> bool {
+    state
+        .barriers
+        .iter()
+        .any(|((g, name), arrived)| *g == state.generation && name == FINAL_BARRIER && !arrived.is_empty())
+}
+
+/// The ranks left out of the newest generation that a joined member reports: the coordinator
+/// before this one counted them gone.
+fn left_out(state: &State) -> Vec<usize> {
+    let newest = state.members.iter().filter_map(|m| m.joined.as_ref()).filter(|r| !r.members.is_empty());
+    let Some(newest) = newest.max_by_key(|r| r.generation) else { return Vec::new() };
+    (0..state.members.len()).filter(|r| !newest.members.contains(r)).collect()
 }
 
 /// Why an active member has failed, if it has.
@@ -380,6 +439,8 @@ fn form(state: &State, members: Vec<usize>) -> Formation {
         .copied()
         .filter(|&r| report(r).progress != chosen.progress || report(r).digest != chosen.digest)
         .collect();
+    let (reached, repaired) = reached(state, &members);
+    let step = chosen.progress.0;
     Formation {
         generation,
         source,
@@ -388,8 +449,21 @@ fn form(state: &State, members: Vec<usize>) -> Formation {
         receivers,
         members,
         recovery: state.ever_formed || seen > 0,
-        steps_lost: state.high_water.saturating_sub(chosen.progress.0),
+        steps_trained_again: reached.saturating_sub(step),
+        steps_lost: reached.saturating_sub(step.max(repaired)),
     }
+}
+
+/// How far the members' states reached since the last formation (the formed generation's beats,
+/// and the joins of `members` that were in the newest generation they report), and how far a
+/// member that went back for a repair had reached.
+fn reached(state: &State, members: &[usize]) -> (u64, u64) {
+    let reports: Vec<&Report> = members.iter().filter_map(|&r| state.members[r].joined.as_ref()).collect();
+    let newest = reports.iter().map(|r| r.generation).max().unwrap_or(0);
+    let current = || reports.iter().filter(move |r| r.generation == newest);
+    let reached = current().map(|r| r.reached).max().unwrap_or(0).max(state.high_water);
+    let repaired = current().filter(|r| r.repaired).map(|r| r.reached).max().unwrap_or(0);
+    (reached, repaired)
 }
 
 #[cfg(test)]
@@ -412,7 +486,7 @@ mod tests {
     const AT_ONCE: Options = Options { replace_after: Duration::ZERO, min_workers: 2, ..OPTS };
 
     fn report(generation: u64, step: u64, digest: &str) -> Report {
-        Report { generation, progress: (step, 0), digest: digest.into() }
+        Report { generation, progress: (step, 0), digest: digest.into(), reached: step, ..Report::default() }
     }
 
     /// Three members, formed at generation 4, all just heard from.
@@ -535,6 +609,7 @@ mod tests {
                 receivers: vec![0, 2],
                 members: vec![0, 1, 2],
                 recovery: true,
+                steps_trained_again: 0,
                 steps_lost: 0,
             }))
         );
@@ -636,14 +711,42 @@ mod tests {
     #[test]
     fn a_formation_behind_the_furthest_step_heard_of_counts_the_steps_it_loses() {
         let t0 = Instant::now();
-        // Every process restarted: the chief restored step 30, but beats had carried step 37.
+        // The chief restored step 30, but the formed generation's beats had carried step 37.
         let mut s = gathering(t0, [Some(report(4, 30, "c30")), Some(report(0, 0, "")), Some(report(0, 0, ""))]);
         s.high_water = 37;
         let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
-        assert_eq!((f.progress, f.steps_lost), ((30, 0), 7));
+        assert_eq!((f.progress, f.steps_trained_again, f.steps_lost), ((30, 0), 7, 7));
         assert_eq!(s.apply(Decision::Form(f.clone()), t0, &names()), Effect::Formed(f));
-        assert_eq!((s.generation, s.formed, s.ever_formed, s.high_water), (6, true, true, 37));
+        // The next formation counts from this one's step.
+        assert_eq!((s.generation, s.formed, s.ever_formed, s.high_water), (6, true, true, 30));
         assert!(s.members.iter().all(|m| m.active && m.joined.is_none()));
+    }
+
+    /// Found by the randomized soak, and the issue after it: members that went back to the last
+    /// compared state still report how far they had been, and a repair's steps are trained again
+    /// without being lost; the beats of an older generation count no more.
+    #[test]
+    fn a_formation_counts_the_steps_its_members_went_back_from_and_a_repair_loses_none() {
+        let t0 = Instant::now();
+        let back = |digest: &str, repaired| Report { reached: 40, repaired, ..report(4, 25, digest) };
+        // Worker 2's state was dropped (it differed); 0 and 1 went back to step 25 from step 40.
+        let odd = Report { digest: String::new(), ..back("", true) };
+        let mut s = gathering(t0, [Some(back("s25", true)), Some(back("s25", true)), Some(odd)]);
+        s.heard(4, 70);
+        assert_eq!(s.high_water, 0, "generation 4 ended: its beats are counted by the joins");
+        let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
+        assert_eq!((f.progress.0, f.steps_trained_again, f.steps_lost, f.receivers.clone()), (25, 15, 0, vec![2]));
+        s.apply(Decision::Form(f), t0, &names());
+        s.heard(6, 31);
+        s.heard(5, 90);
+        assert_eq!(s.high_water, 31, "only the formed generation's beats count");
+        // A kill at step 31 whose survivors kept step 30: one step lost, trained again.
+        s.apply(Decision::Fail(vec![(2, "died".into())]), t0, &names());
+        s.members[0].joined = Some(report(6, 30, "s30"));
+        s.members[1].joined = Some(report(6, 30, "s30"));
+        s.members[2].joined = Some(report(0, 0, ""));
+        let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
+        assert_eq!((f.progress.0, f.steps_trained_again, f.steps_lost), (30, 1, 1));
     }
 
     #[test]
@@ -801,21 +904,71 @@ mod tests {
         s.apply(Decision::Form(f), at, &names());
         assert_eq!(s.members.iter().map(|m| m.active).collect::<Vec<_>>(), [true, true, false]);
         assert_eq!(decide(&s, at, &ELASTIC), None, "worker 2's absence is no failure now");
-        // Worker 2 comes back: its stream opens and it joins.
+        // Worker 2 comes back: its stream opens and it joins. The generation goes on to the
+        // members' next step boundary, which the coordinator's process names in its step.
         let back = at + Duration::from_secs(5);
         tick(&mut s, back);
         s.members[2] =
             MemberState { connected: true, last_seen: back, joined: Some(report(0, 0, "")), ..s.members[2].clone() };
-        assert_eq!(
-            decide(&s, back, &ELASTIC),
-            Some(Decision::Fail(vec![(2, "came back: it takes its slots back".into())]))
-        );
-        s.apply(Decision::Fail(vec![(2, "came back".into())]), back, &names());
+        assert_eq!(decide(&s, back, &ELASTIC), None, "a return is not a failure");
+        assert_eq!(returners(&s, back, &ELASTIC), vec![2]);
+        // At the boundary the members rejoin with their states: the generation ends, naming the
+        // returner too, and the next formation includes it.
         for m in &mut s.members[..2] {
             m.joined = Some(report(7, 20, "b"));
         }
+        let Some(Decision::Fail(failed)) = decide(&s, back, &ELASTIC) else { panic!("the members rejoined") };
+        assert_eq!(failed.last(), Some(&(2, "came back: it takes its slots back".into())));
+        s.apply(Decision::Fail(failed), back, &names());
+        assert!(returners(&s, back, &ELASTIC).is_empty());
         let Some(Decision::Form(f)) = decide(&s, back, &ELASTIC) else { panic!("everyone is back") };
-        assert_eq!((f.members, f.source, f.receivers), (vec![0, 1, 2], 0, vec![2]));
+        assert_eq!((f.members, f.source, f.receivers, f.steps_trained_again), (vec![0, 1, 2], 0, vec![2], 0));
+    }
+
+    #[test]
+    fn a_return_while_the_members_wait_in_the_final_barrier_ends_the_generation_at_once() {
+        let t0 = Instant::now();
+        let mut s = formed(t0);
+        s.members[2].active = false;
+        s.members[2].joined = Some(report(0, 0, ""));
+        s.barriers.insert((4, "stop@80".into()), [0].into());
+        assert_eq!(decide(&s, t0, &OPTS), None, "members on their way to a stop pass a step boundary first");
+        s.barriers.insert((4, FINAL_BARRIER.into()), [0, 1].into());
+        assert_eq!(decide(&s, t0, &OPTS), Some(Decision::Fail(vec![(2, CAME_BACK.into())])));
+    }
+
+    /// Found by the randomized soak: with worker 3 held down, the chief was killed and restarted;
+    /// its new coordinator had never seen worker 3 and waited a heartbeat deadline (1.5 s) before
+    /// counting it gone, while the survivors were ready. Their joins say that their generation was
+    /// formed without worker 3: it is known gone at once. A rank the newest generation held is
+    /// still given the deadline to find the new coordinator.
+    #[test]
+    fn a_rank_the_joins_report_left_out_is_known_gone_at_once() {
+        let t0 = Instant::now();
+        let mut s = State::new(4, 0, t0);
+        let without_3 = |rank: u64| Report { members: vec![0, 1, 2], ..report(7, 300, &format!("s{rank}")) };
+        for r in 0..3 {
+            s.members[r].incarnation = Some(r as u64 + 1);
+            s.members[r].connected = true;
+            s.members[r].joined = Some(without_3(0));
+        }
+        let opts = Options { min_workers: 3, ..AT_ONCE };
+        let Some(Decision::Form(f)) = decide(&s, t0 + ms(10), &opts) else { panic!("worker 3 is known gone") };
+        assert_eq!(f.members, vec![0, 1, 2]);
+        // Had the survivors' generation held worker 3, it would be waited for.
+        for r in 0..3 {
+            s.members[r].joined = Some(Report { members: vec![0, 1, 2, 3], ..without_3(0) });
+        }
+        assert_eq!(decide(&s, t0 + ms(10), &opts), None);
+        let later = t0 + ms(1600);
+        s.last_tick = later;
+        s.members[..3].iter_mut().for_each(|m| m.last_seen = later);
+        let Some(Decision::Form(_)) = decide(&s, later, &opts) else { panic!("after the deadline") };
+        s.last_tick = t0;
+        s.members[..3].iter_mut().for_each(|m| m.last_seen = t0);
+        // An older report (a member frozen since) does not speak for the newest generation.
+        s.members[1].joined = Some(Report { members: vec![0, 1], ..report(5, 200, "old") });
+        assert_eq!(decide(&s, t0 + ms(10), &opts), None);
     }
 
     #[test]
@@ -927,6 +1080,228 @@ mod tests {
                     prop_assert!(rounds < 10, "decisions settle");
                 }
             }
+        }
+    }
+
+    /// What happens to the cluster in the counts' model.
+    #[derive(Clone, Debug)]
+    enum Happening {
+        /// The generation trains this many steps.
+        Train(u64),
+        /// A member dies inside a step: the members flagged complete it (the victim's completion
+        /// reaches the coordinator only if a beat carried it).
+        Kill { victim: usize, ahead: Vec<bool>, beaten: bool },
+        /// A comparison finds a corrupted replica: every member goes back to the last compared
+        /// step (a multiple of 10).
+        Repair,
+        /// A dead member's process starts again and comes back.
+        Restart(usize),
+    }
+
+    fn happening() -> impl Strategy<Value = Happening> {
+        prop_oneof![
+            3 => (1u64..25).prop_map(Happening::Train),
+            2 => (1usize..4, proptest::collection::vec(any::<bool>(), 4), any::<bool>())
+                .prop_map(|(victim, ahead, beaten)| Happening::Kill { victim, ahead, beaten }),
+            1 => Just(Happening::Repair),
+            2 => (1usize..4).prop_map(Happening::Restart),
+        ]
+    }
+
+    /// A member of the model: its state's step (`None`: none), how far it reached since it
+    /// adopted a formation, whether it went back for a repair, its last generation and members.
+    #[derive(Clone, Debug, Default)]
+    struct Held {
+        step: Option<u64>,
+        reached: u64,
+        repaired: bool,
+        generation: u64,
+        members: Vec<usize>,
+        alive: bool,
+    }
+
+    impl Held {
+        fn report(&self) -> Report {
+            let (generation, reached, repaired, members) =
+                (self.generation, self.reached, self.repaired, self.members.clone());
+            match self.step {
+                Some(step) => {
+                    Report { generation, progress: (step, 0), digest: format!("s{step}"), reached, repaired, members }
+                }
+                None => Report { generation, reached, repaired, members, ..Report::default() },
+            }
+        }
+    }
+
+    /// A cluster of 4 (a majority of 3 needed; the coordinator's rank 0 is never lost) whose steps
+    /// are counted twice: as the formations count them, and as trained, step by step.
+    struct Model {
+        s: State,
+        held: Vec<Held>,
+        t0: Instant,
+        incarnation: u64,
+        /// Every formation's (steps trained again, steps lost), summed.
+        counted: (u64, u64),
+        /// The furthest step trained, the steps trained again since, and the steps the repairs
+        /// sent the members back over.
+        trained: u64,
+        retrained: u64,
+        repairs: u64,
+    }
+
+    impl Model {
+        const OPTS: Options = Options { min_workers: 3, ..AT_ONCE };
+
+        fn new() -> Model {
+            let t0 = Instant::now();
+            let held = vec![Held { step: Some(0), alive: true, ..Held::default() }; 4];
+            let mut m = Model {
+                s: State::new(4, 0, t0),
+                held,
+                t0,
+                incarnation: 0,
+                counted: (0, 0),
+                trained: 0,
+                retrained: 0,
+                repairs: 0,
+            };
+            for r in 0..4 {
+                m.start(r);
+            }
+            m.settle();
+            m
+        }
+
+        fn active(&self) -> Vec<usize> {
+            (0..4).filter(|&r| self.s.members[r].active).collect()
+        }
+
+        /// Rank `r`'s process claims its rank and joins.
+        fn start(&mut self, r: usize) {
+            self.incarnation += 1;
+            let m = &mut self.s.members[r];
+            (m.incarnation, m.connected, m.lost, m.last_seen) = (Some(self.incarnation), true, false, self.t0);
+            self.join(r);
+        }
+
+        fn join(&mut self, r: usize) {
+            self.s.members[r].joined = Some(self.held[r].report());
+        }
+
+        /// The decisions until none is due; each formation adopted by its members, and counted.
+        fn settle(&mut self) {
+            while let Some(d) = decide(&self.s, self.t0, &Self::OPTS) {
+                if let Decision::Form(f) = &d {
+                    self.counted.0 += f.steps_trained_again;
+                    self.counted.1 += f.steps_lost;
+                    for &r in &f.members {
+                        let h = &mut self.held[r];
+                        (h.step, h.reached, h.repaired) = (Some(f.progress.0), f.progress.0, false);
+                        (h.generation, h.members) = (f.generation, f.members.clone());
+                    }
+                }
+                self.s.apply(d, self.t0, &names4());
+            }
+        }
+
+        /// Step `n` completed by `ranks` (their beats carry it when `beaten`).
+        fn complete(&mut self, n: u64, ranks: &[usize], beaten: bool) {
+            if ranks.is_empty() {
+                return;
+            }
+            if n <= self.trained {
+                self.retrained += 1;
+            }
+            self.trained = self.trained.max(n);
+            for &r in ranks {
+                let h = &mut self.held[r];
+                (h.step, h.reached) = (Some(n), h.reached.max(n));
+                if beaten {
+                    self.s.heard(h.generation, n);
+                }
+            }
+        }
+
+        fn step_of(&self) -> u64 {
+            self.held[0].step.expect("the coordinator's member holds a state")
+        }
+
+        /// The members end the generation with their states and rejoin (a return's boundary, a
+        /// repair), and the next one forms.
+        fn rejoin(&mut self) {
+            let alive: Vec<usize> = (0..4).filter(|&r| self.held[r].alive).collect();
+            for r in alive {
+                self.join(r);
+            }
+            self.settle();
+        }
+
+        fn happen(&mut self, h: Happening) {
+            match h {
+                Happening::Train(k) => {
+                    for _ in 0..k {
+                        let (n, ranks) = (self.step_of() + 1, self.active());
+                        self.complete(n, &ranks, true);
+                    }
+                }
+                Happening::Kill { victim, ahead, beaten } if self.active().len() == 4 => {
+                    let n = self.step_of() + 1;
+                    let survivors: Vec<usize> = (0..4).filter(|&r| r != victim && ahead[r]).collect();
+                    // Step n exists as far as positions tell: a survivor holds it, or the victim's
+                    // beat carried it before it died.
+                    match survivors.is_empty() {
+                        false => self.complete(n, &survivors, true),
+                        true if ahead[victim] && beaten => self.complete(n, &[victim], true),
+                        true => {}
+                    }
+                    self.held[victim] = Held::default();
+                    (self.s.members[victim].connected, self.s.members[victim].lost) = (false, true);
+                    self.settle();
+                    self.rejoin();
+                }
+                Happening::Repair => {
+                    let to = self.step_of() / 10 * 10;
+                    self.repairs += self.step_of() - to;
+                    for r in self.active() {
+                        (self.held[r].step, self.held[r].repaired) = (Some(to), true);
+                    }
+                    self.rejoin();
+                }
+                Happening::Restart(r) if !self.held[r].alive => {
+                    self.held[r] = Held { alive: true, ..Held::default() };
+                    self.start(r);
+                    self.settle();
+                    assert_eq!(returners(&self.s, self.t0, &Self::OPTS), vec![r], "a return waits for a boundary");
+                    let (n, ranks) = (self.step_of() + 1, self.active());
+                    self.complete(n, &ranks, true);
+                    self.rejoin();
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn names4() -> Vec<String> {
+        (0..4).map(|r| format!("worker {r}")).collect()
+    }
+
+    proptest! {
+        /// Whatever the sequence of steps, kills (the survivors a step apart, the victim ahead of
+        /// them or not), repairs of a corrupted replica and returns: summed over the formations,
+        /// the steps trained again are exactly the steps trained a second time or more, and the
+        /// steps trained again but not lost are exactly those the repairs went back over.
+        #[test]
+        fn formation_counts_equal_what_the_positions_show(happenings in proptest::collection::vec(happening(), 1..30)) {
+            let mut m = Model::new();
+            for h in happenings {
+                m.happen(h);
+                prop_assert_eq!(m.active(), (0..4).filter(|&r| m.held[r].alive).collect::<Vec<_>>());
+            }
+            // Train on past every step reached: every step owed is trained again.
+            let owed = m.trained + 1 - m.step_of();
+            m.happen(Happening::Train(owed));
+            prop_assert_eq!(m.counted.0, m.retrained, "steps trained again");
+            prop_assert_eq!(m.counted.0 - m.counted.1, m.repairs, "steps trained again for a repair");
         }
     }
 }

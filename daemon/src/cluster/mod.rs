@@ -8,6 +8,7 @@
 //! storage: a member's state is an opaque ordered progress and a digest.
 
 pub(crate) mod control;
+mod difference;
 pub(crate) mod election;
 pub(crate) mod error;
 pub(crate) mod member;

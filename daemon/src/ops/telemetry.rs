@@ -47,6 +47,7 @@ struct Series {
     failures: Counter,
     recoveries: Counter,
     steps_lost: Counter,
+    steps_trained_again: Counter,
     recovery_seconds: Histogram,
     generation: Gauge,
     slots_held: Gauge,
@@ -75,6 +76,7 @@ impl Series {
             failures: Counter::default(),
             recoveries: Counter::default(),
             steps_lost: Counter::default(),
+            steps_trained_again: Counter::default(),
             recovery_seconds: Histogram::new(exponential_buckets(0.1, 2.0, 12)),
             generation: Gauge::default(),
             slots_held: Gauge::default(),
@@ -159,6 +161,11 @@ impl Series {
             self.recoveries.clone(),
         );
         r.register("trainerd_steps_lost", "Steps the cluster lost in recoveries", self.steps_lost.clone());
+        r.register(
+            "trainerd_steps_trained_again",
+            "Steps trained again after recoveries: those lost, and those a repair of a corrupted replica went back over",
+            self.steps_trained_again.clone(),
+        );
         r.register(
             "trainerd_recovery_seconds",
             "Seconds from a failure to the first step after it",
@@ -345,10 +352,11 @@ impl Telemetry {
         self.series.replica_mismatches.get_or_create(&vec![("member", member.to_string())]).inc();
     }
 
-    /// A recovery finished: its first step is done.
-    pub(crate) fn recovered(&self, steps_lost: u64, seconds: f64) {
+    /// A recovery finished: its first step is done; it lost and trained again `steps`.
+    pub(crate) fn recovered(&self, (lost, again): (u64, u64), seconds: f64) {
         self.series.recoveries.inc();
-        self.series.steps_lost.inc_by(steps_lost);
+        self.series.steps_lost.inc_by(lost);
+        self.series.steps_trained_again.inc_by(again);
         self.series.recovery_seconds.observe(seconds);
     }
 

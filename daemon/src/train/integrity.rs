@@ -5,7 +5,9 @@
 //! computes the same [`verdict`], names the odd ones, goes back to its agreed state (the odd ones
 //! drop theirs), and abandons the generation; the next formation hands the agreed state to
 //! whoever lacks it, and the steps since are trained again, so the run stays the failure-free
-//! one, bit for bit.
+//! one, bit for bit. A comparison cut short (a member lost during its exchange) undoes nothing:
+//! the members keep the compared state, *owe* the comparison, and finish it as the next
+//! generation forms ([`Integrity::flags`]).
 
 use std::time::Instant;
 
@@ -100,14 +102,38 @@ pub(crate) struct Integrity {
     /// This process has been in a formation.
     formed_once: bool,
     agreed: Option<Agreed>,
+    /// The step of a comparison this member entered that did not complete: its state is still
+    /// that step's, not yet compared.
+    owed: Option<u64>,
+    /// The step of a comparison whose verdict (a mismatch) sent this member back: a formation
+    /// that hands it a state at or past that step took a state the verdict did not reach.
+    mismatch_at: Option<u64>,
     figures: Figures,
+}
+
+/// What a member tells the others of its comparisons as a generation forms at some step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Flags {
+    /// A mismatch it found sent it back from that step or an earlier one: the formation's state
+    /// was not compared, and every member must go back to its agreed state.
+    pub(crate) mismatch: bool,
+    /// It owes the comparison of that step: every member compares before the first step.
+    pub(crate) owes: bool,
 }
 
 impl Integrity {
     /// Comparisons on `schedule`.
     pub(crate) fn new(schedule: Schedule) -> Integrity {
         let figures = Figures { every: schedule.every, ..Figures::default() };
-        Integrity { schedule, commits: vec![schedule.commits], formed_once: false, agreed: None, figures }
+        Integrity {
+            schedule,
+            commits: vec![schedule.commits],
+            formed_once: false,
+            agreed: None,
+            owed: None,
+            mismatch_at: None,
+            figures,
+        }
     }
 
     /// This member's schedule.
@@ -125,6 +151,11 @@ impl Integrity {
         due(self.schedule.every, &self.commits, position, steps_per_epoch)
     }
 
+    /// What this member tells the others of a generation formed at global step `step`.
+    pub(crate) fn flags(&self, step: u64) -> Flags {
+        Flags { mismatch: self.mismatch_at.is_some_and(|s| step >= s), owes: self.owed == Some(step) }
+    }
+
     /// A generation formed on `state`. At this process's first formation, the state it brought
     /// (the initial one, or a restored commit, which was compared before it was committed)
     /// becomes its agreed state. Nothing else does: a state received from a peer, or trained since
@@ -132,7 +163,12 @@ impl Integrity {
     /// comparison (its bits still wrong, unseen until the next one), and going back to it would
     /// keep them. The last comparison's state is kept instead; a member without one takes the
     /// agreed state from a peer when a comparison fails (the randomized soak found this).
+    /// A comparison owed at another step is no longer this member's to finish (its state was
+    /// replaced), and a mismatch before the formation's step is repaired by it.
     pub(crate) fn formed(&mut self, state: &TrainState, received: bool) -> Result<(), Interrupt> {
+        let step = state.position().global_step;
+        self.owed = self.owed.filter(|&s| s == step);
+        self.mismatch_at = self.mismatch_at.filter(|&s| step >= s);
         let first = !std::mem::replace(&mut self.formed_once, true);
         if !first || received || !state.live() {
             return Ok(());
@@ -159,16 +195,17 @@ impl Integrity {
         trainerd_failpoint::point("replica-check");
         let (digests, coordinator) = match exchange(session, digest, coordinates) {
             Ok(exchanged) => exchanged,
-            // Interrupted (a peer failed, or found a mismatch first and left): the verdict is
-            // unknown here, so this member goes back to its agreed state, which is right either way.
+            // Interrupted (a peer failed, or the generation ended): the verdict is unknown here.
+            // The state is kept and the comparison finished as the next generation forms.
             Err(interrupt) => {
-                self.back_without_verdict(state, report, &interrupt);
+                self.cut_short(state, report, &interrupt);
                 return Err(interrupt);
             }
         };
         self.figures.checks += 1;
         self.figures.seconds += began.elapsed().as_secs_f64();
         report.replica_checked();
+        self.owed = None;
         let Some(verdict) = verdict(&digests, coordinator) else {
             self.agreed = Some(Agreed { step: state.position().global_step, digest, bytes });
             return Ok(());
@@ -198,7 +235,7 @@ impl Integrity {
             found.join(", "),
             verdict.right
         );
-        self.go_back(state, report, (mine == verdict.right, odd, why))
+        self.go_back(state, session, report, (mine == verdict.right, odd, why))
     }
 
     /// A formation found that these members (`odd`, places in the ring) held another state than
@@ -222,21 +259,44 @@ impl Integrity {
             session.generation()
         );
         let right = !odd.contains(&session.collective().rank());
-        self.go_back(state, report, (right, names, why))
+        self.go_back(state, session, report, (right, names, why))
     }
 
-    /// A comparison that did not complete: back to the agreed state if it is intact, else the
-    /// state is dropped (a peer's is taken at the next formation). Said in a line, since the
-    /// steps since are trained again.
-    fn back_without_verdict(&mut self, state: &mut TrainState, report: &mut Reporter<'_>, interrupt: &Interrupt) {
+    /// A generation formed at this member's step although these members (`finders`, places in
+    /// the ring) had found a mismatch at that step or before: a member the verdict did not reach
+    /// (its exchange cut short) was the source. Every member goes back as after the mismatch.
+    pub(crate) fn mismatch_found_before(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        report: &mut Reporter<'_>,
+        finders: &[usize],
+    ) -> Interrupt {
         let step = state.position().global_step;
+        let names: Vec<String> = finders.iter().map(|&p| session.name(session.members()[p])).collect();
+        let why = format!(
+            "generation {} formed at step {step}, but {} found the replicas' states differ at a comparison not \
+             after it",
+            session.generation(),
+            names.join(", ")
+        );
+        (self.owed, self.mismatch_at) = (None, Some(step));
+        session.went_back_for_repair();
         let what = going_back(self.back_to_agreed(state));
-        let why = match interrupt {
-            Interrupt::Abandoned(why) => why.as_str(),
-            Interrupt::Stopped => "a stop signal",
-            Interrupt::Fatal(_) => return,
-        };
-        report.line(&format!("trainerd: the replicas' comparison at step {step} did not complete ({why}); {what}"));
+        report.line(&format!("trainerd: {why}; {what}"));
+        Interrupt::Abandoned(why)
+    }
+
+    /// A comparison that did not complete: the state is kept, and the comparison of its step
+    /// owed; said in a line (a stop or a fatal error needs none).
+    fn cut_short(&mut self, state: &TrainState, report: &mut Reporter<'_>, interrupt: &Interrupt) {
+        let Interrupt::Abandoned(why) = interrupt else { return };
+        let step = state.position().global_step;
+        self.owed = Some(step);
+        report.line(&format!(
+            "trainerd: the replicas' comparison at step {step} did not complete ({why}); it is finished in the next \
+             generation"
+        ));
     }
 
     /// Puts `state` back to the agreed state, when there is one and its bytes are intact; its
@@ -256,10 +316,13 @@ impl Integrity {
     fn go_back(
         &mut self,
         state: &mut TrainState,
+        session: &mut Session,
         report: &mut Reporter<'_>,
         (right, odd, why): (bool, Vec<String>, String),
     ) -> Interrupt {
         let step = state.position().global_step;
+        (self.owed, self.mismatch_at) = (None, Some(step));
+        session.went_back_for_repair();
         let back_to = if right {
             self.back_to_agreed(state)
         } else {
@@ -269,8 +332,8 @@ impl Integrity {
         let what = going_back(back_to);
         report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
         self.figures.mismatches.push(Mismatch { step, members: odd, back_to });
-        // No abort is pushed: every member reaches the same verdict from the same digests, and a
-        // member whose comparison an abort cut short would not know it (it goes back anyway).
+        // No abort is pushed: every member reaches the same verdict from the same digests; a member
+        // whose exchange the others' leaving cut short learns it as the next generation forms.
         Interrupt::Abandoned(why)
     }
 
@@ -291,8 +354,8 @@ fn exchange(session: &mut Session, digest: u64, coordinates: bool) -> Result<(Ve
     Ok((digests, coordinator))
 }
 
-/// What a member does after a comparison failed or did not complete: back to the agreed state's
-/// step, or (`None`) it takes the agreed state from a peer.
+/// What a member does after a comparison failed: back to the agreed state's step, or (`None`) it
+/// takes the agreed state from a peer.
 fn going_back(back_to: Option<u64>) -> String {
     match back_to {
         Some(s) => format!("this worker goes back to step {s}, the last state every member agreed on"),

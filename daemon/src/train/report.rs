@@ -111,7 +111,8 @@ struct Recovering {
     since: Instant,
     generation: u64,
     step: u64,
-    steps_lost: u64,
+    /// Steps lost, and steps trained again.
+    steps: (u64, u64),
 }
 
 /// A step just done, as the hooks see it.
@@ -155,8 +156,8 @@ pub(crate) struct JoinedGeneration<'n> {
     pub(crate) global_step: u64,
     /// A generation had formed before.
     pub(crate) recovery: bool,
-    /// Steps lost.
-    pub(crate) steps_lost: u64,
+    /// Steps lost, and steps trained again (those lost, and those a repair went back over).
+    pub(crate) steps: (u64, u64),
     /// Whom the state came from (its rank and name), when some member received it.
     pub(crate) source: Option<(usize, &'n str)>,
 }
@@ -301,7 +302,8 @@ impl<'p> Reporter<'p> {
             workers: g.workers,
             global_step: g.global_step,
             recovery: g.recovery,
-            steps_lost: g.steps_lost,
+            steps_lost: g.steps.0,
+            steps_trained_again: g.steps.1,
             source: g.source.map(|(rank, _)| rank),
             present: (g.present < g.workers).then_some(g.present),
             layout: g.layout.clone(),
@@ -329,14 +331,26 @@ impl<'p> Reporter<'p> {
             None => "every member held it".to_string(),
             Some((_, name)) => format!("from {name} (sha256 verified)"),
         };
+        let (lost, again) = g.steps;
+        let repaired = if again > lost { " (a corrupted replica repaired)" } else { "" };
         self.progress.line(&format!(
-            "trainerd: generation {generation} formed at step {step}: {} step(s) lost; state {source}{short}",
-            g.steps_lost
+            "trainerd: generation {generation} formed at step {step}: {lost} step(s) lost, {again} trained \
+             again{repaired}; state {source}{short}"
         ));
         self.recovery.recoveries += 1;
-        self.recovery.steps_lost += g.steps_lost;
+        self.recovery.steps_lost += lost;
+        self.recovery.steps_trained_again += again;
         let since = self.interrupted_at.take().unwrap_or(started);
-        self.recovering = Some(Recovering { since, generation, step, steps_lost: g.steps_lost });
+        self.recovering = Some(Recovering { since, generation, step, steps: g.steps });
+    }
+
+    /// The generation ended after global step `step` at a boundary every member learned from the
+    /// step's all-reduce (`why`: a worker came back); nothing was abandoned. The pause until the
+    /// next generation's first step counts from here.
+    pub(crate) fn generation_ends(&mut self, step: u64, generation: u64, why: &str) {
+        self.interrupted_at.get_or_insert_with(Instant::now);
+        self.progress.line(&format!("trainerd: generation {generation} ends after step {step}: {why}; rejoining"));
+        self.events.emit(Event::Ended { generation, step, reason: why.to_string() });
     }
 
     /// Step `step` (1-based, global) of `generation` was abandoned because of `why`.
@@ -412,15 +426,17 @@ impl<'p> Reporter<'p> {
         let took = r.since.elapsed().as_secs_f64();
         tracing::debug!("recovery: first step done after {took:.3}s");
         self.recovery.recovery_seconds.push(took);
-        self.telemetry.recovered(r.steps_lost, took);
+        let (lost, again) = r.steps;
+        self.telemetry.recovered(r.steps, took);
         self.progress.line(&format!(
-            "trainerd: recovered at step {} (generation {}): {} step(s) lost, {took:.2}s",
-            r.step, r.generation, r.steps_lost
+            "trainerd: recovered at step {} (generation {}): {lost} step(s) lost, {again} trained again, {took:.2}s",
+            r.step, r.generation
         ));
         self.events.emit(Event::Recovered {
             generation: r.generation,
             global_step: r.step,
-            steps_lost: r.steps_lost,
+            steps_lost: lost,
+            steps_trained_again: again,
             seconds: took,
         });
     }

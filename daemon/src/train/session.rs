@@ -65,6 +65,10 @@ pub(crate) struct Session {
     /// Slots of each worker: its replicas (`--devices`) times its micro-batches (`--accumulate`);
     /// the run has `world() * slots_per_worker` slots.
     slots_per_worker: usize,
+    /// The furthest global step this member's state reached since it last adopted a formation,
+    /// and whether it went back from there for a repair: its next join says both.
+    reached: u64,
+    repaired: bool,
 }
 
 struct Member {
@@ -86,6 +90,8 @@ impl Session {
             members: vec![0],
             floor: 0,
             slots_per_worker: 1,
+            reached: 0,
+            repaired: false,
         }
     }
 
@@ -135,6 +141,8 @@ impl Session {
             members: Vec::new(),
             floor: 0,
             slots_per_worker: 1,
+            reached: 0,
+            repaired: false,
         })
     }
 
@@ -222,11 +230,31 @@ impl Session {
         }
     }
 
-    /// The global step heartbeats carry.
-    pub(crate) fn set_step(&self, step: u64) {
+    /// This member's state reached global step `step` (the furthest is what its beats and its
+    /// next join carry).
+    pub(crate) fn set_step(&mut self, step: u64) {
+        self.reached = self.reached.max(step);
         if let Some(m) = &self.cluster {
             m.plane.set_step(step);
         }
+    }
+
+    /// This member adopted the formation at global step `step`: the steps before it are counted.
+    pub(crate) fn adopted(&mut self, step: u64) {
+        (self.reached, self.repaired) = (step, false);
+        self.set_step(step);
+    }
+
+    /// This member went back (or dropped its state) because a comparison of the replicas found a
+    /// corrupted one: the steps it undid are trained again on purpose.
+    pub(crate) fn went_back_for_repair(&mut self) {
+        self.repaired = true;
+    }
+
+    /// The ranks that came back to the generation this process coordinates (none elsewhere): it
+    /// ends after the step about to be trained.
+    pub(crate) fn returning(&self) -> Vec<usize> {
+        self.cluster.as_ref().map(|m| m.plane.returning()).unwrap_or_default()
     }
 
     /// Joins the next generation with `state` (`None`: a fresh process with nothing to report),
@@ -246,6 +274,9 @@ impl Session {
                 generation: self.generation,
                 progress: s.progress(),
                 digest: s.digest().map_err(|e| Interrupt::Fatal(e.into()))?,
+                reached: self.reached.max(s.progress().0),
+                repaired: self.repaired,
+                members: self.members.clone(),
             },
             None => Report::default(),
         };

@@ -2,9 +2,13 @@
 //!
 //! A step is computed per slot (virtual rank, [`crate::collective::slots`]): a worker holding
 //! several computes them one after the other. Its all-reduce carries, besides the gradients, the
-//! step's loss and metric sums (so the progress line shows global figures) and one stop flag per
-//! slot: a member that received SIGTERM raises its slots' flags, and since every member sees the
-//! same reduced flags, they all stop at the same step without another message.
+//! step's loss and metric sums (so the progress line shows global figures), one stop flag per
+//! slot and one return flag per slot: a member that received SIGTERM raises its slots' stop
+//! flags, the coordinator's process raises the return flags of the slots of each rank that came
+//! back, and since every member sees the same reduced flags, they all stop, or end the
+//! generation, after the same step without another message. (Both sets of flags are one per
+//! slot, so the buffer's layout, and with it every sum's order, depends on the run's slots
+//! only.)
 
 use std::collections::BTreeMap;
 
@@ -48,6 +52,18 @@ pub(crate) struct StepResult {
     pub(crate) totals: Totals,
     /// The slots whose workers asked to stop after this step.
     pub(crate) stopping: Vec<usize>,
+    /// The slots whose ranks came back: the generation ends after this step.
+    pub(crate) returning: Vec<usize>,
+}
+
+/// What a worker raises in a step's tail: its stop flag, and the slots of the ranks that came
+/// back (known to the coordinator's process only).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Raised<'f> {
+    /// This worker asks to stop after the step.
+    pub(crate) stop: bool,
+    /// Per slot of the run: its rank came back (empty: none did).
+    pub(crate) back: &'f [bool],
 }
 
 /// One slot's part of a step: its slice of the global batch and its dropout seed.
@@ -79,15 +95,15 @@ pub(crate) struct Replica<'s> {
 /// replicas take them in rounds (slot i on replica i mod R; on CUDA a round's replicas compute at
 /// once), each slot from the buffers' values at the step's start (`start`, needed when more than
 /// one slot is held); then the gradients averaged over the run's slots into the first replica's
-/// (with `stop` as the stop flag of this worker's slots) and its buffers made the same on every
-/// member ([`sync_slot_buffers`]). `meanwhile` runs once the devices have their work and before
+/// (with `raised`: the stop flag of this worker's slots and the return flags) and its buffers made
+/// the same on every member ([`sync_slot_buffers`]). `meanwhile` runs once the devices have their work and before
 /// the host waits for it. The parameters are untouched: the caller applies the update.
 pub(crate) fn train_step(
     replicas: &mut [Replica<'_>],
     buckets: &mut Buckets,
     collective: &mut dyn Collective,
     (batches, start): (&[SlotBatch<'_>], &[Tensor]),
-    stop: bool,
+    raised: Raised<'_>,
     meanwhile: &mut dyn FnMut(),
 ) -> Result<StepResult, TrainError> {
     let slots = collective.slots().clone();
@@ -107,12 +123,15 @@ pub(crate) fn train_step(
         for (r, (n, loss, metrics)) in outputs.into_iter().enumerate() {
             let totals = batch_totals(n, &loss, &metrics)?;
             if slots.count == 1 {
-                return Ok(StepResult { totals, stopping: if stop { vec![0] } else { Vec::new() } });
+                let stopping = if raised.stop { vec![0] } else { Vec::new() };
+                return Ok(StepResult { totals, stopping, returning: Vec::new() });
             }
-            // The totals ride in the gradients' all-reduce (as float32), then one stop flag per slot.
+            // The totals ride in the gradients' all-reduce (as float32), then one stop flag and
+            // one return flag per slot.
             let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
             flags = extra.len();
-            extra.extend((0..slots.count).map(|s| if slots.held.contains(&s) && stop { 1.0 } else { 0.0 }));
+            extra.extend((0..slots.count).map(|s| if slots.held.contains(&s) && raised.stop { 1.0 } else { 0.0 }));
+            extra.extend((0..slots.count).map(|s| if raised.back.get(s) == Some(&true) { 1.0 } else { 0.0 }));
             buckets.stage(round * per_round + r, replicas[r].params, &extra);
             if !replicas[r].buffers.is_empty() {
                 captured.push(capture(replicas[r].buffers)?);
@@ -123,9 +142,11 @@ pub(crate) fn train_step(
     let extra = buckets.reduce(collective, first.params, batches.len())?;
     sync_slot_buffers(collective, first.buffers, captured)?;
     let reduced: Vec<f64> = extra[..flags].iter().map(|&x| f64::from(x)).collect();
+    let back = flags + slots.count;
     Ok(StepResult {
         totals: Totals::from_flat(&reduced),
         stopping: (0..slots.count).filter(|&s| extra[flags + s] > 0.0).collect(),
+        returning: (0..slots.count).filter(|&s| extra[back + s] > 0.0).collect(),
     })
 }
 

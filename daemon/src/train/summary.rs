@@ -19,6 +19,9 @@ pub(crate) struct Recovery {
     pub(crate) recoveries: u64,
     /// Steps the cluster lost in those recoveries (0 whenever a member kept the state).
     pub(crate) steps_lost: u64,
+    /// Steps trained again after those recoveries: the steps lost, and those a repair of a
+    /// corrupted replica went back over.
+    pub(crate) steps_trained_again: u64,
     /// Seconds from each failure (or this process's start, for a restarted worker) to its first
     /// step in the recovered generation.
     pub(crate) recovery_seconds: Vec<f64>,

@@ -138,7 +138,8 @@ impl Beater {
         end
     }
 
-    /// Beats into `tx` every interval, carrying this member's generation and global step.
+    /// Beats into `tx` every interval, carrying this member's generation and the furthest global step
+    /// its state reached in it.
     fn beats(&self, tx: mpsc::Sender<proto::Beat>) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (shared, rank, incarnation, interval) =
             (Arc::clone(&self.shared), self.rank, self.incarnation, self.timeouts.heartbeat_interval);
@@ -147,8 +148,9 @@ impl Beater {
                 let beat = proto::Beat {
                     rank,
                     incarnation,
-                    generation: shared.generation.load(Ordering::Relaxed),
-                    step: shared.step.load(Ordering::Relaxed),
+                    // In this order: a beat naming a new generation never carries the old one's step.
+                    generation: shared.generation.load(Ordering::SeqCst),
+                    step: shared.step.load(Ordering::SeqCst),
                     term: shared.elections.vote().term,
                 };
                 if tx.send(beat).await.is_err() {

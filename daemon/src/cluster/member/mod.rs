@@ -42,7 +42,8 @@ use watch::{JoinEnd, JoinWait};
 struct Shared {
     /// The generation this member is in (0 before the first).
     generation: AtomicU64,
-    /// Its global step, carried by the beats.
+    /// The furthest global step its state reached in its generation (0 until it adopted the
+    /// formation), carried by the beats.
     step: AtomicU64,
     abort: AbortSignal,
     /// Set when a newer process took this rank: nothing this one does counts any more.
@@ -287,9 +288,16 @@ impl ControlPlane {
         }
     }
 
-    /// The global step the beats carry.
+    /// This member's state reached global step `step` in its generation: the furthest is what
+    /// the beats carry.
     pub(crate) fn set_step(&self, step: u64) {
-        self.shared.step.store(step, Ordering::Relaxed);
+        self.shared.step.fetch_max(step, Ordering::Relaxed);
+    }
+
+    /// The ranks that came back to the generation this process coordinates (none elsewhere): it
+    /// ends at the next step boundary.
+    pub(crate) fn returning(&self) -> Vec<usize> {
+        self.seated().map(|c| c.returning()).unwrap_or_default()
     }
 
     /// Why this process no longer counts (a newer one holds its rank), if so.
@@ -345,6 +353,9 @@ impl ControlPlane {
                 progress_major: report.progress.0,
                 progress_minor: report.progress.1,
                 sha256: report.digest.clone(),
+                reached: report.reached,
+                repaired: report.repaired,
+                members: report.members.iter().map(|&r| r as u32).collect(),
             }),
             term: 0,
         };
@@ -354,7 +365,11 @@ impl ControlPlane {
         }
         let result = result?;
         self.formed_once = true;
-        self.shared.generation.store(result.generation, Ordering::Relaxed);
+        // The steps of the generation before were counted by this formation: the beats of the new
+        // one carry none until its state is adopted (stored first, so that no beat names the new
+        // generation with the old generation's step).
+        self.shared.step.store(0, Ordering::SeqCst);
+        self.shared.generation.store(result.generation, Ordering::SeqCst);
         let elections = &self.shared.elections;
         if let Err(e) =
             elections.adopt(result.term, result.coordinator).and_then(|_| elections.joined(result.generation))
@@ -640,7 +655,7 @@ mod tests {
     }
 
     fn report(generation: u64, step: u64, digest: &str) -> Report {
-        Report { generation, progress: (step, 0), digest: digest.into() }
+        Report { generation, progress: (step, 0), digest: digest.into(), reached: step, ..Report::default() }
     }
 
     /// Every plane joins with its report, in threads; the formations, by rank.

@@ -14,12 +14,11 @@ use trainerd_sdk::{InputContext, PluginInfo};
 use super::batches::Batches;
 use super::commit::{Committer, Moment};
 use super::integrity::{self, Integrity};
-use super::kernels;
 use super::replicas::Replicas;
-use super::report::{JoinedGeneration, Reporter, StepDone};
+use super::report::{Reporter, StepDone};
 use super::session::{Interrupt, Joined, Session};
 use super::startup::Data;
-use super::step::{self, SlotBatch, StepResult};
+use super::step::{self, Raised, SlotBatch, StepResult};
 use super::summary::{device_name, Summary};
 use super::{Outcome, RunConfig, TrainError};
 use crate::cluster::control::FINAL_BARRIER;
@@ -30,12 +29,26 @@ use crate::optim::schedule::lr_at;
 use crate::plugin::ModelInstance;
 use crate::state::{Position, Shareable, Totals, TrainState};
 
+mod formation;
+
 /// How training in a generation ended.
 enum Ended {
     /// Every epoch is done and evaluated.
     Finished,
     /// The workers of these slots asked to stop after the step just taken.
     Stop(Vec<usize>),
+    /// These ranks came back: the generation ends after the step just taken.
+    Return(Vec<usize>),
+}
+
+/// What follows a generation.
+enum Next {
+    /// The run is complete for every member.
+    Complete,
+    /// This worker's run ends with this outcome.
+    Exit(Outcome),
+    /// The generation ended at a step boundary (why): every member joins the next one.
+    Rejoin(String),
 }
 
 /// What the loop drives with, besides the state and the session.
@@ -113,8 +126,11 @@ impl<'a> Driver<'a> {
                 self.conclude(&mut state, &mut session, ended)
             });
             match ended {
-                Ok(Some(outcome)) => return Ok(outcome),
-                Ok(None) => break,
+                Ok(Next::Exit(outcome)) => return Ok(outcome),
+                Ok(Next::Complete) => break,
+                Ok(Next::Rejoin(why)) => {
+                    self.report.generation_ends(state.position().global_step, session.generation(), &why)
+                }
                 Err(Interrupt::Abandoned(why)) => {
                     self.report.abandoned(state.position().global_step + 1, session.generation(), &why)
                 }
@@ -146,93 +162,6 @@ impl<'a> Driver<'a> {
         lr_at(&self.cfg.schedule, self.cfg.optimizer.lr(), global_step, total_steps) * p.callbacks.lr_scale
     }
 
-    /// Takes the state a formation settled on, is admitted, and says what happened.
-    fn adopt(
-        &mut self,
-        state: &mut TrainState,
-        session: &mut Session,
-        joined: Joined,
-        started: Instant,
-    ) -> Result<(), Interrupt> {
-        let Joined { formed, received } = joined;
-        let world = session.world();
-        // A live state at the source's step that still had to receive the source's: the two
-        // differed where healthy replicas never do.
-        let differed = received.is_some() && state.live() && state.position().progress() == formed.progress;
-        self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
-        if let Some(bytes) = &received {
-            state.decode(bytes).map_err(|e| Interrupt::Fatal(e.into()))?;
-        }
-        tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
-        state.model.live = true;
-        self.coordinates = formed.coordinator == session.rank();
-        if let Some(c) = self.committer.as_mut() {
-            c.checkpointer().set_generation(formed.generation);
-        }
-        self.batches.keep(&session.collective().slots().held);
-        self.agree(state, session, (differed, formed.source))?;
-        self.integrity.formed(state, received.is_some())?;
-        let source_name = session.name(formed.source);
-        let generation = JoinedGeneration {
-            generation: formed.generation,
-            rank: session.rank(),
-            workers: world,
-            present: session.members().len(),
-            layout: (session.members().len() < world).then(|| layout(session)),
-            global_step: state.position().global_step,
-            recovery: formed.recovery,
-            steps_lost: formed.steps_lost,
-            source: (!formed.receivers.is_empty()).then_some((formed.source, source_name.as_str())),
-        };
-        self.report.joined(&generation, started);
-        Ok(())
-    }
-
-    /// What every member must agree on, exchanged once per generation before any step: its steps
-    /// per epoch (members whose input pipelines yield different counts would desynchronise the
-    /// collectives: the run is refused, naming both counts), its CPU kernels (the run's are
-    /// pinned: [`kernels`]), whether it held another state than the source's at the same step
-    /// (a corruption the formation would hide: [`Integrity::differed_at_formation`]), and its
-    /// checkpoint interval (commits are compared first). Every member sees the same values, so
-    /// every member decides alike.
-    fn agree(
-        &mut self,
-        state: &mut TrainState,
-        session: &mut Session,
-        (differed, source): (bool, usize),
-    ) -> Result<(), Interrupt> {
-        let mine = crate::sys::cpu::resolved().map_err(|e| Interrupt::Fatal(e.into()))?;
-        let present = session.collective().world();
-        let values = session.gather(&[
-            self.steps_per_epoch as f64,
-            f64::from(mine.map_or(0, |c| c.code())),
-            if differed { 1.0 } else { 0.0 },
-            self.integrity.schedule().commits as f64,
-        ])?;
-        let counts: Vec<f64> = values.iter().copied().step_by(4).collect();
-        if let Some(other) = counts.iter().position(|&c| c != counts[0]) {
-            return Err(Interrupt::Fatal(TrainError::StepsDiffer {
-                chief: session.name(session.members()[0]),
-                chief_steps: counts[0] as u64,
-                other: session.name(session.members()[other]),
-                other_steps: counts[other] as u64,
-                batch_size: self.cfg.batch_size,
-            }));
-        }
-        self.integrity.set_commits(values.iter().skip(3).step_by(4).map(|&c| c as u64).collect());
-        let odd: Vec<usize> = (0..present).filter(|p| values[4 * p + 2] > 0.5).collect();
-        if !odd.is_empty() {
-            return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
-        }
-        let codes: Vec<u8> = values.iter().skip(1).step_by(4).map(|&c| c as u8).collect();
-        let (Some(mine), Some(run)) =
-            (mine, kernels::run_capability(state.position().cpu_capability.as_deref(), &codes))
-        else {
-            return Ok(());
-        };
-        kernels::pin(&mut state.model.position, (run, mine), "the run", &mut self.report).map_err(Interrupt::Fatal)
-    }
-
     /// Trains until every epoch is done and evaluated, or a member asks to stop.
     fn train(&mut self, state: &mut TrainState, session: &mut Session) -> Result<Ended, Interrupt> {
         let epochs = self.cfg.epochs;
@@ -242,9 +171,15 @@ impl<'a> Driver<'a> {
                 self.end_epoch(state, session)?;
                 continue;
             }
-            let stopping = self.step(state, session)?;
+            let StepResult { stopping, returning, .. } = self.step(state, session)?;
             if !stopping.is_empty() {
                 return Ok(Ended::Stop(stopping));
+            }
+            if !returning.is_empty() {
+                let per_rank = session.slot_count() / session.world();
+                let mut ranks: Vec<usize> = returning.iter().map(|&s| s / per_rank).collect();
+                ranks.dedup();
+                return Ok(Ended::Return(ranks));
             }
         }
         if state.position().last_eval.is_none() && epochs > 0 && self.cfg.evaluate {
@@ -255,29 +190,67 @@ impl<'a> Driver<'a> {
         Ok(Ended::Finished)
     }
 
-    /// One step on this worker's slice of the global batch, the update, and what follows it;
-    /// the ranks that asked to stop after it.
-    fn step(&mut self, state: &mut TrainState, session: &mut Session) -> Result<Vec<usize>, Interrupt> {
+    /// One step on this worker's slice of the global batch, the update, and what follows it (its
+    /// comparison of the replicas and its commit, when due); the slots that asked to stop after
+    /// it, and the ranks that came back.
+    fn step(&mut self, state: &mut TrainState, session: &mut Session) -> Result<StepResult, Interrupt> {
         let p = state.position();
         let (epoch, step, global_step) = (p.epoch, p.step_in_epoch + 1, p.global_step);
+        trainerd_failpoint::set_step(global_step + 1);
         let held = session.collective().slots().held.clone();
         let ctxs = self.ctxs(&held, epoch, true);
         let batches = ctxs.iter().map(|ctx| self.batches.get(ctx, step - 1)).collect::<Result<Vec<_>, _>>();
         let batches = batches.map_err(Interrupt::Fatal)?;
         let seeds: Vec<i64> = held.map(|slot| p.step_seed(self.cfg.seed, slot)).collect();
         let lr = self.lr(global_step, p);
-        let stopping = self.stop.load(Ordering::Relaxed);
+        // The slots of a rank that came back: rank r's are r*k..(r+1)*k with every rank present.
+        let (back, per_rank) = (session.returning(), session.slot_count() / session.world());
+        let back: Vec<bool> = (0..session.slot_count()).map(|s| back.contains(&(s / per_rank))).collect();
+        let raised = Raised { stop: self.stop.load(Ordering::Relaxed), back: &back };
         // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
         trainerd_failpoint::point("train-step");
         let began = Instant::now();
         let slot_batches: Vec<SlotBatch<'_>> =
             batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { columns: &b.columns, seed }).collect();
-        let (result, prefetch) = self.gradients(state, session, (&ctxs, step), &slot_batches, stopping)?;
+        let (result, prefetch) = self.gradients(state, session, (&ctxs, step), &slot_batches, raised)?;
         if let Some((what, took)) = session.collective().take_setup() {
             self.report.backend_ready(session.generation(), what, took);
         }
-        let stepped = Instant::now();
-        let grad_norm = match self.unscaled(state, global_step + 1).map_err(Interrupt::Fatal)? {
+        let (grad_norm, optimizer) = self.update(state, global_step + 1, lr)?;
+        state.model.position.stepped(&result.totals);
+        let took = began.elapsed();
+        session.set_step(state.position().global_step);
+        let steps_per_epoch = self.steps_per_epoch;
+        let (position, totals) = (state.position(), &result.totals);
+        let ids: Option<Vec<(u32, u64)>> =
+            batches.iter().map(|b| b.ids.clone()).collect::<Option<Vec<Vec<_>>>>().map(|v| v.concat());
+        let ids = ids.as_deref();
+        let timing = (took, prefetch, optimizer);
+        let traffic = session.traffic();
+        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, grad_norm, timing, ids, traffic };
+        // Told before its comparison: a comparison cut short is finished, not undone, so the step
+        // stays (a mismatch's repair tells the steps it trains again once more).
+        self.report.step(&done).map_err(Interrupt::Fatal)?;
+        self.report.step_line(&done);
+        // Compared before it is committed: no commit holds a state that was not compared.
+        if self.integrity.due(state.position(), steps_per_epoch) {
+            self.check(state, session)?;
+        }
+        self.commit(Moment::Step, state)?;
+        Ok(result)
+    }
+
+    /// The update of global step `global_step` (1-based) at rate `lr` from the averaged gradient
+    /// (clipped, and unscaled under float16's loss scaling); the gradient's norm before clipping,
+    /// and the time it took.
+    fn update(
+        &mut self,
+        state: &mut TrainState,
+        global_step: u64,
+        lr: f64,
+    ) -> Result<(Option<f64>, Duration), Interrupt> {
+        let began = Instant::now();
+        let grad_norm = match self.unscaled(state, global_step).map_err(Interrupt::Fatal)? {
             true => {
                 let clipped = self.cfg.clip.apply(&state.model.params);
                 let torch = |source| Interrupt::Fatal(TrainError::Torch { what: "clipping", source });
@@ -287,33 +260,13 @@ impl<'a> Driver<'a> {
             }
             false => None,
         };
-        let optimizer = stepped.elapsed();
+        let took = began.elapsed();
         // Chaos tests corrupt a replica here, as faulty memory would.
         if trainerd_failpoint::hit("flip-bit") {
             let flipped = integrity::flip_bit(state).unwrap_or_else(|| "no parameter to flip".into());
             self.report.line(&format!("trainerd: failpoint flip-bit: {flipped}"));
         }
-        state.model.position.stepped(&result.totals);
-        let took = began.elapsed();
-        session.set_step(state.position().global_step);
-        let steps_per_epoch = self.steps_per_epoch;
-        // Compared before the step is told and committed: a step undone is told when redone.
-        if self.integrity.due(state.position(), steps_per_epoch) {
-            self.check(state, session)?;
-        }
-        let (position, totals) = (state.position(), &result.totals);
-        let ids: Option<Vec<(u32, u64)>> =
-            batches.iter().map(|b| b.ids.clone()).collect::<Option<Vec<Vec<_>>>>().map(|v| v.concat());
-        let ids = ids.as_deref();
-        let timing = (took, prefetch, optimizer);
-        let traffic = session.traffic();
-        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, grad_norm, timing, ids, traffic };
-        self.report.step(&done).map_err(Interrupt::Fatal)?;
-        if let Some(c) = self.committer.as_mut().filter(|_| self.coordinates) {
-            c.at(Moment::Step, state, &mut self.report)?;
-        }
-        self.report.step_line(&done);
-        Ok(result.stopping)
+        Ok((grad_norm, took))
     }
 
     /// Under float16's loss scaling, the averaged gradient divided by the scale and the scale
@@ -336,7 +289,7 @@ impl<'a> Driver<'a> {
     }
 
     /// Forward, backward and all-reduce of step `step` (1-based) of the epoch of `ctxs` (one per
-    /// slot held) on `batches`, with `stopping` as this worker's stop flag; the next batches are
+    /// slot held) on `batches`, with the flags this worker `raised`; the next batches are
     /// made while the device computes (the time that took is returned). A forward pass updates
     /// buffers in place: each slot starts from their values at the step's start, and an abandoned
     /// step puts them back.
@@ -346,7 +299,7 @@ impl<'a> Driver<'a> {
         session: &mut Session,
         (ctxs, step): (&[InputContext], u64),
         batches: &[SlotBatch<'_>],
-        stopping: bool,
+        raised: Raised<'_>,
     ) -> Result<(StepResult, Duration), Interrupt> {
         let saved = if session.collective().slots().count > 1 { state.model.save_buffers() } else { Vec::new() };
         let (mut prefetch, next, spe) = (Duration::ZERO, &mut self.batches, self.steps_per_epoch);
@@ -368,7 +321,7 @@ impl<'a> Driver<'a> {
         let result =
             self.replicas.of_step(self.model, (&mut model.params, &mut model.buffers), scale).and_then(|mut r| {
                 let collective = session.collective();
-                step::train_step(&mut r, &mut self.buckets, collective, (batches, &saved), stopping, &mut prefetch_next)
+                step::train_step(&mut r, &mut self.buckets, collective, (batches, &saved), raised, &mut prefetch_next)
             });
         let result = result.map_err(|e| {
             model.restore_buffers(&saved);
@@ -440,14 +393,9 @@ impl<'a> Driver<'a> {
     }
 
     /// After `train`: the end of the run (every member's final barrier, the chief's last commit
-    /// done before it), or a stop (the chief commits; then the stopped members leave). `None`
-    /// when the run is complete.
-    fn conclude(
-        &mut self,
-        state: &mut TrainState,
-        session: &mut Session,
-        ended: Ended,
-    ) -> Result<Option<Outcome>, Interrupt> {
+    /// done before it), a stop (the chief commits; then the stopped members leave), or a return
+    /// (every member meets at the step's barrier, then rejoins).
+    fn conclude(&mut self, state: &mut TrainState, session: &mut Session, ended: Ended) -> Result<Next, Interrupt> {
         match ended {
             Ended::Finished => {
                 self.check(state, session)?;
@@ -457,7 +405,15 @@ impl<'a> Driver<'a> {
                 self.report.waiting_for_cluster("waiting for every worker to finish");
                 session.barrier(FINAL_BARRIER)?;
                 session.finish();
-                Ok(None)
+                Ok(Next::Complete)
+            }
+            Ended::Return(ranks) => {
+                let names: Vec<String> = ranks.iter().map(|&r| session.name(r)).collect();
+                // Every member passed the step, its comparison and its commit before any leaves
+                // the generation (the first join ends it): nothing in flight is cut short.
+                self.report.waiting_for_cluster("waiting for every worker to end the generation");
+                session.barrier(&format!("return@{}", state.position().global_step))?;
+                Ok(Next::Rejoin(format!("{} came back: it takes its slots back", names.join(", "))))
             }
             Ended::Stop(slots) => {
                 let stopping: BTreeSet<usize> = slots.iter().map(|&slot| session.holder(slot)).collect();
@@ -468,7 +424,7 @@ impl<'a> Driver<'a> {
                 session.barrier(&format!("stop@{step}"))?;
                 if stopping.contains(&session.rank()) {
                     session.leave("was stopped (SIGTERM)");
-                    return Ok(Some(Outcome::Stopped { step, saved: self.saved(saved, state) }));
+                    return Ok(Next::Exit(Outcome::Stopped { step, saved: self.saved(saved, state) }));
                 }
                 Err(Interrupt::Abandoned(format!("{} stopped (SIGTERM) after step {step}", names.join(", "))))
             }
@@ -538,19 +494,4 @@ impl<'a> Driver<'a> {
             peak_rss_bytes: super::summary::peak_rss_bytes(),
         }
     }
-}
-
-/// Who holds which slots in the session's generation: `worker 0: slots 0-1, worker 1: slot 2`.
-fn layout(session: &Session) -> String {
-    let members = session.members();
-    let ranges = crate::collective::slots::assign(session.slot_count(), members);
-    members
-        .iter()
-        .zip(ranges)
-        .map(|(&rank, r)| match r.len() {
-            1 => format!("{}: slot {}", session.name(rank), r.start),
-            _ => format!("{}: slots {}-{}", session.name(rank), r.start, r.end - 1),
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
 }

@@ -1,0 +1,137 @@
+//! A generation's start on a member: the formation's state adopted, the first exchange (what
+//! every member must agree on, and what each knows of the comparison of the formation's step),
+//! the formation told, and a comparison owed finished before the first step.
+
+use std::time::Instant;
+
+use super::Driver;
+use crate::state::{Shareable, TrainState};
+use crate::train::commit::Moment;
+use crate::train::kernels;
+use crate::train::report::JoinedGeneration;
+use crate::train::session::{Interrupt, Joined, Session};
+use crate::train::TrainError;
+
+impl Driver<'_> {
+    /// Takes the state a formation settled on, is admitted, and says what happened; then, when a
+    /// member owes the comparison of the formation's step (one cut short), every member makes it.
+    pub(super) fn adopt(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        joined: Joined,
+        started: Instant,
+    ) -> Result<(), Interrupt> {
+        let Joined { formed, received } = joined;
+        let world = session.world();
+        // A live state at the source's step that still had to receive the source's: the two
+        // differed where healthy replicas never do.
+        let differed = received.is_some() && state.live() && state.position().progress() == formed.progress;
+        self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
+        if let Some(bytes) = &received {
+            state.decode(bytes).map_err(|e| Interrupt::Fatal(e.into()))?;
+        }
+        tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
+        state.model.live = true;
+        self.coordinates = formed.coordinator == session.rank();
+        if let Some(c) = self.committer.as_mut() {
+            c.checkpointer().set_generation(formed.generation);
+        }
+        self.batches.keep(&session.collective().slots().held);
+        let owed = self.agree(state, session, (differed, formed.source))?;
+        self.integrity.formed(state, received.is_some())?;
+        session.adopted(state.position().global_step);
+        let source_name = session.name(formed.source);
+        let generation = JoinedGeneration {
+            generation: formed.generation,
+            rank: session.rank(),
+            workers: world,
+            present: session.members().len(),
+            layout: (session.members().len() < world).then(|| layout(session)),
+            global_step: state.position().global_step,
+            recovery: formed.recovery,
+            steps: (formed.steps_lost, formed.steps_trained_again),
+            source: (!formed.receivers.is_empty()).then_some((formed.source, source_name.as_str())),
+        };
+        self.report.joined(&generation, started);
+        if owed {
+            // The comparison the last generation could not finish, and the commit it held up.
+            self.check(state, session)?;
+            self.commit(Moment::Step, state)?;
+        }
+        Ok(())
+    }
+
+    /// What every member must agree on, exchanged once per generation before any step: its steps
+    /// per epoch (members whose input pipelines yield different counts would desynchronise the
+    /// collectives: the run is refused, naming both counts), its CPU kernels (the run's are
+    /// pinned: [`kernels`]), whether it held another state than the source's at the same step
+    /// (a corruption the formation would hide: [`Integrity::differed_at_formation`]), its
+    /// checkpoint interval (commits are compared first), and what it knows of the comparison of
+    /// the formation's step ([`crate::train::integrity::Flags`]). Every member sees the same values, so every
+    /// member decides alike; whether a comparison is owed.
+    fn agree(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        (differed, source): (bool, usize),
+    ) -> Result<bool, Interrupt> {
+        const N: usize = 6;
+        let mine = crate::sys::cpu::resolved().map_err(|e| Interrupt::Fatal(e.into()))?;
+        let present = session.collective().world();
+        let flags = self.integrity.flags(state.position().global_step);
+        let flag = |b: bool| if b { 1.0 } else { 0.0 };
+        let values = session.gather(&[
+            self.steps_per_epoch as f64,
+            f64::from(mine.map_or(0, |c| c.code())),
+            flag(differed),
+            self.integrity.schedule().commits as f64,
+            flag(flags.mismatch),
+            flag(flags.owes),
+        ])?;
+        let column = |i: usize| -> Vec<f64> { values.iter().copied().skip(i).step_by(N).collect() };
+        let counts = column(0);
+        if let Some(other) = counts.iter().position(|&c| c != counts[0]) {
+            return Err(Interrupt::Fatal(TrainError::StepsDiffer {
+                chief: session.name(session.members()[0]),
+                chief_steps: counts[0] as u64,
+                other: session.name(session.members()[other]),
+                other_steps: counts[other] as u64,
+                batch_size: self.cfg.batch_size,
+            }));
+        }
+        self.integrity.set_commits(column(3).into_iter().map(|c| c as u64).collect());
+        let raised = |i: usize| -> Vec<usize> { (0..present).filter(|&p| values[N * p + i] > 0.5).collect() };
+        let odd = raised(2);
+        if !odd.is_empty() {
+            return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
+        }
+        let finders = raised(4);
+        if !finders.is_empty() {
+            return Err(self.integrity.mismatch_found_before(state, session, &mut self.report, &finders));
+        }
+        let codes: Vec<u8> = column(1).into_iter().map(|c| c as u8).collect();
+        if let (Some(mine), Some(run)) =
+            (mine, kernels::run_capability(state.position().cpu_capability.as_deref(), &codes))
+        {
+            kernels::pin(&mut state.model.position, (run, mine), "the run", &mut self.report)
+                .map_err(Interrupt::Fatal)?;
+        }
+        Ok(!raised(5).is_empty())
+    }
+}
+
+/// Who holds which slots in the session's generation: `worker 0: slots 0-1, worker 1: slot 2`.
+fn layout(session: &Session) -> String {
+    let members = session.members();
+    let ranges = crate::collective::slots::assign(session.slot_count(), members);
+    members
+        .iter()
+        .zip(ranges)
+        .map(|(&rank, r)| match r.len() {
+            1 => format!("{}: slot {}", session.name(rank), r.start),
+            _ => format!("{}: slots {}-{}", session.name(rank), r.start, r.end - 1),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
