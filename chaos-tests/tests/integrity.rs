@@ -216,7 +216,7 @@ fn a_second_kill_inside_the_comparison_that_finishes_the_first_costs_no_step_eit
     let s = summary(tmp.path(), 0);
     assert_eq!(s["params_sha256"], expected, "{transcript}");
     assert_eq!(counts(&s), (0, 0), "{transcript}");
-    assert!(s["fault_tolerance"]["recoveries"].as_u64().unwrap() >= 3, "{s}");
+    assert!(s["fault_tolerance"]["recoveries"].as_u64().unwrap() >= 2, "{s}");
     for rank in 1..WORKERS {
         assert_eq!(summary(tmp.path(), rank)["params_sha256"], expected, "worker {rank}\n{transcript}");
     }

@@ -280,10 +280,10 @@ impl Integrity {
             session.generation(),
             names.join(", ")
         );
-        (self.owed, self.mismatch_at) = (None, Some(step));
         session.went_back_for_repair();
-        let what = going_back(self.back_to_agreed(state));
-        report.line(&format!("trainerd: {why}; {what}"));
+        let back_to = self.back_to_agreed(state);
+        self.went_back(step, back_to);
+        report.line(&format!("trainerd: {why}; {}", going_back(back_to)));
         Interrupt::Abandoned(why)
     }
 
@@ -321,7 +321,6 @@ impl Integrity {
         (right, odd, why): (bool, Vec<String>, String),
     ) -> Interrupt {
         let step = state.position().global_step;
-        (self.owed, self.mismatch_at) = (None, Some(step));
         session.went_back_for_repair();
         let back_to = if right {
             self.back_to_agreed(state)
@@ -329,12 +328,22 @@ impl Integrity {
             state.model.live = false;
             None
         };
+        self.went_back(step, back_to);
         let what = going_back(back_to);
         report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
         self.figures.mismatches.push(Mismatch { step, members: odd, back_to });
         // No abort is pushed: every member reaches the same verdict from the same digests; a member
         // whose exchange the others' leaving cut short learns it as the next generation forms.
         Interrupt::Abandoned(why)
+    }
+
+    /// A verdict sent this member from its state at `step` back to its agreed state at `back_to`
+    /// (`None`: it dropped its state). Where that is an earlier step, a formation at `step` or
+    /// later took a state the verdict did not reach: [`Integrity::flags`] says so. (Where it is the
+    /// same step, or none, the formation after it is the repair itself.)
+    fn went_back(&mut self, step: u64, back_to: Option<u64>) {
+        self.owed = None;
+        self.mismatch_at = back_to.filter(|&b| b < step).map(|_| step);
     }
 
     /// What the summary says.
@@ -397,6 +406,23 @@ mod tests {
         assert_eq!(verdict(&[1, 2], 0), Some(Verdict { right: 1, odd: vec![1] }));
         assert_eq!(verdict(&[1, 2], 1), Some(Verdict { right: 2, odd: vec![0] }));
         assert_eq!(verdict(&[1, 1, 2, 2], 2), Some(Verdict { right: 2, odd: vec![0, 1] }));
+    }
+
+    /// Found by the kernels' chaos test: two workers whose initial states differed at step 0
+    /// both dropped them (nothing agreed yet), and every formation after it at step 0 was taken
+    /// for one past the mismatch, sending everyone back again, for ever. Only a member that went
+    /// back to an earlier step flags a formation at or past the mismatch.
+    #[test]
+    fn a_formation_past_a_mismatch_is_flagged_only_where_a_member_went_back_to_an_earlier_step() {
+        let mut integrity = Integrity::new(Schedule { every: 25, commits: 40 });
+        integrity.went_back(0, None);
+        assert_eq!(integrity.flags(0), Flags::default());
+        integrity.went_back(40, Some(40));
+        assert_eq!(integrity.flags(40), Flags::default());
+        integrity.went_back(40, Some(25));
+        assert_eq!(integrity.flags(40), Flags { mismatch: true, owes: false });
+        assert_eq!(integrity.flags(41), Flags { mismatch: true, owes: false });
+        assert_eq!(integrity.flags(25), Flags::default(), "the repair's own formation");
     }
 
     #[test]
