@@ -12,6 +12,15 @@ use crate::train::report::JoinedGeneration;
 use crate::train::session::{Interrupt, Joined, Session};
 use crate::train::TrainError;
 
+/// Where each of a member's values sits in the first exchange, and how many there are.
+const STEPS: usize = 0;
+const KERNELS: usize = 1;
+const DIFFERED: usize = 2;
+const COMMITS: usize = 3;
+const MISMATCH: usize = 4;
+const OWES: usize = 5;
+const N: usize = 6;
+
 impl Driver<'_> {
     /// Takes the state a formation settled on, is admitted, and says what happened; then, when a
     /// member owes the comparison of the formation's step (one cut short), every member makes it.
@@ -65,18 +74,18 @@ impl Driver<'_> {
     /// What every member must agree on, exchanged once per generation before any step: its steps
     /// per epoch (members whose input pipelines yield different counts would desynchronise the
     /// collectives: the run is refused, naming both counts), its CPU kernels (the run's are
-    /// pinned: [`kernels`]), whether it held another state than the source's at the same step
-    /// (a corruption the formation would hide: [`Integrity::differed_at_formation`]), its
-    /// checkpoint interval (commits are compared first), and what it knows of the comparison of
-    /// the formation's step ([`crate::train::integrity::Flags`]). Every member sees the same values, so every
-    /// member decides alike; whether a comparison is owed.
+    /// pinned: [`kernels`]), whether it held another state than the source's at the same step (a
+    /// corruption the formation would hide:
+    /// [`crate::train::integrity::Integrity::differed_at_formation`]), its checkpoint interval
+    /// (commits are compared first), and what it knows of the comparison of the formation's step
+    /// ([`crate::train::integrity::Flags`]). Every member sees the same values, so every member
+    /// decides alike; whether a comparison is owed.
     fn agree(
         &mut self,
         state: &mut TrainState,
         session: &mut Session,
         (differed, source): (bool, usize),
     ) -> Result<bool, Interrupt> {
-        const N: usize = 6;
         let mine = crate::sys::cpu::resolved().map_err(|e| Interrupt::Fatal(e.into()))?;
         let present = session.collective().world();
         let flags = self.integrity.flags(state.position().global_step);
@@ -90,7 +99,7 @@ impl Driver<'_> {
             flag(flags.owes),
         ])?;
         let column = |i: usize| -> Vec<f64> { values.iter().copied().skip(i).step_by(N).collect() };
-        let counts = column(0);
+        let counts = column(STEPS);
         if let Some(other) = counts.iter().position(|&c| c != counts[0]) {
             return Err(Interrupt::Fatal(TrainError::StepsDiffer {
                 chief: session.name(session.members()[0]),
@@ -100,24 +109,24 @@ impl Driver<'_> {
                 batch_size: self.cfg.batch_size,
             }));
         }
-        self.integrity.set_commits(column(3).into_iter().map(|c| c as u64).collect());
+        self.integrity.set_commits(column(COMMITS).into_iter().map(|c| c as u64).collect());
         let raised = |i: usize| -> Vec<usize> { (0..present).filter(|&p| values[N * p + i] > 0.5).collect() };
-        let odd = raised(2);
+        let odd = raised(DIFFERED);
         if !odd.is_empty() {
             return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
         }
-        let finders = raised(4);
+        let finders = raised(MISMATCH);
         if !finders.is_empty() {
             return Err(self.integrity.mismatch_found_before(state, session, &mut self.report, &finders));
         }
-        let codes: Vec<u8> = column(1).into_iter().map(|c| c as u8).collect();
+        let codes: Vec<u8> = column(KERNELS).into_iter().map(|c| c as u8).collect();
         if let (Some(mine), Some(run)) =
             (mine, kernels::run_capability(state.position().cpu_capability.as_deref(), &codes))
         {
             kernels::pin(&mut state.model.position, (run, mine), "the run", &mut self.report)
                 .map_err(Interrupt::Fatal)?;
         }
-        Ok(!raised(5).is_empty())
+        Ok(!raised(OWES).is_empty())
     }
 }
 
