@@ -465,14 +465,15 @@ impl Coordinator {
                 return Err(Status::aborted(c.state.gave_up.clone()));
             }
             tracing::debug!("{} asks to join (term {})", self.names[rank], req.term);
-            let (formed, generation) = (c.state.formed, c.state.generation);
-            let m = &mut c.state.members[rank];
-            if formed && !m.active && m.joined.is_none() {
+            let m = &c.state.members[rank];
+            if c.state.formed && !m.active && m.joined.is_none() {
                 eprintln!(
-                    "trainerd: {} came back; generation {generation} ends at its members' next step boundary",
-                    self.names[rank]
+                    "trainerd: {} came back; generation {} ends at its members' next step boundary",
+                    self.names[rank], c.state.generation
                 );
             }
+            c.state.joined(&report);
+            let m = &mut c.state.members[rank];
             m.joined = Some(report);
             m.last_seen = Instant::now();
             let seen = (c.formation.as_ref().map_or(0, |f| f.generation), c.state.give_ups);

@@ -122,6 +122,12 @@ pub(crate) struct State {
     /// beats carried it ([`State::heard`]); with the joins' `reached`, what a formation behind it
     /// trains again. A formation sets it to its own step.
     pub(crate) high_water: u64,
+    /// The generation this coordinator formed last (0: none yet).
+    pub(crate) last_formed: u64,
+    /// What every join since the last formation said of its member's position: (its generation,
+    /// how far it reached, whether it went back for a repair). Kept even where the process that
+    /// joined died since: the steps it reached are trained again.
+    pub(crate) reaches: Vec<(u64, u64, bool)>,
     /// Why recent generations ended (the newest 16), for members that missed the notice.
     pub(crate) ended: BTreeMap<u64, String>,
     /// Give-ups so far; a join waiting since before the latest one fails with its message.
@@ -151,6 +157,8 @@ impl State {
             last_tick: now,
             finished: false,
             high_water: 0,
+            last_formed: 0,
+            reaches: Vec::new(),
             ended: BTreeMap::new(),
             give_ups: 0,
             gave_up: String::new(),
@@ -161,11 +169,18 @@ impl State {
     }
 
     /// A beat of a member in `generation` whose state reached global step `step` in it: only the
-    /// formed generation's count (an older one's steps were counted by the formation after it).
+    /// generation formed last counts, while it trains and while the next one gathers (an older
+    /// one's steps were counted by the formation after it).
     pub(crate) fn heard(&mut self, generation: u64, step: u64) {
-        if self.formed && generation == self.generation {
+        if generation > 0 && generation == self.last_formed {
             self.high_water = self.high_water.max(step);
         }
+    }
+
+    /// A join's report: how far its member reached counts for the next formation, whatever
+    /// becomes of the process.
+    pub(crate) fn joined(&mut self, report: &Report) {
+        self.reaches.push((report.generation, report.reached, report.repaired));
     }
 
     /// Makes `decision`'s changes, taken at `now` (`names`: every member's, by rank), and says
@@ -207,7 +222,8 @@ impl State {
                     }
                     m.gone = None;
                 }
-                self.high_water = f.progress.0;
+                (self.high_water, self.last_formed) = (f.progress.0, f.generation);
+                self.reaches.clear();
                 Effect::Formed(f)
             }
             Decision::GiveUp { missing, waited } => {
@@ -454,15 +470,18 @@ fn form(state: &State, members: Vec<usize>) -> Formation {
     }
 }
 
-/// How far the members' states reached since the last formation (the formed generation's beats,
-/// and the joins of `members` that were in the newest generation they report), and how far a
-/// member that went back for a repair had reached.
+/// How far the members' states reached since the last formation (the beats of the generation
+/// formed last, and the joins of `members` and every other join since it, processes that died
+/// since included, from a member of the newest generation they report), and how far a member
+/// that went back for a repair had reached.
 fn reached(state: &State, members: &[usize]) -> (u64, u64) {
-    let reports: Vec<&Report> = members.iter().filter_map(|&r| state.members[r].joined.as_ref()).collect();
-    let newest = reports.iter().map(|r| r.generation).max().unwrap_or(0);
-    let current = || reports.iter().filter(move |r| r.generation == newest);
-    let reached = current().map(|r| r.reached).max().unwrap_or(0).max(state.high_water);
-    let repaired = current().filter(|r| r.repaired).map(|r| r.reached).max().unwrap_or(0);
+    let joined = members.iter().filter_map(|&r| state.members[r].joined.as_ref());
+    let mut reaches: Vec<(u64, u64, bool)> = joined.map(|r| (r.generation, r.reached, r.repaired)).collect();
+    reaches.extend_from_slice(&state.reaches);
+    let newest = reaches.iter().map(|&(g, _, _)| g).max().unwrap_or(0);
+    let current = || reaches.iter().filter(move |&&(g, _, _)| g == newest);
+    let reached = current().map(|&(_, r, _)| r).max().unwrap_or(0).max(state.high_water);
+    let repaired = current().filter(|&&(_, _, repaired)| repaired).map(|&(_, r, _)| r).max().unwrap_or(0);
     (reached, repaired)
 }
 
@@ -732,14 +751,16 @@ mod tests {
         // Worker 2's state was dropped (it differed); 0 and 1 went back to step 25 from step 40.
         let odd = Report { digest: String::new(), ..back("", true) };
         let mut s = gathering(t0, [Some(back("s25", true)), Some(back("s25", true)), Some(odd)]);
-        s.heard(4, 70);
-        assert_eq!(s.high_water, 0, "generation 4 ended: its beats are counted by the joins");
+        s.last_formed = 4;
+        s.heard(4, 40);
+        s.heard(3, 90);
+        assert_eq!(s.high_water, 40, "the beats of the generation formed last count, an older one's not");
         let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
         assert_eq!((f.progress.0, f.steps_trained_again, f.steps_lost, f.receivers.clone()), (25, 15, 0, vec![2]));
         s.apply(Decision::Form(f), t0, &names());
         s.heard(6, 31);
         s.heard(5, 90);
-        assert_eq!(s.high_water, 31, "only the formed generation's beats count");
+        assert_eq!(s.high_water, 31, "only the beats of the generation formed last count");
         // A kill at step 31 whose survivors kept step 30: one step lost, trained again.
         s.apply(Decision::Fail(vec![(2, "died".into())]), t0, &names());
         s.members[0].joined = Some(report(6, 30, "s30"));
@@ -1096,6 +1117,10 @@ mod tests {
         Repair,
         /// A dead member's process starts again and comes back.
         Restart(usize),
+        /// Two members die close together: the first inside a step that the members flagged
+        /// complete (their beats too late to count); the second after its join, before the
+        /// survivors can form; the first's new process then makes a majority.
+        TwoClose { first: usize, second: usize, ahead: Vec<bool> },
     }
 
     fn happening() -> impl Strategy<Value = Happening> {
@@ -1105,6 +1130,8 @@ mod tests {
                 .prop_map(|(victim, ahead, beaten)| Happening::Kill { victim, ahead, beaten }),
             1 => Just(Happening::Repair),
             2 => (1usize..4).prop_map(Happening::Restart),
+            1 => (1usize..4, 1usize..4, proptest::collection::vec(any::<bool>(), 4))
+                .prop_map(|(first, second, ahead)| Happening::TwoClose { first, second, ahead }),
         ]
     }
 
@@ -1185,7 +1212,9 @@ mod tests {
         }
 
         fn join(&mut self, r: usize) {
-            self.s.members[r].joined = Some(self.held[r].report());
+            let report = self.held[r].report();
+            self.s.joined(&report);
+            self.s.members[r].joined = Some(report);
         }
 
         /// The decisions until none is due; each formation adopted by its members, and counted.
@@ -1226,6 +1255,13 @@ mod tests {
             self.held[0].step.expect("the coordinator's member holds a state")
         }
 
+        /// Rank `r`'s process dies: the coordinator sees its stream close.
+        fn die(&mut self, r: usize) {
+            self.held[r] = Held::default();
+            (self.s.members[r].connected, self.s.members[r].lost) = (false, true);
+            self.settle();
+        }
+
         /// The members end the generation with their states and rejoin (a return's boundary, a
         /// repair), and the next one forms.
         fn rejoin(&mut self) {
@@ -1254,10 +1290,21 @@ mod tests {
                         true if ahead[victim] && beaten => self.complete(n, &[victim], true),
                         true => {}
                     }
-                    self.held[victim] = Held::default();
-                    (self.s.members[victim].connected, self.s.members[victim].lost) = (false, true);
-                    self.settle();
+                    self.die(victim);
                     self.rejoin();
+                }
+                Happening::TwoClose { first, second, ahead } if first != second && self.active().len() == 4 => {
+                    let n = self.step_of() + 1;
+                    let done: Vec<usize> = (0..4).filter(|&r| r != first && ahead[r]).collect();
+                    self.complete(n, &done, false);
+                    self.die(first);
+                    self.join(second);
+                    self.die(second);
+                    self.rejoin();
+                    assert!(self.active().is_empty(), "2 of 4 form nothing");
+                    self.held[first] = Held { alive: true, ..Held::default() };
+                    self.start(first);
+                    self.settle();
                 }
                 Happening::Repair => {
                     let to = self.step_of() / 10 * 10;
