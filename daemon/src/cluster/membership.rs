@@ -124,10 +124,11 @@ pub(crate) struct State {
     pub(crate) high_water: u64,
     /// The generation this coordinator formed last (0: none yet).
     pub(crate) last_formed: u64,
-    /// What every join since the last formation said of its member's position: (its generation,
-    /// how far it reached, whether it went back for a repair). Kept even where the process that
-    /// joined died since: the steps it reached are trained again.
-    pub(crate) reaches: Vec<(u64, u64, bool)>,
+    /// What the joins since the last formation said of their members' positions, by the
+    /// generation each member was last in: how far they reached, and how far those that went back
+    /// for a repair had. Kept even where the process that joined died since: the steps it reached
+    /// are trained again.
+    pub(crate) reaches: BTreeMap<u64, (u64, u64)>,
     /// Why recent generations ended (the newest 16), for members that missed the notice.
     pub(crate) ended: BTreeMap<u64, String>,
     /// Give-ups so far; a join waiting since before the latest one fails with its message.
@@ -158,7 +159,7 @@ impl State {
             finished: false,
             high_water: 0,
             last_formed: 0,
-            reaches: Vec::new(),
+            reaches: BTreeMap::new(),
             ended: BTreeMap::new(),
             give_ups: 0,
             gave_up: String::new(),
@@ -180,7 +181,7 @@ impl State {
     /// A join's report: how far its member reached counts for the next formation, whatever
     /// becomes of the process.
     pub(crate) fn joined(&mut self, report: &Report) {
-        self.reaches.push((report.generation, report.reached, report.repaired));
+        add_reach(&mut self.reaches, report);
     }
 
     /// Makes `decision`'s changes, taken at `now` (`names`: every member's, by rank), and says
@@ -475,14 +476,22 @@ fn form(state: &State, members: Vec<usize>) -> Formation {
 /// since included, from a member of the newest generation they report), and how far a member
 /// that went back for a repair had reached.
 fn reached(state: &State, members: &[usize]) -> (u64, u64) {
-    let joined = members.iter().filter_map(|&r| state.members[r].joined.as_ref());
-    let mut reaches: Vec<(u64, u64, bool)> = joined.map(|r| (r.generation, r.reached, r.repaired)).collect();
-    reaches.extend_from_slice(&state.reaches);
-    let newest = reaches.iter().map(|&(g, _, _)| g).max().unwrap_or(0);
-    let current = || reaches.iter().filter(move |&&(g, _, _)| g == newest);
-    let reached = current().map(|&(_, r, _)| r).max().unwrap_or(0).max(state.high_water);
-    let repaired = current().filter(|&&(_, _, repaired)| repaired).map(|&(_, r, _)| r).max().unwrap_or(0);
-    (reached, repaired)
+    let mut reaches = state.reaches.clone();
+    for report in members.iter().filter_map(|&r| state.members[r].joined.as_ref()) {
+        add_reach(&mut reaches, report);
+    }
+    let (reached, repaired) = reaches.last_key_value().map_or((0, 0), |(_, &r)| r);
+    (reached.max(state.high_water), repaired)
+}
+
+/// Folds what `report` says into `reaches` (by its member's last generation: the furthest step
+/// reached, and the furthest reached by a member that went back for a repair).
+fn add_reach(reaches: &mut BTreeMap<u64, (u64, u64)>, report: &Report) {
+    let (reached, repaired) = reaches.entry(report.generation).or_default();
+    *reached = (*reached).max(report.reached);
+    if report.repaired {
+        *repaired = (*repaired).max(report.reached);
+    }
 }
 
 #[cfg(test)]
