@@ -34,6 +34,16 @@ fn counts(s: &serde_json::Value) -> (u64, u64) {
     (ft["steps_lost"].as_u64().unwrap(), ft["steps_trained_again"].as_u64().unwrap())
 }
 
+/// Every worker ended with the failure-free run's parameters, and its summary counts 0 steps
+/// lost and 0 trained again.
+fn every_worker_bitwise_at_no_cost(dir: &Path, expected: &str, transcript: &str) {
+    for rank in 0..WORKERS {
+        let s = summary(dir, rank);
+        assert_eq!(s["params_sha256"], expected, "worker {rank}\n{transcript}");
+        assert_eq!(counts(&s), (0, 0), "worker {rank}\n{transcript}");
+    }
+}
+
 /// `TRAINERD_FAILPOINT` set to `point`.
 fn failpoint(point: &str) -> Vec<(String, String)> {
     vec![("TRAINERD_FAILPOINT".to_string(), point.to_string())]
@@ -187,11 +197,7 @@ fn a_comparison_cut_short_by_a_kill_is_finished_in_the_next_generation_and_costs
     assert!(!transcript.contains("trainerd: replica check at step"), "{transcript}");
     let committed = |e: &trainerd_testkit::Entry| matches!(e.event(), Some(Event::Committed { global_step: 40, .. }));
     assert!(c.seen.iter().any(|e| e.worker == 0 && committed(e)), "the commit of step 40\n{transcript}");
-    for rank in 0..WORKERS {
-        let s = summary(tmp.path(), rank);
-        assert_eq!(s["params_sha256"], expected, "worker {rank}\n{transcript}");
-        assert_eq!(counts(&s), (0, 0), "worker {rank}\n{transcript}");
-    }
+    every_worker_bitwise_at_no_cost(tmp.path(), expected, &transcript);
 }
 
 /// Two kills in a row: worker 1 is killed inside the comparison at step 40, and worker 2 inside
@@ -248,11 +254,7 @@ fn a_return_inside_a_comparison_waits_for_the_step_boundary_and_costs_no_step() 
     assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
     let transcript = c.transcript();
     assert!(!transcript.contains("did not complete"), "{transcript}");
-    for rank in 0..WORKERS {
-        let s = summary(tmp.path(), rank);
-        assert_eq!(s["params_sha256"], expected, "worker {rank}\n{transcript}");
-        assert_eq!(counts(&s), (0, 0), "worker {rank}\n{transcript}");
-    }
+    every_worker_bitwise_at_no_cost(tmp.path(), expected, &transcript);
 }
 
 /// A corrupted replica whose comparison a kill cuts short: worker 2's bits flip after step 30,
