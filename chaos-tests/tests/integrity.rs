@@ -62,14 +62,19 @@ fn run(flip: Option<(usize, u32)>) -> (Vec<serde_json::Value>, String) {
     ((0..WORKERS).map(|r| summary(tmp.path(), r)).collect(), c.transcript())
 }
 
-/// The failure-free run's parameters (`args`), run once per test binary.
-fn reference() -> &'static str {
-    static REFERENCE: OnceLock<String> = OnceLock::new();
+/// The failure-free run's (`args`) summary of worker 0, run once per test binary.
+fn reference_summary() -> &'static serde_json::Value {
+    static REFERENCE: OnceLock<serde_json::Value> = OnceLock::new();
     REFERENCE.get_or_init(|| {
         let (reference, _) = run(None);
         assert!(reference.iter().all(|s| s["integrity"]["mismatches"] == serde_json::json!([])));
-        reference[0]["params_sha256"].as_str().unwrap().to_string()
+        reference.into_iter().next().unwrap()
     })
+}
+
+/// The failure-free run's parameters.
+fn reference() -> &'static str {
+    reference_summary()["params_sha256"].as_str().unwrap()
 }
 
 /// A bit of `victim`'s parameters flipped after its 30th step: the check at step 40 (a commit's)
@@ -197,6 +202,29 @@ fn a_comparison_cut_short_by_a_kill_is_finished_in_the_next_generation_and_costs
     assert!(!transcript.contains("trainerd: replica check at step"), "{transcript}");
     let committed = |e: &trainerd_testkit::Entry| matches!(e.event(), Some(Event::Committed { global_step: 40, .. }));
     assert!(c.seen.iter().any(|e| e.worker == 0 && committed(e)), "the commit of step 40\n{transcript}");
+    every_worker_bitwise_at_no_cost(tmp.path(), expected, &transcript);
+}
+
+/// A comparison at an epoch's end cut short: worker 1 is killed inside the comparison of step
+/// 120, the first epoch's last. The survivors owe it; the next generation forms at the epoch's
+/// end, whose own comparison finishes it (once: worker 0 compares exactly as often as in the
+/// failure-free run), then evaluates and commits. Nothing is lost or trained again.
+#[test]
+fn a_comparison_cut_short_at_an_epochs_end_is_finished_once_by_the_epochs_end() {
+    let expected = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let first_env = vec![vec![], failpoint("replica-check@step=120")];
+    let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], first_env, RESTART_SEC);
+    c.wait_line(1, "trainerd: failpoint replica-check reached", 0, DEADLINE);
+    c.signal(1, libc::SIGKILL);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    let transcript = c.transcript();
+    let owed = c.lines_of(0, "trainerd: the replicas' comparison at step 120 did not complete (");
+    assert_eq!(owed.len(), 1, "{transcript}");
+    assert!(!transcript.contains("trainerd: replica check at step"), "{transcript}");
+    let checks = |s: &serde_json::Value| s["integrity"]["checks"].as_u64().unwrap();
+    let s = summary(tmp.path(), 0);
+    assert_eq!(checks(&s), checks(reference_summary()), "compared once more than the failure-free run\n{transcript}");
     every_worker_bitwise_at_no_cost(tmp.path(), expected, &transcript);
 }
 

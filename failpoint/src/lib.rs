@@ -3,9 +3,10 @@
 //! do a fault on purpose (flip a bit of its state, as faulty memory would).
 //!
 //! `TRAINERD_FAILPOINT=NAME@N` arms the N-th time the process reaches NAME (counting from 1);
-//! `TRAINERD_FAILPOINT=NAME@step=S` arms the first time it reaches NAME while it trains global
-//! step S (1-based, as the training loop says with [`set_step`]), so that a test's point falls on
-//! the step it means whatever else the process did before (a recovery's extra all-reduces, a
+//! `TRAINERD_FAILPOINT=NAME@step=S` arms the first time it reaches NAME from the start of global
+//! step S (1-based, as the training loop says with [`set_step`]) until step S+1 starts: in the
+//! step, its comparison of the replicas and its commit, or a formation that follows it. So a
+//! test's point falls on the step it means whatever else the process did before (a recovery's extra all-reduces, a
 //! comparison of the replicas). A [`point`] pauses there, for good or, when
 //! `TRAINERD_FAILPOINT_RELEASE` names a file, until that file exists; a [`hit`] says so to its
 //! caller; both print `trainerd: failpoint NAME reached` to standard error. Unset, as in
@@ -25,7 +26,7 @@ pub const RELEASE: &str = "TRAINERD_FAILPOINT_RELEASE";
 enum When {
     /// The N-th visit (from 1).
     Visit(u64),
-    /// The first visit while global step S is trained.
+    /// The first visit from the start of global step S until step S+1 starts.
     Step(u64),
 }
 

@@ -468,7 +468,8 @@ impl Coordinator {
             let m = &c.state.members[rank];
             if c.state.formed && !m.active && m.joined.is_none() {
                 eprintln!(
-                    "trainerd: {} came back; generation {} ends at its members' next step boundary",
+                    "trainerd: {} came back; generation {} ends at its members' next step boundary (at once \
+                     where they wait at the run's end)",
                     self.names[rank], c.state.generation
                 );
             }

@@ -47,7 +47,7 @@ impl Report {
 pub(crate) const FINAL_BARRIER: &str = "finished";
 
 /// Why a returning member ends a generation.
-const CAME_BACK: &str = "came back: it takes its slots back";
+pub(crate) const CAME_BACK: &str = "came back: it takes its slots back";
 
 /// Why an active member is out of its generation (reported by messages).
 #[derive(Clone, Debug, PartialEq, Eq)]

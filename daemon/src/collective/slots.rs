@@ -57,6 +57,26 @@ pub(crate) fn holder(count: usize, present: &[usize], slot: usize) -> usize {
     assign(count, present).iter().position(|r| r.contains(&slot)).expect("every slot is held")
 }
 
+/// Per slot of a run of `count` slots, whether the rank that holds it with all `world` ranks
+/// present is one of `ranks`: how a rank's flag travels in a step's per-slot tail.
+pub(crate) fn of_ranks(count: usize, world: usize, ranks: &[usize]) -> Vec<bool> {
+    let all: Vec<usize> = (0..world).collect();
+    let mut flags = vec![false; count];
+    for (rank, held) in assign(count, &all).into_iter().enumerate() {
+        if ranks.contains(&rank) {
+            flags[held].fill(true);
+        }
+    }
+    flags
+}
+
+/// The ranks (of `world`, all present) that hold any of `slots`, ascending: [`of_ranks`] read back.
+pub(crate) fn ranks_of(count: usize, world: usize, slots: &[usize]) -> Vec<usize> {
+    let all: Vec<usize> = (0..world).collect();
+    let held = assign(count, &all);
+    (0..world).filter(|&r| slots.iter().any(|s| held[r].contains(s))).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,6 +110,17 @@ mod tests {
             prop_assert_eq!(flat, (0..count).collect::<Vec<_>>());
             let (min, max) = (ranges.iter().map(|r| r.len()).min().unwrap(), ranges.iter().map(|r| r.len()).max().unwrap());
             prop_assert!(min >= 1 && max - min <= 1);
+        }
+
+        /// The ranks a step's tail carries (as flags per slot) read back as the same ranks.
+        #[test]
+        fn ranks_flagged_per_slot_read_back_as_themselves(world in 1usize..8, extra in 0usize..8, mask in 0u32..256) {
+            let count = world + extra;
+            let ranks: Vec<usize> = (0..world).filter(|r| mask & (1 << r) != 0).collect();
+            let flags = of_ranks(count, world, &ranks);
+            prop_assert_eq!(flags.len(), count);
+            let slots: Vec<usize> = (0..count).filter(|&s| flags[s]).collect();
+            prop_assert_eq!(ranks_of(count, world, &slots), ranks);
         }
     }
 }

@@ -164,7 +164,7 @@ impl Integrity {
     /// keep them. The last comparison's state is kept instead; a member without one takes the
     /// agreed state from a peer when a comparison fails (the randomized soak found this).
     /// A comparison owed at another step is no longer this member's to finish (its state was
-    /// replaced), and a mismatch before the formation's step is repaired by it.
+    /// replaced), and a formation before a mismatch's step is its repair.
     pub(crate) fn formed(&mut self, state: &TrainState, received: bool) -> Result<(), Interrupt> {
         let step = state.position().global_step;
         self.owed = self.owed.filter(|&s| s == step);

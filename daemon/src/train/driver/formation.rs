@@ -63,8 +63,9 @@ impl Driver<'_> {
             source: (!formed.receivers.is_empty()).then_some((formed.source, source_name.as_str())),
         };
         self.report.joined(&generation, started);
-        if owed {
-            // The comparison the last generation could not finish, and the commit it held up.
+        // The comparison the last generation could not finish, and the commit it held up. At an
+        // epoch's end or the run's, the training loop begins with that comparison and commit.
+        if owed && self.steps_next(state.position()) {
             self.check(state, session)?;
             self.commit(Moment::Step, state)?;
         }

@@ -22,8 +22,10 @@ use super::step::{self, Raised, SlotBatch, StepResult};
 use super::summary::{device_name, Summary};
 use super::{Outcome, RunConfig, TrainError};
 use crate::cluster::control::FINAL_BARRIER;
+use crate::cluster::membership::CAME_BACK;
 use crate::cluster::ClusterError;
 use crate::collective::buckets::Buckets;
+use crate::collective::slots;
 use crate::input::Data as Input;
 use crate::optim::schedule::lr_at;
 use crate::plugin::ModelInstance;
@@ -162,6 +164,12 @@ impl<'a> Driver<'a> {
         lr_at(&self.cfg.schedule, self.cfg.optimizer.lr(), global_step, total_steps) * p.callbacks.lr_scale
     }
 
+    /// Whether the training loop's next move from `p` is a step (else an epoch's end, or the
+    /// run's, each of which begins with a comparison of the replicas).
+    fn steps_next(&self, p: &Position) -> bool {
+        p.epoch < self.cfg.epochs && p.callbacks.stopped_after.is_none() && p.step_in_epoch < self.steps_per_epoch
+    }
+
     /// Trains until every epoch is done and evaluated, or a member asks to stop.
     fn train(&mut self, state: &mut TrainState, session: &mut Session) -> Result<Ended, Interrupt> {
         let epochs = self.cfg.epochs;
@@ -176,10 +184,7 @@ impl<'a> Driver<'a> {
                 return Ok(Ended::Stop(stopping));
             }
             if !returning.is_empty() {
-                let per_rank = session.slot_count() / session.world();
-                let mut ranks: Vec<usize> = returning.iter().map(|&s| s / per_rank).collect();
-                ranks.dedup();
-                return Ok(Ended::Return(ranks));
+                return Ok(Ended::Return(slots::ranks_of(session.slot_count(), session.world(), &returning)));
             }
         }
         if state.position().last_eval.is_none() && epochs > 0 && self.cfg.evaluate {
@@ -203,9 +208,10 @@ impl<'a> Driver<'a> {
         let batches = batches.map_err(Interrupt::Fatal)?;
         let seeds: Vec<i64> = held.map(|slot| p.step_seed(self.cfg.seed, slot)).collect();
         let lr = self.lr(global_step, p);
-        // The slots of a rank that came back: rank r's are r*k..(r+1)*k with every rank present.
-        let (back, per_rank) = (session.returning(), session.slot_count() / session.world());
-        let back: Vec<bool> = (0..session.slot_count()).map(|s| back.contains(&(s / per_rank))).collect();
+        // The slots of the ranks that came back (known to the coordinator's process only).
+        let back = session.returning();
+        let back =
+            if back.is_empty() { Vec::new() } else { slots::of_ranks(session.slot_count(), session.world(), &back) };
         let raised = Raised { stop: self.stop.load(Ordering::Relaxed), back: &back };
         // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
         trainerd_failpoint::point("train-step");
@@ -413,7 +419,7 @@ impl<'a> Driver<'a> {
                 // the generation (the first join ends it): nothing in flight is cut short.
                 self.report.waiting_for_cluster("waiting for every worker to end the generation");
                 session.barrier(&format!("return@{}", state.position().global_step))?;
-                Ok(Next::Rejoin(format!("{} came back: it takes its slots back", names.join(", "))))
+                Ok(Next::Rejoin(format!("{} {CAME_BACK}", names.join(", "))))
             }
             Ended::Stop(slots) => {
                 let stopping: BTreeSet<usize> = slots.iter().map(|&slot| session.holder(slot)).collect();
