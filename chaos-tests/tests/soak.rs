@@ -455,14 +455,12 @@ struct Counted {
 fn counted(c: &Cluster) -> Counted {
     let mut reported = BTreeMap::new();
     let mut generation = [0u64; WORKERS];
-    let mut trained: BTreeMap<u64, std::collections::BTreeSet<u64>> = BTreeMap::new();
-    // Who completed each step (worker, where in the transcript), and where each worker died.
-    let mut holders: BTreeMap<u64, Vec<(usize, usize)>> = BTreeMap::new();
+    // Who completed each step in each generation (worker, where in the transcript), where each
+    // generation formed (its first join), and where each worker died.
+    let mut held_in: BTreeMap<(u64, u64), Vec<(usize, usize)>> = BTreeMap::new();
+    let mut formed: BTreeMap<u64, usize> = BTreeMap::new();
     let mut died: Vec<Vec<usize>> = vec![Vec::new(); WORKERS];
     let (mut unexplained, mut formed_at) = (Vec::new(), 0);
-    // Where each generation formed (its first join), and each generation's holders of each step.
-    let mut formed: BTreeMap<u64, usize> = BTreeMap::new();
-    let mut held_in: BTreeMap<(u64, u64), Vec<(usize, usize)>> = BTreeMap::new();
     for (i, e) in c.seen.iter().enumerate() {
         match (&e.what, e.event()) {
             (_, Some(Event::Joined { generation: g, global_step, steps_lost, steps_trained_again, .. })) => {
@@ -474,7 +472,7 @@ fn counted(c: &Cluster) -> Counted {
                     let dead = |&(w, at): &(usize, usize)| died[w].iter().any(|&d| at < d && d < i);
                     for lost in global_step + 1..=global_step + steps_lost {
                         let held: Vec<&(usize, usize)> =
-                            holders.get(&lost).into_iter().flatten().filter(since).collect();
+                            held_in.range((lost, 0)..=(lost, u64::MAX)).flat_map(|(_, h)| h).filter(since).collect();
                         if held.is_empty() || !held.into_iter().all(dead) {
                             unexplained.push(lost);
                         }
@@ -483,8 +481,6 @@ fn counted(c: &Cluster) -> Counted {
                 }
             }
             (_, Some(Event::Step { global_step, .. })) => {
-                trained.entry(*global_step).or_default().insert(generation[e.worker]);
-                holders.entry(*global_step).or_default().push((e.worker, i));
                 held_in.entry((*global_step, generation[e.worker])).or_default().push((e.worker, i));
             }
             (What::Died(_), _) => died[e.worker].push(i),
@@ -501,15 +497,17 @@ fn counted(c: &Cluster) -> Counted {
     let unheard = held_in
         .iter()
         .filter(|((step, g), held)| {
-            let later = trained[step].iter().any(|t| t > g);
+            let later = held_in.range((*step, g + 1)..=(*step, u64::MAX)).next().is_some();
             let next = formed.range(g + 1..).next().map_or(usize::MAX, |(_, &at)| at);
             later && held.iter().all(|&(w, at)| died[w].iter().any(|&d| at < d && d < next))
         })
         .count() as u64;
     let sum = |f: fn(&(u64, u64)) -> u64| reported.values().map(f).sum();
+    // Each step once, and once more for each further generation that trained it.
+    let steps: std::collections::BTreeSet<u64> = held_in.keys().map(|&(step, _)| step).collect();
     Counted {
         reported: (sum(|r| r.0), sum(|r| r.1)),
-        trained: trained.values().map(|g| g.len() as u64 - 1).sum(),
+        trained: (held_in.len() - steps.len()) as u64,
         unheard,
         repaired: found.len(),
         unexplained,
