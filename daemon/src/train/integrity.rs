@@ -11,11 +11,11 @@
 
 use std::time::Instant;
 
-use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::report::Reporter;
 use super::session::{Interrupt, Session};
+use super::summary::{ReplicaFigures, ReplicaMismatch};
 use crate::state::{Position, Shareable, TrainState};
 
 /// The default of `--replica-check-every`: at mnist-cnn's step on this project's CPUs the check
@@ -63,30 +63,6 @@ pub(crate) fn verdict(digests: &[u64], coordinator: usize) -> Option<Verdict> {
     Some(Verdict { right, odd })
 }
 
-/// One mismatch, as the summary tells it.
-#[derive(Clone, Debug, Serialize)]
-pub(crate) struct Mismatch {
-    /// The global step of the states compared.
-    pub(crate) step: u64,
-    /// The members whose state differed.
-    pub(crate) members: Vec<String>,
-    /// The step this worker went back to (none: it dropped its state and took a peer's).
-    pub(crate) back_to: Option<u64>,
-}
-
-/// What the summary says of the comparisons.
-#[derive(Clone, Debug, Default, Serialize)]
-pub(crate) struct Figures {
-    /// The interval in steps (0: only before commits).
-    pub(crate) every: u64,
-    /// Comparisons made.
-    pub(crate) checks: u64,
-    /// Seconds they took (encoding, hashing, the all-reduce), in all.
-    pub(crate) seconds: f64,
-    /// Each mismatch found.
-    pub(crate) mismatches: Vec<Mismatch>,
-}
-
 /// The last state every member agreed on: its step, its digest, its bytes.
 struct Agreed {
     step: u64,
@@ -108,7 +84,7 @@ pub(crate) struct Integrity {
     /// The step of a comparison whose verdict (a mismatch) sent this member back: a formation
     /// that hands it a state at or past that step took a state the verdict did not reach.
     mismatch_at: Option<u64>,
-    figures: Figures,
+    figures: ReplicaFigures,
 }
 
 /// What a member tells the others of its comparisons as a generation forms at some step.
@@ -124,7 +100,7 @@ pub(crate) struct Flags {
 impl Integrity {
     /// Comparisons on `schedule`.
     pub(crate) fn new(schedule: Schedule) -> Integrity {
-        let figures = Figures { every: schedule.every, ..Figures::default() };
+        let figures = ReplicaFigures { every: schedule.every, ..ReplicaFigures::default() };
         Integrity {
             schedule,
             commits: vec![schedule.commits],
@@ -331,7 +307,7 @@ impl Integrity {
         self.went_back(step, back_to);
         let what = going_back(back_to);
         report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
-        self.figures.mismatches.push(Mismatch { step, members: odd, back_to });
+        self.figures.mismatches.push(ReplicaMismatch { step, members: odd, back_to });
         // No abort is pushed: every member reaches the same verdict from the same digests; a member
         // whose exchange the others' leaving cut short learns it as the next generation forms.
         Interrupt::Abandoned(why)
@@ -347,7 +323,7 @@ impl Integrity {
     }
 
     /// What the summary says.
-    pub(crate) fn figures(&self) -> Figures {
+    pub(crate) fn figures(&self) -> ReplicaFigures {
         self.figures.clone()
     }
 }

@@ -10,6 +10,30 @@ use trainerd_sdk::{LrSchedule, OptimizerConfig};
 
 use crate::input::DataFigures;
 
+/// One mismatch the replicas' comparison found, as the summary tells it.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct ReplicaMismatch {
+    /// The global step of the states compared.
+    pub(crate) step: u64,
+    /// The members whose state differed.
+    pub(crate) members: Vec<String>,
+    /// The step this worker went back to (none: it dropped its state and took a peer's).
+    pub(crate) back_to: Option<u64>,
+}
+
+/// What the summary says of the replicas' comparisons.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct ReplicaFigures {
+    /// The interval in steps (0: only before commits).
+    pub(crate) every: u64,
+    /// Comparisons made.
+    pub(crate) checks: u64,
+    /// Seconds they took (encoding, hashing, the all-reduce), in all.
+    pub(crate) seconds: f64,
+    /// Each mismatch found.
+    pub(crate) mismatches: Vec<ReplicaMismatch>,
+}
+
 /// Failures and recoveries this worker went through.
 #[derive(Clone, Debug, Default, Serialize)]
 pub(crate) struct Recovery {
@@ -114,7 +138,7 @@ pub(crate) struct Summary {
     /// Failures and recoveries.
     pub(crate) fault_tolerance: Recovery,
     /// The replicas' comparisons, and every mismatch found (docs/fault-tolerance.md).
-    pub(crate) integrity: super::integrity::Figures,
+    pub(crate) integrity: ReplicaFigures,
     /// Why the last checkpoint commit failed, if it did (the run's result is then not durable).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) checkpoint_error: Option<String>,
