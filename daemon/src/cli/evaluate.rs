@@ -12,7 +12,7 @@ use crate::ops::log::LogFormat;
 use crate::ops::progress::Progress;
 use crate::plugin::Plugin;
 use crate::sys::accel::{self, CudaLibrary};
-use crate::train::evaluate::EvalConfig;
+use crate::train::jobs::EvalConfig;
 use trainerd_sdk::Split;
 
 /// Runs `trainerd evaluate`; its exit status.

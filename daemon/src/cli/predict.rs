@@ -8,7 +8,7 @@ use super::stop_flag;
 use crate::ops::log::LogFormat;
 use crate::ops::progress::Progress;
 use crate::sys::accel::CudaLibrary;
-use crate::train::predict::PredictConfig;
+use crate::train::jobs::PredictConfig;
 
 /// Runs `trainerd predict`; its exit status.
 pub(crate) fn predict(args: PredictArgs, cuda: CudaLibrary, log_format: LogFormat) -> anyhow::Result<i32> {

@@ -8,8 +8,7 @@
 
 use serde_json::json;
 
-use super::evaluate::EvalConfig;
-use super::predict::PredictConfig;
+use super::jobs::{EvalConfig, PredictConfig};
 use super::RunConfig;
 use crate::state::{ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY};
 

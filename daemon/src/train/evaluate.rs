@@ -12,51 +12,20 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use serde::Serialize;
-use tch::Device;
 use trainerd_sdk::PluginInfo;
-use trainerd_storage::{Location, S3Options};
 
 use crate::cluster::control::FINAL_BARRIER;
-use crate::cluster::{ClusterConfig, Network, Timeouts};
-use crate::input::{Data, DataSource};
+use crate::input::Data;
 use crate::ops::progress::Progress;
 use crate::plugin::Plugin;
 use crate::state::{Meta, ModelState, Reader, Shareable, Totals};
 use crate::train::agreement::{agreement, Job};
 use crate::train::batches::input_context;
+use crate::train::jobs::EvalConfig;
 use crate::train::session::{Interrupt, Session};
 use crate::train::step;
 use crate::train::summary::device_name;
 use crate::train::TrainError;
-
-/// What to evaluate and where.
-#[derive(Clone, Debug)]
-pub(crate) struct EvalConfig {
-    /// The data: the plugin's own format, or a columnar dataset.
-    pub(crate) data: DataSource,
-    /// The plugin's configuration every worker must share ([`crate::plugin::Plugin::agreement`]).
-    pub(crate) plugin: Option<serde_json::Value>,
-    /// The forward pass's precision.
-    pub(crate) precision: crate::optim::precision::Precision,
-    /// Where the checkpoints are.
-    pub(crate) location: Location,
-    /// S3 settings beyond the AWS variables.
-    pub(crate) s3: S3Options,
-    /// The commit to evaluate (default: the newest that verifies).
-    pub(crate) sequence: Option<u64>,
-    /// Per-worker batch size.
-    pub(crate) batch_size: u32,
-    /// Where the model lives.
-    pub(crate) device: Device,
-    /// libtorch intra-op threads.
-    pub(crate) threads: usize,
-    /// The cluster, or `None` to evaluate alone.
-    pub(crate) cluster: Option<ClusterConfig>,
-    /// Where the cluster's listeners bind, and its secret.
-    pub(crate) network: Network,
-    /// The cluster's deadlines.
-    pub(crate) timeouts: Timeouts,
-}
 
 /// The result, written as JSON by `--summary`.
 #[derive(Clone, Debug, Serialize)]

@@ -28,6 +28,7 @@ pub(crate) mod commit;
 pub(crate) mod driver;
 pub(crate) mod evaluate;
 pub(crate) mod integrity;
+pub(crate) mod jobs;
 pub(crate) mod kernels;
 pub(crate) mod predict;
 pub(crate) mod replicas;

@@ -14,7 +14,8 @@ use tch::{Device, Kind, Tensor};
 use trainerd_data::predictions::Writer;
 use trainerd_sdk::{InputContext, Split};
 
-use super::evaluate::{failed, load, EvalConfig, Loaded};
+use super::evaluate::{failed, load, Loaded};
+use super::jobs::PredictConfig;
 use super::step::{on_device, torch};
 use super::TrainError;
 use crate::cluster::control::FINAL_BARRIER;
@@ -24,17 +25,6 @@ use crate::plugin::{ModelInstance, Plugin};
 use crate::train::agreement::Job;
 use crate::train::batches::input_context;
 use crate::train::summary::device_name;
-
-/// What to predict and where to write it.
-#[derive(Clone, Debug)]
-pub(crate) struct PredictConfig {
-    /// The checkpoint, the data and the cluster, as an evaluation has them.
-    pub(crate) eval: EvalConfig,
-    /// The split whose examples are predicted.
-    pub(crate) split: Split,
-    /// The Parquet file to write (each member of a cluster writes its own, named from it).
-    pub(crate) output: PathBuf,
-}
 
 /// The result, written as JSON by `--summary`.
 #[derive(Clone, Debug, Serialize)]
