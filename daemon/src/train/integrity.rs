@@ -199,9 +199,9 @@ impl Integrity {
         (digests, verdict): (&[u64], &Verdict),
     ) -> Interrupt {
         let step = state.position().global_step;
-        let name = |place: usize| session.name(session.members()[place]);
-        let odd: Vec<String> = verdict.odd.iter().map(|&p| name(p)).collect();
-        let right: Vec<String> = (0..digests.len()).filter(|p| !verdict.odd.contains(p)).map(name).collect();
+        let odd: Vec<String> = verdict.odd.iter().map(|&p| session.name_at(p)).collect();
+        let right: Vec<String> =
+            (0..digests.len()).filter(|p| !verdict.odd.contains(p)).map(|p| session.name_at(p)).collect();
         let mine = digests[session.collective().rank()];
         let found: Vec<String> = verdict.odd.iter().map(|&p| format!("{:016x}", digests[p])).collect();
         let why = format!(
@@ -226,7 +226,7 @@ impl Integrity {
         (odd, source): (&[usize], usize),
     ) -> Interrupt {
         let step = state.position().global_step;
-        let names: Vec<String> = odd.iter().map(|&p| session.name(session.members()[p])).collect();
+        let names: Vec<String> = odd.iter().map(|&p| session.name_at(p)).collect();
         let why = format!(
             "replica check at step {step}: the state of {} differed from that of {}, the source of generation {}, at \
              the same step",
@@ -249,16 +249,14 @@ impl Integrity {
         finders: &[usize],
     ) -> Interrupt {
         let step = state.position().global_step;
-        let names: Vec<String> = finders.iter().map(|&p| session.name(session.members()[p])).collect();
+        let names: Vec<String> = finders.iter().map(|&p| session.name_at(p)).collect();
         let why = format!(
             "generation {} formed at step {step}, but {} found the replicas' states differ at a comparison not \
              after it",
             session.generation(),
             names.join(", ")
         );
-        session.went_back_for_repair();
-        let back_to = self.back_to_agreed(state);
-        self.went_back(step, back_to);
+        let back_to = self.back_for_repair(state, session, true);
         report.line(&format!("trainerd: {why}; {}", going_back(back_to)));
         Interrupt::Abandoned(why)
     }
@@ -297,6 +295,19 @@ impl Integrity {
         (right, odd, why): (bool, Vec<String>, String),
     ) -> Interrupt {
         let step = state.position().global_step;
+        let back_to = self.back_for_repair(state, session, right);
+        let what = going_back(back_to);
+        report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
+        self.figures.mismatches.push(ReplicaMismatch { step, members: odd, back_to });
+        // No abort is pushed: every member reaches the same verdict from the same digests; a member
+        // whose exchange the others' leaving cut short learns it as the next generation forms.
+        Interrupt::Abandoned(why)
+    }
+
+    /// A repair: this member goes back to its agreed state if its state was `right` and the
+    /// agreed one is intact, else drops its state; the step it went back to.
+    fn back_for_repair(&mut self, state: &mut TrainState, session: &mut Session, right: bool) -> Option<u64> {
+        let step = state.position().global_step;
         session.went_back_for_repair();
         let back_to = if right {
             self.back_to_agreed(state)
@@ -305,12 +316,7 @@ impl Integrity {
             None
         };
         self.went_back(step, back_to);
-        let what = going_back(back_to);
-        report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
-        self.figures.mismatches.push(ReplicaMismatch { step, members: odd, back_to });
-        // No abort is pushed: every member reaches the same verdict from the same digests; a member
-        // whose exchange the others' leaving cut short learns it as the next generation forms.
-        Interrupt::Abandoned(why)
+        back_to
     }
 
     /// A verdict sent this member from its state at `step` back to its agreed state at `back_to`

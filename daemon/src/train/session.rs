@@ -194,6 +194,11 @@ impl Session {
         self.cluster.as_ref().map_or_else(|| "this worker".into(), |m| m.plane.names()[rank].clone())
     }
 
+    /// The name of the member at `place` in the current generation's ring order.
+    pub(crate) fn name_at(&self, place: usize) -> String {
+        self.name(self.members()[place])
+    }
+
     /// The rank of the worker holding `slot` in the current generation.
     pub(crate) fn holder(&self, slot: usize) -> usize {
         self.members[crate::collective::slots::holder(self.collective.slots().count, &self.members, slot)]

@@ -103,9 +103,9 @@ impl Driver<'_> {
         let counts = column(STEPS);
         if let Some(other) = counts.iter().position(|&c| c != counts[0]) {
             return Err(Interrupt::Fatal(TrainError::StepsDiffer {
-                chief: session.name(session.members()[0]),
+                chief: session.name_at(0),
                 chief_steps: counts[0] as u64,
-                other: session.name(session.members()[other]),
+                other: session.name_at(other),
                 other_steps: counts[other] as u64,
                 batch_size: self.cfg.batch_size,
             }));
