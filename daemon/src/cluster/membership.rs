@@ -124,11 +124,11 @@ pub(crate) struct State {
     pub(crate) high_water: u64,
     /// The generation this coordinator formed last (0: none yet).
     pub(crate) last_formed: u64,
-    /// What the joins since the last formation said of their members' positions, by the
-    /// generation each member was last in: how far they reached, and how far those that went back
-    /// for a repair had. Kept even where the process that joined died since: the steps it reached
-    /// are trained again.
-    pub(crate) reaches: BTreeMap<u64, (u64, u64)>,
+    /// What the joins since the last formation said of their members' positions, for the newest
+    /// generation any of them was last in (only that one counts): (that generation, how far they
+    /// reached, how far those that went back for a repair had). Kept even where the process that
+    /// joined died since: the steps it reached are trained again.
+    pub(crate) reaches: Option<(u64, u64, u64)>,
     /// Why recent generations ended (the newest 16), for members that missed the notice.
     pub(crate) ended: BTreeMap<u64, String>,
     /// Give-ups so far; a join waiting since before the latest one fails with its message.
@@ -159,7 +159,7 @@ impl State {
             finished: false,
             high_water: 0,
             last_formed: 0,
-            reaches: BTreeMap::new(),
+            reaches: None,
             ended: BTreeMap::new(),
             give_ups: 0,
             gave_up: String::new(),
@@ -224,7 +224,7 @@ impl State {
                     m.gone = None;
                 }
                 (self.high_water, self.last_formed) = (f.progress.0, f.generation);
-                self.reaches.clear();
+                self.reaches = None;
                 Effect::Formed(f)
             }
             Decision::GiveUp { missing, waited } => {
@@ -476,21 +476,27 @@ fn form(state: &State, members: Vec<usize>) -> Formation {
 /// since included, from a member of the newest generation they report), and how far a member
 /// that went back for a repair had reached.
 fn reached(state: &State, members: &[usize]) -> (u64, u64) {
-    let mut reaches = state.reaches.clone();
+    let mut reaches = state.reaches;
     for report in members.iter().filter_map(|&r| state.members[r].joined.as_ref()) {
         add_reach(&mut reaches, report);
     }
-    let (reached, repaired) = reaches.last_key_value().map_or((0, 0), |(_, &r)| r);
+    let (_, reached, repaired) = reaches.unwrap_or_default();
     (reached.max(state.high_water), repaired)
 }
 
-/// Folds what `report` says into `reaches` (by its member's last generation: the furthest step
-/// reached, and the furthest reached by a member that went back for a repair).
-fn add_reach(reaches: &mut BTreeMap<u64, (u64, u64)>, report: &Report) {
-    let (reached, repaired) = reaches.entry(report.generation).or_default();
-    *reached = (*reached).max(report.reached);
-    if report.repaired {
-        *repaired = (*repaired).max(report.reached);
+/// Folds what `report` says into `reaches`: a newer generation than the one kept replaces it, the
+/// same one raises its furthest step (and the furthest of a member that went back for a repair),
+/// an older one counts for nothing.
+fn add_reach(reaches: &mut Option<(u64, u64, u64)>, report: &Report) {
+    let (generation, reached, repaired) = reaches.get_or_insert((report.generation, 0, 0));
+    if report.generation > *generation {
+        (*generation, *reached, *repaired) = (report.generation, 0, 0);
+    }
+    if report.generation == *generation {
+        *reached = (*reached).max(report.reached);
+        if report.repaired {
+            *repaired = (*repaired).max(report.reached);
+        }
     }
 }
 
