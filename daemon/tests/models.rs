@@ -114,6 +114,11 @@ print(json.dumps(out))
     let steps =
         |v: &serde_json::Value| -> Vec<u64> { v.as_array().unwrap().iter().map(|p| p[0].as_u64().unwrap()).collect() };
     assert_eq!(steps(&train["batch_loss"]), [10, 20, 30, 40, 50, 60, 70, 80]);
+    // The learning rate of each step, beside its loss.
+    let batch_lr: Vec<f64> =
+        train["batch_learning_rate"].as_array().unwrap().iter().map(|p| p[1].as_f64().unwrap()).collect();
+    assert_eq!(steps(&train["batch_learning_rate"]), steps(&train["batch_loss"]));
+    assert!((batch_lr[3] - 0.1).abs() < 1e-7 && (batch_lr[4] - 0.01).abs() < 1e-8, "{batch_lr:?}");
     assert_eq!(steps(&train["epoch_loss"]), [0, 1]);
     assert_eq!(steps(&validation["epoch_accuracy"]), [0, 1]);
     assert_eq!(steps(&validation["evaluation_loss_vs_iterations"]), [40, 80]);

@@ -28,11 +28,11 @@ pub mod export;
 mod inflated;
 pub mod mnist;
 pub mod model;
+pub mod training;
 
 pub use args::{ArgError, ArgSpec, PluginArgs};
 pub use batch::{Batch, ATTENTION_MASK, LABEL};
 pub use columns::{Column, Columns, DeclarationError, Decode, Side};
-pub use model::{
-    InputContext, LrSchedule, Model, OptimizerConfig, Pipeline, PluginError, PluginInfo, Split, TrainDefaults,
-};
+pub use model::{InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
 pub use tch;
+pub use training::{DecayShape, LrSchedule, NoDecay, OptimizerConfig, TrainDefaults};

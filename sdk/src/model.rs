@@ -1,8 +1,5 @@
-//! What a plugin author implements ([`Model`]) and the plain data both sides exchange: the
-//! plugin's identity and training defaults ([`PluginInfo`]), optimizer and schedule settings.
-//!
-//! The daemon owns the optimizer and the learning-rate schedule; a plugin only names its
-//! defaults here, and the operator may override them.
+//! What a plugin author implements ([`Model`]) and the plugin's identity and training defaults
+//! ([`PluginInfo`]); the optimizer and schedule settings are [`crate::training`]'s.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,6 +12,7 @@ pub use crate::abi::InputContext;
 use crate::args::{ArgSpec, PluginArgs};
 use crate::batch::Batch;
 use crate::columns::Columns;
+use crate::training::{LrSchedule, OptimizerConfig, TrainDefaults};
 
 /// An error raised by plugin code; its message reaches the operator as it is, so it should name
 /// the thing that is wrong (a file, a shape) and what was expected.
@@ -157,6 +155,11 @@ pub struct PluginInfo {
     /// keys, so that `load_state_dict` takes the export as it is.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub export_names: Vec<(String, String)>,
+    /// The parameters AdamW leaves undecayed, when not those of fewer than 2 dimensions: each
+    /// whose name (under the model) contains one of these (`["bias", "norm"]`). Empty: the
+    /// dimension rule.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_decay: Vec<String>,
 }
 
 impl PluginInfo {
@@ -178,6 +181,7 @@ impl PluginInfo {
             identity: BTreeMap::new(),
             language_model: false,
             export_names: Vec::new(),
+            no_decay: Vec::new(),
         }
     }
 
@@ -186,125 +190,12 @@ impl PluginInfo {
         self.columns = Some(columns);
         self
     }
-}
 
-/// Defaults the operator may override by flag.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TrainDefaults {
-    /// Epochs.
-    pub epochs: u32,
-    /// Per-worker batch size.
-    pub batch_size: u32,
-    /// Optimizer and its hyper-parameters.
-    pub optimizer: OptimizerConfig,
-    /// Learning-rate schedule.
-    pub schedule: LrSchedule,
-}
-
-/// An optimizer and its hyper-parameters, with PyTorch's meaning and defaults.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "name", rename_all = "lowercase")]
-pub enum OptimizerConfig {
-    /// Stochastic gradient descent, optionally with (Nesterov) momentum.
-    Sgd {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum factor (0 disables).
-        momentum: f64,
-        /// Dampening for momentum.
-        dampening: f64,
-        /// L2 penalty added to the gradient.
-        weight_decay: f64,
-        /// Nesterov momentum.
-        nesterov: bool,
-    },
-    /// Adam (Kingma & Ba), L2 weight decay as in `torch.optim.Adam`.
-    Adam {
-        /// Learning rate.
-        lr: f64,
-        /// Decay of the first moment.
-        beta1: f64,
-        /// Decay of the second moment.
-        beta2: f64,
-        /// Added to the denominator.
-        eps: f64,
-        /// L2 penalty added to the gradient.
-        weight_decay: f64,
-    },
-    /// RMSprop, as `torch.optim.RMSprop`.
-    Rmsprop {
-        /// Learning rate.
-        lr: f64,
-        /// Smoothing constant.
-        alpha: f64,
-        /// Added to the denominator.
-        eps: f64,
-        /// Momentum factor (0 disables).
-        momentum: f64,
-        /// L2 penalty added to the gradient.
-        weight_decay: f64,
-        /// Normalise by the estimated variance of the gradient.
-        centered: bool,
-    },
-}
-
-impl OptimizerConfig {
-    /// PyTorch's defaults for SGD (it has no default learning rate; 0.01 is Keras's).
-    pub fn sgd(lr: f64) -> Self {
-        OptimizerConfig::Sgd { lr, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false }
+    /// The same identity, AdamW leaving undecayed each parameter whose name (under the model's
+    /// path: `blocks.0.ln1.weight`) contains one of `parts`, instead of those of fewer than 2
+    /// dimensions.
+    pub fn with_no_decay(mut self, parts: &[&str]) -> PluginInfo {
+        self.no_decay = parts.iter().map(|p| p.to_string()).collect();
+        self
     }
-
-    /// PyTorch's defaults for Adam.
-    pub fn adam(lr: f64) -> Self {
-        OptimizerConfig::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
-    }
-
-    /// PyTorch's defaults for RMSprop.
-    pub fn rmsprop(lr: f64) -> Self {
-        OptimizerConfig::Rmsprop { lr, alpha: 0.99, eps: 1e-8, momentum: 0.0, weight_decay: 0.0, centered: false }
-    }
-
-    /// Lower-case name: `sgd`, `adam` or `rmsprop`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            OptimizerConfig::Sgd { .. } => "sgd",
-            OptimizerConfig::Adam { .. } => "adam",
-            OptimizerConfig::Rmsprop { .. } => "rmsprop",
-        }
-    }
-
-    /// Base learning rate.
-    pub fn lr(&self) -> f64 {
-        match *self {
-            OptimizerConfig::Sgd { lr, .. }
-            | OptimizerConfig::Adam { lr, .. }
-            | OptimizerConfig::Rmsprop { lr, .. } => lr,
-        }
-    }
-}
-
-/// How the learning rate moves with the global step (a pure function of the step, so resuming
-/// at step `s` needs only `s`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase")]
-pub enum LrSchedule {
-    /// The base rate throughout.
-    Constant,
-    /// Multiply by `gamma` every `every` steps.
-    Step {
-        /// Steps between decays.
-        every: u64,
-        /// Factor per decay.
-        gamma: f64,
-    },
-    /// Multiply by `gamma` each step.
-    Exponential {
-        /// Factor per step.
-        gamma: f64,
-    },
-    /// Cosine decay from the base rate to `min_lr` over the run.
-    Cosine {
-        /// Rate at the last step.
-        min_lr: f64,
-    },
 }

@@ -184,6 +184,19 @@ fn checkpoint_config(args: &RunArgs, plugin: &Plugin) -> anyhow::Result<Option<C
     })
 }
 
+/// The optimizer's flags.
+fn optimizer_flags(o: &crate::cli::args::OptimArgs) -> OptimizerFlags {
+    OptimizerFlags {
+        name: o.optimizer.clone(),
+        lr: o.lr,
+        momentum: o.momentum,
+        weight_decay: o.weight_decay,
+        nesterov: o.nesterov,
+        adam: [o.adam_beta1, o.adam_beta2, o.adam_epsilon],
+        decay_all: o.decay_all_parameters,
+    }
+}
+
 /// What to train and how: the flags over the plugin's defaults.
 fn run_config(
     args: &RunArgs,
@@ -192,14 +205,8 @@ fn run_config(
     (timeouts, devices, threads): (Timeouts, Vec<tch::Device>, usize),
 ) -> anyhow::Result<RunConfig> {
     let defaults = plugin.info().defaults.clone();
-    let flags = OptimizerFlags {
-        name: args.optimizer.clone(),
-        lr: args.lr,
-        momentum: args.momentum,
-        weight_decay: args.weight_decay,
-        nesterov: args.nesterov,
-    };
-    let optimizer = flags::optimizer(&defaults.optimizer, &flags)?;
+    let o = &args.optim;
+    let optimizer = flags::optimizer(&defaults.optimizer, &optimizer_flags(o), &plugin.info().no_decay)?;
     let checkpoint = checkpoint_config(args, plugin)?;
     let batch_size = args.job.batch_size.unwrap_or(defaults.batch_size);
     if batch_size == 0 {
@@ -221,7 +228,8 @@ fn run_config(
         epochs: args.epochs.unwrap_or(defaults.epochs),
         batch_size,
         optimizer,
-        schedule: args.lr_schedule.clone().unwrap_or(defaults.schedule),
+        schedule: o.lr_schedule.clone().unwrap_or(defaults.schedule),
+        warmup: o.warmup_steps.filter(|w| *w != crate::optim::schedule::Warmup::Steps(0)),
         seed: args.seed,
         device: devices[0],
         devices,

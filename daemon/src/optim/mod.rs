@@ -2,6 +2,7 @@
 //! ([`flags`]), learning-rate schedules ([`schedule`]), gradient clipping ([`clip`]), mixed
 //! precision ([`precision`]) and the epoch-end callbacks ([`callbacks`]).
 
+mod adam;
 pub(crate) mod callbacks;
 pub mod clip;
 pub(crate) mod flags;

@@ -169,6 +169,13 @@ pub(crate) const REPLICA_CHECK_KEY: &str = "replica_check";
 /// before the key existed do not have it, and are not compared on it.
 pub(crate) const GPU_KEY: &str = "gpus";
 
+/// The run configuration's key for the learning-rate schedule's formulas the daemons compute
+/// ([`crate::optim::schedule::FORMULAS`]), present when the schedule moves: daemons that
+/// compute other formulas are refused as members of one run. Commits made before the key
+/// existed do not have it, and are not compared on it: their run continues with the formulas
+/// it started with, which its position records.
+pub(crate) const SCHEDULE_VERSION_KEY: &str = "schedule_version";
+
 /// What a resume does not compare: how the slots are spread (the slot count is compared), and
 /// when the replicas are compared.
 const SPREAD: [&str; 3] = [REPLICAS_KEY, ACCUMULATE_KEY, REPLICA_CHECK_KEY];
@@ -239,8 +246,10 @@ impl Meta {
         }
         let Reader::Training { workers, run_config } = reader else { return Ok(()) };
         let mut ours: serde_json::Value = serde_json::from_str(run_config).expect("canonical JSON of our own");
-        if self.run_config.get(GPU_KEY).is_none() {
-            ours = without(&ours, &[GPU_KEY]);
+        for key in [GPU_KEY, SCHEDULE_VERSION_KEY] {
+            if self.run_config.get(key).is_none() {
+                ours = without(&ours, &[key]);
+            }
         }
         let (theirs, ours) = if self.workers == workers {
             (without(&self.run_config, &SPREAD), without(&ours, &SPREAD))

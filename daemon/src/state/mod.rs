@@ -13,7 +13,9 @@ pub(crate) mod position;
 pub(crate) mod replica;
 pub(crate) mod totals;
 
-pub(crate) use meta::{Meta, MetaError, Reader, ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY};
+pub(crate) use meta::{
+    Meta, MetaError, Reader, ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY, SCHEDULE_VERSION_KEY,
+};
 pub(crate) use position::Position;
 pub(crate) use replica::{sha256_hex, ModelState, Shareable, TrainState};
 pub(crate) use totals::{epoch_figures, Totals};

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::totals::{self, Totals};
 use crate::optim::callbacks::CallbackState;
 use crate::optim::precision::LossScale;
+use crate::optim::schedule;
 
 /// How the RNG continues, as checkpoints record it.
 pub(crate) const RNG_SCHEME: &str = "libtorch generator re-seeded from (seed, global_step, rank) before every step";
@@ -42,6 +43,19 @@ pub(crate) struct Position {
     /// its first formation (absent before, and in commits of older versions).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) cpu_capability: Option<String>,
+    /// The learning-rate schedule's formulas the run started with ([`schedule::FORMULAS`]): a
+    /// run resumed from a commit made before Hugging Face's formulas (which has no such key)
+    /// keeps the cosine it started with.
+    #[serde(default = "first_formulas", skip_serializing_if = "is_first_formulas")]
+    pub(crate) schedules: u32,
+}
+
+fn first_formulas() -> u32 {
+    schedule::FIRST_FORMULAS
+}
+
+fn is_first_formulas(formulas: &u32) -> bool {
+    *formulas == schedule::FIRST_FORMULAS
 }
 
 impl Position {
@@ -57,6 +71,7 @@ impl Position {
             callbacks: CallbackState::default(),
             loss_scale: None,
             cpu_capability: None,
+            schedules: schedule::FORMULAS,
         }
     }
 

@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::jobs::{EvalConfig, PredictConfig};
 use super::RunConfig;
-use crate::state::{ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY};
+use crate::state::{ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY, SCHEDULE_VERSION_KEY};
 
 /// A job whose workers must agree.
 #[derive(Clone, Copy, Debug)]
@@ -68,6 +68,13 @@ fn training(c: &RunConfig, agreement: &mut serde_json::Value) {
     agreement["epochs"] = c.epochs.into();
     agreement["optimizer"] = json!(c.optimizer);
     agreement["schedule"] = json!(c.schedule);
+    if let Some(warmup) = c.warmup {
+        agreement["warmup"] = json!(warmup);
+    }
+    // A moving rate is a formula: every worker must compute the same.
+    if c.schedule != trainerd_sdk::LrSchedule::Constant || c.warmup.is_some() {
+        agreement[SCHEDULE_VERSION_KEY] = crate::optim::schedule::FORMULAS.into();
+    }
     agreement["seed"] = c.seed.into();
     agreement["steps_per_epoch"] = json!(c.steps_per_epoch);
     agreement["bucket_bytes"] = c.bucket_bytes.into();

@@ -79,6 +79,8 @@ pub(crate) struct RunConfig {
     pub(crate) optimizer: OptimizerConfig,
     /// Learning-rate schedule.
     pub(crate) schedule: LrSchedule,
+    /// A warmup before it (`--warmup-steps`).
+    pub(crate) warmup: Option<crate::optim::schedule::Warmup>,
     /// Seed of the parameters' initialisation and the data order.
     pub(crate) seed: u64,
     /// Where the model lives (its first replica, when there are several).
@@ -143,6 +145,7 @@ impl RunConfig {
             batch_size,
             optimizer: OptimizerConfig::adam(1e-3),
             schedule: LrSchedule::Constant,
+            warmup: None,
             seed: 3,
             device,
             devices: vec![device],
@@ -397,6 +400,9 @@ pub(crate) fn run(
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model(crate::plugin::MODEL_PATH, cfg.device)?;
     let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());
+    if let Some(groups) = state.optimizer.describe_groups(&state.model.params) {
+        report.line(&format!("trainerd: {groups}"));
+    }
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
     let checkpointer = startup::restore((cfg, &run_config), (&info, world), &mut session, &mut state, &mut report)?;

@@ -232,7 +232,9 @@ impl<'p> Reporter<'p> {
             tokens_per_example: info.columns.as_ref().and_then(Columns::tokens_per_example),
             perplexity: info.language_model,
             epochs: cfg.epochs,
-            schedule_moves: cfg.schedule != LrSchedule::Constant || cfg.callbacks.reduce_lr_on_plateau.is_some(),
+            schedule_moves: cfg.schedule != LrSchedule::Constant
+                || cfg.warmup.is_some()
+                || cfg.callbacks.reduce_lr_on_plateau.is_some(),
             rejoin: cfg.timeouts.rejoin,
             collective: cfg.timeouts.collective,
             clock: Clock::default(),
@@ -393,7 +395,8 @@ impl<'p> Reporter<'p> {
         let rate = self.clock.epoch_rate();
         self.telemetry.traffic(s.traffic);
         self.telemetry.step((s.epoch, s.step, s.steps_per_epoch), global_step, &named, examples, rate, s.lr);
-        self.tensorboard(|tb| tb.step(global_step, &named));
+        let lr = ("learning_rate".to_string(), s.lr);
+        self.tensorboard(|tb| tb.step(global_step, &[&named[..], &[lr]].concat()));
         self.recovered();
         self.log_step(s)?;
         self.events.emit(Event::Step { epoch: s.epoch, step: s.step, global_step });
@@ -404,7 +407,11 @@ impl<'p> Reporter<'p> {
     /// device).
     pub(crate) fn step_line(&mut self, s: &StepDone<'_>) {
         if self.progress.wants(s.step, s.steps_per_epoch) {
-            let values = self.shown(s.position.totals.named(&self.metric_names, ""));
+            let mut values = self.shown(s.position.totals.named(&self.metric_names, ""));
+            if self.schedule_moves {
+                // The rate this step used, as the epoch line shows the last one's.
+                values.push(("learning_rate".into(), s.lr));
+            }
             self.progress.step(s.step, s.steps_per_epoch, self.clock.epoch_time, &values);
         }
     }

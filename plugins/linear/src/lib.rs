@@ -35,6 +35,7 @@ impl Model for Linear {
             identity: Default::default(),
             language_model: false,
             export_names: Vec::new(),
+            no_decay: Vec::new(),
         })
     }
 

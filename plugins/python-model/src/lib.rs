@@ -62,6 +62,7 @@ struct FileInfo {
     identity: BTreeMap<String, String>,
     language_model: bool,
     export_names: Vec<(String, String)>,
+    no_decay: Vec<String>,
 }
 
 fn device_name(device: Device) -> String {
@@ -121,6 +122,7 @@ impl Model for PythonModel {
         info.identity = file.identity;
         info.language_model = file.language_model;
         info.export_names = file.export_names;
+        info.no_decay = file.no_decay;
         if let Some(columns) = file.columns {
             let parsed = columns
                 .into_iter()

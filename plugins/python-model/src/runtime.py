@@ -14,6 +14,9 @@ The file's contract (see the plugin's README section):
     def metrics(module, batch[, outputs])     optional: a dict of sums over the batch's examples
     def predict(module, batch) -> Tensor      optional: outputs per example
     language_model = True                     optional: the epoch line shows perplexity
+    no_decay = ["bias", "norm"]               optional: AdamW leaves undecayed each parameter whose
+                                              named_parameters() name contains one of these
+                                              (default: those of fewer than 2 dimensions)
 """
 
 import ast
@@ -216,6 +219,12 @@ def info(path, given):
             f"model file {path}: columns is {type(columns).__name__}, expected a dict of column name to kind, "
             f"such as {{\"input_ids\": \"tokens:128\"}}"
         )
+    no_decay = getattr(module, "no_decay", [])
+    if not (isinstance(no_decay, (list, tuple)) and all(isinstance(n, str) and n for n in no_decay)):
+        raise ModelFileError(
+            f"model file {path}: no_decay is {no_decay!r}, expected a list of name parts such as [\"bias\", \"norm\"] "
+            f"(AdamW leaves undecayed each parameter whose name contains one)"
+        )
     names = _metrics_of(path, module)
     source = module.__trainerd_source__
     identity = {"module_sha256": hashlib.sha256(source).hexdigest(), "torch": torch.__version__}
@@ -231,6 +240,7 @@ def info(path, given):
         "identity": identity,
         "language_model": bool(getattr(module, "language_model", False)),
         "export_names": _export_names(path, module, args),
+        "no_decay": list(no_decay),
     }
 
 

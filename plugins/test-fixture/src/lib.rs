@@ -71,6 +71,7 @@ impl Model for Fixture {
             identity: Default::default(),
             language_model: false,
             export_names: Vec::new(),
+            no_decay: Vec::new(),
         })
     }
 

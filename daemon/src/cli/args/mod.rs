@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use trainerd_sdk::{LrSchedule, PluginArgs};
+use trainerd_sdk::PluginArgs;
 use trainerd_storage::S3Options;
 
 use crate::auth::ClusterKey;
@@ -13,8 +13,10 @@ use crate::cluster::{tf_config, ClusterConfig, Network};
 use crate::ops::log::LogFormat;
 
 mod data;
+mod optim;
 
 pub(crate) use data::{DataArgs, DataCommand, ReadArgs};
+pub(crate) use optim::OptimArgs;
 
 /// The command line.
 #[derive(Parser)]
@@ -206,18 +208,9 @@ pub(crate) struct RunArgs {
     /// Epochs (default: the plugin's).
     #[arg(long)]
     pub(crate) epochs: Option<u32>,
-    /// Optimizer: sgd, adam or rmsprop (default: the plugin's).
-    #[arg(long)]
-    pub(crate) optimizer: Option<String>,
-    /// Learning rate.
-    #[arg(long)]
-    pub(crate) lr: Option<f64>,
-    /// Momentum (sgd, rmsprop).
-    #[arg(long)]
-    pub(crate) momentum: Option<f64>,
-    /// L2 weight decay.
-    #[arg(long)]
-    pub(crate) weight_decay: Option<f64>,
+    /// The optimizer and the learning rate's schedule.
+    #[command(flatten)]
+    pub(crate) optim: OptimArgs,
     /// Clip the averaged gradient to this global 2-norm before each update (Keras's
     /// global_clipnorm, PyTorch's clip_grad_norm_); the norm is in the metrics as grad_norm.
     #[arg(long, value_parser = |t: &str| crate::optim::clip::Clip::parse("--clip-norm", t))]
@@ -234,12 +227,6 @@ pub(crate) struct RunArgs {
     /// PATIENCE epochs, as Keras's ReduceLROnPlateau: METRIC:FACTOR:PATIENCE.
     #[arg(long, value_name = "METRIC:FACTOR:PATIENCE")]
     pub(crate) reduce_lr_on_plateau: Option<String>,
-    /// Nesterov momentum (sgd).
-    #[arg(long)]
-    pub(crate) nesterov: bool,
-    /// Learning-rate schedule: constant, cosine[:MIN_LR], step:EVERY:GAMMA or exp:GAMMA.
-    #[arg(long, value_parser = crate::optim::schedule::parse)]
-    pub(crate) lr_schedule: Option<LrSchedule>,
     /// Seed of initialisation and data order.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,

@@ -27,7 +27,7 @@ use crate::cluster::ClusterError;
 use crate::collective::buckets::Buckets;
 use crate::collective::slots;
 use crate::input::Data as Input;
-use crate::optim::schedule::lr_at;
+use crate::optim::schedule::Curve;
 use crate::plugin::ModelInstance;
 use crate::state::{Position, Shareable, Totals, TrainState};
 
@@ -161,7 +161,8 @@ impl<'a> Driver<'a> {
     /// in `p`.
     fn lr(&self, global_step: u64, p: &Position) -> f64 {
         let total_steps = self.steps_per_epoch * u64::from(self.cfg.epochs);
-        lr_at(&self.cfg.schedule, self.cfg.optimizer.lr(), global_step, total_steps) * p.callbacks.lr_scale
+        let curve = Curve { schedule: &self.cfg.schedule, warmup: self.cfg.warmup, formulas: p.schedules };
+        curve.lr(self.cfg.optimizer.lr(), global_step, total_steps) * p.callbacks.lr_scale
     }
 
     /// Whether the training loop's next move from `p` is a step (else an epoch's end, or the

@@ -1,0 +1,363 @@
+//! The daemon's optimizers: SGD (momentum, Nesterov), Adam, AdamW (with its decay groups) and
+//! RMSprop with PyTorch's update rules, and every piece of state held as named tensors that can
+//! be exported and restored.
+//!
+//! tch's own optimizers cannot export their state, so a resumed run could not continue exactly;
+//! these can. Updates run in place on the model's parameters (shared with the plugin).
+
+use tch::Tensor;
+use trainerd_sdk::{NoDecay, OptimizerConfig};
+
+use super::adam::{self, FlatAdam, Hyper};
+
+/// Per-parameter state. `None` where PyTorch creates the buffer lazily.
+#[derive(Debug)]
+enum Slots {
+    Sgd { momentum_buffer: Option<Tensor> },
+    Adam { exp_avg: Tensor, exp_avg_sq: Tensor },
+    Rmsprop { square_avg: Tensor, momentum_buffer: Option<Tensor>, grad_avg: Option<Tensor> },
+}
+
+impl Slots {
+    fn named(&self) -> Vec<(&'static str, &Tensor)> {
+        let mut out = Vec::new();
+        match self {
+            Slots::Sgd { momentum_buffer } => out.extend(momentum_buffer.iter().map(|t| ("momentum_buffer", t))),
+            Slots::Adam { exp_avg, exp_avg_sq } => {
+                out.push(("exp_avg", exp_avg));
+                out.push(("exp_avg_sq", exp_avg_sq));
+            }
+            Slots::Rmsprop { square_avg, momentum_buffer, grad_avg } => {
+                out.push(("square_avg", square_avg));
+                out.extend(momentum_buffer.iter().map(|t| ("momentum_buffer", t)));
+                out.extend(grad_avg.iter().map(|t| ("grad_avg", t)));
+            }
+        }
+        out
+    }
+}
+
+/// A group of parameters that share a weight decay, as PyTorch's `param_groups` hold them:
+/// Adam's and AdamW's each with flat buffers of its own when its parameters can share them.
+#[derive(Debug)]
+struct Group {
+    /// Its parameters' places in the optimizer's list, in order.
+    members: Vec<usize>,
+    weight_decay: f64,
+    /// False for AdamW's group of parameters it does not decay.
+    decays: bool,
+    flat: Option<FlatAdam>,
+}
+
+/// An optimizer over a fixed, ordered list of parameters.
+#[derive(Debug)]
+pub(crate) struct Optimizer {
+    config: OptimizerConfig,
+    names: Vec<String>,
+    slots: Vec<Slots>,
+    groups: Vec<Group>,
+    steps: u64,
+}
+
+/// Optimizer state that does not fit the optimizer it is restored into.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub(crate) enum RestoreError {
+    /// A state tensor the optimizer needs is missing.
+    #[error("optimizer state: missing {key}")]
+    Missing {
+        /// The tensor, as `PARAMETER/SLOT`.
+        key: String,
+    },
+    /// A state tensor of another shape.
+    #[error("optimizer state: {key} has shape {found:?}, expected {expected:?}")]
+    Shape {
+        /// The tensor, as `PARAMETER/SLOT`.
+        key: String,
+        /// Its shape.
+        found: Vec<i64>,
+        /// The shape the optimizer needs.
+        expected: Vec<i64>,
+    },
+    /// State tensors the optimizer has no use for (another optimizer's).
+    #[error("optimizer state: {given} state tensors given, {used} used")]
+    Unused {
+        /// Tensors given.
+        given: usize,
+        /// Tensors used.
+        used: usize,
+    },
+}
+
+/// A parameter's name under the model (as the plugin names it: `named_parameters()` for a
+/// Python model), what AdamW's name rule matches.
+fn short_name(name: &str) -> &str {
+    name.strip_prefix(crate::plugin::MODEL_PATH).and_then(|n| n.strip_prefix('.')).unwrap_or(name)
+}
+
+/// The groups of `config` over `params`: AdamW's decayed parameters, then its undecayed ones
+/// (each only when it has a parameter); every other optimizer's one group.
+fn groups(config: &OptimizerConfig, params: &[(String, Tensor)]) -> Vec<Group> {
+    let all = (0..params.len()).collect::<Vec<_>>();
+    let one = |weight_decay| vec![Group { members: all.clone(), weight_decay, decays: true, flat: None }];
+    match config {
+        OptimizerConfig::Sgd { weight_decay, .. }
+        | OptimizerConfig::Adam { weight_decay, .. }
+        | OptimizerConfig::Rmsprop { weight_decay, .. } => one(*weight_decay),
+        OptimizerConfig::Adamw { weight_decay, no_decay, .. } => {
+            let exempt = |i: &usize| no_decay.exempts(short_name(&params[*i].0), params[*i].1.dim());
+            let (undecayed, decayed): (Vec<usize>, Vec<usize>) = all.iter().partition(|i| exempt(i));
+            [(decayed, *weight_decay, true), (undecayed, 0.0, false)]
+                .into_iter()
+                .filter(|(members, ..)| !members.is_empty())
+                .map(|(members, weight_decay, decays)| Group { members, weight_decay, decays, flat: None })
+                .collect()
+        }
+    }
+}
+
+impl Optimizer {
+    /// A fresh optimizer for `params` (name, tensor), zero state.
+    pub(crate) fn new(config: OptimizerConfig, params: &[(String, Tensor)]) -> Optimizer {
+        let names = params.iter().map(|(n, _)| n.clone()).collect();
+        let mut groups = groups(&config, params);
+        let mut slots: Vec<Option<Slots>> = params.iter().map(|_| None).collect();
+        if matches!(config, OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. }) {
+            for group in &mut groups {
+                let tensors: Vec<Tensor> = group.members.iter().map(|&i| params[i].1.shallow_clone()).collect();
+                let Some(flat) = FlatAdam::new(&tensors) else { continue };
+                let views = flat.views(&flat.exp_avg, &tensors).into_iter().zip(flat.views(&flat.exp_avg_sq, &tensors));
+                for (&i, (exp_avg, exp_avg_sq)) in group.members.iter().zip(views) {
+                    slots[i] = Some(Slots::Adam { exp_avg, exp_avg_sq });
+                }
+                group.flat = Some(flat);
+            }
+        }
+        let zeros = |t: &Tensor| t.zeros_like();
+        let slots = params
+            .iter()
+            .zip(slots)
+            .map(|((_, p), made)| match (&config, made) {
+                (_, Some(slots)) => slots,
+                (OptimizerConfig::Sgd { .. }, None) => Slots::Sgd { momentum_buffer: None },
+                (OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. }, None) => {
+                    Slots::Adam { exp_avg: zeros(p), exp_avg_sq: zeros(p) }
+                }
+                (OptimizerConfig::Rmsprop { momentum, centered, .. }, None) => Slots::Rmsprop {
+                    square_avg: zeros(p),
+                    momentum_buffer: (*momentum > 0.0).then(|| zeros(p)),
+                    grad_avg: centered.then(|| zeros(p)),
+                },
+            })
+            .collect();
+        Optimizer { config, names, slots, groups, steps: 0 }
+    }
+
+    /// AdamW's groups as the start-up line says them: how many tensors and parameters each
+    /// holds, and by which rule. `None` for the other optimizers.
+    pub(crate) fn describe_groups(&self, params: &[(String, Tensor)]) -> Option<String> {
+        let OptimizerConfig::Adamw { weight_decay, no_decay, .. } = &self.config else { return None };
+        let held = |decays: bool| {
+            let members = self.groups.iter().filter(|g| g.decays == decays).flat_map(|g| &g.members);
+            let (tensors, elements) = members.fold((0, 0), |(t, e), &i| (t + 1, e + params[i].1.numel()));
+            format!("{tensors} tensor(s), {elements} parameter(s)")
+        };
+        let rule = match no_decay {
+            NoDecay::Nothing => {
+                return Some(format!(
+                    "AdamW: weight decay {weight_decay} on every parameter ({}; --decay-all-parameters)",
+                    held(true)
+                ))
+            }
+            NoDecay::UnderTwoDims => "those of fewer than 2 dimensions: biases and norm weights".to_string(),
+            NoDecay::Names(parts) => format!(
+                "those whose names contain {}",
+                parts.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(" or ")
+            ),
+        };
+        Some(format!("AdamW: weight decay {weight_decay} on {}; none on {} ({rule})", held(true), held(false)))
+    }
+
+    /// Every state tensor, named `<parameter>/<slot>`, in parameter order.
+    pub(crate) fn state(&self) -> Vec<(String, Tensor)> {
+        self.names
+            .iter()
+            .zip(&self.slots)
+            .flat_map(|(name, slots)| {
+                slots.named().into_iter().map(move |(slot, t)| (format!("{name}/{slot}"), t.shallow_clone()))
+            })
+            .collect()
+    }
+
+    /// Restores state exported by [`Optimizer::state`] after `steps` steps.
+    pub(crate) fn restore(&mut self, steps: u64, state: &[(String, Tensor)]) -> Result<(), RestoreError> {
+        let find = |name: &str| state.iter().find(|(n, _)| n == name).map(|(_, t)| t);
+        let mut used = 0;
+        for (name, slots) in self.names.iter().zip(self.slots.iter_mut()) {
+            let mut take = |slot: &str, dst: &mut Tensor| -> Result<(), RestoreError> {
+                let key = format!("{name}/{slot}");
+                let Some(src) = find(&key) else { return Err(RestoreError::Missing { key }) };
+                if src.size() != dst.size() {
+                    return Err(RestoreError::Shape { key, found: src.size(), expected: dst.size() });
+                }
+                tch::no_grad(|| dst.copy_(src));
+                used += 1;
+                Ok(())
+            };
+            match slots {
+                Slots::Sgd { momentum_buffer } => {
+                    if let Some(src) = find(&format!("{name}/momentum_buffer")) {
+                        *momentum_buffer = Some(src.detach().copy());
+                        used += 1;
+                    }
+                }
+                Slots::Adam { exp_avg, exp_avg_sq } => {
+                    take("exp_avg", exp_avg)?;
+                    take("exp_avg_sq", exp_avg_sq)?;
+                }
+                Slots::Rmsprop { square_avg, momentum_buffer, grad_avg } => {
+                    take("square_avg", square_avg)?;
+                    if let Some(b) = momentum_buffer {
+                        take("momentum_buffer", b)?;
+                    }
+                    if let Some(g) = grad_avg {
+                        take("grad_avg", g)?;
+                    }
+                }
+            }
+        }
+        if used != state.len() {
+            return Err(RestoreError::Unused { given: state.len(), used });
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
+    /// One update of every parameter that has a gradient, at learning rate `lr`.
+    pub(crate) fn step(&mut self, params: &mut [(String, Tensor)], lr: f64) {
+        let _no_grad = tch::no_grad_guard();
+        self.steps += 1;
+        if !self.step_flat(params, lr) {
+            self.step_each(params, lr);
+        }
+    }
+
+    /// Adam's hyper-parameters for a group of weight decay `weight_decay`; `None` for the other
+    /// optimizers.
+    fn hyper(&self, weight_decay: f64) -> Option<Hyper> {
+        match self.config {
+            OptimizerConfig::Adam { beta1, beta2, eps, .. } => {
+                Some(Hyper { beta1, beta2, eps, weight_decay, decoupled: false })
+            }
+            OptimizerConfig::Adamw { beta1, beta2, eps, .. } => {
+                Some(Hyper { beta1, beta2, eps, weight_decay, decoupled: true })
+            }
+            _ => None,
+        }
+    }
+
+    /// Adam over each group at once, on its flat buffers (the parameters are views into them,
+    /// so nothing is copied back). The same element-wise arithmetic as
+    /// [`Optimizer::step_each`], so the same bits. False (nothing done) unless every group has
+    /// flat buffers and every parameter a gradient of its own kind and device.
+    fn step_flat(&mut self, params: &mut [(String, Tensor)], lr: f64) -> bool {
+        let grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
+        let ready = |g: &Group| {
+            g.flat.as_ref().is_some_and(|flat| {
+                let (kind, device) = (flat.exp_avg.kind(), flat.exp_avg.device());
+                g.members.iter().all(|&i| grads[i].defined() && grads[i].kind() == kind && grads[i].device() == device)
+            })
+        };
+        if self.groups.is_empty() || !self.groups.iter().all(ready) {
+            return false;
+        }
+        let hypers: Vec<Hyper> = self.groups.iter().filter_map(|g| self.hyper(g.weight_decay)).collect();
+        for (group, h) in self.groups.iter_mut().zip(hypers) {
+            let pick = |of: &dyn Fn(usize) -> Tensor| group.members.iter().map(|&i| of(i)).collect::<Vec<_>>();
+            let (ps, gs) = (pick(&|i| params[i].1.shallow_clone()), pick(&|i| grads[i].shallow_clone()));
+            group.flat.as_mut().expect("ready").step(&ps, &gs, h, (lr, self.steps));
+        }
+        true
+    }
+
+    /// Each parameter on its own.
+    fn step_each(&mut self, params: &mut [(String, Tensor)], lr: f64) {
+        let mut decay = vec![0.0; params.len()];
+        for g in &self.groups {
+            g.members.iter().for_each(|&i| decay[i] = g.weight_decay);
+        }
+        for (i, ((_, p), slots)) in params.iter_mut().zip(self.slots.iter_mut()).enumerate() {
+            let grad = p.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let weight_decay = decay[i];
+            match (&self.config, slots) {
+                (&OptimizerConfig::Sgd { momentum, dampening, nesterov, .. }, Slots::Sgd { momentum_buffer }) => {
+                    sgd(
+                        p,
+                        adam::with_decay(grad, p, weight_decay),
+                        momentum_buffer,
+                        (momentum, dampening, nesterov),
+                        lr,
+                    );
+                }
+                (
+                    OptimizerConfig::Adam { beta1, beta2, eps, .. } | OptimizerConfig::Adamw { beta1, beta2, eps, .. },
+                    Slots::Adam { exp_avg, exp_avg_sq },
+                ) => {
+                    let decoupled = matches!(self.config, OptimizerConfig::Adamw { .. });
+                    let h = Hyper { beta1: *beta1, beta2: *beta2, eps: *eps, weight_decay, decoupled };
+                    adam::update(p, grad, (exp_avg, exp_avg_sq), h, lr, self.steps);
+                }
+                (
+                    &OptimizerConfig::Rmsprop { alpha, eps, momentum, .. },
+                    Slots::Rmsprop { square_avg, momentum_buffer, grad_avg },
+                ) => {
+                    let grad = adam::with_decay(grad, p, weight_decay);
+                    let _ = square_avg.g_mul_scalar_(alpha).addcmul_(&(&grad * (1.0 - alpha)), &grad);
+                    let avg = match grad_avg {
+                        Some(g_avg) => {
+                            let _ = g_avg.g_mul_scalar_(alpha).g_add_(&(&grad * (1.0 - alpha)));
+                            (&*square_avg - &*g_avg * &*g_avg).sqrt() + eps
+                        }
+                        None => square_avg.sqrt() + eps,
+                    };
+                    match momentum_buffer {
+                        Some(buf) => {
+                            let _ = buf.g_mul_scalar_(momentum).addcdiv_(&grad, &avg);
+                            let _ = p.g_add_(&(&*buf * -lr));
+                        }
+                        None => {
+                            let _ = p.addcdiv_(&(&grad * -lr), &avg);
+                        }
+                    }
+                }
+                _ => unreachable!("slots are built from the same config"),
+            }
+        }
+    }
+}
+
+/// SGD's update of `p` by `d_p` (its gradient with the L2 penalty), PyTorch's rule.
+fn sgd(
+    p: &mut Tensor,
+    mut d_p: Tensor,
+    buffer: &mut Option<Tensor>,
+    (momentum, dampening, nesterov): (f64, f64, bool),
+    lr: f64,
+) {
+    if momentum != 0.0 {
+        let buf = match buffer {
+            Some(buf) => {
+                let _ = buf.g_mul_scalar_(momentum).g_add_(&(&d_p * (1.0 - dampening)));
+                buf
+            }
+            None => buffer.insert(d_p.detach().copy()),
+        };
+        d_p = if nesterov { d_p + &*buf * momentum } else { buf.shallow_clone() };
+    }
+    let _ = p.g_add_(&(d_p * -lr));
+}
+
+#[cfg(test)]
+mod tests;
