@@ -58,22 +58,31 @@ pub fn stack(values: &[&Value], column: &Column) -> Result<Tensor, Failed> {
         }
         Decode::Image { channels, height, width } => {
             let (c, h, w) = (*channels as usize, *height as usize, *width as usize);
-            let mut pixels = vec![0u8; values.len() * c * h * w];
-            pixels.par_chunks_mut(c * h * w).zip(values.par_iter()).enumerate().try_for_each(
-                |(i, (out, v))| match v {
-                    Value::Bytes(encoded) => decode_image(encoded, (c, h, w), out).map_err(|e| (i, e)),
-                    other => Err(mismatch(i, other)),
-                },
-            )?;
-            // `Mnist::pipeline` divides its bytes as float32 by 255 in libtorch: one correctly
-            // rounded IEEE division each, so the same bits. Done here, not by a libtorch op: on a
-            // loader thread that would start an OpenMP team of its own (OpenMP's thread count is
-            // per thread), whose spinning takes the training threads' cores.
-            let scaled: Vec<f32> = pixels.iter().map(|&p| f32::from(p) / 255.0).collect();
-            Tensor::from_slice(&scaled)
+            Tensor::from_slice(&images(values, (c, h, w), &mismatch)?)
         }
+        // Packed text has no rows to stack: its batches are blocks (`crate::text::blocks`).
+        Decode::Text { .. } => return Err(mismatch(0, values.first().copied().unwrap_or(&Value::Int(0)))),
     };
     tensor.f_view(shape.as_slice()).map_err(|e| (0, ValueError::Torch(e)))
+}
+
+/// The pixels of encoded images `values`, each decoded to `(c, h, w)` on the pool, as float32 in
+/// [0, 1].
+fn images(
+    values: &[&Value],
+    (c, h, w): (usize, usize, usize),
+    mismatch: &(dyn Fn(usize, &Value) -> Failed + Sync),
+) -> Result<Vec<f32>, Failed> {
+    let mut pixels = vec![0u8; values.len() * c * h * w];
+    pixels.par_chunks_mut(c * h * w).zip(values.par_iter()).enumerate().try_for_each(|(i, (out, v))| match v {
+        Value::Bytes(encoded) => decode_image(encoded, (c, h, w), out).map_err(|e| (i, e)),
+        other => Err(mismatch(i, other)),
+    })?;
+    // `Mnist::pipeline` divides its bytes as float32 by 255 in libtorch: one correctly rounded
+    // IEEE division each, so the same bits. Done here, not by a libtorch op: on a loader thread
+    // that would start an OpenMP team of its own (OpenMP's thread count is per thread), whose
+    // spinning takes the training threads' cores.
+    Ok(pixels.iter().map(|&p| f32::from(p) / 255.0).collect())
 }
 
 /// The padding mask of a token column's `values`: int64 `[rows, length]`, 1 where a row has a

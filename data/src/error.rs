@@ -230,6 +230,9 @@ pub enum DataError {
         #[source]
         reason: WriteError,
     },
+    /// Raw text that cannot be tokenized and packed.
+    #[error(transparent)]
+    Text(#[from] crate::text::TextError),
     /// libtorch failed making a batch's tensors.
     #[error("making a batch: {0}")]
     Torch(#[from] trainerd_sdk::tch::TchError),

@@ -13,6 +13,7 @@
 //! - [`stream`]: the prefetching pipeline, in bounded memory.
 //! - [`convert`]: an MNIST-format directory written as Parquet in Hugging Face's layout.
 //! - [`predictions`]: `trainerd predict`'s file of outputs per example.
+//! - [`text`]: raw text, tokenized and packed into blocks (language models).
 //!
 //! This crate knows nothing of the cluster or of training: a worker hands it its slice and the
 //! step to start at, and gets batches.
@@ -30,6 +31,7 @@ pub mod rows;
 pub mod schema;
 pub mod source;
 pub mod stream;
+pub mod text;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

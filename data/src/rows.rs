@@ -33,6 +33,8 @@ pub enum Value {
     Ints(Vec<i64>),
     /// Encoded bytes (an image).
     Bytes(Vec<u8>),
+    /// A document's text.
+    Text(String),
 }
 
 impl Value {
@@ -44,6 +46,7 @@ impl Value {
                 Value::Floats(v) => v.len() * 4,
                 Value::Ints(v) => v.len() * 8,
                 Value::Bytes(v) => v.len(),
+                Value::Text(t) => t.len(),
             }
     }
 }
@@ -183,6 +186,10 @@ fn consecutive(rows: &[u64]) -> Vec<Range<usize>> {
 
 /// Row `i` of `a`, decoded as `decode` asks.
 fn value(a: &ArrayRef, i: usize, decode: &Decode) -> Result<Value, ValueError> {
+    if let Decode::Text { .. } = decode {
+        // A null document is an empty one.
+        return Ok(Value::Text(if a.is_null(i) { String::new() } else { text_at(a, i)?.to_string() }));
+    }
     if a.is_null(i) {
         return Err(ValueError::Null);
     }
@@ -202,7 +209,17 @@ fn value(a: &ArrayRef, i: usize, decode: &Decode) -> Result<Value, ValueError> {
             Value::Ints((0..list.len()).map(|j| int_at(list.as_ref(), j)).collect::<Result<_, _>>()?)
         }
         Decode::Image { .. } => Value::Bytes(binary_at(a, i)?.to_vec()),
+        Decode::Text { .. } => unreachable!("read above"),
     })
+}
+
+fn text_at(a: &ArrayRef, i: usize) -> Result<&str, ValueError> {
+    match a.data_type() {
+        DataType::Utf8 => Ok(a.as_string::<i32>().value(i)),
+        DataType::LargeUtf8 => Ok(a.as_string::<i64>().value(i)),
+        DataType::Utf8View => Ok(a.as_string_view().value(i)),
+        t => Err(ValueError::Type { expected: "a string", found: describe(t) }),
+    }
 }
 
 fn list_at(a: &ArrayRef, i: usize) -> Result<ArrayRef, ValueError> {

@@ -86,6 +86,7 @@ fn fits(decode: &Decode, t: &DataType) -> Result<(), ()> {
             DataType::Struct(fields) => fields.iter().any(|f| f.name() == "bytes" && is_binary(f.data_type())),
             other => is_binary(other),
         },
+        Decode::Text { .. } => matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View),
         Decode::Tokens { .. } => match t {
             DataType::FixedSizeList(item, _) | DataType::List(item) | DataType::LargeList(item) => {
                 item.data_type().is_integer()

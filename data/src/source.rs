@@ -61,6 +61,8 @@ pub enum Purpose {
     Train(u32),
     /// An epoch's evaluation.
     Test(u32),
+    /// Tokenizing raw text before training.
+    Tokenize,
 }
 
 /// Bytes read for one purpose.

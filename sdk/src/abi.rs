@@ -23,8 +23,9 @@ pub const MAGIC: [u8; 8] = *b"TRAINERD";
 /// what crosses it. 2: the input context's `first_step`, and the plugin info's `columns`. 3: plugin
 /// arguments (`arguments`; `info` and `create` take them), and the info's `identity`. 4: batches of
 /// named columns ([`RawBatch`]); `step` (loss and metrics in one call) and `predict` in place of
-/// `forward`, `loss` and `metrics`.
-pub const ABI_VERSION: u32 = 4;
+/// `forward`, `loss` and `metrics`. 5: the `text` column kind (raw text packed into blocks), and
+/// the info's `vocab_size`.
+pub const ABI_VERSION: u32 = 5;
 
 /// Name of the one symbol a plugin exports (a `extern "C" fn() -> *const PluginHeader`).
 pub const ENTRY_SYMBOL: &str = "trainerd_plugin_entry";

@@ -60,6 +60,16 @@ pub enum Decode {
         /// Which end of a long row is cut.
         truncate: Side,
     },
+    /// Raw text, tokenized and packed by the daemon: each document of the dataset's text column
+    /// (`text`, or the daemon's `--text-column`) is tokenized by the run's tokenizer and followed
+    /// by its end-of-text token, the split's documents are concatenated in file order, and the
+    /// stream is cut into blocks of `length` tokens (the last partial one dropped). Each example is
+    /// one block: int64 `[length]` under this column's name, and the same ids under `labels`,
+    /// which a language model shifts itself. It must be the only column declared.
+    Text {
+        /// Tokens per block.
+        length: u32,
+    },
 }
 
 /// An end of a sequence.
@@ -104,16 +114,27 @@ impl Columns {
     /// Tokens per example: the declared length of the first token column, if any.
     pub fn tokens_per_example(&self) -> Option<u32> {
         self.0.iter().find_map(|c| match c.decode {
-            Decode::Tokens { length, .. } => Some(length),
+            Decode::Tokens { length, .. } | Decode::Text { length } => Some(length),
             _ => None,
         })
     }
 
-    /// Checks the declaration: at least one column, no name twice, each decoding sensible. The
-    /// error names the column.
+    /// The packed text column ([`Decode::Text`]) and its block length, when it is declared.
+    pub fn packed_text(&self) -> Option<(&str, u32)> {
+        self.0.iter().find_map(|c| match c.decode {
+            Decode::Text { length } => Some((c.name.as_str(), length)),
+            _ => None,
+        })
+    }
+
+    /// Checks the declaration: at least one column, no name twice, each decoding sensible, a text
+    /// column alone. The error names the column.
     pub fn validate(&self) -> Result<(), (String, DeclarationError)> {
         if self.0.is_empty() {
             return Err((String::new(), DeclarationError::NoColumns));
+        }
+        if let (Some((name, _)), true) = (self.packed_text(), self.0.len() > 1) {
+            return Err((name.to_string(), DeclarationError::TextAlone));
         }
         for (i, c) in self.0.iter().enumerate() {
             if self.0[..i].iter().any(|d| d.name == c.name) {
@@ -148,6 +169,7 @@ impl std::str::FromStr for Decode {
                 let length = size.and_then(|s| s.parse::<u32>().ok()).ok_or_else(bad)?;
                 Decode::Tokens { length, pad: 0, truncate: Side::Right }
             }
+            "text" => Decode::Text { length: size.and_then(|s| s.parse::<u32>().ok()).ok_or_else(bad)? },
             "image" => match dims(size)?.as_slice() {
                 &[c, h, w] if c >= 0 && h >= 0 && w >= 0 => {
                     Decode::Image { channels: c as u32, height: h as u32, width: w as u32 }
@@ -170,7 +192,7 @@ impl Decode {
             Decode::Image { channels, height, width } => {
                 vec![i64::from(*channels), i64::from(*height), i64::from(*width)]
             }
-            Decode::Tokens { length, .. } => vec![i64::from(*length)],
+            Decode::Tokens { length, .. } | Decode::Text { length } => vec![i64::from(*length)],
         }
     }
 
@@ -187,6 +209,7 @@ impl Decode {
             Decode::Numbers { shape } => format!("a list of {} numbers (shape {shape:?})", self.numel()),
             Decode::Image { .. } => "PNG or JPEG bytes (binary, or struct<bytes: binary, path: string>)".into(),
             Decode::Tokens { .. } => "a list of integer token ids".into(),
+            Decode::Text { .. } => "text (a string column of documents)".into(),
         }
     }
 
@@ -203,7 +226,7 @@ impl Decode {
             Decode::Image { height, width, .. } if *height == 0 || *width == 0 => {
                 Err(DeclarationError::ImageSize { width: *width, height: *height })
             }
-            Decode::Tokens { length: 0, .. } => Err(DeclarationError::TokenLength),
+            Decode::Tokens { length: 0, .. } | Decode::Text { length: 0 } => Err(DeclarationError::TokenLength),
             _ => Ok(()),
         }
     }
@@ -241,9 +264,15 @@ pub enum DeclarationError {
     /// A column declared twice.
     #[error("the column is declared twice")]
     Twice,
+    /// A packed text column declared beside others.
+    #[error(
+        "a text column is the only column: its blocks are the examples, and their labels the same ids (declare the \
+         other columns in another model)"
+    )]
+    TextAlone,
     /// A decoding spelled in no known way.
     #[error(
-        "{spec:?} is not a column kind: expected integer, number, numbers:N (or numbers:AxB), tokens:LEN or \
+        "{spec:?} is not a column kind: expected integer, number, numbers:N (or numbers:AxB), tokens:LEN, text:LEN or \
          image:CxHxW (such as image:1x28x28)"
     )]
     Spelling {
@@ -294,10 +323,20 @@ mod tests {
         assert_eq!("image:3x32x32".parse::<Decode>().unwrap(), Decode::Image { channels: 3, height: 32, width: 32 });
         assert_eq!(
             "tokens".parse::<Decode>().unwrap_err().to_string(),
-            "\"tokens\" is not a column kind: expected integer, number, numbers:N (or numbers:AxB), tokens:LEN or \
-             image:CxHxW (such as image:1x28x28)"
+            "\"tokens\" is not a column kind: expected integer, number, numbers:N (or numbers:AxB), tokens:LEN, text:LEN \
+             or image:CxHxW (such as image:1x28x28)"
         );
         assert_eq!("tokens:0".parse::<Decode>().unwrap_err(), DeclarationError::TokenLength);
+        assert_eq!("text:256".parse::<Decode>().unwrap(), Decode::Text { length: 256 });
+        assert_eq!("text:0".parse::<Decode>().unwrap_err(), DeclarationError::TokenLength);
+        // Raw text is the only column: its blocks are the examples, their labels the same ids.
+        let both = Columns(vec![
+            Column { name: "input_ids".into(), decode: Decode::Text { length: 8 } },
+            Column { name: crate::LABEL.into(), decode: Decode::Integer },
+        ]);
+        assert_eq!(both.validate(), Err(("input_ids".into(), DeclarationError::TextAlone)));
+        assert_eq!(both.packed_text(), Some(("input_ids", 8)));
+        assert_eq!(both.tokens_per_example(), Some(8));
         assert_eq!("image:2x1x1".parse::<Decode>().unwrap_err(), DeclarationError::Channels { channels: 2 });
     }
 

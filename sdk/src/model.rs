@@ -160,6 +160,10 @@ pub struct PluginInfo {
     /// dimension rule.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub no_decay: Vec<String>,
+    /// The rows of the model's token embedding, when it has one (a language model): a run whose
+    /// tokenizer has more ids is refused at start, naming both sizes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab_size: Option<u64>,
 }
 
 impl PluginInfo {
@@ -182,6 +186,7 @@ impl PluginInfo {
             language_model: false,
             export_names: Vec::new(),
             no_decay: Vec::new(),
+            vocab_size: None,
         }
     }
 

@@ -49,7 +49,9 @@ pub(super) fn prepare(args: &EvalArgs, cuda: CudaLibrary, split: Split) -> anyho
     let plugin = Plugin::load(&args.job.plugin, &args.job.plugin_args.parse()?)?;
     let options = data_options(&args.job.data, &args.job.s3, Arc::new(trainerd_data::Quiet), timeouts.data)?;
     // Evaluation reads the test split in file order: the window plays no part.
-    let data = DataSource::open(&args.job.data.data, plugin.info(), (u64::MAX, split == Split::Test), options)?;
+    let opening = (options, &args.job.data.text_options());
+    let say = &mut |line: &str| println!("{line}");
+    let data = DataSource::open(&args.job.data.data, plugin.info(), (u64::MAX, split == Split::Test), opening, say)?;
     let sequence = match args.best {
         true => Some(crate::checkpoint::inspect::best(&super::ckpt::open_store(&args.checkpoint, &args.job.s3)?)?),
         false => args.sequence,

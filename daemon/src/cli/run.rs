@@ -78,11 +78,11 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     let epochs = args.epochs.unwrap_or(plugin.info().defaults.epochs);
     // Before the data opens: a failing data source is shown in STATUS= and keeps the watchdog fed.
     let telemetry = Arc::new(Telemetry::new(stall, epochs, workers));
-    let data = data_source(&args, &plugin, timeouts.data, &telemetry)?;
+    let mut progress = Progress::stdout(log_format);
+    let data = data_source(&args, &plugin, (timeouts.data, &telemetry), &mut progress)?;
     let mut cfg = run_config(&args, &plugin, (cluster, network, data), (timeouts, devices, threads))?;
     cfg.gpus = gpus(&cfg.devices, &facts);
     cfg.collective = collective;
-    let mut progress = Progress::stdout(log_format);
     if cfg.cluster.as_ref().is_some_and(|c| c.rank != 0) {
         progress = progress.without_step_lines();
     }
@@ -145,16 +145,18 @@ fn collective(
 
 /// The data `--data` names, opened (a columnar dataset: indexed and checked against the
 /// plugin's columns), its failures told to `telemetry`; a read waits `data_timeout` for a
-/// failing source.
+/// failing source; raw text's tokenizing told on `progress`.
 fn data_source(
     args: &RunArgs,
     plugin: &Plugin,
-    data_timeout: Duration,
-    telemetry: &Arc<Telemetry>,
+    (data_timeout, telemetry): (Duration, &Arc<Telemetry>),
+    progress: &mut Progress,
 ) -> anyhow::Result<DataSource> {
     let options = data_options(&args.job.data, &args.job.s3, Arc::new(Watch(Arc::clone(telemetry))), data_timeout)?;
-    let data =
-        DataSource::open(&args.job.data.data, plugin.info(), (args.shuffle_window, !args.no_evaluation), options)?;
+    let opening = (options, &args.job.data.text_options());
+    let say = &mut |line: &str| progress.line(line);
+    let window = (args.shuffle_window, !args.no_evaluation);
+    let data = DataSource::open(&args.job.data.data, plugin.info(), window, opening, say)?;
     if let (Some(path), DataSource::Plugin(dir, _)) = (&args.log_examples, &data) {
         anyhow::bail!(
             "--log-examples {}: the data at {} is in the plugin's own format, which has no example ids; it needs a \

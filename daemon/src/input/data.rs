@@ -3,9 +3,11 @@
 
 use std::sync::Arc;
 
+use trainerd_data::text::BlockStream;
 use trainerd_data::{Plan, Shuffle, Slice, Stream};
 use trainerd_sdk::{InputContext, Split};
 
+use super::text::Text;
 use super::{DataSource, Files, InputError};
 use crate::plugin::{self, InputPipeline, ModelInstance};
 
@@ -17,8 +19,35 @@ pub(crate) struct Batch {
     pub(crate) step: u64,
     /// Its columns.
     pub(crate) columns: trainerd_sdk::Batch,
-    /// Its example ids (file, row), when the data has them (a columnar dataset).
-    pub(crate) ids: Option<Vec<(u32, u64)>>,
+    /// Its examples' ids, when the data has them (a columnar dataset).
+    pub(crate) ids: Option<Vec<ExampleId>>,
+}
+
+/// An example's id in its split, as `--log-examples` writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ExampleId {
+    /// A row of a Parquet dataset: (file index in name order, row in the file), written `[f, r]`.
+    Row(u32, u64),
+    /// A block of packed text, written `["block", b]`.
+    Block(u64),
+}
+
+impl serde::Serialize for ExampleId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        let mut t = s.serialize_tuple(2)?;
+        match *self {
+            ExampleId::Row(file, row) => {
+                t.serialize_element(&file)?;
+                t.serialize_element(&row)?;
+            }
+            ExampleId::Block(b) => {
+                t.serialize_element("block")?;
+                t.serialize_element(&b)?;
+            }
+        }
+        t.end()
+    }
 }
 
 /// A run's data, with its model.
@@ -32,6 +61,8 @@ pub(crate) enum Data<'m> {
     },
     /// Read by trainerd.
     Files(Arc<Files>),
+    /// Raw text, packed by trainerd.
+    Text(Arc<Text>),
 }
 
 impl<'m> Data<'m> {
@@ -43,6 +74,7 @@ impl<'m> Data<'m> {
                 Data::Plugin { train: model.load_data(dir, Split::Train)?, test }
             }
             DataSource::Files(files) => Data::Files(Arc::clone(files)),
+            DataSource::Text(text) => Data::Text(Arc::clone(text)),
         })
     }
 
@@ -51,6 +83,7 @@ impl<'m> Data<'m> {
         match self {
             Data::Plugin { train, .. } => Ok(train.pipeline(ctx)?.steps()),
             Data::Files(f) => Ok(slice(ctx).steps(f.train.rows())),
+            Data::Text(t) => Ok(slice(ctx).steps(t.train.count())),
         }
     }
 
@@ -82,6 +115,12 @@ impl<'m> Data<'m> {
                 };
                 Ok(Epochs::Files(f.train.open(plan)))
             }
+            Data::Text(t) => {
+                let shuffle = Some(Shuffle { seed: ctx.seed, window: u64::MAX });
+                let first = (ctx.epoch as u32, ctx.first_step);
+                let plan = Plan { slice: slice(ctx), shuffle, first, end_epoch, steps_per_epoch };
+                Ok(Epochs::Text(t.train.open(plan)))
+            }
         }
     }
 }
@@ -110,6 +149,22 @@ impl Data<'_> {
                 let plan = Plan { slice, shuffle: None, first, end_epoch, steps_per_epoch: steps };
                 Ok((Epochs::Files(reader.open(plan)), steps))
             }
+            Data::Text(t) => {
+                let blocks = match split {
+                    Split::Train => &t.train,
+                    Split::Test => t.test.as_ref().ok_or(InputError::NoEvaluation)?,
+                };
+                let slice = slice(&ctx);
+                let steps = slice.steps(blocks.count());
+                let plan = Plan {
+                    slice,
+                    shuffle: None,
+                    first: (ctx.epoch as u32, ctx.first_step),
+                    end_epoch: ctx.epoch as u32 + 1,
+                    steps_per_epoch: steps,
+                };
+                Ok((Epochs::Text(blocks.open(plan)), steps))
+            }
         }
     }
 
@@ -124,8 +179,19 @@ impl Data<'_> {
         match (self, &batch.ids) {
             (Data::Files(f), Some(ids)) => {
                 let reader = reader(f, split)?;
-                Ok(ids.iter().map(|&id| reader.example_number(id) as i64).collect())
+                let number = |id: &ExampleId| match *id {
+                    ExampleId::Row(file, row) => reader.example_number((file, row)) as i64,
+                    ExampleId::Block(b) => b as i64,
+                };
+                Ok(ids.iter().map(number).collect())
             }
+            (Data::Text(_), Some(ids)) => Ok(ids
+                .iter()
+                .map(|id| match *id {
+                    ExampleId::Block(b) => b as i64,
+                    ExampleId::Row(_, row) => row as i64,
+                })
+                .collect()),
             _ => {
                 // The SDK's evaluation sharding: step s holds positions s*G.. of the split, this
                 // pipeline the slice at its index.
@@ -169,6 +235,8 @@ pub(crate) enum Epochs<'d> {
     },
     /// A columnar dataset's stream.
     Files(Stream),
+    /// Packed text's blocks.
+    Text(BlockStream),
 }
 
 impl Epochs<'_> {
@@ -187,7 +255,13 @@ impl Epochs<'_> {
                 epoch: b.epoch,
                 step: b.step,
                 columns: b.columns,
-                ids: Some(b.ids),
+                ids: Some(b.ids.into_iter().map(|(file, row)| ExampleId::Row(file, row)).collect()),
+            })),
+            Epochs::Text(stream) => Ok(stream.next_batch()?.map(|b| Batch {
+                epoch: b.epoch,
+                step: b.step,
+                columns: b.columns,
+                ids: Some(b.blocks.into_iter().map(ExampleId::Block).collect()),
             })),
         }
     }

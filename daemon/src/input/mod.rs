@@ -3,7 +3,9 @@
 //! - a directory in the plugin's own format (MNIST's idx files), read by the plugin through the
 //!   ABI, one epoch's pipeline at a time;
 //! - a columnar dataset (Parquet in Hugging Face's layout, on a directory or S3), read by
-//!   `trainerd-data` for the columns the plugin declares, in a stream that runs across epochs.
+//!   `trainerd-data` for the columns the plugin declares, in a stream that runs across epochs;
+//! - raw text of such a dataset, for a model that declares a `text` column: tokenized and packed
+//!   into blocks before the cluster forms ([`text`]).
 //!
 //! A columnar dataset is opened before the cluster forms: its fingerprint and the shuffle window
 //! are part of what every worker must agree on, and of every checkpoint's run configuration.
@@ -13,8 +15,9 @@
 
 pub(crate) mod data;
 pub(crate) mod source;
+pub(crate) mod text;
 
-pub(crate) use data::{Batch, Data, Epochs};
+pub(crate) use data::{Batch, Data, Epochs, ExampleId};
 pub(crate) use source::{DataFigures, DataSource, Files, Watch};
 
 use crate::plugin::CallError;
@@ -42,6 +45,22 @@ pub(crate) enum InputError {
     /// A shuffle window of no rows.
     #[error("--shuffle-window 0: expected at least 1 row")]
     NoWindow,
+    /// A tokenizer with ids beyond the model's embedding.
+    #[error(
+        "tokenizer {tokenizer} has {ids} ids, more than the {rows} rows of the token embedding of plugin {plugin}'s \
+         model: its ids past {rows} would index outside it (give the model a vocabulary of at least {ids}, or use its \
+         own tokenizer)"
+    )]
+    VocabularyTooLarge {
+        /// The tokenizer.
+        tokenizer: String,
+        /// Its ids (one more than its largest).
+        ids: u64,
+        /// The plugin.
+        plugin: String,
+        /// The model's embedding rows.
+        rows: u64,
+    },
     /// An evaluation asked of a run that does not evaluate (a bug).
     #[error("no test split was opened: this run does not evaluate")]
     NoEvaluation,

@@ -6,9 +6,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use trainerd_data::text::TextOptions;
 use trainerd_data::{DataLocation, Dataset, Options, Reader};
 use trainerd_sdk::{PluginInfo, Split};
 
+use super::text::Text;
 use super::InputError;
 use crate::ops::Telemetry;
 
@@ -19,6 +21,8 @@ pub(crate) enum DataSource {
     Plugin(PathBuf, bool),
     /// A columnar dataset, indexed.
     Files(Arc<Files>),
+    /// Raw text, tokenized and packed.
+    Text(Arc<super::text::Text>),
 }
 
 /// A columnar dataset, opened, with the readers of the plugin's columns.
@@ -41,19 +45,22 @@ impl std::fmt::Debug for DataSource {
             DataSource::Files(files) => {
                 write!(f, "Files({}, {})", files.dataset.location(), files.dataset.fingerprint())
             }
+            DataSource::Text(t) => write!(f, "Text({}, {})", t.dataset.location(), t.tokenizer.sha256),
         }
     }
 }
 
 impl DataSource {
     /// What `text` names for `info`'s plugin: a columnar dataset (an `s3://` prefix, or a
-    /// directory of `.parquet` files), opened and checked against the plugin's columns; else a
-    /// directory the plugin reads itself. `evaluate`: the test split is needed.
+    /// directory of `.parquet` files), opened and checked against the plugin's columns (its raw
+    /// text tokenized and packed, for a `text` column, `say` told how); else a directory the
+    /// plugin reads itself. `evaluate`: the test split is needed.
     pub(crate) fn open(
         text: &str,
         info: &PluginInfo,
         (window, evaluate): (u64, bool),
-        options: Options,
+        (options, text_options): (Options, &TextOptions),
+        say: &mut dyn FnMut(&str),
     ) -> Result<DataSource, InputError> {
         let location: DataLocation = text.parse()?;
         if !location.is_columnar() {
@@ -63,6 +70,10 @@ impl DataSource {
         let Some(columns) = info.columns.clone() else {
             return Err(InputError::NoColumns { plugin: info.name.clone(), location: location.to_string() });
         };
+        if let Some(packed) = columns.packed_text() {
+            let opening = (options, text_options, evaluate);
+            return Ok(DataSource::Text(Arc::new(Text::open(&location, info, packed, opening, say)?)));
+        }
         if window == 0 {
             return Err(InputError::NoWindow);
         }
@@ -79,7 +90,11 @@ impl DataSource {
     /// What every worker must agree on about the data (none for a plugin's own format, whose
     /// reading the plugin's identity covers).
     pub(crate) fn agreement(&self) -> Option<serde_json::Value> {
-        let DataSource::Files(f) = self else { return None };
+        let f = match self {
+            DataSource::Plugin(..) => return None,
+            DataSource::Text(t) => return Some(t.agreement()),
+            DataSource::Files(f) => f,
+        };
         Some(serde_json::json!({
             "format": "parquet",
             "fingerprint": f.dataset.fingerprint(),
@@ -91,6 +106,7 @@ impl DataSource {
     pub(crate) fn describe(&self) -> String {
         match self {
             DataSource::Plugin(dir, _) => format!("data: {} (the plugin's own format)", dir.display()),
+            DataSource::Text(t) => t.describe(),
             DataSource::Files(f) => {
                 let train = f.dataset.split(Split::Train).expect("a dataset always has a training split");
                 let test = match (&f.test, f.dataset.split(Split::Test)) {
@@ -164,7 +180,7 @@ impl DataSource {
                     test.fetched += t.fetched;
                     test.from_cache += t.from_cache;
                 }
-                trainerd_data::Purpose::Index => {}
+                trainerd_data::Purpose::Index | trainerd_data::Purpose::Tokenize => {}
             }
         }
         Some(DataFigures {

@@ -135,7 +135,7 @@ pub(crate) struct StepDone<'t> {
     /// which making the next batch, and of which the optimizer's update.
     pub(crate) timing: (Duration, Duration, Duration),
     /// This worker's example ids, when the data has them.
-    pub(crate) ids: Option<&'t [(u32, u64)]>,
+    pub(crate) ids: Option<&'t [crate::input::ExampleId]>,
     /// Bytes this worker's all-reduces have sent, and seconds they took, so far.
     pub(crate) traffic: (u64, f64),
 }

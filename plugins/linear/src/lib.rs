@@ -36,6 +36,7 @@ impl Model for Linear {
             language_model: false,
             export_names: Vec::new(),
             no_decay: Vec::new(),
+            vocab_size: None,
         })
     }
 

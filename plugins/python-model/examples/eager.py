@@ -257,6 +257,8 @@ def main():
     mod = load_module_file(a.module)
     args = parse_args_for(mod, a.arg)
     declared = getattr(mod, "columns", None)
+    if callable(declared):
+        declared = declared(args)
     if declared:
         columns = {name: parse_kind(spec) for name, spec in declared.items()}
     else:

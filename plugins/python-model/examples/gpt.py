@@ -2,7 +2,9 @@
 
     trainerd run --plugin libpython_model.so --plugin-arg module=gpt.py --data DIR ...
 
-DIR as tokenize.py writes it (its defaults: a 512-id byte-level BPE, rows of 128 tokens). Token
+DIR as tokenize.py writes it (its defaults: a 512-id byte-level BPE, rows of 128 tokens), or, with
+--plugin-arg input=text, raw text (a `text` column) that trainerd tokenizes with the tokenizer.json
+beside it and packs into blocks of `context` tokens (tokenize.py --raw writes one). Token
 and learned position embeddings, pre-norm blocks of causal self-attention
 (scaled_dot_product_attention, is_causal=True) and a GELU MLP, a final LayerNorm, and the output
 head tied to the token embedding (the logits are h @ embedding^T, so the state dict holds the
@@ -15,19 +17,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Tokens per row: trainerd reads `columns` before it calls model(), so the context is fixed here
-# (the position table's size) rather than an argument.
-CONTEXT = 128
-
 arguments = {
     "vocab": "512",  # tokenize.py's default BPE; 258 for --tokenizer bytes
     "d_model": "128",
     "n_layer": "2",
     "n_head": "4",
     "dropout": "0.0",  # on the embeddings and each residual branch
+    "context": "128",  # tokens per example: the position table's size
+    "input": "tokens",  # token rows (tokens:LEN), or raw text packed into blocks (text:LEN)
 }
 
-columns = {"input_ids": f"tokens:{CONTEXT}"}
+
+def columns(args):
+    if args["input"] not in ("tokens", "text"):
+        raise ValueError(f"input={args['input']}: expected tokens (token rows) or text (raw text, packed)")
+    return {"input_ids": f"{args['input']}:{int(args['context'])}"}
 
 language_model = True
 
@@ -83,7 +87,7 @@ class GPT(nn.Module):
 def model(args):
     return GPT(
         vocab=int(args["vocab"]),
-        context=CONTEXT,
+        context=int(args["context"]),
         d_model=int(args["d_model"]),
         n_layer=int(args["n_layer"]),
         n_head=int(args["n_head"]),

@@ -2,7 +2,11 @@
 machine has (/usr/share/common-licenses: the GPL, Apache, MPL, ... about 240 KB of distinct text).
 
     python tokenize.py --out DIR [--corpus PATH ...] [--tokenizer bpe|bytes] [--vocab N]
-        [--length LEN] [--test-fraction F] [--train-shards K] [--rows-per-group R]
+        [--length LEN] [--test-fraction F] [--train-shards K] [--rows-per-group R] [--raw]
+
+With --raw, the documents themselves go in (a `text` column, one row per document, as Hugging
+Face's text datasets hold them; document i to the test split when floor((i + 1) * F) >
+floor(i * F)) beside the tokenizer.json, for trainerd to tokenize and pack at the model's length.
 
 Documents: the corpus' files (a directory stands for the files directly in it; symbolic links
 followed), in the order of their resolved paths, each once by content. Each is encoded and
@@ -142,6 +146,35 @@ def write_parquet(path, blocks, rows_per_group):
     pq.write_table(table, path, row_group_size=rows_per_group, compression="snappy")
 
 
+def write_text(path, texts, rows_per_group):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_arrays([pa.array(texts, type=pa.string())], names=["text"])
+    pq.write_table(table, path, row_group_size=rows_per_group, compression="snappy")
+
+
+def write_raw(out, tok, texts, fraction, a):
+    """The documents as a text column, split by document, and the tokenizer beside them."""
+    test = [t for i, t in enumerate(texts) if (i + 1) * fraction // 1 > i * fraction // 1]
+    train = [t for i, t in enumerate(texts) if not (i + 1) * fraction // 1 > i * fraction // 1]
+    if not train or not test:
+        raise SystemExit(f"tokenize.py: {len(texts)} documents leave a split empty at --test-fraction {fraction}")
+    os.makedirs(out, exist_ok=True)
+    for old in os.listdir(out):
+        if old.endswith(".parquet") and (old.startswith("train") or old.startswith("test")):
+            os.remove(os.path.join(out, old))
+    shards = min(a.train_shards, len(train))
+    per = -(-len(train) // shards)
+    for k in range(shards):
+        write_text(os.path.join(out, f"train-{k:05}-of-{shards:05}.parquet"), train[k * per:(k + 1) * per],
+                   a.rows_per_group)
+    write_text(os.path.join(out, "test-00000-of-00001.parquet"), test, a.rows_per_group)
+    tok.save(os.path.join(out, "tokenizer.json"), pretty=True)
+    print(json.dumps({"tokenizer": a.tokenizer, "vocab_size": tok.get_vocab_size(), "documents":
+                      {"train": len(train), "test": len(test)}, "bytes": sum(len(t.encode()) for t in texts)}))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the dataset's directory (made if missing)")
@@ -152,6 +185,7 @@ def main():
     p.add_argument("--test-fraction", default=DEFAULT_TEST_FRACTION, help="share of blocks in the test split")
     p.add_argument("--train-shards", type=int, default=1, help="training split's files (default 1)")
     p.add_argument("--rows-per-group", type=int, default=100, help="Parquet row group size (default 100)")
+    p.add_argument("--raw", action="store_true", help="write the documents' text, not token rows")
     a = p.parse_args()
     fraction = Fraction(a.test_fraction)
     if not 0 <= fraction < 1:
@@ -171,6 +205,9 @@ def main():
         tok = byte_tokenizer()
     assert tok.token_to_id(PAD) == 0 and tok.token_to_id(EOT) == 1
     vocab = tok.get_vocab_size()
+    if a.raw:
+        write_raw(a.out, tok, texts, fraction, a)
+        return
 
     stream, described = [], []
     for (name, data), text in zip(docs, texts):

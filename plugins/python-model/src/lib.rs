@@ -63,6 +63,8 @@ struct FileInfo {
     language_model: bool,
     export_names: Vec<(String, String)>,
     no_decay: Vec<String>,
+    #[serde(default)]
+    vocab_size: Option<u64>,
 }
 
 fn device_name(device: Device) -> String {
@@ -123,6 +125,7 @@ impl Model for PythonModel {
         info.language_model = file.language_model;
         info.export_names = file.export_names;
         info.no_decay = file.no_decay;
+        info.vocab_size = file.vocab_size;
         if let Some(columns) = file.columns {
             let parsed = columns
                 .into_iter()

@@ -7,7 +7,9 @@ type, its message and the file and line of the user's frame.
 
 The file's contract (see the plugin's README section):
     arguments = {"key": "default", ...}       optional: the --plugin-arg keys it accepts
-    columns = {"input_ids": "tokens:128"}     what it reads of a Parquet dataset
+    columns = {"input_ids": "tokens:128"}     what it reads of a Parquet dataset ("text:128":
+                                              raw text, tokenized and packed into blocks); or
+    def columns(args) -> dict                 the same from the arguments (a length by flag)
     def model(args) -> torch.nn.Module        required
     def loss(module, batch) -> Tensor         optional: the batch's mean loss, a 0-dim tensor, or
                                               (loss, outputs) to hand the outputs to metrics
@@ -214,6 +216,11 @@ def info(path, given):
             f"model file {path} defines no model function: expected def model(args) -> torch.nn.Module"
         )
     columns = getattr(module, "columns", None)
+    if callable(columns):
+        try:
+            columns = columns(dict(args))
+        except Exception as e:  # noqa: BLE001
+            raise _raised(path, "columns(args)", e) from None
     if columns is not None and not (isinstance(columns, dict) and all(isinstance(k, str) for k in columns)):
         raise ModelFileError(
             f"model file {path}: columns is {type(columns).__name__}, expected a dict of column name to kind, "
@@ -239,7 +246,7 @@ def info(path, given):
         "metrics": names,
         "identity": identity,
         "language_model": bool(getattr(module, "language_model", False)),
-        "export_names": _export_names(path, module, args),
+        **_meta_facts(path, module, args),
         "no_decay": list(no_decay),
     }
 
@@ -263,11 +270,13 @@ def _variables(net):
     return list(net.named_parameters()) + [(n, b) for n, b in net.named_buffers() if n in persistent]
 
 
-def _export_names(path, module, args):
-    """[state_dict key, variable name] of every key, the module built on the meta device (no
-    memory, no generator): what `trainerd ckpt export` names the tensors, so that
-    load_state_dict takes the export as it is, tied weights under each of their keys. None when
-    the module does not build there."""
+def _meta_facts(path, module, args):
+    """What the module built on the meta device (no memory, no generator) tells: `export_names`,
+    [state_dict key, variable name] of every key (what `trainerd ckpt export` names the tensors,
+    so that load_state_dict takes the export as it is, tied weights under each of their keys),
+    and `vocab_size`, the rows of its token embedding (a Hugging Face model's input embeddings,
+    else its first nn.Embedding), which a tokenizer's ids must stay below. Empty when the module
+    does not build there."""
     try:
         with torch.device("meta"):
             net = module.model(dict(args))
@@ -278,11 +287,21 @@ def _export_names(path, module, args):
             f"state_dict() keys",
             file=sys.stderr,
         )
-        return []
+        return {"export_names": []}
     if not isinstance(net, torch.nn.Module):
-        return []
+        return {"export_names": []}
     ids = {id(t): n for n, t in _variables(net)}
-    return [[k, ids[id(t)]] for k, t in net.state_dict(keep_vars=True).items() if id(t) in ids]
+    names = [[k, ids[id(t)]] for k, t in net.state_dict(keep_vars=True).items() if id(t) in ids]
+    embedding = None
+    if callable(getattr(net, "get_input_embeddings", None)):
+        try:
+            embedding = net.get_input_embeddings()
+        except Exception:  # noqa: BLE001 - not every model implements it
+            embedding = None
+    if not isinstance(embedding, torch.nn.Embedding):
+        embedding = next((m for m in net.modules() if isinstance(m, torch.nn.Embedding)), None)
+    vocab = None if embedding is None else int(embedding.num_embeddings)
+    return {"export_names": names, "vocab_size": vocab}
 
 
 def _tensor(value):

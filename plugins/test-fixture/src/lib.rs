@@ -72,6 +72,7 @@ impl Model for Fixture {
             language_model: false,
             export_names: Vec::new(),
             no_decay: Vec::new(),
+            vocab_size: None,
         })
     }
 

@@ -103,6 +103,17 @@ pub(crate) struct DataArgs {
     /// timeout].
     #[arg(long)]
     pub(crate) data_timeout: Option<f64>,
+    /// For a model that trains on raw text: its tokenizer.json (default: the tokenizer.json
+    /// beside the dataset's Parquet files, on S3 as well). Its sha256 is part of the run.
+    #[arg(long)]
+    pub(crate) tokenizer: Option<PathBuf>,
+    /// The documents' column of a raw-text dataset.
+    #[arg(long, default_value = "text")]
+    pub(crate) text_column: String,
+    /// The token that ends each document of raw text (default: the tokenizer's own:
+    /// <|endoftext|>, <|end_of_text|>, </s>, <eos> or <|im_end|>, the first it has).
+    #[arg(long)]
+    pub(crate) eos_token: Option<String>,
 }
 
 impl DataArgs {
@@ -119,6 +130,25 @@ impl DataArgs {
             data_cache: None,
             data_cache_size: 10 << 30,
             data_timeout: None,
+            tokenizer: None,
+            text_column: "text".into(),
+            eos_token: None,
+        }
+    }
+
+    /// How raw text is found and read: the flags, its token files kept beside the data cache
+    /// (`tokens` in its directory's parent: ~/.cache/trainerd/tokens by default).
+    pub(crate) fn text_options(&self) -> trainerd_data::text::TextOptions {
+        let cache = self.cache_dir();
+        let tokens = match &self.data_cache {
+            Some(dir) => dir.join("tokens"),
+            None => cache.parent().map_or_else(|| PathBuf::from("tokens"), |p| p.join("tokens")),
+        };
+        trainerd_data::text::TextOptions {
+            tokenizer: self.tokenizer.clone(),
+            column: self.text_column.clone(),
+            eos: self.eos_token.clone(),
+            cache: tokens,
         }
     }
 

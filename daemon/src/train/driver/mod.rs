@@ -229,7 +229,7 @@ impl<'a> Driver<'a> {
         session.set_step(state.position().global_step);
         let steps_per_epoch = self.steps_per_epoch;
         let (position, totals) = (state.position(), &result.totals);
-        let ids: Option<Vec<(u32, u64)>> =
+        let ids: Option<Vec<crate::input::ExampleId>> =
             batches.iter().map(|b| b.ids.clone()).collect::<Option<Vec<Vec<_>>>>().map(|v| v.concat());
         let ids = ids.as_deref();
         let timing = (took, prefetch, optimizer);
