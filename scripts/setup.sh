@@ -25,7 +25,7 @@ for arg in "$@"; do
 done
 
 case "$build" in
-    main) build_args=(-p trainerd -p mnist-cnn) what="trainerd and the mnist-cnn plugin" ;;
+    main) build_args=(-p trainerd -p mnist-cnn -p python-model) what="trainerd, the mnist-cnn and python-model plugins" ;;
     workspace) build_args=(--workspace) what="every crate" ;;
     none) build_args=() ;;
 esac
@@ -67,11 +67,12 @@ if [ ! -e "$marker" ]; then
     touch "$marker"
 fi
 
-# The Python model plugin's examples: a Hugging Face GPT-2 and a byte-level BPE tokenizer.
-if ! "$TRAINERD_VENV/bin/python" -c "import transformers, tokenizers" 2>/dev/null; then
-    echo "setup: installing transformers and tokenizers (the Python model examples)"
+# The Python model plugin's examples: a Hugging Face GPT-2, a byte-level BPE tokenizer, and pyarrow,
+# with which the examples write their Parquet datasets.
+if ! "$TRAINERD_VENV/bin/python" -c "import transformers, tokenizers, pyarrow" 2>/dev/null; then
+    echo "setup: installing transformers, tokenizers and pyarrow (the Python model examples)"
     "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "transformers==5.24.0" "tokenizers==0.23.3" \
-        "huggingface-hub==2.4.0"
+        "huggingface-hub==2.4.0" "pyarrow==26.0.1"
 fi
 
 if [ "$tests" = 1 ]; then
@@ -82,12 +83,13 @@ if [ "$tests" = 1 ]; then
     fi
 
     # Test tools in the same venv: prometheus_client parses /metrics as Prometheus would; PyYAML
-    # reads the Kubernetes manifest; tensorboard's own event reader reads the event files; pyarrow,
-    # pandas and Pillow write datasets as users' tools do, and are the DataLoader peer's reader.
-    if ! "$TRAINERD_VENV/bin/python" -c "import prometheus_client, yaml, tensorboard, pyarrow, pandas, PIL" 2>/dev/null; then
-        echo "setup: installing prometheus_client, PyYAML, tensorboard, pyarrow, pandas and Pillow (the tests' tools)"
+    # reads the Kubernetes manifest; tensorboard's own event reader reads the event files; pandas
+    # and Pillow write datasets as users' tools do, and are the DataLoader peer's reader; datasets
+    # is the language-model bench's peer (its map-and-group recipe).
+    if ! "$TRAINERD_VENV/bin/python" -c "import prometheus_client, yaml, tensorboard, pandas, PIL, datasets" 2>/dev/null; then
+        echo "setup: installing prometheus_client, PyYAML, tensorboard, pandas, Pillow and datasets (the tests' tools)"
         "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "prometheus-client==0.21.1" "pyyaml==6.0.2" \
-            "tensorboard==2.20.0" "pyarrow==22.0.0" "pandas==2.3.3" "pillow==12.0.0"
+            "tensorboard==2.20.0" "pandas==2.3.3" "pillow==12.0.0" "datasets==5.2.0"
     fi
     # systemd-analyze checks the unit files.
     if ! command -v systemd-analyze >/dev/null; then

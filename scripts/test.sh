@@ -11,6 +11,9 @@ cargo fmt --all --check
 python3 scripts/rust_sizes.py 60 600 daemon/src storage/src sdk/src data/src
 cargo clippy --workspace --all-targets -- -D warnings
 cargo build --workspace
+# What the main command builds (release): the README test runs the quick start's blocks as written,
+# and their build step then finds it done rather than compiling while the other tests run.
+cargo build --release -p trainerd -p mnist-cnn -p python-model
 # Every test binary runs even after one fails (cargo stops at the first failing binary by
 # default, which hid every suite after it); the exit status is still non-zero on any failure.
 cargo test --workspace --no-fail-fast

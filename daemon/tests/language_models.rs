@@ -1,12 +1,16 @@
 //! What language-model recipes rely on, end to end: the learning rate every step logs is
 //! Hugging Face's warmup and decay; a run started before those formulas resumes with the cosine
-//! it started with; AdamW's decay groups are announced and recorded in every commit.
+//! it started with; AdamW's decay groups are announced and recorded in every commit; raw text,
+//! tokenized and packed, resumes bitwise, and 2 workers are 1 accumulating 2.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use trainerd_testkit::output::{json, metrics_log, stdout, text};
-use trainerd_testkit::RunArgs;
+use trainerd_testkit::output::{error_line, json, metrics_log, params_sha256, stdout, text};
+use trainerd_testkit::{python, Event, RunArgs, Worker};
 
 /// Steps of each of the 2 epochs of every run here.
 const STEPS: u64 = 30;
@@ -173,4 +177,170 @@ fn copy_tree(from: &Path, to: &Path) {
             std::fs::copy(entry.path(), target).unwrap();
         }
     }
+}
+
+// ---- raw text, tokenized and packed ----
+
+const WAIT: Duration = Duration::from_secs(240);
+
+fn examples() -> PathBuf {
+    std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/python-model/examples")).unwrap()
+}
+
+/// The licenses corpus as raw text (tokenize.py --raw: one document per license, a 512-id BPE's
+/// tokenizer.json beside them), made once; and another tokenizer (of 400 ids) beside a copy.
+fn raw_text() -> &'static (PathBuf, PathBuf) {
+    static DIRS: OnceLock<(tempfile::TempDir, (PathBuf, PathBuf))> = OnceLock::new();
+    &DIRS
+        .get_or_init(|| {
+            let tmp = tempfile::tempdir().unwrap();
+            let (raw, other) = (tmp.path().join("text"), tmp.path().join("other"));
+            for (dir, vocab) in [(&raw, "512"), (&other, "400")] {
+                let out = Command::new(python())
+                    .arg(examples().join("tokenize.py"))
+                    .args(["--raw", "--out", dir.to_str().unwrap(), "--vocab", vocab, "--rows-per-group", "4"])
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "{}", text(&out));
+            }
+            (tmp, (raw, other))
+        })
+        .1
+}
+
+/// The small GPT on the raw licenses, packed into blocks of 32, with dropout (drawn per step and
+/// slot), AdamW, a warmup and a cosine; its outputs and token files in `dir`.
+fn gpt_on_text(dir: &Path) -> RunArgs {
+    RunArgs::new("python-model")
+        .data(&raw_text().0)
+        .plugin_arg(format!("module={}", examples().join("gpt.py").display()))
+        .plugin_arg("input=text")
+        .plugin_arg("context=32")
+        .plugin_arg("d_model=32")
+        .plugin_arg("n_layer=1")
+        .plugin_arg("dropout=0.1")
+        .epochs(2)
+        .steps(40)
+        .batch(4)
+        .seed(3)
+        .threads(1)
+        .optimizer("adamw", 3e-3)
+        .set("--warmup-steps", 8)
+        .set("--lr-schedule", "cosine")
+        .set("--data-cache", dir.join("cache").to_str().unwrap())
+        .summary(dir.join("s.json"))
+}
+
+fn launch(extra: &[&str], args: &RunArgs) -> Worker {
+    Worker::start(&[&["local", "--restart-delay", "0"][..], extra, &args.strs()].concat())
+}
+
+/// On packed text, a worker SIGKILLed mid-epoch rejoins from its peer, then the whole cluster is
+/// stopped and resumes from its commit: the end is bitwise the uninterrupted run's; the examples
+/// log names each step's blocks, and the global batch of 2 workers is the one of 1 worker
+/// accumulating 2 micro-batches, bit for bit.
+#[test]
+fn packed_text_resumes_bitwise_and_two_workers_are_one_accumulating_two() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir(&dir).unwrap();
+        (dir.clone(), gpt_on_text(&dir).checkpoints(dir.join("ckpt"), 30))
+    };
+    let (reference, args) = run("reference");
+    let args = args.set("--log-examples", reference.join("ex.jsonl").to_str().unwrap());
+    let out = args.local(2).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let said = stdout(&out);
+    assert!(said.contains("trainerd: train split: 13 document(s) (0 empty, skipped), "), "{said}");
+    assert!(said.contains("packed into blocks of 32 tokens"), "{said}");
+    let expected = params_sha256(&reference.join("s.worker0.json"));
+    assert_eq!(params_sha256(&reference.join("s.worker1.json")), expected);
+    // Each step's blocks, by their own ids: 4 of them from each worker, none twice in an epoch.
+    let log = std::fs::read_to_string(reference.join("ex.worker0.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(steps.len(), 80);
+    let first: Vec<u64> = steps[..40]
+        .iter()
+        .flat_map(|s| {
+            s["ids"].as_array().unwrap().iter().map(|id| {
+                assert_eq!(id[0], "block");
+                id[1].as_u64().unwrap()
+            })
+        })
+        .collect();
+    let distinct: std::collections::BTreeSet<u64> = first.iter().copied().collect();
+    assert_eq!((first.len(), distinct.len()), (160, 160));
+
+    let (killed, args) = run("killed");
+    let mut cluster = launch(&["--workers", "2"], &args);
+    let pid = cluster.wait_event(|r| r.worker == Some(1), WAIT).pid;
+    cluster.wait_event(|r| r.worker == Some(0) && matches!(r.event, Event::Step { global_step: 25, .. }), WAIT);
+    // SAFETY: kill(2) on the launcher's worker 1, a process this test started through it.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+    let rejoined = |r: &trainerd_testkit::events::Record| r.worker == Some(1) && r.pid != pid;
+    cluster.wait_event(|r| rejoined(r) && matches!(r.event, Event::Step { .. }), WAIT);
+    let late = |r: &trainerd_testkit::events::Record| {
+        r.worker == Some(0) && matches!(r.event, Event::Committed { global_step, .. } if global_step >= 60)
+    };
+    cluster.wait_event(late, WAIT);
+    cluster.kill(libc::SIGTERM);
+    let mut again = launch(&["--workers", "2"], &args);
+    again.wait_event(|r| r.worker == Some(0) && matches!(r.event, Event::Resumed { .. }), WAIT);
+    assert!(again.wait().success());
+    assert_eq!(params_sha256(&killed.join("s.worker0.json")), expected);
+    assert_eq!(params_sha256(&killed.join("s.worker1.json")), expected);
+
+    let alone = tmp.path().join("alone");
+    std::fs::create_dir(&alone).unwrap();
+    let out = gpt_on_text(&alone).set("--accumulate", 2).command("run").output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(params_sha256(&alone.join("s.json")), expected, "1 worker accumulating 2 differs from 2 workers");
+}
+
+/// Workers whose tokenizers differ are refused, naming both hashes; a tokenizer with more ids than
+/// the model's embedding is refused at start, naming both sizes.
+#[test]
+fn another_tokenizer_is_refused_naming_both_hashes_and_a_larger_one_both_sizes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (raw, other) = raw_text();
+    let sha = |dir: &Path| hex(&Sha256::digest(std::fs::read(dir.join("tokenizer.json")).unwrap()));
+    let spawn = |ports: &[u16], i: usize, extra: &[&str]| {
+        let run = gpt_on_text(tmp.path()).steps(2).epochs(1).on("--no-evaluation").set("--rendezvous-timeout", 20);
+        let run = extra.chunks(2).fold(run, |run, kv| run.set(kv[0], kv[1]));
+        run.command("run")
+            .env("TF_CONFIG", trainerd_testkit::tf_config(ports, i))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let ports = trainerd_testkit::free_ports(2);
+    let theirs = other.join("tokenizer.json");
+    let (chief, worker) = (spawn(&ports, 0, &[]), spawn(&ports, 1, &["--tokenizer", theirs.to_str().unwrap()]));
+    let worker = worker.wait_with_output().unwrap();
+    let _ = chief.wait_with_output().unwrap();
+    let w1 = format!("worker 1 (127.0.0.1:{})", ports[1]);
+    let line = error_line(&worker);
+    assert!(
+        line.starts_with(&format!(
+            "error: rendezvous refused by the chief: {w1} has a different run configuration: \
+             data.text.tokenizer_sha256 = \"{}\" on {w1}, \"{}\" on the chief",
+            sha(other),
+            sha(raw)
+        )),
+        "{line}"
+    );
+
+    let out = gpt_on_text(tmp.path()).plugin_arg("vocab=300").command("run").output().unwrap();
+    assert!(!out.status.success());
+    assert_eq!(
+        error_line(&out),
+        format!(
+            "error: tokenizer {}/tokenizer.json has 512 ids, more than the 300 rows of the token embedding of plugin \
+             python-model's model: its ids past 300 would index outside it (give the model a vocabulary of at least \
+             512, or use its own tokenizer)",
+            raw.display()
+        )
+    );
 }

@@ -11,7 +11,7 @@ use trainerd_data::schema::describe;
 use trainerd_data::{DataLocation, Dataset, Plan, Quiet, Shuffle, Slice};
 use trainerd_sdk::Split;
 
-use super::args::{DataCommand, ReadArgs, S3Args};
+use super::args::{DataCommand, InspectText, ReadArgs, S3Args};
 use super::data_options;
 use crate::ops::progress::{thousands, Progress};
 use crate::plugin::Plugin;
@@ -19,7 +19,7 @@ use crate::plugin::Plugin;
 /// Runs `trainerd data inspect|convert|read`; its exit status.
 pub(crate) fn run(command: DataCommand) -> anyhow::Result<i32> {
     match command {
-        DataCommand::Inspect { url, s3 } => inspect(&url, &s3),
+        DataCommand::Inspect { url, text, s3 } => inspect(&url, &text, &s3),
         DataCommand::Convert { from, to, rows_per_file, rows_per_group, s3 } => {
             anyhow::ensure!(
                 rows_per_file > 0 && rows_per_group > 0,
@@ -31,10 +31,13 @@ pub(crate) fn run(command: DataCommand) -> anyhow::Result<i32> {
     }
 }
 
-/// `trainerd data inspect URL`: files, rows, row groups, schema and split sizes.
-pub(crate) fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
+/// `trainerd data inspect URL`: files, rows, row groups, schema and split sizes; with a text
+/// column and a tokenizer, the documents, tokens and blocks.
+pub(crate) fn inspect(url: &str, text: &InspectText, s3: &S3Args) -> anyhow::Result<i32> {
     let location: DataLocation = url.parse()?;
-    let data = super::args::DataArgs::for_tools(url);
+    let mut data = super::args::DataArgs::for_tools(url);
+    (data.tokenizer, data.text_column, data.eos_token) =
+        (text.tokenizer.clone(), text.text_column.clone(), text.eos_token.clone());
     let options = data_options(&data, s3, Arc::new(Quiet), super::data_timeout(&data)?)?;
     let dataset = Dataset::open(&location, options)?;
     println!("dataset: {location}");
@@ -72,7 +75,40 @@ pub(crate) fn inspect(url: &str, s3: &S3Args) -> anyhow::Result<i32> {
     for field in first.meta.schema().fields() {
         println!("  {}: {}", field.name(), describe(field.data_type()));
     }
+    let has_text = first.meta.schema().field_with_name(&text.text_column).is_ok();
+    if has_text && (text.tokenizer.is_some() || dataset.tokenizer(&data.text_options()).is_ok()) {
+        inspect_text(&dataset, &data.text_options(), &text.length)?;
+    }
     Ok(0)
+}
+
+/// The raw text of `dataset`: its tokenizer, and each split's documents, tokens and blocks at
+/// each of `lengths` (each split tokenized, or its earlier pass read again).
+fn inspect_text(dataset: &Dataset, options: &trainerd_data::text::TextOptions, lengths: &[u32]) -> anyhow::Result<()> {
+    let tokenizer = dataset.tokenizer(options)?;
+    println!(
+        "text: column `{}`, tokenizer {} (sha256 {}, {} ids; {:?} = {} ends each document)",
+        options.column, tokenizer.location, tokenizer.sha256, tokenizer.vocab, tokenizer.eos.0, tokenizer.eos.1
+    );
+    for split in [Split::Train, Split::Test] {
+        let Some(index) = dataset.split(split) else { continue };
+        let tokens = dataset.tokenize(split, options, &tokenizer, &mut |_, _, _| {})?;
+        let c = tokens.counts;
+        let blocks: Vec<String> = lengths
+            .iter()
+            .filter(|&&l| l > 0)
+            .map(|&l| format!("{} of {l}", thousands((c.tokens / u64::from(l)) as f64)))
+            .collect();
+        println!(
+            "  {}: {} documents ({} empty, skipped), {} tokens (end-of-text tokens included); blocks: {}",
+            index.name,
+            thousands(c.documents as f64),
+            thousands(c.empty as f64),
+            thousands(c.tokens as f64),
+            blocks.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// `trainerd data convert FROM TO`: an MNIST-format directory as Parquet, with progress (a bar

@@ -93,14 +93,18 @@ impl Dataset {
             return Ok(TokenFile { path, counts, made: false });
         }
         std::fs::create_dir_all(&options.cache).map_err(cache_error(&options.cache))?;
-        let partial = options.cache.join(format!("{key}.tokens.partial"));
+        // Workers on one host may share the directory: each writes its own file, and the renames
+        // (of the same bytes) replace one another atomically.
+        let partial = options.cache.join(format!("{key}.tokens.{}.partial", std::process::id()));
         let file = std::fs::File::create(&partial).map_err(cache_error(&partial))?;
         let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
         let counts = self.pass(index, options, tokenizer, (&mut out, &partial), progress)?;
         out.flush().and_then(|()| out.get_ref().sync_all()).map_err(cache_error(&partial))?;
         std::fs::rename(&partial, &path).map_err(cache_error(&path))?;
         let json = serde_json::to_vec(&counts).expect("plain numbers");
-        std::fs::write(&counts_path, json).map_err(cache_error(&counts_path))?;
+        let counts_partial = options.cache.join(format!("{key}.json.{}.partial", std::process::id()));
+        std::fs::write(&counts_partial, json).map_err(cache_error(&counts_partial))?;
+        std::fs::rename(&counts_partial, &counts_path).map_err(cache_error(&counts_path))?;
         Ok(TokenFile { path, counts, made: true })
     }
 

@@ -13,6 +13,9 @@ pub(crate) enum DataCommand {
     Inspect {
         /// The dataset: a directory or s3://bucket/prefix of Parquet files.
         url: String,
+        /// Raw text: how it is tokenized and packed.
+        #[command(flatten)]
+        text: InspectText,
         /// S3 settings.
         #[command(flatten)]
         s3: S3Args,
@@ -37,6 +40,24 @@ pub(crate) enum DataCommand {
     /// Read the training split for a plugin's columns through the input pipeline alone, as one
     /// worker reads it in training (the model excluded), and print its throughput.
     Read(Box<ReadArgs>),
+}
+
+/// `trainerd data inspect`'s flags for raw text: with a string column and a tokenizer (beside the
+/// data or named), it shows the tokenizer, the documents, the tokens and the blocks.
+#[derive(clap::Args)]
+pub(crate) struct InspectText {
+    /// The tokenizer.json (default: the one beside the dataset).
+    #[arg(long)]
+    pub(crate) tokenizer: Option<PathBuf>,
+    /// The documents' column.
+    #[arg(long, default_value = "text")]
+    pub(crate) text_column: String,
+    /// The token that ends each document (default: the tokenizer's own).
+    #[arg(long)]
+    pub(crate) eos_token: Option<String>,
+    /// The block lengths to count blocks at.
+    #[arg(long, value_delimiter = ',', default_value = "128,512,1024,2048")]
+    pub(crate) length: Vec<u32>,
 }
 
 /// `trainerd data read`'s flags.

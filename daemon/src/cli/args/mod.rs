@@ -15,7 +15,7 @@ use crate::ops::log::LogFormat;
 mod data;
 mod optim;
 
-pub(crate) use data::{DataArgs, DataCommand, ReadArgs};
+pub(crate) use data::{DataArgs, DataCommand, InspectText, ReadArgs};
 pub(crate) use optim::OptimArgs;
 
 /// The command line.
