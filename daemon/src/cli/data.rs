@@ -151,6 +151,9 @@ pub(crate) fn read(args: &ReadArgs) -> anyhow::Result<i32> {
         .ok_or_else(|| anyhow::anyhow!("plugin {} declares no columns", plugin.info().name))?;
     let location: DataLocation = args.data.data.parse()?;
     let options = data_options(&args.data, &args.s3, Arc::new(Quiet), super::data_timeout(&args.data)?)?;
+    if let Some(packed) = columns.packed_text() {
+        return read_text(args, plugin.info(), (&location, options), packed);
+    }
     let opened = Instant::now();
     let dataset = Dataset::open(&location, options)?;
     let reader = dataset.reader(Split::Train, &columns)?;
@@ -189,6 +192,60 @@ pub(crate) fn read(args: &ReadArgs) -> anyhow::Result<i32> {
             "loader_threads": args.data.loader_threads(),
             "bytes_fetched": fetched,
             "peak_held_bytes": dataset.peak_held_bytes(),
+        });
+        crate::sys::atomic::write_file(path, &[format!("{json}\n").as_bytes()])?;
+    }
+    Ok(0)
+}
+
+/// `trainerd data read` of raw text: the training split tokenized and packed (unless an earlier
+/// pass is kept) and its blocks read, as a worker does before and during training; prints tokens
+/// per second over both.
+fn read_text(
+    args: &ReadArgs,
+    info: &trainerd_sdk::PluginInfo,
+    (location, options): (&DataLocation, trainerd_data::Options),
+    (name, length): (&str, u32),
+) -> anyhow::Result<i32> {
+    let started = Instant::now();
+    let say = &mut |line: &str| println!("{line}");
+    let text = crate::input::text::Text::open(location, info, (name, length), (options, &args.data.text_options(), false), say)?;
+    let packed = started.elapsed().as_secs_f64();
+    let batch = args.batch_size.unwrap_or(info.defaults.batch_size);
+    let slice = Slice { rank: args.rank, workers: args.workers, batch: u64::from(batch), training: true };
+    let steps_per_epoch = slice.steps(text.train.count());
+    let shuffle = Some(Shuffle { seed: args.seed, window: u64::MAX });
+    let mut stream = text.train.open(Plan { slice, shuffle, first: (0, 0), end_epoch: args.epochs, steps_per_epoch });
+    let mut blocks = 0u64;
+    while let Some(b) = stream.next_batch()? {
+        blocks += b.blocks.len() as u64;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let tokens = blocks * u64::from(length);
+    let rate = tokens as f64 / seconds.max(1e-9);
+    println!(
+        "read {} blocks of {length} tokens ({} epoch(s), batch {batch}, worker {} of {}) from raw text in {seconds:.2} s: \
+         {} tokens/s with {} loader thread(s), tokenizing and packing included ({packed:.2} s{})",
+        thousands(blocks as f64),
+        args.epochs,
+        args.rank,
+        args.workers,
+        thousands(rate),
+        args.data.loader_threads(),
+        if text.train.made { "" } else { "; an earlier pass was read again" },
+    );
+    if let Some(path) = &args.summary {
+        let json = serde_json::json!({
+            "blocks": blocks,
+            "tokens": tokens,
+            "seconds": seconds,
+            "pack_seconds": packed,
+            "tokenized": text.train.made,
+            "tokens_per_second": rate,
+            "loader_threads": args.data.loader_threads(),
+            "documents": text.train.counts.documents,
+            "empty_documents": text.train.counts.empty,
+            "stream_tokens": text.train.counts.tokens,
         });
         crate::sys::atomic::write_file(path, &[format!("{json}\n").as_bytes()])?;
     }
