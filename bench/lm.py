@@ -213,6 +213,7 @@ def training(a):
               f"{eager[-1]:,.0f}; first {n} losses within {max(rel):.1e} relative of DDP's "
               f"({losses[0]:.4f} -> {losses[n - 1]:.4f})", flush=True)
     o, t, e = med(ours), med(ddp), med(eager)
+    paired = med([x / y for x, y in zip(ours, ddp)])
     steps = len(losses)
     print(f"\nTraining, 2 workers: gpt.py on raw text, blocks of {LENGTH}, batch {BATCH} per worker, {steps} steps, "
           f"AdamW + warmup + cosine, 1 thread per process, median of {a.runs}")
@@ -222,6 +223,7 @@ def training(a):
           f"| {o / (2 * e):.2f} | within {max(worst):.1e} (goal 1e-5: {'met' if max(worst) <= 1e-5 else 'NOT met'}) |")
     print(f"| PyTorch DDP, gloo (2 processes) | {t:,.0f} | 1.00x | {t / (2 * e):.2f} | |")
     print(f"| PyTorch eager (1 process) | {e:,.0f} | | | |")
+    print(f"the median of each run's ratio (trainerd and DDP run one after the other): {paired:.2f}x")
 
 
 # ---- input ----
@@ -268,8 +270,7 @@ def input_pipeline(a):
             if p.returncode != 0:
                 raise SystemExit(f"trainerd data read failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
             s = json.load(open(summary))
-            ours.append(s["steady"])
-            whole.append(s["tokens_per_second"])
+            ours.append(s["tokens_per_second"])
             (tokens,) = glob.glob(os.path.join(d, "cache", "tokens", "*.tokens"))
             stream = np.fromfile(tokens, dtype="<u4")
             n = stream.size // INPUT_LENGTH

@@ -211,9 +211,14 @@ fn raw_text() -> &'static (PathBuf, PathBuf) {
 /// The small GPT on the raw licenses, packed into blocks of 32, with dropout (drawn per step and
 /// slot), AdamW, a warmup and a cosine; its outputs and token files in `dir`.
 fn gpt_on_text(dir: &Path) -> RunArgs {
+    module_on_text(dir, &examples().join("gpt.py"))
+}
+
+/// [`gpt_on_text`] of the model file `module`.
+fn module_on_text(dir: &Path, module: &Path) -> RunArgs {
     RunArgs::new("python-model")
         .data(&raw_text().0)
-        .plugin_arg(format!("module={}", examples().join("gpt.py").display()))
+        .plugin_arg(format!("module={}", module.display()))
         .plugin_arg("input=text")
         .plugin_arg("context=32")
         .plugin_arg("d_model=32")
@@ -343,4 +348,99 @@ fn another_tokenizer_is_refused_naming_both_hashes_and_a_larger_one_both_sizes()
             raw.display()
         )
     );
+}
+
+/// A Python model names its undecayed parameters (`no_decay`, matched against its
+/// `named_parameters()` names); a name list of another form is refused naming the file.
+#[test]
+fn a_python_model_names_its_undecayed_parameters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let source = std::fs::read_to_string(examples().join("gpt.py")).unwrap();
+    let file = |name: &str, line: &str| {
+        let path = tmp.path().join(name);
+        std::fs::write(&path, format!("{source}\n{line}\n")).unwrap();
+        path
+    };
+    let run = |module: &Path| {
+        module_on_text(tmp.path(), module).steps(2).epochs(1).on("--no-evaluation").command("run").output().unwrap()
+    };
+    let named = run(&file("named.py", "no_decay = [\"ln\", \"bias\"]"));
+    assert!(named.status.success(), "{}", text(&named));
+    // The LayerNorms' weights and biases and the Linear layers' biases: the tied embedding and
+    // the position table decay, as the weights do.
+    assert!(
+        stdout(&named).contains(
+            "trainerd: AdamW: weight decay 0.01 on 6 tensor(s), 29696 parameter(s); none on 10 tensor(s), 480 \
+             parameter(s) (those whose names contain \"ln\" or \"bias\")"
+        ),
+        "{}",
+        stdout(&named)
+    );
+    let bad = file("bad.py", "no_decay = \"bias\"");
+    let out = run(&bad);
+    assert!(!out.status.success());
+    assert_eq!(
+        error_line(&out),
+        format!(
+            "error: plugin {}: model file {}: no_decay is 'bias', expected a list of name parts such as [\"bias\", \
+             \"norm\"] (AdamW leaves undecayed each parameter whose name contains one)",
+            trainerd_testkit::plugin("python-model").display(),
+            bad.display()
+        )
+    );
+}
+
+/// `trainerd data inspect` shows a raw-text dataset's tokenizer, documents, tokens and blocks.
+#[test]
+fn data_inspect_shows_the_tokenizer_documents_tokens_and_blocks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (raw, _) = raw_text();
+    let out = trainerd_testkit::trainerd_cmd()
+        .args(["data", "inspect", raw.to_str().unwrap(), "--length", "128,1024"])
+        .env("TRAINERD_DATA_CACHE", tmp.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let said = stdout(&out);
+    assert!(said.contains("text: column `text`, tokenizer "), "{said}");
+    assert!(said.contains("512 ids; \"<|endoftext|>\" = 1 ends each document)"), "{said}");
+    assert!(
+        said.contains(
+            "  train: 13 documents (0 empty, skipped), 94,253 tokens (end-of-text tokens included); blocks: 736 of 128, \
+             92 of 1024"
+        ),
+        "{said}"
+    );
+}
+
+/// Raw text and its tokenizer on S3: the tokenizer found beside the Parquet files, the documents
+/// tokenized and packed as from a directory (the same blocks: the same parameters).
+#[test]
+fn raw_text_on_s3_trains_as_from_a_directory() {
+    use object_store::ObjectStoreExt;
+
+    let server = trainerd_testkit::s3::S3Server::start().unwrap_or_else(|e| panic!("S3-compatible test server: {e}"));
+    let store = server.store().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (raw, _) = raw_text();
+    for entry in std::fs::read_dir(raw).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_string();
+        let bytes = std::fs::read(&path).unwrap();
+        let to = object_store::path::Path::from(format!("text/{name}"));
+        runtime.block_on(store.put(&to, bytes.into())).unwrap();
+    }
+    let url = format!("s3://{}/text", server.bucket);
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |data: &str, dir: &Path| {
+        std::fs::create_dir_all(dir).unwrap();
+        let args = gpt_on_text(dir).data(data).steps(6).epochs(1);
+        args.command("run").envs(server.env()).output().unwrap()
+    };
+    let remote = run(&url, &tmp.path().join("s3"));
+    assert!(remote.status.success(), "{}", text(&remote));
+    assert!(stdout(&remote).contains(&format!("tokenized by {url}/tokenizer.json (sha256 ")), "{}", stdout(&remote));
+    let local = run(raw.to_str().unwrap(), &tmp.path().join("local"));
+    assert!(local.status.success(), "{}", text(&local));
+    assert_eq!(params_sha256(&tmp.path().join("s3/s.json")), params_sha256(&tmp.path().join("local/s.json")));
 }

@@ -209,7 +209,13 @@ fn read_text(
 ) -> anyhow::Result<i32> {
     let started = Instant::now();
     let say = &mut |line: &str| println!("{line}");
-    let text = crate::input::text::Text::open(location, info, (name, length), (options, &args.data.text_options(), false), say)?;
+    let text = crate::input::text::Text::open(
+        location,
+        info,
+        (name, length),
+        (options, &args.data.text_options(), false),
+        say,
+    )?;
     let packed = started.elapsed().as_secs_f64();
     let batch = args.batch_size.unwrap_or(info.defaults.batch_size);
     let slice = Slice { rank: args.rank, workers: args.workers, batch: u64::from(batch), training: true };
