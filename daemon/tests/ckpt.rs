@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use trainerd_testkit::output::{json, stdout, text};
-use trainerd_testkit::{python, trainerd_cmd, RunArgs};
+use trainerd_testkit::{copy_tree, python, trainerd_cmd, RunArgs};
 
 use trainerd_testkit::s3::S3Server;
 
@@ -371,19 +371,6 @@ fn a_checkpoint_committed_by_an_older_trainerd_resumes_bitwise() {
         for key in ["final_train_loss", "test_loss"] {
             let (a, b) = (resumed[key].as_f64().unwrap(), uninterrupted[key].as_f64().unwrap());
             assert!((a - b).abs() <= 1e-4 * b.abs(), "{key}: {a} resumed, {b} uninterrupted");
-        }
-    }
-}
-
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
         }
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use trainerd_testkit::output::{error_line, json, metrics_log, params_sha256, stdout, text};
-use trainerd_testkit::{python, Event, RunArgs, Worker};
+use trainerd_testkit::{copy_tree, python, Event, RunArgs, Worker};
 
 /// Steps of each of the 2 epochs of every run here.
 const STEPS: u64 = 30;
@@ -164,19 +164,6 @@ fn adamw_with_a_warmup_says_its_groups_and_records_them() {
     assert_eq!(config["optimizer"]["name"], "adamw");
     assert_eq!(config["optimizer"]["no_decay"], "under_two_dims");
     assert_eq!(config["warmup"], serde_json::json!({"steps": 4}));
-}
-
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
 }
 
 // ---- raw text, tokenized and packed ----

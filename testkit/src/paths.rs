@@ -1,5 +1,5 @@
-//! The workspace's own build (`cargo build --workspace` makes it before the tests) and the
-//! dataset the tests train on.
+//! The workspace's own build (`cargo build --workspace` makes it before the tests), the
+//! dataset the tests train on, and a directory copied.
 
 use std::path::{Path, PathBuf};
 
@@ -75,4 +75,18 @@ pub fn parquet_dataset() -> PathBuf {
 /// A command running the workspace's `trainerd`.
 pub fn trainerd_cmd() -> std::process::Command {
     std::process::Command::new(trainerd())
+}
+
+/// Copies the directory `from` (files and sub-directories) to `to`.
+pub fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
 }

@@ -35,9 +35,7 @@ pub(crate) fn run(command: DataCommand) -> anyhow::Result<i32> {
 /// column and a tokenizer, the documents, tokens and blocks.
 pub(crate) fn inspect(url: &str, text: &InspectText, s3: &S3Args) -> anyhow::Result<i32> {
     let location: DataLocation = url.parse()?;
-    let mut data = super::args::DataArgs::for_tools(url);
-    (data.tokenizer, data.text_column, data.eos_token) =
-        (text.tokenizer.clone(), text.text_column.clone(), text.eos_token.clone());
+    let data = super::args::DataArgs { text: text.text.clone(), ..super::args::DataArgs::for_tools(url) };
     let options = data_options(&data, s3, Arc::new(Quiet), super::data_timeout(&data)?)?;
     let dataset = Dataset::open(&location, options)?;
     println!("dataset: {location}");
@@ -75,8 +73,8 @@ pub(crate) fn inspect(url: &str, text: &InspectText, s3: &S3Args) -> anyhow::Res
     for field in first.meta.schema().fields() {
         println!("  {}: {}", field.name(), describe(field.data_type()));
     }
-    let has_text = first.meta.schema().field_with_name(&text.text_column).is_ok();
-    if has_text && (text.tokenizer.is_some() || dataset.tokenizer(&data.text_options()).is_ok()) {
+    let has_text = first.meta.schema().field_with_name(&text.text.text_column).is_ok();
+    if has_text && (text.text.tokenizer.is_some() || dataset.tokenizer(&data.text_options()).is_ok()) {
         inspect_text(&dataset, &data.text_options(), &text.length)?;
     }
     Ok(0)

@@ -46,15 +46,9 @@ pub(crate) enum DataCommand {
 /// data or named), it shows the tokenizer, the documents, the tokens and the blocks.
 #[derive(clap::Args)]
 pub(crate) struct InspectText {
-    /// The tokenizer.json (default: the one beside the dataset).
-    #[arg(long)]
-    pub(crate) tokenizer: Option<PathBuf>,
-    /// The documents' column.
-    #[arg(long, default_value = "text")]
-    pub(crate) text_column: String,
-    /// The token that ends each document (default: the tokenizer's own).
-    #[arg(long)]
-    pub(crate) eos_token: Option<String>,
+    /// The tokenizer, column and end-of-text token.
+    #[command(flatten)]
+    pub(crate) text: TextArgs,
     /// The block lengths to count blocks at.
     #[arg(long, value_delimiter = ',', default_value = "128,512,1024,2048")]
     pub(crate) length: Vec<u32>,
@@ -124,6 +118,14 @@ pub(crate) struct DataArgs {
     /// timeout].
     #[arg(long)]
     pub(crate) data_timeout: Option<f64>,
+    /// Raw text: its tokenizer, column and end-of-text token.
+    #[command(flatten)]
+    pub(crate) text: TextArgs,
+}
+
+/// How raw text (a model's `text` column) is tokenized.
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct TextArgs {
     /// For a model that trains on raw text: its tokenizer.json (default: the tokenizer.json
     /// beside the dataset's Parquet files, on S3 as well). Its sha256 is part of the run.
     #[arg(long)]
@@ -135,6 +137,12 @@ pub(crate) struct DataArgs {
     /// <|endoftext|>, <|end_of_text|>, </s>, <eos> or <|im_end|>, the first it has).
     #[arg(long)]
     pub(crate) eos_token: Option<String>,
+}
+
+impl Default for TextArgs {
+    fn default() -> TextArgs {
+        TextArgs { tokenizer: None, text_column: "text".into(), eos_token: None }
+    }
 }
 
 impl DataArgs {
@@ -151,9 +159,7 @@ impl DataArgs {
             data_cache: None,
             data_cache_size: 10 << 30,
             data_timeout: None,
-            tokenizer: None,
-            text_column: "text".into(),
-            eos_token: None,
+            text: TextArgs::default(),
         }
     }
 
@@ -166,9 +172,9 @@ impl DataArgs {
             None => cache.parent().map_or_else(|| PathBuf::from("tokens"), |p| p.join("tokens")),
         };
         trainerd_data::text::TextOptions {
-            tokenizer: self.tokenizer.clone(),
-            column: self.text_column.clone(),
-            eos: self.eos_token.clone(),
+            tokenizer: self.text.tokenizer.clone(),
+            column: self.text.text_column.clone(),
+            eos: self.text.eos_token.clone(),
             cache: tokens,
         }
     }
