@@ -500,8 +500,10 @@ fn a_plateau_reduces_the_learning_rate_and_the_epoch_line_shows_it() {
     let reductions: Vec<&&str> = lines.iter().filter(|l| l.starts_with("trainerd: reduce-lr-on-plateau: ")).collect();
     assert_eq!(reductions.len(), 2, "epochs 2 and 3\n{}", text(&out));
     assert!(reductions[1].ends_with("learning rate x0.5 (x0.25 in all)"), "{}", reductions[1]);
+    // The epochs' last lines (the step lines show each step's rate too).
     let rates: Vec<&str> = lines
         .iter()
+        .filter(|l| l.contains(" - val_loss: "))
         .filter_map(|l| l.split(" - learning_rate: ").nth(1))
         .map(|r| r.split(' ').next().unwrap())
         .collect();

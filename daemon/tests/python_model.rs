@@ -402,7 +402,7 @@ fn a_bad_model_file_is_one_error_naming_the_file_and_the_line() {
         at_load(&bad_column, &[]),
         format!(
             "model file {}: column \"input_ids\": \"tokens\" is not a column kind: expected integer, number, \
-             numbers:N (or numbers:AxB), tokens:LEN or image:CxHxW (such as image:1x28x28)",
+             numbers:N (or numbers:AxB), tokens:LEN, text:LEN or image:CxHxW (such as image:1x28x28)",
             bad_column.display()
         )
     );
@@ -422,8 +422,8 @@ fn a_bad_model_file_is_one_error_naming_the_file_and_the_line() {
     assert_eq!(
         at_load(&gpt, &["d_modl=64"]),
         format!(
-            "--plugin-arg d_modl: no such key in model file {}; it accepts module, d_model, dropout, n_head, n_layer, \
-             vocab",
+            "--plugin-arg d_modl: no such key in model file {}; it accepts module, context, d_model, dropout, input, \
+             n_head, n_layer, vocab",
             gpt.display()
         )
     );

@@ -62,7 +62,10 @@ fn user_env(cmd: &mut Command, hide: &Path) {
     let path = std::env::var("PATH").unwrap_or_default();
     let path: Vec<&str> = path.split(':').filter(|p| venv.is_empty() || !p.starts_with(&venv)).collect();
     cmd.env_clear();
-    for key in ["HOME", "USER", "LANG", "TERM", "XDG_CACHE_HOME", "TRAINERD_CACHE", "CARGO_HOME", "RUSTUP_HOME"] {
+    // A user's own settings stay: where caches and toolchains live, how cargo builds.
+    let kept = ["HOME", "USER", "LANG", "TERM", "XDG_CACHE_HOME", "TRAINERD_CACHE", "CARGO_HOME", "RUSTUP_HOME"];
+    let cargo = ["CARGO_TARGET_DIR", "CARGO_BUILD_JOBS", "RUSTFLAGS", "CARGO_INCREMENTAL"];
+    for key in kept.into_iter().chain(cargo) {
         if let Some(v) = std::env::var_os(key) {
             cmd.env(key, v);
         }

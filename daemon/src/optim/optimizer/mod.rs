@@ -89,9 +89,10 @@ pub(crate) enum RestoreError {
 }
 
 /// A parameter's name under the model (as the plugin names it: `named_parameters()` for a
-/// Python model), what AdamW's name rule matches.
+/// Python model), what AdamW's name rule matches: its variable's name without its first part,
+/// the path every model is built under (`model.blocks.0.ln1.weight`).
 fn short_name(name: &str) -> &str {
-    name.strip_prefix(crate::plugin::MODEL_PATH).and_then(|n| n.strip_prefix('.')).unwrap_or(name)
+    name.split_once('.').map_or(name, |(_, rest)| rest)
 }
 
 /// The groups of `config` over `params`: AdamW's decayed parameters, then its undecayed ones
