@@ -73,24 +73,33 @@ pub(crate) fn inspect(url: &str, text: &InspectText, s3: &S3Args) -> anyhow::Res
     for field in first.meta.schema().fields() {
         println!("  {}: {}", field.name(), describe(field.data_type()));
     }
-    let has_text = first.meta.schema().field_with_name(&text.text.text_column).is_ok();
-    if has_text && (text.text.tokenizer.is_some() || dataset.tokenizer(&data.text_options()).is_ok()) {
-        inspect_text(&dataset, &data.text_options(), &text.length)?;
+    if first.meta.schema().field_with_name(&text.text.text_column).is_ok() {
+        let options = data.text_options();
+        // A tokenizer beside the data is optional here; one named by --tokenizer must load.
+        match dataset.tokenizer(&options) {
+            Ok(tokenizer) => inspect_text(&dataset, &options, &tokenizer, &text.length)?,
+            Err(e) if text.text.tokenizer.is_some() => return Err(e.into()),
+            Err(_) => {}
+        }
     }
     Ok(0)
 }
 
 /// The raw text of `dataset`: its tokenizer, and each split's documents, tokens and blocks at
 /// each of `lengths` (each split tokenized, or its earlier pass read again).
-fn inspect_text(dataset: &Dataset, options: &trainerd_data::text::TextOptions, lengths: &[u32]) -> anyhow::Result<()> {
-    let tokenizer = dataset.tokenizer(options)?;
+fn inspect_text(
+    dataset: &Dataset,
+    options: &trainerd_data::text::TextOptions,
+    tokenizer: &trainerd_data::text::Tokenizer,
+    lengths: &[u32],
+) -> anyhow::Result<()> {
     println!(
         "text: column `{}`, tokenizer {} (sha256 {}, {} ids; {:?} = {} ends each document)",
         options.column, tokenizer.location, tokenizer.sha256, tokenizer.vocab, tokenizer.eos.0, tokenizer.eos.1
     );
     for split in [Split::Train, Split::Test] {
         let Some(index) = dataset.split(split) else { continue };
-        let tokens = dataset.tokenize(split, options, &tokenizer, &mut |_, _, _| {})?;
+        let tokens = dataset.tokenize(split, options, tokenizer, &mut |_, _, _| {})?;
         let c = tokens.counts;
         let blocks: Vec<String> = lengths
             .iter()
