@@ -1,8 +1,10 @@
-//! Adam's and AdamW's arithmetic: the update of one tensor (PyTorch's rules), a single pass over
-//! memory for float32 on the CPU, and the flat buffers that let one update cover a whole group
+//! Adam's and AdamW's arithmetic: the update of one tensor (PyTorch's rules; float32 on the CPU
+//! in one pass over memory, [`elementwise`]), and the flat buffers that let one update cover a whole group
 //! of parameters.
 
-use tch::{Device, Kind, Tensor};
+use tch::Tensor;
+
+use super::elementwise::{self, Rule};
 
 /// Adam's hyper-parameters for one group of parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -26,6 +28,23 @@ impl Hyper {
         }
     }
 
+    /// The element-wise rule of an update at rate `lr` at step `t` (1-based): the float32
+    /// arithmetic of libtorch's kernels, in one pass over memory (libtorch's kernels make about
+    /// twenty, and on a CPU the update is bound by memory, not arithmetic).
+    pub(super) fn rule(&self, lr: f64, t: u64) -> Rule {
+        let t = t as i32;
+        let (bias1, bias2) = (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t));
+        let shrink = self.shrink(lr);
+        Rule::Adam {
+            shrink: (shrink != 1.0).then_some(shrink as f32),
+            wd: self.l2() as f32,
+            betas: [self.beta1 as f32, (1.0 - self.beta1) as f32, self.beta2 as f32, (1.0 - self.beta2) as f32],
+            eps: self.eps as f32,
+            step_size: (-lr / bias1) as f32,
+            bias2_sqrt: bias2.sqrt() as f32,
+        }
+    }
+
     /// What the parameter is multiplied by before the update at `lr` (AdamW's), 1 for Adam.
     fn shrink(&self, lr: f64) -> f64 {
         if self.decoupled {
@@ -45,12 +64,12 @@ pub(super) fn update(
     lr: f64,
     t: u64,
 ) {
+    if elementwise::on_tensors(&h.rule(lr, t), p, &grad, &mut [exp_avg, exp_avg_sq], false) {
+        return;
+    }
     let t = t as i32;
     let bias1 = 1.0 - h.beta1.powi(t);
     let bias2 = 1.0 - h.beta2.powi(t);
-    if fused(p, &grad, (exp_avg, exp_avg_sq), h, (h.shrink(lr), -lr / bias1, bias2.sqrt())) {
-        return;
-    }
     if h.shrink(lr) != 1.0 {
         let _ = p.g_mul_scalar_(h.shrink(lr));
     }
@@ -68,60 +87,6 @@ pub(super) fn with_decay(grad: Tensor, param: &Tensor, weight_decay: f64) -> Ten
     } else {
         grad + param * weight_decay
     }
-}
-
-/// A contiguous float32 CPU tensor's elements.
-///
-/// # Safety
-/// `t` must be a contiguous float32 CPU tensor, and no other slice of its storage may be live
-/// while this one is.
-unsafe fn f32_slice(t: &mut Tensor) -> &mut [f32] {
-    // SAFETY: per the contract.
-    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel()) }
-}
-
-/// Adam's update of float32 CPU tensors in one pass over memory (libtorch's kernels make about
-/// twenty, and on a CPU the update is bound by memory, not arithmetic): the same operations in
-/// the same order, each rounded to float32 as the kernels round them, no fused multiply-add.
-/// False (nothing done) for other tensors, which take libtorch's kernels.
-fn fused(
-    p: &mut Tensor,
-    grad: &Tensor,
-    (exp_avg, exp_avg_sq): (&mut Tensor, &mut Tensor),
-    h: Hyper,
-    (shrink, step_size, bias2_sqrt): (f64, f64, f64),
-) -> bool {
-    let tensors = [&*p, grad, &*exp_avg, &*exp_avg_sq];
-    let n = p.numel();
-    if !tensors
-        .iter()
-        .all(|t| t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous() && t.numel() == n)
-    {
-        return false;
-    }
-    let ptrs: Vec<usize> = tensors.iter().map(|t| t.data_ptr() as usize).collect();
-    if (1..4).any(|i| ptrs[..i].contains(&ptrs[i])) {
-        return false; // aliased: leave it to the kernels
-    }
-    // SAFETY: four distinct contiguous float32 CPU tensors of `n` elements, checked above; the
-    // slices live only in this function, and nothing else runs on these tensors meanwhile.
-    let (p, m, v) = unsafe { (f32_slice(p), f32_slice(exp_avg), f32_slice(exp_avg_sq)) };
-    // SAFETY: as above; the gradient is only read.
-    let g = unsafe { std::slice::from_raw_parts(grad.data_ptr() as *const f32, n) };
-    let (b1, one_b1, b2, one_b2) = (h.beta1 as f32, (1.0 - h.beta1) as f32, h.beta2 as f32, (1.0 - h.beta2) as f32);
-    let (l2, decays, shrink_f) = (h.l2(), shrink != 1.0, shrink as f32);
-    let (eps, wd, step_size, bias2_sqrt) = (h.eps as f32, l2 as f32, step_size as f32, bias2_sqrt as f32);
-    for i in 0..n {
-        if decays {
-            p[i] *= shrink_f;
-        }
-        let grad = if l2 == 0.0 { g[i] } else { g[i] + p[i] * wd };
-        m[i] = m[i] * b1 + grad * one_b1;
-        v[i] = v[i] * b2 + grad * one_b2 * grad;
-        let denom = v[i].sqrt() / bias2_sqrt + eps;
-        p[i] += m[i] * step_size / denom;
-    }
-    true
 }
 
 /// Adam over flat buffers, for one group of parameters: its state, the parameters and their

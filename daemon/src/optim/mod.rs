@@ -5,6 +5,7 @@
 mod adam;
 pub(crate) mod callbacks;
 pub mod clip;
+pub(crate) mod elementwise;
 pub(crate) mod flags;
 pub(crate) mod optimizer;
 pub(crate) mod precision;

@@ -9,6 +9,7 @@ use tch::Tensor;
 use trainerd_sdk::{NoDecay, OptimizerConfig};
 
 use super::adam::{self, FlatAdam, Hyper};
+use super::elementwise::{self, Rule};
 
 /// Per-parameter state. `None` where PyTorch creates the buffer lazily.
 #[derive(Debug)]
@@ -280,18 +281,48 @@ impl Optimizer {
         true
     }
 
+    /// The element-wise rule of this step's update at rate `lr` for a parameter of weight decay
+    /// `weight_decay` (every optimizer's float32 CPU update, and every sharded one).
+    pub(crate) fn rule(&self, weight_decay: f64, lr: f64) -> Rule {
+        if let Some(h) = self.hyper(weight_decay) {
+            return h.rule(lr, self.steps);
+        }
+        match self.config {
+            OptimizerConfig::Sgd { momentum, dampening, nesterov, .. } => Rule::Sgd {
+                wd: weight_decay as f32,
+                momentum: momentum as f32,
+                keep: (1.0 - dampening) as f32,
+                nesterov,
+                neg_lr: -lr as f32,
+            },
+            OptimizerConfig::Rmsprop { alpha, eps, momentum, centered, .. } => Rule::Rmsprop {
+                wd: weight_decay as f32,
+                alpha: [alpha as f32, (1.0 - alpha) as f32],
+                eps: eps as f32,
+                momentum: (momentum > 0.0).then_some(momentum as f32),
+                centered,
+                neg_lr: -lr as f32,
+            },
+            OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. } => unreachable!("Adam's rule is its hyper's"),
+        }
+    }
+
     /// Each parameter on its own.
     fn step_each(&mut self, params: &mut [(String, Tensor)], lr: f64) {
         let mut decay = vec![0.0; params.len()];
         for g in &self.groups {
             g.members.iter().for_each(|&i| decay[i] = g.weight_decay);
         }
+        let rules: Vec<Rule> = decay.iter().map(|&wd| self.rule(wd, lr)).collect();
         for (i, ((_, p), slots)) in params.iter_mut().zip(self.slots.iter_mut()).enumerate() {
             let grad = p.grad();
             if !grad.defined() {
                 continue;
             }
             let weight_decay = decay[i];
+            if fused(&rules[i], p, &grad, slots) {
+                continue;
+            }
             match (&self.config, slots) {
                 (&OptimizerConfig::Sgd { momentum, dampening, nesterov, .. }, Slots::Sgd { momentum_buffer }) => {
                     sgd(
@@ -335,6 +366,33 @@ impl Optimizer {
                 }
                 _ => unreachable!("slots are built from the same config"),
             }
+        }
+    }
+}
+
+/// `rule`'s update of `p` from `grad` with its state `slots`, in one pass (float32 on the CPU;
+/// SGD's momentum buffer made here at the first gradient); false (nothing done) for the others.
+fn fused(rule: &Rule, p: &mut Tensor, grad: &Tensor, slots: &mut Slots) -> bool {
+    let plain = |t: &Tensor| t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu && t.is_contiguous();
+    if !plain(p) || !plain(grad) {
+        return false;
+    }
+    match slots {
+        Slots::Sgd { momentum_buffer } => {
+            let first = momentum_buffer.is_none();
+            if first && rule.state_len() == 1 {
+                *momentum_buffer = Some(p.zeros_like());
+            }
+            elementwise::on_tensors(rule, p, grad, &mut momentum_buffer.iter_mut().collect::<Vec<_>>(), first)
+        }
+        Slots::Adam { exp_avg, exp_avg_sq } => {
+            elementwise::on_tensors(rule, p, grad, &mut [exp_avg, exp_avg_sq], false)
+        }
+        Slots::Rmsprop { square_avg, momentum_buffer, grad_avg } => {
+            let mut state = vec![square_avg];
+            state.extend(momentum_buffer.iter_mut());
+            state.extend(grad_avg.iter_mut());
+            elementwise::on_tensors(rule, p, grad, &mut state, false)
         }
     }
 }

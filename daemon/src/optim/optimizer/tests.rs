@@ -298,3 +298,56 @@ fn restore_refuses_a_wrong_shape() {
     let err = opt.restore(1, &state).unwrap_err().to_string();
     assert_eq!(err, "optimizer state: a.bias/exp_avg has shape [2], expected [8]");
 }
+
+/// Every optimizer's one-pass float32 loop (`elementwise`) against its libtorch kernels: a twin
+/// whose parameters are transposed views (not contiguous, so the kernels' path) steps on the
+/// same gradients. SGD's kernels are one operation each, and the loop gives their bits. Adam's
+/// and RMSprop's use `addcmul` and `addcdiv`, which a kernel set may compile into fused
+/// multiply-adds, so the loop (which every float32 CPU update runs, in both modes) stays within
+/// an ulp or two of them. Lengths are odd, so the kernels' scalar tails are covered as well as
+/// their vector bodies.
+#[test]
+fn the_one_pass_loops_against_libtorchs_kernels() {
+    let bound = |config: &OptimizerConfig| if matches!(config, OptimizerConfig::Sgd { .. }) { 0.0 } else { 2e-6 };
+    for config in [
+        OptimizerConfig::sgd(0.05),
+        OptimizerConfig::Sgd { lr: 0.05, momentum: 0.9, dampening: 0.0, weight_decay: 1e-3, nesterov: true },
+        OptimizerConfig::Sgd { lr: 0.05, momentum: 0.8, dampening: 0.1, weight_decay: 0.0, nesterov: false },
+        OptimizerConfig::Adam { lr: 1e-2, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 1e-2 },
+        adamw(1e-2, 0.95, 0.1, NoDecay::Nothing),
+        OptimizerConfig::rmsprop(1e-2),
+        OptimizerConfig::Rmsprop { lr: 1e-2, alpha: 0.9, eps: 1e-7, momentum: 0.5, weight_decay: 1e-3, centered: true },
+        OptimizerConfig::Rmsprop { lr: 1e-2, alpha: 0.9, eps: 1e-7, momentum: 0.0, weight_decay: 0.0, centered: true },
+    ] {
+        let shapes = [[37i64, 19], [3, 1], [11, 23]];
+        let opts = (Kind::Float, Device::Cpu);
+        let values: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, opts)).collect();
+        let straight: Vec<(String, Tensor)> =
+            values.iter().enumerate().map(|(i, v)| (format!("m.p{i}"), v.copy().set_requires_grad(true))).collect();
+        let transposed: Vec<(String, Tensor)> = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (format!("m.p{i}"), v.transpose(0, 1).contiguous().transpose(0, 1).set_requires_grad(true)))
+            .collect();
+        assert!(!transposed[0].1.is_contiguous(), "the twin takes libtorch's kernels");
+        let (mut a, mut b) = (straight, transposed);
+        let (mut fused, mut kernels) = (Optimizer::new(config.clone(), &a), Optimizer::new(config.clone(), &b));
+        for step in 0..6 {
+            let weights: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, opts)).collect();
+            for params in [&mut a, &mut b] {
+                for ((_, p), w) in params.iter_mut().zip(&weights) {
+                    p.zero_grad();
+                    (&*p * w).sum(Kind::Float).backward();
+                }
+            }
+            assert!(!b[0].1.grad().is_contiguous());
+            fused.step(&mut a, config.lr());
+            kernels.step(&mut b, config.lr());
+            let d = max_diff(&a, &b);
+            assert!(d <= bound(&config), "{config:?}: step {step}: the parameters differ by {d}");
+        }
+        let state = |o: &Optimizer| o.state().into_iter().map(|(n, t)| (n, t.contiguous())).collect::<Vec<_>>();
+        let d = max_diff(&state(&fused), &state(&kernels));
+        assert!(d <= bound(&config), "{config:?}: the state differs by {d}");
+    }
+}

@@ -1,0 +1,228 @@
+//! Every optimizer's float32 update as one element-wise loop: PyTorch's rules, each operation
+//! rounded to float32 as libtorch's CPU kernels round it (the scalar cast to float32 first, no
+//! fused multiply-add), in one pass over memory. Because each element's arithmetic depends on
+//! nothing but that element, the update of any slice is the update of the whole restricted to
+//! the slice: what lets a member update only the element ranges it owns
+//! (`--shard-optimizer`, [`super::sharded`]) and still give the unsharded run's bits.
+//!
+//! The update can run in two passes over the same values ([`Write`]): first the new parameters
+//! alone (the state untouched), then the state alone (the parameters untouched). Both passes
+//! compute the same thing, so storing in two passes gives the bits of storing in one.
+
+/// One group's update rule at one step: the hyper-parameters, the learning rate and (for Adam)
+/// the bias corrections, as float32 where the kernels use them as float32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Rule {
+    /// SGD: `d = g + wd·p`; with momentum, `buf = buf·m + d·(1 - dampening)` (`buf = d` at a
+    /// parameter's first gradient) and `d = d + buf·m` (Nesterov) or `buf`; `p = p + d·(-lr)`.
+    /// State: `[momentum_buffer]` when `momentum` is not 0, else none.
+    Sgd {
+        /// L2 weight decay.
+        wd: f32,
+        /// Momentum (0: none).
+        momentum: f32,
+        /// `1 - dampening`.
+        keep: f32,
+        /// Nesterov momentum.
+        nesterov: bool,
+        /// `-lr`.
+        neg_lr: f32,
+    },
+    /// Adam and AdamW. State: `[exp_avg, exp_avg_sq]`.
+    Adam {
+        /// AdamW's `1 - lr·wd`, by which the parameter is multiplied first; `None` for Adam.
+        shrink: Option<f32>,
+        /// Adam's L2 weight decay (0 for AdamW).
+        wd: f32,
+        /// `beta1`, `1 - beta1`, `beta2`, `1 - beta2`.
+        betas: [f32; 4],
+        /// Epsilon.
+        eps: f32,
+        /// `-lr / (1 - beta1^t)`.
+        step_size: f32,
+        /// `sqrt(1 - beta2^t)`.
+        bias2_sqrt: f32,
+    },
+    /// RMSprop. State: `[square_avg]`, then `momentum_buffer` when `momentum` is set, then
+    /// `grad_avg` when centered.
+    Rmsprop {
+        /// L2 weight decay.
+        wd: f32,
+        /// `alpha`, `1 - alpha`.
+        alpha: [f32; 2],
+        /// Epsilon.
+        eps: f32,
+        /// Momentum, when not 0.
+        momentum: Option<f32>,
+        /// Centered: the variance rather than the second moment.
+        centered: bool,
+        /// `-lr`.
+        neg_lr: f32,
+    },
+}
+
+/// What an update stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Write {
+    /// The parameters and the state.
+    Both,
+    /// The new parameters only (into `out`, or in place).
+    Params,
+    /// The state only.
+    State,
+}
+
+impl Write {
+    fn params(self) -> bool {
+        self != Write::State
+    }
+
+    fn state(self) -> bool {
+        self != Write::Params
+    }
+}
+
+impl Rule {
+    /// How many state slices the rule takes.
+    pub(crate) fn state_len(&self) -> usize {
+        match *self {
+            Rule::Sgd { momentum, .. } => usize::from(momentum != 0.0),
+            Rule::Adam { .. } => 2,
+            Rule::Rmsprop { momentum, centered, .. } => 1 + usize::from(momentum.is_some()) + usize::from(centered),
+        }
+    }
+
+    /// Updates the elements of `p` from the gradient `g` and `state` (one slice per
+    /// [`Rule::state_len`], each as long as `p`). `first`: the parameter's first gradient (SGD
+    /// makes its momentum buffer from it). The new parameters go into `out` when given (`p` is
+    /// then only read), else into `p`; what is stored follows `write`.
+    pub(crate) fn apply(
+        &self,
+        (p, out): (&mut [f32], Option<&mut [f32]>),
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        first: bool,
+        write: Write,
+    ) {
+        let n = p.len();
+        assert!(g.len() == n && state.len() == self.state_len(), "slices of one length, one per state tensor");
+        assert!(state.iter().all(|s| s.len() == n) && out.as_ref().is_none_or(|o| o.len() == n));
+        let (wp, ws) = (write.params(), write.state());
+        let mut out = out;
+        match *self {
+            Rule::Sgd { wd, momentum, keep, nesterov, neg_lr } => {
+                for i in 0..n {
+                    let pi = p[i];
+                    let mut d = if wd != 0.0 { g[i] + pi * wd } else { g[i] };
+                    if momentum != 0.0 {
+                        let buf = if first { d } else { state[0][i] * momentum + d * keep };
+                        if ws {
+                            state[0][i] = buf;
+                        }
+                        d = if nesterov { d + buf * momentum } else { buf };
+                    }
+                    if wp {
+                        put(p, &mut out, i, pi + d * neg_lr);
+                    }
+                }
+            }
+            Rule::Adam { shrink, wd, betas: [b1, one_b1, b2, one_b2], eps, step_size, bias2_sqrt } => {
+                for i in 0..n {
+                    let mut pi = p[i];
+                    if let Some(shrink) = shrink {
+                        pi *= shrink;
+                    }
+                    let grad = if wd == 0.0 { g[i] } else { g[i] + pi * wd };
+                    let m = state[0][i] * b1 + grad * one_b1;
+                    let v = state[1][i] * b2 + grad * one_b2 * grad;
+                    if ws {
+                        (state[0][i], state[1][i]) = (m, v);
+                    }
+                    let denom = v.sqrt() / bias2_sqrt + eps;
+                    if wp {
+                        put(p, &mut out, i, pi + m * step_size / denom);
+                    }
+                }
+            }
+            Rule::Rmsprop { wd, alpha: [alpha, one_alpha], eps, momentum, centered, neg_lr } => {
+                let (buf_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
+                for i in 0..n {
+                    let pi = p[i];
+                    let grad = if wd != 0.0 { g[i] + pi * wd } else { g[i] };
+                    let square = state[0][i] * alpha + grad * one_alpha * grad;
+                    let avg = if centered {
+                        let grad_avg = state[avg_at][i] * alpha + grad * one_alpha;
+                        if ws {
+                            state[avg_at][i] = grad_avg;
+                        }
+                        (square - grad_avg * grad_avg).sqrt() + eps
+                    } else {
+                        square.sqrt() + eps
+                    };
+                    if ws {
+                        state[0][i] = square;
+                    }
+                    let new = match momentum {
+                        Some(m) => {
+                            let buf = state[buf_at][i] * m + grad / avg;
+                            if ws {
+                                state[buf_at][i] = buf;
+                            }
+                            pi + buf * neg_lr
+                        }
+                        None => pi + grad * neg_lr / avg,
+                    };
+                    if wp {
+                        put(p, &mut out, i, new);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Stores a new parameter value: into `out` when given, else into `p`.
+fn put(p: &mut [f32], out: &mut Option<&mut [f32]>, i: usize, value: f32) {
+    match out {
+        Some(o) => o[i] = value,
+        None => p[i] = value,
+    }
+}
+
+/// [`Rule::apply`] on tensors, in place, storing both: `p`, its gradient and its state tensors
+/// (one per [`Rule::state_len`]). False (nothing done) unless every one is a distinct
+/// contiguous float32 CPU tensor of `p`'s length; those take libtorch's kernels.
+pub(crate) fn on_tensors(
+    rule: &Rule,
+    p: &mut tch::Tensor,
+    grad: &tch::Tensor,
+    state: &mut [&mut tch::Tensor],
+    first: bool,
+) -> bool {
+    use tch::{Device, Kind};
+    let n = p.numel();
+    let all: Vec<&tch::Tensor> = [&*p, grad].into_iter().chain(state.iter().map(|s| &**s)).collect();
+    if state.len() != rule.state_len()
+        || !all
+            .iter()
+            .all(|t| t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous() && t.numel() == n)
+    {
+        return false;
+    }
+    let ptrs: Vec<usize> = all.iter().map(|t| t.data_ptr() as usize).collect();
+    if (1..ptrs.len()).any(|i| ptrs[..i].contains(&ptrs[i])) {
+        return false; // aliased: leave it to the kernels
+    }
+    // SAFETY: distinct contiguous float32 CPU tensors of `n` elements, checked above; the slices
+    // live only in this function, and nothing else runs on these tensors meanwhile.
+    let p = unsafe { std::slice::from_raw_parts_mut(p.data_ptr() as *mut f32, n) };
+    // SAFETY: as above; the gradient is only read.
+    let g = unsafe { std::slice::from_raw_parts(grad.data_ptr() as *const f32, n) };
+    let mut slices: Vec<&mut [f32]> = state
+        .iter_mut()
+        // SAFETY: as above.
+        .map(|s| unsafe { std::slice::from_raw_parts_mut(s.data_ptr() as *mut f32, n) })
+        .collect();
+    rule.apply((p, None), g, &mut slices, first, Write::Both);
+    true
+}
