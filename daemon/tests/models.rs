@@ -337,10 +337,13 @@ fn hex_of(t: &tch::Tensor) -> String {
     values.iter().flat_map(|v| v.to_le_bytes()).map(|b| format!("{b:02x}")).collect()
 }
 
-/// `--clip-norm` and `--clip-value` are PyTorch's `clip_grad_norm_` and `clip_grad_value_`, bit
-/// for bit, on the same gradients: the norm before clipping and every clipped element.
+/// `--clip-norm` and `--clip-value` are PyTorch's `clip_grad_norm_` and `clip_grad_value_` on the
+/// same gradients. Clipping by value gives their bits. The global norm is taken in float64 over
+/// fixed ranges (so that a sharded optimizer clips alike), not as PyTorch's float32 norm of
+/// per-tensor norms: the norm agrees to float32's precision, and each element clipped by norm
+/// to an ulp or two.
 #[test]
-fn clipping_is_pytorchs_clip_grad_norm_and_clip_grad_value_bit_for_bit() {
+fn clipping_is_pytorchs_clip_grad_norm_and_clip_grad_value() {
     use tch::{Device, Kind, Tensor};
     use trainerd::optim::clip::Clip;
     let script = r#"
@@ -390,9 +393,28 @@ print(json.dumps({"total": total, "grads": [p.grad.numpy().tobytes().hex() for p
         assert!(out.status.success(), "{}", text(&out));
         let torch: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let ours: Vec<String> = params.iter().map(|(_, p)| hex_of(&p.grad())).collect();
-        assert_eq!(serde_json::json!(ours), torch["grads"], "clip {norm:?} {value:?}");
-        if norm.is_some() {
-            assert_eq!(torch["total"].as_f64(), Some(total), "clip {norm:?}: the norm before clipping");
+        let floats = |hexes: &str| -> Vec<f32> {
+            let bytes: Vec<u8> =
+                (0..hexes.len()).step_by(2).map(|i| u8::from_str_radix(&hexes[i..i + 2], 16).unwrap()).collect();
+            bytes.chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+        };
+        let clipped_by_norm = norm.is_some_and(|n| n < total);
+        for (i, ours) in ours.iter().enumerate() {
+            let theirs = torch["grads"][i].as_str().unwrap();
+            if !clipped_by_norm {
+                assert_eq!(ours, theirs, "clip {norm:?} {value:?}: parameter {i}, bit for bit");
+                continue;
+            }
+            for (a, b) in floats(ours).into_iter().zip(floats(theirs)) {
+                assert!((a - b).abs() <= 2.5e-7 * b.abs().max(1e-30), "clip {norm:?} {value:?}: {a} vs {b}");
+            }
+        }
+        if let Some(max) = norm {
+            let theirs = torch["total"].as_f64().unwrap();
+            assert!(
+                (total - theirs).abs() <= 1e-6 * theirs,
+                "clip {max}: the norm before clipping: {total} vs {theirs}"
+            );
             assert!(total > 2.0, "the gradients are clipped (norm {total})");
         }
     }

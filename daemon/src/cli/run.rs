@@ -220,6 +220,9 @@ fn run_config(
     for &device in &devices {
         args.job.precision.check(device)?;
     }
+    if args.shard_optimizer {
+        shardable(&devices, cluster.is_some() && checkpoint.is_none())?;
+    }
     Ok(RunConfig {
         data,
         plugin: plugin.agreement(),
@@ -237,6 +240,7 @@ fn run_config(
         devices,
         accumulate: args.accumulate as usize,
         clip: crate::optim::clip::Clip { norm: args.clip_norm, value: args.clip_value },
+        shard_optimizer: args.shard_optimizer,
         callbacks: callbacks(args, plugin)?,
         steps_per_epoch: args.steps_per_epoch,
         threads,
@@ -252,6 +256,24 @@ fn run_config(
         gpus: Vec::new(),
         checkpoint,
     })
+}
+
+/// Whether `--shard-optimizer` can run on `devices` (`uncommitted`: a cluster without
+/// checkpoints).
+fn shardable(devices: &[tch::Device], uncommitted: bool) -> anyhow::Result<()> {
+    if let Some(cuda) = devices.iter().find(|d| d.is_cuda()) {
+        anyhow::bail!(
+            "--shard-optimizer runs on the CPU so far (its update is proven element by element on the CPU's float32 \
+             loops, not yet on {cuda:?}): train on --device cpu, or without --shard-optimizer"
+        );
+    }
+    if uncommitted {
+        anyhow::bail!(
+            "--shard-optimizer needs --checkpoint-dir: a worker lost with its ranges of the optimizer state sends the \
+             cluster back to the last commit (no other member holds a copy of them yet)"
+        );
+    }
+    Ok(())
 }
 
 /// The GPU model of each CUDA device in `devices` (none on the CPU).
@@ -304,6 +326,12 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_n
             "trainerd: mixed precision: the forward pass under autocast to float16 with dynamic loss scaling; \
              parameters, optimizer state and checkpoints float32",
         ),
+    }
+    if cfg.shard_optimizer && cfg.cluster.as_ref().is_some_and(|c| c.world_size() > 1) {
+        progress.line(
+            "trainerd: optimizer state sharded over the workers (ZeRO stage 1): each keeps the state of the gradient \
+             ranges it reduces; a worker lost sends the cluster back to the last commit",
+        );
     }
     if cfg.cluster.is_some() {
         let why = not_nccl.map(|w| format!(" (--collective auto: not NCCL, {w})")).unwrap_or_default();

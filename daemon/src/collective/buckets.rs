@@ -9,7 +9,9 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{host_slice, Collective, CollectiveError};
+use super::ring::chunk_of;
+use super::{host_slice, Collective, CollectiveError, Slots};
+use crate::optim::sharded::Piece;
 
 /// Default bucket size, as PyTorch DDP's `bucket_cap_mb`.
 pub(crate) const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -155,10 +157,7 @@ impl Buckets {
         // Parameters without a gradient here, with their average.
         let mut missing = Vec::new();
         for b in 0..self.groups.len() {
-            let mut bufs: Vec<Tensor> = self.staging[..held]
-                .iter()
-                .map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone())
-                .collect();
+            let mut bufs = self.slot_buffers(b, held);
             collective.all_reduce_buffers(&mut bufs)?;
             if self.on_device {
                 let riding = self.on_device_result(params, (b, &bufs[0]), scale, &mut missing);
@@ -193,6 +192,152 @@ impl Buckets {
         tail.truncate(extra);
         Ok(tail)
     }
+}
+
+/// A range of the gradient buckets (docs/fault-tolerance.md, "Sharded optimizer state"): range
+/// `chunk` of V of bucket `bucket`'s buffer, the elements the ring finishes on one slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Range {
+    /// The bucket.
+    pub(crate) bucket: usize,
+    /// Which of the bucket's V ranges.
+    pub(crate) chunk: usize,
+    /// Its elements in the bucket's buffer.
+    pub(crate) span: std::ops::Range<usize>,
+    /// The parameters' element spans in it (its gradient elements come first, in order).
+    pub(crate) pieces: Vec<Piece>,
+    /// The tail's elements in it (the values riding after the last bucket's gradients), as
+    /// places in the tail.
+    pub(crate) tail: std::ops::Range<usize>,
+}
+
+impl Range {
+    /// Its gradient elements.
+    pub(crate) fn grads_len(&self) -> usize {
+        self.pieces.iter().map(|p| p.len).sum()
+    }
+}
+
+impl Buckets {
+    /// Every range of the buckets over a run of `v` slots, in (bucket, range) order: the order in
+    /// which the global clip norm adds them. `params` are the parameters staged (their sizes);
+    /// the tail is the step's `extra_len` extra values and one used-flag per parameter.
+    pub(crate) fn ranges(&self, params: &[(String, Tensor)], v: usize, extra_len: usize) -> Vec<Range> {
+        let tail_len = extra_len + params.len();
+        let last = self.groups.len() - 1;
+        let mut out = Vec::with_capacity(self.groups.len() * v);
+        for (b, group) in self.groups.iter().enumerate() {
+            let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
+            let grads_len: usize = numels.iter().sum();
+            let len = grads_len + if b == last { tail_len } else { 0 };
+            for c in 0..v {
+                let span = chunk_of(c, v, len);
+                let mut pieces = Vec::new();
+                let mut start = 0;
+                for (&i, &n) in group.iter().zip(&numels) {
+                    let (lo, hi) = (span.start.max(start), span.end.min(start + n));
+                    if lo < hi {
+                        pieces.push(Piece { param: i, offset: lo - start, at: lo - span.start, len: hi - lo });
+                    }
+                    start += n;
+                }
+                let tail = span.start.max(grads_len) - grads_len..span.end.max(grads_len) - grads_len;
+                out.push(Range { bucket: b, chunk: c, span, pieces, tail });
+            }
+        }
+        out
+    }
+
+    /// The sharded step's first half: every bucket of what the slots held here staged is
+    /// reduce-scattered, and the gradient elements of each range this worker owns (range u + 1
+    /// of each slot u it holds) averaged over the run's slots, as [`Buckets::reduce`] averages
+    /// them. Host buffers only.
+    pub(crate) fn reduce_scatter(
+        &mut self,
+        collective: &mut dyn Collective,
+        ranges: &[Range],
+    ) -> Result<(), CollectiveError> {
+        let slots = collective.slots().clone();
+        let scale = 1.0 / slots.count as f32;
+        for b in 0..self.groups.len() {
+            let mut bufs = self.slot_buffers(b, slots.len());
+            collective.reduce_scatter_buffers(&mut bufs)?;
+        }
+        for r in owned(ranges, &slots) {
+            let range = &ranges[r];
+            let grads = range.grads_len();
+            self.owned_mut(&slots, range)[..grads].iter_mut().for_each(|x| *x *= scale);
+        }
+        Ok(())
+    }
+
+    /// The elements of `range`, owned here, in the host buffer where the reduce-scatter left it.
+    pub(crate) fn owned_mut(&mut self, slots: &Slots, range: &Range) -> &mut [f32] {
+        let v = slots.count;
+        let u = (range.chunk + v - 1) % v;
+        assert!(slots.held.contains(&u), "range {} of bucket {} is not owned here", range.chunk, range.bucket);
+        let buffer = self.staging[u - slots.held.start][range.bucket].as_mut().expect("staged");
+        // SAFETY: our own contiguous float32 host buffer, touched by nothing else while the
+        // returned slice (which borrows `self`) lives.
+        let flat = unsafe { host_slice(buffer) };
+        &mut flat[range.span.clone()]
+    }
+
+    /// The sharded step's second half: every bucket's owned ranges (now holding the updated
+    /// parameters) gathered into the first slot's buffers on every worker.
+    pub(crate) fn all_gather(&mut self, collective: &mut dyn Collective) -> Result<(), CollectiveError> {
+        let held = collective.slots().len();
+        for b in 0..self.groups.len() {
+            let mut bufs = self.slot_buffers(b, held);
+            collective.all_gather_buffers(&mut bufs)?;
+        }
+        Ok(())
+    }
+
+    /// After [`Buckets::all_gather`]: every bucket's gathered values copied into `params`.
+    pub(crate) fn write_params(&self, params: &mut [(String, Tensor)]) {
+        let _no_grad = tch::no_grad_guard();
+        for (b, group) in self.groups.iter().enumerate() {
+            let buffer = self.staging[0][b].as_ref().expect("staged");
+            let mut at = 0;
+            for &i in group {
+                let p = &mut params[i].1;
+                let n = p.numel() as i64;
+                let values = buffer.narrow(0, at, n).view_as(p);
+                p.copy_(&if p.device().is_cuda() { values.to_device(p.device()) } else { values });
+                at += n;
+            }
+        }
+    }
+
+    /// After [`Buckets::all_gather`]: every bucket's gathered values as new tensors, one shaped
+    /// as each parameter, on its device.
+    pub(crate) fn gathered(&self, params: &[(String, Tensor)]) -> Vec<Tensor> {
+        let mut out: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
+        for (b, group) in self.groups.iter().enumerate() {
+            let buffer = self.staging[0][b].as_ref().expect("staged");
+            let mut at = 0;
+            for &i in group {
+                let p = &params[i].1;
+                let n = p.numel() as i64;
+                out[i] = Some(buffer.narrow(0, at, n).view(p.size().as_slice()).to_device(p.device()).copy());
+                at += n;
+            }
+        }
+        out.into_iter().map(|t| t.expect("every parameter is in a bucket")).collect()
+    }
+
+    /// The buffers of bucket `b` of the first `held` slots staged (shallow handles).
+    fn slot_buffers(&self, b: usize, held: usize) -> Vec<Tensor> {
+        self.staging[..held].iter().map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone()).collect()
+    }
+}
+
+/// The places in `ranges` of those owned by a worker holding `slots`: range u + 1 of every
+/// bucket, for each slot u held.
+pub(crate) fn owned(ranges: &[Range], slots: &Slots) -> Vec<usize> {
+    let v = slots.count;
+    (0..ranges.len()).filter(|&r| slots.held.contains(&((ranges[r].chunk + v - 1) % v))).collect()
 }
 
 impl Buckets {

@@ -72,6 +72,12 @@ pub enum CollectiveError {
         /// What NCCL or CUDA said.
         message: String,
     },
+    /// A collective this backend does not have (the sharded step's halves on NCCL).
+    #[error("{op}: not available on this backend")]
+    Unsupported {
+        /// The collective.
+        op: &'static str,
+    },
     /// The ring could not be formed.
     #[error("forming the ring: {0}")]
     Setup(#[source] SetupError),
@@ -163,6 +169,20 @@ pub trait Collective: Send + std::fmt::Debug {
     /// whichever backend and whoever holds which slots (the others are scratch). Nothing else
     /// may touch the buffers meanwhile.
     fn all_reduce_buffers(&mut self, bufs: &mut [Tensor]) -> Result<(), CollectiveError>;
+    /// The first half of [`Collective::all_reduce_buffers`] (its operands the same): on return,
+    /// for each slot u held here, `bufs[u - first]` holds range u + 1 (mod V) of the buffer
+    /// (elements `[c·len/V, (c+1)·len/V)`, the ranges of [`buckets::Ranges`]) summed over every
+    /// slot, bit for bit what the all-reduce gives there; the rest is scratch.
+    fn reduce_scatter_buffers(&mut self, bufs: &mut [Tensor]) -> Result<(), CollectiveError> {
+        let _ = bufs;
+        Err(CollectiveError::Unsupported { op: "reduce-scatter" })
+    }
+    /// The second half: each held slot u's range u + 1 (in `bufs[u - first]`, whatever it now
+    /// holds) is copied into `bufs[0]` on every worker, which then holds every range.
+    fn all_gather_buffers(&mut self, bufs: &mut [Tensor]) -> Result<(), CollectiveError> {
+        let _ = bufs;
+        Err(CollectiveError::Unsupported { op: "all-gather" })
+    }
     /// Reduces host values over every slot of the run (one buffer per slot held here, in slot
     /// order, of equal lengths), as [`Collective::all_reduce_buffers`] does; the result in
     /// `bufs[0]`.

@@ -1,5 +1,6 @@
 //! Gradient clipping (`--clip-norm`, `--clip-value`), as Keras's `global_clipnorm`/`clipvalue`
-//! and PyTorch's `clip_grad_norm_`/`clip_grad_value_`. It acts on the averaged gradient, after the
+//! and PyTorch's `clip_grad_norm_`/`clip_grad_value_`, the global norm taken over the gradient
+//! buckets' ranges in a fixed order (so the sharded step clips alike). It acts on the averaged gradient, after the
 //! all-reduce and before the update: every worker holds the same averaged gradient and computes
 //! the same norm in the same order, so every worker clips identically, and the run stays bitwise
 //! reproducible and resumable.
@@ -7,6 +8,7 @@
 use serde::Serialize;
 use tch::{TchError, Tensor};
 
+use super::sharded::Piece;
 use super::FlagError;
 
 /// What to clip; nothing when both are `None`.
@@ -34,34 +36,122 @@ impl Clip {
         }
     }
 
-    /// Clips the gradients of `params` in place: to the global norm first (every gradient times
-    /// min(1, norm / (total + 1e-6)), as `torch.nn.utils.clip_grad_norm_` computes it: the 2-norm
-    /// of the per-tensor 2-norms), then by value. Returns the global 2-norm before clipping, or
-    /// `None` when nothing is clipped or no parameter has a gradient.
+    /// Clips the gradients of `params` in place, each parameter a range of its own: as
+    /// [`Clip::apply_over`].
     pub fn apply(&self, params: &[(String, Tensor)]) -> Result<Option<f64>, TchError> {
+        let ranges: Vec<Vec<Piece>> = params
+            .iter()
+            .enumerate()
+            .map(|(i, (_, p))| vec![Piece { param: i, offset: 0, at: 0, len: p.numel() }])
+            .collect();
+        self.apply_over(params, &ranges)
+    }
+
+    /// Clips the gradients of `params` in place: to the global norm first (every gradient times
+    /// min(1, norm / (total + 1e-6)), as `torch.nn.utils.clip_grad_norm_` computes it), then by
+    /// value. The global norm is taken over `ranges` (the gradient buckets' ranges, which the
+    /// sharded step clips by: [`range_sum_of_squares`] per range, added in order, as
+    /// [`global_norm`]), so sharded and unsharded runs clip alike. Returns the global 2-norm
+    /// before clipping, or `None` when nothing is clipped or no parameter has a gradient.
+    pub(crate) fn apply_over(
+        &self,
+        params: &[(String, Tensor)],
+        ranges: &[Vec<Piece>],
+    ) -> Result<Option<f64>, TchError> {
         if self.is_off() {
             return Ok(None);
         }
         let _no_grad = tch::no_grad_guard();
-        let mut grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).filter(Tensor::defined).collect();
-        if grads.is_empty() {
+        let mut grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
+        if !grads.iter().any(Tensor::defined) {
             return Ok(None);
         }
-        // `norm` is libtorch's `linalg_vector_norm` with ord 2 (tch has no binding of the latter).
-        let norm = |t: &Tensor| t.f_norm();
-        let norms = grads.iter().map(norm).collect::<Result<Vec<_>, _>>()?;
-        let total = norm(&Tensor::f_stack(&norms, 0)?)?;
-        if let Some(max) = self.norm {
-            let coef = (total.f_add_scalar(1e-6)?.f_reciprocal()?.f_mul_scalar(max)?).f_clamp_max(1.0)?;
-            for g in &mut grads {
-                _ = g.f_mul_(&coef)?;
+        let mut partials = Vec::with_capacity(ranges.len());
+        // Off the host (CUDA), the sums are taken on the device and fetched at once.
+        let mut on_device = Vec::new();
+        for range in ranges {
+            let mut host = Vec::new();
+            for piece in range.iter().filter(|p| grads[p.param].defined()) {
+                let g = &grads[piece.param];
+                match host_f32(g) {
+                    Some(all) => host.push(&all[piece.offset..piece.offset + piece.len]),
+                    None => on_device.push((
+                        partials.len(),
+                        g.f_view(-1)?
+                            .f_narrow(0, piece.offset as i64, piece.len as i64)?
+                            .f_to_kind(tch::Kind::Double)?
+                            .f_square()?
+                            .f_sum(tch::Kind::Double)?,
+                    )),
+                }
+            }
+            partials.push(range_sum_of_squares(&host));
+        }
+        if !on_device.is_empty() {
+            let sums = Tensor::f_stack(&on_device.iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>(), 0)?;
+            let sums = Vec::<f64>::try_from(sums.f_to_device(tch::Device::Cpu)?)?;
+            for ((r, _), s) in on_device.iter().zip(sums) {
+                partials[*r] += s;
             }
         }
-        if let Some(value) = self.value {
-            for g in &mut grads {
+        let total = global_norm(&partials);
+        let coefficient = self.coefficient(total);
+        for g in grads.iter_mut().filter(|g| g.defined()) {
+            if let Some(c) = coefficient {
+                _ = g.f_mul_scalar_(f64::from(c))?;
+            }
+            if let Some(value) = self.value {
                 _ = g.f_clamp_(-value, value)?;
             }
         }
-        Ok(Some(total.f_double_value(&[])?))
+        Ok(Some(total))
     }
+
+    /// What the gradients are multiplied by at global norm `total`: min(1, norm / (total +
+    /// 1e-6)) as float32; `None` when nothing is (no `--clip-norm`, or a factor of 1).
+    pub(crate) fn coefficient(&self, total: f64) -> Option<f32> {
+        let max = self.norm?;
+        let c = (max / (total + 1e-6)).min(1.0) as f32;
+        (c != 1.0).then_some(c)
+    }
+
+    /// Clips one range's gradient elements (host float32) with the step's `coefficient`, then
+    /// by value: each element's arithmetic as [`Clip::apply_over`]'s.
+    pub(crate) fn clip_slice(&self, xs: &mut [f32], coefficient: Option<f32>) {
+        if let Some(c) = coefficient {
+            xs.iter_mut().for_each(|x| *x *= c);
+        }
+        if let Some(value) = self.value {
+            let (lo, hi) = (-value as f32, value as f32);
+            xs.iter_mut().for_each(|x| *x = x.clamp(lo, hi));
+        }
+    }
+}
+
+/// A contiguous float32 host tensor's elements (`None` for any other).
+fn host_f32(t: &Tensor) -> Option<&[f32]> {
+    let plain = t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu && t.is_contiguous();
+    // SAFETY: a contiguous float32 host tensor of `numel` elements, only read while `t` lives.
+    plain.then(|| unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) })
+}
+
+/// The sum of the squares of `xs`, in float64, in element order: a range's share of the
+/// global norm, the same wherever it is computed.
+pub(crate) fn sum_of_squares(xs: &[f32]) -> f64 {
+    xs.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
+}
+
+/// The global 2-norm from every range's sum of squares, added in the ranges' order.
+pub(crate) fn global_norm(partials: &[f64]) -> f64 {
+    partials.iter().sum::<f64>().sqrt()
+}
+
+/// A range's sum of squares from its pieces' gradients: [`sum_of_squares`] of each, added in
+/// order.
+pub(crate) fn range_sum_of_squares(pieces: &[&[f32]]) -> f64 {
+    let mut sum = 0.0;
+    for piece in pieces {
+        sum += sum_of_squares(piece);
+    }
+    sum
 }

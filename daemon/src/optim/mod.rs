@@ -10,6 +10,7 @@ pub(crate) mod flags;
 pub(crate) mod optimizer;
 pub(crate) mod precision;
 pub(crate) mod schedule;
+pub(crate) mod sharded;
 
 /// A flag of the step's mathematics whose value cannot be used: each names the flag, what it was
 /// given, and what it takes.

@@ -176,9 +176,14 @@ pub(crate) const GPU_KEY: &str = "gpus";
 /// it started with, which its position records.
 pub(crate) const SCHEDULE_VERSION_KEY: &str = "schedule_version";
 
-/// What a resume does not compare: how the slots are spread (the slot count is compared), and
-/// when the replicas are compared.
-const SPREAD: [&str; 3] = [REPLICAS_KEY, ACCUMULATE_KEY, REPLICA_CHECK_KEY];
+/// The run configuration's key for the optimizer state sharded over the workers
+/// (`--shard-optimizer`): every worker must shard alike, but a commit holds the whole state
+/// either way, so a resume does not compare it.
+pub(crate) const SHARD_KEY: &str = "shard_optimizer";
+
+/// What a resume does not compare: how the slots are spread (the slot count is compared), when
+/// the replicas are compared, and whether the optimizer state is sharded.
+const SPREAD: [&str; 4] = [REPLICAS_KEY, ACCUMULATE_KEY, REPLICA_CHECK_KEY, SHARD_KEY];
 
 /// Who reads a checkpoint, which decides what must match and how a mismatch is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -257,7 +262,7 @@ impl Meta {
             // The data order does not depend on the worker count: another count with the same
             // global batch continues with the same global batches.
             self.same_global_batch(sequence, workers, &ours)?;
-            let keys = [REPLICAS_KEY, ACCUMULATE_KEY, REPLICA_CHECK_KEY, "batch_size"];
+            let keys = [REPLICAS_KEY, ACCUMULATE_KEY, REPLICA_CHECK_KEY, SHARD_KEY, "batch_size"];
             (without(&self.run_config, &keys), without(&ours, &keys))
         };
         if theirs != ours {

@@ -14,10 +14,11 @@ pub(crate) mod replica;
 pub(crate) mod totals;
 
 pub(crate) use meta::{
-    Meta, MetaError, Reader, ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY, SCHEDULE_VERSION_KEY,
+    Meta, MetaError, Reader, ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY,
+    SCHEDULE_VERSION_KEY, SHARD_KEY,
 };
 pub(crate) use position::Position;
-pub(crate) use replica::{sha256_hex, ModelState, Shareable, TrainState};
+pub(crate) use replica::{sha256_hex, ModelState, Optim, Shareable, TrainState};
 pub(crate) use totals::{epoch_figures, Totals};
 
 /// Blob of the parameters and buffers.
@@ -28,6 +29,9 @@ pub(crate) const OPTIMIZER_BLOB: &str = "optimizer.safetensors";
 /// Why a state could not be taken in (from a checkpoint or a peer) or given out.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum StateError {
+    /// A sharded optimizer's state, asked for whole before it was gathered.
+    #[error("the optimizer state is sharded over the workers and was not gathered for this commit")]
+    Sharded,
     /// libtorch failed reading or writing a tensor.
     #[error("tensor {name}: {source}")]
     Tensor {

@@ -19,6 +19,7 @@ use super::host as checkpoint;
 use super::position::Position;
 use super::{StateError, MODEL_BLOB, OPTIMIZER_BLOB};
 use crate::optim::optimizer::Optimizer;
+use crate::optim::sharded::ShardedOptimizer;
 
 const MAGIC: &[u8; 8] = b"TRDSTAT1";
 
@@ -68,8 +69,39 @@ pub(crate) struct ModelState {
 pub(crate) struct TrainState {
     /// Position, parameters and buffers.
     pub(crate) model: ModelState,
-    /// The optimizer and its state tensors.
-    pub(crate) optimizer: Optimizer,
+    /// The optimizer and its state tensors: all of them, or this member's ranges.
+    pub(crate) optimizer: Optim,
+    /// A sharded optimizer's whole state, gathered from every member for a commit of this
+    /// position.
+    pub(crate) gathered: Option<Vec<(String, Tensor)>>,
+}
+
+/// The optimizer of a training replica.
+#[derive(Debug)]
+pub(crate) enum Optim {
+    /// Every state tensor.
+    Whole(Optimizer),
+    /// The state of the ranges this member owns (`--shard-optimizer`): the parameters, buffers
+    /// and position are still every member's, the optimizer state is not whole anywhere.
+    Sharded(ShardedOptimizer),
+}
+
+impl Optim {
+    /// The optimizer, when it holds every state tensor.
+    pub(crate) fn whole(&self) -> Option<&Optimizer> {
+        match self {
+            Optim::Whole(o) => Some(o),
+            Optim::Sharded(_) => None,
+        }
+    }
+
+    /// Bytes of optimizer state this member holds.
+    pub(crate) fn state_bytes(&self) -> u64 {
+        match self {
+            Optim::Whole(o) => o.state().iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum(),
+            Optim::Sharded(s) => s.state_bytes(),
+        }
+    }
 }
 
 impl ModelState {
@@ -165,7 +197,7 @@ impl Shareable for ModelState {
 impl TrainState {
     /// A state at the start of training.
     pub(crate) fn new(model: ModelState, optimizer: Optimizer) -> Self {
-        TrainState { model, optimizer }
+        TrainState { model, optimizer: Optim::Whole(optimizer), gathered: None }
     }
 
     /// Where training stands.
@@ -194,7 +226,11 @@ impl TrainState {
             .iter()
             .map(|t| Ok((t.name.clone(), checkpoint::to_tensor(t)?.to_device(device))))
             .collect::<Result<_, StateError>>()?;
-        self.optimizer
+        if let Optim::Sharded(sharded) = &self.optimizer {
+            self.optimizer = Optim::Whole(Optimizer::new(sharded.config().clone(), &self.model.params));
+        }
+        let Optim::Whole(optimizer) = &mut self.optimizer else { unreachable!("made whole above") };
+        optimizer
             .restore(position.global_step, &state)
             .map_err(|source| StateError::Optimizer { what: what.into(), source })?;
         self.model.take(position);
@@ -209,6 +245,17 @@ impl TrainState {
         self.load(position, blob(MODEL_BLOB)?, blob(OPTIMIZER_BLOB)?, &format!("checkpoint {seq}"))
     }
 
+    /// Every optimizer state tensor: the whole optimizer's, or those gathered for a commit.
+    fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>, StateError> {
+        match (&self.optimizer, &self.gathered) {
+            (Optim::Whole(o), _) => Ok(o.state()),
+            (Optim::Sharded(_), Some(gathered)) => {
+                Ok(gathered.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect())
+            }
+            (Optim::Sharded(_), None) => Err(StateError::Sharded),
+        }
+    }
+
     /// The state as checkpoint blobs, in host memory.
     pub(crate) fn blobs(&self) -> Result<Vec<Blob>, StateError> {
         let snapshot = |ts: &[(String, Tensor)]| {
@@ -218,7 +265,7 @@ impl TrainState {
         model.extend(snapshot(&self.model.buffers)?);
         Ok(vec![
             Blob { name: MODEL_BLOB.into(), tensors: model },
-            Blob { name: OPTIMIZER_BLOB.into(), tensors: snapshot(&self.optimizer.state())? },
+            Blob { name: OPTIMIZER_BLOB.into(), tensors: snapshot(&self.optimizer_state()?)? },
         ])
     }
 }
@@ -234,8 +281,12 @@ impl Shareable for TrainState {
 
     fn encode(&self) -> Result<Vec<u8>, StateError> {
         let mut all = self.model.host_tensors("model/")?;
-        for (n, t) in self.optimizer.state() {
-            all.push(checkpoint::host_copy(&format!("optimizer/{n}"), &t)?);
+        // A sharded optimizer's state differs between members by design: what they share (and
+        // compare) is the rest.
+        if let Optim::Whole(optimizer) = &self.optimizer {
+            for (n, t) in optimizer.state() {
+                all.push(checkpoint::host_copy(&format!("optimizer/{n}"), &t)?);
+            }
         }
         encode(&self.model.position, all)
     }
@@ -356,7 +407,8 @@ mod tests {
                 p.zero_grad();
                 (p.pow_tensor_scalar(2).sum(p.kind()) * 0.5).backward();
             }
-            s.optimizer.step(&mut s.model.params, 0.01);
+            let Optim::Whole(o) = &mut s.optimizer else { unreachable!() };
+            o.step(&mut s.model.params, 0.01);
             s.model.position.stepped(&Totals::of_batch(1, 0.1, vec![0.0]));
         }
     }

@@ -10,7 +10,9 @@ use serde_json::json;
 
 use super::jobs::{EvalConfig, PredictConfig};
 use super::RunConfig;
-use crate::state::{ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY, SCHEDULE_VERSION_KEY};
+use crate::state::{
+    ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY, SCHEDULE_VERSION_KEY, SHARD_KEY,
+};
 
 /// A job whose workers must agree.
 #[derive(Clone, Copy, Debug)]
@@ -90,6 +92,11 @@ fn training(c: &RunConfig, agreement: &mut serde_json::Value) {
     }
     if c.accumulate > 1 {
         agreement[ACCUMULATE_KEY] = c.accumulate.into();
+    }
+    // Every worker shards alike (the step's collectives differ); a commit holds the whole state
+    // either way, so a resume does not compare it.
+    if c.shard_optimizer {
+        agreement[SHARD_KEY] = true.into();
     }
     if !c.clip.is_off() {
         agreement["clip"] = serde_json::to_value(c.clip).expect("plain numbers");

@@ -9,7 +9,7 @@ use trainerd_storage::{Blob, Mode, Score};
 use super::report::Reporter;
 use super::TrainError;
 use crate::checkpoint::{Checkpointer, Finished};
-use crate::state::{Meta, Position, TrainState};
+use crate::state::{Meta, Position, Reader, TrainState};
 
 /// Where the loop is when it asks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,6 +123,22 @@ impl Committer {
         run_config: String,
     ) -> Self {
         Committer { checkpointer, policy, info: info.clone(), workers, run_config, best: None, pending: None }
+    }
+
+    /// Puts the newest commit that verifies into `state` (a sharded run whose member was lost
+    /// goes back to it); its sequence and global step, or `None` when there is no commit.
+    pub(crate) fn restore_latest(&mut self, state: &mut TrainState) -> Result<Option<(u64, u64)>, TrainError> {
+        let location = self.checkpointer.location().to_string();
+        let (restored, _) = self.checkpointer.restore()?;
+        let Some(r) = restored else { return Ok(None) };
+        let reader = Reader::Training { workers: self.workers, run_config: &self.run_config };
+        let meta = Meta::read(&r, &self.info, reader)
+            .map_err(|source| TrainError::Unfit { location: location.clone(), source })?;
+        let step = meta.position.global_step;
+        state
+            .restore(&r, meta.position)
+            .map_err(|source| TrainError::Restore { location, source: Box::new(source) })?;
+        Ok(Some((r.record.sequence, step)))
     }
 
     /// Scores every epoch-end commit by `best` (figure and mode), so that retention keeps the

@@ -34,6 +34,7 @@ pub(crate) mod predict;
 pub(crate) mod replicas;
 pub(crate) mod report;
 pub(crate) mod session;
+pub(crate) mod sharded;
 pub(crate) mod startup;
 pub(crate) mod step;
 pub(crate) mod summary;
@@ -93,6 +94,8 @@ pub(crate) struct RunConfig {
     pub(crate) accumulate: usize,
     /// Gradient clipping before each update.
     pub(crate) clip: crate::optim::clip::Clip,
+    /// The optimizer state sharded over the workers (`--shard-optimizer`).
+    pub(crate) shard_optimizer: bool,
     /// Early stopping and learning-rate reduction on a plateau.
     pub(crate) callbacks: crate::optim::callbacks::Callbacks,
     /// Stop each epoch after this many steps (all of them when `None`).
@@ -151,6 +154,7 @@ impl RunConfig {
             devices: vec![device],
             accumulate: 1,
             clip: Default::default(),
+            shard_optimizer: false,
             callbacks: Default::default(),
             steps_per_epoch: None,
             threads: 1,
@@ -304,6 +308,18 @@ pub(crate) enum TrainError {
     /// The training state could not be encoded or taken.
     #[error("training state: {0}")]
     State(Box<StateError>),
+    /// A generation whose optimizer state was sharded lost a member, and there is no commit to
+    /// go back to.
+    #[error(
+        "the optimizer state was sharded over generation {generation}'s workers and it ended without them ({why}); \
+         there is no commit to go back to, so the run starts over"
+    )]
+    ShardedStateLost {
+        /// The generation.
+        generation: u64,
+        /// Why it ended.
+        why: String,
+    },
     /// The coordinator chose this member as the state's source, and it holds none (a protocol
     /// fault).
     #[error("training state: chosen as the state's source without a state")]
@@ -400,7 +416,7 @@ pub(crate) fn run(
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model(crate::plugin::MODEL_PATH, cfg.device)?;
     let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());
-    if let Some(groups) = state.optimizer.describe_groups(&state.model.params) {
+    if let Some(groups) = state.optimizer.whole().and_then(|o| o.describe_groups(&state.model.params)) {
         report.line(&format!("trainerd: {groups}"));
     }
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;

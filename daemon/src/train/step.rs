@@ -97,10 +97,12 @@ pub(crate) struct Replica<'s> {
 /// one slot is held); then the gradients averaged over the run's slots into the first replica's
 /// (with `raised`: the stop flag of this worker's slots and the return flags) and its buffers made
 /// the same on every member ([`sync_slot_buffers`]). `meanwhile` runs once the devices have their work and before
-/// the host waits for it. The parameters are untouched: the caller applies the update.
+/// the host waits for it. `reduce` reduces what the slots staged (the all-reduce, which leaves
+/// the update to the caller, or the sharded step's reduction, which applies it); it returns the
+/// tail's extra values summed.
 pub(crate) fn train_step(
     replicas: &mut [Replica<'_>],
-    buckets: &mut Buckets,
+    (buckets, reduce): (&mut Buckets, &mut Reduce<'_>),
     collective: &mut dyn Collective,
     (batches, start): (&[SlotBatch<'_>], &[Tensor]),
     raised: Raised<'_>,
@@ -139,7 +141,7 @@ pub(crate) fn train_step(
         }
     }
     let first = &mut replicas[0];
-    let extra = buckets.reduce(collective, first.params, batches.len())?;
+    let extra = reduce(buckets, collective, first.params, batches.len())?;
     sync_slot_buffers(collective, first.buffers, captured)?;
     let reduced: Vec<f64> = extra[..flags].iter().map(|&x| f64::from(x)).collect();
     let back = flags + slots.count;
@@ -149,6 +151,16 @@ pub(crate) fn train_step(
         returning: (0..slots.count).filter(|&s| extra[back + s] > 0.0).collect(),
     })
 }
+
+/// How a step's staged gradients are reduced: (buckets, collective, the first replica's
+/// parameters, slots held) to the tail's extra values.
+pub(crate) type Reduce<'r> = dyn FnMut(
+        &mut Buckets,
+        &mut dyn Collective,
+        &mut [(String, Tensor)],
+        usize,
+    ) -> Result<Vec<f32>, crate::collective::CollectiveError>
+    + 'r;
 
 /// One slot's forward pass, loss and backward on `replica` (its buffers first put back to the
 /// step's `start` when given): (examples, loss, metrics).

@@ -147,6 +147,9 @@ pub(crate) struct Summary {
     pub(crate) data: Option<DataFigures>,
     /// This process's peak resident memory (VmHWM), in bytes, where the kernel tells it.
     pub(crate) peak_rss_bytes: Option<u64>,
+    /// Bytes of optimizer state this member held at the end: all of it, or with
+    /// `--shard-optimizer` its ranges.
+    pub(crate) optimizer_state_bytes: u64,
 }
 
 /// Where a training step's time goes, in milliseconds per step: the forward and backward passes

@@ -219,6 +219,12 @@ pub(crate) struct RunArgs {
     /// clipvalue, PyTorch's clip_grad_value_), after --clip-norm when both are given.
     #[arg(long, value_parser = |t: &str| crate::optim::clip::Clip::parse("--clip-value", t))]
     pub(crate) clip_value: Option<f64>,
+    /// Shard the optimizer state over the workers (ZeRO stage 1): each keeps and updates the state
+    /// of the gradient ranges it reduces, and the parameters are gathered after the update; bit
+    /// for bit the unsharded run. A lost worker sends the cluster back to the last commit (CPU and
+    /// the ring only, so far).
+    #[arg(long)]
+    pub(crate) shard_optimizer: bool,
     /// Stop when an epoch-end figure (val_loss, val_accuracy, loss, ...) has not improved by more
     /// than MIN_DELTA for PATIENCE epochs, as Keras's EarlyStopping: METRIC:PATIENCE[:MIN_DELTA].
     #[arg(long, value_name = "METRIC:PATIENCE[:MIN_DELTA]")]

@@ -191,17 +191,15 @@ impl Ring {
         self.reduce(&slots, &mut [buf], op)
     }
 
-    /// The all-gather after [`Ring::reduce`]'s reduce-scatter: slot u holds chunk u + 1 complete;
-    /// this worker's chunks are gathered into the first buffer, then passed around the ring (at
-    /// step s, slot u passes chunk u + 1 - s on to slot u + 1; hops inside a worker are no-ops).
-    fn gather_slots<T: Element>(
-        &mut self,
-        slots: &Slots,
-        bufs: &mut [&mut [T]],
-        began: Instant,
-    ) -> Result<(), CollectiveError> {
+    /// The all-gather after [`Ring::scatter`]: slot u holds chunk u + 1 complete; this worker's
+    /// chunks are gathered into the first buffer, then passed around the ring (at step s, slot u
+    /// passes chunk u + 1 - s on to slot u + 1; hops inside a worker are no-ops).
+    fn gather<T: Element>(&mut self, slots: &Slots, bufs: &mut [&mut [T]]) -> Result<(), CollectiveError> {
         let (v, a, b) = (slots.count, slots.held.start, slots.held.end);
         let len = bufs[0].len();
+        if v == 1 {
+            return Ok(());
+        }
         let chunk = |c: usize| chunk_of(c, v, len);
         for u in a + 1..b {
             let c = chunk(u + 1);
@@ -211,6 +209,7 @@ impl Ring {
         if self.world == 1 {
             return Ok(());
         }
+        let began = Instant::now();
         for s in 0..v - 1 {
             let (send, recv) = (chunk(b + v - s), chunk(a + v - s));
             let (first, _) = bufs.split_at_mut(1);
@@ -220,8 +219,7 @@ impl Ring {
                 trainerd_failpoint::point("all-gather");
             }
         }
-        // Each worker sends 2(V-1) chunks of about len/V elements.
-        let sent = 2 * (v - 1) * len / v * std::mem::size_of::<T>();
+        let sent = (v - 1) * len / v * std::mem::size_of::<T>();
         self.link.traffic.count(sent as u64, began.elapsed());
         Ok(())
     }
@@ -261,39 +259,64 @@ impl Ring {
         bufs: &mut [&mut [T]],
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
+        self.scatter(slots, bufs)?;
+        self.gather(slots, bufs)?;
+        if op == ReduceOp::Mean {
+            let factor = 1.0 / slots.count as f64;
+            bufs[0].iter_mut().for_each(|x| *x = x.scaled(factor));
+        }
+        Ok(())
+    }
+
+    /// The first half of [`Ring::all_reduce_slots`], over this worker's slots: on return each
+    /// held slot u's buffer (`bufs[u - first]`) holds chunk u + 1 (mod V) summed over every slot.
+    pub(crate) fn reduce_scatter_slots<T: Element>(&mut self, bufs: &mut [&mut [T]]) -> Result<(), CollectiveError> {
+        let slots = self.slots.clone();
+        self.scatter(&slots, bufs)
+    }
+
+    /// The second half: each held slot u's chunk u + 1 (in `bufs[u - first]`) is copied into
+    /// every worker's first buffer, which then holds every chunk.
+    pub(crate) fn all_gather_slots<T: Element>(&mut self, bufs: &mut [&mut [T]]) -> Result<(), CollectiveError> {
+        let slots = self.slots.clone();
+        self.gather(&slots, bufs)
+    }
+
+    fn scatter<T: Element>(&mut self, slots: &Slots, bufs: &mut [&mut [T]]) -> Result<(), CollectiveError> {
         let (v, a, b) = (slots.count, slots.held.start, slots.held.end);
         assert_eq!(bufs.len(), b - a, "one buffer per held slot");
         let len = bufs[0].len();
         assert!(bufs.iter().all(|x| x.len() == len), "slot buffers of equal lengths");
         let alone = self.world == 1;
-        if v > 1 {
-            if !alone {
-                self.link.check()?;
-            }
-            let began = Instant::now();
-            let chunk = |c: usize| chunk_of(c, v, len);
-            // Reduce-scatter: at step s, slot u adds its chunk u - s into slot u + 1's.
-            for s in 0..v - 1 {
-                for u in a..b - 1 {
-                    let c = chunk(u + v - s);
-                    let (lo, hi) = bufs.split_at_mut(u - a + 1);
-                    add_into(&mut hi[0][c.clone()], &lo[u - a][c]);
-                }
-                if alone {
-                    // Every slot is here: the ring's last hop (slot V-1 to slot 0) too.
-                    let c = chunk(v - 1 + v - s);
-                    let (first, rest) = bufs.split_at_mut(1);
-                    add_into(&mut first[0][c.clone()], &rest[v - 2][c]);
-                } else {
-                    let (send, recv) = (chunk(b - 1 + v - s), chunk(a + 2 * v - 1 - s));
-                    self.exchange_slots("all-reduce", bufs, (send, recv), true)?;
-                }
-            }
-            self.gather_slots(slots, bufs, began)?;
+        if v == 1 {
+            return Ok(());
         }
-        if op == ReduceOp::Mean {
-            let factor = 1.0 / v as f64;
-            bufs[0].iter_mut().for_each(|x| *x = x.scaled(factor));
+        if !alone {
+            self.link.check()?;
+        }
+        let began = Instant::now();
+        let chunk = |c: usize| chunk_of(c, v, len);
+        // Reduce-scatter: at step s, slot u adds its chunk u - s into slot u + 1's.
+        for s in 0..v - 1 {
+            for u in a..b - 1 {
+                let c = chunk(u + v - s);
+                let (lo, hi) = bufs.split_at_mut(u - a + 1);
+                add_into(&mut hi[0][c.clone()], &lo[u - a][c]);
+            }
+            if alone {
+                // Every slot is here: the ring's last hop (slot V-1 to slot 0) too.
+                let c = chunk(v - 1 + v - s);
+                let (first, rest) = bufs.split_at_mut(1);
+                add_into(&mut first[0][c.clone()], &rest[v - 2][c]);
+            } else {
+                let (send, recv) = (chunk(b - 1 + v - s), chunk(a + 2 * v - 1 - s));
+                self.exchange_slots("all-reduce", bufs, (send, recv), true)?;
+            }
+        }
+        if !alone {
+            // Each worker sends V-1 chunks of about len/V elements.
+            let sent = (v - 1) * len / v * std::mem::size_of::<T>();
+            self.link.traffic.count(sent as u64, began.elapsed());
         }
         Ok(())
     }
@@ -376,6 +399,18 @@ impl Collective for Ring {
         self.all_reduce_slots(&mut views, ReduceOp::Sum)
     }
 
+    fn reduce_scatter_buffers(&mut self, bufs: &mut [Tensor]) -> Result<(), CollectiveError> {
+        // SAFETY: as in `all_reduce_buffers`.
+        let mut views: Vec<&mut [f32]> = bufs.iter_mut().map(|t| unsafe { host_slice(t) }).collect();
+        self.reduce_scatter_slots(&mut views)
+    }
+
+    fn all_gather_buffers(&mut self, bufs: &mut [Tensor]) -> Result<(), CollectiveError> {
+        // SAFETY: as in `all_reduce_buffers`.
+        let mut views: Vec<&mut [f32]> = bufs.iter_mut().map(|t| unsafe { host_slice(t) }).collect();
+        self.all_gather_slots(&mut views)
+    }
+
     fn all_reduce_values(&mut self, bufs: &mut [&mut [f64]], op: ReduceOp) -> Result<(), CollectiveError> {
         self.all_reduce_slots(bufs, op)
     }
@@ -409,7 +444,7 @@ impl Collective for Ring {
 }
 
 /// Chunk `c` (taken modulo `v`) of a buffer of `len` elements cut into `v` chunks.
-fn chunk_of(c: usize, v: usize, len: usize) -> std::ops::Range<usize> {
+pub(crate) fn chunk_of(c: usize, v: usize, len: usize) -> std::ops::Range<usize> {
     (c % v) * len / v..(c % v + 1) * len / v
 }
 

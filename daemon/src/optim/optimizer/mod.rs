@@ -246,15 +246,7 @@ impl Optimizer {
     /// Adam's hyper-parameters for a group of weight decay `weight_decay`; `None` for the other
     /// optimizers.
     fn hyper(&self, weight_decay: f64) -> Option<Hyper> {
-        match self.config {
-            OptimizerConfig::Adam { beta1, beta2, eps, .. } => {
-                Some(Hyper { beta1, beta2, eps, weight_decay, decoupled: false })
-            }
-            OptimizerConfig::Adamw { beta1, beta2, eps, .. } => {
-                Some(Hyper { beta1, beta2, eps, weight_decay, decoupled: true })
-            }
-            _ => None,
-        }
+        hyper(&self.config, weight_decay)
     }
 
     /// Adam over each group at once, on its flat buffers (the parameters are views into them,
@@ -282,37 +274,24 @@ impl Optimizer {
     }
 
     /// The element-wise rule of this step's update at rate `lr` for a parameter of weight decay
-    /// `weight_decay` (every optimizer's float32 CPU update, and every sharded one).
+    /// `weight_decay`.
     pub(crate) fn rule(&self, weight_decay: f64, lr: f64) -> Rule {
-        if let Some(h) = self.hyper(weight_decay) {
-            return h.rule(lr, self.steps);
-        }
-        match self.config {
-            OptimizerConfig::Sgd { momentum, dampening, nesterov, .. } => Rule::Sgd {
-                wd: weight_decay as f32,
-                momentum: momentum as f32,
-                keep: (1.0 - dampening) as f32,
-                nesterov,
-                neg_lr: -lr as f32,
-            },
-            OptimizerConfig::Rmsprop { alpha, eps, momentum, centered, .. } => Rule::Rmsprop {
-                wd: weight_decay as f32,
-                alpha: [alpha as f32, (1.0 - alpha) as f32],
-                eps: eps as f32,
-                momentum: (momentum > 0.0).then_some(momentum as f32),
-                centered,
-                neg_lr: -lr as f32,
-            },
-            OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. } => unreachable!("Adam's rule is its hyper's"),
-        }
+        rule(&self.config, (weight_decay, lr), self.steps)
+    }
+
+    /// Its settings.
+    pub(crate) fn config(&self) -> &OptimizerConfig {
+        &self.config
+    }
+
+    /// Steps taken.
+    pub(crate) fn steps(&self) -> u64 {
+        self.steps
     }
 
     /// Each parameter on its own.
     fn step_each(&mut self, params: &mut [(String, Tensor)], lr: f64) {
-        let mut decay = vec![0.0; params.len()];
-        for g in &self.groups {
-            g.members.iter().for_each(|&i| decay[i] = g.weight_decay);
-        }
+        let decay = weight_decays(&self.config, params);
         let rules: Vec<Rule> = decay.iter().map(|&wd| self.rule(wd, lr)).collect();
         for (i, ((_, p), slots)) in params.iter_mut().zip(self.slots.iter_mut()).enumerate() {
             let grad = p.grad();
@@ -368,6 +347,55 @@ impl Optimizer {
             }
         }
     }
+}
+
+/// Adam's hyper-parameters under `config` for a group of weight decay `weight_decay`; `None` for
+/// the other optimizers.
+fn hyper(config: &OptimizerConfig, weight_decay: f64) -> Option<Hyper> {
+    match *config {
+        OptimizerConfig::Adam { beta1, beta2, eps, .. } => {
+            Some(Hyper { beta1, beta2, eps, weight_decay, decoupled: false })
+        }
+        OptimizerConfig::Adamw { beta1, beta2, eps, .. } => {
+            Some(Hyper { beta1, beta2, eps, weight_decay, decoupled: true })
+        }
+        _ => None,
+    }
+}
+
+/// The element-wise rule of `config`'s update number `steps` (1-based) at rate `lr` for a
+/// parameter of weight decay `weight_decay`: every float32 CPU update's, sharded or not.
+pub(crate) fn rule(config: &OptimizerConfig, (weight_decay, lr): (f64, f64), steps: u64) -> Rule {
+    if let Some(h) = hyper(config, weight_decay) {
+        return h.rule(lr, steps);
+    }
+    match *config {
+        OptimizerConfig::Sgd { momentum, dampening, nesterov, .. } => Rule::Sgd {
+            wd: weight_decay as f32,
+            momentum: momentum as f32,
+            keep: (1.0 - dampening) as f32,
+            nesterov,
+            neg_lr: -lr as f32,
+        },
+        OptimizerConfig::Rmsprop { alpha, eps, momentum, centered, .. } => Rule::Rmsprop {
+            wd: weight_decay as f32,
+            alpha: [alpha as f32, (1.0 - alpha) as f32],
+            eps: eps as f32,
+            momentum: (momentum > 0.0).then_some(momentum as f32),
+            centered,
+            neg_lr: -lr as f32,
+        },
+        OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. } => unreachable!("Adam's rule is its hyper's"),
+    }
+}
+
+/// Each parameter's weight decay under `config` (its group's).
+pub(crate) fn weight_decays(config: &OptimizerConfig, params: &[(String, Tensor)]) -> Vec<f64> {
+    let mut decay = vec![0.0; params.len()];
+    for g in groups(config, params) {
+        g.members.iter().for_each(|&i| decay[i] = g.weight_decay);
+    }
+    decay
 }
 
 /// `rule`'s update of `p` from `grad` with its state `slots`, in one pass (float32 on the CPU;

@@ -67,7 +67,7 @@ impl Driver<'_> {
         // epoch's end or the run's, the training loop begins with that comparison and commit.
         if owed && self.steps_next(state.position()) {
             self.check(state, session)?;
-            self.commit(Moment::Step, state)?;
+            self.commit(Moment::Step, state, session)?;
         }
         Ok(())
     }

@@ -17,6 +17,7 @@ use super::integrity::{self, Integrity};
 use super::replicas::Replicas;
 use super::report::{Reporter, StepDone};
 use super::session::{Interrupt, Joined, Session};
+use super::sharded::{self, Stepped};
 use super::startup::Data;
 use super::step::{self, Raised, SlotBatch, StepResult};
 use super::summary::{device_name, Summary};
@@ -24,12 +25,15 @@ use super::{Outcome, RunConfig, TrainError};
 use crate::cluster::control::FINAL_BARRIER;
 use crate::cluster::membership::CAME_BACK;
 use crate::cluster::ClusterError;
-use crate::collective::buckets::Buckets;
+use crate::collective::buckets::{owned, Buckets, Range};
 use crate::collective::slots;
+use crate::collective::Collective;
 use crate::input::Data as Input;
+use crate::optim::optimizer::Optimizer;
 use crate::optim::schedule::Curve;
+use crate::optim::sharded::{Piece, ShardedOptimizer};
 use crate::plugin::ModelInstance;
-use crate::state::{Position, Shareable, Totals, TrainState};
+use crate::state::{Optim, Position, Shareable, Totals, TrainState};
 
 mod formation;
 
@@ -42,6 +46,9 @@ enum Ended {
     /// These ranks came back: the generation ends after the step just taken.
     Return(Vec<usize>),
 }
+
+/// What a sharded step's reduction applied, and how long that took.
+type Applied = (Stepped, Duration);
 
 /// What follows a generation.
 enum Next {
@@ -74,6 +81,11 @@ pub(super) struct Driver<'a> {
     coordinates: bool,
     /// The replicas' comparisons.
     integrity: Integrity,
+    /// The pieces of the buckets' ranges the clip norm adds over, for a run of so many slots.
+    clip_ranges: Option<(usize, Vec<Vec<Piece>>)>,
+    /// With the optimizer state sharded: the generation it was sharded in, and the buckets'
+    /// ranges.
+    sharding: Option<(u64, Vec<Range>)>,
 }
 
 impl<'a> Driver<'a> {
@@ -101,6 +113,8 @@ impl<'a> Driver<'a> {
             evaluated: (u64::MAX, BTreeMap::new()),
             coordinates: true,
             integrity: Integrity::new(cfg.integrity()),
+            clip_ranges: None,
+            sharding: None,
         }
     }
 
@@ -134,7 +148,8 @@ impl<'a> Driver<'a> {
                     self.report.generation_ends(state.position().global_step, session.generation(), &why)
                 }
                 Err(Interrupt::Abandoned(why)) => {
-                    self.report.abandoned(state.position().global_step + 1, session.generation(), &why)
+                    self.report.abandoned(state.position().global_step + 1, session.generation(), &why);
+                    self.unshard_after_failure(&mut state, (session.generation(), &why))?;
                 }
                 Err(Interrupt::Stopped) => return self.stopped(&state),
                 Err(Interrupt::Fatal(TrainError::Cluster(ClusterError::Finished(said)))) => {
@@ -155,6 +170,12 @@ impl<'a> Driver<'a> {
 
     fn metrics(&self) -> usize {
         self.info.metrics.len()
+    }
+
+    /// The values riding in a step's tail before the used-flags, in a run of `v` slots: the
+    /// totals, then a stop flag and a return flag per slot ([`step::train_step`]).
+    fn extra_len(&self, v: usize) -> usize {
+        Totals::new(self.metrics()).flat().len() + 2 * v
     }
 
     /// The learning rate of global step `global_step` (from 0), times the plateau's reductions
@@ -219,11 +240,18 @@ impl<'a> Driver<'a> {
         let began = Instant::now();
         let slot_batches: Vec<SlotBatch<'_>> =
             batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { columns: &b.columns, seed }).collect();
-        let (result, prefetch) = self.gradients(state, session, (&ctxs, step), &slot_batches, raised)?;
+        let (result, prefetch, stepped) = self.gradients(state, session, (&ctxs, step, lr), &slot_batches, raised)?;
         if let Some((what, took)) = session.collective().take_setup() {
             self.report.backend_ready(session.generation(), what, took);
         }
-        let (grad_norm, optimizer) = self.update(state, global_step + 1, lr)?;
+        let (grad_norm, optimizer) = match stepped {
+            // The sharded step's reduction applied the update.
+            Some((stepped, took)) => {
+                self.flip_bit(state);
+                (stepped.grad_norm, took)
+            }
+            None => self.update(state, (global_step + 1, lr), session.slot_count())?,
+        };
         state.model.position.stepped(&result.totals);
         let took = began.elapsed();
         session.set_step(state.position().global_step);
@@ -243,37 +271,50 @@ impl<'a> Driver<'a> {
         if self.integrity.due(state.position(), steps_per_epoch) {
             self.check(state, session)?;
         }
-        self.commit(Moment::Step, state)?;
+        self.commit(Moment::Step, state, session)?;
         Ok(result)
     }
 
     /// The update of global step `global_step` (1-based) at rate `lr` from the averaged gradient
-    /// (clipped, and unscaled under float16's loss scaling); the gradient's norm before clipping,
-    /// and the time it took.
+    /// (clipped, over the buckets' ranges of a run of `v` slots, and unscaled under float16's
+    /// loss scaling); the gradient's norm before clipping, and the time it took.
     fn update(
         &mut self,
         state: &mut TrainState,
-        global_step: u64,
-        lr: f64,
+        (global_step, lr): (u64, f64),
+        v: usize,
     ) -> Result<(Option<f64>, Duration), Interrupt> {
         let began = Instant::now();
         let grad_norm = match self.unscaled(state, global_step).map_err(Interrupt::Fatal)? {
             true => {
-                let clipped = self.cfg.clip.apply(&state.model.params);
+                if !self.cfg.clip.is_off() && self.clip_ranges.as_ref().is_none_or(|(of, _)| *of != v) {
+                    let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
+                    let ranges = ranges.into_iter().map(|r| r.pieces).collect();
+                    self.clip_ranges = Some((v, ranges));
+                }
+                let ranges = self.clip_ranges.as_ref().map_or(&[][..], |(_, r)| r.as_slice());
+                let clipped = self.cfg.clip.apply_over(&state.model.params, ranges);
                 let torch = |source| Interrupt::Fatal(TrainError::Torch { what: "clipping", source });
                 let grad_norm = clipped.map_err(torch)?;
-                state.optimizer.step(&mut state.model.params, lr);
+                match &mut state.optimizer {
+                    Optim::Whole(optimizer) => optimizer.step(&mut state.model.params, lr),
+                    Optim::Sharded(_) => unreachable!("a sharded optimizer updates in the step's reduction"),
+                }
                 grad_norm
             }
             false => None,
         };
         let took = began.elapsed();
-        // Chaos tests corrupt a replica here, as faulty memory would.
+        self.flip_bit(state);
+        Ok((grad_norm, took))
+    }
+
+    /// Chaos tests corrupt a replica here, after the update, as faulty memory would.
+    fn flip_bit(&mut self, state: &mut TrainState) {
         if trainerd_failpoint::hit("flip-bit") {
             let flipped = integrity::flip_bit(state).unwrap_or_else(|| "no parameter to flip".into());
             self.report.line(&format!("trainerd: failpoint flip-bit: {flipped}"));
         }
-        Ok((grad_norm, took))
     }
 
     /// Under float16's loss scaling, the averaged gradient divided by the scale and the scale
@@ -300,14 +341,19 @@ impl<'a> Driver<'a> {
     /// made while the device computes (the time that took is returned). A forward pass updates
     /// buffers in place: each slot starts from their values at the step's start, and an abandoned
     /// step puts them back.
+    ///
+    /// With the optimizer state sharded, the reduction also applies the update at rate `lr`
+    /// ([`sharded::reduce_and_update`]): what it gave, and the time its update took, come back too.
     fn gradients(
         &mut self,
         state: &mut TrainState,
         session: &mut Session,
-        (ctxs, step): (&[InputContext], u64),
+        (ctxs, step, lr): (&[InputContext], u64, f64),
         batches: &[SlotBatch<'_>],
         raised: Raised<'_>,
-    ) -> Result<(StepResult, Duration), Interrupt> {
+    ) -> Result<(StepResult, Duration, Option<Applied>), Interrupt> {
+        let sharded = self.shard(state, session);
+        let extra_len = self.extra_len(session.slot_count());
         let saved = if session.collective().slots().count > 1 { state.model.save_buffers() } else { Vec::new() };
         let (mut prefetch, next, spe) = (Duration::ZERO, &mut self.batches, self.steps_per_epoch);
         // An error making the next batch shows when that step asks for it.
@@ -325,16 +371,101 @@ impl<'a> Driver<'a> {
             model.position.loss_scale.get_or_insert_with(Default::default);
         }
         let scale = model.position.loss_scale.map_or(1.0, |s| s.scale);
+        let (clip, optimizer, ranges) = (self.cfg.clip, &mut state.optimizer, self.sharding.as_ref().map(|(_, r)| r));
+        let mut stepped = None;
+        let mut whole = |b: &mut Buckets, c: &mut dyn Collective, p: &mut [(String, tch::Tensor)], held: usize| {
+            b.reduce(c, p, held)
+        };
+        let mut apart = |b: &mut Buckets, c: &mut dyn Collective, p: &mut [(String, tch::Tensor)], _: usize| {
+            let (Optim::Sharded(o), Some(ranges)) = (&mut *optimizer, ranges) else { unreachable!("sharded above") };
+            let began = Instant::now();
+            let s = sharded::reduce_and_update((b, ranges), c, p, o, (&clip, lr, None), extra_len)?;
+            let extra = s.extra.clone();
+            stepped = Some((s, began.elapsed()));
+            Ok(extra)
+        };
+        let reduce: &mut step::Reduce<'_> = if sharded { &mut apart } else { &mut whole };
         let result =
             self.replicas.of_step(self.model, (&mut model.params, &mut model.buffers), scale).and_then(|mut r| {
                 let collective = session.collective();
-                step::train_step(&mut r, &mut self.buckets, collective, (batches, &saved), raised, &mut prefetch_next)
+                let buckets = (&mut self.buckets, reduce);
+                step::train_step(&mut r, buckets, collective, (batches, &saved), raised, &mut prefetch_next)
             });
         let result = result.map_err(|e| {
             model.restore_buffers(&saved);
             session.interrupt(e)
         })?;
-        Ok((result, prefetch))
+        Ok((result, prefetch, stepped))
+    }
+
+    /// Whether this step's optimizer state is sharded (`--shard-optimizer`, with at least two
+    /// workers present): a whole state is cut into this member's ranges at the generation's first
+    /// step (the ranges and their owners follow the generation's slots).
+    fn shard(&mut self, state: &mut TrainState, session: &mut Session) -> bool {
+        let (v, generation) = (session.slot_count(), session.generation());
+        if !self.cfg.shard_optimizer || session.collective().world() < 2 || v < 2 {
+            return false;
+        }
+        if let Optim::Whole(whole) = &state.optimizer {
+            let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
+            let mine = owned(&ranges, session.collective().slots());
+            let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, ranges[r].pieces.clone())).collect();
+            state.optimizer = Optim::Sharded(ShardedOptimizer::of(whole, &state.model.params, &pieces));
+            self.sharding = Some((generation, ranges));
+        }
+        debug_assert_eq!(self.sharding.as_ref().map(|(g, _)| *g), Some(generation), "sharded in this generation");
+        true
+    }
+
+    /// A sharded optimizer's whole state, gathered from every member (each gets it).
+    fn gather(&mut self, state: &TrainState, session: &mut Session) -> Result<Vec<(String, tch::Tensor)>, Interrupt> {
+        let (Optim::Sharded(o), Some((_, ranges))) = (&state.optimizer, self.sharding.as_ref()) else {
+            unreachable!("gathered only when sharded")
+        };
+        sharded::gather_state((&mut self.buckets, ranges), session.collective(), &state.model.params, o)
+            .map_err(|e| session.interrupt(e.into()))
+    }
+
+    /// A sharded optimizer made whole again, before the generation ends at a step boundary (a
+    /// return or a stop): every member then holds the whole state, and the next generation shards
+    /// it by its own slots.
+    fn make_whole(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
+        let Optim::Sharded(o) = &state.optimizer else { return Ok(()) };
+        let (config, steps) = (o.config().clone(), o.steps());
+        let gathered = self.gather(state, session)?;
+        let mut whole = Optimizer::new(config, &state.model.params);
+        whole.restore(steps, &gathered).expect("the gathered state is the optimizer's own");
+        state.optimizer = Optim::Whole(whole);
+        self.sharding = None;
+        Ok(())
+    }
+
+    /// After a generation ended on a failure with the optimizer state sharded (or dropped by a
+    /// comparison), no member holds it whole: every member goes back to the newest commit, and
+    /// says so. Without one the run cannot go on.
+    fn unshard_after_failure(
+        &mut self,
+        state: &mut TrainState,
+        (generation, why): (u64, &str),
+    ) -> Result<(), TrainError> {
+        if !self.cfg.shard_optimizer || (state.optimizer.whole().is_some() && state.live()) {
+            return Ok(());
+        }
+        self.sharding = None;
+        let from = state.position().global_step;
+        let restored = match self.committer.as_mut() {
+            Some(c) => c.restore_latest(state)?,
+            None => None,
+        };
+        let Some((sequence, step)) = restored else {
+            return Err(TrainError::ShardedStateLost { generation, why: why.to_string() });
+        };
+        self.report.line(&format!(
+            "trainerd: the optimizer state was sharded over generation {generation}'s workers, and it ended ({why}): \
+             every member goes back to checkpoint {sequence} at step {step} ({} step(s) to train again from step {from})",
+            from.saturating_sub(step)
+        ));
+        Ok(())
     }
 
     /// A pass over the test split after `epoch`, on the parameters of `global_step`, each
@@ -363,7 +494,7 @@ impl<'a> Driver<'a> {
         let lr = self.lr(p.global_step.saturating_sub(1), p);
         self.report.epoch_end((epoch, p.global_step, self.steps_per_epoch), &p.last_epoch, eval.as_ref(), lr);
         self.callbacks(state);
-        self.commit(Moment::EpochEnd, state)?;
+        self.commit(Moment::EpochEnd, state, session)?;
         Ok(())
     }
 
@@ -392,7 +523,27 @@ impl<'a> Driver<'a> {
     }
 
     /// Asks the coordinator's committer at `moment`; the sequence of a last commit waited for.
-    fn commit(&mut self, moment: Moment, state: &TrainState) -> Result<Option<u64>, TrainError> {
+    ///
+    /// With the optimizer state sharded, every member calls it at the same moments, and where a
+    /// commit may be due (an epoch's end, the run's, a stop, or a step any member's checkpoint
+    /// interval falls on) the whole state is first gathered from every member.
+    fn commit(
+        &mut self,
+        moment: Moment,
+        state: &mut TrainState,
+        session: &mut Session,
+    ) -> Result<Option<u64>, Interrupt> {
+        let due = moment != Moment::Step || self.integrity.due(state.position(), self.steps_per_epoch);
+        if self.committer.is_some() && due && state.optimizer.whole().is_none() {
+            state.gathered = Some(self.gather(state, session)?);
+        }
+        let committed = self.commit_whole(moment, state);
+        state.gathered = None;
+        Ok(committed?)
+    }
+
+    /// The coordinator's commit of `state` at `moment` (its optimizer state whole, or gathered).
+    fn commit_whole(&mut self, moment: Moment, state: &TrainState) -> Result<Option<u64>, TrainError> {
         match self.committer.as_mut().filter(|_| self.coordinates) {
             Some(c) => c.at(moment, state, &mut self.report),
             None => Ok(None),
@@ -408,7 +559,7 @@ impl<'a> Driver<'a> {
                 self.check(state, session)?;
                 // The last commit completes before anyone leaves: a chief lost during it is
                 // recovered from a member that still holds the final state.
-                self.commit(Moment::Finish, state)?;
+                self.commit(Moment::Finish, state, session)?;
                 self.report.waiting_for_cluster("waiting for every worker to finish");
                 session.barrier(FINAL_BARRIER)?;
                 session.finish();
@@ -418,6 +569,7 @@ impl<'a> Driver<'a> {
                 let names: Vec<String> = ranks.iter().map(|&r| session.name(r)).collect();
                 // Every member passed the step, its comparison and its commit before any leaves
                 // the generation (the first join ends it): nothing in flight is cut short.
+                self.make_whole(state, session)?;
                 self.report.waiting_for_cluster("waiting for every worker to end the generation");
                 session.barrier(&format!("return@{}", state.position().global_step))?;
                 Ok(Next::Rejoin(format!("{} {CAME_BACK}", names.join(", "))))
@@ -426,7 +578,8 @@ impl<'a> Driver<'a> {
                 let stopping: BTreeSet<usize> = slots.iter().map(|&slot| session.holder(slot)).collect();
                 let names: Vec<String> = stopping.iter().map(|&r| session.name(r)).collect();
                 let step = state.position().global_step;
-                let saved = self.commit(Moment::Stop, state)?;
+                self.make_whole(state, session)?;
+                let saved = self.commit(Moment::Stop, state, session)?;
                 self.report.waiting_for_cluster("waiting for every worker to stop");
                 session.barrier(&format!("stop@{step}"))?;
                 if stopping.contains(&session.rank()) {
@@ -438,9 +591,14 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Stopped while waiting for the cluster: the chief commits what it holds first.
+    /// Stopped while waiting for the cluster: the chief commits what it holds first (not a
+    /// sharded optimizer's state, which it does not hold whole: the latest commit stands).
     fn stopped(&mut self, state: &TrainState) -> Result<Outcome, TrainError> {
-        let saved = self.commit(Moment::Stop, state)?;
+        if state.optimizer.whole().is_none() {
+            let saved = "not saved: the optimizer state is sharded and its members are gone; the latest commit stands";
+            return Ok(Outcome::Stopped { step: state.position().global_step, saved: saved.into() });
+        }
+        let saved = self.commit_whole(Moment::Stop, state)?;
         Ok(Outcome::Stopped { step: state.position().global_step, saved: self.saved(saved, state) })
     }
 
@@ -499,6 +657,7 @@ impl<'a> Driver<'a> {
             checkpoint_error,
             data: cfg.data.figures(),
             peak_rss_bytes: super::summary::peak_rss_bytes(),
+            optimizer_state_bytes: state.optimizer.state_bytes(),
         }
     }
 }

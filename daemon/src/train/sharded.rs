@@ -1,0 +1,341 @@
+//! The sharded step's reduction and update (`--shard-optimizer`; docs/fault-tolerance.md,
+//! "Sharded optimizer state"): the gradients reduce-scattered, the global facts gathered in one
+//! small all-reduce, each owned range clipped and updated, the parameters all-gathered, and only
+//! then the owned state stored.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::collective::buckets::{owned, Buckets, Range};
+use crate::collective::{Collective, CollectiveError, ReduceOp};
+use crate::optim::clip::{self, Clip};
+use crate::optim::elementwise::Write;
+use crate::optim::sharded::{Piece, ShardedOptimizer};
+
+/// What a sharded step gave, the same on every member.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Stepped {
+    /// The extra values that rode in the tail, summed over the slots (before the used-flags).
+    pub(crate) extra: Vec<f32>,
+    /// The gradient's global norm before clipping (with `--clip-norm` or `--clip-value`).
+    pub(crate) grad_norm: Option<f64>,
+    /// False when float16's loss scaling found a gradient that is not finite: nothing was
+    /// updated.
+    pub(crate) finite: bool,
+}
+
+/// Reduces what the slots held here staged in `buckets` (their `extra` values first in the
+/// tail, `extra_len` of them) and applies the update at rate `lr` to the ranges `optimizer`
+/// owns; `params` end with every member's ranges, bit for bit the unsharded step's parameters.
+/// `loss_scale`: float16's, by which the gradients are divided (a step with a gradient that is
+/// not finite is then skipped everywhere).
+pub(crate) fn reduce_and_update(
+    (buckets, ranges): (&mut Buckets, &[Range]),
+    collective: &mut dyn Collective,
+    params: &mut [(String, Tensor)],
+    optimizer: &mut ShardedOptimizer,
+    (clip, lr, loss_scale): (&Clip, f64, Option<f64>),
+    extra_len: usize,
+) -> Result<Stepped, CollectiveError> {
+    let slots = collective.slots().clone();
+    buckets.reduce_scatter(collective, ranges)?;
+    let mine = owned(ranges, &slots);
+    assert_eq!(mine, optimizer.owned(), "the optimizer owns the ranges of the slots held here");
+    let tail_len = extra_len + params.len();
+    // The small all-reduce: the tail, each range's sum of squares and a count of gradients not
+    // finite, each place written by one member only. The others add -0.0, which leaves every
+    // value exactly as it is (+0.0 would turn a -0.0 into +0.0).
+    let mut small = vec![-0.0f64; tail_len + ranges.len() + 1];
+    let not_finite = tail_len + ranges.len();
+    small[not_finite] = 0.0;
+    for &r in &mine {
+        let range = &ranges[r];
+        let values = buckets.owned_mut(&slots, range);
+        let (grads, tail) = values.split_at_mut(range.grads_len());
+        for (place, &x) in range.tail.clone().zip(tail.iter()) {
+            small[place] = f64::from(x);
+        }
+        if let Some(scale) = loss_scale {
+            if grads.iter().all(|x| x.is_finite()) {
+                // As unscaling divides: times the float32 reciprocal.
+                let inverse = (1.0 / scale) as f32;
+                grads.iter_mut().for_each(|x| *x *= inverse);
+            } else {
+                small[not_finite] += 1.0;
+            }
+        }
+        if clip.norm.is_some() || clip.value.is_some() {
+            let pieces: Vec<&[f32]> = range.pieces.iter().map(|p| &grads[p.at..p.at + p.len]).collect();
+            small[tail_len + r] = clip::range_sum_of_squares(&pieces);
+        }
+    }
+    collective.all_reduce_workers(&mut small, ReduceOp::Sum)?;
+    let tail: Vec<f32> = small[..tail_len].iter().map(|&x| x as f32).collect();
+    let used: Vec<bool> = tail[extra_len..].iter().map(|&u| u > 0.0).collect();
+    let extra = tail[..extra_len].to_vec();
+    if loss_scale.is_some() && small[not_finite] > 0.0 {
+        return Ok(Stepped { extra, grad_norm: None, finite: false });
+    }
+    let clipping = clip.norm.is_some() || clip.value.is_some();
+    let grad_norm =
+        (clipping && used.iter().any(|&u| u)).then(|| clip::global_norm(&small[tail_len..tail_len + ranges.len()]));
+    let coefficient = grad_norm.and_then(|total| clip.coefficient(total));
+    optimizer.begin_step();
+    let current = |piece: &Piece| param_values(&params[piece.param].1, piece);
+    // Kept until the step completes: each owned range's clipped gradient (the state is stored
+    // from it after the all-gather).
+    let mut kept = Vec::with_capacity(mine.len());
+    for (shard, &r) in mine.iter().enumerate() {
+        let range = &ranges[r];
+        let grads_len = range.grads_len();
+        let values = &mut buckets.owned_mut(&slots, range)[..grads_len];
+        clip.clip_slice(values, coefficient);
+        let grads = values.to_vec();
+        optimizer.update(shard, (&grads, Some(values)), &current, &used, (lr, Write::Params));
+        kept.push(grads);
+    }
+    buckets.all_gather(collective)?;
+    for (shard, grads) in kept.iter().enumerate() {
+        optimizer.update(shard, (grads, None), &current, &used, (lr, Write::State));
+    }
+    optimizer.end_step(&used);
+    buckets.write_params(params);
+    Ok(Stepped { extra, grad_norm, finite: true })
+}
+
+/// Every member's ranges of the optimizer state gathered on every member: the whole state, named
+/// and ordered as the unsharded optimizer's ([`crate::optim::optimizer::Optimizer::state`]), bit
+/// for bit (each value is copied, never added). The buckets' buffers carry it, one state tensor
+/// at a time.
+pub(crate) fn gather_state(
+    (buckets, ranges): (&mut Buckets, &[Range]),
+    collective: &mut dyn Collective,
+    params: &[(String, Tensor)],
+    optimizer: &ShardedOptimizer,
+) -> Result<Vec<(String, Tensor)>, CollectiveError> {
+    let slots = collective.slots().clone();
+    let mine = owned(ranges, &slots);
+    let mut per_slot: Vec<Vec<Tensor>> = Vec::with_capacity(optimizer.slot_names().len());
+    for k in 0..optimizer.slot_names().len() {
+        for (shard, &r) in mine.iter().enumerate() {
+            let range = &ranges[r];
+            let values = optimizer.values(shard, k);
+            buckets.owned_mut(&slots, range)[..values.len()].copy_from_slice(values);
+        }
+        buckets.all_gather(collective)?;
+        per_slot.push(buckets.gathered(params));
+    }
+    let mut out = Vec::new();
+    for (i, (name, _)) in params.iter().enumerate() {
+        for (k, slot) in optimizer.slot_names().iter().enumerate() {
+            if optimizer.has(i, slot) {
+                out.push((format!("{name}/{slot}"), per_slot[k][i].shallow_clone()));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A piece's current values in its parameter.
+fn param_values(p: &Tensor, piece: &Piece) -> Vec<f32> {
+    if p.kind() == Kind::Float && p.device() == Device::Cpu && p.is_contiguous() {
+        // SAFETY: a contiguous float32 host tensor of `numel` elements, only read here; the
+        // piece lies inside it.
+        let all = unsafe { std::slice::from_raw_parts(p.data_ptr() as *const f32, p.numel()) };
+        return all[piece.offset..piece.offset + piece.len].to_vec();
+    }
+    let values = p.detach().reshape(-1).narrow(0, piece.offset as i64, piece.len as i64);
+    Vec::<f32>::try_from(values.to_kind(Kind::Float).to_device(Device::Cpu)).expect("float32 values")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use trainerd_sdk::{NoDecay, OptimizerConfig};
+
+    use super::*;
+    use crate::collective::ring::tests::with_ring;
+    use crate::collective::slots::assign;
+    use crate::collective::Slots;
+    use crate::optim::optimizer::Optimizer;
+
+    /// Parameters of several shapes (a matrix, vectors, a scalar), one that no slot uses and one
+    /// that only slot 0 uses; the same values on every member.
+    fn params() -> Vec<(String, Tensor)> {
+        [vec![7i64, 5], vec![5], vec![13], vec![3, 3], vec![1], vec![4], vec![6]]
+            .into_iter()
+            .enumerate()
+            .map(|(i, shape)| {
+                let n: i64 = shape.iter().product();
+                let values: Vec<f32> = (0..n).map(|k| ((k * 7 + i as i64 * 3) % 11) as f32 * 0.1 - 0.5).collect();
+                let name = format!("model.p{i}");
+                (name, Tensor::from_slice(&values).view(shape.as_slice()).set_requires_grad(true))
+            })
+            .collect()
+    }
+
+    const UNUSED: usize = 5;
+    const ONLY_SLOT_0: usize = 6;
+
+    /// Slot `slot`'s gradients at step `step`: those of `0.5·Σ w·p²` (so they follow the
+    /// parameters), with `w` a function of (parameter, slot, step).
+    fn backward(params: &mut [(String, Tensor)], slot: usize, step: usize) {
+        for (i, (_, p)) in params.iter_mut().enumerate() {
+            p.zero_grad();
+            if i == UNUSED || (i == ONLY_SLOT_0 && slot != 0) {
+                continue;
+            }
+            let n = p.numel();
+            let w: Vec<f32> = (0..n).map(|k| ((k + 3 * slot + 7 * step + i) as f32).sin() * 2.0).collect();
+            let w = Tensor::from_slice(&w).view_as(p);
+            ((&*p * &*p * w).sum(Kind::Float) * 0.5).backward();
+        }
+    }
+
+    fn bytes(t: &Tensor) -> Vec<u32> {
+        Vec::<f32>::try_from(t.detach().reshape(-1)).unwrap().into_iter().map(f32::to_bits).collect()
+    }
+
+    type Assembled = BTreeMap<(String, usize), Vec<(usize, Vec<u32>)>>;
+
+    /// A member's differences found, its unsharded state (bits by name), and its sharded pieces.
+    type Member = (Vec<String>, BTreeMap<String, Vec<u32>>, Assembled);
+
+    /// Both modes on a ring of `world` workers over `v` slots, for `steps` steps; per member:
+    /// whether every step's parameters, tail and norm were equal, the unsharded state (bits by
+    /// name), and the sharded state's pieces (by (state name, parameter): offset and bits).
+    fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, steps: usize) -> Vec<Member> {
+        with_ring(world, |ring| {
+            let all: Vec<usize> = (0..world).collect();
+            ring.set_slots(Slots { count: v, held: assign(v, &all)[ring.rank()].clone() });
+            let held = ring.slots().held.clone();
+            let (mut plain, mut sharded) = (params(), params());
+            let cap = 64; // bytes: several buckets, and ranges that cut parameters
+            let (mut b_plain, mut b_sharded) = (Buckets::new(&plain, cap), Buckets::new(&sharded, cap));
+            let mut optimizer = Optimizer::new(config.clone(), &plain);
+            let mut zero: Option<ShardedOptimizer> = None;
+            let mut differences = Vec::new();
+            for step in 0..steps {
+                let lr = 0.05 / (1.0 + step as f64);
+                let extra = |slot: usize| [slot as f32 + 0.5, 1.0 / 3.0];
+                for (i, slot) in held.clone().enumerate() {
+                    backward(&mut plain, slot, step);
+                    b_plain.stage(i, &plain, &extra(slot));
+                    backward(&mut sharded, slot, step);
+                    b_sharded.stage(i, &sharded, &extra(slot));
+                }
+                // Unsharded: the all-reduce, the clip over the ranges, the whole update.
+                let tail = b_plain.reduce(ring, &mut plain, held.len()).unwrap();
+                let ranges = b_plain.ranges(&plain, v, 2);
+                let pieces: Vec<Vec<Piece>> = ranges.iter().map(|r| r.pieces.clone()).collect();
+                let norm = clip.apply_over(&plain, &pieces).unwrap();
+                optimizer.step(&mut plain, lr);
+                // Sharded.
+                let ranges = b_sharded.ranges(&sharded, v, 2);
+                let zero = zero.get_or_insert_with(|| {
+                    let mine = owned(&ranges, ring.slots());
+                    let owned: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, ranges[r].pieces.clone())).collect();
+                    ShardedOptimizer::new(config.clone(), &sharded, &owned)
+                });
+                let stepped =
+                    reduce_and_update((&mut b_sharded, &ranges), ring, &mut sharded, zero, (&clip, lr, None), 2)
+                        .unwrap();
+                assert!(stepped.finite);
+                if stepped.extra != tail[..2] {
+                    differences.push(format!("step {step}: tail {:?} vs {:?}", stepped.extra, tail));
+                }
+                if stepped.grad_norm != norm {
+                    differences.push(format!("step {step}: norm {:?} vs {norm:?}", stepped.grad_norm));
+                }
+                for ((name, a), (_, b)) in plain.iter().zip(&sharded) {
+                    if bytes(a) != bytes(b) {
+                        differences.push(format!("step {step}: {name} differs"));
+                    }
+                }
+            }
+            // Gathered whole: the unsharded optimizer's state, named and ordered alike.
+            let ranges = b_sharded.ranges(&sharded, v, 2);
+            let gathered = gather_state((&mut b_sharded, &ranges), ring, &sharded, zero.as_ref().unwrap()).unwrap();
+            let gathered: Vec<(String, Vec<u32>)> = gathered.into_iter().map(|(n, t)| (n, bytes(&t))).collect();
+            let whole: Vec<(String, Vec<u32>)> = optimizer.state().into_iter().map(|(n, t)| (n, bytes(&t))).collect();
+            if gathered != whole {
+                differences.push("the gathered state is not the unsharded optimizer's".into());
+            }
+            let state = whole.into_iter().collect();
+            let mut pieces: Assembled = BTreeMap::new();
+            for (slot, piece, values) in zero.as_ref().unwrap().pieces() {
+                let name = format!("{}/{slot}", plain[piece.param].0);
+                let bits = values.iter().map(|x| x.to_bits()).collect();
+                pieces.entry((name, piece.param)).or_default().push((piece.offset, bits));
+            }
+            (differences, state, pieces)
+        })
+    }
+
+    /// The sharded update equals the unsharded one bit for bit, in the parameters after every
+    /// step and in the optimizer state put together from every member's ranges, for every
+    /// optimizer and clipping, on one slot per worker, several slots per worker, and one worker
+    /// holding every slot; with a parameter no slot uses and one only slot 0 uses.
+    #[test]
+    fn the_sharded_update_is_bit_for_bit_the_unsharded_one() {
+        let sgd = |momentum, dampening, weight_decay, nesterov| OptimizerConfig::Sgd {
+            lr: 0.05,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        };
+        let rms = |momentum, weight_decay, centered| OptimizerConfig::Rmsprop {
+            lr: 0.01,
+            alpha: 0.9,
+            eps: 1e-7,
+            momentum,
+            weight_decay,
+            centered,
+        };
+        let adamw = OptimizerConfig::Adamw {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            no_decay: NoDecay::UnderTwoDims,
+        };
+        let adam = OptimizerConfig::Adam { lr: 1e-2, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 1e-2 };
+        let (norm, value) = (Clip { norm: Some(0.5), value: None }, Clip { norm: None, value: Some(0.05) });
+        let both = Clip { norm: Some(0.8), value: Some(0.1) };
+        let cases = [
+            ((2, 2), sgd(0.0, 0.0, 0.0, false), Clip::default()),
+            ((3, 3), sgd(0.9, 0.0, 1e-3, true), norm),
+            ((2, 4), sgd(0.8, 0.1, 0.0, false), value),
+            ((3, 3), adam, both),
+            ((2, 4), adamw.clone(), norm),
+            ((1, 3), adamw, Clip::default()),
+            ((2, 3), rms(0.5, 1e-3, true), both),
+            ((2, 2), rms(0.0, 0.0, false), value),
+        ];
+        for ((world, v), config, clip) in cases {
+            let out = both_modes((world, v), &config, clip, 6);
+            let mut assembled: Assembled = BTreeMap::new();
+            for (differences, state, pieces) in &out {
+                assert!(differences.is_empty(), "{config:?} {clip:?} on {world} worker(s), {v} slots: {differences:?}");
+                assert_eq!(state, &out[0].1, "every member's unsharded state is the same");
+                for (key, parts) in pieces {
+                    assembled.entry(key.clone()).or_default().extend(parts.iter().cloned());
+                }
+            }
+            let mut whole = BTreeMap::new();
+            for ((name, _), mut parts) in assembled {
+                parts.sort();
+                let mut bits = Vec::new();
+                for (offset, values) in parts {
+                    assert_eq!(offset, bits.len(), "{name}: the ranges cover it once, in order");
+                    bits.extend(values);
+                }
+                whole.insert(name, bits);
+            }
+            assert_eq!(whole, out[0].1, "{config:?} {clip:?} on {world} worker(s), {v} slots: the state");
+            assert!(clip.is_off() || out.iter().all(|o| o.0.is_empty()));
+        }
+    }
+}
