@@ -1,0 +1,137 @@
+//! `--shard-optimizer` (ZeRO stage 1) with real daemons on loopback: bit for bit the unsharded
+//! run, in the parameters and in the committed optimizer state, for every optimizer and control
+//! the CPU runs; a commit of either mode resumes in the other; what each worker holds; and the
+//! refusals.
+
+use std::path::Path;
+
+use trainerd_testkit::output::{error_line, json, text};
+use trainerd_testkit::RunArgs;
+
+/// A run's end, per worker: `params_sha256` and `optimizer_state_bytes`; and the sha256 of the
+/// last commit's optimizer blob.
+struct Ended {
+    params: Vec<String>,
+    state_bytes: Vec<u64>,
+    optimizer_blob: String,
+    /// What the workers printed.
+    output: String,
+}
+
+/// The sha256 of blob `name` of the newest commit in the local checkpoint directory `ckpt`.
+fn blob_sha256(ckpt: &Path, name: &str) -> String {
+    let mut records: Vec<_> = std::fs::read_dir(ckpt.join("commits")).unwrap().map(|e| e.unwrap().path()).collect();
+    records.sort();
+    let record = json(records.last().expect("a commit"));
+    let manifest = json(&ckpt.join(record["manifest"].as_str().unwrap()));
+    let blob = manifest["blobs"].as_array().unwrap().iter().find(|b| b["name"] == name).expect("the blob");
+    blob["sha256"].as_str().unwrap().to_string()
+}
+
+/// `args` on `workers` local workers with checkpoints in `dir/ckpt` (every 10 steps).
+fn run(args: &RunArgs, workers: usize, dir: &Path) -> Ended {
+    let ckpt = dir.join("ckpt");
+    let out = args.clone().checkpoints(&ckpt, 10).summary(dir.join("s.json")).local(workers).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let summaries: Vec<_> = (0..workers).map(|w| json(&dir.join(format!("s.worker{w}.json")))).collect();
+    Ended {
+        params: summaries.iter().map(|s| s["params_sha256"].as_str().unwrap().to_string()).collect(),
+        state_bytes: summaries.iter().map(|s| s["optimizer_state_bytes"].as_u64().unwrap()).collect(),
+        optimizer_blob: blob_sha256(&ckpt, "optimizer.safetensors"),
+        output: text(&out),
+    }
+}
+
+fn cnn(plugin: &str) -> RunArgs {
+    RunArgs::new(plugin).epochs(2).steps(12).batch(32).seed(7).threads(1)
+}
+
+/// Each optimizer and control, sharded and not: the same parameters on every worker, the same
+/// committed optimizer state (its bytes), and about 1/W of the state held per worker.
+#[test]
+fn a_sharded_run_is_the_unsharded_run_bit_for_bit() {
+    let cases: Vec<(&str, RunArgs, usize)> = vec![
+        ("adam, --clip-norm, 3 workers", cnn("mnist-cnn").optimizer("adam", 1e-3).set("--clip-norm", 0.5), 3),
+        (
+            "sgd with nesterov momentum and weight decay, --clip-value, --accumulate 2 (2 slots per worker)",
+            cnn("mnist-cnn")
+                .optimizer("sgd", 0.05)
+                .set("--momentum", 0.9)
+                .on("--nesterov")
+                .set("--weight-decay", 1e-4)
+                .set("--clip-value", 0.01)
+                .set("--accumulate", 2),
+            2,
+        ),
+        (
+            "adamw with its decay groups, batchnorm buffers, dropout, bf16",
+            cnn("mnist-bn").optimizer("adamw", 1e-3).set("--weight-decay", 0.1).set("--precision", "bf16"),
+            2,
+        ),
+        (
+            "rmsprop with momentum, a cosine schedule with warmup",
+            cnn("mnist-cnn")
+                .optimizer("rmsprop", 1e-3)
+                .set("--momentum", 0.5)
+                .set("--lr-schedule", "cosine")
+                .set("--warmup-steps", 5),
+            3,
+        ),
+    ];
+    for (what, args, workers) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = (tmp.path().join("whole"), tmp.path().join("sharded"));
+        let whole = run(&args, workers, &a);
+        let sharded = run(&args.clone().on("--shard-optimizer"), workers, &b);
+        for w in 0..workers {
+            assert_eq!(whole.params[w], whole.params[0], "{what}: the unsharded workers agree");
+            assert_eq!(sharded.params[w], whole.params[0], "{what}: worker {w}'s parameters");
+            let (held, all) = (sharded.state_bytes[w], whole.state_bytes[w]);
+            assert!(
+                held * workers as u64 <= all + all / 20,
+                "{what}: worker {w} holds {held} bytes of optimizer state of {all}"
+            );
+        }
+        assert_eq!(sharded.optimizer_blob, whole.optimizer_blob, "{what}: the committed optimizer state");
+    }
+}
+
+/// A commit made sharded resumes unsharded, and one made unsharded resumes sharded, each ending
+/// where an uninterrupted run does: the run is taken back to its commit at step 10 (the newer
+/// records removed) and trained on in the other mode.
+#[test]
+fn a_commit_of_either_mode_resumes_in_the_other_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = cnn("mnist-cnn").optimizer("adam", 1e-3).set("--keep-checkpoints", 10);
+    let straight = run(&args, 2, &tmp.path().join("straight"));
+    for first_sharded in [true, false] {
+        let dir = tmp.path().join(format!("first-sharded-{first_sharded}"));
+        let mode = |sharded: bool| if sharded { args.clone().on("--shard-optimizer") } else { args.clone() };
+        run(&mode(first_sharded), 2, &dir);
+        let commits = dir.join("ckpt/commits");
+        let mut records: Vec<_> = std::fs::read_dir(&commits).unwrap().map(|e| e.unwrap().path()).collect();
+        records.sort();
+        assert_eq!(json(&records[0])["global_step"], 10);
+        records[1..].iter().for_each(|r| std::fs::remove_file(r).unwrap());
+        let resumed = run(&mode(!first_sharded), 2, &dir);
+        assert!(resumed.output.contains("resumed from checkpoint 1 in "), "{}", resumed.output);
+        assert!(resumed.output.contains("at epoch 1, step 10 (global step 10)"), "{}", resumed.output);
+        assert_eq!(resumed.params, straight.params, "sharded first: {first_sharded}");
+        assert_eq!(resumed.optimizer_blob, straight.optimizer_blob, "sharded first: {first_sharded}");
+    }
+}
+
+/// Sharding where it cannot run yet is refused, naming what to do.
+#[test]
+fn sharding_without_checkpoints_in_a_cluster_is_refused() {
+    let out = cnn("mnist-cnn").on("--shard-optimizer").local(2).output().unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(
+            "--shard-optimizer needs --checkpoint-dir: a worker lost with its ranges of the optimizer state sends the \
+             cluster back to the last commit (no other member holds a copy of them yet)"
+        ),
+        "{}",
+        error_line(&out)
+    );
+}
