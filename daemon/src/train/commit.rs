@@ -126,9 +126,17 @@ impl Committer {
     }
 
     /// Puts the newest commit that verifies into `state` (a sharded run whose member was lost
-    /// goes back to it); its sequence and global step, or `None` when there is no commit.
-    pub(crate) fn restore_latest(&mut self, state: &mut TrainState) -> Result<Option<(u64, u64)>, TrainError> {
+    /// goes back to it), once this member's own commit in flight, if any, has ended; its
+    /// sequence and global step, or `None` when there is no commit.
+    pub(crate) fn restore_latest(
+        &mut self,
+        state: &mut TrainState,
+        report: &mut Reporter<'_>,
+    ) -> Result<Option<(u64, u64)>, TrainError> {
         let location = self.checkpointer.location().to_string();
+        if let Some(f) = self.checkpointer.wait() {
+            report.commit_finished(&location, &f);
+        }
         let (restored, _) = self.checkpointer.restore()?;
         let Some(r) = restored else { return Ok(None) };
         let reader = Reader::Training { workers: self.workers, run_config: &self.run_config };

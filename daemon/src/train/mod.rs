@@ -308,22 +308,27 @@ pub(crate) enum TrainError {
     /// The training state could not be encoded or taken.
     #[error("training state: {0}")]
     State(Box<StateError>),
-    /// A generation whose optimizer state was sharded lost a member, and there is no commit to
-    /// go back to.
+    /// A generation whose optimizer state was sharded ended on a failure, and no member found a
+    /// commit to go back to.
     #[error(
-        "the optimizer state was sharded over generation {generation}'s workers and it ended without them ({why}); \
-         there is no commit to go back to, so the run starts over"
+        "the sharded optimizer state is lost (generation {generation} formed after a failure) and no member found a \
+         commit to go back to: the run starts over"
     )]
     ShardedStateLost {
-        /// The generation.
+        /// The generation that formed without a state.
         generation: u64,
-        /// Why it ended.
-        why: String,
     },
     /// The coordinator chose this member as the state's source, and it holds none (a protocol
     /// fault).
     #[error("training state: chosen as the state's source without a state")]
     NoStateToSend,
+    /// This member dropped its state (a comparison's verdict), and a generation formed in which no
+    /// member had one to send.
+    #[error("training state: this member dropped its state and generation {generation} formed without any")]
+    NoStateAnywhere {
+        /// The generation.
+        generation: u64,
+    },
     /// The data gave another batch than the one asked for (a fault of the input pipeline).
     #[error(
         "training state: the data gave epoch {} step {} where epoch {} step {} was asked for",

@@ -39,7 +39,16 @@ impl Driver<'_> {
         self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
         if let Some(bytes) = &received {
             state.decode(bytes).map_err(|e| Interrupt::Fatal(e.into()))?;
+        } else if !state.live() && self.adopted_once {
+            // This member dropped its state (a comparison's verdict, or a sharded state lost with
+            // no commit to go back to), and no member had one to send.
+            return Err(Interrupt::Fatal(if self.cfg.shard_optimizer {
+                TrainError::ShardedStateLost { generation: formed.generation }
+            } else {
+                TrainError::NoStateAnywhere { generation: formed.generation }
+            }));
         }
+        self.adopted_once = true;
         tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
         state.model.live = true;
         self.coordinates = formed.coordinator == session.rank();

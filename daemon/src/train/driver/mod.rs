@@ -86,6 +86,9 @@ pub(super) struct Driver<'a> {
     /// With the optimizer state sharded: the generation it was sharded in, and the buckets'
     /// ranges.
     sharding: Option<(u64, Vec<Range>)>,
+    /// This process has adopted a generation's state (a state it holds no longer is one it
+    /// dropped, not a fresh one).
+    adopted_once: bool,
 }
 
 impl<'a> Driver<'a> {
@@ -115,6 +118,7 @@ impl<'a> Driver<'a> {
             integrity: Integrity::new(cfg.integrity()),
             clip_ranges: None,
             sharding: None,
+            adopted_once: false,
         }
     }
 
@@ -442,7 +446,7 @@ impl<'a> Driver<'a> {
 
     /// After a generation ended on a failure with the optimizer state sharded (or dropped by a
     /// comparison), no member holds it whole: every member goes back to the newest commit, and
-    /// says so. Without one the run cannot go on.
+    /// says so (a member that finds none joins without a state).
     fn unshard_after_failure(
         &mut self,
         state: &mut TrainState,
@@ -454,11 +458,18 @@ impl<'a> Driver<'a> {
         self.sharding = None;
         let from = state.position().global_step;
         let restored = match self.committer.as_mut() {
-            Some(c) => c.restore_latest(state)?,
+            Some(c) => c.restore_latest(state, &mut self.report)?,
             None => None,
         };
         let Some((sequence, step)) = restored else {
-            return Err(TrainError::ShardedStateLost { generation, why: why.to_string() });
+            // A commit still in flight on the coordinator may be read by it alone: the
+            // formation takes the furthest state any member found (none at all ends the run).
+            state.model.live = false;
+            self.report.line(&format!(
+                "trainerd: the optimizer state was sharded over generation {generation}'s workers, and it ended ({why}): \
+                 no commit found here; the state comes from a member that found one"
+            ));
+            return Ok(());
         };
         self.report.line(&format!(
             "trainerd: the optimizer state was sharded over generation {generation}'s workers, and it ended ({why}): \

@@ -1,0 +1,143 @@
+//! Failures with the optimizer state sharded (`--shard-optimizer`), under a supervisor with
+//! systemd's semantics: a worker or the chief killed sends every member back to the last commit
+//! (no other member holds the lost ranges yet), a stop and a return lose nothing, and every
+//! worker ends with exactly the parameters of the failure-free run, sharded or not (the two are
+//! the same bits).
+
+use std::path::Path;
+use std::time::Duration;
+
+use trainerd_testkit::{Cluster, Event, RunArgs};
+
+const DEADLINE: Duration = Duration::from_secs(240);
+const RESTART_SEC: Duration = Duration::from_millis(200);
+const WORKERS: usize = 3;
+const STEPS: u64 = 60;
+
+/// mnist-cnn on 3 workers, 2 epochs of 60 steps, checkpoints every 25 steps in `ckpt`.
+fn args(dir: &Path, ckpt: &Path, sharded: bool) -> RunArgs {
+    let args = RunArgs::new("mnist-cnn")
+        .epochs(2)
+        .steps(STEPS)
+        .threads(1)
+        .seed(11)
+        .optimizer("adam", 0.001)
+        .set("--clip-norm", 1.0)
+        .summary(dir.join("summary.{rank}.json"))
+        .checkpoints(ckpt, 25);
+    if sharded {
+        args.on("--shard-optimizer")
+    } else {
+        args
+    }
+}
+
+fn summary(dir: &Path, rank: usize) -> serde_json::Value {
+    let path = dir.join(format!("summary.{rank}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+/// The failure-free run's `params_sha256`, unsharded.
+fn reference() -> String {
+    static CACHE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    CACHE
+        .get_or_init(|| {
+            let tmp = tempfile::tempdir().unwrap();
+            let run = args(tmp.path(), &tmp.path().join("ckpt"), false);
+            let mut c = Cluster::start(WORKERS, &run, &[], vec![], RESTART_SEC);
+            assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+            summary(tmp.path(), 0)["params_sha256"].as_str().unwrap().to_string()
+        })
+        .clone()
+}
+
+fn start(dir: &Path) -> Cluster {
+    Cluster::start(WORKERS, &args(dir, &dir.join("ckpt"), true), &[], vec![], RESTART_SEC)
+}
+
+/// Every worker exited 0 with the failure-free run's parameters; the chief's summary.
+fn assert_finished_exactly(c: &mut Cluster, dir: &Path) -> serde_json::Value {
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    let expected = reference();
+    for rank in 0..WORKERS {
+        assert_eq!(summary(dir, rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
+    }
+    summary(dir, 0)
+}
+
+fn steps_lost(s: &serde_json::Value) -> u64 {
+    s["fault_tolerance"]["steps_lost"].as_u64().unwrap()
+}
+
+/// A worker SIGKILLed a few steps after the commit of step 25 became durable: every
+/// member says it goes back to that commit, the formation counts the steps it lost, and the run
+/// ends bit for bit the failure-free one.
+fn killed_mid_epoch(rank: usize) {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = start(tmp.path());
+    // Once the commit of step 25 is durable (a commit still in flight dies with a killed chief).
+    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
+    c.wait_step(0, 28, DEADLINE);
+    let mark = c.mark();
+    c.signal(rank, libc::SIGKILL);
+    let survivor = (rank + 1) % WORKERS;
+    let (_, line) = c.wait_line(survivor, "trainerd: the optimizer state was sharded over generation ", mark, DEADLINE);
+    assert!(line.contains("every member goes back to checkpoint "), "{line}");
+    assert!(line.contains(" at step 25 ("), "{line}\n{}", c.transcript());
+    let chief = assert_finished_exactly(&mut c, tmp.path());
+    assert!(c.starts(rank) >= 2);
+    let lost = steps_lost(&summary(tmp.path(), survivor));
+    assert!(lost >= 1, "the steps since the commit are lost, and counted: {lost}\n{}", c.transcript());
+    assert!(chief["optimizer_state_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn a_worker_killed_sends_every_member_back_to_the_last_commit_and_the_run_ends_exactly() {
+    killed_mid_epoch(1);
+}
+
+#[test]
+fn the_chief_killed_sends_every_member_back_to_the_last_commit_and_the_run_ends_exactly() {
+    killed_mid_epoch(0);
+}
+
+/// A worker stopped (SIGTERM) and brought back: the stop and the return make the state whole
+/// first, so nothing is lost.
+#[test]
+fn a_stop_and_a_return_lose_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = start(tmp.path());
+    c.wait_step(0, 40, DEADLINE);
+    c.signal(2, libc::SIGTERM);
+    let (_, exiting) = c.wait_event(2, |e| matches!(e, Event::Exiting { .. }), DEADLINE);
+    assert_eq!(exiting, Event::Exiting { status: 0 });
+    std::thread::sleep(Duration::from_secs(1));
+    c.bring_back(2);
+    let chief = assert_finished_exactly(&mut c, tmp.path());
+    for rank in 0..WORKERS {
+        assert_eq!(steps_lost(&summary(tmp.path(), rank)), 0, "worker {rank}\n{}", c.transcript());
+    }
+    assert!(!c.transcript().contains("goes back to checkpoint"), "{}", c.transcript());
+    assert_eq!(steps_lost(&chief), 0);
+}
+
+/// A worker killed before the first commit: no member holds the lost ranges and there is no
+/// commit, so the members that find nothing say so and exit; restarted, the run starts over from
+/// step 0 and still ends exactly.
+#[test]
+fn a_loss_before_any_commit_starts_the_run_over_and_ends_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = start(tmp.path());
+    c.wait_step(0, 5, DEADLINE);
+    let mark = c.mark();
+    c.signal(1, libc::SIGKILL);
+    let (_, line) = c.wait_line(0, "error: the sharded optimizer state is lost (generation ", mark, DEADLINE);
+    assert!(line.ends_with("no member found a commit to go back to: the run starts over"), "{line}");
+    assert_finished_exactly(&mut c, tmp.path());
+    // The chief exited and was restarted (a survivor may take its fresh state instead of
+    // exiting too), and a generation formed at step 0 after the error.
+    assert!(c.starts(0) >= 2, "{}", c.transcript());
+    let transcript = c.transcript();
+    let after = &transcript[transcript.find("error: the sharded optimizer state is lost").unwrap()..];
+    assert!(after.contains("Joined { generation: ") && after.contains("global_step: 0, "), "{transcript}");
+}
