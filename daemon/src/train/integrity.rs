@@ -117,6 +117,13 @@ impl Integrity {
         self.schedule
     }
 
+    /// The optimizer state was sharded: the agreed state (whole) is no longer one this member
+    /// can go back to alone, and is not kept (a mismatch sends every member back to the last
+    /// commit).
+    pub(crate) fn forget_agreed(&mut self) {
+        self.agreed = None;
+    }
+
     /// The checkpoint intervals of the generation's members (exchanged as it formed).
     pub(crate) fn set_commits(&mut self, intervals: Vec<u64>) {
         self.commits = intervals.into_iter().filter(|&c| c > 0).collect();
@@ -183,7 +190,10 @@ impl Integrity {
         report.replica_checked();
         self.owed = None;
         let Some(verdict) = verdict(&digests, coordinator) else {
-            self.agreed = Some(Agreed { step: state.position().global_step, digest, bytes });
+            // A sharded optimizer's state is not in the bytes, so they could not be gone back to:
+            // a mismatch sends every member back to the last commit instead, and nothing is kept.
+            let whole = state.optimizer.whole().is_some();
+            self.agreed = whole.then_some(Agreed { step: state.position().global_step, digest, bytes });
             return Ok(());
         };
         Err(self.repair(state, session, report, (&digests, &verdict)))

@@ -102,15 +102,16 @@ pub(crate) fn reduce_and_update(
     Ok(Stepped { extra, grad_norm, finite: true })
 }
 
-/// Every member's ranges of the optimizer state gathered on every member: the whole state, named
-/// and ordered as the unsharded optimizer's ([`crate::optim::optimizer::Optimizer::state`]), bit
-/// for bit (each value is copied, never added). The buckets' buffers carry it, one state tensor
-/// at a time.
+/// Every member's ranges of the optimizer state gathered: the whole state, named and ordered as
+/// the unsharded optimizer's ([`crate::optim::optimizer::Optimizer::state`]), bit for bit (each
+/// value is copied, never added), on the members that `keep` it (the others take part in the
+/// collective and keep nothing: empty). The buckets' buffers carry it, one state tensor at a
+/// time.
 pub(crate) fn gather_state(
     (buckets, ranges): (&mut Buckets, &[Range]),
     collective: &mut dyn Collective,
     params: &[(String, Tensor)],
-    optimizer: &ShardedOptimizer,
+    (optimizer, keep): (&ShardedOptimizer, bool),
 ) -> Result<Vec<(String, Tensor)>, CollectiveError> {
     let slots = collective.slots().clone();
     let mine = owned(ranges, &slots);
@@ -122,9 +123,14 @@ pub(crate) fn gather_state(
             buckets.owned_mut(&slots, range)[..values.len()].copy_from_slice(values);
         }
         buckets.all_gather(collective)?;
-        per_slot.push(buckets.gathered(params));
+        if keep {
+            per_slot.push(buckets.gathered(params));
+        }
     }
     let mut out = Vec::new();
+    if !keep {
+        return Ok(out);
+    }
     for (i, (name, _)) in params.iter().enumerate() {
         for (k, slot) in optimizer.slot_names().iter().enumerate() {
             if optimizer.has(i, slot) {
@@ -255,7 +261,8 @@ mod tests {
             }
             // Gathered whole: the unsharded optimizer's state, named and ordered alike.
             let ranges = b_sharded.ranges(&sharded, v, 2);
-            let gathered = gather_state((&mut b_sharded, &ranges), ring, &sharded, zero.as_ref().unwrap()).unwrap();
+            let gathered =
+                gather_state((&mut b_sharded, &ranges), ring, &sharded, (zero.as_ref().unwrap(), true)).unwrap();
             let gathered: Vec<(String, Vec<u32>)> = gathered.into_iter().map(|(n, t)| (n, bytes(&t))).collect();
             let whole: Vec<(String, Vec<u32>)> = optimizer.state().into_iter().map(|(n, t)| (n, bytes(&t))).collect();
             if gathered != whole {

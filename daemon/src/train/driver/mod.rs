@@ -416,17 +416,23 @@ impl<'a> Driver<'a> {
             let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, ranges[r].pieces.clone())).collect();
             state.optimizer = Optim::Sharded(ShardedOptimizer::of(whole, &state.model.params, &pieces));
             self.sharding = Some((generation, ranges));
+            self.integrity.forget_agreed();
         }
         debug_assert_eq!(self.sharding.as_ref().map(|(g, _)| *g), Some(generation), "sharded in this generation");
         true
     }
 
-    /// A sharded optimizer's whole state, gathered from every member (each gets it).
-    fn gather(&mut self, state: &TrainState, session: &mut Session) -> Result<Vec<(String, tch::Tensor)>, Interrupt> {
+    /// A sharded optimizer's whole state, gathered from every member (kept where `keep`).
+    fn gather(
+        &mut self,
+        state: &TrainState,
+        session: &mut Session,
+        keep: bool,
+    ) -> Result<Vec<(String, tch::Tensor)>, Interrupt> {
         let (Optim::Sharded(o), Some((_, ranges))) = (&state.optimizer, self.sharding.as_ref()) else {
             unreachable!("gathered only when sharded")
         };
-        sharded::gather_state((&mut self.buckets, ranges), session.collective(), &state.model.params, o)
+        sharded::gather_state((&mut self.buckets, ranges), session.collective(), &state.model.params, (o, keep))
             .map_err(|e| session.interrupt(e.into()))
     }
 
@@ -436,7 +442,7 @@ impl<'a> Driver<'a> {
     fn make_whole(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
         let Optim::Sharded(o) = &state.optimizer else { return Ok(()) };
         let (config, steps) = (o.config().clone(), o.steps());
-        let gathered = self.gather(state, session)?;
+        let gathered = self.gather(state, session, true)?;
         let mut whole = Optimizer::new(config, &state.model.params);
         whole.restore(steps, &gathered).expect("the gathered state is the optimizer's own");
         state.optimizer = Optim::Whole(whole);
@@ -546,7 +552,8 @@ impl<'a> Driver<'a> {
     ) -> Result<Option<u64>, Interrupt> {
         let due = moment != Moment::Step || self.integrity.due(state.position(), self.steps_per_epoch);
         if self.committer.is_some() && due && state.optimizer.whole().is_none() {
-            state.gathered = Some(self.gather(state, session)?);
+            // Only the coordinator commits: the others take part and keep nothing.
+            state.gathered = Some(self.gather(state, session, self.coordinates)?);
         }
         let committed = self.commit_whole(moment, state);
         state.gathered = None;

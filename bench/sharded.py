@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Sharded optimizer state (ZeRO stage 1) on 4 CPU workers, in one session:
+  - trainerd, unsharded (`trainerd local --workers 4`);
+  - trainerd --shard-optimizer;
+  - PyTorch DDP (gloo) with torch.distributed.optim.ZeroRedundancyOptimizer(Adam);
+  - plain PyTorch DDP (gloo) with Adam;
+each training bench/wide_mlp.py (25.8 M parameters) on Fashion-MNIST, Adam lr 1e-3, batch B per
+worker, 1 libtorch thread per process, for S steps. Per worker: the optimizer-state bytes it
+holds (trainerd: the summary's optimizer_state_bytes; PyTorch: the bytes of its optimizer's state
+tensors), its peak RSS (trainerd: peak_rss_bytes; PyTorch: getrusage's ru_maxrss), examples/s
+over every worker (trainerd: the summary's; PyTorch: timed steps after --warmup), and the time to
+commit the whole state once on local disk (trainerd: its commit line at the end of the epoch;
+ZeroRedundancyOptimizer: consolidate_state_dict(to=0) then torch.save of the model's and the
+optimizer's state dicts with fsync; DDP: the torch.save alone).
+
+Usage: bench/sharded.sh [--steps S] [--batch B] [--runs N]
+Environment: DATA (an MNIST-format directory; default /usr/share/datasets/fashion-mnist),
+TARGET (trainerd and libpython_model.so; default target/release).
+
+Internally `sharded.py --peer zero|ddp --rank R ...` is one PyTorch process (prints JSON).
+"""
+import argparse, gzip, json, os, re, resource, socket, statistics, struct, subprocess, sys, tempfile, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODULE = os.path.join(ROOT, "bench", "wide_mlp.py")
+TARGET = os.environ.get("TARGET", os.path.join(ROOT, "target", "release"))
+DATA = os.environ.get("DATA", "/usr/share/datasets/fashion-mnist")
+WORKERS = 4
+LR = 1e-3
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainerd(steps, batch, sharded):
+    """One trainerd run of 1 epoch of `steps` steps, committed at its end: per-worker figures."""
+    with tempfile.TemporaryDirectory() as d:
+        summary = os.path.join(d, "s.json")
+        cmd = [os.path.join(TARGET, "trainerd"), "local", "--workers", str(WORKERS), "--restart-delay", "0",
+               "--plugin", os.path.join(TARGET, "libpython_model.so"), "--plugin-arg", f"module={MODULE}",
+               "--data", DATA, "--epochs", "1", "--steps-per-epoch", str(steps), "--batch-size", str(batch),
+               "--threads", "1", "--optimizer", "adam", "--lr", str(LR), "--no-evaluation",
+               "--checkpoint-dir", os.path.join(d, "ckpt"), "--summary", summary]
+        if sharded:
+            cmd.append("--shard-optimizer")
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"trainerd failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        commits = re.findall(r"checkpoint \d+ committed to .* \(step \d+, [\d.]+ MB, ([\d.]+)s\)", out.stdout)
+        workers = [json.load(open(os.path.join(d, f"s.worker{w}.json"))) for w in range(WORKERS)]
+        return {
+            "state": [w["optimizer_state_bytes"] for w in workers],
+            "rss": [w["peak_rss_bytes"] for w in workers],
+            "rate": workers[0]["examples_per_second"],
+            "commit": float(commits[-1]) if commits else None,
+        }
+
+
+def load_images():
+    def read(path):
+        return gzip.open(path + ".gz").read() if os.path.exists(path + ".gz") else open(path, "rb").read()
+    images, labels = read(f"{DATA}/train-images-idx3-ubyte"), read(f"{DATA}/train-labels-idx1-ubyte")
+    n = struct.unpack(">I", images[4:8])[0]
+    return images[16:], labels[8:], n
+
+
+def peer(kind, rank, port, steps, batch, warmup, out_dir):
+    """One PyTorch process of a DDP job (ZeroRedundancyOptimizer or plain Adam): its JSON."""
+    import importlib.util
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS)
+    spec = importlib.util.spec_from_file_location("wide_mlp", MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    net = DDP(module.model({}))
+    if kind == "zero":
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
+    else:
+        opt = torch.optim.Adam(net.parameters(), lr=LR)
+    raw, labels, n = load_images()
+    images = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, 1, 28, 28)
+    targets = torch.frombuffer(bytearray(labels), dtype=torch.uint8).long()
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    began = None
+    for step in range(steps):
+        if step == warmup:
+            dist.barrier()
+            began = time.perf_counter()
+        rows = order[(step * WORKERS + rank) * batch:(step * WORKERS + rank + 1) * batch]
+        x, y = images[rows].float() / 255.0, targets[rows]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    dist.barrier()
+    seconds = time.perf_counter() - began
+    # What this rank holds of the optimizer's state (ZeroRedundancyOptimizer: its partition).
+    inner = opt.optim if kind == "zero" else opt
+    state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    commit_began = time.perf_counter()
+    if kind == "zero":
+        opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        path = os.path.join(out_dir, "ckpt.pt")
+        whole = {"model": net.module.state_dict(), "optimizer": opt.state_dict()}
+        with open(path + ".tmp", "wb") as f:
+            torch.save(whole, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    dist.barrier()
+    commit = time.perf_counter() - commit_began
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"state": state, "rss": rss, "examples": (steps - warmup) * batch * WORKERS,
+                      "seconds": seconds, "commit": commit}))
+    dist.destroy_process_group()
+
+
+def pytorch(kind, steps, batch, warmup):
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [subprocess.Popen([sys.executable, __file__, "--peer", kind, "--rank", str(r), "--port", str(port),
+                                   "--steps", str(steps), "--batch", str(batch), "--warmup", str(warmup),
+                                   "--out", d], stdout=subprocess.PIPE, text=True) for r in range(WORKERS)]
+        results = []
+        for p in procs:
+            out, _ = p.communicate()
+            if p.returncode != 0:
+                sys.exit(f"the {kind} peer failed")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    seconds = max(r["seconds"] for r in results)
+    return {
+        "state": [r["state"] for r in results],
+        "rss": [r["rss"] for r in results],
+        "rate": results[0]["examples"] / seconds,
+        "commit": results[0]["commit"],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--peer")
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.peer:
+        return peer(a.peer, a.rank, a.port, a.steps, a.batch, a.warmup, a.out)
+    runs = {"trainerd": [], "trainerd --shard-optimizer": [], "DDP + ZeroRedundancyOptimizer": [], "DDP": []}
+    for i in range(a.runs):
+        print(f"run {i + 1}/{a.runs}", flush=True)
+        runs["trainerd"].append(trainerd(a.steps, a.batch, False))
+        runs["trainerd --shard-optimizer"].append(trainerd(a.steps, a.batch, True))
+        runs["DDP + ZeroRedundancyOptimizer"].append(pytorch("zero", a.steps, a.batch, a.warmup))
+        runs["DDP"].append(pytorch("ddp", a.steps, a.batch, a.warmup))
+    mb = lambda b: f"{b / 1e6:,.0f}"
+    print(f"\n{WORKERS} workers, bench/wide_mlp.py (25.8 M parameters), Adam, batch {a.batch} per worker, "
+          f"{a.steps} steps, 1 thread each; medians of {a.runs} run(s)")
+    print(f"| {'':30} | optimizer state MB per worker (max) | peak RSS MB per worker (max) | examples/s | "
+          f"commit s (local disk) |")
+    print(f"|{'-' * 32}|---|---|---|---|")
+    figures = {}
+    for name, rs in runs.items():
+        state = statistics.median(max(r["state"]) for r in rs)
+        rss = statistics.median(max(r["rss"]) for r in rs)
+        rate = statistics.median(r["rate"] for r in rs)
+        commit = statistics.median(r["commit"] for r in rs if r["commit"] is not None)
+        figures[name] = (state, rss, rate, commit)
+        print(f"| {name:30} | {mb(state)} | {mb(rss)} | {rate:,.0f} | {commit:.2f} |")
+    (s0, r0, e0, c0), (s1, r1, e1, c1) = figures["trainerd"], figures["trainerd --shard-optimizer"]
+    _, rz, ez, _ = figures["DDP + ZeroRedundancyOptimizer"]
+    print(f"\nsharded / unsharded trainerd: optimizer state {s1 / s0:.2f}x (goal at most 0.55x), "
+          f"examples/s {e1 / e0:.2f}x (goal at least 1.0x), commit {c1 / c0:.2f}x")
+    print(f"sharded trainerd / ZeroRedundancyOptimizer: peak RSS {r1 / rz:.2f}x (goal at most 1.0x), "
+          f"examples/s {e1 / ez:.2f}x (goal at least 1.3x)")
+
+
+if __name__ == "__main__":
+    main()
