@@ -144,38 +144,51 @@ impl Rule {
                     }
                 }
             }
-            Rule::Rmsprop { wd, alpha: [alpha, one_alpha], eps, momentum, centered, neg_lr } => {
-                let (buf_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
-                for i in 0..n {
-                    let pi = p[i];
-                    let grad = if wd != 0.0 { g[i] + pi * wd } else { g[i] };
-                    let square = state[0][i] * alpha + grad * one_alpha * grad;
-                    let avg = if centered {
-                        let grad_avg = state[avg_at][i] * alpha + grad * one_alpha;
-                        if ws {
-                            state[avg_at][i] = grad_avg;
-                        }
-                        (square - grad_avg * grad_avg).sqrt() + eps
-                    } else {
-                        square.sqrt() + eps
-                    };
-                    if ws {
-                        state[0][i] = square;
-                    }
-                    let new = match momentum {
-                        Some(m) => {
-                            let buf = state[buf_at][i] * m + grad / avg;
-                            if ws {
-                                state[buf_at][i] = buf;
-                            }
-                            pi + buf * neg_lr
-                        }
-                        None => pi + grad * neg_lr / avg,
-                    };
-                    if wp {
-                        put(p, &mut out, i, new);
-                    }
+            Rule::Rmsprop { .. } => self.rmsprop((p, &mut out), g, state, (wp, ws)),
+        }
+    }
+
+    /// RMSprop's loop ([`Rule::apply`]'s, for this rule).
+    fn rmsprop(
+        &self,
+        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        (wp, ws): (bool, bool),
+    ) {
+        let Rule::Rmsprop { wd, alpha: [alpha, one_alpha], eps, momentum, centered, neg_lr } = *self else {
+            unreachable!("RMSprop's rule")
+        };
+        let n = p.len();
+        let (buf_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
+        for i in 0..n {
+            let pi = p[i];
+            let grad = if wd != 0.0 { g[i] + pi * wd } else { g[i] };
+            let square = state[0][i] * alpha + grad * one_alpha * grad;
+            let avg = if centered {
+                let grad_avg = state[avg_at][i] * alpha + grad * one_alpha;
+                if ws {
+                    state[avg_at][i] = grad_avg;
                 }
+                (square - grad_avg * grad_avg).sqrt() + eps
+            } else {
+                square.sqrt() + eps
+            };
+            if ws {
+                state[0][i] = square;
+            }
+            let new = match momentum {
+                Some(m) => {
+                    let buf = state[buf_at][i] * m + grad / avg;
+                    if ws {
+                        state[buf_at][i] = buf;
+                    }
+                    pi + buf * neg_lr
+                }
+                None => pi + grad * neg_lr / avg,
+            };
+            if wp {
+                put(p, out, i, new);
             }
         }
     }

@@ -41,38 +41,11 @@ pub(crate) fn reduce_and_update(
     let mine = owned(ranges, &slots);
     assert_eq!(mine, optimizer.owned(), "the optimizer owns the ranges of the slots held here");
     let tail_len = extra_len + params.len();
-    // The small all-reduce: the tail, each range's sum of squares and a count of gradients not
-    // finite, each place written by one member only. The others add -0.0, which leaves every
-    // value exactly as it is (+0.0 would turn a -0.0 into +0.0).
-    let mut small = vec![-0.0f64; tail_len + ranges.len() + 1];
-    let not_finite = tail_len + ranges.len();
-    small[not_finite] = 0.0;
-    for &r in &mine {
-        let range = &ranges[r];
-        let values = buckets.owned_mut(&slots, range);
-        let (grads, tail) = values.split_at_mut(range.grads_len());
-        for (place, &x) in range.tail.clone().zip(tail.iter()) {
-            small[place] = f64::from(x);
-        }
-        if let Some(scale) = loss_scale {
-            if grads.iter().all(|x| x.is_finite()) {
-                // As unscaling divides: times the float32 reciprocal.
-                let inverse = (1.0 / scale) as f32;
-                grads.iter_mut().for_each(|x| *x *= inverse);
-            } else {
-                small[not_finite] += 1.0;
-            }
-        }
-        if clip.norm.is_some() || clip.value.is_some() {
-            let pieces: Vec<&[f32]> = range.pieces.iter().map(|p| &grads[p.at..p.at + p.len]).collect();
-            small[tail_len + r] = clip::range_sum_of_squares(&pieces);
-        }
-    }
-    collective.all_reduce_workers(&mut small, ReduceOp::Sum)?;
+    let (small, not_finite) = global_facts((buckets, ranges), collective, &mine, (clip, loss_scale, tail_len))?;
     let tail: Vec<f32> = small[..tail_len].iter().map(|&x| x as f32).collect();
     let used: Vec<bool> = tail[extra_len..].iter().map(|&u| u > 0.0).collect();
     let extra = tail[..extra_len].to_vec();
-    if loss_scale.is_some() && small[not_finite] > 0.0 {
+    if loss_scale.is_some() && not_finite {
         return Ok(Stepped { extra, grad_norm: None, finite: false });
     }
     let clipping = clip.norm.is_some() || clip.value.is_some();
@@ -100,6 +73,49 @@ pub(crate) fn reduce_and_update(
     optimizer.end_step(&used);
     buckets.write_params(params);
     Ok(Stepped { extra, grad_norm, finite: true })
+}
+
+/// The small all-reduce after the reduce-scatter: the tail, each range's sum of squares and a
+/// count of gradients not finite, each place written by one member only (its owner). The others
+/// add -0.0, which leaves every value exactly as it is (+0.0 would turn a -0.0 into +0.0), so the
+/// sum is an exact all-gather. Under float16's loss scaling each owned range is unscaled first
+/// (when finite). Returns the reduced values (the tail, then the sums of squares) and whether a
+/// gradient anywhere was not finite.
+fn global_facts(
+    (buckets, ranges): (&mut Buckets, &[Range]),
+    collective: &mut dyn Collective,
+    mine: &[usize],
+    (clip, loss_scale, tail_len): (&Clip, Option<f64>, usize),
+) -> Result<(Vec<f64>, bool), CollectiveError> {
+    let slots = collective.slots().clone();
+    let mut small = vec![-0.0f64; tail_len + ranges.len() + 1];
+    let not_finite = tail_len + ranges.len();
+    small[not_finite] = 0.0;
+    for &r in mine {
+        let range = &ranges[r];
+        let values = buckets.owned_mut(&slots, range);
+        let (grads, tail) = values.split_at_mut(range.grads_len());
+        for (place, &x) in range.tail.clone().zip(tail.iter()) {
+            small[place] = f64::from(x);
+        }
+        if let Some(scale) = loss_scale {
+            if grads.iter().all(|x| x.is_finite()) {
+                // As unscaling divides: times the float32 reciprocal.
+                let inverse = (1.0 / scale) as f32;
+                grads.iter_mut().for_each(|x| *x *= inverse);
+            } else {
+                small[not_finite] += 1.0;
+            }
+        }
+        if clip.norm.is_some() || clip.value.is_some() {
+            let pieces: Vec<&[f32]> = range.pieces.iter().map(|p| &grads[p.at..p.at + p.len]).collect();
+            small[tail_len + r] = clip::range_sum_of_squares(&pieces);
+        }
+    }
+    collective.all_reduce_workers(&mut small, ReduceOp::Sum)?;
+    let any = small[not_finite] > 0.0;
+    small.truncate(not_finite);
+    Ok((small, any))
 }
 
 /// Every member's ranges of the optimizer state gathered: the whole state, named and ordered as

@@ -25,17 +25,17 @@ use super::{Outcome, RunConfig, TrainError};
 use crate::cluster::control::FINAL_BARRIER;
 use crate::cluster::membership::CAME_BACK;
 use crate::cluster::ClusterError;
-use crate::collective::buckets::{owned, Buckets, Range};
+use crate::collective::buckets::{Buckets, Range};
 use crate::collective::slots;
 use crate::collective::Collective;
 use crate::input::Data as Input;
-use crate::optim::optimizer::Optimizer;
 use crate::optim::schedule::Curve;
-use crate::optim::sharded::{Piece, ShardedOptimizer};
+use crate::optim::sharded::Piece;
 use crate::plugin::ModelInstance;
 use crate::state::{Optim, Position, Shareable, Totals, TrainState};
 
 mod formation;
+mod sharding;
 
 /// How training in a generation ended.
 enum Ended {
@@ -400,89 +400,6 @@ impl<'a> Driver<'a> {
             session.interrupt(e)
         })?;
         Ok((result, prefetch, stepped))
-    }
-
-    /// Whether this step's optimizer state is sharded (`--shard-optimizer`, with at least two
-    /// workers present): a whole state is cut into this member's ranges at the generation's first
-    /// step (the ranges and their owners follow the generation's slots).
-    fn shard(&mut self, state: &mut TrainState, session: &mut Session) -> bool {
-        let (v, generation) = (session.slot_count(), session.generation());
-        if !self.cfg.shard_optimizer || session.collective().world() < 2 || v < 2 {
-            return false;
-        }
-        if let Optim::Whole(whole) = &state.optimizer {
-            let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
-            let mine = owned(&ranges, session.collective().slots());
-            let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, ranges[r].pieces.clone())).collect();
-            state.optimizer = Optim::Sharded(ShardedOptimizer::of(whole, &state.model.params, &pieces));
-            self.sharding = Some((generation, ranges));
-            self.integrity.forget_agreed();
-        }
-        debug_assert_eq!(self.sharding.as_ref().map(|(g, _)| *g), Some(generation), "sharded in this generation");
-        true
-    }
-
-    /// A sharded optimizer's whole state, gathered from every member (kept where `keep`).
-    fn gather(
-        &mut self,
-        state: &TrainState,
-        session: &mut Session,
-        keep: bool,
-    ) -> Result<Vec<(String, tch::Tensor)>, Interrupt> {
-        let (Optim::Sharded(o), Some((_, ranges))) = (&state.optimizer, self.sharding.as_ref()) else {
-            unreachable!("gathered only when sharded")
-        };
-        sharded::gather_state((&mut self.buckets, ranges), session.collective(), &state.model.params, (o, keep))
-            .map_err(|e| session.interrupt(e.into()))
-    }
-
-    /// A sharded optimizer made whole again, before the generation ends at a step boundary (a
-    /// return or a stop): every member then holds the whole state, and the next generation shards
-    /// it by its own slots.
-    fn make_whole(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
-        let Optim::Sharded(o) = &state.optimizer else { return Ok(()) };
-        let (config, steps) = (o.config().clone(), o.steps());
-        let gathered = self.gather(state, session, true)?;
-        let mut whole = Optimizer::new(config, &state.model.params);
-        whole.restore(steps, &gathered).expect("the gathered state is the optimizer's own");
-        state.optimizer = Optim::Whole(whole);
-        self.sharding = None;
-        Ok(())
-    }
-
-    /// After a generation ended on a failure with the optimizer state sharded (or dropped by a
-    /// comparison), no member holds it whole: every member goes back to the newest commit, and
-    /// says so (a member that finds none joins without a state).
-    fn unshard_after_failure(
-        &mut self,
-        state: &mut TrainState,
-        (generation, why): (u64, &str),
-    ) -> Result<(), TrainError> {
-        if !self.cfg.shard_optimizer || (state.optimizer.whole().is_some() && state.live()) {
-            return Ok(());
-        }
-        self.sharding = None;
-        let from = state.position().global_step;
-        let restored = match self.committer.as_mut() {
-            Some(c) => c.restore_latest(state, &mut self.report)?,
-            None => None,
-        };
-        let Some((sequence, step)) = restored else {
-            // A commit still in flight on the coordinator may be read by it alone: the
-            // formation takes the furthest state any member found (none at all ends the run).
-            state.model.live = false;
-            self.report.line(&format!(
-                "trainerd: the optimizer state was sharded over generation {generation}'s workers, and it ended ({why}): \
-                 no commit found here; the state comes from a member that found one"
-            ));
-            return Ok(());
-        };
-        self.report.line(&format!(
-            "trainerd: the optimizer state was sharded over generation {generation}'s workers, and it ended ({why}): \
-             every member goes back to checkpoint {sequence} at step {step} ({} step(s) to train again from step {from})",
-            from.saturating_sub(step)
-        ));
-        Ok(())
     }
 
     /// A pass over the test split after `epoch`, on the parameters of `global_step`, each
