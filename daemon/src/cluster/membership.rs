@@ -451,13 +451,10 @@ fn form(state: &State, members: Vec<usize>) -> Formation {
         })
         .unwrap_or(members[0]);
     let chosen = report(source);
-    // Where no member holds a state there is nothing to send: each keeps what it has (a fresh
-    // cluster's seeded initial states; members that dropped theirs say so as they adopt).
     let receivers = members
         .iter()
         .copied()
         .filter(|&r| report(r).progress != chosen.progress || report(r).digest != chosen.digest)
-        .filter(|_| chosen.has_state())
         .collect();
     let (reached, repaired) = reached(state, &members);
     let step = chosen.progress.0;

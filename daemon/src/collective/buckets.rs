@@ -11,7 +11,6 @@ use tch::{Device, Kind, Tensor};
 
 use super::ring::chunk_of;
 use super::{host_slice, Collective, CollectiveError, Slots};
-use crate::optim::sharded::Piece;
 
 /// Default bucket size, as PyTorch DDP's `bucket_cap_mb`.
 pub(crate) const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -205,10 +204,23 @@ pub(crate) struct Range {
     /// Its elements in the bucket's buffer.
     pub(crate) span: std::ops::Range<usize>,
     /// The parameters' element spans in it (its gradient elements come first, in order).
-    pub(crate) pieces: Vec<Piece>,
+    pub(crate) pieces: Vec<Span>,
     /// The tail's elements in it (the values riding after the last bucket's gradients), as
     /// places in the tail.
     pub(crate) tail: std::ops::Range<usize>,
+}
+
+/// A parameter's element span inside a [`Range`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Span {
+    /// The parameter's place in the list the buckets were made of.
+    pub(crate) param: usize,
+    /// The span's first element within the parameter (flattened).
+    pub(crate) offset: usize,
+    /// Its first element within the range.
+    pub(crate) at: usize,
+    /// Its length.
+    pub(crate) len: usize,
 }
 
 impl Range {
@@ -237,7 +249,7 @@ impl Buckets {
                 for (&i, &n) in group.iter().zip(&numels) {
                     let (lo, hi) = (span.start.max(start), span.end.min(start + n));
                     if lo < hi {
-                        pieces.push(Piece { param: i, offset: lo - start, at: lo - span.start, len: hi - lo });
+                        pieces.push(Span { param: i, offset: lo - start, at: lo - span.start, len: hi - lo });
                     }
                     start += n;
                 }

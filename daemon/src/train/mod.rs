@@ -322,13 +322,7 @@ pub(crate) enum TrainError {
     /// fault).
     #[error("training state: chosen as the state's source without a state")]
     NoStateToSend,
-    /// This member dropped its state (a comparison's verdict), and a generation formed in which no
-    /// member had one to send.
-    #[error("training state: this member dropped its state and generation {generation} formed without any")]
-    NoStateAnywhere {
-        /// The generation.
-        generation: u64,
-    },
+
     /// The data gave another batch than the one asked for (a fault of the input pipeline).
     #[error(
         "training state: the data gave epoch {} step {} where epoch {} step {} was asked for",

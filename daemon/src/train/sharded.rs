@@ -157,6 +157,11 @@ pub(crate) fn gather_state(
     Ok(out)
 }
 
+/// The optimizer's pieces of `range`: its parameters' spans, as the buckets cut them.
+pub(crate) fn pieces(range: &Range) -> Vec<Piece> {
+    range.pieces.iter().map(|s| Piece { param: s.param, offset: s.offset, at: s.at, len: s.len }).collect()
+}
+
 /// A piece's current values in its parameter.
 fn param_values(p: &Tensor, piece: &Piece) -> Vec<f32> {
     if p.kind() == Kind::Float && p.device() == Device::Cpu && p.is_contiguous() {
@@ -249,14 +254,14 @@ mod tests {
                 // Unsharded: the all-reduce, the clip over the ranges, the whole update.
                 let tail = b_plain.reduce(ring, &mut plain, held.len()).unwrap();
                 let ranges = b_plain.ranges(&plain, v, 2);
-                let pieces: Vec<Vec<Piece>> = ranges.iter().map(|r| r.pieces.clone()).collect();
-                let norm = clip.apply_over(&plain, &pieces).unwrap();
+                let spans: Vec<Vec<Piece>> = ranges.iter().map(pieces).collect();
+                let norm = clip.apply_over(&plain, &spans).unwrap();
                 optimizer.step(&mut plain, lr);
                 // Sharded.
                 let ranges = b_sharded.ranges(&sharded, v, 2);
                 let zero = zero.get_or_insert_with(|| {
                     let mine = owned(&ranges, ring.slots());
-                    let owned: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, ranges[r].pieces.clone())).collect();
+                    let owned: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, pieces(&ranges[r]))).collect();
                     ShardedOptimizer::new(config.clone(), &sharded, &owned)
                 });
                 let stepped =

@@ -39,14 +39,10 @@ impl Driver<'_> {
         self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
         if let Some(bytes) = &received {
             state.decode(bytes).map_err(|e| Interrupt::Fatal(e.into()))?;
-        } else if !state.live() && self.adopted_once {
-            // This member dropped its state (a comparison's verdict, or a sharded state lost with
-            // no commit to go back to), and no member had one to send.
-            return Err(Interrupt::Fatal(if self.cfg.shard_optimizer {
-                TrainError::ShardedStateLost { generation: formed.generation }
-            } else {
-                TrainError::NoStateAnywhere { generation: formed.generation }
-            }));
+        } else if !state.live() && self.adopted_once && self.cfg.shard_optimizer {
+            // Every member went back to the last commit and none found one: the sharded state is
+            // gone, and there is nothing to go back to.
+            return Err(Interrupt::Fatal(TrainError::ShardedStateLost { generation: formed.generation }));
         }
         self.adopted_once = true;
         tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());

@@ -293,7 +293,7 @@ impl<'a> Driver<'a> {
             true => {
                 if !self.cfg.clip.is_off() && self.clip_ranges.as_ref().is_none_or(|(of, _)| *of != v) {
                     let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
-                    let ranges = ranges.into_iter().map(|r| r.pieces).collect();
+                    let ranges = ranges.iter().map(sharded::pieces).collect();
                     self.clip_ranges = Some((v, ranges));
                 }
                 let ranges = self.clip_ranges.as_ref().map_or(&[][..], |(_, r)| r.as_slice());

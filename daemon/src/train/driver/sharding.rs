@@ -7,7 +7,7 @@ use super::Driver;
 use crate::collective::buckets::owned;
 use crate::optim::optimizer::Optimizer;
 use crate::optim::sharded::{Piece, ShardedOptimizer};
-use crate::state::{Optim, Shareable, TrainState};
+use crate::state::{Optim, Position, Shareable, TrainState};
 use crate::train::session::{Interrupt, Session};
 use crate::train::sharded;
 use crate::train::TrainError;
@@ -24,7 +24,7 @@ impl Driver<'_> {
         if let Optim::Whole(whole) = &state.optimizer {
             let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
             let mine = owned(&ranges, session.collective().slots());
-            let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, ranges[r].pieces.clone())).collect();
+            let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, sharded::pieces(&ranges[r]))).collect();
             state.optimizer = Optim::Sharded(ShardedOptimizer::of(whole, &state.model.params, &pieces));
             self.sharding = Some((generation, ranges));
             self.integrity.forget_agreed();
@@ -81,7 +81,10 @@ impl Driver<'_> {
         let Some((sequence, step)) = restored else {
             // A commit still in flight on the coordinator may be read by it alone: the
             // formation takes the furthest state any member found (none at all ends the run).
+            // Members without one all report the start, so that no transfer is planned among
+            // them.
             state.model.live = false;
+            state.model.position = Position::start(self.info.metrics.len());
             self.report.line(&format!(
                 "trainerd: the optimizer state was sharded over generation {generation}'s workers, and it ended ({why}): \
                  no commit found here; the state comes from a member that found one"
