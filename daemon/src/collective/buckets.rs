@@ -309,16 +309,9 @@ impl Buckets {
     /// After [`Buckets::all_gather`]: every bucket's gathered values copied into `params`.
     pub(crate) fn write_params(&self, params: &mut [(String, Tensor)]) {
         let _no_grad = tch::no_grad_guard();
-        for (b, group) in self.groups.iter().enumerate() {
-            let buffer = self.staging[0][b].as_ref().expect("staged");
-            let mut at = 0;
-            for &i in group {
-                let p = &mut params[i].1;
-                let n = p.numel() as i64;
-                let values = buffer.narrow(0, at, n).view_as(p);
-                p.copy_(&if p.device().is_cuda() { values.to_device(p.device()) } else { values });
-                at += n;
-            }
+        for (i, values) in self.first_slot_views(params) {
+            let p = &mut params[i].1;
+            p.copy_(&if p.device().is_cuda() { values.to_device(p.device()) } else { values });
         }
     }
 
@@ -326,17 +319,26 @@ impl Buckets {
     /// as each parameter, on its device.
     pub(crate) fn gathered(&self, params: &[(String, Tensor)]) -> Vec<Tensor> {
         let mut out: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
+        for (i, values) in self.first_slot_views(params) {
+            out[i] = Some(values.to_device(params[i].1.device()).copy());
+        }
+        out.into_iter().map(|t| t.expect("every parameter is in a bucket")).collect()
+    }
+
+    /// Each parameter's place and its values in the first slot's buffers, shaped as it is.
+    fn first_slot_views(&self, params: &[(String, Tensor)]) -> Vec<(usize, Tensor)> {
+        let mut out = Vec::with_capacity(params.len());
         for (b, group) in self.groups.iter().enumerate() {
             let buffer = self.staging[0][b].as_ref().expect("staged");
             let mut at = 0;
             for &i in group {
                 let p = &params[i].1;
                 let n = p.numel() as i64;
-                out[i] = Some(buffer.narrow(0, at, n).view(p.size().as_slice()).to_device(p.device()).copy());
+                out.push((i, buffer.narrow(0, at, n).view(p.size().as_slice())));
                 at += n;
             }
         }
-        out.into_iter().map(|t| t.expect("every parameter is in a bucket")).collect()
+        out
     }
 
     /// The buffers of bucket `b` of the first `held` slots staged (shallow handles).

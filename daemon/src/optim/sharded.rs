@@ -95,11 +95,9 @@ impl ShardedOptimizer {
     /// member owning `owned` holds after the same steps.
     pub(crate) fn of(full: &Optimizer, params: &[(String, Tensor)], owned: &[(usize, Vec<Piece>)]) -> Self {
         let mut sharded = ShardedOptimizer::new(full.config().clone(), params, owned);
-        let state = full.state();
-        let find = |param: usize, slot: &str| {
-            let name = format!("{}/{slot}", params[param].0);
-            state.iter().find(|(n, _)| *n == name).map(|(_, t)| t.shallow_clone())
-        };
+        let state: std::collections::HashMap<String, Tensor> = full.state().into_iter().collect();
+        let find =
+            |param: usize, slot: &str| state.get(&format!("{}/{slot}", params[param].0)).map(Tensor::shallow_clone);
         if let OptimizerConfig::Sgd { momentum, .. } = *full.config() {
             for (i, started) in sharded.started.iter_mut().enumerate() {
                 *started = momentum != 0.0 && find(i, "momentum_buffer").is_some();

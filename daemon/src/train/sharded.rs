@@ -48,7 +48,7 @@ pub(crate) fn reduce_and_update(
     if loss_scale.is_some() && not_finite {
         return Ok(Stepped { extra, grad_norm: None, finite: false });
     }
-    let clipping = clip.norm.is_some() || clip.value.is_some();
+    let clipping = !clip.is_off();
     let grad_norm =
         (clipping && used.iter().any(|&u| u)).then(|| clip::global_norm(&small[tail_len..tail_len + ranges.len()]));
     let coefficient = grad_norm.and_then(|total| clip.coefficient(total));
@@ -107,7 +107,7 @@ fn global_facts(
                 small[not_finite] += 1.0;
             }
         }
-        if clip.norm.is_some() || clip.value.is_some() {
+        if !clip.is_off() {
             let pieces: Vec<&[f32]> = range.pieces.iter().map(|p| &grads[p.at..p.at + p.len]).collect();
             small[tail_len + r] = clip::range_sum_of_squares(&pieces);
         }

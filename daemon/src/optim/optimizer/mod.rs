@@ -291,7 +291,7 @@ impl Optimizer {
 
     /// Each parameter on its own.
     fn step_each(&mut self, params: &mut [(String, Tensor)], lr: f64) {
-        let decay = weight_decays(&self.config, params);
+        let decay = per_parameter(&self.groups, params.len());
         let rules: Vec<Rule> = decay.iter().map(|&wd| self.rule(wd, lr)).collect();
         for (i, ((_, p), slots)) in params.iter_mut().zip(self.slots.iter_mut()).enumerate() {
             let grad = p.grad();
@@ -391,8 +391,13 @@ pub(crate) fn rule(config: &OptimizerConfig, (weight_decay, lr): (f64, f64), ste
 
 /// Each parameter's weight decay under `config` (its group's).
 pub(crate) fn weight_decays(config: &OptimizerConfig, params: &[(String, Tensor)]) -> Vec<f64> {
-    let mut decay = vec![0.0; params.len()];
-    for g in groups(config, params) {
+    per_parameter(&groups(config, params), params.len())
+}
+
+/// The weight decay of each of `n` parameters, from its group.
+fn per_parameter(groups: &[Group], n: usize) -> Vec<f64> {
+    let mut decay = vec![0.0; n];
+    for g in groups {
         g.members.iter().for_each(|&i| decay[i] = g.weight_decay);
     }
     decay

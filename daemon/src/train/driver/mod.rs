@@ -467,8 +467,8 @@ impl<'a> Driver<'a> {
         state: &mut TrainState,
         session: &mut Session,
     ) -> Result<Option<u64>, Interrupt> {
-        let due = moment != Moment::Step || self.integrity.due(state.position(), self.steps_per_epoch);
-        if self.committer.is_some() && due && state.optimizer.whole().is_none() {
+        let sharded = self.committer.is_some() && state.optimizer.whole().is_none();
+        if sharded && (moment != Moment::Step || self.integrity.due(state.position(), self.steps_per_epoch)) {
             // Only the coordinator commits: the others take part and keep nothing.
             state.gathered = Some(self.gather(state, session, self.coordinates)?);
         }
