@@ -101,14 +101,7 @@ struct HeaderEntry<'a> {
 /// The safetensors encoding of `tensors` (sorted by name) as a sequence of byte chunks: the
 /// header, then each tensor's data without copying it.
 pub fn encode(tensors: &[TensorData]) -> Result<Vec<Bytes>, TensorError> {
-    let mut sorted: Vec<&TensorData> = tensors.iter().collect();
-    sorted.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut header = serde_json::Map::new();
-    let mut offset = 0;
-    for (i, t) in sorted.iter().enumerate() {
-        if i > 0 && sorted[i - 1].name == t.name {
-            return Err(TensorError::Duplicate(t.name.clone()));
-        }
+    for t in tensors {
         let expected = t.shape.iter().product::<usize>() * t.dtype.size();
         if t.data.len() != expected {
             return Err(TensorError::Size {
@@ -119,20 +112,41 @@ pub fn encode(tensors: &[TensorData]) -> Result<Vec<Bytes>, TensorError> {
                 expected,
             });
         }
-        let entry = HeaderEntry { dtype: t.dtype, shape: &t.shape, data_offsets: [offset, offset + expected] };
-        header.insert(t.name.clone(), serde_json::to_value(entry).expect("plain data"));
-        offset += expected;
     }
-    let mut json = serde_json::to_vec(&header).expect("plain data");
+    let entries: Vec<(&str, Dtype, &[usize])> =
+        tensors.iter().map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice())).collect();
+    let (head, order) = header(&entries)?;
+    let mut chunks = vec![Bytes::from(head)];
+    chunks.extend(order.iter().map(|&i| tensors[i].data.clone()));
+    Ok(chunks)
+}
+
+/// The first bytes of the safetensors encoding of tensors named, typed and shaped as `entries`
+/// (the header's length, then the header), and the order, by name, in which their data follows.
+/// What [`encode`] writes before the data, for a writer that streams the data itself.
+pub fn header(entries: &[(&str, Dtype, &[usize])]) -> Result<(Vec<u8>, Vec<usize>), TensorError> {
+    let mut order: Vec<usize> = (0..entries.len()).collect();
+    order.sort_by(|&a, &b| entries[a].0.cmp(entries[b].0));
+    let mut json = serde_json::Map::new();
+    let mut offset = 0;
+    for (k, &i) in order.iter().enumerate() {
+        let (name, dtype, shape) = entries[i];
+        if k > 0 && entries[order[k - 1]].0 == name {
+            return Err(TensorError::Duplicate(name.to_string()));
+        }
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        let entry = HeaderEntry { dtype, shape, data_offsets: [offset, offset + bytes] };
+        json.insert(name.to_string(), serde_json::to_value(entry).expect("plain data"));
+        offset += bytes;
+    }
+    let mut json = serde_json::to_vec(&json).expect("plain data");
     // The reference implementation pads the header with spaces to a multiple of 8 bytes.
     while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut head = (json.len() as u64).to_le_bytes().to_vec();
     head.extend_from_slice(&json);
-    let mut chunks = vec![Bytes::from(head)];
-    chunks.extend(sorted.iter().map(|t| t.data.clone()));
-    Ok(chunks)
+    Ok((head, order))
 }
 
 /// Decodes a safetensors blob (validated by the `safetensors` crate), tensors sorted by name.

@@ -315,18 +315,9 @@ impl Buckets {
         }
     }
 
-    /// After [`Buckets::all_gather`]: every bucket's gathered values as new tensors, one shaped
-    /// as each parameter, on its device.
-    pub(crate) fn gathered(&self, params: &[(String, Tensor)]) -> Vec<Tensor> {
-        let mut out: Vec<Option<Tensor>> = params.iter().map(|_| None).collect();
-        for (i, values) in self.first_slot_views(params) {
-            out[i] = Some(values.to_device(params[i].1.device()).copy());
-        }
-        out.into_iter().map(|t| t.expect("every parameter is in a bucket")).collect()
-    }
-
-    /// Each parameter's place and its values in the first slot's buffers, shaped as it is.
-    fn first_slot_views(&self, params: &[(String, Tensor)]) -> Vec<(usize, Tensor)> {
+    /// Each parameter's place and its values in the first slot's buffers, shaped as it is (views
+    /// of the buffers: after [`Buckets::all_gather`], the gathered values).
+    pub(crate) fn first_slot_views(&self, params: &[(String, Tensor)]) -> Vec<(usize, Tensor)> {
         let mut out = Vec::with_capacity(params.len());
         for (b, group) in self.groups.iter().enumerate() {
             let buffer = self.staging[0][b].as_ref().expect("staged");

@@ -9,7 +9,7 @@ use trainerd_storage::{Dtype, TensorData};
 
 use super::StateError;
 
-fn dtype(kind: Kind) -> Option<Dtype> {
+pub(crate) fn dtype(kind: Kind) -> Option<Dtype> {
     Some(match kind {
         Kind::Float => Dtype::F32,
         Kind::Double => Dtype::F64,
@@ -41,6 +41,31 @@ pub(crate) fn host_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
     let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
     t.f_copy_data_u8(&mut data, numel)?;
     Ok(data)
+}
+
+/// Elements per piece when a tensor's bytes are streamed ([`stream_bytes`]): the most copied to
+/// host memory at once.
+const PIECE: i64 = 1 << 22;
+#[cfg(test)]
+pub(crate) const PIECE_FOR_TESTS: i64 = PIECE;
+
+/// A tensor's elements as [`host_bytes`] gives them, handed to `sink` a piece at a time, so that
+/// hashing or assembling a state never holds a second copy of a whole tensor.
+pub(crate) fn stream_bytes(name: &str, t: &Tensor, sink: &mut dyn FnMut(&[u8])) -> Result<(), StateError> {
+    let failed = |source| StateError::Tensor { name: name.into(), source };
+    let flat = t.detach().f_reshape([-1]).map_err(failed)?;
+    let (numel, size) = (flat.numel() as i64, t.kind().elt_size_in_bytes());
+    let mut piece = Vec::new();
+    let mut at = 0;
+    while at < numel {
+        let n = PIECE.min(numel - at);
+        let values = flat.f_narrow(0, at, n).map_err(failed)?.to_device(Device::Cpu).contiguous();
+        piece.resize(n as usize * size, 0);
+        values.f_copy_data_u8(&mut piece, n as usize).map_err(failed)?;
+        sink(&piece);
+        at += n;
+    }
+    Ok(())
 }
 
 /// Copies a tensor into host memory.

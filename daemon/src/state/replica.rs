@@ -13,6 +13,7 @@
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
+use trainerd_sdk::OptimizerConfig;
 use trainerd_storage::{tensors, Blob, Restored, TensorData};
 
 use super::host as checkpoint;
@@ -31,16 +32,73 @@ pub(crate) trait Shareable {
     /// Whether it is a state of the run (a fresh process's model is not, unless it is the
     /// chief's).
     fn live(&self) -> bool;
-    /// The state as bytes.
-    fn encode(&self) -> Result<Vec<u8>, StateError>;
+    /// The state's encoding, to be assembled or hashed.
+    fn encoding(&self) -> Result<Encoding, StateError>;
 
-    /// The sha256 of [`Shareable::encode`], lower-case hex; empty when it holds no state of the
-    /// run.
+    /// The state as bytes.
+    fn encode(&self) -> Result<Vec<u8>, StateError> {
+        self.encoding()?.bytes()
+    }
+
+    /// The sha256 of [`Shareable::encode`], lower-case hex, computed without assembling it; empty
+    /// when it holds no state of the run.
     fn digest(&self) -> Result<String, StateError> {
         if !self.live() {
             return Ok(String::new());
         }
-        Ok(sha256_hex(&self.encode()?))
+        let mut hasher = Sha256::new();
+        self.encoding()?.write(&mut |b| hasher.update(b))?;
+        Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    }
+}
+
+/// A state's encoding: magic, the position's JSON (length-prefixed), then safetensors (its
+/// tensors sorted by name). Written a piece at a time ([`Encoding::write`]), so that hashing a
+/// state takes no copy of it, and assembled once for a transfer ([`Encoding::bytes`]).
+pub(crate) struct Encoding {
+    /// Everything before the tensors' data.
+    head: Vec<u8>,
+    /// The tensors, in the order their data follows.
+    tensors: Vec<(String, Tensor)>,
+    /// Bytes in all.
+    len: usize,
+}
+
+impl Encoding {
+    fn new(position: &Position, tensors: Vec<(String, Tensor)>) -> Result<Encoding, StateError> {
+        let position = serde_json::to_vec(position).map_err(StateError::EncodePosition)?;
+        let shapes: Vec<Vec<usize>> =
+            tensors.iter().map(|(_, t)| t.size().iter().map(|&d| d as usize).collect()).collect();
+        let mut entries = Vec::with_capacity(tensors.len());
+        for ((name, t), shape) in tensors.iter().zip(&shapes) {
+            let dtype =
+                checkpoint::dtype(t.kind()).ok_or_else(|| StateError::Kind { name: name.clone(), kind: t.kind() })?;
+            entries.push((name.as_str(), dtype, shape.as_slice()));
+        }
+        let (header, order) = trainerd_storage::tensors::header(&entries).map_err(StateError::EncodeTensors)?;
+        let data: usize = tensors.iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum();
+        let mut head = Vec::with_capacity(16 + position.len() + header.len());
+        head.extend_from_slice(MAGIC);
+        head.extend_from_slice(&(position.len() as u64).to_le_bytes());
+        head.extend_from_slice(&position);
+        head.extend_from_slice(&header);
+        let len = head.len() + data;
+        let mut unsorted: Vec<Option<(String, Tensor)>> = tensors.into_iter().map(Some).collect();
+        let tensors = order.iter().map(|&i| unsorted[i].take().expect("each index once")).collect();
+        Ok(Encoding { head, tensors, len })
+    }
+
+    /// Hands the encoding's bytes to `sink`, in order, a piece at a time.
+    pub(crate) fn write(&self, sink: &mut dyn FnMut(&[u8])) -> Result<(), StateError> {
+        sink(&self.head);
+        self.tensors.iter().try_for_each(|(name, t)| checkpoint::stream_bytes(name, t, sink))
+    }
+
+    /// The encoding's bytes, assembled.
+    pub(crate) fn bytes(&self) -> Result<Vec<u8>, StateError> {
+        let mut out = Vec::with_capacity(self.len);
+        self.write(&mut |b| out.extend_from_slice(b))?;
+        Ok(out)
     }
 }
 
@@ -71,9 +129,9 @@ pub(crate) struct TrainState {
     pub(crate) model: ModelState,
     /// The optimizer and its state tensors: all of them, or this member's ranges.
     pub(crate) optimizer: Optim,
-    /// A sharded optimizer's whole state, gathered from every member for a commit of this
-    /// position.
-    pub(crate) gathered: Option<Vec<(String, Tensor)>>,
+    /// A sharded optimizer's whole state, gathered from every member into host memory for a
+    /// commit of this position (named `<parameter>/<slot>`, in parameter order).
+    pub(crate) gathered: Option<Vec<TensorData>>,
 }
 
 /// The optimizer of a training replica.
@@ -84,6 +142,10 @@ pub(crate) enum Optim {
     /// The state of the ranges this member owns (`--shard-optimizer`): the parameters, buffers
     /// and position are still every member's, the optimizer state is not whole anywhere.
     Sharded(ShardedOptimizer),
+    /// A sharded run's optimizer before its first step: no state yet, so that no member ever
+    /// holds the whole (each makes its ranges' state at the first step; as a whole optimizer's
+    /// at its start, that state is zeros, or SGD's buffers not made yet).
+    Fresh(OptimizerConfig),
 }
 
 impl Optim {
@@ -91,7 +153,21 @@ impl Optim {
     pub(crate) fn whole(&self) -> Option<&Optimizer> {
         match self {
             Optim::Whole(o) => Some(o),
-            Optim::Sharded(_) => None,
+            Optim::Sharded(_) | Optim::Fresh(_) => None,
+        }
+    }
+
+    /// Whether the state is sharded over the generation's members (no member holds it whole).
+    pub(crate) fn sharded(&self) -> bool {
+        matches!(self, Optim::Sharded(_))
+    }
+
+    /// The optimizer's configuration.
+    pub(crate) fn config(&self) -> &OptimizerConfig {
+        match self {
+            Optim::Whole(o) => o.config(),
+            Optim::Sharded(s) => s.config(),
+            Optim::Fresh(config) => config,
         }
     }
 
@@ -100,6 +176,7 @@ impl Optim {
         match self {
             Optim::Whole(o) => o.state().iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum(),
             Optim::Sharded(s) => s.state_bytes(),
+            Optim::Fresh(_) => 0,
         }
     }
 }
@@ -140,9 +217,9 @@ impl ModelState {
         }
     }
 
-    /// Parameters and buffers in host memory, each named `PREFIXNAME`.
-    fn host_tensors(&self, prefix: &str) -> Result<Vec<TensorData>, StateError> {
-        self.variables().map(|(n, t)| checkpoint::host_copy(&format!("{prefix}{n}"), t)).collect()
+    /// Parameters and buffers (shallow handles), each named `PREFIXNAME`.
+    fn prefixed(&self, prefix: &str) -> Vec<(String, Tensor)> {
+        self.variables().map(|(n, t)| (format!("{prefix}{n}"), t.shallow_clone())).collect()
     }
 
     /// Copies parameters and buffers in from `model`, checked against this model (names, types,
@@ -174,7 +251,7 @@ impl ModelState {
     }
 
     /// Takes a peer's model state from `bytes`.
-    pub(crate) fn decode(&mut self, bytes: &[u8]) -> Result<(), StateError> {
+    pub(crate) fn decode(&mut self, bytes: Bytes) -> Result<(), StateError> {
         let (position, model, _) = decode(bytes)?;
         self.load(position, &model, "the received state's model")
     }
@@ -189,8 +266,8 @@ impl Shareable for ModelState {
         self.live
     }
 
-    fn encode(&self) -> Result<Vec<u8>, StateError> {
-        encode(&self.position, self.host_tensors("model/")?)
+    fn encoding(&self) -> Result<Encoding, StateError> {
+        Encoding::new(&self.position, self.prefixed("model/"))
     }
 }
 
@@ -200,13 +277,18 @@ impl TrainState {
         TrainState { model, optimizer: Optim::Whole(optimizer), gathered: None }
     }
 
+    /// A sharded run's state at the start of training: the optimizer has no state yet.
+    pub(crate) fn fresh(model: ModelState, config: OptimizerConfig) -> Self {
+        TrainState { model, optimizer: Optim::Fresh(config), gathered: None }
+    }
+
     /// Where training stands.
     pub(crate) fn position(&self) -> &Position {
         &self.model.position
     }
 
     /// Takes a peer's state from `bytes` (checked against this model: names, types, shapes).
-    pub(crate) fn decode(&mut self, bytes: &[u8]) -> Result<(), StateError> {
+    pub(crate) fn decode(&mut self, bytes: Bytes) -> Result<(), StateError> {
         let (position, model, optim) = decode(bytes)?;
         self.load(position, &model, &optim, "the received state")
     }
@@ -226,8 +308,14 @@ impl TrainState {
             .iter()
             .map(|t| Ok((t.name.clone(), checkpoint::to_tensor(t)?.to_device(device))))
             .collect::<Result<_, StateError>>()?;
-        if let Optim::Sharded(sharded) = &self.optimizer {
-            self.optimizer = Optim::Whole(Optimizer::new(sharded.config().clone(), &self.model.params));
+        if optim.is_empty() && position.global_step == 0 && !matches!(self.optimizer, Optim::Whole(_)) {
+            // A sharded run's start: the optimizer stays without state.
+            self.optimizer = Optim::Fresh(self.optimizer.config().clone());
+            self.model.take(position);
+            return Ok(());
+        }
+        if !matches!(self.optimizer, Optim::Whole(_)) {
+            self.optimizer = Optim::Whole(Optimizer::new(self.optimizer.config().clone(), &self.model.params));
         }
         let Optim::Whole(optimizer) = &mut self.optimizer else { unreachable!("made whole above") };
         optimizer
@@ -245,27 +333,24 @@ impl TrainState {
         self.load(position, blob(MODEL_BLOB)?, blob(OPTIMIZER_BLOB)?, &format!("checkpoint {seq}"))
     }
 
-    /// Every optimizer state tensor: the whole optimizer's, or those gathered for a commit.
-    fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>, StateError> {
-        match (&self.optimizer, &self.gathered) {
-            (Optim::Whole(o), _) => Ok(o.state()),
-            (Optim::Sharded(_), Some(gathered)) => {
-                Ok(gathered.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect())
-            }
-            (Optim::Sharded(_), None) => Err(StateError::Sharded),
-        }
-    }
-
-    /// The state as checkpoint blobs, in host memory.
+    /// The state as checkpoint blobs, in host memory: the optimizer's is the whole optimizer's,
+    /// or the one gathered for a commit (not copied again).
     pub(crate) fn blobs(&self) -> Result<Vec<Blob>, StateError> {
         let snapshot = |ts: &[(String, Tensor)]| {
             ts.iter().map(|(n, t)| checkpoint::host_copy(n, t)).collect::<Result<Vec<_>, _>>()
         };
         let mut model = snapshot(&self.model.params)?;
         model.extend(snapshot(&self.model.buffers)?);
+        let optimizer = match (&self.optimizer, &self.gathered) {
+            (Optim::Whole(o), _) => snapshot(&o.state())?,
+            (Optim::Sharded(_), Some(gathered)) => gathered.clone(),
+            (Optim::Sharded(_), None) => return Err(StateError::Sharded),
+            // What an unsharded optimizer holds before its first step.
+            (Optim::Fresh(config), _) => snapshot(&Optimizer::new(config.clone(), &self.model.params).state())?,
+        };
         Ok(vec![
             Blob { name: MODEL_BLOB.into(), tensors: model },
-            Blob { name: OPTIMIZER_BLOB.into(), tensors: snapshot(&self.optimizer_state()?)? },
+            Blob { name: OPTIMIZER_BLOB.into(), tensors: optimizer },
         ])
     }
 }
@@ -279,34 +364,20 @@ impl Shareable for TrainState {
         self.model.live
     }
 
-    fn encode(&self) -> Result<Vec<u8>, StateError> {
-        let mut all = self.model.host_tensors("model/")?;
+    fn encoding(&self) -> Result<Encoding, StateError> {
+        let mut all = self.model.prefixed("model/");
         // A sharded optimizer's state differs between members by design: what they share (and
         // compare) is the rest.
         if let Optim::Whole(optimizer) = &self.optimizer {
-            for (n, t) in optimizer.state() {
-                all.push(checkpoint::host_copy(&format!("optimizer/{n}"), &t)?);
-            }
+            all.extend(optimizer.state().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
         }
-        encode(&self.model.position, all)
+        Encoding::new(&self.model.position, all)
     }
-}
-
-/// A state as bytes: magic, the position's JSON (length-prefixed), then safetensors.
-fn encode(position: &Position, tensors: Vec<TensorData>) -> Result<Vec<u8>, StateError> {
-    let position = serde_json::to_vec(position).map_err(StateError::EncodePosition)?;
-    let chunks = tensors::encode(&tensors).map_err(StateError::EncodeTensors)?;
-    let mut out = Vec::with_capacity(16 + position.len() + chunks.iter().map(Bytes::len).sum::<usize>());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&(position.len() as u64).to_le_bytes());
-    out.extend_from_slice(&position);
-    chunks.iter().for_each(|c| out.extend_from_slice(c));
-    Ok(out)
 }
 
 /// The position, the model's tensors and the optimizer's (names without their prefix) of
 /// [`encode`]'s bytes.
-fn decode(bytes: &[u8]) -> Result<(Position, Vec<TensorData>, Vec<TensorData>), StateError> {
+fn decode(bytes: Bytes) -> Result<(Position, Vec<TensorData>, Vec<TensorData>), StateError> {
     if bytes.len() < 16 || &bytes[..8] != MAGIC {
         return Err(StateError::Invalid("no header"));
     }
@@ -314,7 +385,7 @@ fn decode(bytes: &[u8]) -> Result<(Position, Vec<TensorData>, Vec<TensorData>), 
     let position_end =
         16usize.checked_add(len).filter(|&e| e <= bytes.len()).ok_or(StateError::Invalid("short header"))?;
     let position: Position = serde_json::from_slice(&bytes[16..position_end]).map_err(StateError::InvalidPosition)?;
-    let all = tensors::decode(&Bytes::copy_from_slice(&bytes[position_end..])).map_err(StateError::InvalidTensors)?;
+    let all = tensors::decode(&bytes.slice(position_end..)).map_err(StateError::InvalidTensors)?;
     let (model, optim): (Vec<TensorData>, Vec<TensorData>) =
         all.into_iter().partition(|t| t.name.starts_with("model/"));
     let strip = |ts: Vec<TensorData>, prefix: &str| -> Vec<TensorData> {
@@ -366,7 +437,7 @@ mod tests {
         train(&mut source, 2);
         // A transfer to a peer (what a recovery broadcasts).
         let mut peer = state(2, OptimizerConfig::adam(1e-3));
-        peer.decode(&source.encode().unwrap()).unwrap();
+        peer.decode(source.encode().unwrap().into()).unwrap();
         assert_eq!(bytes_of(&peer.model.buffers), bytes_of(&source.model.buffers));
         assert_eq!(bytes_of(&peer.model.params), bytes_of(&source.model.params));
         // A checkpoint: the blobs as safetensors files, read back.
@@ -386,6 +457,51 @@ mod tests {
         let buffers = &restored.model.buffers;
         assert_eq!(Vec::<i64>::try_from(&buffers[0].1).unwrap(), [(1i64 << 53) + 2, i64::MAX - 1]);
         assert_eq!(f64::try_from(&buffers[3].1.get(0)).unwrap(), 1.0 / 3.0 + 1.0);
+    }
+
+    #[test]
+    fn the_streamed_encoding_is_the_safetensors_form_and_its_digest_the_bytes_sha256() {
+        let mut s = state(1, OptimizerConfig::adam(1e-3));
+        train(&mut s, 2);
+        // Larger than one streamed piece, and a non-contiguous view.
+        let big = Tensor::arange(super::super::host::PIECE_FOR_TESTS + 5, (Kind::Float, Device::Cpu));
+        s.model.buffers.push(("big".into(), big));
+        s.model.buffers.push(("t".into(), Tensor::randn([3, 5], (Kind::Double, Device::Cpu)).transpose(0, 1)));
+        let mut copies: Vec<TensorData> =
+            s.model.variables().map(|(n, t)| checkpoint::host_copy(&format!("model/{n}"), t).unwrap()).collect();
+        let Optim::Whole(o) = &s.optimizer else { unreachable!() };
+        copies.extend(o.state().iter().map(|(n, t)| checkpoint::host_copy(&format!("optimizer/{n}"), t).unwrap()));
+        let position = serde_json::to_vec(s.position()).unwrap();
+        let mut expected = MAGIC.to_vec();
+        expected.extend_from_slice(&(position.len() as u64).to_le_bytes());
+        expected.extend_from_slice(&position);
+        tensors::encode(&copies).unwrap().iter().for_each(|c| expected.extend_from_slice(c));
+        let bytes = s.encode().unwrap();
+        assert!(bytes == expected, "the encoding is magic, position, then safetensors");
+        assert_eq!(s.digest().unwrap(), sha256_hex(&bytes));
+        assert_eq!(s.model.digest().unwrap(), sha256_hex(&s.model.encode().unwrap()));
+    }
+
+    #[test]
+    fn a_sharded_runs_fresh_state_holds_no_optimizer_state_and_commits_the_unsharded_bytes() {
+        let config = OptimizerConfig::adam(1e-3);
+        let whole = state(1, config.clone());
+        let fresh = |seed| {
+            let s = state(seed, config.clone());
+            TrainState::fresh(s.model, config.clone())
+        };
+        let source = fresh(1);
+        assert_eq!(source.optimizer.state_bytes(), 0);
+        // What it sends holds no optimizer tensors; a fresh peer takes it and stays fresh.
+        let mut peer = fresh(2);
+        peer.model.live = false;
+        peer.decode(source.encode().unwrap().into()).unwrap();
+        assert!(matches!(peer.optimizer, Optim::Fresh(_)), "{:?}", peer.optimizer);
+        assert_eq!(digest(&peer), digest(&source));
+        // Committed before its first step, it is the unsharded optimizer's start.
+        let blob = |s: &TrainState| s.blobs().unwrap()[1].tensors.clone();
+        assert_eq!(blob(&source), blob(&whole));
+        assert!(!blob(&source).is_empty());
     }
 
     #[test]
@@ -425,7 +541,7 @@ mod tests {
             let mut fresh = state(2, config.clone());
             fresh.model.live = false;
             assert_eq!(fresh.digest().unwrap(), "", "a fresh process reports no state");
-            fresh.decode(&bytes).unwrap();
+            fresh.decode(bytes.into()).unwrap();
             assert_eq!(digest(&fresh), digest(&source));
             assert_eq!(fresh.position(), source.position());
             // Both continue with the very same updates (f64 parameters included).
@@ -441,7 +557,7 @@ mod tests {
         train(&mut source, 2);
         let mut fresh = state(2, OptimizerConfig::adam(1e-3)).model;
         fresh.live = false;
-        fresh.decode(&source.model.encode().unwrap()).unwrap();
+        fresh.decode(source.model.encode().unwrap().into()).unwrap();
         assert_eq!(fresh.params_sha256(), source.model.params_sha256());
         assert_eq!((fresh.live, &fresh.position), (true, source.position()));
     }
@@ -452,9 +568,12 @@ mod tests {
         let mut other = state(1, OptimizerConfig::adam(1e-3));
         other.model.params[0].1 = Tensor::zeros([4, 3], (Kind::Float, Device::Cpu));
         assert_eq!(
-            other.decode(&source.encode().unwrap()).unwrap_err().to_string(),
+            other.decode(source.encode().unwrap().into()).unwrap_err().to_string(),
             "the received state's model tensor a has shape [3, 4], the model's has [4, 3]"
         );
-        assert_eq!(other.decode(b"garbage").unwrap_err().to_string(), "the state received is not valid: no header");
+        assert_eq!(
+            other.decode(Bytes::from_static(b"garbage")).unwrap_err().to_string(),
+            "the state received is not valid: no header"
+        );
     }
 }

@@ -181,7 +181,7 @@ fn restore(
 fn share(session: &mut Session, state: &mut ModelState, sequence: u64, stop: &AtomicBool) -> Result<u64, TrainError> {
     let joined = session.join(Some(&*state as &dyn Shareable), stop).map_err(failed)?;
     if let Some(bytes) = joined.received {
-        state.decode(&bytes)?;
+        state.decode(bytes.into())?;
     }
     let mut seq = [sequence];
     session

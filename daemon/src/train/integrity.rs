@@ -11,12 +11,14 @@
 
 use std::time::Instant;
 
-use xxhash_rust::xxh3::xxh3_64;
+use bytes::Bytes;
+
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use super::report::Reporter;
 use super::session::{Interrupt, Session};
 use super::summary::{ReplicaFigures, ReplicaMismatch};
-use crate::state::{Position, Shareable, TrainState};
+use crate::state::{Position, Shareable, StateError, TrainState};
 
 /// The default of `--replica-check-every`: at mnist-cnn's step on this project's CPUs the check
 /// costs well under 1% of the step time (bench/multi_worker.sh measures it).
@@ -67,7 +69,7 @@ pub(crate) fn verdict(digests: &[u64], coordinator: usize) -> Option<Verdict> {
 struct Agreed {
     step: u64,
     digest: u64,
-    bytes: Vec<u8>,
+    bytes: Bytes,
 }
 
 /// A member's comparisons.
@@ -153,11 +155,12 @@ impl Integrity {
         self.owed = self.owed.filter(|&s| s == step);
         self.mismatch_at = self.mismatch_at.filter(|&s| step >= s);
         let first = !std::mem::replace(&mut self.formed_once, true);
-        if !first || received || !state.live() {
+        // A sharded optimizer's state is not in the bytes: nothing to keep (see `check`).
+        if !first || received || !state.live() || state.optimizer.whole().is_none() {
             return Ok(());
         }
         let bytes = state.encode().map_err(|e| Interrupt::Fatal(e.into()))?;
-        self.agreed = Some(Agreed { step: state.position().global_step, digest: xxh3_64(&bytes), bytes });
+        self.agreed = Some(Agreed { step: state.position().global_step, digest: xxh3_64(&bytes), bytes: bytes.into() });
         Ok(())
     }
 
@@ -172,8 +175,7 @@ impl Integrity {
         coordinates: bool,
     ) -> Result<(), Interrupt> {
         let began = Instant::now();
-        let bytes = state.encode().map_err(|e| Interrupt::Fatal(e.into()))?;
-        let digest = xxh3_64(&bytes);
+        let (digest, bytes) = digest(state).map_err(|e| Interrupt::Fatal(e.into()))?;
         // Chaos tests hold a member here, so that its peers' comparison is cut short.
         trainerd_failpoint::point("replica-check");
         let (digests, coordinator) = match exchange(session, digest, coordinates) {
@@ -192,8 +194,7 @@ impl Integrity {
         let Some(verdict) = verdict(&digests, coordinator) else {
             // A sharded optimizer's state is not in the bytes, so they could not be gone back to:
             // a mismatch sends every member back to the last commit instead, and nothing is kept.
-            let whole = state.optimizer.whole().is_some();
-            self.agreed = whole.then_some(Agreed { step: state.position().global_step, digest, bytes });
+            self.agreed = bytes.map(|bytes| Agreed { step: state.position().global_step, digest, bytes });
             return Ok(());
         };
         Err(self.repair(state, session, report, (&digests, &verdict)))
@@ -287,7 +288,7 @@ impl Integrity {
     /// step. Otherwise the state is dropped (a peer's is taken at the next formation).
     fn back_to_agreed(&self, state: &mut TrainState) -> Option<u64> {
         let agreed = self.agreed.as_ref().filter(|a| xxh3_64(&a.bytes) == a.digest);
-        let back_to = agreed.and_then(|a| state.decode(&a.bytes).ok().map(|()| a.step));
+        let back_to = agreed.and_then(|a| state.decode(a.bytes.clone()).ok().map(|()| a.step));
         if back_to.is_none() {
             state.model.live = false;
         }
@@ -374,6 +375,18 @@ pub(crate) fn flip_bit(state: &mut TrainState) -> Option<String> {
     let after = f32::from_bits(before.to_bits() ^ (1 << 12));
     let _ = flat.get(0).fill_(f64::from(after));
     Some(format!("flipped bit 12 of {name}[0]: {before:e} is now {after:e}"))
+}
+
+/// A state's xxh3-64, and its bytes where they can be gone back to (a whole optimizer's state);
+/// a sharded one is hashed as it is written, without a copy.
+fn digest(state: &TrainState) -> Result<(u64, Option<Bytes>), StateError> {
+    if state.optimizer.whole().is_some() {
+        let bytes = state.encode()?;
+        return Ok((xxh3_64(&bytes), Some(bytes.into())));
+    }
+    let mut hasher = Xxh3::new();
+    state.encoding()?.write(&mut |b| hasher.update(b))?;
+    Ok((hasher.digest(), None))
 }
 
 #[cfg(test)]

@@ -54,6 +54,7 @@ use crate::cluster::{ClusterConfig, ClusterError, Network};
 use crate::collective::buckets::Buckets;
 use crate::collective::{Backend, CollectiveError};
 use crate::input::{DataSource, InputError};
+use crate::optim::optimizer::Optimizer;
 use crate::plugin::{CallError, Plugin};
 use crate::state::{MetaError, StateError};
 use driver::Driver;
@@ -415,7 +416,7 @@ pub(crate) fn run(
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model(crate::plugin::MODEL_PATH, cfg.device)?;
     let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());
-    if let Some(groups) = state.optimizer.whole().and_then(|o| o.describe_groups(&state.model.params)) {
+    if let Some(groups) = Optimizer::describe_groups(&cfg.optimizer, &state.model.params) {
         report.line(&format!("trainerd: {groups}"));
     }
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;

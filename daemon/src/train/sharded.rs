@@ -4,12 +4,14 @@
 //! then the owned state stored.
 
 use tch::{Device, Kind, Tensor};
+use trainerd_storage::TensorData;
 
 use crate::collective::buckets::{owned, Buckets, Range};
 use crate::collective::{Collective, CollectiveError, ReduceOp};
 use crate::optim::clip::{self, Clip};
 use crate::optim::elementwise::Write;
 use crate::optim::sharded::{Piece, ShardedOptimizer};
+use crate::state::host;
 
 /// What a sharded step gave, the same on every member.
 #[derive(Debug, PartialEq)]
@@ -128,11 +130,11 @@ pub(crate) fn gather_state(
     collective: &mut dyn Collective,
     params: &[(String, Tensor)],
     (optimizer, keep): (&ShardedOptimizer, bool),
-) -> Result<Vec<(String, Tensor)>, CollectiveError> {
+) -> Result<Vec<TensorData>, CollectiveError> {
     let slots = collective.slots().clone();
     let mine = owned(ranges, &slots);
-    let mut per_slot: Vec<Vec<Tensor>> = Vec::with_capacity(optimizer.slot_names().len());
-    for k in 0..optimizer.slot_names().len() {
+    let mut per_slot: Vec<Vec<Option<TensorData>>> = Vec::with_capacity(optimizer.slot_names().len());
+    for (k, slot) in optimizer.slot_names().iter().enumerate() {
         for (shard, &r) in mine.iter().enumerate() {
             let range = &ranges[r];
             let values = optimizer.values(shard, k);
@@ -140,19 +142,20 @@ pub(crate) fn gather_state(
         }
         buckets.all_gather(collective)?;
         if keep {
-            per_slot.push(buckets.gathered(params));
+            // Straight from the buffers to host bytes: one copy, what a commit writes.
+            let mut these: Vec<Option<TensorData>> = params.iter().map(|_| None).collect();
+            for (i, values) in buckets.first_slot_views(params) {
+                if optimizer.has(i, slot) {
+                    let name = format!("{}/{slot}", params[i].0);
+                    these[i] = Some(host::host_copy(&name, &values).expect("float32 host values"));
+                }
+            }
+            per_slot.push(these);
         }
     }
     let mut out = Vec::new();
-    if !keep {
-        return Ok(out);
-    }
-    for (i, (name, _)) in params.iter().enumerate() {
-        for (k, slot) in optimizer.slot_names().iter().enumerate() {
-            if optimizer.has(i, slot) {
-                out.push((format!("{name}/{slot}"), per_slot[k][i].shallow_clone()));
-            }
-        }
+    for i in 0..params.len() {
+        out.extend(per_slot.iter_mut().filter_map(|these| these[i].take()));
     }
     Ok(out)
 }
@@ -284,7 +287,8 @@ mod tests {
             let ranges = b_sharded.ranges(&sharded, v, 2);
             let gathered =
                 gather_state((&mut b_sharded, &ranges), ring, &sharded, (zero.as_ref().unwrap(), true)).unwrap();
-            let gathered: Vec<(String, Vec<u32>)> = gathered.into_iter().map(|(n, t)| (n, bytes(&t))).collect();
+            let gathered: Vec<(String, Vec<u32>)> =
+                gathered.iter().map(|t| (t.name.clone(), bytes(&host::to_tensor(t).unwrap()))).collect();
             let whole: Vec<(String, Vec<u32>)> = optimizer.state().into_iter().map(|(n, t)| (n, bytes(&t))).collect();
             if gathered != whole {
                 differences.push("the gathered state is not the unsharded optimizer's".into());

@@ -59,8 +59,13 @@ pub(super) fn open_session(
 /// turns up (a commit, a survivor's state), a placeholder elsewhere.
 pub(super) fn initial_state(model: &ModelInstance<'_>, cfg: &RunConfig, info: &PluginInfo, chief: bool) -> TrainState {
     let (params, buffers) = model.split_variables();
-    let optimizer = Optimizer::new(cfg.optimizer.clone(), &params);
-    TrainState::new(ModelState::new((params, buffers), info.metrics.len(), cfg.device, chief), optimizer)
+    let model = ModelState::new((params, buffers), info.metrics.len(), cfg.device, chief);
+    if cfg.shard_optimizer {
+        // No member ever holds the whole optimizer state: each makes its ranges' at the first step.
+        return TrainState::fresh(model, cfg.optimizer.clone());
+    }
+    let optimizer = Optimizer::new(cfg.optimizer.clone(), &model.params);
+    TrainState::new(model, optimizer)
 }
 
 /// With checkpoints: the checkpointer (every member has one: whoever coordinates commits); on

@@ -193,8 +193,10 @@ impl Ring {
 
     /// The all-gather after [`Ring::scatter`]: slot u holds chunk u + 1 complete; this worker's
     /// chunks are gathered into the first buffer, then passed around the ring (at step s, slot u
-    /// passes chunk u + 1 - s on to slot u + 1; hops inside a worker are no-ops).
-    fn gather<T: Element>(&mut self, slots: &Slots, bufs: &mut [&mut [T]]) -> Result<(), CollectiveError> {
+    /// passes chunk u + 1 - s on to slot u + 1; hops inside a worker are no-ops). `point` names
+    /// its failpoint: an all-reduce's `all-gather`, or the `sharded-all-gather` of a sharded
+    /// optimizer's new parameters.
+    fn gather<T: Element>(&mut self, slots: &Slots, bufs: &mut [&mut [T]], point: &str) -> Result<(), CollectiveError> {
         let (v, a, b) = (slots.count, slots.held.start, slots.held.end);
         let len = bufs[0].len();
         if v == 1 {
@@ -216,7 +218,7 @@ impl Ring {
             self.exchange_slots("all-reduce", first, (send, recv), false)?;
             if s == 0 {
                 // Chaos tests stop a member here: some peers complete this all-reduce, some not.
-                trainerd_failpoint::point("all-gather");
+                trainerd_failpoint::point(point);
             }
         }
         let sent = (v - 1) * len / v * std::mem::size_of::<T>();
@@ -260,7 +262,7 @@ impl Ring {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         self.scatter(slots, bufs)?;
-        self.gather(slots, bufs)?;
+        self.gather(slots, bufs, "all-gather")?;
         if op == ReduceOp::Mean {
             let factor = 1.0 / slots.count as f64;
             bufs[0].iter_mut().for_each(|x| *x = x.scaled(factor));
@@ -279,7 +281,7 @@ impl Ring {
     /// every worker's first buffer, which then holds every chunk.
     pub(crate) fn all_gather_slots<T: Element>(&mut self, bufs: &mut [&mut [T]]) -> Result<(), CollectiveError> {
         let slots = self.slots.clone();
-        self.gather(&slots, bufs)
+        self.gather(&slots, bufs, "sharded-all-gather")
     }
 
     fn scatter<T: Element>(&mut self, slots: &Slots, bufs: &mut [&mut [T]]) -> Result<(), CollectiveError> {

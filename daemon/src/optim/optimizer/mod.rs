@@ -156,10 +156,11 @@ impl Optimizer {
 
     /// AdamW's groups as the start-up line says them: how many tensors and parameters each
     /// holds, and by which rule. `None` for the other optimizers.
-    pub(crate) fn describe_groups(&self, params: &[(String, Tensor)]) -> Option<String> {
-        let OptimizerConfig::Adamw { weight_decay, no_decay, .. } = &self.config else { return None };
+    pub(crate) fn describe_groups(config: &OptimizerConfig, params: &[(String, Tensor)]) -> Option<String> {
+        let OptimizerConfig::Adamw { weight_decay, no_decay, .. } = config else { return None };
+        let groups = groups(config, params);
         let held = |decays: bool| {
-            let members = self.groups.iter().filter(|g| g.decays == decays).flat_map(|g| &g.members);
+            let members = groups.iter().filter(|g| g.decays == decays).flat_map(|g| &g.members);
             let (tensors, elements) = members.fold((0, 0), |(t, e), &i| (t + 1, e + params[i].1.numel()));
             format!("{tensors} tensor(s), {elements} parameter(s)")
         };

@@ -110,7 +110,7 @@ fn adamw_decay_groups_match_libtorch_groups() {
     let mut params_a = sorted_params(&vs_a);
     let mut opt_a = Optimizer::new(config.clone(), &params_a);
     assert_eq!(
-        opt_a.describe_groups(&params_a).unwrap(),
+        Optimizer::describe_groups(opt_a.config(), &params_a).unwrap(),
         "AdamW: weight decay 0.3 on 2 tensor(s), 64 parameter(s); none on 2 tensor(s), 11 parameter(s) (those of \
          fewer than 2 dimensions: biases and norm weights)"
     );

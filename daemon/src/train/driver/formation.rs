@@ -37,8 +37,10 @@ impl Driver<'_> {
         // differed where healthy replicas never do.
         let differed = received.is_some() && state.live() && state.position().progress() == formed.progress;
         self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
-        if let Some(bytes) = &received {
-            state.decode(bytes).map_err(|e| Interrupt::Fatal(e.into()))?;
+        let got = received.is_some();
+        if let Some(bytes) = received {
+            // Decoded in place (the tensors are views of the bytes until copied into the model).
+            state.decode(bytes.into()).map_err(|e| Interrupt::Fatal(e.into()))?;
         } else if !state.live() && self.adopted_once && self.cfg.shard_optimizer {
             // Every member went back to the last commit and none found one: the sharded state is
             // gone, and there is nothing to go back to.
@@ -53,7 +55,7 @@ impl Driver<'_> {
         }
         self.batches.keep(&session.collective().slots().held);
         let owed = self.agree(state, session, (differed, formed.source))?;
-        self.integrity.formed(state, received.is_some())?;
+        self.integrity.formed(state, got)?;
         session.adopted(state.position().global_step);
         let source_name = session.name(formed.source);
         let generation = JoinedGeneration {

@@ -303,6 +303,7 @@ impl<'a> Driver<'a> {
                 match &mut state.optimizer {
                     Optim::Whole(optimizer) => optimizer.step(&mut state.model.params, lr),
                     Optim::Sharded(_) => unreachable!("a sharded optimizer updates in the step's reduction"),
+                    Optim::Fresh(_) => unreachable!("made whole or sharded at the step's start"),
                 }
                 grad_norm
             }
@@ -467,7 +468,7 @@ impl<'a> Driver<'a> {
         state: &mut TrainState,
         session: &mut Session,
     ) -> Result<Option<u64>, Interrupt> {
-        let sharded = self.committer.is_some() && state.optimizer.whole().is_none();
+        let sharded = self.committer.is_some() && state.optimizer.sharded();
         if sharded && (moment != Moment::Step || self.integrity.due(state.position(), self.steps_per_epoch)) {
             // Only the coordinator commits: the others take part and keep nothing.
             state.gathered = Some(self.gather(state, session, self.coordinates)?);
@@ -529,7 +530,7 @@ impl<'a> Driver<'a> {
     /// Stopped while waiting for the cluster: the chief commits what it holds first (not a
     /// sharded optimizer's state, which it does not hold whole: the latest commit stands).
     fn stopped(&mut self, state: &TrainState) -> Result<Outcome, TrainError> {
-        if state.optimizer.whole().is_none() {
+        if state.optimizer.sharded() {
             let saved = "not saved: the optimizer state is sharded and its members are gone; the latest commit stands";
             return Ok(Outcome::Stopped { step: state.position().global_step, saved: saved.into() });
         }

@@ -7,10 +7,11 @@ use super::Driver;
 use crate::collective::buckets::owned;
 use crate::optim::optimizer::Optimizer;
 use crate::optim::sharded::{Piece, ShardedOptimizer};
-use crate::state::{Optim, Position, Shareable, TrainState};
+use crate::state::{host, Optim, Position, Shareable, TrainState};
 use crate::train::session::{Interrupt, Session};
 use crate::train::sharded;
 use crate::train::TrainError;
+use trainerd_storage::TensorData;
 
 impl Driver<'_> {
     /// Whether this step's optimizer state is sharded (`--shard-optimizer`, with at least two
@@ -18,14 +19,21 @@ impl Driver<'_> {
     /// step (the ranges and their owners follow the generation's slots).
     pub(super) fn shard(&mut self, state: &mut TrainState, session: &mut Session) -> bool {
         let (v, generation) = (session.slot_count(), session.generation());
+        let params = &state.model.params;
         if !self.cfg.shard_optimizer || session.collective().world() < 2 || v < 2 {
+            if let Optim::Fresh(config) = &state.optimizer {
+                state.optimizer = Optim::Whole(Optimizer::new(config.clone(), params));
+            }
             return false;
         }
-        if let Optim::Whole(whole) = &state.optimizer {
-            let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
+        if !state.optimizer.sharded() {
+            let ranges = self.buckets.ranges(params, v, self.extra_len(v));
             let mine = owned(&ranges, session.collective().slots());
             let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, sharded::pieces(&ranges[r]))).collect();
-            state.optimizer = Optim::Sharded(ShardedOptimizer::of(whole, &state.model.params, &pieces));
+            state.optimizer = Optim::Sharded(match &state.optimizer {
+                Optim::Whole(whole) => ShardedOptimizer::of(whole, params, &pieces),
+                _ => ShardedOptimizer::new(state.optimizer.config().clone(), params, &pieces),
+            });
             self.sharding = Some((generation, ranges));
             self.integrity.forget_agreed();
         }
@@ -39,7 +47,7 @@ impl Driver<'_> {
         state: &TrainState,
         session: &mut Session,
         keep: bool,
-    ) -> Result<Vec<(String, tch::Tensor)>, Interrupt> {
+    ) -> Result<Vec<TensorData>, Interrupt> {
         let (Optim::Sharded(o), Some((_, ranges))) = (&state.optimizer, self.sharding.as_ref()) else {
             unreachable!("gathered only when sharded")
         };
@@ -53,7 +61,10 @@ impl Driver<'_> {
     pub(super) fn make_whole(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
         let Optim::Sharded(o) = &state.optimizer else { return Ok(()) };
         let (config, steps) = (o.config().clone(), o.steps());
-        let gathered = self.gather(state, session, true)?;
+        // Each gathered tensor's bytes are let go as soon as it is made a tensor.
+        let gathered: Vec<(String, tch::Tensor)> = (self.gather(state, session, true)?.into_iter())
+            .map(|t| (t.name.clone(), host::to_tensor(&t).expect("float32 host values")))
+            .collect();
         let mut whole = Optimizer::new(config, &state.model.params);
         whole.restore(steps, &gathered).expect("the gathered state is the optimizer's own");
         state.optimizer = Optim::Whole(whole);
@@ -69,7 +80,7 @@ impl Driver<'_> {
         state: &mut TrainState,
         (generation, why): (u64, &str),
     ) -> Result<(), TrainError> {
-        if !self.cfg.shard_optimizer || (state.optimizer.whole().is_some() && state.live()) {
+        if !self.cfg.shard_optimizer || (!state.optimizer.sharded() && state.live()) {
             return Ok(());
         }
         self.sharding = None;
