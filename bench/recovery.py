@@ -29,10 +29,13 @@ systemd unit does; N kills of a worker, N of the chief and the freezes (SIGCONT 
 run with the default rule and in one with `--replace-after 300` (the survivors wait for the lost
 worker, the rule before). Per event, the survivors' longest gap between two steps until the victim
 is back, and around its return; their steps per second while short; the time back to full speed.
+--pause-sharded runs the same events a third time with --shard-optimizer, and adds the steps each
+event sent the cluster back to train again (a lost worker's ranges of the optimizer state exist
+nowhere else yet, so every member goes back to the last commit).
 
 Usage: bench/recovery.sh [--kills N] [--chief-kills N] [--freezes N] [--torchrun-trials N]
                          [--world N] [--ckpt-every N] [--gone] [--chief-gone] [--replace-after S]
-                         [--pause-kills N] [--pause-freezes N]
+                         [--pause-kills N] [--pause-freezes N] [--pause-sharded]
 """
 import argparse, json, os, random, re, signal, statistics, subprocess, sys, tempfile, threading, time
 
@@ -260,6 +263,11 @@ def pause_event(c, victim, sig, cont_after=3.0):
     if stepped is None:
         return {"hang": True}
     time.sleep(2.5)
+    with c.lock:
+        # With the optimizer state sharded, a lost worker sends every member back to the last
+        # commit: the steps each says it trains again.
+        again = [int(m.group(1)) for _, line in c.lines[mark:]
+                 for m in [re.search(r"\((\d+) step\(s\) to train again", line)] if m]
     spe = c.steps_per_epoch()
     def gaps(w, a, b):
         # Not the pause after an epoch's last step (its evaluation and commit): a failure-free
@@ -274,7 +282,7 @@ def pause_event(c, victim, sig, cont_after=3.0):
     return {"step_s": statistics.median(before) if before else float("nan"), "lost_gap": lost_gap,
             "return_gap": return_gap, "full_steps_s": rate(t0 - 5, t0),
             "short_steps_s": rate(short_from, back) if back - short_from > 0.5 else float("nan"),
-            "back_s": stepped - back}
+            "back_s": stepped - back, "trained_again": max(again, default=0)}
 
 
 def never_pause(args, extra):
@@ -304,21 +312,27 @@ def never_pause(args, extra):
     return results
 
 
-def never_pause_table(now, before, peer):
+def never_pause_table(now, before, peer, sharded=None):
     ok = lambda rs: [r for r in rs if not r.get("hang")]
     print("\nThe survivors' longest gap between two steps, per event (3 workers, mnist-cnn, restarted after 2 s as "
           "the unit does; a frozen worker gets SIGCONT after 3 s; medians, max in brackets):")
-    print("| event | goal | trainerd | trainerd, the rule before (`--replace-after 300`) | torchrun (a worker killed) |")
-    print("|---|---|---|---|---|")
+    print("| event | goal | trainerd | trainerd, the rule before (`--replace-after 300`) | torchrun (a worker killed) |"
+          + (" trainerd `--shard-optimizer` |" if sharded else ""))
+    print("|---|---|---|---|---|" + ("---|" if sharded else ""))
+    sh = lambda kind, k: f" {fmt(ok(sharded[kind]), k)} |" if sharded else ""
     goals = {"worker": "<= 0.15 s", "chief": "<= 0.15 s", "frozen": "heartbeat deadline + 0.1 s = 1.6 s"}
     names = {"worker": "a worker SIGKILLed", "chief": "the chief SIGKILLed", "frozen": "a worker frozen"}
     fmt = lambda rs, k: f"{median(rs, k):.2f} s ({max((r[k] for r in rs), default=float('nan')):.2f} s)"
     for kind in ("worker", "chief", "frozen"):
         n, b = ok(now[kind]), ok(before[kind])
         torch = f"{median(peer, 'recovery_s'):.2f} s" if kind == "worker" and peer else "-"
-        print(f"| {names[kind]}: until it is back | {goals[kind]} | {fmt(n, 'lost_gap')} | {fmt(b, 'lost_gap')} | {torch} |")
+        print(f"| {names[kind]}: until it is back | {goals[kind]} | {fmt(n, 'lost_gap')} | {fmt(b, 'lost_gap')} | {torch} |"
+              + sh(kind, "lost_gap"))
         print(f"| {names[kind]}: its return | one step + 50 ms ({median(n, 'step_s') * 1e3 + 50:.0f} ms) | "
-              f"{fmt(n, 'return_gap')} | {fmt(b, 'return_gap')} | - |")
+              f"{fmt(n, 'return_gap')} | {fmt(b, 'return_gap')} | - |" + sh(kind, "return_gap"))
+        if sharded:
+            print(f"| {names[kind]}: steps trained again | 0 | {fmt(n, 'trained_again')} | {fmt(b, 'trained_again')} | "
+                  f"- |" + sh(kind, "trained_again"))
     allr = [r for k in ("worker", "chief", "frozen") for r in ok(now[k])]
     print(f"| steps/s before / while short (2 of 3) | - | {median(allr, 'full_steps_s'):.1f} / "
           f"{median(allr, 'short_steps_s'):.1f} | - | - |")
@@ -362,16 +376,20 @@ def main():
     p.add_argument("--pause-kills", type=int, default=0,
                    help="never-pause table: kills of a worker, and of the chief, each restarted after 2 s")
     p.add_argument("--pause-freezes", type=int, default=0, help="never-pause table: freezes of a worker")
+    p.add_argument("--pause-sharded", action="store_true",
+                   help="never-pause table: the same events with --shard-optimizer, beside the unsharded ones")
     args = p.parse_args()
+    sharded = None
     if args.pause_kills + args.pause_freezes > 0:
         now = never_pause(args, ())
         before = never_pause(args, ("--replace-after", "300"))
+        sharded = never_pause(args, ("--shard-optimizer",)) if args.pause_sharded else None
     ours = trainerd(args) if args.kills + args.chief_kills + args.freezes > 0 else {"worker": [], "chief": [], "frozen": []}
     lost_for_good = gone(args) if args.gone else None
     chief_for_good = gone(args, victim=0) if args.chief_gone else None
     peer = torchrun(args) if args.torchrun_trials > 0 else []
     if args.pause_kills + args.pause_freezes > 0:
-        never_pause_table(now, before, peer)
+        never_pause_table(now, before, peer, sharded)
     ok = lambda rs: [r for r in rs if not r.get("hang")]
     w, c, f = ok(ours["worker"]), ok(ours["chief"]), ok(ours["frozen"])
     hangs = lambda rs: f"{sum(1 for r in rs if r.get('hang'))} in {len(rs)}"

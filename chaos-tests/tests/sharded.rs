@@ -1,8 +1,9 @@
 //! Failures with the optimizer state sharded (`--shard-optimizer`), under a supervisor with
-//! systemd's semantics: a worker or the chief killed sends every member back to the last commit
-//! (no other member holds the lost ranges yet), a stop and a return lose nothing, and every
-//! worker ends with exactly the parameters of the failure-free run, sharded or not (the two are
-//! the same bits).
+//! systemd's semantics: a worker or the chief killed, a kill inside the all-gather of the new
+//! parameters and a worker gone for good send every member back to the last commit (no other
+//! member holds the lost ranges yet), a stop and a return lose nothing, and every worker ends
+//! with exactly the parameters of the failure-free run, sharded or not (the two are the same
+//! bits).
 
 use std::path::Path;
 use std::time::Duration;
@@ -57,12 +58,29 @@ fn start(dir: &Path) -> Cluster {
 
 /// Every worker exited 0 with the failure-free run's parameters; the chief's summary.
 fn assert_finished_exactly(c: &mut Cluster, dir: &Path) -> serde_json::Value {
-    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    assert_finished_exactly_on(c, dir, &[0, 1, 2])
+}
+
+/// Workers `ranks` exited 0 with the failure-free run's parameters, the others were killed for
+/// good; the chief's summary.
+fn assert_finished_exactly_on(c: &mut Cluster, dir: &Path, ranks: &[usize]) -> serde_json::Value {
+    let codes = c.wait_finished(DEADLINE);
+    for (rank, &code) in codes.iter().enumerate() {
+        let expected = if ranks.contains(&rank) { 0 } else { 128 + libc::SIGKILL };
+        assert_eq!(code, expected, "worker {rank}\n{}", c.transcript());
+    }
     let expected = reference();
-    for rank in 0..WORKERS {
+    for &rank in ranks {
         assert_eq!(summary(dir, rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
     }
     summary(dir, 0)
+}
+
+/// Worker `rank`'s line saying every member goes back to the commit of step 25, after `mark`.
+fn assert_back_to_step_25(c: &mut Cluster, rank: usize, mark: usize) {
+    let (_, line) = c.wait_line(rank, "trainerd: the optimizer state was sharded over generation ", mark, DEADLINE);
+    assert!(line.contains("every member goes back to checkpoint "), "{line}");
+    assert!(line.contains(" at step 25 ("), "{line}\n{}", c.transcript());
 }
 
 fn steps_lost(s: &serde_json::Value) -> u64 {
@@ -81,9 +99,7 @@ fn killed_mid_epoch(rank: usize) {
     let mark = c.mark();
     c.signal(rank, libc::SIGKILL);
     let survivor = (rank + 1) % WORKERS;
-    let (_, line) = c.wait_line(survivor, "trainerd: the optimizer state was sharded over generation ", mark, DEADLINE);
-    assert!(line.contains("every member goes back to checkpoint "), "{line}");
-    assert!(line.contains(" at step 25 ("), "{line}\n{}", c.transcript());
+    assert_back_to_step_25(&mut c, survivor, mark);
     let chief = assert_finished_exactly(&mut c, tmp.path());
     assert!(c.starts(rank) >= 2);
     let lost = steps_lost(&summary(tmp.path(), survivor));
@@ -99,6 +115,62 @@ fn a_worker_killed_sends_every_member_back_to_the_last_commit_and_the_run_ends_e
 #[test]
 fn the_chief_killed_sends_every_member_back_to_the_last_commit_and_the_run_ends_exactly() {
     killed_mid_epoch(0);
+}
+
+/// A worker stopped inside step 30's all-gather of the new parameters, after its first hop (so
+/// that some members complete the step and others do not), then SIGKILLed: no member keeps a
+/// mixture of two steps; every member goes back to the commit of step 25, and the run ends exactly.
+#[test]
+fn a_kill_inside_the_all_gather_goes_back_to_the_last_commit_and_the_run_ends_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "sharded-all-gather@step=30".to_string())];
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
+    let mut c = Cluster::start(WORKERS, &run, &[], vec![vec![], failpoint], RESTART_SEC);
+    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
+    c.wait_line(1, "trainerd: failpoint sharded-all-gather reached", 0, DEADLINE);
+    std::thread::sleep(Duration::from_millis(300));
+    let mark = c.mark();
+    c.signal(1, libc::SIGKILL);
+    assert_back_to_step_25(&mut c, 0, mark);
+    assert_back_to_step_25(&mut c, 2, mark);
+    let chief = assert_finished_exactly(&mut c, tmp.path());
+    assert!(steps_lost(&chief) >= 4, "steps 26 to 29 at least are lost, and counted\n{}", c.transcript());
+}
+
+/// A worker killed for good: the two others go back to the commit of step 25, go on without it
+/// (its slot moves to them), and end exactly.
+#[test]
+fn a_worker_gone_for_good_sends_the_others_back_to_the_last_commit_and_they_end_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = start(tmp.path());
+    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
+    c.wait_step(0, 28, DEADLINE);
+    c.hold(2);
+    let mark = c.mark();
+    c.signal(2, libc::SIGKILL);
+    assert_back_to_step_25(&mut c, 1, mark);
+    let chief = assert_finished_exactly_on(&mut c, tmp.path(), &[0, 1]);
+    assert_eq!(chief["workers_present"].as_u64(), Some(2), "{chief}");
+    assert!(steps_lost(&chief) >= 1, "{}", c.transcript());
+}
+
+/// Every worker killed after the commit of step 25, and only two of the three come back: after
+/// the rendezvous timeout they resume that commit (committed whole, sharded anew over two
+/// workers) and end exactly.
+#[test]
+fn a_resume_on_fewer_workers_ends_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--rendezvous-timeout", 4);
+    let mut c = Cluster::start(WORKERS, &run, &[], vec![], RESTART_SEC);
+    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
+    c.wait_step(0, 28, DEADLINE);
+    c.hold(2);
+    for rank in 0..WORKERS {
+        c.signal(rank, libc::SIGKILL);
+    }
+    let chief = assert_finished_exactly_on(&mut c, tmp.path(), &[0, 1]);
+    assert_eq!(chief["workers_present"].as_u64(), Some(2), "{chief}");
+    assert!(c.transcript().contains("checkpoint 1"), "{}", c.transcript());
 }
 
 /// A worker stopped (SIGTERM) and brought back: the stop and the return make the state whole
