@@ -271,14 +271,22 @@ impl Buckets {
     ) -> Result<(), CollectiveError> {
         let slots = collective.slots().clone();
         let scale = 1.0 / slots.count as f32;
-        for b in 0..self.groups.len() {
-            let mut bufs = self.slot_buffers(b, slots.len());
-            collective.reduce_scatter_buffers(&mut bufs)?;
-        }
+        self.reduce_scatter_sums(collective)?;
         for r in owned(ranges, &slots) {
             let range = &ranges[r];
             let grads = range.grads_len();
             self.owned_mut(&slots, range)[..grads].iter_mut().for_each(|x| *x *= scale);
+        }
+        Ok(())
+    }
+
+    /// Every bucket of what the slots held here staged reduce-scattered: each held slot u's
+    /// buffer then holds range u + 1 summed over the run's slots. Host buffers only.
+    pub(crate) fn reduce_scatter_sums(&mut self, collective: &mut dyn Collective) -> Result<(), CollectiveError> {
+        let held = collective.slots().len();
+        for b in 0..self.groups.len() {
+            let mut bufs = self.slot_buffers(b, held);
+            collective.reduce_scatter_buffers(&mut bufs)?;
         }
         Ok(())
     }
@@ -288,11 +296,41 @@ impl Buckets {
         let v = slots.count;
         let u = (range.chunk + v - 1) % v;
         assert!(slots.held.contains(&u), "range {} of bucket {} is not owned here", range.chunk, range.bucket);
-        let buffer = self.staging[u - slots.held.start][range.bucket].as_mut().expect("staged");
+        self.range_mut(u - slots.held.start, range)
+    }
+
+    /// The elements of `range` in the host buffer of the `i`th slot held here.
+    pub(crate) fn range_mut(&mut self, i: usize, range: &Range) -> &mut [f32] {
+        let buffer = self.staging[i][range.bucket].as_mut().expect("staged");
         // SAFETY: our own contiguous float32 host buffer, touched by nothing else while the
         // returned slice (which borrows `self`) lives.
         let flat = unsafe { host_slice(buffer) };
         &mut flat[range.span.clone()]
+    }
+
+    /// Every bucket's host buffers of the first `held` slots, made where missing (as
+    /// [`Buckets::stage`] makes them, the last bucket with `extra_len` extra values and a
+    /// used-flag per parameter) and filled with `value`: -0.0 leaves whatever a single slot
+    /// writes over it unchanged by a sum over the slots.
+    pub(crate) fn fill(&mut self, held: usize, params: &[(String, Tensor)], extra_len: usize, value: f32) {
+        while self.staging.len() < held {
+            self.staging.push(self.groups.iter().map(|_| None).collect());
+            self.extras.push(0);
+        }
+        let last = self.groups.len() - 1;
+        for i in 0..held {
+            self.extras[i] = extra_len;
+            for (b, group) in self.groups.iter().enumerate() {
+                let tail = if b == last { extra_len + params.len() } else { 0 };
+                let len = group.iter().map(|&p| params[p].1.numel()).sum::<usize>() + tail;
+                let staging = &mut self.staging[i][b];
+                if staging.as_ref().is_none_or(|t| t.numel() != len) {
+                    *staging = Some(host_buffer(len, self.home));
+                }
+                // SAFETY: as in `range_mut`.
+                unsafe { host_slice(staging.as_mut().expect("made above")) }.fill(value);
+            }
+        }
     }
 
     /// The sharded step's second half: every bucket's owned ranges (now holding the updated

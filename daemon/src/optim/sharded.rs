@@ -175,6 +175,23 @@ impl ShardedOptimizer {
         &self.shards[shard].state[k]
     }
 
+    /// [`ShardedOptimizer::values`], to be written (a range's state moved here from its holder).
+    pub(crate) fn values_mut(&mut self, shard: usize, k: usize) -> &mut [f32] {
+        &mut self.shards[shard].state[k]
+    }
+
+    /// What every member's optimizer has alike: the steps taken, and per parameter whether it
+    /// has started (had a gradient).
+    pub(crate) fn replicated(&self) -> (u64, &[bool]) {
+        (self.steps, &self.started)
+    }
+
+    /// Takes [`ShardedOptimizer::replicated`]'s values from another member's.
+    pub(crate) fn set_replicated(&mut self, steps: u64, started: &[bool]) {
+        self.steps = steps;
+        self.started.copy_from_slice(started);
+    }
+
     /// Counts the step about to be updated (its rules use the new count).
     pub(crate) fn begin_step(&mut self) {
         self.steps += 1;

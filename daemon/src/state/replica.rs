@@ -48,7 +48,7 @@ pub(crate) trait Shareable {
         }
         let mut hasher = Sha256::new();
         self.encoding()?.write(&mut |b| hasher.update(b))?;
-        Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+        Ok(hex(&hasher.finalize()))
     }
 }
 
@@ -104,7 +104,12 @@ impl Encoding {
 
 /// The sha256 of `bytes`, lower-case hex: how a state's report and its receiver fingerprint it.
 pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    hex(&Sha256::digest(bytes))
+}
+
+/// A digest as lower-case hex.
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub(crate) use crate::plugin::Named;
@@ -308,9 +313,14 @@ impl TrainState {
             .iter()
             .map(|t| Ok((t.name.clone(), checkpoint::to_tensor(t)?.to_device(device))))
             .collect::<Result<_, StateError>>()?;
-        if optim.is_empty() && position.global_step == 0 && !matches!(self.optimizer, Optim::Whole(_)) {
-            // A sharded run's start: the optimizer stays without state.
-            self.optimizer = Optim::Fresh(self.optimizer.config().clone());
+        if optim.is_empty() && !matches!(self.optimizer, Optim::Whole(_)) {
+            // A sharded run's: at its start, the optimizer has no state yet; later, it holds no
+            // range until the formation moves this member's to it.
+            let config = self.optimizer.config().clone();
+            self.optimizer = match position.global_step {
+                0 => Optim::Fresh(config),
+                _ => Optim::Sharded(ShardedOptimizer::new(config, &self.model.params, &[])),
+            };
             self.model.take(position);
             return Ok(());
         }

@@ -160,6 +160,56 @@ pub(crate) fn gather_state(
     Ok(out)
 }
 
+/// A sharded optimizer's state moved to a generation's owners, where they changed (a return: the
+/// ranges follow the new generation's slots). Every member fills its buffers with -0.0, each
+/// range's one holder writes its values over them, and one reduce-scatter per state array
+/// leaves every range summed, so copied bit for bit, at its new owner; what every member has
+/// alike (the steps, SGD's started flags) comes from the holder of range 0 in one small
+/// all-reduce, which also counts each range's holders. `held` is this member's optimizer (a
+/// member without ranges holds none); `Ok(Err(ranges))` names the ranges no member holds.
+pub(crate) fn reshard(
+    (buckets, ranges, extra_len): (&mut Buckets, &[Range], usize),
+    collective: &mut dyn Collective,
+    params: &[(String, Tensor)],
+    held: &ShardedOptimizer,
+) -> Result<Result<ShardedOptimizer, Vec<usize>>, CollectiveError> {
+    let slots = collective.slots().clone();
+    let holds = held.owned();
+    let (n, p) = (ranges.len(), params.len());
+    let mut facts = vec![0.0f64; n + 1 + p];
+    holds.iter().for_each(|&r| facts[r] = 1.0);
+    if holds.contains(&0) {
+        let (steps, started) = held.replicated();
+        facts[n] = steps as f64;
+        started.iter().enumerate().for_each(|(i, &s)| facts[n + 1 + i] = if s { 1.0 } else { 0.0 });
+    }
+    collective.all_reduce_workers(&mut facts, ReduceOp::Sum)?;
+    let missing: Vec<usize> = (0..n).filter(|&r| facts[r] == 0.0).collect();
+    if !missing.is_empty() {
+        return Ok(Err(missing));
+    }
+    let mine = owned(ranges, &slots);
+    let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, pieces(&ranges[r]))).collect();
+    let mut next = ShardedOptimizer::new(held.config().clone(), params, &pieces);
+    let started: Vec<bool> = facts[n + 1..].iter().map(|&s| s > 0.5).collect();
+    next.set_replicated(facts[n] as u64, &started);
+    for k in 0..held.slot_names().len() {
+        buckets.fill(slots.len(), params, extra_len, -0.0);
+        for (shard, &r) in holds.iter().enumerate() {
+            let values = held.values(shard, k);
+            buckets.range_mut(0, &ranges[r])[..values.len()].copy_from_slice(values);
+        }
+        buckets.reduce_scatter_sums(collective)?;
+        for (shard, &r) in mine.iter().enumerate() {
+            let moved = &buckets.owned_mut(&slots, &ranges[r])[..];
+            let values = next.values_mut(shard, k);
+            let len = values.len();
+            values.copy_from_slice(&moved[..len]);
+        }
+    }
+    Ok(Ok(next))
+}
+
 /// The optimizer's pieces of `range`: its parameters' spans, as the buckets cut them.
 pub(crate) fn pieces(range: &Range) -> Vec<Piece> {
     range.pieces.iter().map(|s| Piece { param: s.param, offset: s.offset, at: s.at, len: s.len }).collect()
@@ -368,6 +418,89 @@ mod tests {
             }
             assert_eq!(whole, out[0].1, "{config:?} {clip:?} on {world} worker(s), {v} slots: the state");
             assert!(clip.is_off() || out.iter().all(|o| o.0.is_empty()));
+        }
+    }
+
+    /// One member's view after a reshard: its new ranges, steps, started flags, and the
+    /// elements whose bits are not those written by their holder.
+    type Moved = (Vec<usize>, u64, Vec<bool>, Vec<(usize, usize, usize)>);
+
+    /// A return: the ranges held by the last generation's members (ranks 0 and 1 of 3; rank 2
+    /// returns holding none) move to their owners in the new one, every value bit for bit (signed
+    /// zeros included), with the step count and SGD's started flags; a range no member holds is
+    /// named instead.
+    #[test]
+    fn a_reshard_moves_every_range_to_its_new_owner_bit_for_bit() {
+        let v = 4;
+        let config = OptimizerConfig::Rmsprop {
+            lr: 0.01,
+            alpha: 0.9,
+            eps: 1e-7,
+            momentum: 0.5,
+            weight_decay: 0.0,
+            centered: true,
+        };
+        let value = |r: usize, k: usize, e: usize| match e % 5 {
+            0 => -0.0,
+            1 => 0.0,
+            _ => ((r * 1000 + k * 100 + e) as f32).sqrt() * -1.5,
+        };
+        let run = |lose: bool| -> Vec<Result<Moved, Vec<usize>>> {
+            with_ring(3, |ring| {
+                let params = params();
+                let mut buckets = Buckets::new(&params, 64);
+                let ranges = buckets.ranges(&params, v, 2);
+                let before = assign(v, &[0, 1]);
+                let mine = match before.get(ring.rank()) {
+                    Some(held) if !(lose && ring.rank() == 1) => {
+                        owned(&ranges, &Slots { count: v, held: held.clone() })
+                    }
+                    _ => Vec::new(),
+                };
+                let owned_before: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, pieces(&ranges[r]))).collect();
+                let mut held = ShardedOptimizer::new(config.clone(), &params, &owned_before);
+                for (shard, &r) in mine.iter().enumerate() {
+                    for k in 0..3 {
+                        held.values_mut(shard, k).iter_mut().enumerate().for_each(|(e, x)| *x = value(r, k, e));
+                    }
+                }
+                let started: Vec<bool> = (0..params.len()).map(|i| i % 2 == 0).collect();
+                if !mine.is_empty() {
+                    held.set_replicated(7, &started);
+                }
+                ring.set_slots(Slots { count: v, held: assign(v, &[0, 1, 2])[ring.rank()].clone() });
+                let next = reshard((&mut buckets, &ranges, 2), ring, &params, &held).unwrap()?;
+                let mut wrong = Vec::new();
+                for (shard, &r) in next.owned().iter().enumerate() {
+                    for k in 0..3 {
+                        for (e, x) in next.values(shard, k).iter().enumerate() {
+                            if x.to_bits() != value(r, k, e).to_bits() {
+                                wrong.push((r, k, e));
+                            }
+                        }
+                    }
+                }
+                let (steps, started) = next.replicated();
+                Ok((next.owned(), steps, started.to_vec(), wrong))
+            })
+        };
+        let moved = run(false);
+        let mut all = Vec::new();
+        for (rank, m) in moved.iter().enumerate() {
+            let (owned, steps, started, wrong) = m.as_ref().unwrap();
+            assert!(wrong.is_empty(), "rank {rank}: {wrong:?}");
+            assert_eq!(*steps, 7);
+            assert_eq!(started, &(0..7).map(|i| i % 2 == 0).collect::<Vec<_>>());
+            assert!(!owned.is_empty(), "rank {rank} owns ranges in the new generation");
+            all.extend(owned.iter().copied());
+        }
+        all.sort();
+        let ranges = Buckets::new(&params(), 64).ranges(&params(), v, 2);
+        assert_eq!(all, (0..ranges.len()).collect::<Vec<_>>(), "every range has one owner");
+        // Rank 1's ranges lost: every member names them.
+        let lost = owned(&ranges, &Slots { count: v, held: assign(v, &[0, 1])[1].clone() });
+        for m in run(true) {
+            assert_eq!(m.unwrap_err(), lost);
         }
     }
 }

@@ -55,6 +55,7 @@ impl Driver<'_> {
         }
         self.batches.keep(&session.collective().slots().held);
         let owed = self.agree(state, session, (differed, formed.source))?;
+        self.reshard(state, session)?;
         self.integrity.formed(state, got)?;
         session.adopted(state.position().global_step);
         let source_name = session.name(formed.source);

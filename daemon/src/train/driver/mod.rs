@@ -504,8 +504,8 @@ impl<'a> Driver<'a> {
             Ended::Return(ranks) => {
                 let names: Vec<String> = ranks.iter().map(|&r| session.name(r)).collect();
                 // Every member passed the step, its comparison and its commit before any leaves
-                // the generation (the first join ends it): nothing in flight is cut short.
-                self.make_whole(state, session)?;
+                // the generation (the first join ends it): nothing in flight is cut short. A
+                // sharded state stays sharded: its ranges move when the next generation forms.
                 self.report.waiting_for_cluster("waiting for every worker to end the generation");
                 session.barrier(&format!("return@{}", state.position().global_step))?;
                 Ok(Next::Rejoin(format!("{} {CAME_BACK}", names.join(", "))))

@@ -1,7 +1,8 @@
 //! A member's sharded optimizer state across a generation (`--shard-optimizer`;
 //! docs/fault-tolerance.md, "Sharded optimizer state"): cut into this member's ranges at the
-//! generation's first step, gathered for commits, made whole before a stop or a return, and gone
-//! back from to the last commit after a failure.
+//! generation's first step, moved to new owners when a generation forms on it (after a
+//! return), gathered for commits, made whole before a stop, and gone back from to the last
+//! commit after a failure.
 
 use super::Driver;
 use crate::collective::buckets::owned;
@@ -27,6 +28,8 @@ impl Driver<'_> {
             return false;
         }
         if !state.optimizer.sharded() {
+            // A sharded state held over from another generation moved when this one formed
+            // ([`Driver::reshard`]).
             let ranges = self.buckets.ranges(params, v, self.extra_len(v));
             let mine = owned(&ranges, session.collective().slots());
             let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, sharded::pieces(&ranges[r]))).collect();
@@ -39,6 +42,37 @@ impl Driver<'_> {
         }
         debug_assert_eq!(self.sharding.as_ref().map(|(g, _)| *g), Some(generation), "sharded in this generation");
         true
+    }
+
+    /// A generation formed on a sharded state (the members of the last one kept their ranges
+    /// through a return, the returner holds none): every range moves to its owner in this
+    /// generation, before anything else needs the state. One range held by no member sends
+    /// every member back to the last commit.
+    pub(super) fn reshard(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
+        let Optim::Sharded(held) = &state.optimizer else { return Ok(()) };
+        let (v, generation, began) = (session.slot_count(), session.generation(), std::time::Instant::now());
+        let extra_len = self.extra_len(v);
+        let ranges = self.buckets.ranges(&state.model.params, v, extra_len);
+        let moved =
+            sharded::reshard((&mut self.buckets, &ranges, extra_len), session.collective(), &state.model.params, held)
+                .map_err(|e| session.interrupt(e.into()))?;
+        let next = moved.map_err(|missing| {
+            Interrupt::Abandoned(format!(
+                "{} range(s) of the sharded optimizer state (the first: {}) are held by no member",
+                missing.len(),
+                missing[0]
+            ))
+        })?;
+        self.report.line(&format!(
+            "trainerd: the sharded optimizer state moved to generation {generation}'s owners: this worker holds {} \
+             range(s), {:.1} MB ({:.2}s)",
+            next.owned().len(),
+            next.state_bytes() as f64 / 1e6,
+            began.elapsed().as_secs_f64()
+        ));
+        state.optimizer = Optim::Sharded(next);
+        self.sharding = Some((generation, ranges));
+        Ok(())
     }
 
     /// A sharded optimizer's whole state, gathered from every member (kept where `keep`).
