@@ -319,7 +319,8 @@ def never_pause_table(now, before, peer, sharded=None):
     print("| event | goal | trainerd | trainerd, the rule before (`--replace-after 300`) | torchrun (a worker killed) |"
           + (" trainerd `--shard-optimizer` |" if sharded else ""))
     print("|---|---|---|---|---|" + ("---|" if sharded else ""))
-    sh = lambda kind, k: f" {fmt(ok(sharded[kind]), k)} |" if sharded else ""
+    count = lambda rs, k: f"{median(rs, k):g} ({max((r[k] for r in rs), default=float('nan')):g})"
+    sh = lambda kind, k, f=None: f" {(f or fmt)(ok(sharded[kind]), k)} |" if sharded else ""
     goals = {"worker": "<= 0.15 s", "chief": "<= 0.15 s", "frozen": "heartbeat deadline + 0.1 s = 1.6 s"}
     names = {"worker": "a worker SIGKILLed", "chief": "the chief SIGKILLed", "frozen": "a worker frozen"}
     fmt = lambda rs, k: f"{median(rs, k):.2f} s ({max((r[k] for r in rs), default=float('nan')):.2f} s)"
@@ -331,15 +332,17 @@ def never_pause_table(now, before, peer, sharded=None):
         print(f"| {names[kind]}: its return | one step + 50 ms ({median(n, 'step_s') * 1e3 + 50:.0f} ms) | "
               f"{fmt(n, 'return_gap')} | {fmt(b, 'return_gap')} | - |" + sh(kind, "return_gap"))
         if sharded:
-            print(f"| {names[kind]}: steps trained again | 0 | {fmt(n, 'trained_again')} | {fmt(b, 'trained_again')} | "
-                  f"- |" + sh(kind, "trained_again"))
+            print(f"| {names[kind]}: steps trained again | 0 | {count(n, 'trained_again')} | "
+                  f"{count(b, 'trained_again')} | - |" + sh(kind, "trained_again", count))
     allr = [r for k in ("worker", "chief", "frozen") for r in ok(now[k])]
     print(f"| steps/s before / while short (2 of 3) | - | {median(allr, 'full_steps_s'):.1f} / "
-          f"{median(allr, 'short_steps_s'):.1f} | - | - |")
+          f"{median(allr, 'short_steps_s'):.1f} | - | - |" + (" - |" if sharded else ""))
     print(f"| back to full speed (the victim's return until it steps) | - | {median(allr, 'back_s'):.2f} s | "
-          f"{median([r for k in now for r in ok(before[k])], 'back_s'):.2f} s | - |")
-    hangs = sum(1 for k in now for r in now[k] + before[k] if r.get("hang"))
-    print(f"| hangs | 0 | {hangs} in {sum(len(now[k]) + len(before[k]) for k in now)} events (both rules) | | |")
+          f"{median([r for k in now for r in ok(before[k])], 'back_s'):.2f} s | - |" + (" - |" if sharded else ""))
+    runs = [now, before] + ([sharded] if sharded else [])
+    hangs = sum(1 for run in runs for k in run for r in run[k] if r.get("hang"))
+    events = sum(len(run[k]) for run in runs for k in run)
+    print(f"| hangs | 0 | {hangs} in {events} events (every column) | | |" + (" |" if sharded else ""))
 
 
 def percentile(rs, key, q):

@@ -137,6 +137,21 @@ fn a_kill_inside_the_all_gather_goes_back_to_the_last_commit_and_the_run_ends_ex
     assert!(steps_lost(&chief) >= 4, "steps 26 to 29 at least are lost, and counted\n{}", c.transcript());
 }
 
+/// The chief killed in the middle of its commit of step 50 (the blobs written, not the record): the
+/// cut commit never becomes visible, and every member goes back to the commit of step 25.
+#[test]
+fn the_chief_killed_in_the_middle_of_a_commit_goes_back_to_the_one_before_and_the_run_ends_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "commit-before-record@2".to_string())];
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
+    let mut c = Cluster::start(WORKERS, &run, &[], vec![failpoint], RESTART_SEC);
+    c.wait_line(0, "trainerd: failpoint commit-before-record reached", 0, DEADLINE);
+    let mark = c.mark();
+    c.signal(0, libc::SIGKILL);
+    assert_back_to_step_25(&mut c, 1, mark);
+    assert_finished_exactly(&mut c, tmp.path());
+}
+
 /// A worker killed for good: the two others go back to the commit of step 25, go on without it
 /// (its slot moves to them), and end exactly.
 #[test]
@@ -173,8 +188,8 @@ fn a_resume_on_fewer_workers_ends_exactly() {
     assert!(c.transcript().contains("checkpoint 1"), "{}", c.transcript());
 }
 
-/// A worker stopped (SIGTERM) and brought back: the stop and the return make the state whole
-/// first, so nothing is lost.
+/// A worker stopped (SIGTERM) and brought back: the stop makes the state whole first, the return
+/// moves the ranges to their new owners as the generation forms, so nothing is lost.
 #[test]
 fn a_stop_and_a_return_lose_nothing() {
     let tmp = tempfile::tempdir().unwrap();
@@ -184,7 +199,12 @@ fn a_stop_and_a_return_lose_nothing() {
     let (_, exiting) = c.wait_event(2, |e| matches!(e, Event::Exiting { .. }), DEADLINE);
     assert_eq!(exiting, Event::Exiting { status: 0 });
     std::thread::sleep(Duration::from_secs(1));
+    let mark = c.mark();
     c.bring_back(2);
+    // The return: the returner receives the model alone, and the ranges move to it.
+    let (_, moved) = c.wait_line(2, "trainerd: the sharded optimizer state moved to generation ", mark, DEADLINE);
+    assert!(moved.contains("'s owners: this worker holds "), "{moved}");
+    assert!(!moved.contains("holds 0 range(s)"), "{moved}");
     let chief = assert_finished_exactly(&mut c, tmp.path());
     for rank in 0..WORKERS {
         assert_eq!(steps_lost(&summary(tmp.path(), rank)), 0, "worker {rank}\n{}", c.transcript());
