@@ -19,7 +19,8 @@ const DIFFERED: usize = 2;
 const COMMITS: usize = 3;
 const MISMATCH: usize = 4;
 const OWES: usize = 5;
-const N: usize = 6;
+const SHARDED: usize = 6;
+const N: usize = 7;
 
 impl Driver<'_> {
     /// Takes the state a formation settled on, is admitted, and says what happened; then, when a
@@ -87,8 +88,9 @@ impl Driver<'_> {
     /// corruption the formation would hide:
     /// [`crate::train::integrity::Integrity::differed_at_formation`]), its checkpoint interval
     /// (commits are compared first), and what it knows of the comparison of the formation's step
-    /// ([`crate::train::integrity::Flags`]). Every member sees the same values, so every member
-    /// decides alike; whether a comparison is owed.
+    /// ([`crate::train::integrity::Flags`]), and whether its optimizer state is sharded (all
+    /// members' or none: see [`Driver::reshard`]). Every member sees the same values, so every
+    /// member decides alike; whether a comparison is owed.
     fn agree(
         &mut self,
         state: &mut TrainState,
@@ -106,6 +108,7 @@ impl Driver<'_> {
             self.integrity.schedule().commits as f64,
             flag(flags.mismatch),
             flag(flags.owes),
+            flag(state.optimizer.sharded()),
         ])?;
         let column = |i: usize| -> Vec<f64> { values.iter().copied().skip(i).step_by(N).collect() };
         let counts = column(STEPS);
@@ -123,6 +126,17 @@ impl Driver<'_> {
         let odd = raised(DIFFERED);
         if !odd.is_empty() {
             return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
+        }
+        let sharded = raised(SHARDED);
+        if !sharded.is_empty() && sharded.len() < present {
+            // Every member's ranges move together (`reshard`), or none: a generation formed on
+            // both kinds of state goes back to the last commit rather than wait on itself.
+            let names: Vec<String> = sharded.iter().map(|&p| session.name_at(p)).collect();
+            return Err(Interrupt::Abandoned(format!(
+                "the optimizer state is sharded on {} and whole on the others as generation {} forms",
+                names.join(", "),
+                session.generation()
+            )));
         }
         let finders = raised(MISMATCH);
         if !finders.is_empty() {
