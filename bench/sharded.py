@@ -10,7 +10,8 @@ holds (trainerd: the summary's optimizer_state_bytes; PyTorch: the bytes of its 
 tensors), its peak RSS (trainerd: peak_rss_bytes; PyTorch: getrusage's ru_maxrss; the max over
 every worker, and over the workers other than worker 0, which commits in every column), examples/s
 over every worker (trainerd: the summary's; PyTorch: timed steps after --warmup), and the time to
-commit the whole state once on local disk (trainerd: its commit line at the end of the epoch;
+commit the whole state once on local disk and, for trainerd, on the S3 test server (SeaweedFS on
+loopback, started here; a run of 5 steps each) (trainerd: its commit line at the end of the epoch;
 ZeroRedundancyOptimizer: consolidate_state_dict(to=0) then torch.save of the model's and the
 optimizer's state dicts with fsync; DDP: the torch.save alone).
 
@@ -20,7 +21,7 @@ TARGET (trainerd and libpython_model.so; default target/release).
 
 Internally `sharded.py --peer zero|ddp --rank R ...` is one PyTorch process (prints JSON).
 """
-import argparse, gzip, json, os, re, resource, socket, statistics, struct, subprocess, sys, tempfile, time
+import argparse, gzip, json, os, re, resource, shutil, socket, statistics, struct, subprocess, sys, tempfile, time, uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULE = os.path.join(ROOT, "bench", "wide_mlp.py")
@@ -36,18 +37,71 @@ def free_port():
         return s.getsockname()[1]
 
 
-def trainerd(steps, batch, sharded):
-    """One trainerd run of 1 epoch of `steps` steps, committed at its end: per-worker figures."""
+class S3:
+    """The test S3-compatible server (SeaweedFS `weed mini`, started as testkit/src/s3.rs starts
+    it) on loopback, every port free; stopped by stop()."""
+    KEY, SECRET = "trainerd-test", "trainerd-test-secret"
+    FLAGS = ["master.port", "volume.port", "filer.port", "s3.port", "admin.port", "s3.port.iceberg",
+             "s3.port.lance", "debug.port", "s3.debug.port"]
+
+    def __init__(self):
+        cache = os.environ.get("TRAINERD_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "trainerd"))
+        weed = os.environ.get("TRAINERD_WEED", os.path.join(cache, "venv-s3", "bin", "weed"))
+        if not os.path.exists(weed):
+            sys.exit(f"no SeaweedFS at {weed} (run scripts/setup.sh --tests, or set TRAINERD_WEED)")
+        self.dir = tempfile.mkdtemp(prefix="trainerd-bench-s3-")
+        ports = []
+        while len(ports) < len(self.FLAGS):
+            # weed derives gRPC ports as port + 10000: both must be free.
+            p = free_port()
+            if p + 10000 < 65536 and p not in ports and self.free(p + 10000):
+                ports.append(p)
+        cmd = [weed, "mini", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-bucket=ckpt",
+               "-admin.ui=false", "-webdav=false", "-master.telemetry=false"]
+        cmd += [f"-{flag}={port}" for flag, port in zip(self.FLAGS, ports)]
+        self.endpoint = f"http://127.0.0.1:{ports[3]}"
+        log = open(os.path.join(self.dir, "weed.log"), "w")
+        self.p = subprocess.Popen(cmd, env={**os.environ, **self.env()}, stdout=log, stderr=log)
+        deadline = time.time() + 60
+        while subprocess.run([os.path.join(TARGET, "trainerd"), "ckpt", "list", "s3://ckpt/ready"],
+                             env={**os.environ, **self.env()}, capture_output=True).returncode != 0:
+            if time.time() > deadline or self.p.poll() is not None:
+                sys.exit(f"the S3 test server did not answer: see {self.dir}/weed.log")
+            time.sleep(0.5)
+
+    @staticmethod
+    def free(port):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    def env(self):
+        return {"AWS_ACCESS_KEY_ID": self.KEY, "AWS_SECRET_ACCESS_KEY": self.SECRET, "AWS_REGION": "us-east-1",
+                "AWS_ENDPOINT_URL": self.endpoint}
+
+    def stop(self):
+        self.p.terminate()
+        self.p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def trainerd(steps, batch, sharded, s3=None):
+    """One trainerd run of 1 epoch of `steps` steps, committed at its end (on local disk, or to
+    `s3`): per-worker figures."""
     with tempfile.TemporaryDirectory() as d:
         summary = os.path.join(d, "s.json")
+        location = f"s3://ckpt/bench-{uuid.uuid4()}" if s3 else os.path.join(d, "ckpt")
         cmd = [os.path.join(TARGET, "trainerd"), "local", "--workers", str(WORKERS), "--restart-delay", "0",
                "--plugin", os.path.join(TARGET, "libpython_model.so"), "--plugin-arg", f"module={MODULE}",
                "--data", DATA, "--epochs", "1", "--steps-per-epoch", str(steps), "--batch-size", str(batch),
                "--threads", "1", "--optimizer", "adam", "--lr", str(LR), "--no-evaluation",
-               "--checkpoint-dir", os.path.join(d, "ckpt"), "--summary", summary]
+               "--checkpoint-dir", location, "--summary", summary]
         if sharded:
             cmd.append("--shard-optimizer")
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(s3.env() if s3 else {})})
         if out.returncode != 0:
             sys.exit(f"trainerd failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         commits = re.findall(r"checkpoint \d+ committed to .* \(step \d+, [\d.]+ MB, ([\d.]+)s\)", out.stdout)
@@ -161,18 +215,27 @@ def main():
     if a.peer:
         return peer(a.peer, a.rank, a.port, a.steps, a.batch, a.warmup, a.out)
     runs = {"trainerd": [], "trainerd --shard-optimizer": [], "DDP + ZeroRedundancyOptimizer": [], "DDP": []}
-    for i in range(a.runs):
-        print(f"run {i + 1}/{a.runs}", flush=True)
-        runs["trainerd"].append(trainerd(a.steps, a.batch, False))
-        runs["trainerd --shard-optimizer"].append(trainerd(a.steps, a.batch, True))
-        runs["DDP + ZeroRedundancyOptimizer"].append(pytorch("zero", a.steps, a.batch, a.warmup))
-        runs["DDP"].append(pytorch("ddp", a.steps, a.batch, a.warmup))
+    s3_commits = {"trainerd": [], "trainerd --shard-optimizer": []}
+    s3 = S3()
+    try:
+        for i in range(a.runs):
+            print(f"run {i + 1}/{a.runs}", flush=True)
+            runs["trainerd"].append(trainerd(a.steps, a.batch, False))
+            runs["trainerd --shard-optimizer"].append(trainerd(a.steps, a.batch, True))
+            runs["DDP + ZeroRedundancyOptimizer"].append(pytorch("zero", a.steps, a.batch, a.warmup))
+            runs["DDP"].append(pytorch("ddp", a.steps, a.batch, a.warmup))
+            # The same commit to the S3 test server (a short run: only its commit is read).
+            for name, sharded in (("trainerd", False), ("trainerd --shard-optimizer", True)):
+                s3_commits[name].append(trainerd(min(a.steps, 5), a.batch, sharded, s3)["commit"])
+    finally:
+        s3.stop()
     mb = lambda b: f"{b / 1e6:,.0f}"
     print(f"\n{WORKERS} workers, bench/wide_mlp.py (25.8 M parameters), Adam, batch {a.batch} per worker, "
           f"{a.steps} steps, 1 thread each; medians of {a.runs} run(s)")
     print(f"| {'':30} | optimizer state MB per worker (max) | peak RSS MB per worker (max) | "
-          f"peak RSS MB of the others than the committer (max) | examples/s | commit s (local disk) |")
-    print(f"|{'-' * 32}|---|---|---|---|---|")
+          f"peak RSS MB of the others than the committer (max) | examples/s | commit s (local disk) | "
+          f"commit s (S3 test server) |")
+    print(f"|{'-' * 32}|---|---|---|---|---|---|")
     figures = {}
     for name, rs in runs.items():
         state = statistics.median(max(r["state"]) for r in rs)
@@ -182,7 +245,8 @@ def main():
         rate = statistics.median(r["rate"] for r in rs)
         commit = statistics.median(r["commit"] for r in rs if r["commit"] is not None)
         figures[name] = (state, rss, rate, commit)
-        print(f"| {name:30} | {mb(state)} | {mb(rss)} | {mb(others)} | {rate:,.0f} | {commit:.2f} |")
+        on_s3 = f"{statistics.median(s3_commits[name]):.2f}" if name in s3_commits else "-"
+        print(f"| {name:30} | {mb(state)} | {mb(rss)} | {mb(others)} | {rate:,.0f} | {commit:.2f} | {on_s3} |")
     (s0, r0, e0, c0), (s1, r1, e1, c1) = figures["trainerd"], figures["trainerd --shard-optimizer"]
     _, rz, ez, _ = figures["DDP + ZeroRedundancyOptimizer"]
     print(f"\nsharded / unsharded trainerd: optimizer state {s1 / s0:.2f}x (goal at most 0.55x), "
