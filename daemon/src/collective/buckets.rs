@@ -33,6 +33,15 @@ pub(crate) struct Buckets {
 }
 
 /// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
+/// The staging buffer in `slot`, made (zeros: on `home`'s device when `on_device`, else in host
+/// memory, pinned for a CUDA `home`) unless it holds `len` elements already.
+fn buffer_of(slot: &mut Option<Tensor>, len: usize, (home, on_device): (Device, bool)) -> &mut Tensor {
+    if slot.as_ref().is_none_or(|t| t.numel() != len) {
+        *slot = Some(if on_device { Tensor::zeros([len as i64], (Kind::Float, home)) } else { host_buffer(len, home) });
+    }
+    slot.as_mut().expect("made above")
+}
+
 fn host_buffer(len: usize, device: Device) -> Tensor {
     let t = Tensor::zeros([len as i64], (Kind::Float, Device::Cpu));
     if device.is_cuda() {
@@ -96,10 +105,7 @@ impl Buckets {
     /// replica's parameters are.
     pub(crate) fn stage(&mut self, i: usize, params: &[(String, Tensor)], extra: &[f32]) {
         let _no_grad = tch::no_grad_guard();
-        while self.staging.len() <= i {
-            self.staging.push(self.groups.iter().map(|_| None).collect());
-            self.extras.push(0);
-        }
+        self.slots_up_to(i + 1);
         self.extras[i] = extra.len();
         let used: Vec<bool> = params.iter().map(|(_, p)| p.grad().defined()).collect();
         let mut tail: Vec<f32> = extra.to_vec();
@@ -112,16 +118,8 @@ impl Buckets {
                 group.iter().map(|&i| used[i].then(|| params[i].1.grad().detach().view(-1))).collect();
             let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
             let grads_len: usize = numels.iter().sum();
-            let staging = &mut self.staging[i][b];
-            if staging.as_ref().is_none_or(|t| t.numel() != grads_len + riding.len()) {
-                let len = grads_len + riding.len();
-                *staging = Some(if self.on_device {
-                    Tensor::zeros([len as i64], (Kind::Float, self.home))
-                } else {
-                    host_buffer(len, self.home)
-                });
-            }
-            let buffer = staging.as_mut().expect("made above");
+            let (home, on_device) = (self.home, self.on_device);
+            let buffer = buffer_of(&mut self.staging[i][b], grads_len + riding.len(), (home, on_device));
             stage_in(buffer, &grads, &numels, device);
             if self.on_device {
                 if !riding.is_empty() {
@@ -313,23 +311,26 @@ impl Buckets {
     /// used-flag per parameter) and filled with `value`: -0.0 leaves whatever a single slot
     /// writes over it unchanged by a sum over the slots.
     pub(crate) fn fill(&mut self, held: usize, params: &[(String, Tensor)], extra_len: usize, value: f32) {
-        while self.staging.len() < held {
-            self.staging.push(self.groups.iter().map(|_| None).collect());
-            self.extras.push(0);
-        }
+        assert!(!self.on_device, "host buffers only");
+        self.slots_up_to(held);
         let last = self.groups.len() - 1;
         for i in 0..held {
             self.extras[i] = extra_len;
             for (b, group) in self.groups.iter().enumerate() {
                 let tail = if b == last { extra_len + params.len() } else { 0 };
                 let len = group.iter().map(|&p| params[p].1.numel()).sum::<usize>() + tail;
-                let staging = &mut self.staging[i][b];
-                if staging.as_ref().is_none_or(|t| t.numel() != len) {
-                    *staging = Some(host_buffer(len, self.home));
-                }
+                let buffer = buffer_of(&mut self.staging[i][b], len, (self.home, false));
                 // SAFETY: as in `range_mut`.
-                unsafe { host_slice(staging.as_mut().expect("made above")) }.fill(value);
+                unsafe { host_slice(buffer) }.fill(value);
             }
+        }
+    }
+
+    /// Room for the buffers of `n` slots.
+    fn slots_up_to(&mut self, n: usize) {
+        while self.staging.len() < n {
+            self.staging.push(self.groups.iter().map(|_| None).collect());
+            self.extras.push(0);
         }
     }
 
