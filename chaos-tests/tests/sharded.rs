@@ -1,9 +1,11 @@
-//! Failures with the optimizer state sharded (`--shard-optimizer`), under a supervisor with
-//! systemd's semantics: a worker or the chief killed, a kill inside the all-gather of the new
-//! parameters and a worker gone for good send every member back to the last commit (no other
-//! member holds the lost ranges yet), a stop and a return lose nothing, and every worker ends
-//! with exactly the parameters of the failure-free run, sharded or not (the two are the same
-//! bits).
+//! Failures with the optimizer state sharded (`--shard-optimizer`) over 4 workers, under a
+//! supervisor with systemd's semantics (a killed worker restarts after 2 s): a worker or the
+//! chief killed, a kill inside the all-gather of the new parameters, the chief killed in the
+//! middle of a commit, a worker gone for good, a stop and a return lose no step (the lost
+//! worker's ranges come from their buddies); a worker lost together with its buddy, or every
+//! worker, sends every member back to the last commit, counting the steps; and every worker
+//! ends with exactly the parameters of the failure-free run, sharded or not (the two are the
+//! same bits).
 
 use std::path::Path;
 use std::time::Duration;
@@ -11,11 +13,11 @@ use std::time::Duration;
 use trainerd_testkit::{Cluster, Event, RunArgs};
 
 const DEADLINE: Duration = Duration::from_secs(240);
-const RESTART_SEC: Duration = Duration::from_millis(200);
-const WORKERS: usize = 3;
+const RESTART_SEC: Duration = Duration::from_secs(2);
+const WORKERS: usize = 4;
 const STEPS: u64 = 60;
 
-/// mnist-cnn on 3 workers, 2 epochs of 60 steps, checkpoints every 25 steps in `ckpt`.
+/// mnist-cnn on 4 workers, 2 epochs of 60 steps, checkpoints every 25 steps in `ckpt`.
 fn args(dir: &Path, ckpt: &Path, sharded: bool) -> RunArgs {
     let args = RunArgs::new("mnist-cnn")
         .epochs(2)
@@ -58,7 +60,7 @@ fn start(dir: &Path) -> Cluster {
 
 /// Every worker exited 0 with the failure-free run's parameters; the chief's summary.
 fn assert_finished_exactly(c: &mut Cluster, dir: &Path) -> serde_json::Value {
-    assert_finished_exactly_on(c, dir, &[0, 1, 2])
+    assert_finished_exactly_on(c, dir, &[0, 1, 2, 3])
 }
 
 /// Workers `ranks` exited 0 with the failure-free run's parameters, the others were killed for
@@ -76,71 +78,102 @@ fn assert_finished_exactly_on(c: &mut Cluster, dir: &Path, ranks: &[usize]) -> s
     summary(dir, 0)
 }
 
-/// Worker `rank`'s line saying every member goes back to the commit of step 25, after `mark`.
-fn assert_back_to_step_25(c: &mut Cluster, rank: usize, mark: usize) {
-    let (_, line) = c.wait_line(rank, "trainerd: the optimizer state was sharded over generation ", mark, DEADLINE);
-    assert!(line.contains("every member goes back to checkpoint "), "{line}");
-    assert!(line.contains(" at step 25 ("), "{line}\n{}", c.transcript());
-}
-
 fn steps_lost(s: &serde_json::Value) -> u64 {
     s["fault_tolerance"]["steps_lost"].as_u64().unwrap()
 }
 
-/// A worker SIGKILLed a few steps after the commit of step 25 became durable: every
-/// member says it goes back to that commit, the formation counts the steps it lost, and the run
-/// ends bit for bit the failure-free one.
+/// Worker `rank`'s line saying the ranges moved to the owners of the generation formed after
+/// `mark`: this worker holds some, and a buddy copy of its predecessor's.
+fn assert_moved(c: &mut Cluster, rank: usize, mark: usize) {
+    let (_, moved) = c.wait_line(rank, "trainerd: the sharded optimizer state moved to generation ", mark, DEADLINE);
+    assert!(moved.contains("'s owners: this worker holds "), "{moved}");
+    assert!(!moved.contains("holds 0 range(s)") && !moved.contains("buddy copy of 0,"), "{moved}");
+}
+
+/// The run ended exactly, no worker lost or trained again a step, and no member went back to a
+/// commit.
+fn assert_nothing_lost(c: &mut Cluster, dir: &Path, ranks: &[usize]) -> serde_json::Value {
+    let chief = assert_finished_exactly_on(c, dir, ranks);
+    for &rank in ranks {
+        let s = summary(dir, rank);
+        assert_eq!(steps_lost(&s), 0, "worker {rank}\n{}", c.transcript());
+        assert_eq!(s["fault_tolerance"]["steps_trained_again"].as_u64(), Some(0), "worker {rank}\n{}", c.transcript());
+    }
+    assert!(!c.transcript().contains("goes back to checkpoint"), "{}", c.transcript());
+    chief
+}
+
+/// A worker SIGKILLed a few steps after the commit of step 25: its ranges come from their
+/// buddies as the survivors form the next generation at once, it returns after 2 s and takes
+/// ranges back, and the run ends bit for bit the failure-free one without a step lost.
 fn killed_mid_epoch(rank: usize) {
     let tmp = tempfile::tempdir().unwrap();
     let mut c = start(tmp.path());
-    // Once the commit of step 25 is durable (a commit still in flight dies with a killed chief).
     c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
     c.wait_step(0, 28, DEADLINE);
     let mark = c.mark();
     c.signal(rank, libc::SIGKILL);
     let survivor = (rank + 1) % WORKERS;
-    assert_back_to_step_25(&mut c, survivor, mark);
-    let chief = assert_finished_exactly(&mut c, tmp.path());
+    assert_moved(&mut c, survivor, mark);
+    let chief = assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
     assert!(c.starts(rank) >= 2);
-    let lost = steps_lost(&summary(tmp.path(), survivor));
-    assert!(lost >= 1, "the steps since the commit are lost, and counted: {lost}\n{}", c.transcript());
-    assert!(chief["optimizer_state_bytes"].as_u64().unwrap() > 0);
+    // Its own quarter and a buddy copy of another: about half the state.
+    let held = chief["optimizer_state_bytes"].as_u64().unwrap();
+    assert!(held > 0, "{chief}");
 }
 
 #[test]
-fn a_worker_killed_sends_every_member_back_to_the_last_commit_and_the_run_ends_exactly() {
+fn a_worker_killed_loses_no_step_and_the_run_ends_exactly() {
     killed_mid_epoch(1);
 }
 
 #[test]
-fn the_chief_killed_sends_every_member_back_to_the_last_commit_and_the_run_ends_exactly() {
+fn the_chief_killed_loses_no_step_and_the_run_ends_exactly() {
     killed_mid_epoch(0);
 }
 
-/// A worker stopped inside step 30's all-gather of the new parameters, after its first hop (so
-/// that some members complete the step and others do not), then SIGKILLed: no member keeps a
-/// mixture of two steps; every member goes back to the commit of step 25, and the run ends exactly.
+/// A worker stopped inside step 30's all-gather of the new parameters, after its first hop, then
+/// SIGKILLed: the chief (which receives every range without the stopped worker's later hops)
+/// completes step 30, the others do not. The step goes forward: the members behind take the
+/// chief's parameters and store their ranges' state from the gradients they kept, the buddies
+/// carry the lost ranges, and no step is lost.
 #[test]
-fn a_kill_inside_the_all_gather_goes_back_to_the_last_commit_and_the_run_ends_exactly() {
+fn a_kill_inside_the_all_gather_completes_the_step_and_loses_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "sharded-all-gather@step=30".to_string())];
     let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
     let mut c = Cluster::start(WORKERS, &run, &[], vec![vec![], failpoint], RESTART_SEC);
-    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
     c.wait_line(1, "trainerd: failpoint sharded-all-gather reached", 0, DEADLINE);
     std::thread::sleep(Duration::from_millis(300));
     let mark = c.mark();
     c.signal(1, libc::SIGKILL);
-    assert_back_to_step_25(&mut c, 0, mark);
-    assert_back_to_step_25(&mut c, 2, mark);
-    let chief = assert_finished_exactly(&mut c, tmp.path());
-    assert!(steps_lost(&chief) >= 4, "steps 26 to 29 at least are lost, and counted\n{}", c.transcript());
+    let (_, forward) =
+        c.wait_line(2, "trainerd: step 30 completed on another member before the failure", mark, DEADLINE);
+    assert!(forward.ends_with("(the step goes forward)"), "{forward}");
+    assert_moved(&mut c, 0, mark);
+    assert_moved(&mut c, 3, mark);
+    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
 }
 
-/// The chief killed in the middle of its commit of step 50 (the blobs written, not the record): the
-/// cut commit never becomes visible, and every member goes back to the commit of step 25.
+/// A worker killed inside the buddy shift of step 30 (its clipped ranges on their way to the
+/// next worker): the step completes nowhere, and nothing is lost.
 #[test]
-fn the_chief_killed_in_the_middle_of_a_commit_goes_back_to_the_one_before_and_the_run_ends_exactly() {
+fn a_kill_inside_the_buddy_shift_loses_no_step_and_the_run_ends_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "buddy-shift@step=30".to_string())];
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
+    let mut c = Cluster::start(WORKERS, &run, &[], vec![vec![], vec![], failpoint], RESTART_SEC);
+    c.wait_line(2, "trainerd: failpoint buddy-shift reached", 0, DEADLINE);
+    let mark = c.mark();
+    c.signal(2, libc::SIGKILL);
+    assert_moved(&mut c, 3, mark);
+    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+}
+
+/// The chief killed in the middle of its commit of step 50 (the blobs written, not the record):
+/// the cut commit never becomes visible, and the survivors go on from the state they hold.
+#[test]
+fn the_chief_killed_in_the_middle_of_a_commit_loses_no_step_and_the_run_ends_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "commit-before-record@2".to_string())];
     let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
@@ -148,14 +181,14 @@ fn the_chief_killed_in_the_middle_of_a_commit_goes_back_to_the_one_before_and_th
     c.wait_line(0, "trainerd: failpoint commit-before-record reached", 0, DEADLINE);
     let mark = c.mark();
     c.signal(0, libc::SIGKILL);
-    assert_back_to_step_25(&mut c, 1, mark);
-    assert_finished_exactly(&mut c, tmp.path());
+    assert_moved(&mut c, 1, mark);
+    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
 }
 
-/// A worker killed for good: the two others go back to the commit of step 25, go on without it
-/// (its slot moves to them), and end exactly.
+/// A worker killed for good: the three others go on without it at once (its slot and ranges
+/// move to them), and end exactly, without a step lost.
 #[test]
-fn a_worker_gone_for_good_sends_the_others_back_to_the_last_commit_and_they_end_exactly() {
+fn a_worker_gone_for_good_loses_no_step_and_the_others_end_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let mut c = start(tmp.path());
     c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
@@ -163,14 +196,37 @@ fn a_worker_gone_for_good_sends_the_others_back_to_the_last_commit_and_they_end_
     c.hold(2);
     let mark = c.mark();
     c.signal(2, libc::SIGKILL);
-    assert_back_to_step_25(&mut c, 1, mark);
-    let chief = assert_finished_exactly_on(&mut c, tmp.path(), &[0, 1]);
-    assert_eq!(chief["workers_present"].as_u64(), Some(2), "{chief}");
-    assert!(steps_lost(&chief) >= 1, "{}", c.transcript());
+    assert_moved(&mut c, 1, mark);
+    let chief = assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 3]);
+    assert_eq!(chief["workers_present"].as_u64(), Some(3), "{chief}");
 }
 
-/// Every worker killed after the commit of step 25, and only two of the three come back: after
-/// the rendezvous timeout they resume that commit (committed whole, sharded anew over two
+/// A worker and its buddy (the next worker) killed together after the commit of step 25: the
+/// ranges the first owned are held by no one, and every member says which and goes back to that
+/// commit, counting the steps lost; the run ends exactly.
+#[test]
+fn a_worker_lost_with_its_buddy_sends_every_member_back_to_the_last_commit_and_the_run_ends_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = start(tmp.path());
+    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
+    c.wait_step(0, 28, DEADLINE);
+    let mark = c.mark();
+    c.signal(1, libc::SIGKILL);
+    c.signal(2, libc::SIGKILL);
+    let (_, back) = c.wait_line(3, "trainerd: the optimizer state was sharded over generation ", mark, DEADLINE);
+    assert!(
+        back.contains(
+            " range(s) of the sharded optimizer state were lost with both their owner and their buddy (ranges "
+        ),
+        "{back}"
+    );
+    assert!(back.contains("every member goes back to checkpoint 1 at step 25 ("), "{back}\n{}", c.transcript());
+    let chief = assert_finished_exactly(&mut c, tmp.path());
+    assert!(steps_lost(&chief) >= 3, "steps 26 to 28 at least are lost, and counted\n{}", c.transcript());
+}
+
+/// Every worker killed after the commit of step 25, and only three of the four come back: after
+/// the rendezvous timeout they resume that commit (committed whole, sharded anew over three
 /// workers) and end exactly.
 #[test]
 fn a_resume_on_fewer_workers_ends_exactly() {
@@ -183,13 +239,13 @@ fn a_resume_on_fewer_workers_ends_exactly() {
     for rank in 0..WORKERS {
         c.signal(rank, libc::SIGKILL);
     }
-    let chief = assert_finished_exactly_on(&mut c, tmp.path(), &[0, 1]);
-    assert_eq!(chief["workers_present"].as_u64(), Some(2), "{chief}");
+    let chief = assert_finished_exactly_on(&mut c, tmp.path(), &[0, 1, 3]);
+    assert_eq!(chief["workers_present"].as_u64(), Some(3), "{chief}");
     assert!(c.transcript().contains("checkpoint 1"), "{}", c.transcript());
 }
 
 /// A worker stopped (SIGTERM) and brought back: the stop makes the state whole first, the return
-/// moves the ranges to their new owners as the generation forms, so nothing is lost.
+/// moves the ranges to their new owners and buddies as the generation forms, so nothing is lost.
 #[test]
 fn a_stop_and_a_return_lose_nothing() {
     let tmp = tempfile::tempdir().unwrap();
@@ -202,27 +258,21 @@ fn a_stop_and_a_return_lose_nothing() {
     let mark = c.mark();
     c.bring_back(2);
     // The return: the returner receives the model alone, and the ranges move to it.
-    let (_, moved) = c.wait_line(2, "trainerd: the sharded optimizer state moved to generation ", mark, DEADLINE);
-    assert!(moved.contains("'s owners: this worker holds "), "{moved}");
-    assert!(!moved.contains("holds 0 range(s)"), "{moved}");
-    let chief = assert_finished_exactly(&mut c, tmp.path());
-    for rank in 0..WORKERS {
-        assert_eq!(steps_lost(&summary(tmp.path(), rank)), 0, "worker {rank}\n{}", c.transcript());
-    }
-    assert!(!c.transcript().contains("goes back to checkpoint"), "{}", c.transcript());
-    assert_eq!(steps_lost(&chief), 0);
+    assert_moved(&mut c, 2, mark);
+    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
 }
 
-/// A worker killed before the first commit: no member holds the lost ranges and there is no
-/// commit, so the members that find nothing say so and exit; restarted, the run starts over from
-/// step 0 and still ends exactly.
+/// A worker and its buddy killed before the first commit: no member holds their ranges and there
+/// is no commit, so the members that find nothing say so and exit; restarted, the run starts over
+/// from step 0 and still ends exactly.
 #[test]
-fn a_loss_before_any_commit_starts_the_run_over_and_ends_exactly() {
+fn a_double_loss_before_any_commit_starts_the_run_over_and_ends_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let mut c = start(tmp.path());
     c.wait_step(0, 5, DEADLINE);
     let mark = c.mark();
     c.signal(1, libc::SIGKILL);
+    c.signal(2, libc::SIGKILL);
     let (_, line) = c.wait_line(0, "error: the sharded optimizer state is lost (generation ", mark, DEADLINE);
     assert!(line.ends_with("no member found a commit to go back to: the run starts over"), "{line}");
     assert_finished_exactly(&mut c, tmp.path());

@@ -269,8 +269,8 @@ fn shardable(devices: &[tch::Device], uncommitted: bool) -> anyhow::Result<()> {
     }
     if uncommitted {
         anyhow::bail!(
-            "--shard-optimizer needs --checkpoint-dir: a worker lost with its ranges of the optimizer state sends the \
-             cluster back to the last commit (no other member holds a copy of them yet)"
+            "--shard-optimizer needs --checkpoint-dir: a worker lost together with its buddy (the next worker) takes \
+             their ranges of the optimizer state with them, and the cluster goes back to the last commit"
         );
     }
     Ok(())
@@ -330,7 +330,8 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_n
     if cfg.shard_optimizer && cfg.cluster.as_ref().is_some_and(|c| c.world_size() > 1) {
         progress.line(
             "trainerd: optimizer state sharded over the workers (ZeRO stage 1): each keeps the state of the gradient \
-             ranges it reduces; a worker lost sends the cluster back to the last commit",
+             ranges it reduces and a buddy copy of the previous worker's, so that a worker lost costs no step (a \
+             worker lost with its buddy sends the cluster back to the last commit)",
         );
     }
     if cfg.cluster.is_some() {

@@ -183,6 +183,13 @@ pub trait Collective: Send + std::fmt::Debug {
         let _ = bufs;
         Err(CollectiveError::Unsupported { op: "all-gather" })
     }
+    /// Sends `send` (host values) to the next worker of the generation's ring while receiving the
+    /// previous worker's into `recv`, whose length both know: how an owner's ranges of a sharded
+    /// optimizer reach their buddy. Only with two workers or more.
+    fn shift_to_next(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CollectiveError> {
+        let _ = (send, recv);
+        Err(CollectiveError::Unsupported { op: "shift" })
+    }
     /// Reduces host values over every slot of the run (one buffer per slot held here, in slot
     /// order, of equal lengths), as [`Collective::all_reduce_buffers`] does; the result in
     /// `bufs[0]`.

@@ -26,7 +26,10 @@ pub(crate) struct Piece {
     pub(crate) len: usize,
 }
 
-/// One owned range: its pieces and its state.
+/// Where a piece's current parameter values come from.
+pub(crate) type Values<'a> = &'a dyn Fn(&Piece) -> Vec<f32>;
+
+/// One held range (owned, or a buddy copy): its pieces and its state.
 #[derive(Debug)]
 struct Shard {
     /// The range's place among every range of the run, in (bucket, range) order.
@@ -37,10 +40,17 @@ struct Shard {
     state: Vec<Vec<f32>>,
 }
 
-/// The state of the ranges this member owns.
+/// The ranges a member holds the state of, each its index among the run's ranges and its
+/// pieces: those it owns (updates and gathers), and those it keeps a buddy copy of (its
+/// predecessor's in ring order, updated alike so that they survive their owner).
+pub(crate) type Held<'a> = (&'a [(usize, Vec<Piece>)], &'a [(usize, Vec<Piece>)]);
+
+/// The state of the ranges this member owns, then of those it keeps for its predecessor.
 #[derive(Debug)]
 pub(crate) struct ShardedOptimizer {
     config: OptimizerConfig,
+    /// How many of `shards` (the first) this member owns; the rest are buddy copies.
+    own: usize,
     /// The state tensors' names, per parameter, in the order of the rule's state arrays.
     slot_names: Vec<&'static str>,
     /// Each parameter's weight decay (its group's).
@@ -49,6 +59,23 @@ pub(crate) struct ShardedOptimizer {
     /// Per parameter: whether it has had a gradient (SGD makes its momentum buffer then).
     started: Vec<bool>,
     steps: u64,
+    /// The step after `steps` when its collectives failed between this member's update of its
+    /// ranges and the storing of their state: what storing it needs, should another member
+    /// have completed it (docs/fault-tolerance.md, "A step that fails partway").
+    pending: Option<Pending>,
+}
+
+/// A step cut short after the update was computed and before any state was stored.
+#[derive(Debug)]
+struct Pending {
+    /// Per held range (in [`ShardedOptimizer::held`]'s order), its clipped gradient; a buddy
+    /// copy's is missing when the shift that brings it did not complete.
+    grads: Vec<Option<Vec<f32>>>,
+    /// Each held piece's parameter values before the update, by (parameter, offset).
+    params: std::collections::HashMap<(usize, usize), Vec<f32>>,
+    /// Per parameter, whether any slot had a gradient for it.
+    used: Vec<bool>,
+    lr: f64,
 }
 
 /// The state names of `config`'s rule, in the rule's order (as [`Optimizer::state`] names them).
@@ -76,25 +103,26 @@ fn slot_names(config: &OptimizerConfig) -> Vec<&'static str> {
 }
 
 impl ShardedOptimizer {
-    /// Zero state for the ranges `owned` (each its index among the run's ranges and its pieces)
-    /// of `params`.
-    pub(crate) fn new(config: OptimizerConfig, params: &[(String, Tensor)], owned: &[(usize, Vec<Piece>)]) -> Self {
+    /// Zero state for the ranges `held` (owned, then buddy copies) of `params`.
+    pub(crate) fn new(config: OptimizerConfig, params: &[(String, Tensor)], (owned, buddied): Held) -> Self {
         let slot_names = slot_names(&config);
         let shards = owned
             .iter()
+            .chain(buddied)
             .map(|(index, pieces)| {
                 let len = pieces.iter().map(|p| p.len).sum();
                 Shard { index: *index, pieces: pieces.clone(), state: vec![vec![0.0; len]; slot_names.len()] }
             })
             .collect();
         let decay = optimizer::weight_decays(&config, params);
-        ShardedOptimizer { config, slot_names, decay, shards, started: vec![false; params.len()], steps: 0 }
+        let started = vec![false; params.len()];
+        ShardedOptimizer { config, own: owned.len(), slot_names, decay, shards, started, steps: 0, pending: None }
     }
 
-    /// The shard of `full`'s state (an unsharded optimizer's, of the same parameters): what a
-    /// member owning `owned` holds after the same steps.
-    pub(crate) fn of(full: &Optimizer, params: &[(String, Tensor)], owned: &[(usize, Vec<Piece>)]) -> Self {
-        let mut sharded = ShardedOptimizer::new(full.config().clone(), params, owned);
+    /// The shards of `full`'s state (an unsharded optimizer's, of the same parameters): what a
+    /// member holding `held` holds after the same steps.
+    pub(crate) fn of(full: &Optimizer, params: &[(String, Tensor)], held: Held) -> Self {
+        let mut sharded = ShardedOptimizer::new(full.config().clone(), params, held);
         let state: std::collections::HashMap<String, Tensor> = full.state().into_iter().collect();
         let find =
             |param: usize, slot: &str| state.get(&format!("{}/{slot}", params[param].0)).map(Tensor::shallow_clone);
@@ -133,20 +161,33 @@ impl ShardedOptimizer {
 
     /// The owned ranges' indices among the run's ranges, in order.
     pub(crate) fn owned(&self) -> Vec<usize> {
+        self.shards[..self.own].iter().map(|s| s.index).collect()
+    }
+
+    /// The ranges this member keeps a buddy copy of, in order (their places among its shards
+    /// follow the owned ones').
+    pub(crate) fn buddied(&self) -> Vec<usize> {
+        self.shards[self.own..].iter().map(|s| s.index).collect()
+    }
+
+    /// Every range whose state this member holds: owned, then buddy copies (the places
+    /// [`ShardedOptimizer::values`] takes).
+    pub(crate) fn held(&self) -> Vec<usize> {
         self.shards.iter().map(|s| s.index).collect()
     }
 
-    /// Bytes of optimizer state this member holds.
+    /// Bytes of optimizer state this member holds, buddy copies included.
     pub(crate) fn state_bytes(&self) -> u64 {
         self.shards.iter().flat_map(|s| &s.state).map(|a| a.len() as u64 * 4).sum()
     }
 
-    /// Every owned piece's state, as (state name, piece, values): how a whole state is put
-    /// together from every member's.
+    /// Every owned piece's state (`buddies`: every buddy copy's), as (state name, piece,
+    /// values): how a whole state is put together from every member's.
     #[cfg(test)]
-    pub(crate) fn pieces(&self) -> Vec<(&'static str, &Piece, &[f32])> {
+    pub(crate) fn pieces(&self, buddies: bool) -> Vec<(&'static str, &Piece, &[f32])> {
         let mut out = Vec::new();
-        for shard in &self.shards {
+        let shards = if buddies { &self.shards[self.own..] } else { &self.shards[..self.own] };
+        for shard in shards {
             for (k, slot) in self.slot_names.iter().enumerate() {
                 for piece in &shard.pieces {
                     if !self.has(piece.param, slot) {
@@ -170,7 +211,8 @@ impl ShardedOptimizer {
         !(slot == "momentum_buffer" && matches!(self.config, OptimizerConfig::Sgd { .. }) && !self.started[param])
     }
 
-    /// Owned range `shard`'s values of state array `k` (over its gradient elements).
+    /// Held range `shard`'s values (its place in [`ShardedOptimizer::held`]) of state array `k`
+    /// (over its gradient elements).
     pub(crate) fn values(&self, shard: usize, k: usize) -> &[f32] {
         &self.shards[shard].state[k]
     }
@@ -195,16 +237,53 @@ impl ShardedOptimizer {
     /// Counts the step about to be updated (its rules use the new count).
     pub(crate) fn begin_step(&mut self) {
         self.steps += 1;
+        self.pending = None;
     }
 
-    /// After both passes of every owned range: the parameters that had a gradient (`used`) have
+    /// A step whose collectives failed after [`ShardedOptimizer::begin_step`] and before any
+    /// state was stored: uncounted (every held range stays at the step before), and what storing
+    /// it would need kept, should another member have completed it: each held range's clipped
+    /// gradient (`grads`, in [`ShardedOptimizer::held`]'s order; `None` for a buddy copy whose
+    /// shift failed) and each held piece's `param` values before the update.
+    pub(crate) fn cut_short(
+        &mut self,
+        grads: Vec<Option<Vec<f32>>>,
+        param: &dyn Fn(&Piece) -> Vec<f32>,
+        (used, lr): (&[bool], f64),
+    ) {
+        self.steps -= 1;
+        let params = self.shards.iter().flat_map(|s| &s.pieces).map(|p| ((p.param, p.offset), param(p))).collect();
+        self.pending = Some(Pending { grads, params, used: used.to_vec(), lr });
+    }
+
+    /// Whether the step after this state's was cut short here with every held range's gradient
+    /// kept: it can be completed ([`ShardedOptimizer::go_forward`]).
+    pub(crate) fn can_go_forward(&self) -> bool {
+        self.pending.as_ref().is_some_and(|p| p.grads.iter().all(Option::is_some))
+    }
+
+    /// Completes the step cut short here, as another member completed it: every held range's
+    /// state stored from its kept gradient and parameters, the same arithmetic as the step's
+    /// (so the same bits).
+    pub(crate) fn go_forward(&mut self) {
+        let Pending { grads, params, used, lr } = self.pending.take().expect("a step cut short");
+        self.begin_step();
+        let current = |piece: &Piece| params[&(piece.param, piece.offset)].clone();
+        for (shard, grads) in grads.iter().enumerate() {
+            let grads = grads.as_deref().expect("every held range's gradient");
+            self.update(shard, (grads, None), &current, &used, (lr, Write::State));
+        }
+        self.end_step(&used);
+    }
+
+    /// After both passes of every held range: the parameters that had a gradient (`used`) have
     /// started (SGD's momentum buffer exists from now on).
     pub(crate) fn end_step(&mut self, used: &[bool]) {
         self.started.iter_mut().zip(used).for_each(|(s, &u)| *s |= u);
     }
 
-    /// One pass of the update of owned range `shard` (its place among this member's ranges, as
-    /// [`ShardedOptimizer::owned`] lists them) at rate `lr`: `grads` its (clipped, averaged)
+    /// One pass of the update of held range `shard` (its place among this member's ranges, as
+    /// [`ShardedOptimizer::held`] lists them) at rate `lr`: `grads` its (clipped, averaged)
     /// gradient elements, `param` each piece's current values, `used` per parameter whether any
     /// slot had a gradient for it. The new parameters go into `out` (the range's elements in the
     /// buffer the all-gather carries; a piece of an unused parameter gets its current values);
@@ -234,6 +313,78 @@ impl ShardedOptimizer {
             let mut state: Vec<&mut [f32]> = shard.state.iter_mut().map(|a| &mut a[span.clone()]).collect();
             let target = out.as_deref_mut().map(|o| &mut o[span.clone()]);
             rule.apply((&mut values, target), &grads[span.clone()], &mut state, first, write);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(o: &ShardedOptimizer) -> Vec<Vec<u32>> {
+        let mut out = Vec::new();
+        for shard in 0..o.held().len() {
+            for k in 0..o.slot_names().len() {
+                out.push(o.values(shard, k).iter().map(|x| x.to_bits()).collect());
+            }
+        }
+        out
+    }
+
+    /// A step cut short after its update was computed, then completed from what was kept (the
+    /// gradients, the parameters before the update), stores bit for bit what the uninterrupted
+    /// step stores, owned ranges and buddy copies alike, for each optimizer; one whose buddy
+    /// gradient never arrived cannot go forward.
+    #[test]
+    fn a_step_cut_short_goes_forward_to_the_same_bits() {
+        let params: Vec<(String, Tensor)> = vec![
+            ("a".into(), Tensor::from_slice(&[0.5f32, -1.0, 2.0, 0.25])),
+            ("b".into(), Tensor::from_slice(&[1.5f32, -0.5])),
+        ];
+        let owned =
+            vec![(0, vec![Piece { param: 0, offset: 1, at: 0, len: 3 }, Piece { param: 1, offset: 0, at: 3, len: 2 }])];
+        let buddied = vec![(1, vec![Piece { param: 0, offset: 0, at: 0, len: 1 }])];
+        let configs = [
+            OptimizerConfig::Adam { lr: 0.1, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 0.01 },
+            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.9, dampening: 0.0, weight_decay: 1e-3, nesterov: true },
+            OptimizerConfig::Rmsprop {
+                lr: 0.01,
+                alpha: 0.9,
+                eps: 1e-7,
+                momentum: 0.5,
+                weight_decay: 1e-3,
+                centered: true,
+            },
+        ];
+        let values = |p: &Piece| -> Vec<f32> {
+            let all = Vec::<f32>::try_from(&params[p.param].1).unwrap();
+            all[p.offset..p.offset + p.len].to_vec()
+        };
+        let used = [true, true];
+        for config in configs {
+            let make = || ShardedOptimizer::new(config.clone(), &params, (&owned, &buddied));
+            let (mut straight, mut cut) = (make(), make());
+            for step in 0..3 {
+                let grads: Vec<Vec<f32>> =
+                    [5, 1].iter().map(|&n| (0..n).map(|e| ((e * 3 + step * 7) as f32).sin()).collect()).collect();
+                straight.begin_step();
+                for (shard, g) in grads.iter().enumerate() {
+                    straight.update(shard, (g, None), &values, &used, (0.1, Write::State));
+                }
+                straight.end_step(&used);
+                cut.begin_step();
+                let mut out = vec![0.0f32; 5];
+                cut.update(0, (&grads[0], Some(&mut out)), &values, &used, (0.1, Write::Params));
+                cut.cut_short(grads.iter().cloned().map(Some).collect(), &values, (&used, 0.1));
+                assert_eq!(cut.steps(), step as u64, "{config:?}: uncounted until it goes forward");
+                assert!(cut.can_go_forward());
+                cut.go_forward();
+                assert_eq!(cut.steps(), straight.steps());
+                assert_eq!(bits(&cut), bits(&straight), "{config:?}, step {step}");
+            }
+            cut.begin_step();
+            cut.cut_short(vec![Some(vec![0.0; 5]), None], &values, (&used, 0.1));
+            assert!(!cut.can_go_forward(), "the buddy copy's gradient is missing");
         }
     }
 }

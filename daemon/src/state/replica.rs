@@ -315,12 +315,15 @@ impl TrainState {
             .collect::<Result<_, StateError>>()?;
         if optim.is_empty() && !matches!(self.optimizer, Optim::Whole(_)) {
             // A sharded run's: at its start, the optimizer has no state yet; later, it holds no
-            // range until the formation moves this member's to it.
+            // range until the formation moves this member's to it. A member that holds ranges
+            // keeps them (the formation moves them, or finds them a step behind).
             let config = self.optimizer.config().clone();
-            self.optimizer = match position.global_step {
-                0 => Optim::Fresh(config),
-                _ => Optim::Sharded(ShardedOptimizer::new(config, &self.model.params, &[])),
-            };
+            self.optimizer =
+                match (position.global_step, std::mem::replace(&mut self.optimizer, Optim::Fresh(config.clone()))) {
+                    (_, Optim::Sharded(held)) => Optim::Sharded(held),
+                    (0, _) => Optim::Fresh(config),
+                    _ => Optim::Sharded(ShardedOptimizer::new(config, &self.model.params, (&[], &[]))),
+                };
             self.model.take(position);
             return Ok(());
         }

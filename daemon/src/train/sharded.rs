@@ -7,10 +7,11 @@ use tch::{Device, Kind, Tensor};
 use trainerd_storage::TensorData;
 
 use crate::collective::buckets::{owned, Buckets, Range};
-use crate::collective::{Collective, CollectiveError, ReduceOp};
+use crate::collective::slots::assign;
+use crate::collective::{Collective, CollectiveError, ReduceOp, Slots};
 use crate::optim::clip::{self, Clip};
 use crate::optim::elementwise::Write;
-use crate::optim::sharded::{Piece, ShardedOptimizer};
+use crate::optim::sharded::{Piece, ShardedOptimizer, Values};
 use crate::state::host;
 
 /// What a sharded step gave, the same on every member.
@@ -40,8 +41,9 @@ pub(crate) fn reduce_and_update(
 ) -> Result<Stepped, CollectiveError> {
     let slots = collective.slots().clone();
     buckets.reduce_scatter(collective, ranges)?;
-    let mine = owned(ranges, &slots);
+    let (mine, buddied) = holding(ranges, collective);
     assert_eq!(mine, optimizer.owned(), "the optimizer owns the ranges of the slots held here");
+    assert_eq!(buddied, optimizer.buddied(), "and keeps its predecessor's");
     let tail_len = extra_len + params.len();
     let (small, not_finite) = global_facts((buckets, ranges), collective, &mine, (clip, loss_scale, tail_len))?;
     let tail: Vec<f32> = small[..tail_len].iter().map(|&x| x as f32).collect();
@@ -68,13 +70,47 @@ pub(crate) fn reduce_and_update(
         optimizer.update(shard, (&grads, Some(values)), &current, &used, (lr, Write::Params));
         kept.push(grads);
     }
-    buckets.all_gather(collective)?;
-    for (shard, grads) in kept.iter().enumerate() {
-        optimizer.update(shard, (grads, None), &current, &used, (lr, Write::State));
-    }
-    optimizer.end_step(&used);
+    complete((buckets, ranges), collective, optimizer, kept, (&current, &used, lr))?;
     buckets.write_params(params);
     Ok(Stepped { extra, grad_norm, finite: true })
+}
+
+/// The step's second half on this member: its owned ranges' clipped gradients (`kept`) shifted
+/// to the next worker for its buddy copies while its predecessor's arrive (before the all-gather,
+/// so that a member that completes the all-gather has them), the new parameters all-gathered,
+/// and only then every held range's state stored. A failure stores nothing and keeps what
+/// completing the step needs ([`ShardedOptimizer::cut_short`]), should another member have
+/// completed it.
+fn complete(
+    (buckets, ranges): (&mut Buckets, &[Range]),
+    collective: &mut dyn Collective,
+    optimizer: &mut ShardedOptimizer,
+    kept: Vec<Vec<f32>>,
+    (current, used, lr): (Values, &[bool], f64),
+) -> Result<(), CollectiveError> {
+    let lens: Vec<usize> = optimizer.buddied().iter().map(|&r| ranges[r].grads_len()).collect();
+    let mut theirs = vec![0.0f32; lens.iter().sum()];
+    let shifted = match lens.is_empty() {
+        true => Ok(()),
+        false => collective.shift_to_next(&kept.concat(), &mut theirs),
+    };
+    let (own, arrived) = (kept.len(), shifted.is_ok());
+    let mut grads = kept;
+    let mut at = 0;
+    for len in lens {
+        grads.push(theirs[at..at + len].to_vec());
+        at += len;
+    }
+    if let Err(e) = shifted.and_then(|()| buckets.all_gather(collective)) {
+        let grads = grads.into_iter().enumerate().map(|(i, g)| (i < own || arrived).then_some(g)).collect();
+        optimizer.cut_short(grads, current, (used, lr));
+        return Err(e);
+    }
+    for (shard, g) in grads.iter().enumerate() {
+        optimizer.update(shard, (g, None), current, used, (lr, Write::State));
+    }
+    optimizer.end_step(used);
+    Ok(())
 }
 
 /// The small all-reduce after the reduce-scatter: the tail, each range's sum of squares and a
@@ -160,54 +196,163 @@ pub(crate) fn gather_state(
     Ok(out)
 }
 
-/// A sharded optimizer's state moved to a generation's owners, where they changed (a return: the
-/// ranges follow the new generation's slots). Every member fills its buffers with -0.0, each
-/// range's one holder writes its values over them, and one reduce-scatter per state array
-/// leaves every range summed, so copied bit for bit, at its new owner; what every member has
-/// alike (the steps, SGD's started flags) comes from the holder of range 0 in one small
-/// all-reduce, which also counts each range's holders. `held` is this member's optimizer (a
-/// member without ranges holds none); `Ok(Err(ranges))` names the ranges no member holds.
+/// Why a sharded optimizer's state could not move to a generation's owners.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Unmoved {
+    /// These ranges (indices among the run's ranges) are held by no member: their owner and
+    /// buddy were both lost.
+    Lost(Vec<usize>),
+    /// The members holding ranges are not at one step (a step completed on some and not on
+    /// others): per place holding any, its optimizer's steps.
+    Apart(Vec<(usize, u64)>),
+}
+
+/// A sharded optimizer's state moved to a generation's owners and their buddies (a return, or a
+/// failure that the buddy copies outlive: the ranges follow the new generation's slots). One
+/// small all-reduce tells every member who holds which range and at which step; each range's
+/// writer is the lowest place holding it. Then per state array every member fills its buffers
+/// with -0.0, each writer writes its values over them, and one reduce-scatter leaves every range
+/// summed, so copied bit for bit, at its new owner, which shifts its ranges on to its buddy (the
+/// next worker). What every member has alike (the steps, SGD's started flags) comes from the
+/// first member at the furthest step. `held` is this member's optimizer (a member without ranges
+/// holds none).
+///
+/// A failure inside a step's all-gather can leave the holders one step apart: those that
+/// completed it stored the step, the others kept what storing it needs
+/// ([`ShardedOptimizer::cut_short`]). Then the step goes forward: each member behind stores it
+/// first. Returns the state moved, and whether this member went forward.
 pub(crate) fn reshard(
     (buckets, ranges, extra_len): (&mut Buckets, &[Range], usize),
     collective: &mut dyn Collective,
     params: &[(String, Tensor)],
-    held: &ShardedOptimizer,
-) -> Result<Result<ShardedOptimizer, Vec<usize>>, CollectiveError> {
+    held: &mut ShardedOptimizer,
+) -> Result<Result<(ShardedOptimizer, bool), Unmoved>, CollectiveError> {
     let slots = collective.slots().clone();
-    let holds = held.owned();
-    let (n, p) = (ranges.len(), params.len());
-    let mut facts = vec![0.0f64; n + 1 + p];
-    holds.iter().for_each(|&r| facts[r] = 1.0);
-    if holds.contains(&0) {
-        let (steps, started) = held.replicated();
-        facts[n] = steps as f64;
-        started.iter().enumerate().for_each(|(i, &s)| facts[n + 1 + i] = if s { 1.0 } else { 0.0 });
-    }
-    collective.all_reduce_workers(&mut facts, ReduceOp::Sum)?;
-    let missing: Vec<usize> = (0..n).filter(|&r| facts[r] == 0.0).collect();
+    let place = collective.rank();
+    let holds = held.held();
+    let Survey { writer, steps, forward, started } = survey(collective, held, (ranges.len(), params.len()))?;
+    let missing: Vec<usize> = (0..ranges.len()).filter(|&r| writer[r].is_none()).collect();
     if !missing.is_empty() {
-        return Ok(Err(missing));
+        return Ok(Err(Unmoved::Lost(missing)));
     }
-    let mine = owned(ranges, &slots);
-    let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, pieces(&ranges[r]))).collect();
-    let mut next = ShardedOptimizer::new(held.config().clone(), params, &pieces);
-    let started: Vec<bool> = facts[n + 1..].iter().map(|&s| s > 0.5).collect();
-    next.set_replicated(facts[n] as u64, &started);
+    let furthest = steps.iter().map(|&(_, s)| s).max().expect("range 0 is held");
+    let behind: Vec<usize> = steps.iter().filter(|&&(_, s)| s != furthest).map(|&(q, _)| q).collect();
+    if !(behind.iter().all(|&q| forward[q]) && steps.iter().all(|&(_, s)| s + 1 >= furthest)) {
+        return Ok(Err(Unmoved::Apart(steps)));
+    }
+    let went_forward = behind.contains(&place);
+    if went_forward {
+        held.go_forward();
+    }
+    let (mine, buddied) = holding(ranges, collective);
+    let mut next = ShardedOptimizer::new(
+        held.config().clone(),
+        params,
+        (&with_pieces(ranges, &mine), &with_pieces(ranges, &buddied)),
+    );
+    let first = steps.iter().find(|&&(_, s)| s == furthest).expect("a member at the furthest step").0;
+    next.set_replicated(furthest, &started[first]);
     for k in 0..held.slot_names().len() {
         buckets.fill(slots.len(), params, extra_len, -0.0);
         for (shard, &r) in holds.iter().enumerate() {
-            let values = held.values(shard, k);
-            buckets.range_mut(0, &ranges[r])[..values.len()].copy_from_slice(values);
+            if writer[r] == Some(place) {
+                let values = held.values(shard, k);
+                buckets.range_mut(0, &ranges[r])[..values.len()].copy_from_slice(values);
+            }
         }
         buckets.reduce_scatter_sums(collective)?;
+        let mut ours = Vec::new();
         for (shard, &r) in mine.iter().enumerate() {
             let moved = &buckets.owned_mut(&slots, &ranges[r])[..];
             let values = next.values_mut(shard, k);
             let len = values.len();
             values.copy_from_slice(&moved[..len]);
+            ours.extend_from_slice(values);
+        }
+        if !buddied.is_empty() {
+            to_buddy(collective, &mut next, (mine.len(), k), &ours)?;
         }
     }
-    Ok(Ok(next))
+    Ok(Ok((next, went_forward)))
+}
+
+/// State array `k` of this member's owned ranges (`ours`) shifted to its buddy while its
+/// predecessor's arrive, into `next`'s buddy copies (its shards from `own` on).
+fn to_buddy(
+    collective: &mut dyn Collective,
+    next: &mut ShardedOptimizer,
+    (own, k): (usize, usize),
+    ours: &[f32],
+) -> Result<(), CollectiveError> {
+    let shards = own..next.held().len();
+    let mut theirs = vec![0.0f32; shards.clone().map(|j| next.values(j, k).len()).sum()];
+    collective.shift_to_next(ours, &mut theirs)?;
+    let mut at = 0;
+    for j in shards {
+        let values = next.values_mut(j, k);
+        let len = values.len();
+        values.copy_from_slice(&theirs[at..at + len]);
+        at += len;
+    }
+    Ok(())
+}
+
+/// What a reshard needs to know of every member: per range the place that writes it (the lowest
+/// holding it; none: lost), and per place holding any range its optimizer's steps, whether it
+/// can complete the step after them, and its started flags.
+struct Survey {
+    writer: Vec<Option<usize>>,
+    steps: Vec<(usize, u64)>,
+    forward: Vec<bool>,
+    started: Vec<Vec<bool>>,
+}
+
+/// One small all-reduce over the workers for a [`Survey`] of `n` ranges and `p` parameters: each
+/// place writes its own row (a flag per range held, 1 + its steps (0: holds none), whether it
+/// can go forward, its started flags), zeros elsewhere, so the sum is every row.
+fn survey(
+    collective: &mut dyn Collective,
+    held: &ShardedOptimizer,
+    (n, p): (usize, usize),
+) -> Result<Survey, CollectiveError> {
+    let (world, place) = (collective.world(), collective.rank());
+    let (steps_at, forward_at, started_at, row) = (n, n + 1, n + 2, n + 2 + p);
+    let mut facts = vec![0.0f64; world * row];
+    let mine = &mut facts[place * row..(place + 1) * row];
+    let holds = held.held();
+    holds.iter().for_each(|&r| mine[r] = 1.0);
+    if !holds.is_empty() {
+        let (steps, started) = held.replicated();
+        mine[steps_at] = steps as f64 + 1.0;
+        mine[forward_at] = if held.can_go_forward() { 1.0 } else { 0.0 };
+        started.iter().enumerate().for_each(|(i, &s)| mine[started_at + i] = if s { 1.0 } else { 0.0 });
+    }
+    collective.all_reduce_workers(&mut facts, ReduceOp::Sum)?;
+    let rows: Vec<&[f64]> = facts.chunks(row).collect();
+    Ok(Survey {
+        writer: (0..n).map(|r| (0..world).find(|&q| rows[q][r] > 0.5)).collect(),
+        steps: (0..world).filter(|&q| rows[q][steps_at] > 0.5).map(|q| (q, rows[q][steps_at] as u64 - 1)).collect(),
+        forward: rows.iter().map(|r| r[forward_at] > 0.5).collect(),
+        started: rows.iter().map(|r| r[started_at..].iter().map(|&s| s > 0.5).collect()).collect(),
+    })
+}
+
+/// The ranges this member owns in the collective's generation (those its slots finish), and
+/// those it keeps a buddy copy of: its predecessor's in ring order (none alone).
+pub(crate) fn holding(ranges: &[Range], collective: &dyn Collective) -> (Vec<usize>, Vec<usize>) {
+    let (world, place, slots) = (collective.world(), collective.rank(), collective.slots());
+    let mine = owned(ranges, slots);
+    if world < 2 {
+        return (mine, Vec::new());
+    }
+    let present: Vec<usize> = (0..world).collect();
+    let before = Slots { count: slots.count, held: assign(slots.count, &present)[(place + world - 1) % world].clone() };
+    (mine, owned(ranges, &before))
+}
+
+/// `held`'s ranges with their pieces, for [`ShardedOptimizer::new`].
+pub(crate) fn with_pieces(ranges: &[Range], held: &[usize]) -> Vec<(usize, Vec<Piece>)> {
+    held.iter().map(|&r| (r, pieces(&ranges[r]))).collect()
 }
 
 /// The optimizer's pieces of `range`: its parameters' spans, as the buckets cut them.
@@ -278,8 +423,9 @@ mod tests {
 
     type Assembled = BTreeMap<(String, usize), Vec<(usize, Vec<u32>)>>;
 
-    /// A member's differences found, its unsharded state (bits by name), and its sharded pieces.
-    type Member = (Vec<String>, BTreeMap<String, Vec<u32>>, Assembled);
+    /// A member's differences found, its unsharded state (bits by name), and its sharded pieces:
+    /// owned, then its buddy copies.
+    type Member = (Vec<String>, BTreeMap<String, Vec<u32>>, [Assembled; 2]);
 
     /// Both modes on a ring of `world` workers over `v` slots, for `steps` steps; per member:
     /// whether every step's parameters, tail and norm were equal, the unsharded state (bits by
@@ -313,9 +459,9 @@ mod tests {
                 // Sharded.
                 let ranges = b_sharded.ranges(&sharded, v, 2);
                 let zero = zero.get_or_insert_with(|| {
-                    let mine = owned(&ranges, ring.slots());
-                    let owned: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, pieces(&ranges[r]))).collect();
-                    ShardedOptimizer::new(config.clone(), &sharded, &owned)
+                    let (mine, buddied) = holding(&ranges, ring);
+                    let held = (&with_pieces(&ranges, &mine)[..], &with_pieces(&ranges, &buddied)[..]);
+                    ShardedOptimizer::new(config.clone(), &sharded, held)
                 });
                 let stepped =
                     reduce_and_update((&mut b_sharded, &ranges), ring, &mut sharded, zero, (&clip, lr, None), 2)
@@ -344,13 +490,16 @@ mod tests {
                 differences.push("the gathered state is not the unsharded optimizer's".into());
             }
             let state = whole.into_iter().collect();
-            let mut pieces: Assembled = BTreeMap::new();
-            for (slot, piece, values) in zero.as_ref().unwrap().pieces() {
-                let name = format!("{}/{slot}", plain[piece.param].0);
-                let bits = values.iter().map(|x| x.to_bits()).collect();
-                pieces.entry((name, piece.param)).or_default().push((piece.offset, bits));
-            }
-            (differences, state, pieces)
+            let assemble = |buddies: bool| {
+                let mut pieces: Assembled = BTreeMap::new();
+                for (slot, piece, values) in zero.as_ref().unwrap().pieces(buddies) {
+                    let name = format!("{}/{slot}", plain[piece.param].0);
+                    let bits = values.iter().map(|x| x.to_bits()).collect();
+                    pieces.entry((name, piece.param)).or_default().push((piece.offset, bits));
+                }
+                pieces
+            };
+            (differences, state, [assemble(false), assemble(true)])
         })
     }
 
@@ -398,40 +547,51 @@ mod tests {
         ];
         for ((world, v), config, clip) in cases {
             let out = both_modes((world, v), &config, clip, 6);
-            let mut assembled: Assembled = BTreeMap::new();
-            for (differences, state, pieces) in &out {
+            for (differences, state, _) in &out {
                 assert!(differences.is_empty(), "{config:?} {clip:?} on {world} worker(s), {v} slots: {differences:?}");
                 assert_eq!(state, &out[0].1, "every member's unsharded state is the same");
-                for (key, parts) in pieces {
-                    assembled.entry(key.clone()).or_default().extend(parts.iter().cloned());
-                }
             }
-            let mut whole = BTreeMap::new();
-            for ((name, _), mut parts) in assembled {
-                parts.sort();
-                let mut bits = Vec::new();
-                for (offset, values) in parts {
-                    assert_eq!(offset, bits.len(), "{name}: the ranges cover it once, in order");
-                    bits.extend(values);
+            // The owned ranges put together are the unsharded state; so are the buddy copies
+            // (none alone).
+            for buddies in [false, true] {
+                let mut assembled: Assembled = BTreeMap::new();
+                for (_, _, pieces) in &out {
+                    for (key, parts) in &pieces[usize::from(buddies)] {
+                        assembled.entry(key.clone()).or_default().extend(parts.iter().cloned());
+                    }
                 }
-                whole.insert(name, bits);
+                if buddies && world == 1 {
+                    assert!(assembled.is_empty());
+                    continue;
+                }
+                let mut whole = BTreeMap::new();
+                for ((name, _), mut parts) in assembled {
+                    parts.sort();
+                    let mut bits = Vec::new();
+                    for (offset, values) in parts {
+                        assert_eq!(offset, bits.len(), "{name}: the ranges cover it once, in order");
+                        bits.extend(values);
+                    }
+                    whole.insert(name, bits);
+                }
+                let what = if buddies { "the buddy copies" } else { "the state" };
+                assert_eq!(whole, out[0].1, "{config:?} {clip:?} on {world} worker(s), {v} slots: {what}");
             }
-            assert_eq!(whole, out[0].1, "{config:?} {clip:?} on {world} worker(s), {v} slots: the state");
             assert!(clip.is_off() || out.iter().all(|o| o.0.is_empty()));
         }
     }
 
-    /// One member's view after a reshard: its new ranges, steps, started flags, and the
-    /// elements whose bits are not those written by their holder.
-    type Moved = (Vec<usize>, u64, Vec<bool>, Vec<(usize, usize, usize)>);
+    /// One member's view after a reshard: its owned and buddied ranges, steps, started flags, and
+    /// the elements whose bits are not those written by their holder.
+    type Moved = (Vec<usize>, Vec<usize>, u64, Vec<bool>, Vec<(usize, usize, usize)>);
 
-    /// A return: the ranges held by the last generation's members (ranks 0 and 1 of 3; rank 2
-    /// returns holding none) move to their owners in the new one, every value bit for bit (signed
-    /// zeros included), with the step count and SGD's started flags; a range no member holds is
-    /// named instead.
-    #[test]
-    fn a_reshard_moves_every_range_to_its_new_owner_bit_for_bit() {
-        let v = 4;
+    /// The ranges held by the last generation's members (`before`: the workers it had; a member
+    /// in `empty` holds none, as one that came back or lost its state) move to their owners and
+    /// buddies in a generation of 3, every value bit for bit (signed zeros included), with the
+    /// step count and SGD's started flags; or the reshard says why not. `ahead`: a member
+    /// whose optimizer is one step further.
+    fn reshard_on_3(before: usize, empty: &[usize], ahead: Option<usize>) -> Vec<Result<Moved, Unmoved>> {
+        let v = 6;
         let config = OptimizerConfig::Rmsprop {
             lr: 0.01,
             alpha: 0.9,
@@ -445,62 +605,76 @@ mod tests {
             1 => 0.0,
             _ => ((r * 1000 + k * 100 + e) as f32).sqrt() * -1.5,
         };
-        let run = |lose: bool| -> Vec<Result<Moved, Vec<usize>>> {
-            with_ring(3, |ring| {
-                let params = params();
-                let mut buckets = Buckets::new(&params, 64);
-                let ranges = buckets.ranges(&params, v, 2);
-                let before = assign(v, &[0, 1]);
-                let mine = match before.get(ring.rank()) {
-                    Some(held) if !(lose && ring.rank() == 1) => {
-                        owned(&ranges, &Slots { count: v, held: held.clone() })
-                    }
-                    _ => Vec::new(),
-                };
-                let owned_before: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, pieces(&ranges[r]))).collect();
-                let mut held = ShardedOptimizer::new(config.clone(), &params, &owned_before);
-                for (shard, &r) in mine.iter().enumerate() {
-                    for k in 0..3 {
-                        held.values_mut(shard, k).iter_mut().enumerate().for_each(|(e, x)| *x = value(r, k, e));
-                    }
+        with_ring(3, |ring| {
+            let params = params();
+            let mut buckets = Buckets::new(&params, 64);
+            let ranges = buckets.ranges(&params, v, 2);
+            let place = ring.rank();
+            let was: Vec<usize> = (0..before).collect();
+            let (mine, buddied) = if place < before && !empty.contains(&place) {
+                let layout = assign(v, &was);
+                let of = |q: usize| owned(&ranges, &Slots { count: v, held: layout[q].clone() });
+                (of(place), if before > 1 { of((place + before - 1) % before) } else { vec![] })
+            } else {
+                (vec![], vec![])
+            };
+            let held = (&with_pieces(&ranges, &mine)[..], &with_pieces(&ranges, &buddied)[..]);
+            let mut held = ShardedOptimizer::new(config.clone(), &params, held);
+            for (shard, r) in held.held().into_iter().enumerate() {
+                for k in 0..3 {
+                    held.values_mut(shard, k).iter_mut().enumerate().for_each(|(e, x)| *x = value(r, k, e));
                 }
-                let started: Vec<bool> = (0..params.len()).map(|i| i % 2 == 0).collect();
-                if !mine.is_empty() {
-                    held.set_replicated(7, &started);
-                }
-                ring.set_slots(Slots { count: v, held: assign(v, &[0, 1, 2])[ring.rank()].clone() });
-                let next = reshard((&mut buckets, &ranges, 2), ring, &params, &held).unwrap()?;
-                let mut wrong = Vec::new();
-                for (shard, &r) in next.owned().iter().enumerate() {
-                    for k in 0..3 {
-                        for (e, x) in next.values(shard, k).iter().enumerate() {
-                            if x.to_bits() != value(r, k, e).to_bits() {
-                                wrong.push((r, k, e));
-                            }
+            }
+            let started: Vec<bool> = (0..params.len()).map(|i| i % 2 == 0).collect();
+            if !held.held().is_empty() {
+                held.set_replicated(if ahead == Some(place) { 8 } else { 7 }, &started);
+            }
+            ring.set_slots(Slots { count: v, held: assign(v, &[0, 1, 2])[place].clone() });
+            let (next, _) = reshard((&mut buckets, &ranges, 2), ring, &params, &mut held).unwrap()?;
+            let mut wrong = Vec::new();
+            for (shard, r) in next.held().into_iter().enumerate() {
+                for k in 0..3 {
+                    for (e, x) in next.values(shard, k).iter().enumerate() {
+                        if x.to_bits() != value(r, k, e).to_bits() {
+                            wrong.push((r, k, e));
                         }
                     }
                 }
-                let (steps, started) = next.replicated();
-                Ok((next.owned(), steps, started.to_vec(), wrong))
-            })
-        };
-        let moved = run(false);
-        let mut all = Vec::new();
-        for (rank, m) in moved.iter().enumerate() {
-            let (owned, steps, started, wrong) = m.as_ref().unwrap();
-            assert!(wrong.is_empty(), "rank {rank}: {wrong:?}");
-            assert_eq!(*steps, 7);
-            assert_eq!(started, &(0..7).map(|i| i % 2 == 0).collect::<Vec<_>>());
-            assert!(!owned.is_empty(), "rank {rank} owns ranges in the new generation");
-            all.extend(owned.iter().copied());
-        }
-        all.sort();
+            }
+            let (steps, started) = next.replicated();
+            Ok((next.owned(), next.buddied(), steps, started.to_vec(), wrong))
+        })
+    }
+
+    /// A return (the last generation had ranks 0 and 1; rank 2 holds nothing) and a loss that
+    /// the buddies outlive (rank 1's state gone): every range reaches its new owner and buddy bit
+    /// for bit. Ranks 1 and 2 both lost: the ranges rank 1 owned (rank 2 their buddy) are named.
+    /// Holders a step apart are named with their steps.
+    #[test]
+    fn a_reshard_moves_every_range_to_its_new_owner_and_buddy_bit_for_bit() {
+        let v = 6;
         let ranges = Buckets::new(&params(), 64).ranges(&params(), v, 2);
-        assert_eq!(all, (0..ranges.len()).collect::<Vec<_>>(), "every range has one owner");
-        // Rank 1's ranges lost: every member names them.
-        let lost = owned(&ranges, &Slots { count: v, held: assign(v, &[0, 1])[1].clone() });
-        for m in run(true) {
-            assert_eq!(m.unwrap_err(), lost);
+        for (before, empty) in [(2, vec![]), (3, vec![1]), (3, vec![0]), (3, vec![])] {
+            let moved = reshard_on_3(before, &empty, None);
+            let mut all = Vec::new();
+            for (rank, m) in moved.iter().enumerate() {
+                let (owned_now, buddied, steps, started, wrong) = m.as_ref().unwrap();
+                assert!(wrong.is_empty(), "{before} before, {empty:?} lost: rank {rank}: {wrong:?}");
+                assert_eq!(*steps, 7);
+                assert_eq!(started, &(0..7).map(|i| i % 2 == 0).collect::<Vec<_>>());
+                let before_me = &moved[(rank + 2) % 3].as_ref().unwrap().0;
+                assert_eq!(buddied, before_me, "rank {rank} keeps its predecessor's ranges");
+                all.extend(owned_now.iter().copied());
+            }
+            all.sort();
+            assert_eq!(all, (0..ranges.len()).collect::<Vec<_>>(), "every range has one owner");
+        }
+        let lost = owned(&ranges, &Slots { count: v, held: assign(v, &[0, 1, 2])[1].clone() });
+        for m in reshard_on_3(3, &[1, 2], None) {
+            assert_eq!(m.unwrap_err(), Unmoved::Lost(lost.clone()));
+        }
+        for m in reshard_on_3(3, &[], Some(2)) {
+            assert_eq!(m.unwrap_err(), Unmoved::Apart(vec![(0, 7), (1, 7), (2, 8)]));
         }
     }
 }

@@ -344,6 +344,29 @@ impl Ring {
         Ok(())
     }
 
+    /// Sends `send` to the next worker of the ring while receiving the previous worker's into
+    /// `recv` (its length known to both): how an owner's ranges reach their buddy. Its failpoint
+    /// is `buddy-shift`, reached before any byte moves.
+    pub(crate) fn shift<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<(), CollectiveError> {
+        assert!(self.world > 1, "a shift needs a next worker");
+        self.link.check()?;
+        trainerd_failpoint::point("buddy-shift");
+        let began = Instant::now();
+        let link = &self.link;
+        let (next, prev) = (self.next.as_mut().expect("ring"), self.prev.as_mut().expect("ring"));
+        let (next_peer, prev_peer) = (&self.next_peer, &self.prev_peer);
+        let op = "buddy shift";
+        std::thread::scope(|s| {
+            let sender = s.spawn(move || write_full(next, bytemuck::cast_slice(send), op, next_peer, link));
+            let received = read_full(prev, bytemuck::cast_slice_mut(recv), op, prev_peer, link);
+            let sent = sender.join().expect("sender thread");
+            // A failed receive is the cause; a send that failed after it is its echo.
+            received.and(sent)
+        })?;
+        self.link.traffic.count(std::mem::size_of_val(send) as u64, began.elapsed());
+        Ok(())
+    }
+
     /// Sends the last buffer's `send` elements to the next rank while receiving the previous
     /// rank's data into the first buffer's `recv` elements (added when `add`, copied otherwise).
     fn exchange_slots<T: Element>(
@@ -411,6 +434,10 @@ impl Collective for Ring {
         // SAFETY: as in `all_reduce_buffers`.
         let mut views: Vec<&mut [f32]> = bufs.iter_mut().map(|t| unsafe { host_slice(t) }).collect();
         self.all_gather_slots(&mut views)
+    }
+
+    fn shift_to_next(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CollectiveError> {
+        self.shift(send, recv)
     }
 
     fn all_reduce_values(&mut self, bufs: &mut [&mut [f64]], op: ReduceOp) -> Result<(), CollectiveError> {

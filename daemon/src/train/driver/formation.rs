@@ -127,17 +127,7 @@ impl Driver<'_> {
         if !odd.is_empty() {
             return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
         }
-        let sharded = raised(SHARDED);
-        if !sharded.is_empty() && sharded.len() < present {
-            // Every member's ranges move together (`reshard`), or none: a generation formed on
-            // both kinds of state goes back to the last commit rather than wait on itself.
-            let names: Vec<String> = sharded.iter().map(|&p| session.name_at(p)).collect();
-            return Err(Interrupt::Abandoned(format!(
-                "the optimizer state is sharded on {} and whole on the others as generation {} forms",
-                names.join(", "),
-                session.generation()
-            )));
-        }
+        self.one_kind_of_state(session, &raised(SHARDED))?;
         let finders = raised(MISMATCH);
         if !finders.is_empty() {
             return Err(self.integrity.mismatch_found_before(state, session, &mut self.report, &finders));
@@ -150,6 +140,22 @@ impl Driver<'_> {
                 .map_err(Interrupt::Fatal)?;
         }
         Ok(!raised(OWES).is_empty())
+    }
+
+    /// A generation forms with every member's optimizer state sharded (`sharded`: the places
+    /// whose is), or none's: the ranges move together ([`Driver::reshard`]). Both kinds go back
+    /// to the last commit, every member (`sharded_lost`), rather than wait on themselves.
+    fn one_kind_of_state(&mut self, session: &Session, sharded: &[usize]) -> Result<(), Interrupt> {
+        if sharded.is_empty() || sharded.len() == session.members().len() {
+            return Ok(());
+        }
+        let names: Vec<String> = sharded.iter().map(|&p| session.name_at(p)).collect();
+        self.sharded_lost = true;
+        Err(Interrupt::Abandoned(format!(
+            "the optimizer state is sharded on {} and whole on the others as generation {} forms",
+            names.join(", "),
+            session.generation()
+        )))
     }
 }
 

@@ -89,6 +89,9 @@ pub(super) struct Driver<'a> {
     /// This process has adopted a generation's state (a state it holds no longer is one it
     /// dropped, not a fresh one).
     adopted_once: bool,
+    /// The last formation found the sharded optimizer state incomplete (a range's owner and
+    /// buddy both lost, or holders steps apart): every member goes back to the last commit.
+    sharded_lost: bool,
 }
 
 impl<'a> Driver<'a> {
@@ -119,6 +122,7 @@ impl<'a> Driver<'a> {
             clip_ranges: None,
             sharding: None,
             adopted_once: false,
+            sharded_lost: false,
         }
     }
 

@@ -5,12 +5,11 @@
 //! commit after a failure.
 
 use super::Driver;
-use crate::collective::buckets::owned;
 use crate::optim::optimizer::Optimizer;
-use crate::optim::sharded::{Piece, ShardedOptimizer};
+use crate::optim::sharded::ShardedOptimizer;
 use crate::state::{host, Optim, Position, Shareable, TrainState};
 use crate::train::session::{Interrupt, Session};
-use crate::train::sharded;
+use crate::train::sharded::{self, Unmoved};
 use crate::train::TrainError;
 use trainerd_storage::TensorData;
 
@@ -31,11 +30,11 @@ impl Driver<'_> {
             // A sharded state held over from another generation moved when this one formed
             // ([`Driver::reshard`]).
             let ranges = self.buckets.ranges(params, v, self.extra_len(v));
-            let mine = owned(&ranges, session.collective().slots());
-            let pieces: Vec<(usize, Vec<Piece>)> = mine.iter().map(|&r| (r, sharded::pieces(&ranges[r]))).collect();
+            let (mine, buddied) = sharded::holding(&ranges, session.collective());
+            let held = (&sharded::with_pieces(&ranges, &mine)[..], &sharded::with_pieces(&ranges, &buddied)[..]);
             state.optimizer = Optim::Sharded(match &state.optimizer {
-                Optim::Whole(whole) => ShardedOptimizer::of(whole, params, &pieces),
-                _ => ShardedOptimizer::new(state.optimizer.config().clone(), params, &pieces),
+                Optim::Whole(whole) => ShardedOptimizer::of(whole, params, held),
+                _ => ShardedOptimizer::new(state.optimizer.config().clone(), params, held),
             });
             self.sharding = Some((generation, ranges));
             self.integrity.forget_agreed();
@@ -45,33 +44,57 @@ impl Driver<'_> {
     }
 
     /// A generation formed on a sharded state (the members of the last one kept their ranges
-    /// through a return, the returner holds none): every range moves to its owner in this
-    /// generation, before anything else needs the state. One range held by no member sends
-    /// every member back to the last commit.
+    /// through a return, the returner holds none; or a failure, whose lost ranges their buddies
+    /// hold): every range moves to its owner and buddy in this generation, before anything else
+    /// needs the state. A range held by no member (its owner and buddy both lost), or holders at
+    /// different steps, send every member back to the last commit. A member left alone makes
+    /// the state whole (it holds every range).
     pub(super) fn reshard(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
-        let Optim::Sharded(held) = &state.optimizer else { return Ok(()) };
+        let Optim::Sharded(held) = &mut state.optimizer else { return Ok(()) };
         let (v, generation, began) = (session.slot_count(), session.generation(), std::time::Instant::now());
         let extra_len = self.extra_len(v);
         let ranges = self.buckets.ranges(&state.model.params, v, extra_len);
         let moved =
             sharded::reshard((&mut self.buckets, &ranges, extra_len), session.collective(), &state.model.params, held)
                 .map_err(|e| session.interrupt(e.into()))?;
-        let next = moved.map_err(|missing| {
-            Interrupt::Abandoned(format!(
-                "{} range(s) of the sharded optimizer state (the first: {}) are held by no member",
-                missing.len(),
-                missing[0]
-            ))
+        let (next, forward) = moved.map_err(|unmoved| {
+            self.sharded_lost = true;
+            Interrupt::Abandoned(match unmoved {
+                Unmoved::Lost(missing) => format!(
+                    "{} of the {} range(s) of the sharded optimizer state were lost with both their owner and \
+                     their buddy (ranges {})",
+                    missing.len(),
+                    ranges.len(),
+                    spans(&missing)
+                ),
+                Unmoved::Apart(steps) => format!(
+                    "the members holding the sharded optimizer state are at different steps ({})",
+                    steps.iter().map(|&(q, s)| format!("place {q}: {s}")).collect::<Vec<_>>().join(", ")
+                ),
+            })
         })?;
+        if forward {
+            self.report.line(&format!(
+                "trainerd: step {} completed on another member before the failure: this worker stored it from the \
+                 gradients it kept (the step goes forward)",
+                next.steps()
+            ));
+        }
         self.report.line(&format!(
             "trainerd: the sharded optimizer state moved to generation {generation}'s owners: this worker holds {} \
-             range(s), {:.1} MB ({:.2}s)",
+             range(s) and a buddy copy of {}, {:.1} MB ({:.2}s)",
             next.owned().len(),
+            next.buddied().len(),
             next.state_bytes() as f64 / 1e6,
             began.elapsed().as_secs_f64()
         ));
         state.optimizer = Optim::Sharded(next);
         self.sharding = Some((generation, ranges));
+        if session.collective().world() < 2 {
+            // Alone, it holds every range: whole again (a gather among one), as an unsharded
+            // step needs.
+            self.make_whole(state, session)?;
+        }
         Ok(())
     }
 
@@ -117,6 +140,13 @@ impl Driver<'_> {
         if !self.cfg.shard_optimizer || (!state.optimizer.sharded() && state.live()) {
             return Ok(());
         }
+        if state.optimizer.sharded() && state.live() && !std::mem::take(&mut self.sharded_lost) {
+            // Each lost range has a buddy among the survivors, at the same step: the next
+            // formation moves the ranges ([`Driver::reshard`]), and nothing is lost. Where it
+            // finds otherwise, it sends every member back here with `sharded_lost` set.
+            return Ok(());
+        }
+        self.sharded_lost = false;
         self.sharding = None;
         let from = state.position().global_step;
         let restored = match self.committer.as_mut() {
@@ -143,4 +173,19 @@ impl Driver<'_> {
         ));
         Ok(())
     }
+}
+
+/// Range indices as spans: `0-3, 7, 9-10`.
+fn spans(ranges: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranges.len() {
+        let mut j = i;
+        while j + 1 < ranges.len() && ranges[j + 1] == ranges[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j { ranges[i].to_string() } else { format!("{}-{}", ranges[i], ranges[j]) });
+        i = j + 1;
+    }
+    out.join(", ")
 }
