@@ -1,7 +1,8 @@
 //! Failures with the optimizer state sharded (`--shard-optimizer`) over 4 workers, under a
 //! supervisor with systemd's semantics (a killed worker restarts after 2 s): a worker or the
-//! chief killed, a kill inside the all-gather of the new parameters, the chief killed in the
-//! middle of a commit, a worker gone for good, a stop and a return lose no step (the lost
+//! chief killed, a kill inside the all-gather of the new parameters or the buddy shift, the chief
+//! killed in the middle of a commit, a worker gone for good, a worker frozen and thawed, a stop
+//! and a return lose no step (the lost
 //! worker's ranges come from their buddies); a worker lost together with its buddy, or every
 //! worker, sends every member back to the last commit, counting the steps; and every worker
 //! ends with exactly the parameters of the failure-free run, sharded or not (the two are the
@@ -199,6 +200,25 @@ fn a_worker_gone_for_good_loses_no_step_and_the_others_end_exactly() {
     assert_moved(&mut c, 1, mark);
     let chief = assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 3]);
     assert_eq!(chief["workers_present"].as_u64(), Some(3), "{chief}");
+}
+
+/// A worker frozen (SIGSTOP) past the heartbeat deadline while the others go on without it, then
+/// thawed: by then its ranges are many steps behind and not used (their buddies' are), it takes
+/// ranges back from the others, and nothing is lost.
+#[test]
+fn a_frozen_worker_comes_back_with_stale_ranges_and_nothing_is_lost() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = start(tmp.path());
+    c.wait_step(0, 20, DEADLINE);
+    let mark = c.mark();
+    c.signal(2, libc::SIGSTOP);
+    assert_moved(&mut c, 1, mark);
+    c.wait_step(0, 40, DEADLINE);
+    let thawed = c.mark();
+    c.signal(2, libc::SIGCONT);
+    assert_moved(&mut c, 2, thawed);
+    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+    assert_eq!(c.starts(2), 1, "the frozen worker went on in its own process\n{}", c.transcript());
 }
 
 /// A worker and its buddy (the next worker) killed together after the commit of step 25: the

@@ -196,31 +196,29 @@ pub(crate) fn gather_state(
     Ok(out)
 }
 
-/// Why a sharded optimizer's state could not move to a generation's owners.
+/// Why a sharded optimizer's state could not move to a generation's owners: these ranges
+/// (indices among the run's ranges) are held by no member at the furthest step, `step` (their
+/// owner and buddy were both lost).
 #[derive(Debug, PartialEq)]
-pub(crate) enum Unmoved {
-    /// These ranges (indices among the run's ranges) are held by no member: their owner and
-    /// buddy were both lost.
-    Lost(Vec<usize>),
-    /// The members holding ranges are not at one step (a step completed on some and not on
-    /// others): per place holding any, its optimizer's steps.
-    Apart(Vec<(usize, u64)>),
+pub(crate) struct Unmoved {
+    pub(crate) ranges: Vec<usize>,
+    pub(crate) step: u64,
 }
 
 /// A sharded optimizer's state moved to a generation's owners and their buddies (a return, or a
 /// failure that the buddy copies outlive: the ranges follow the new generation's slots). One
-/// small all-reduce tells every member who holds which range and at which step; each range's
-/// writer is the lowest place holding it. Then per state array every member fills its buffers
-/// with -0.0, each writer writes its values over them, and one reduce-scatter leaves every range
-/// summed, so copied bit for bit, at its new owner, which shifts its ranges on to its buddy (the
-/// next worker). What every member has alike (the steps, SGD's started flags) comes from the
-/// first member at the furthest step. `held` is this member's optimizer (a member without ranges
-/// holds none).
-///
-/// A failure inside a step's all-gather can leave the holders one step apart: those that
-/// completed it stored the step, the others kept what storing it needs
-/// ([`ShardedOptimizer::cut_short`]). Then the step goes forward: each member behind stores it
-/// first. Returns the state moved, and whether this member went forward.
+/// small all-reduce tells every member who holds which range and at which step. The furthest
+/// step is the state's (the formation took the furthest replicated state); a member a step
+/// behind that kept what completing that step needs completes it first (a failure inside the
+/// all-gather: [`ShardedOptimizer::cut_short`]), and the ranges of members further behind (one
+/// that was frozen or cut off while the others went on) are stale and not used. Each range's
+/// writer is the lowest place holding it at the furthest step. Then per state array every member
+/// fills its buffers with -0.0, each writer writes its values over them, and one reduce-scatter
+/// leaves every range summed, so copied bit for bit, at its new owner, which shifts its ranges
+/// on to its buddy (the next worker). What every member has alike (the steps, SGD's started
+/// flags) comes from the first member at the furthest step. `held` is this member's optimizer
+/// (a member without ranges holds none). Returns the state moved, and whether this member went
+/// forward.
 pub(crate) fn reshard(
     (buckets, ranges, extra_len): (&mut Buckets, &[Range], usize),
     collective: &mut dyn Collective,
@@ -228,19 +226,21 @@ pub(crate) fn reshard(
     held: &mut ShardedOptimizer,
 ) -> Result<Result<(ShardedOptimizer, bool), Unmoved>, CollectiveError> {
     let slots = collective.slots().clone();
-    let place = collective.rank();
+    let (world, place) = (collective.world(), collective.rank());
     let holds = held.held();
-    let Survey { writer, steps, forward, started } = survey(collective, held, (ranges.len(), params.len()))?;
+    let Survey { holders, steps, forward, started } = survey(collective, held, (ranges.len(), params.len()))?;
+    let furthest = steps.iter().flatten().copied().max().unwrap_or(0);
+    let current = |q: usize| match steps[q] {
+        Some(s) => s == furthest || (s + 1 == furthest && forward[q]),
+        None => false,
+    };
+    let writer: Vec<Option<usize>> =
+        (0..ranges.len()).map(|r| (0..world).find(|&q| current(q) && holders[q][r])).collect();
     let missing: Vec<usize> = (0..ranges.len()).filter(|&r| writer[r].is_none()).collect();
     if !missing.is_empty() {
-        return Ok(Err(Unmoved::Lost(missing)));
+        return Ok(Err(Unmoved { ranges: missing, step: furthest }));
     }
-    let furthest = steps.iter().map(|&(_, s)| s).max().expect("range 0 is held");
-    let behind: Vec<usize> = steps.iter().filter(|&&(_, s)| s != furthest).map(|&(q, _)| q).collect();
-    if !(behind.iter().all(|&q| forward[q]) && steps.iter().all(|&(_, s)| s + 1 >= furthest)) {
-        return Ok(Err(Unmoved::Apart(steps)));
-    }
-    let went_forward = behind.contains(&place);
+    let went_forward = current(place) && steps[place] != Some(furthest);
     if went_forward {
         held.go_forward();
     }
@@ -250,7 +250,7 @@ pub(crate) fn reshard(
         params,
         (&with_pieces(ranges, &mine), &with_pieces(ranges, &buddied)),
     );
-    let first = steps.iter().find(|&&(_, s)| s == furthest).expect("a member at the furthest step").0;
+    let first = (0..world).find(|&q| steps[q] == Some(furthest)).expect("a member at the furthest step");
     next.set_replicated(furthest, &started[first]);
     for k in 0..held.slot_names().len() {
         buckets.fill(slots.len(), params, extra_len, -0.0);
@@ -297,12 +297,12 @@ fn to_buddy(
     Ok(())
 }
 
-/// What a reshard needs to know of every member: per range the place that writes it (the lowest
-/// holding it; none: lost), and per place holding any range its optimizer's steps, whether it
-/// can complete the step after them, and its started flags.
+/// What a reshard needs to know of every member, per place: the ranges it holds (a flag per
+/// range), its optimizer's steps (none: it holds no range), whether it can complete the step
+/// after them, and its started flags.
 struct Survey {
-    writer: Vec<Option<usize>>,
-    steps: Vec<(usize, u64)>,
+    holders: Vec<Vec<bool>>,
+    steps: Vec<Option<u64>>,
     forward: Vec<bool>,
     started: Vec<Vec<bool>>,
 }
@@ -329,11 +329,12 @@ fn survey(
     }
     collective.all_reduce_workers(&mut facts, ReduceOp::Sum)?;
     let rows: Vec<&[f64]> = facts.chunks(row).collect();
+    let flags = |values: &[f64]| values.iter().map(|&x| x > 0.5).collect::<Vec<bool>>();
     Ok(Survey {
-        writer: (0..n).map(|r| (0..world).find(|&q| rows[q][r] > 0.5)).collect(),
-        steps: (0..world).filter(|&q| rows[q][steps_at] > 0.5).map(|q| (q, rows[q][steps_at] as u64 - 1)).collect(),
+        holders: rows.iter().map(|r| flags(&r[..n])).collect(),
+        steps: rows.iter().map(|r| (r[steps_at] > 0.5).then(|| r[steps_at] as u64 - 1)).collect(),
         forward: rows.iter().map(|r| r[forward_at] > 0.5).collect(),
-        started: rows.iter().map(|r| r[started_at..].iter().map(|&s| s > 0.5).collect()).collect(),
+        started: rows.iter().map(|r| flags(&r[started_at..])).collect(),
     })
 }
 
@@ -588,9 +589,9 @@ mod tests {
     /// The ranges held by the last generation's members (`before`: the workers it had; a member
     /// in `empty` holds none, as one that came back or lost its state) move to their owners and
     /// buddies in a generation of 3, every value bit for bit (signed zeros included), with the
-    /// step count and SGD's started flags; or the reshard says why not. `ahead`: a member
-    /// whose optimizer is one step further.
-    fn reshard_on_3(before: usize, empty: &[usize], ahead: Option<usize>) -> Vec<Result<Moved, Unmoved>> {
+    /// step count and SGD's started flags; or the reshard says why not. `steps`: each member's
+    /// optimizer's steps (none can go forward).
+    fn reshard_on_3(before: usize, empty: &[usize], steps: [u64; 3]) -> Vec<Result<Moved, Unmoved>> {
         let v = 6;
         let config = OptimizerConfig::Rmsprop {
             lr: 0.01,
@@ -627,7 +628,7 @@ mod tests {
             }
             let started: Vec<bool> = (0..params.len()).map(|i| i % 2 == 0).collect();
             if !held.held().is_empty() {
-                held.set_replicated(if ahead == Some(place) { 8 } else { 7 }, &started);
+                held.set_replicated(steps[place], &started);
             }
             ring.set_slots(Slots { count: v, held: assign(v, &[0, 1, 2])[place].clone() });
             let (next, _) = reshard((&mut buckets, &ranges, 2), ring, &params, &mut held).unwrap()?;
@@ -646,16 +647,19 @@ mod tests {
         })
     }
 
-    /// A return (the last generation had ranks 0 and 1; rank 2 holds nothing) and a loss that
-    /// the buddies outlive (rank 1's state gone): every range reaches its new owner and buddy bit
-    /// for bit. Ranks 1 and 2 both lost: the ranges rank 1 owned (rank 2 their buddy) are named.
-    /// Holders a step apart are named with their steps.
+    /// A return (the last generation had ranks 0 and 1; rank 2 holds nothing), a loss that the
+    /// buddies outlive (rank 1's or rank 0's state gone), and a member whose ranges are stale (a
+    /// step behind, nothing kept to complete it: not used): every range reaches its new owner and
+    /// buddy bit for bit, at the furthest step. Ranks 1 and 2 both lost: the ranges rank 1 owned
+    /// (rank 2 their buddy) are named; rank 2 a step ahead of the others: rank 0's ranges, which
+    /// only stale members hold, are named.
     #[test]
     fn a_reshard_moves_every_range_to_its_new_owner_and_buddy_bit_for_bit() {
         let v = 6;
         let ranges = Buckets::new(&params(), 64).ranges(&params(), v, 2);
-        for (before, empty) in [(2, vec![]), (3, vec![1]), (3, vec![0]), (3, vec![])] {
-            let moved = reshard_on_3(before, &empty, None);
+        let cases = [(2, vec![], [7, 7, 7]), (3, vec![1], [7; 3]), (3, vec![0], [7; 3]), (3, vec![], [7, 6, 7])];
+        for (before, empty, steps) in cases {
+            let moved = reshard_on_3(before, &empty, steps);
             let mut all = Vec::new();
             for (rank, m) in moved.iter().enumerate() {
                 let (owned_now, buddied, steps, started, wrong) = m.as_ref().unwrap();
@@ -669,12 +673,12 @@ mod tests {
             all.sort();
             assert_eq!(all, (0..ranges.len()).collect::<Vec<_>>(), "every range has one owner");
         }
-        let lost = owned(&ranges, &Slots { count: v, held: assign(v, &[0, 1, 2])[1].clone() });
-        for m in reshard_on_3(3, &[1, 2], None) {
-            assert_eq!(m.unwrap_err(), Unmoved::Lost(lost.clone()));
+        let of = |q: usize| owned(&ranges, &Slots { count: v, held: assign(v, &[0, 1, 2])[q].clone() });
+        for m in reshard_on_3(3, &[1, 2], [7; 3]) {
+            assert_eq!(m.unwrap_err(), Unmoved { ranges: of(1), step: 7 });
         }
-        for m in reshard_on_3(3, &[], Some(2)) {
-            assert_eq!(m.unwrap_err(), Unmoved::Apart(vec![(0, 7), (1, 7), (2, 8)]));
+        for m in reshard_on_3(3, &[], [7, 7, 8]) {
+            assert_eq!(m.unwrap_err(), Unmoved { ranges: of(0), step: 8 });
         }
     }
 }

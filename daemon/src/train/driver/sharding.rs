@@ -9,7 +9,7 @@ use crate::optim::optimizer::Optimizer;
 use crate::optim::sharded::ShardedOptimizer;
 use crate::state::{host, Optim, Position, Shareable, TrainState};
 use crate::train::session::{Interrupt, Session};
-use crate::train::sharded::{self, Unmoved};
+use crate::train::sharded;
 use crate::train::TrainError;
 use trainerd_storage::TensorData;
 
@@ -59,19 +59,14 @@ impl Driver<'_> {
                 .map_err(|e| session.interrupt(e.into()))?;
         let (next, forward) = moved.map_err(|unmoved| {
             self.sharded_lost = true;
-            Interrupt::Abandoned(match unmoved {
-                Unmoved::Lost(missing) => format!(
-                    "{} of the {} range(s) of the sharded optimizer state were lost with both their owner and \
-                     their buddy (ranges {})",
-                    missing.len(),
-                    ranges.len(),
-                    spans(&missing)
-                ),
-                Unmoved::Apart(steps) => format!(
-                    "the members holding the sharded optimizer state are at different steps ({})",
-                    steps.iter().map(|&(q, s)| format!("place {q}: {s}")).collect::<Vec<_>>().join(", ")
-                ),
-            })
+            Interrupt::Abandoned(format!(
+                "{} of the {} range(s) of the sharded optimizer state were lost with both their owner and their \
+                 buddy (ranges {}): no member holds them at step {}",
+                unmoved.ranges.len(),
+                ranges.len(),
+                spans(&unmoved.ranges),
+                unmoved.step
+            ))
         })?;
         if forward {
             self.report.line(&format!(
