@@ -245,6 +245,27 @@ fn a_worker_lost_with_its_buddy_sends_every_member_back_to_the_last_commit_and_t
     assert!(steps_lost(&chief) >= 3, "steps 26 to 28 at least are lost, and counted\n{}", c.transcript());
 }
 
+/// A bit of one range's optimizer state flipped on worker 2 after its step 27 (faulty memory): the
+/// replicas' comparison at step 30 finds that range's two copies (worker 2's, its owner's, and
+/// worker 3's, its buddy's) differ and names them; with no majority, every member goes back to the
+/// commit of step 25, and the run ends exactly.
+#[test]
+fn a_range_whose_two_copies_differ_sends_every_member_back_to_the_last_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "flip-state-bit@step=27".to_string())];
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--replica-check-every", 10);
+    let mut c = Cluster::start(WORKERS, &run, &[], vec![vec![], vec![], failpoint], RESTART_SEC);
+    let prefix = "trainerd: replica check at step 30: 1 range(s) of the sharded optimizer state differ between their";
+    let (_, found) = c.wait_line(0, prefix, 0, DEADLINE);
+    assert!(found.contains(" on worker 2 (") && found.contains(" on worker 3 ("), "{found}");
+    let (_, back) = c.wait_line(0, "trainerd: the optimizer state was sharded over generation ", 0, DEADLINE);
+    assert!(back.contains("every member goes back to checkpoint 1 at step 25 ("), "{back}\n{}", c.transcript());
+    assert!(found.ends_with("; this worker drops its state and goes back to the last commit"), "{found}");
+    let chief = assert_finished_exactly(&mut c, tmp.path());
+    let again = chief["fault_tolerance"]["steps_trained_again"].as_u64().unwrap();
+    assert!(again >= 5, "steps 26 to 30 are trained again: {again}\n{}", c.transcript());
+}
+
 /// Every worker killed after the commit of step 25, and only three of the four come back: after
 /// the rendezvous timeout they resume that commit (committed whole, sharded anew over three
 /// workers) and end exactly.

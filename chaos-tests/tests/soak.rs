@@ -465,7 +465,8 @@ fn counted(c: &Cluster) -> Counted {
     let mut died: Vec<Vec<usize>> = vec![Vec::new(); WORKERS];
     let (mut unexplained, mut formed_at, mut went_back) = (Vec::new(), 0, 0);
     for (i, e) in c.seen.iter().enumerate() {
-        if e.line().is_some_and(|l| l.contains(": every member goes back to checkpoint ")) {
+        // Every member going back to the last commit, or finding none (a sharded state lost).
+        if e.line().is_some_and(|l| l.contains("trainerd: the optimizer state was sharded over generation ")) {
             went_back = i;
         }
         match (&e.what, e.event()) {

@@ -176,6 +176,27 @@ impl ShardedOptimizer {
         self.shards.iter().map(|s| s.index).collect()
     }
 
+    /// Each held range's digest (xxh3-64 of its state arrays' bytes, in order), in
+    /// [`ShardedOptimizer::held`]'s order: what an owner and its buddy compare.
+    pub(crate) fn digests(&self) -> Vec<(usize, u64)> {
+        let digest = |shard: &Shard| {
+            let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+            shard.state.iter().for_each(|a| hasher.update(bytemuck::cast_slice(a)));
+            hasher.digest()
+        };
+        self.shards.iter().map(|s| (s.index, digest(s))).collect()
+    }
+
+    /// Flips one bit of the first held range's first state value (a chaos test's failpoint
+    /// `flip-state-bit`: faulty memory, on purpose); which, or `None` without state.
+    pub(crate) fn flip_bit(&mut self) -> Option<String> {
+        let shard = self.shards.first_mut()?;
+        let x = shard.state.first_mut()?.first_mut()?;
+        let before = *x;
+        *x = f32::from_bits(before.to_bits() ^ (1 << 12));
+        Some(format!("flipped bit 12 of range {}'s {}[0]: {before:e} is now {:e}", shard.index, self.slot_names[0], *x))
+    }
+
     /// Bytes of optimizer state this member holds, buddy copies included.
     pub(crate) fn state_bytes(&self) -> u64 {
         self.shards.iter().flat_map(|s| &s.state).map(|a| a.len() as u64 * 4).sum()

@@ -320,8 +320,8 @@ impl TrainState {
             let config = self.optimizer.config().clone();
             self.optimizer =
                 match (position.global_step, std::mem::replace(&mut self.optimizer, Optim::Fresh(config.clone()))) {
-                    (_, Optim::Sharded(held)) => Optim::Sharded(held),
                     (0, _) => Optim::Fresh(config),
+                    (_, Optim::Sharded(held)) => Optim::Sharded(held),
                     _ => Optim::Sharded(ShardedOptimizer::new(config, &self.model.params, (&[], &[]))),
                 };
             self.model.take(position);

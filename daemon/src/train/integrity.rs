@@ -18,7 +18,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 use super::report::Reporter;
 use super::session::{Interrupt, Session};
 use super::summary::{ReplicaFigures, ReplicaMismatch};
-use crate::state::{Position, Shareable, StateError, TrainState};
+use crate::state::{Optim, Position, Shareable, StateError, TrainState};
 
 /// The default of `--replica-check-every`: at mnist-cnn's step on this project's CPUs the check
 /// costs well under 1% of the step time (bench/multi_worker.sh measures it).
@@ -165,20 +165,23 @@ impl Integrity {
     }
 
     /// Compares this member's `state` with every other member's of the session's generation
-    /// (`coordinates`: this member coordinates it). Equal: the state is the agreed one. Different:
-    /// the verdict is told, the state put back or dropped, and the generation abandoned.
+    /// (`coordinates`: this member coordinates it), and, with the optimizer state sharded over
+    /// `ranges` ranges, each range's copies (its owner's and its buddy's). Equal: the state is the
+    /// agreed one. Different: the verdict is told, the state put back or dropped, and the
+    /// generation abandoned.
     pub(crate) fn check(
         &mut self,
         state: &mut TrainState,
         session: &mut Session,
         report: &mut Reporter<'_>,
-        coordinates: bool,
+        (coordinates, ranges): (bool, usize),
     ) -> Result<(), Interrupt> {
         let began = Instant::now();
         let (digest, bytes) = digest(state).map_err(|e| Interrupt::Fatal(e.into()))?;
         // Chaos tests hold a member here, so that its peers' comparison is cut short.
         trainerd_failpoint::point("replica-check");
-        let (digests, coordinator) = match exchange(session, digest, coordinates) {
+        let mine = range_digests(state, ranges);
+        let (digests, coordinator) = match exchange(session, digest, coordinates, &mine) {
             Ok(exchanged) => exchanged,
             // Interrupted (a peer failed, or the generation ended): the verdict is unknown here.
             // The state is kept and the comparison finished as the next generation forms.
@@ -191,13 +194,19 @@ impl Integrity {
         self.figures.seconds += began.elapsed().as_secs_f64();
         report.replica_checked();
         self.owed = None;
-        let Some(verdict) = verdict(&digests, coordinator) else {
+        let Some(verdict) = verdict(&digests.0, coordinator) else {
+            if let Some(why) = ranges_differ(session, state.position().global_step, &digests.1) {
+                // Two copies, no majority: neither is known right, and every member goes back to
+                // the last commit (no sharded agreed state is kept).
+                let holders = why.1.clone();
+                return Err(self.go_back(state, session, report, (false, holders, why.0)));
+            }
             // A sharded optimizer's state is not in the bytes, so they could not be gone back to:
             // a mismatch sends every member back to the last commit instead, and nothing is kept.
             self.agreed = bytes.map(|bytes| Agreed { step: state.position().global_step, digest, bytes });
             return Ok(());
         };
-        Err(self.repair(state, session, report, (&digests, &verdict)))
+        Err(self.repair(state, session, report, (&digests.0, &verdict)))
     }
 
     /// After a mismatch: this member's state put back to the agreed one when its digest was
@@ -307,7 +316,11 @@ impl Integrity {
     ) -> Interrupt {
         let step = state.position().global_step;
         let back_to = self.back_for_repair(state, session, right);
-        let what = going_back(back_to);
+        let what = match (back_to, &state.optimizer) {
+            // Its optimizer state exists nowhere whole: the last commit is the agreed state.
+            (None, Optim::Sharded(_)) => "this worker drops its state and goes back to the last commit".to_string(),
+            _ => going_back(back_to),
+        };
         report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
         self.figures.mismatches.push(ReplicaMismatch { step, members: odd, back_to });
         // No abort is pushed: every member reaches the same verdict from the same digests; a member
@@ -345,15 +358,66 @@ impl Integrity {
     }
 }
 
-/// Every member's `digest` and the coordinator's place, by one all-reduce: each member puts its
-/// digest's halves (and a 1 when it coordinates) in its own place of zeros; the sum is then every
-/// member's value, exactly.
-fn exchange(session: &mut Session, digest: u64, coordinates: bool) -> Result<(Vec<u64>, usize), Interrupt> {
-    let mine = [(digest >> 32) as f64, (digest & 0xffff_ffff) as f64, if coordinates { 1.0 } else { 0.0 }];
+/// Per range of a sharded optimizer's `ranges` (none otherwise), this member's copy's digest if it
+/// holds one.
+fn range_digests(state: &TrainState, ranges: usize) -> Vec<Option<u64>> {
+    let mut out = vec![None; ranges];
+    if let Optim::Sharded(o) = &state.optimizer {
+        o.digests().into_iter().filter(|&(r, _)| r < ranges).for_each(|(r, d)| out[r] = Some(d));
+    }
+    out
+}
+
+/// Per member, its state's digest and, per range, its copy's (if it holds one).
+type Exchanged = (Vec<u64>, Vec<Vec<Option<u64>>>);
+
+/// Every member's `digest`, its `ranges`' digests and the coordinator's place, by one all-reduce:
+/// each member puts its digests' halves (a range's after a 1 when it holds it, and a 1 when it
+/// coordinates) in its own place of zeros; the sum is then every member's value, exactly.
+fn exchange(
+    session: &mut Session,
+    digest: u64,
+    coordinates: bool,
+    ranges: &[Option<u64>],
+) -> Result<(Exchanged, usize), Interrupt> {
+    let halves = |d: u64| [(d >> 32) as f64, (d & 0xffff_ffff) as f64];
+    let whole = |v: &[f64]| ((v[0] as u64) << 32) | v[1] as u64;
+    let mut mine = vec![if coordinates { 1.0 } else { 0.0 }];
+    mine.extend(halves(digest));
+    for r in ranges {
+        mine.push(if r.is_some() { 1.0 } else { 0.0 });
+        mine.extend(halves(r.unwrap_or(0)));
+    }
     let values = session.gather(&mine)?;
-    let digests = values.chunks(3).map(|v| ((v[0] as u64) << 32) | v[1] as u64).collect();
-    let coordinator = values.chunks(3).position(|v| v[2] > 0.5).unwrap_or(0);
-    Ok((digests, coordinator))
+    let rows: Vec<&[f64]> = values.chunks(mine.len()).collect();
+    let digests = rows.iter().map(|v| whole(&v[1..3])).collect();
+    let held = rows.iter().map(|v| v[3..].chunks(3).map(|c| (c[0] > 0.5).then(|| whole(&c[1..]))).collect()).collect();
+    let coordinator = rows.iter().position(|v| v[0] > 0.5).unwrap_or(0);
+    Ok(((digests, held), coordinator))
+}
+
+/// Where two copies of a sharded optimizer's range differ (per member, per range: its copy's
+/// digest): why, naming the first such range and its holders, and the holders' names.
+fn ranges_differ(session: &Session, step: u64, held: &[Vec<Option<u64>>]) -> Option<(String, Vec<String>)> {
+    let ranges = held.first().map_or(0, Vec::len);
+    let differing: Vec<usize> = (0..ranges)
+        .filter(|&r| {
+            let copies: Vec<u64> = held.iter().filter_map(|h| h[r]).collect();
+            copies.iter().any(|&d| d != copies[0])
+        })
+        .collect();
+    let &r = differing.first()?;
+    let holders: Vec<(String, u64)> =
+        held.iter().enumerate().filter_map(|(p, h)| h[r].map(|d| (session.name_at(p), d))).collect();
+    let names: Vec<String> = holders.iter().map(|(n, _)| n.clone()).collect();
+    let found: Vec<String> = holders.iter().map(|(n, d)| format!("{d:016x} on {n}")).collect();
+    let why = format!(
+        "replica check at step {step}: {} range(s) of the sharded optimizer state differ between their two copies \
+         (range {r}: xxh3 {}); with two copies neither is known right, and every member goes back to the last commit",
+        differing.len(),
+        found.join(" against ")
+    );
+    Some((why, names))
 }
 
 /// What a member does after a comparison failed: back to the agreed state's step, or (`None`) it

@@ -324,6 +324,10 @@ impl<'a> Driver<'a> {
             let flipped = integrity::flip_bit(state).unwrap_or_else(|| "no parameter to flip".into());
             self.report.line(&format!("trainerd: failpoint flip-bit: {flipped}"));
         }
+        if let (true, Optim::Sharded(o)) = (trainerd_failpoint::hit("flip-state-bit"), &mut state.optimizer) {
+            let flipped = o.flip_bit().unwrap_or_else(|| "no optimizer state to flip".into());
+            self.report.line(&format!("trainerd: failpoint flip-state-bit: {flipped}"));
+        }
     }
 
     /// Under float16's loss scaling, the averaged gradient divided by the scale and the scale
@@ -458,7 +462,8 @@ impl<'a> Driver<'a> {
         if session.collective().world() < 2 {
             return Ok(());
         }
-        self.integrity.check(state, session, &mut self.report, self.coordinates)
+        let ranges = self.sharding.as_ref().map_or(0, |(_, r)| r.len());
+        self.integrity.check(state, session, &mut self.report, (self.coordinates, ranges))
     }
 
     /// Asks the coordinator's committer at `moment`; the sequence of a last commit waited for.

@@ -155,6 +155,8 @@ impl Driver<'_> {
             // them.
             state.model.live = false;
             state.model.position = Position::start(self.info.metrics.len());
+            // Its ranges, if any, belong to a state no member goes on from.
+            state.optimizer = Optim::Fresh(state.optimizer.config().clone());
             self.report.line(&format!(
                 "trainerd: the optimizer state was sharded over generation {generation}'s workers, and it ended ({why}): \
                  no commit found here; the state comes from a member that found one"
