@@ -52,6 +52,11 @@ fn cnn(plugin: &str) -> RunArgs {
 #[test]
 fn a_sharded_run_is_the_unsharded_run_bit_for_bit() {
     let cases: Vec<(&str, RunArgs, usize)> = vec![
+        (
+            "plain sgd (no state at all) on the linear plugin, 4 workers",
+            RunArgs::new("linear").epochs(2).steps(12).batch(16).seed(11).threads(1).optimizer("sgd", 0.1),
+            4,
+        ),
         ("adam, --clip-norm, 3 workers", cnn("mnist-cnn").optimizer("adam", 1e-3).set("--clip-norm", 0.5), 3),
         (
             "sgd with nesterov momentum and weight decay, --clip-value, --accumulate 2 (2 slots per worker)",

@@ -295,17 +295,18 @@ impl TrainState {
     /// Takes a peer's state from `bytes` (checked against this model: names, types, shapes).
     pub(crate) fn decode(&mut self, bytes: Bytes) -> Result<(), StateError> {
         let (position, model, optim) = decode(bytes)?;
-        self.load(position, &model, &optim, "the received state")
+        self.load(position, &model, &optim, ("the received state", false))
     }
 
     /// Copies parameters, buffers and optimizer state in, and takes `position`; `what` names the
-    /// source in messages.
+    /// source in messages, `whole` says it holds the whole optimizer state (a commit: an empty
+    /// one is a rule without state, plain SGD's, not a sharded state's bytes).
     fn load(
         &mut self,
         position: Position,
         model: &[TensorData],
         optim: &[TensorData],
-        what: &str,
+        (what, whole): (&str, bool),
     ) -> Result<(), StateError> {
         self.model.copy_in(model, &format!("{what}'s model"))?;
         let device = self.model.device;
@@ -313,7 +314,7 @@ impl TrainState {
             .iter()
             .map(|t| Ok((t.name.clone(), checkpoint::to_tensor(t)?.to_device(device))))
             .collect::<Result<_, StateError>>()?;
-        if optim.is_empty() && !matches!(self.optimizer, Optim::Whole(_)) {
+        if optim.is_empty() && !whole && !matches!(self.optimizer, Optim::Whole(_)) {
             // A sharded run's: at its start, the optimizer has no state yet; later, it holds no
             // range until the formation moves this member's to it. A member that holds ranges
             // keeps them (the formation moves them, or finds them a step behind).
@@ -343,7 +344,7 @@ impl TrainState {
         let seq = restored.record.sequence;
         let blob =
             |name: &'static str| restored.blobs.get(name).ok_or(StateError::NoBlob { sequence: seq, blob: name });
-        self.load(position, blob(MODEL_BLOB)?, blob(OPTIMIZER_BLOB)?, &format!("checkpoint {seq}"))
+        self.load(position, blob(MODEL_BLOB)?, blob(OPTIMIZER_BLOB)?, (&format!("checkpoint {seq}"), true))
     }
 
     /// The state as checkpoint blobs, in host memory: the optimizer's is the whole optimizer's,
@@ -463,7 +464,7 @@ mod tests {
             })
             .collect();
         let mut restored = state(3, OptimizerConfig::adam(1e-3));
-        restored.load(source.position().clone(), &files[0], &files[1], "checkpoint 1").unwrap();
+        restored.load(source.position().clone(), &files[0], &files[1], ("checkpoint 1", true)).unwrap();
         assert_eq!(bytes_of(&restored.model.buffers), bytes_of(&source.model.buffers));
         assert_eq!(digest(&restored), digest(&source));
         // Values float32 would have rounded are there exactly.
@@ -515,6 +516,33 @@ mod tests {
         let blob = |s: &TrainState| s.blobs().unwrap()[1].tensors.clone();
         assert_eq!(blob(&source), blob(&whole));
         assert!(!blob(&source).is_empty());
+    }
+
+    /// A commit of plain SGD holds no optimizer tensors: restored into a sharded state, it is the
+    /// whole (empty) state, not a sharded state's bytes (which left every member holding no range
+    /// and sent the cluster back to the same commit for ever); received from a peer, it is still
+    /// a sharded state's.
+    #[test]
+    fn an_empty_optimizer_blob_restores_whole_and_decodes_sharded() {
+        let config =
+            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+        let mut source = state(1, config.clone());
+        train(&mut source, 2);
+        let sharded = |seed| {
+            let s = state(seed, config.clone());
+            let params = s.model.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect::<Vec<_>>();
+            let mut t = TrainState::fresh(s.model, config.clone());
+            t.optimizer = Optim::Sharded(ShardedOptimizer::new(config.clone(), &params, (&[], &[])));
+            t
+        };
+        let blobs = source.blobs().unwrap();
+        assert!(blobs[1].tensors.is_empty());
+        let mut restored = sharded(2);
+        restored.load(source.position().clone(), &blobs[0].tensors, &blobs[1].tensors, ("checkpoint 1", true)).unwrap();
+        assert!(matches!(restored.optimizer, Optim::Whole(_)), "{:?}", restored.optimizer);
+        let mut received = sharded(3);
+        received.load(source.position().clone(), &blobs[0].tensors, &[], ("the received state", false)).unwrap();
+        assert!(matches!(received.optimizer, Optim::Sharded(_)), "{:?}", received.optimizer);
     }
 
     #[test]

@@ -237,7 +237,8 @@ pub(crate) fn reshard(
     let writer: Vec<Option<usize>> =
         (0..ranges.len()).map(|r| (0..world).find(|&q| current(q) && holders[q][r])).collect();
     let missing: Vec<usize> = (0..ranges.len()).filter(|&r| writer[r].is_none()).collect();
-    if !missing.is_empty() {
+    // A rule without state (plain SGD) loses nothing with its ranges.
+    if !missing.is_empty() && !held.slot_names().is_empty() {
         return Ok(Err(Unmoved { ranges: missing, step: furthest }));
     }
     let went_forward = current(place) && steps[place] != Some(furthest);
@@ -250,8 +251,9 @@ pub(crate) fn reshard(
         params,
         (&with_pieces(ranges, &mine), &with_pieces(ranges, &buddied)),
     );
-    let first = (0..world).find(|&q| steps[q] == Some(furthest)).expect("a member at the furthest step");
-    next.set_replicated(furthest, &started[first]);
+    let mine_started = held.replicated().1.to_vec();
+    let first = (0..world).find(|&q| steps[q] == Some(furthest));
+    next.set_replicated(furthest, first.map_or(&mine_started, |q| &started[q]));
     for k in 0..held.slot_names().len() {
         buckets.fill(slots.len(), params, extra_len, -0.0);
         for (shard, &r) in holds.iter().enumerate() {
