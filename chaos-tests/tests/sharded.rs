@@ -59,6 +59,13 @@ fn start(dir: &Path) -> Cluster {
     Cluster::start(WORKERS, &args(dir, &dir.join("ckpt"), true), &[], vec![], RESTART_SEC)
 }
 
+/// `run` on the sharded cluster with the failpoint `point` armed on worker `rank`'s first process.
+fn start_armed(run: &RunArgs, rank: usize, point: &str) -> Cluster {
+    let mut env = vec![vec![]; rank + 1];
+    env[rank] = vec![("TRAINERD_FAILPOINT".to_string(), point.to_string())];
+    Cluster::start(WORKERS, run, &[], env, RESTART_SEC)
+}
+
 /// Every worker exited 0 with the failure-free run's parameters; the chief's summary.
 fn assert_finished_exactly(c: &mut Cluster, dir: &Path) -> serde_json::Value {
     assert_finished_exactly_on(c, dir, &[0, 1, 2, 3])
@@ -141,9 +148,8 @@ fn the_chief_killed_loses_no_step_and_the_run_ends_exactly() {
 #[test]
 fn a_kill_inside_the_all_gather_completes_the_step_and_loses_nothing() {
     let tmp = tempfile::tempdir().unwrap();
-    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "sharded-all-gather@step=30".to_string())];
     let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
-    let mut c = Cluster::start(WORKERS, &run, &[], vec![vec![], failpoint], RESTART_SEC);
+    let mut c = start_armed(&run, 1, "sharded-all-gather@step=30");
     c.wait_line(1, "trainerd: failpoint sharded-all-gather reached", 0, DEADLINE);
     std::thread::sleep(Duration::from_millis(300));
     let mark = c.mark();
@@ -161,9 +167,8 @@ fn a_kill_inside_the_all_gather_completes_the_step_and_loses_nothing() {
 #[test]
 fn a_kill_inside_the_buddy_shift_loses_no_step_and_the_run_ends_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "buddy-shift@step=30".to_string())];
     let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
-    let mut c = Cluster::start(WORKERS, &run, &[], vec![vec![], vec![], failpoint], RESTART_SEC);
+    let mut c = start_armed(&run, 2, "buddy-shift@step=30");
     c.wait_line(2, "trainerd: failpoint buddy-shift reached", 0, DEADLINE);
     let mark = c.mark();
     c.signal(2, libc::SIGKILL);
@@ -176,9 +181,8 @@ fn a_kill_inside_the_buddy_shift_loses_no_step_and_the_run_ends_exactly() {
 #[test]
 fn the_chief_killed_in_the_middle_of_a_commit_loses_no_step_and_the_run_ends_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "commit-before-record@2".to_string())];
     let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
-    let mut c = Cluster::start(WORKERS, &run, &[], vec![failpoint], RESTART_SEC);
+    let mut c = start_armed(&run, 0, "commit-before-record@2");
     c.wait_line(0, "trainerd: failpoint commit-before-record reached", 0, DEADLINE);
     let mark = c.mark();
     c.signal(0, libc::SIGKILL);
@@ -252,9 +256,8 @@ fn a_worker_lost_with_its_buddy_sends_every_member_back_to_the_last_commit_and_t
 #[test]
 fn a_range_whose_two_copies_differ_sends_every_member_back_to_the_last_commit() {
     let tmp = tempfile::tempdir().unwrap();
-    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "flip-state-bit@step=27".to_string())];
     let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--replica-check-every", 10);
-    let mut c = Cluster::start(WORKERS, &run, &[], vec![vec![], vec![], failpoint], RESTART_SEC);
+    let mut c = start_armed(&run, 2, "flip-state-bit@step=27");
     let prefix = "trainerd: replica check at step 30: 1 range(s) of the sharded optimizer state differ between their";
     let (_, found) = c.wait_line(0, prefix, 0, DEADLINE);
     assert!(found.contains(" on worker 2 (") && found.contains(" on worker 3 ("), "{found}");
@@ -314,13 +317,15 @@ fn a_double_loss_before_any_commit_starts_the_run_over_and_ends_exactly() {
     let mark = c.mark();
     c.signal(1, libc::SIGKILL);
     c.signal(2, libc::SIGKILL);
-    let (_, line) = c.wait_line(0, "error: the sharded optimizer state is lost (generation ", mark, DEADLINE);
-    assert!(line.ends_with("no member found a commit to go back to: the run starts over"), "{line}");
     assert_finished_exactly(&mut c, tmp.path());
-    // The chief exited and was restarted (a survivor may take its fresh state instead of
-    // exiting too), and a generation formed at step 0 after the error.
-    assert!(c.starts(0) >= 2, "{}", c.transcript());
+    // A survivor that found nothing said so and exited (the other may take a restarted peer's
+    // fresh state instead of exiting too), and a generation formed at step 0 after the error.
     let transcript = c.transcript();
+    let said = "error: the sharded optimizer state is lost (generation ";
+    let line = c.seen[mark..].iter().filter_map(|e| e.line()).find(|l| l.starts_with(said));
+    let line = line.unwrap_or_else(|| panic!("no survivor said the state is lost\n{transcript}"));
+    assert!(line.ends_with("no member found a commit to go back to: the run starts over"), "{line}");
+    assert!(c.starts(0) >= 2 || c.starts(3) >= 2, "{transcript}");
     let after = &transcript[transcript.find("error: the sharded optimizer state is lost").unwrap()..];
     assert!(after.contains("Joined { generation: ") && after.contains("global_step: 0, "), "{transcript}");
 }
