@@ -90,6 +90,19 @@ fn steps_lost(s: &serde_json::Value) -> u64 {
     s["fault_tolerance"]["steps_lost"].as_u64().unwrap()
 }
 
+/// Worker `rank` SIGKILLed where the failpoint `name` (armed `at`) paused it: the next worker
+/// takes part in the move of the ranges, and nothing is lost.
+fn killed_at_failpoint(rank: usize, (name, at): (&str, &str)) {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
+    let mut c = start_armed(&run, rank, &format!("{name}{at}"));
+    c.wait_line(rank, &format!("trainerd: failpoint {name} reached"), 0, DEADLINE);
+    let mark = c.mark();
+    c.signal(rank, libc::SIGKILL);
+    assert_moved(&mut c, (rank + 1) % WORKERS, mark);
+    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+}
+
 /// Worker `rank`'s line saying the ranges moved to the owners of the generation formed after
 /// `mark`: this worker holds some, and a buddy copy of its predecessor's.
 fn assert_moved(c: &mut Cluster, rank: usize, mark: usize) {
@@ -166,28 +179,14 @@ fn a_kill_inside_the_all_gather_completes_the_step_and_loses_nothing() {
 /// next worker): the step completes nowhere, and nothing is lost.
 #[test]
 fn a_kill_inside_the_buddy_shift_loses_no_step_and_the_run_ends_exactly() {
-    let tmp = tempfile::tempdir().unwrap();
-    let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
-    let mut c = start_armed(&run, 2, "buddy-shift@step=30");
-    c.wait_line(2, "trainerd: failpoint buddy-shift reached", 0, DEADLINE);
-    let mark = c.mark();
-    c.signal(2, libc::SIGKILL);
-    assert_moved(&mut c, 3, mark);
-    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+    killed_at_failpoint(2, ("buddy-shift", "@step=30"));
 }
 
 /// The chief killed in the middle of its commit of step 50 (the blobs written, not the record):
 /// the cut commit never becomes visible, and the survivors go on from the state they hold.
 #[test]
 fn the_chief_killed_in_the_middle_of_a_commit_loses_no_step_and_the_run_ends_exactly() {
-    let tmp = tempfile::tempdir().unwrap();
-    let run = args(tmp.path(), &tmp.path().join("ckpt"), true);
-    let mut c = start_armed(&run, 0, "commit-before-record@2");
-    c.wait_line(0, "trainerd: failpoint commit-before-record reached", 0, DEADLINE);
-    let mark = c.mark();
-    c.signal(0, libc::SIGKILL);
-    assert_moved(&mut c, 1, mark);
-    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+    killed_at_failpoint(0, ("commit-before-record", "@2"));
 }
 
 /// A worker killed for good: the three others go on without it at once (its slot and ranges
