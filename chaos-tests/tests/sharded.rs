@@ -268,6 +268,28 @@ fn a_range_whose_two_copies_differ_sends_every_member_back_to_the_last_commit() 
     assert!(again >= 5, "steps 26 to 30 are trained again: {again}\n{}", c.transcript());
 }
 
+/// A bit of a parameter flipped on worker 2 after its step 27 (faulty memory): before step 28
+/// updates anything, the per-step check finds worker 2's parameters differ from the others' as
+/// the step read them and names it (a comparison every 10 steps would not: the all-gather
+/// overwrites or spreads a corrupted parameter first). The other three agree, so worker 2 drops
+/// its parameters and takes theirs, keeping its ranges; step 28 is trained again, and nothing is
+/// lost.
+#[test]
+fn a_flipped_parameter_is_found_before_the_next_update_and_nothing_is_lost() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--replica-check-every", 10);
+    let mut c = start_armed(&run, 2, "flip-bit@step=27");
+    let prefix = "trainerd: replica check at step 28, before its update: the parameters of worker 2 (";
+    let (_, found) = c.wait_line(0, prefix, 0, DEADLINE);
+    assert!(found.ends_with("; no step is lost: this worker keeps its state"), "{found}");
+    let (_, dropped) = c.wait_line(2, prefix, 0, DEADLINE);
+    let own = "; no step is lost: this worker drops its parameters and takes a right member's, and keeps its ranges";
+    assert!(dropped.contains(own), "{dropped}");
+    let chief = assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+    let mismatches = &chief["integrity"]["mismatches"];
+    assert_eq!(mismatches.as_array().map(Vec::len), Some(1), "{chief}");
+}
+
 /// Every worker killed after the commit of step 25, and only three of the four come back: after
 /// the rendezvous timeout they resume that commit (committed whole, sharded anew over three
 /// workers) and end exactly.

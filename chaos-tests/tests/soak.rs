@@ -11,8 +11,9 @@
 //! - a bit flipped in one replica's parameters (failpoint `flip-bit`, armed for a worker's next
 //!   process and that worker killed).
 //!
-//! Every third round shards the optimizer state (`--shard-optimizer`, buddy copies included),
-//! without the bit flips (docs/fault-tolerance.md, "The replica check").
+//! Every third round shards the optimizer state (`--shard-optimizer`, buddy copies included;
+//! there the per-step check of the parameters finds a flipped bit, docs/fault-tolerance.md, "The
+//! replica check").
 //! Every round must end with every worker exiting 0 with the failure-free run's parameters, no
 //! hang (no progress for [`HANG`] fails), and every commit verifying. The steps trained again are
 //! counted twice, from the transcript (a global step that generations trained more than once)
@@ -207,10 +208,6 @@ struct Round<'a> {
     down: Option<usize>,
     /// The workers a bit was flipped in.
     flipped: Vec<usize>,
-    /// The round shards the optimizer state: no parameter's bit is flipped (docs/fault-tolerance.md,
-    /// "The replica check": the next all-gather overwrites a corrupted parameter, or spreads its
-    /// owner's, before a comparison every 10 steps can see it).
-    sharded: bool,
     started: Instant,
 }
 
@@ -297,7 +294,7 @@ impl Round<'_> {
                 self.pending.push((Instant::now() + secs, Undo::Heal(r)));
                 self.apply("partition", format!("worker {r} cut off for {:.1}s", secs.as_secs_f64()));
             }
-            78..=87 if !self.sharded => {
+            78..=87 => {
                 let Some(r) = self.pick(None) else { return };
                 let n = 10 + self.rng.below(190);
                 self.c.arm(r, vec![("TRAINERD_FAILPOINT".into(), format!("flip-bit@{n}"))]);
@@ -596,7 +593,6 @@ fn soak() {
             pending: Vec::new(),
             down: None,
             flipped: Vec::new(),
-            sharded,
             started: Instant::now(),
         };
         round.run(steps, until);
@@ -607,7 +603,8 @@ fn soak() {
         // A replica may differ only where a bit was flipped on purpose.
         for line in round.c.transcript().lines().filter(|l| l.contains("trainerd: replica check at step")) {
             println!("  {line}");
-            let flipped = round.flipped.iter().any(|r| line.contains(&format!("the state of worker {r} (")));
+            let named = |r: &usize| [format!("the state of worker {r} ("), format!("the parameters of worker {r} (")];
+            let flipped = round.flipped.iter().any(|r| named(r).iter().any(|n| line.contains(n.as_str())));
             assert!(flipped, "round {rounds}: a replica differed with no bit flipped in it: {line}");
         }
         for rank in 0..WORKERS {

@@ -17,6 +17,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use super::report::Reporter;
 use super::session::{Interrupt, Session};
+use super::sharded::Read;
 use super::summary::{ReplicaFigures, ReplicaMismatch};
 use crate::state::{Optim, Position, Shareable, StateError, TrainState};
 
@@ -232,6 +233,54 @@ impl Integrity {
             verdict.right
         );
         self.go_back(state, session, report, (mine == verdict.right, odd, why))
+    }
+
+    /// The per-step check under sharding found the members' parameters differ as their step
+    /// read them ([`Read`]), before anything was updated. With a strict majority, the odd members
+    /// drop their state but keep their ranges of the optimizer state (a corrupted parameter never
+    /// reaches them: ranges are updated from reduced gradients only after this check), the next
+    /// formation hands them a right member's parameters, the step is trained again, and no step
+    /// is lost. Without one, every member goes back to the last commit. The interrupt, and
+    /// whether this member keeps its ranges with its state dropped.
+    pub(crate) fn read_differed(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        report: &mut Reporter<'_>,
+        read: &Read,
+    ) -> (Interrupt, bool) {
+        let Some(verdict) = verdict(&read.digests, read.coordinator) else {
+            unreachable!("told only where the digests differ")
+        };
+        let step = state.position().global_step;
+        let names = |places: &mut dyn Iterator<Item = usize>| places.map(|p| session.name_at(p)).collect::<Vec<_>>();
+        let odd = names(&mut verdict.odd.iter().copied());
+        let right = names(&mut (0..read.digests.len()).filter(|p| !verdict.odd.contains(p)));
+        let found: Vec<String> = verdict.odd.iter().map(|&p| format!("{:016x}", read.digests[p])).collect();
+        let why = format!(
+            "replica check at step {}, before its update: the parameters of {} differ from those of {} as the step \
+             read them (xxh3 {} against {:016x})",
+            step + 1,
+            odd.join(", "),
+            right.join(", "),
+            found.join(", "),
+            verdict.right
+        );
+        if 2 * right.len() <= read.digests.len() {
+            let why = format!("{why}, and no majority is right: every member goes back to the last commit");
+            return (self.go_back(state, session, report, (false, odd, why)), false);
+        }
+        session.went_back_for_repair();
+        self.went_back(step, Some(step));
+        let dropped = read.digests[session.collective().rank()] != verdict.right;
+        let what = match dropped {
+            true => "this worker drops its parameters and takes a right member's, and keeps its ranges of the optimizer state",
+            false => "this worker keeps its state",
+        };
+        state.model.live &= !dropped;
+        report.replica_mismatch(&format!("trainerd: {why}; no step is lost: {what}"), &odd);
+        self.figures.mismatches.push(ReplicaMismatch { step, members: odd, back_to: (!dropped).then_some(step) });
+        (Interrupt::Abandoned(why), dropped)
     }
 
     /// A formation found that these members (`odd`, places in the ring) held another state than

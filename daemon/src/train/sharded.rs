@@ -3,8 +3,11 @@
 //! small all-reduce, each owned range clipped and updated, the parameters all-gathered, and only
 //! then the owned state stored.
 
+use std::borrow::Cow;
+
 use tch::{Device, Kind, Tensor};
 use trainerd_storage::TensorData;
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::collective::buckets::{owned, Buckets, Range};
 use crate::collective::slots::assign;
@@ -24,20 +27,34 @@ pub(crate) struct Stepped {
     /// False when float16's loss scaling found a gradient that is not finite: nothing was
     /// updated.
     pub(crate) finite: bool,
+    /// The members' parameters differed as the step read them (the per-step check): nothing was
+    /// updated, and every member got the same digests.
+    pub(crate) differed: Option<Read>,
+}
+
+/// The per-step check of the parameters under sharding (docs/fault-tolerance.md, "The replica
+/// check"): every member's xxh3-64 of its parameters as its step read them, by place in the
+/// ring, and the coordinator's place. The every-N-steps comparison cannot see a parameter
+/// corrupted between two steps here: the next all-gather overwrites it, or its owner spreads it.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Read {
+    pub(crate) digests: Vec<u64>,
+    pub(crate) coordinator: usize,
 }
 
 /// Reduces what the slots held here staged in `buckets` (their `extra` values first in the
 /// tail, `extra_len` of them) and applies the update at rate `lr` to the ranges `optimizer`
 /// owns; `params` end with every member's ranges, bit for bit the unsharded step's parameters.
 /// `loss_scale`: float16's, by which the gradients are divided (a step with a gradient that is
-/// not finite is then skipped everywhere).
+/// not finite is then skipped everywhere). `check`: whether this member coordinates, when the
+/// members compare the parameters their step read before anything is updated ([`Read`]).
 pub(crate) fn reduce_and_update(
     (buckets, ranges): (&mut Buckets, &[Range]),
     collective: &mut dyn Collective,
     params: &mut [(String, Tensor)],
     optimizer: &mut ShardedOptimizer,
     (clip, lr, loss_scale): (&Clip, f64, Option<f64>),
-    extra_len: usize,
+    (extra_len, check): (usize, Option<bool>),
 ) -> Result<Stepped, CollectiveError> {
     let slots = collective.slots().clone();
     buckets.reduce_scatter(collective, ranges)?;
@@ -45,12 +62,14 @@ pub(crate) fn reduce_and_update(
     assert_eq!(mine, optimizer.owned(), "the optimizer owns the ranges of the slots held here");
     assert_eq!(buddied, optimizer.buddied(), "and keeps its predecessor's");
     let tail_len = extra_len + params.len();
-    let (small, not_finite) = global_facts((buckets, ranges), collective, &mine, (clip, loss_scale, tail_len))?;
+    let read = check.map(|coordinates| (params_digest(params), coordinates));
+    let facts = global_facts((buckets, ranges), collective, &mine, (clip, loss_scale, tail_len), read)?;
+    let (small, not_finite, differed) = facts;
     let tail: Vec<f32> = small[..tail_len].iter().map(|&x| x as f32).collect();
     let used: Vec<bool> = tail[extra_len..].iter().map(|&u| u > 0.0).collect();
     let extra = tail[..extra_len].to_vec();
-    if loss_scale.is_some() && not_finite {
-        return Ok(Stepped { extra, grad_norm: None, finite: false });
+    if differed.is_some() || (loss_scale.is_some() && not_finite) {
+        return Ok(Stepped { extra, grad_norm: None, finite: false, differed });
     }
     let clipping = !clip.is_off();
     let grad_norm =
@@ -72,7 +91,7 @@ pub(crate) fn reduce_and_update(
     }
     complete((buckets, ranges), collective, optimizer, kept, (&current, &used, lr))?;
     buckets.write_params(params);
-    Ok(Stepped { extra, grad_norm, finite: true })
+    Ok(Stepped { extra, grad_norm, finite: true, differed: None })
 }
 
 /// The step's second half on this member: its owned ranges' clipped gradients (`kept`) shifted
@@ -113,22 +132,34 @@ fn complete(
     Ok(())
 }
 
-/// The small all-reduce after the reduce-scatter: the tail, each range's sum of squares and a
-/// count of gradients not finite, each place written by one member only (its owner). The others
-/// add -0.0, which leaves every value exactly as it is (+0.0 would turn a -0.0 into +0.0), so the
-/// sum is an exact all-gather. Under float16's loss scaling each owned range is unscaled first
-/// (when finite). Returns the reduced values (the tail, then the sums of squares) and whether a
-/// gradient anywhere was not finite.
+/// The small all-reduce after the reduce-scatter: the tail, each range's sum of squares, with
+/// `read` every member's [`Read`] row (whether it coordinates, its parameters' digest in two
+/// exact halves), and a count of gradients not finite, each place written by one member only
+/// (its owner). The others add -0.0, which leaves every value exactly as it is (+0.0 would turn
+/// a -0.0 into +0.0), so the sum is an exact all-gather. Under float16's loss scaling each owned
+/// range is unscaled first (when finite). Returns the reduced values (the tail, then the sums of
+/// squares), whether a gradient anywhere was not finite, and the members' reads where they
+/// differ.
 fn global_facts(
     (buckets, ranges): (&mut Buckets, &[Range]),
     collective: &mut dyn Collective,
     mine: &[usize],
     (clip, loss_scale, tail_len): (&Clip, Option<f64>, usize),
-) -> Result<(Vec<f64>, bool), CollectiveError> {
+    read: Option<(u64, bool)>,
+) -> Result<(Vec<f64>, bool, Option<Read>), CollectiveError> {
     let slots = collective.slots().clone();
-    let mut small = vec![-0.0f64; tail_len + ranges.len() + 1];
-    let not_finite = tail_len + ranges.len();
+    let (reads_at, world) = (tail_len + ranges.len(), collective.world());
+    let not_finite = reads_at + if read.is_some() { 3 * world } else { 0 };
+    let mut small = vec![-0.0f64; not_finite + 1];
     small[not_finite] = 0.0;
+    if let Some((digest, coordinates)) = read {
+        let at = reads_at + 3 * collective.rank();
+        small[at..at + 3].copy_from_slice(&[
+            f64::from(u8::from(coordinates)),
+            (digest >> 32) as f64,
+            digest as u32 as f64,
+        ]);
+    }
     for &r in mine {
         let range = &ranges[r];
         let values = buckets.owned_mut(&slots, range);
@@ -152,8 +183,23 @@ fn global_facts(
     }
     collective.all_reduce_workers(&mut small, ReduceOp::Sum)?;
     let any = small[not_finite] > 0.0;
-    small.truncate(not_finite);
-    Ok((small, any))
+    let rows: Vec<&[f64]> = small[reads_at..not_finite].chunks(3).collect();
+    let digests: Vec<u64> = rows.iter().map(|row| ((row[1] as u64) << 32) | row[2] as u64).collect();
+    let differed = digests
+        .iter()
+        .any(|&d| d != digests[0])
+        .then(|| Read { coordinator: rows.iter().position(|row| row[0] > 0.5).unwrap_or(0), digests });
+    small.truncate(reads_at);
+    Ok((small, any, differed))
+}
+
+/// The xxh3-64 of `params`' values (float32, in order): what this member's step read.
+pub(crate) fn params_digest(params: &[(String, Tensor)]) -> u64 {
+    let mut hasher = Xxh3::new();
+    for (_, p) in params {
+        hasher.update(bytemuck::cast_slice(&host_values(p)));
+    }
+    hasher.digest()
 }
 
 /// Every member's ranges of the optimizer state gathered: the whole state, named and ordered as
@@ -365,14 +411,18 @@ pub(crate) fn pieces(range: &Range) -> Vec<Piece> {
 
 /// A piece's current values in its parameter.
 fn param_values(p: &Tensor, piece: &Piece) -> Vec<f32> {
+    host_values(p)[piece.offset..piece.offset + piece.len].to_vec()
+}
+
+/// A parameter's values as float32: borrowed from a contiguous float32 host tensor, else copied.
+fn host_values(p: &Tensor) -> Cow<'_, [f32]> {
     if p.kind() == Kind::Float && p.device() == Device::Cpu && p.is_contiguous() {
-        // SAFETY: a contiguous float32 host tensor of `numel` elements, only read here; the
-        // piece lies inside it.
-        let all = unsafe { std::slice::from_raw_parts(p.data_ptr() as *const f32, p.numel()) };
-        return all[piece.offset..piece.offset + piece.len].to_vec();
+        // SAFETY: a contiguous float32 host tensor of `numel` elements, only read while `p` is
+        // borrowed.
+        return Cow::Borrowed(unsafe { std::slice::from_raw_parts(p.data_ptr() as *const f32, p.numel()) });
     }
-    let values = p.detach().reshape(-1).narrow(0, piece.offset as i64, piece.len as i64);
-    Vec::<f32>::try_from(values.to_kind(Kind::Float).to_device(Device::Cpu)).expect("float32 values")
+    let values = p.detach().reshape(-1).to_kind(Kind::Float).to_device(Device::Cpu);
+    Cow::Owned(Vec::<f32>::try_from(values).expect("float32 values"))
 }
 
 #[cfg(test)]
@@ -437,7 +487,7 @@ mod tests {
         with_ring(world, |ring| {
             let all: Vec<usize> = (0..world).collect();
             ring.set_slots(Slots { count: v, held: assign(v, &all)[ring.rank()].clone() });
-            let held = ring.slots().held.clone();
+            let (held, coordinates) = (ring.slots().held.clone(), ring.rank() == 0);
             let (mut plain, mut sharded) = (params(), params());
             let cap = 64; // bytes: several buckets, and ranges that cut parameters
             let (mut b_plain, mut b_sharded) = (Buckets::new(&plain, cap), Buckets::new(&sharded, cap));
@@ -466,9 +516,15 @@ mod tests {
                     let held = (&with_pieces(&ranges, &mine)[..], &with_pieces(&ranges, &buddied)[..]);
                     ShardedOptimizer::new(config.clone(), &sharded, held)
                 });
-                let stepped =
-                    reduce_and_update((&mut b_sharded, &ranges), ring, &mut sharded, zero, (&clip, lr, None), 2)
-                        .unwrap();
+                let stepped = reduce_and_update(
+                    (&mut b_sharded, &ranges),
+                    ring,
+                    &mut sharded,
+                    zero,
+                    (&clip, lr, None),
+                    (2, Some(coordinates)),
+                )
+                .unwrap();
                 assert!(stepped.finite);
                 if stepped.extra != tail[..2] {
                     differences.push(format!("step {step}: tail {:?} vs {:?}", stepped.extra, tail));
@@ -681,6 +737,63 @@ mod tests {
         }
         for m in reshard_on_3(3, &[], [7, 7, 8]) {
             assert_eq!(m.unwrap_err(), Unmoved { ranges: of(0), step: 8 });
+        }
+    }
+
+    /// A bit flipped in one member's parameters (of 3) is found by the per-step check before any
+    /// range is updated: every member gets the same digests, the flipped member's alone differs,
+    /// and no parameter, optimizer state or step count changed anywhere. On equal parameters the
+    /// check finds nothing and the step is the unchecked one's.
+    #[test]
+    fn the_per_step_check_finds_a_flipped_parameter_before_any_update() {
+        let (v, config) =
+            (3, OptimizerConfig::Adam { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 });
+        let out = with_ring(3, |ring| {
+            ring.set_slots(Slots { count: v, held: assign(v, &[0, 1, 2])[ring.rank()].clone() });
+            let mut params = params();
+            let mut buckets = Buckets::new(&params, 64);
+            let ranges = buckets.ranges(&params, v, 2);
+            let (mine, buddied) = holding(&ranges, ring);
+            let held = (&with_pieces(&ranges, &mine)[..], &with_pieces(&ranges, &buddied)[..]);
+            let mut optimizer = ShardedOptimizer::new(config.clone(), &params, held);
+            let mut steps = Vec::new();
+            for step in 0..2 {
+                if step == 1 && ring.rank() == 2 {
+                    let _no_grad = tch::no_grad_guard();
+                    let flat = params[3].1.flatten(0, -1);
+                    let x = flat.double_value(&[4]) as f32;
+                    let _ = flat.get(4).fill_(f64::from(f32::from_bits(x.to_bits() ^ (1 << 12))));
+                }
+                let slot = ring.slots().held.start;
+                backward(&mut params, slot, step);
+                buckets.stage(0, &params, &[1.0, 2.0]);
+                let before: Vec<Vec<u32>> = params.iter().map(|(_, p)| bytes(p)).collect();
+                let check = (2, Some(ring.rank() == 1));
+                let clip = Clip::default();
+                let stepped = reduce_and_update(
+                    (&mut buckets, &ranges),
+                    ring,
+                    &mut params,
+                    &mut optimizer,
+                    (&clip, 0.01, None),
+                    check,
+                )
+                .unwrap();
+                let after: Vec<Vec<u32>> = params.iter().map(|(_, p)| bytes(p)).collect();
+                steps.push((stepped.differed, before == after, optimizer.steps(), params_digest(&params)));
+            }
+            steps
+        });
+        for (rank, steps) in out.iter().enumerate() {
+            let (differed, unchanged, count, _) = &steps[0];
+            assert_eq!((differed, *unchanged, *count), (&None, false, 1), "rank {rank}: step 0 is checked and taken");
+            let (differed, unchanged, count, _) = &steps[1];
+            let read = differed.as_ref().unwrap_or_else(|| panic!("rank {rank}: the flip is found"));
+            assert_eq!(read.coordinator, 1);
+            assert_eq!(read.digests[0], read.digests[1]);
+            assert_ne!(read.digests[2], read.digests[0], "rank 2's parameters differ");
+            assert_eq!(read.digests[rank], steps[1].3, "each member's own digest is its parameters'");
+            assert_eq!((*unchanged, *count), (true, 1), "rank {rank}: nothing was updated");
         }
     }
 }

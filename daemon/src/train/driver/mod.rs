@@ -92,6 +92,9 @@ pub(super) struct Driver<'a> {
     /// The last formation found the sharded optimizer state incomplete (a range's owner and
     /// buddy both lost, or holders steps apart): every member goes back to the last commit.
     sharded_lost: bool,
+    /// The per-step check found this member's parameters corrupted: it dropped them (a peer's
+    /// come with the next formation) and keeps its ranges of the sharded optimizer state.
+    ranges_kept: bool,
 }
 
 impl<'a> Driver<'a> {
@@ -123,6 +126,7 @@ impl<'a> Driver<'a> {
             sharding: None,
             adopted_once: false,
             sharded_lost: false,
+            ranges_kept: false,
         }
     }
 
@@ -380,11 +384,11 @@ impl<'a> Driver<'a> {
             prefetch += began.elapsed();
         };
         let model = &mut state.model;
-        if self.cfg.precision == crate::optim::precision::Precision::Fp16 {
-            model.position.loss_scale.get_or_insert_with(Default::default);
-        }
-        let scale = model.position.loss_scale.map_or(1.0, |s| s.scale);
+        let scale = loss_scale(self.cfg.precision, &mut model.position);
         let (clip, optimizer, ranges) = (self.cfg.clip, &mut state.optimizer, self.sharding.as_ref().map(|(_, r)| r));
+        // The members compare the parameters each step read (a corrupted one would be
+        // overwritten by the all-gather, or spread by its owner, before the next comparison).
+        let check = Some(self.coordinates);
         let mut stepped = None;
         let mut whole = |b: &mut Buckets, c: &mut dyn Collective, p: &mut [(String, tch::Tensor)], held: usize| {
             b.reduce(c, p, held)
@@ -392,7 +396,7 @@ impl<'a> Driver<'a> {
         let mut apart = |b: &mut Buckets, c: &mut dyn Collective, p: &mut [(String, tch::Tensor)], _: usize| {
             let (Optim::Sharded(o), Some(ranges)) = (&mut *optimizer, ranges) else { unreachable!("sharded above") };
             let began = Instant::now();
-            let s = sharded::reduce_and_update((b, ranges), c, p, o, (&clip, lr, None), extra_len)?;
+            let s = sharded::reduce_and_update((b, ranges), c, p, o, (&clip, lr, None), (extra_len, check))?;
             let extra = s.extra.clone();
             stepped = Some((s, began.elapsed()));
             Ok(extra)
@@ -408,6 +412,13 @@ impl<'a> Driver<'a> {
             model.restore_buffers(&saved);
             session.interrupt(e)
         })?;
+        if let Some(read) = stepped.as_mut().and_then(|(s, _)| s.differed.take()) {
+            // Nothing was updated: the step is trained again.
+            model.restore_buffers(&saved);
+            let (interrupt, kept) = self.integrity.read_differed(state, session, &mut self.report, &read);
+            self.ranges_kept = kept;
+            return Err(interrupt);
+        }
         Ok((result, prefetch, stepped))
     }
 
@@ -605,4 +616,13 @@ impl<'a> Driver<'a> {
             optimizer_state_bytes: state.optimizer.state_bytes(),
         }
     }
+}
+
+/// The loss scale a step's backward pass multiplies by: float16's (made at its first step), else
+/// 1.
+fn loss_scale(precision: crate::optim::precision::Precision, position: &mut crate::state::Position) -> f64 {
+    if precision == crate::optim::precision::Precision::Fp16 {
+        position.loss_scale.get_or_insert_with(Default::default);
+    }
+    position.loss_scale.map_or(1.0, |s| s.scale)
 }

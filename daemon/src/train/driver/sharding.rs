@@ -135,10 +135,13 @@ impl Driver<'_> {
         if !self.cfg.shard_optimizer || (!state.optimizer.sharded() && state.live()) {
             return Ok(());
         }
-        if state.optimizer.sharded() && state.live() && !std::mem::take(&mut self.sharded_lost) {
+        let kept = std::mem::take(&mut self.ranges_kept);
+        if state.optimizer.sharded() && (state.live() || kept) && !std::mem::take(&mut self.sharded_lost) {
             // Each lost range has a buddy among the survivors, at the same step: the next
             // formation moves the ranges ([`Driver::reshard`]), and nothing is lost. Where it
-            // finds otherwise, it sends every member back here with `sharded_lost` set.
+            // finds otherwise, it sends every member back here with `sharded_lost` set. (A
+            // member whose parameters the per-step check found corrupted keeps its ranges, and
+            // receives the parameters.)
             return Ok(());
         }
         self.sharded_lost = false;
