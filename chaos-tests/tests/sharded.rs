@@ -1,9 +1,9 @@
 //! Failures with the optimizer state sharded (`--shard-optimizer`) over 4 workers, under a
 //! supervisor with systemd's semantics (a killed worker restarts after 2 s): a worker or the
 //! chief killed, a kill inside the all-gather of the new parameters or the buddy shift, the chief
-//! killed in the middle of a commit, a worker gone for good, a worker frozen and thawed, a stop
-//! and a return lose no step (the lost
-//! worker's ranges come from their buddies); a worker lost together with its buddy, or every
+//! killed in the middle of a commit or a worker in the middle of its part of one, a worker gone
+//! for good, a worker frozen and thawed, a bit of a parameter flipped, a stop and a return lose
+//! no step (the lost worker's ranges come from their buddies); a worker lost together with its buddy, or every
 //! worker, sends every member back to the last commit, counting the steps; and every worker
 //! ends with exactly the parameters of the failure-free run, sharded or not (the two are the
 //! same bits).
@@ -187,6 +187,15 @@ fn a_kill_inside_the_buddy_shift_loses_no_step_and_the_run_ends_exactly() {
 #[test]
 fn the_chief_killed_in_the_middle_of_a_commit_loses_no_step_and_the_run_ends_exactly() {
     killed_at_failpoint(0, ("commit-before-record", "@2"));
+}
+
+/// Worker 2 killed in the middle of writing its part of the commit of step 50 (every member
+/// writes its own: the failpoint `commit-part`): the coordinator never hears of
+/// the part, writes no record, and the survivors go on; the commit of step 25 stays the latest
+/// until the next one, and the run ends exactly without a step lost.
+#[test]
+fn a_worker_killed_while_writing_its_part_of_a_commit_loses_no_step_and_the_run_ends_exactly() {
+    killed_at_failpoint(2, ("commit-part", "@step=50"));
 }
 
 /// A worker killed for good: the three others go on without it at once (its slot and ranges

@@ -4,9 +4,13 @@
 //! refusals.
 
 use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
 
+use sha2::{Digest, Sha256};
+use trainerd_storage::CheckpointStore;
 use trainerd_testkit::output::{error_line, json, text};
-use trainerd_testkit::RunArgs;
+use trainerd_testkit::{free_ports, tf_config, RunArgs};
 
 /// A run's end, per worker: `params_sha256` and `optimizer_state_bytes`; and the sha256 of the
 /// last commit's optimizer blob.
@@ -14,18 +18,33 @@ struct Ended {
     params: Vec<String>,
     state_bytes: Vec<u64>,
     optimizer_blob: String,
+    /// How many parts the last commit has (none: written whole by the coordinator).
+    parts: usize,
     /// What the workers printed.
     output: String,
 }
 
-/// The sha256 of blob `name` of the newest commit in the local checkpoint directory `ckpt`.
+/// The sha256 of the safetensors encoding of blob `name` of the newest commit in the local
+/// checkpoint directory `ckpt`, as a reader puts it together (a sharded commit's from its
+/// parts).
 fn blob_sha256(ckpt: &Path, name: &str) -> String {
+    let raw = trainerd_storage::location::local_store(ckpt).unwrap();
+    let store = CheckpointStore::new(Arc::new(raw), object_store::path::Path::default(), "ckpt");
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let latest = runtime.block_on(store.latest()).unwrap().expect("a commit");
+    let mut hasher = Sha256::new();
+    trainerd_storage::tensors::encode(&latest.blobs[name]).unwrap().iter().for_each(|c| hasher.update(c));
+    trainerd_storage::store::hex(&hasher.finalize())
+}
+
+/// The newest commit's manifest in the local checkpoint directory `ckpt`: how many of its
+/// entries are parts (written by the members of a sharded commit, each a slice of a blob).
+fn parts_in_newest(ckpt: &Path) -> usize {
     let mut records: Vec<_> = std::fs::read_dir(ckpt.join("commits")).unwrap().map(|e| e.unwrap().path()).collect();
     records.sort();
     let record = json(records.last().expect("a commit"));
     let manifest = json(&ckpt.join(record["manifest"].as_str().unwrap()));
-    let blob = manifest["blobs"].as_array().unwrap().iter().find(|b| b["name"] == name).expect("the blob");
-    blob["sha256"].as_str().unwrap().to_string()
+    manifest["blobs"].as_array().unwrap().iter().filter(|b| b.get("slices").is_some()).count()
 }
 
 /// `args` on `workers` local workers with checkpoints in `dir/ckpt` (every 10 steps).
@@ -38,6 +57,7 @@ fn run(args: &RunArgs, workers: usize, dir: &Path) -> Ended {
         params: summaries.iter().map(|s| s["params_sha256"].as_str().unwrap().to_string()).collect(),
         state_bytes: summaries.iter().map(|s| s["optimizer_state_bytes"].as_u64().unwrap()).collect(),
         optimizer_blob: blob_sha256(&ckpt, "optimizer.safetensors"),
+        parts: parts_in_newest(&ckpt),
         output: text(&out),
     }
 }
@@ -100,6 +120,10 @@ fn a_sharded_run_is_the_unsharded_run_bit_for_bit() {
             );
         }
         assert_eq!(sharded.optimizer_blob, whole.optimizer_blob, "{what}: the committed optimizer state");
+        // Every worker wrote its parts of the model and of the optimizer state.
+        let line = "trainerd: sharded commits: every member writes its parts of each commit to ";
+        assert!(sharded.output.contains(line), "{what}: {}", sharded.output);
+        assert_eq!((whole.parts, sharded.parts), (0, 2 * workers), "{what}");
     }
 }
 
@@ -141,4 +165,80 @@ fn sharding_without_checkpoints_in_a_cluster_is_refused() {
         "{}",
         error_line(&out)
     );
+}
+
+/// Workers that do not reach one location (each its own directory, as node-local disks on a
+/// multi-node cluster would be): the probe finds it, the start says so, and the coordinator
+/// gathers the state and writes every commit alone, whole, in its own directory, as the
+/// unsharded run commits it.
+#[test]
+fn a_location_not_every_member_reaches_keeps_single_writer_commits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = cnn("mnist-cnn").optimizer("adam", 1e-3);
+    let whole = run(&args, 2, &tmp.path().join("whole"));
+    let ports = free_ports(2);
+    let workers: Vec<_> = (0..2)
+        .map(|i| {
+            let ckpt = tmp.path().join(format!("node{i}"));
+            let args = args.clone().on("--shard-optimizer").checkpoints(&ckpt, 10);
+            let mut cmd: Command = args.summary(tmp.path().join(format!("s{i}.json"))).command("run");
+            cmd.env("TF_CONFIG", tf_config(&ports, i)).stdout(Stdio::piped()).stderr(Stdio::piped());
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let outputs: Vec<_> = workers.into_iter().map(|w| w.wait_with_output().unwrap()).collect();
+    for out in &outputs {
+        assert!(out.status.success(), "{}", text(out));
+        let line = "trainerd: sharded commits: worker 0 (";
+        assert!(text(out).contains(line), "{}", text(out));
+        let alone = "a directory local to each node?";
+        assert!(text(out).contains(alone) && text(out).contains("the coordinator gathers the state and writes each"));
+    }
+    let chief = tmp.path().join("node0");
+    assert_eq!(parts_in_newest(&chief), 0, "written whole");
+    assert_eq!(blob_sha256(&chief, "optimizer.safetensors"), whole.optimizer_blob);
+    assert!(
+        !tmp.path().join("node1/commits").exists()
+            || std::fs::read_dir(tmp.path().join("node1/commits")).unwrap().count() == 0
+    );
+    let params = json(&tmp.path().join("s0.json"))["params_sha256"].clone();
+    assert_eq!(params, whole.params[0].as_str());
+}
+
+/// The checkpoint tools read a commit written in parts: `ckpt verify` verifies every part, `ckpt
+/// export` writes the unsharded commit's file byte for byte, and a part with a flipped byte fails
+/// verification, naming the part.
+#[test]
+fn the_checkpoint_tools_read_a_commit_written_in_parts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = cnn("mnist-cnn").optimizer("adam", 1e-3);
+    let (a, b) = (tmp.path().join("whole"), tmp.path().join("sharded"));
+    run(&args, 2, &a);
+    assert_eq!(run(&args.clone().on("--shard-optimizer"), 2, &b).parts, 4);
+    let ckpt = |dir: &Path| dir.join("ckpt");
+    let tool = |args: &[&std::ffi::OsStr]| trainerd_testkit::trainerd_cmd().arg("ckpt").args(args).output().unwrap();
+    let export = |dir: &Path| {
+        let file = dir.join("exported.safetensors");
+        let out = tool(&["export".as_ref(), ckpt(dir).as_os_str(), "--output".as_ref(), file.as_os_str()]);
+        assert!(out.status.success(), "{}", text(&out));
+        std::fs::read(file).unwrap()
+    };
+    assert!(export(&a) == export(&b), "the export of a commit in parts is the unsharded commit's");
+    let verify = |dir: &Path| tool(&["verify".as_ref(), ckpt(dir).as_os_str()]);
+    let out = verify(&b);
+    assert!(out.status.success(), "{}", text(&out));
+    let data = ckpt(&b).join("data");
+    let mut parts: Vec<_> = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|d| d.unwrap().path().join("model.part-1.safetensors"))
+        .filter(|p| p.exists())
+        .collect();
+    parts.sort_by_key(|p| std::fs::metadata(p).unwrap().modified().unwrap());
+    let newest = parts.last().expect("a part of worker 1");
+    let mut bytes = std::fs::read(newest).unwrap();
+    bytes[100] ^= 0x80;
+    std::fs::write(newest, bytes).unwrap();
+    let out = verify(&b);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("DAMAGED") && text(&out).contains("model.part-1.safetensors"), "{}", text(&out));
 }

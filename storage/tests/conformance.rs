@@ -12,7 +12,9 @@ use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use proptest::prelude::*;
-use trainerd_storage::{Blob, CheckpointStore, Dtype, Mode, NewCheckpoint, Retry, Score, StorageError, TensorData};
+use trainerd_storage::{
+    Blob, CheckpointStore, Dtype, Mode, NewCheckpoint, Part, Retry, Score, Slice, StorageError, TensorData,
+};
 use trainerd_testkit::fault::FaultStore;
 use trainerd_testkit::s3::S3Server;
 
@@ -515,5 +517,112 @@ fn transient_errors_are_retried_and_persistent_ones_leave_the_last_commit() {
         assert!(err.contains("crashed before write"), "{err}");
         let latest = rt.block_on(b.store().latest()).unwrap().unwrap();
         assert_eq!(latest.record.global_step, 2, "{}", b.name);
+    }
+}
+
+/// Three members' parts of a sharded commit at `step`: each holds a third of the model's weight
+/// and of its optimizer state as element ranges (member 0 the bias too, whole), cut across rows;
+/// and the coordinator's own blob. With the tensors the restore must give.
+fn sharded(step: u64) -> (Vec<Part>, NewCheckpoint, BTreeMap<String, Vec<TensorData>>) {
+    let whole = checkpoint(step, 1, false);
+    let (weight, bias) = (&whole.blobs[0].tensors[0], &whole.blobs[0].tensors[1]);
+    let exp_avg = &whole.blobs[1].tensors[0];
+    let cuts = [0usize, 213, 426, 640];
+    let cut = |t: &TensorData, p: usize| {
+        let stored = format!("{}@{}", t.name, cuts[p]);
+        let data = t.data.slice(cuts[p] * 4..cuts[p + 1] * 4);
+        let slice = Slice { stored: stored.clone(), tensor: t.name.clone(), shape: t.shape.clone(), offset: cuts[p] };
+        (TensorData { name: stored, dtype: t.dtype, shape: vec![cuts[p + 1] - cuts[p]], data }, slice)
+    };
+    let mut parts = Vec::new();
+    for p in 0..3 {
+        let (mut tensors, mut slices): (Vec<_>, Vec<_>) = [cut(weight, p)].into_iter().unzip();
+        if p == 0 {
+            let name = format!("{}@0", bias.name);
+            tensors.push(TensorData { name: name.clone(), ..bias.clone() });
+            slices.push(Slice { stored: name, tensor: bias.name.clone(), shape: bias.shape.clone(), offset: 0 });
+        }
+        parts.push(Part {
+            blob: "model.safetensors".into(),
+            file: format!("model.part-{p}.safetensors"),
+            tensors,
+            slices,
+        });
+        let (tensors, slices) = [cut(exp_avg, p)].into_iter().unzip();
+        parts.push(Part {
+            blob: "optimizer.safetensors".into(),
+            file: format!("optimizer.part-{p}.safetensors"),
+            tensors,
+            slices,
+        });
+    }
+    let buffers = Blob { name: "buffers.safetensors".into(), tensors: vec![tensor("model.bn.running_mean", &[10], 3)] };
+    let coordinator = NewCheckpoint { blobs: vec![buffers.clone()], ..whole.clone() };
+    let mut expected = tensors_of(&whole);
+    expected.insert(buffers.name.clone(), buffers.tensors);
+    (parts, coordinator, expected)
+}
+
+/// A sharded commit: the members write their parts in parallel under the coordinator's data id,
+/// then the coordinator commits them with its own blob; the restore puts every tensor back
+/// together bit for bit. A crash at any write of any member's part, or of the coordinator's
+/// commit, leaves the previous commit the latest (or, past the record, the new one), and the
+/// coordinator's next commit collects what a failed one left.
+#[test]
+fn a_sharded_commit_restores_whole_and_a_crash_at_any_write_of_any_part_leaves_the_last_commit() {
+    let rt = rt();
+    for b in backends() {
+        rt.block_on(async {
+            let store = b.store();
+            let (parts, coordinator, expected) = sharded(2);
+            let base = checkpoint(1, 1, false);
+            store.commit(&base, 0).await.unwrap();
+            let id = CheckpointStore::new_data_id(1, 1);
+            let written = futures::future::try_join_all(parts.iter().map(|p| store.write_part(&id, p))).await.unwrap();
+            store.commit_parts(&coordinator, (&id, written.clone()), 0).await.unwrap();
+            let restored = store.latest().await.unwrap().unwrap();
+            assert_eq!(restored.blobs, expected, "{}", b.name);
+            assert_eq!(restored.manifest.blobs.iter().filter(|e| e.slices.is_some()).count(), 6);
+            // A member's part cut short at any of its writes: the coordinator hears of no part,
+            // writes no record, and the last commit stands.
+            for member in 0..parts.len() {
+                let (fault, counting) = b.faulty();
+                counting.write_part(&CheckpointStore::new_data_id(1, 1), &parts[member]).await.unwrap();
+                for crash in 0..fault.writes() {
+                    let (fault, faulty) = b.faulty();
+                    fault.crash_at(crash);
+                    let id = CheckpointStore::new_data_id(1, 1);
+                    let others = parts.iter().enumerate().filter(|(m, _)| *m != member);
+                    let theirs = others.map(|(_, p)| store.write_part(&id, p));
+                    let (mine, theirs) =
+                        futures::join!(faulty.write_part(&id, &parts[member]), futures::future::try_join_all(theirs));
+                    assert!(mine.is_err() && theirs.is_ok(), "{}: member {member}, crash at {crash}", b.name);
+                    let latest = b.store().latest().await.unwrap().unwrap();
+                    assert_eq!(latest.blobs, expected, "{}: member {member}, crash at {crash}", b.name);
+                }
+            }
+            // The coordinator's commit cut short at any write: the sharded commit is the latest
+            // in full, or the previous one is.
+            let (fault, counting) = b.faulty();
+            let id = CheckpointStore::new_data_id(1, 1);
+            let parts_3 = futures::future::try_join_all(parts.iter().map(|p| store.write_part(&id, p))).await.unwrap();
+            let next = NewCheckpoint { global_step: 3, ..coordinator.clone() };
+            counting.commit_parts(&next, (&id, parts_3), 0).await.unwrap();
+            for crash in 0..fault.writes() {
+                let before = b.store().latest().await.unwrap().unwrap().record.sequence;
+                let (fault, faulty) = b.faulty();
+                fault.crash_at(crash);
+                let id = CheckpointStore::new_data_id(1, 1);
+                let parts =
+                    futures::future::try_join_all(parts.iter().map(|p| store.write_part(&id, p))).await.unwrap();
+                let result = faulty.commit_parts(&next, (&id, parts), 0).await;
+                let latest = b.store().latest().await.unwrap().unwrap();
+                assert_eq!(latest.blobs, expected, "{}: coordinator, crash at {crash}", b.name);
+                assert_eq!(latest.record.sequence > before, result.is_ok(), "{}: crash at {crash}", b.name);
+            }
+            // The coordinator's next commit leaves only its retained commit's data.
+            store.commit(&checkpoint(4, 1, false), 1).await.unwrap();
+            assert_eq!(b.data_ids().await.len(), 1, "{}", b.name);
+        });
     }
 }

@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use trainerd_storage::{Blob, CheckpointStore, CommitRecord, NewCheckpoint, Restored, Score, StorageError};
+use trainerd_storage::{
+    Blob, BlobEntry, CheckpointStore, CommitRecord, NewCheckpoint, Part, Restored, Retry, Score, StorageError,
+};
 
 use super::CheckpointError;
 use crate::state::Meta;
@@ -187,6 +189,51 @@ impl Checkpointer {
         meta: &Meta,
         score: Option<Score>,
     ) -> Result<Option<Finished>, CheckpointError> {
+        self.start(blobs, None, (meta, score, Instant::now()))
+    }
+
+    /// A fresh data id for this writer's next commit, whose parts the members write
+    /// ([`Checkpointer::write_parts`]) before it commits them ([`Checkpointer::commit_parts`]).
+    pub(crate) fn new_data_id(&self) -> String {
+        CheckpointStore::new_data_id(self.generation, self.writer)
+    }
+
+    /// Writes this member's `parts` of a sharded commit under its coordinator's data id `id`, and
+    /// waits for them: the entries the coordinator lists in the manifest.
+    pub(crate) fn write_parts(&self, id: &str, parts: &[Part]) -> Result<Vec<BlobEntry>, StorageError> {
+        self.runtime.block_on(futures::future::try_join_all(parts.iter().map(|p| self.store.write_part(id, p))))
+    }
+
+    /// Starts committing the `parts` every member wrote under data id `id` (since `began`: the
+    /// commit's time counts their writes) with `meta` and an epoch-end commit's `score`, as
+    /// [`Checkpointer::commit`].
+    pub(crate) fn commit_parts(
+        &mut self,
+        (id, parts): (String, Vec<BlobEntry>),
+        meta: &Meta,
+        (score, began): (Option<Score>, Instant),
+    ) -> Result<Option<Finished>, CheckpointError> {
+        self.start(Vec::new(), Some((id, parts)), (meta, score, began))
+    }
+
+    /// A sharded commit of the state at `progress` that never started: a member could not write
+    /// its part (`why`). The previous commit stays the latest; how the one in flight ended, if
+    /// any, and this one.
+    pub(crate) fn failed_parts(&mut self, progress: (u64, u64), why: &str) -> (Option<Finished>, Finished) {
+        let previous = self.wait();
+        let message = format!("checkpoint at step {} failed: {why}", progress.0);
+        self.last_error = Some(message.clone());
+        (previous, Finished::Failed { step: progress.0, message })
+    }
+
+    /// Starts the commit of `blobs` and any members' `parts` (with their data id) in the
+    /// background, after the previous one.
+    fn start(
+        &mut self,
+        blobs: Vec<Blob>,
+        parts: Option<(String, Vec<BlobEntry>)>,
+        (meta, score, began): (&Meta, Option<Score>, Instant),
+    ) -> Result<Option<Finished>, CheckpointError> {
         let previous = self.wait();
         let position = &meta.position;
         let checkpoint = NewCheckpoint {
@@ -203,11 +250,51 @@ impl Checkpointer {
             .name("trainerd-commit".into())
             .spawn(move || {
                 lower_priority();
-                runtime.block_on(store.commit(&checkpoint, keep))
+                runtime.block_on(async {
+                    match parts {
+                        Some((id, parts)) => store.commit_parts(&checkpoint, (&id, parts), keep).await,
+                        None => store.commit(&checkpoint, keep).await,
+                    }
+                })
             })
             .map_err(CheckpointError::Thread)?;
         self.failures_before = self.store.transient_failures();
-        self.in_flight = Some((position.progress(), Instant::now(), handle));
+        self.in_flight = Some((position.progress(), began, handle));
         Ok(previous)
+    }
+
+    /// The store for reach probes: a few tries only, so that a storage outage as a generation
+    /// forms costs it under a second (the generation then commits through its coordinator).
+    fn probing(&self) -> CheckpointStore {
+        self.store.clone().with_retry(Retry { attempts: 3, ..Retry::default() })
+    }
+
+    /// Writes this member's object (it is `place`) of the reach probe `nonce` at the location,
+    /// holding `token` (its name).
+    pub(crate) fn write_probe(&self, nonce: &str, place: usize, token: &str) -> Result<(), String> {
+        self.runtime
+            .block_on(self.probing().write_reach_probe(nonce, place, token.as_bytes()))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Whether this member reads every other member's object of the reach probe `nonce` back as
+    /// it wrote it (`tokens`: each member's, by place; this member is `place`): `Err` names the
+    /// first it could not, and why.
+    pub(crate) fn read_probes(&self, nonce: &str, place: usize, tokens: &[String]) -> Result<(), String> {
+        let store = self.probing();
+        self.runtime.block_on(async {
+            for (other, token) in tokens.iter().enumerate().filter(|&(p, _)| p != place) {
+                let read = store.read_reach_probe(nonce, other).await.map_err(|e| format!("{token}'s: {e}"))?;
+                if read != token.as_bytes() {
+                    return Err(format!("{token}'s holds {:?}", String::from_utf8_lossy(&read)));
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Removes this member's object of the reach probe `nonce`.
+    pub(crate) fn remove_probe(&self, nonce: &str, place: usize) {
+        self.runtime.block_on(self.probing().remove_reach_probe(nonce, place));
     }
 }

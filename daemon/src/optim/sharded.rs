@@ -202,9 +202,14 @@ impl ShardedOptimizer {
         self.shards.iter().flat_map(|s| &s.state).map(|a| a.len() as u64 * 4).sum()
     }
 
+    /// The pieces of the ranges this member owns, in range order.
+    pub(crate) fn owned_pieces(&self) -> impl Iterator<Item = &Piece> {
+        self.shards[..self.own].iter().flat_map(|s| &s.pieces)
+    }
+
     /// Every owned piece's state (`buddies`: every buddy copy's), as (state name, piece,
-    /// values): how a whole state is put together from every member's.
-    #[cfg(test)]
+    /// values): how a whole state is put together from every member's (a sharded commit's
+    /// parts).
     pub(crate) fn pieces(&self, buddies: bool) -> Vec<(&'static str, &Piece, &[f32])> {
         let mut out = Vec::new();
         let shards = if buddies { &self.shards[self.own..] } else { &self.shards[..self.own] };

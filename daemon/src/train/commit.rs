@@ -4,7 +4,7 @@
 //! (which does the how). Only the chief has a committer.
 
 use trainerd_sdk::PluginInfo;
-use trainerd_storage::{Blob, Mode, Score};
+use trainerd_storage::{Blob, BlobEntry, Mode, Score};
 
 use super::report::Reporter;
 use super::TrainError;
@@ -96,6 +96,16 @@ pub(crate) fn decide(moment: Moment, position: &Position, live: bool, policy: Po
         (false, false) if last.stuck => Action::Skip(Skip::Stuck),
         (false, _) => Action::Commit,
     }
+}
+
+/// What the coordinator does at a moment of a sharded commit ([`Committer::plan_parts`]).
+#[derive(Debug, PartialEq)]
+pub(crate) enum Parts {
+    /// Commit now: the members write their parts under this data id; the epoch-end commit's
+    /// score.
+    Commit(String, Option<Score>),
+    /// Nothing to write: the sequence of the commit in flight, if it was waited for and committed.
+    Done(Option<u64>),
 }
 
 /// The chief's commits: the policy's decisions, carried out.
@@ -253,11 +263,7 @@ impl Committer {
         let score = if moment == Moment::EpochEnd { self.score(position) } else { None };
         match decide(moment, position, state.model.live, self.policy, last) {
             Action::Skip(Skip::Stuck) => {
-                report.line(&format!(
-                    "warning: checkpoint at step {} skipped: the previous commit to {} is still retrying",
-                    position.global_step,
-                    c.location()
-                ));
+                self.skipped_stuck(position, report);
                 if let Some(score) = score {
                     self.keep_pending(state, score, report)?;
                 }
@@ -271,6 +277,70 @@ impl Committer {
                 Ok(if moment.last() { self.wait(report) } else { None })
             }
         }
+    }
+
+    /// Says that the commit of the state at `position` is skipped: the previous one is retrying.
+    fn skipped_stuck(&self, position: &Position, report: &mut Reporter<'_>) {
+        report.line(&format!(
+            "warning: checkpoint at step {} skipped: the previous commit to {} is still retrying",
+            position.global_step,
+            self.checkpointer.location()
+        ));
+    }
+
+    /// The policy's decision at `moment` for a state whose members write their parts of each
+    /// commit (docs/fault-tolerance.md, "Sharded commits"): a commit to start now, under a fresh
+    /// data id, or what was done instead. (An epoch-end state skipped on failing storage is not
+    /// kept for later: no member holds it whole.)
+    pub(crate) fn plan_parts(&mut self, moment: Moment, state: &TrainState, report: &mut Reporter<'_>) -> Parts {
+        if moment == Moment::Step {
+            self.poll(report);
+        }
+        let c = &self.checkpointer;
+        let position = state.position();
+        let last = Last { holds: c.has(position.progress()), stuck: c.stuck() };
+        match decide(moment, position, state.model.live, self.policy, last) {
+            Action::Skip(Skip::Stuck) => {
+                self.skipped_stuck(position, report);
+                Parts::Done(None)
+            }
+            Action::Skip(_) => Parts::Done(None),
+            Action::Wait => Parts::Done(self.wait(report)),
+            Action::Commit => {
+                let score = if moment == Moment::EpochEnd { self.score(position) } else { None };
+                Parts::Commit(self.checkpointer.new_data_id(), score)
+            }
+        }
+    }
+
+    /// Starts committing `state` at `moment` from the parts every member wrote under data id `id`
+    /// (`written`: their entries, or why a member could not write its part: then nothing is
+    /// committed, and the previous commit stays the latest) since `began`, with an epoch-end
+    /// commit's `score`.
+    /// For the last moments, returns the sequence of the commit waited for, if it committed.
+    pub(crate) fn commit_parts(
+        &mut self,
+        (moment, state): (Moment, &TrainState),
+        ((id, written), began): ((String, Result<Vec<BlobEntry>, String>), std::time::Instant),
+        score: Option<Score>,
+        report: &mut Reporter<'_>,
+    ) -> Result<Option<u64>, TrainError> {
+        let location = self.checkpointer.location().to_string();
+        match written {
+            Ok(entries) => {
+                let meta = Meta::new(state.position().clone(), &self.info, self.workers, &self.run_config);
+                if let Some(f) = self.checkpointer.commit_parts((id, entries), &meta, (score, began))? {
+                    report.commit_finished(&location, &f);
+                }
+            }
+            Err(why) => {
+                let (previous, failed) = self.checkpointer.failed_parts(state.position().progress(), &why);
+                for f in previous.iter().chain([&failed]) {
+                    report.commit_finished(&location, f);
+                }
+            }
+        }
+        Ok(if moment.last() { self.wait(report) } else { None })
     }
 
     /// Waits for the commit in flight and reports it; its sequence, if it committed.

@@ -30,6 +30,7 @@ pub(crate) mod evaluate;
 pub(crate) mod integrity;
 pub(crate) mod jobs;
 pub(crate) mod kernels;
+pub(crate) mod parts;
 pub(crate) mod predict;
 pub(crate) mod replicas;
 pub(crate) mod report;

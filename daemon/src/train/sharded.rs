@@ -410,7 +410,7 @@ pub(crate) fn pieces(range: &Range) -> Vec<Piece> {
 }
 
 /// A piece's current values in its parameter.
-fn param_values(p: &Tensor, piece: &Piece) -> Vec<f32> {
+pub(crate) fn param_values(p: &Tensor, piece: &Piece) -> Vec<f32> {
     host_values(p)[piece.offset..piece.offset + piece.len].to_vec()
 }
 

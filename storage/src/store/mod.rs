@@ -8,8 +8,10 @@
 //! collected later.
 //!
 //! [`types`] holds what a location holds and says; reading is in `read.rs`, committing and
-//! collection in `write.rs`.
+//! collection in `write.rs`, the probe of whether every member reaches the location in
+//! `reach.rs`.
 
+mod reach;
 mod read;
 pub mod types;
 mod write;

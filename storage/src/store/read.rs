@@ -1,7 +1,7 @@
 //! Reading a location: its commit records, and the newest commit whose manifest and every blob
 //! verify (falling back to older ones, saying why).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use bytes::Bytes;
 use futures::TryStreamExt;
@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 
 use super::{hex, CheckpointStore, CommitRecord, Manifest, Restored, StorageError};
 use crate::protocol::{self, COMMITS, DATA};
-use crate::tensors;
+use crate::{parts, tensors};
 
 impl CheckpointStore {
     /// Commit records present, sorted by sequence (unreadable ones are skipped with a warning).
@@ -124,7 +124,7 @@ impl CheckpointStore {
             .await?;
         let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
             .map_err(|e| self.damaged(sequence, format!("manifest {} is not valid: {e}", record.manifest)))?;
-        let mut blobs = BTreeMap::new();
+        let mut entries = Vec::with_capacity(manifest.blobs.len());
         for entry in &manifest.blobs {
             let bytes = self
                 .get_verified(
@@ -137,8 +137,10 @@ impl CheckpointStore {
                 .await?;
             let tensors =
                 tensors::decode(&bytes).map_err(|e| self.damaged(sequence, format!("blob {}: {e}", entry.name)))?;
-            blobs.insert(entry.name.clone(), tensors);
+            entries.push((entry, tensors));
         }
+        // A sharded commit's blobs come in parts, put together here (whole ones as they are).
+        let blobs = parts::assemble(entries).map_err(|why| self.damaged(sequence, why))?;
         Ok(Restored { record, manifest, blobs, fallbacks: Vec::new() })
     }
 

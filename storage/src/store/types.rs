@@ -125,6 +125,39 @@ pub struct BlobEntry {
     pub size: u64,
     /// Hex sha256.
     pub sha256: String,
+    /// A part of the blob `name`, written by one member of a sharded commit: what it holds of the
+    /// blob's tensors, possibly nothing (none: the whole blob).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slices: Option<Vec<Slice>>,
+}
+
+/// What a part of a sharded blob holds of one of the blob's tensors: the elements
+/// `[offset, offset + len)` of tensor `tensor` (of shape `shape`) flattened, stored in the part as
+/// the one-dimensional tensor `stored` of `len` elements.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slice {
+    /// The part's tensor.
+    pub stored: String,
+    /// The blob's tensor it is a slice of.
+    pub tensor: String,
+    /// That tensor's shape.
+    pub shape: Vec<usize>,
+    /// Where the slice starts among its elements.
+    pub offset: usize,
+}
+
+/// A part of a sharded commit's blob, which any member writes under the commit's data id
+/// ([`crate::CheckpointStore::write_part`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Part {
+    /// The blob it is a part of, e.g. `optimizer.safetensors`.
+    pub blob: String,
+    /// Its file name under the data id, unique in the commit, e.g. `optimizer.part-2.safetensors`.
+    pub file: String,
+    /// Its tensors, each one-dimensional.
+    pub tensors: Vec<TensorData>,
+    /// What each of them is a slice of.
+    pub slices: Vec<Slice>,
 }
 
 /// A checkpoint's manifest.

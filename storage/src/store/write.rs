@@ -10,7 +10,8 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload}
 use sha2::{Digest, Sha256};
 
 use super::{
-    hex, unix_ms, BlobEntry, CheckpointStore, CommitRecord, Manifest, NewCheckpoint, StorageError, FORMAT, PART_BYTES,
+    hex, unix_ms, BlobEntry, CheckpointStore, CommitRecord, Manifest, NewCheckpoint, Part, StorageError, FORMAT,
+    PART_BYTES,
 };
 use crate::protocol::{self, COMMITS, DATA, MANIFEST};
 use crate::tensors;
@@ -85,15 +86,63 @@ impl CheckpointStore {
         checkpoint: &NewCheckpoint,
         keep: usize,
     ) -> Result<CommitRecord, StorageError> {
-        let id = protocol::data_id(checkpoint.generation, checkpoint.writer, &uuid::Uuid::new_v4().to_string());
+        let id = Self::new_data_id(checkpoint.generation, checkpoint.writer);
+        self.commit_in(sequence, checkpoint, (&id, Vec::new()), keep).await
+    }
 
+    /// A fresh data id for a commit by `writer` of `generation`: a sharded commit's, which its
+    /// coordinator sends the members so that they write their parts under it.
+    pub fn new_data_id(generation: u64, writer: u64) -> String {
+        protocol::data_id(generation, writer, &uuid::Uuid::new_v4().to_string())
+    }
+
+    /// Writes `part` of a sharded commit under data id `id` (its coordinator's): the entry the
+    /// coordinator lists in the manifest. Nothing is visible until a commit record names it, and
+    /// a part no record names is collected as its data id's writer's data.
+    pub async fn write_part(&self, id: &str, part: &Part) -> Result<BlobEntry, StorageError> {
+        let relative = format!("{DATA}/{id}/{}", part.file);
+        let chunks = tensors::encode(&part.tensors)?;
+        // Chaos tests stop a member here: a sharded commit cut short in a member's part.
+        trainerd_failpoint::point("commit-part");
+        let (size, sha256) = self.upload(&relative, &chunks).await?;
+        Ok(BlobEntry { name: part.blob.clone(), path: relative, size, sha256, slices: Some(part.slices.clone()) })
+    }
+
+    /// Commits `checkpoint` with the `parts` that a sharded commit's members wrote under data id
+    /// `id` ([`CheckpointStore::write_part`]) as the next sequence: its own blobs, then the
+    /// manifest listing every part, then the record, as [`CheckpointStore::commit`].
+    ///
+    /// # Panics
+    /// When a part lies under another data id (it would be collected as another commit's).
+    pub async fn commit_parts(
+        &self,
+        checkpoint: &NewCheckpoint,
+        (id, parts): (&str, Vec<BlobEntry>),
+        keep: usize,
+    ) -> Result<CommitRecord, StorageError> {
+        let under = format!("{DATA}/{id}/");
+        assert!(parts.iter().all(|p| p.path.starts_with(&under)), "every part lies under the commit's data id {id}");
+        let sequence = self.next_sequence(checkpoint.generation, checkpoint.writer).await?;
+        self.commit_in(sequence, checkpoint, (id, parts), keep).await
+    }
+
+    /// Commits `checkpoint`'s blobs and the `parts` already written, under data id `id`, as
+    /// exactly `sequence`.
+    async fn commit_in(
+        &self,
+        sequence: u64,
+        checkpoint: &NewCheckpoint,
+        (id, parts): (&str, Vec<BlobEntry>),
+        keep: usize,
+    ) -> Result<CommitRecord, StorageError> {
         let mut entries = Vec::new();
         for blob in &checkpoint.blobs {
             let relative = format!("{DATA}/{id}/{}", blob.name);
             let chunks = tensors::encode(&blob.tensors)?;
             let (size, sha256) = self.upload(&relative, &chunks).await?;
-            entries.push(BlobEntry { name: blob.name.clone(), path: relative, size, sha256 });
+            entries.push(BlobEntry { name: blob.name.clone(), path: relative, size, sha256, slices: None });
         }
+        entries.extend(parts);
         let now = unix_ms();
         let manifest = Manifest {
             format: FORMAT.into(),
@@ -123,7 +172,7 @@ impl CheckpointStore {
             score: checkpoint.score.clone(),
         };
         self.create_record(&record).await?;
-        self.collect(keep, (checkpoint.generation, checkpoint.writer), Some(&id)).await;
+        self.collect(keep, (checkpoint.generation, checkpoint.writer), Some(id)).await;
         Ok(record)
     }
 
@@ -265,7 +314,8 @@ impl CheckpointStore {
         let records = self.records().await?;
         if let Some((seq, Err(e))) = records.iter().find(|(_, r)| r.is_err()) {
             tracing::warn!(
-                "{}: no checkpoint data is deleted while commit {seq} cannot be read (its data is unknown); retention                  removes that record in time: {e}",
+                "{}: no checkpoint data is deleted while commit {seq} cannot be read (its data is unknown); retention \
+                 removes that record in time: {e}",
                 self.name
             );
             return Ok(());

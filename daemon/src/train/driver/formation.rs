@@ -20,7 +20,8 @@ const COMMITS: usize = 3;
 const MISMATCH: usize = 4;
 const OWES: usize = 5;
 const SHARDED: usize = 6;
-const N: usize = 7;
+const PROBE: usize = 7;
+const N: usize = 8;
 
 impl Driver<'_> {
     /// Takes the state a formation settled on, is admitted, and says what happened; then, when a
@@ -51,12 +52,14 @@ impl Driver<'_> {
         tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
         state.model.live = true;
         self.coordinates = formed.coordinator == session.rank();
+        self.coordinator = session.members().iter().position(|&r| r == formed.coordinator).unwrap_or(0);
         if let Some(c) = self.committer.as_mut() {
             c.checkpointer().set_generation(formed.generation);
         }
         self.batches.keep(&session.collective().slots().held);
         let owed = self.agree(state, session, (differed, formed.source))?;
         self.reshard(state, session)?;
+        self.probe_reach(session)?;
         self.integrity.formed(state, got)?;
         session.adopted(state.position().global_step);
         let source_name = session.name(formed.source);
@@ -89,7 +92,9 @@ impl Driver<'_> {
     /// [`crate::train::integrity::Integrity::differed_at_formation`]), its checkpoint interval
     /// (commits are compared first), and what it knows of the comparison of the formation's step
     /// ([`crate::train::integrity::Flags`]), and whether its optimizer state is sharded (all
-    /// members' or none: see [`Driver::reshard`]). Every member sees the same values, so every
+    /// members' or none: see [`Driver::reshard`]), and whether it knows every member to reach the
+    /// checkpoint location (else every member probes: [`Driver::probe_reach`]). Every member sees
+    /// the same values, so every
     /// member decides alike; whether a comparison is owed.
     fn agree(
         &mut self,
@@ -109,6 +114,7 @@ impl Driver<'_> {
             flag(flags.mismatch),
             flag(flags.owes),
             flag(state.optimizer.sharded()),
+            flag(self.reach.unknown(session.members())),
         ])?;
         let column = |i: usize| -> Vec<f64> { values.iter().copied().skip(i).step_by(N).collect() };
         let counts = column(STEPS);
@@ -128,6 +134,7 @@ impl Driver<'_> {
             return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
         }
         self.one_kind_of_state(session, &raised(SHARDED))?;
+        self.reach.needed = !raised(PROBE).is_empty();
         let finders = raised(MISMATCH);
         if !finders.is_empty() {
             return Err(self.integrity.mismatch_found_before(state, session, &mut self.report, &finders));

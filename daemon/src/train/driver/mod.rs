@@ -35,6 +35,7 @@ use crate::plugin::ModelInstance;
 use crate::state::{Optim, Position, Shareable, Totals, TrainState};
 
 mod formation;
+mod parts;
 mod sharding;
 
 /// How training in a generation ended.
@@ -95,6 +96,10 @@ pub(super) struct Driver<'a> {
     /// The per-step check found this member's parameters corrupted: it dropped them (a peer's
     /// come with the next formation) and keeps its ranges of the sharded optimizer state.
     ranges_kept: bool,
+    /// The coordinator's place in the current generation's ring.
+    coordinator: usize,
+    /// Whether the members write sharded commits in parallel (they all reach the location).
+    reach: parts::Reach,
 }
 
 impl<'a> Driver<'a> {
@@ -127,6 +132,8 @@ impl<'a> Driver<'a> {
             adopted_once: false,
             sharded_lost: false,
             ranges_kept: false,
+            coordinator: 0,
+            reach: parts::Reach::default(),
         }
     }
 
@@ -475,35 +482,6 @@ impl<'a> Driver<'a> {
         }
         let ranges = self.sharding.as_ref().map_or(0, |(_, r)| r.len());
         self.integrity.check(state, session, &mut self.report, (self.coordinates, ranges))
-    }
-
-    /// Asks the coordinator's committer at `moment`; the sequence of a last commit waited for.
-    ///
-    /// With the optimizer state sharded, every member calls it at the same moments, and where a
-    /// commit may be due (an epoch's end, the run's, a stop, or a step any member's checkpoint
-    /// interval falls on) the whole state is first gathered from every member.
-    fn commit(
-        &mut self,
-        moment: Moment,
-        state: &mut TrainState,
-        session: &mut Session,
-    ) -> Result<Option<u64>, Interrupt> {
-        let sharded = self.committer.is_some() && state.optimizer.sharded();
-        if sharded && (moment != Moment::Step || self.integrity.due(state.position(), self.steps_per_epoch)) {
-            // Only the coordinator commits: the others take part and keep nothing.
-            state.gathered = Some(self.gather(state, session, self.coordinates)?);
-        }
-        let committed = self.commit_whole(moment, state);
-        state.gathered = None;
-        Ok(committed?)
-    }
-
-    /// The coordinator's commit of `state` at `moment` (its optimizer state whole, or gathered).
-    fn commit_whole(&mut self, moment: Moment, state: &TrainState) -> Result<Option<u64>, TrainError> {
-        match self.committer.as_mut().filter(|_| self.coordinates) {
-            Some(c) => c.at(moment, state, &mut self.report),
-            None => Ok(None),
-        }
     }
 
     /// After `train`: the end of the run (every member's final barrier, the chief's last commit
