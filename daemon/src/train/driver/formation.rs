@@ -20,7 +20,7 @@ const COMMITS: usize = 3;
 const MISMATCH: usize = 4;
 const OWES: usize = 5;
 const SHARDED: usize = 6;
-const PROBE: usize = 7;
+const KNOWS: usize = 7;
 const N: usize = 8;
 
 impl Driver<'_> {
@@ -93,8 +93,8 @@ impl Driver<'_> {
     /// (commits are compared first), and what it knows of the comparison of the formation's step
     /// ([`crate::train::integrity::Flags`]), and whether its optimizer state is sharded (all
     /// members' or none: see [`Driver::reshard`]), and whether it knows every member to reach the
-    /// checkpoint location (else every member probes: [`Driver::probe_reach`]). Every member sees
-    /// the same values, so every
+    /// checkpoint location (when none does, every member probes: [`Driver::probe_reach`]). Every
+    /// member sees the same values, so every
     /// member decides alike; whether a comparison is owed.
     fn agree(
         &mut self,
@@ -114,7 +114,7 @@ impl Driver<'_> {
             flag(flags.mismatch),
             flag(flags.owes),
             flag(state.optimizer.sharded()),
-            flag(self.reach.unknown(session.members())),
+            flag(self.reach.knows(session.members())),
         ])?;
         let column = |i: usize| -> Vec<f64> { values.iter().copied().skip(i).step_by(N).collect() };
         let counts = column(STEPS);
@@ -134,7 +134,7 @@ impl Driver<'_> {
             return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
         }
         self.one_kind_of_state(session, &raised(SHARDED))?;
-        self.reach.needed = !raised(PROBE).is_empty();
+        self.reach.needed = raised(KNOWS).is_empty();
         let finders = raised(MISMATCH);
         if !finders.is_empty() {
             return Err(self.integrity.mismatch_found_before(state, session, &mut self.report, &finders));

@@ -18,8 +18,8 @@ use crate::train::session::{Interrupt, Session};
 use crate::train::TrainError;
 
 /// What the reach probes found: the ranks known to reach the checkpoint location as every other
-/// member does, whether some member of the forming generation does not know that of every
-/// member (then every member probes), and whether the current generation's members all do.
+/// member does, whether no member of the forming generation knows that of every member (then
+/// every member probes), and whether the current generation's members all do.
 #[derive(Debug, Default)]
 pub(super) struct Reach {
     reaching: BTreeSet<usize>,
@@ -28,9 +28,9 @@ pub(super) struct Reach {
 }
 
 impl Reach {
-    /// Whether a member of `members` (ranks) is not known here to reach the location.
-    pub(super) fn unknown(&self, members: &[usize]) -> bool {
-        members.iter().any(|r| !self.reaching.contains(r))
+    /// Whether every member of `members` (ranks) is known here to reach the location.
+    pub(super) fn knows(&self, members: &[usize]) -> bool {
+        members.iter().all(|r| self.reaching.contains(r))
     }
 }
 
@@ -69,10 +69,11 @@ impl Driver<'_> {
     }
 
     /// As a generation forms on a sharded run with checkpoints: whether every member reaches the
-    /// checkpoint location as the others do. Where some member does not know that of every
-    /// member (the first exchange said: [`Reach::unknown`]), every member probes: each writes an
-    /// object named by its place, and reads every other member's back; one small all-reduce
-    /// tells the result, said in a line.
+    /// checkpoint location as the others do. A member that knows it of every member vouches for
+    /// them all (the first exchange says: [`Reach::knows`]; a worker that comes back on its node
+    /// is not probed again); where none does, every member probes: each writes an object named by
+    /// its place, and reads every other member's back; one small all-reduce tells the result,
+    /// said in a line.
     pub(super) fn probe_reach(&mut self, session: &mut Session) -> Result<(), Interrupt> {
         let world = session.collective().world();
         let Some(c) = self.committer.as_mut().filter(|_| self.cfg.shard_optimizer && world > 1) else {
@@ -80,8 +81,8 @@ impl Driver<'_> {
         };
         let members: Vec<usize> = session.members().to_vec();
         if !self.reach.needed {
-            // Every member knows every other to reach it (a kill and a return do not probe again).
             self.reach.parallel = true;
+            self.reach.reaching.extend(members);
             return Ok(());
         }
         let nonce = if self.coordinates { format!("{:016x}", rand::random::<u64>()) } else { String::new() };
