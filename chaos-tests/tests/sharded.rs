@@ -299,6 +299,22 @@ fn a_flipped_parameter_is_found_before_the_next_update_and_nothing_is_lost() {
     assert_eq!(mismatches.as_array().map(Vec::len), Some(1), "{chief}");
 }
 
+/// A bit of a parameter flipped on worker 1 after step 30, a step the replicas are compared at
+/// (every 10): the comparison finds worker 1's parameters alone differ. Every step's per-step
+/// check saw equal parameters, so no gradient carried the corruption: worker 1 takes the others'
+/// parameters and keeps its ranges, and nothing is lost (not every member back to the commit).
+#[test]
+fn a_parameter_flipped_before_a_comparison_is_repaired_without_going_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--replica-check-every", 10);
+    let mut c = start_armed(&run, 1, "flip-bit@step=30");
+    let prefix = "trainerd: replica check at step 30: the parameters of worker 1 (";
+    let (_, found) = c.wait_line(0, prefix, 0, DEADLINE);
+    let said = "), and nothing else of the replicated state; no step is lost: this worker keeps its state";
+    assert!(found.contains(said), "{found}");
+    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+}
+
 /// Every worker killed after the commit of step 25, and only three of the four come back: after
 /// the rendezvous timeout they resume that commit (committed whole, sharded anew over three
 /// workers) and end exactly.

@@ -88,6 +88,9 @@ pub(crate) struct Integrity {
     /// that hands it a state at or past that step took a state the verdict did not reach.
     mismatch_at: Option<u64>,
     figures: ReplicaFigures,
+    /// A comparison found this member's parameters alone corrupted under sharding: it dropped its
+    /// state but keeps its ranges of the optimizer state (see [`Integrity::take_parameters`]).
+    ranges_kept: bool,
 }
 
 /// What a member tells the others of its comparisons as a generation forms at some step.
@@ -112,7 +115,14 @@ impl Integrity {
             owed: None,
             mismatch_at: None,
             figures,
+            ranges_kept: false,
         }
+    }
+
+    /// Whether the last mismatch had this member drop its state but keep its ranges of the
+    /// sharded optimizer state (asked once).
+    pub(crate) fn take_ranges_kept(&mut self) -> bool {
+        std::mem::take(&mut self.ranges_kept)
     }
 
     /// This member's schedule.
@@ -182,7 +192,8 @@ impl Integrity {
         // Chaos tests hold a member here, so that its peers' comparison is cut short.
         trainerd_failpoint::point("replica-check");
         let mine = range_digests(state, ranges);
-        let (digests, coordinator) = match exchange(session, digest, coordinates, &mine) {
+        let split = if ranges > 0 { split_digests(state).map_err(|e| Interrupt::Fatal(e.into()))? } else { (0, 0) };
+        let (digests, coordinator) = match exchange(session, (digest, split), coordinates, &mine) {
             Ok(exchanged) => exchanged,
             // Interrupted (a peer failed, or the generation ended): the verdict is unknown here.
             // The state is kept and the comparison finished as the next generation forms.
@@ -196,7 +207,7 @@ impl Integrity {
         report.replica_checked();
         self.owed = None;
         let Some(verdict) = verdict(&digests.0, coordinator) else {
-            if let Some(why) = ranges_differ(session, state.position().global_step, &digests.1) {
+            if let Some(why) = ranges_differ(session, state.position().global_step, &digests.2) {
                 // Two copies, no majority: neither is known right, and every member goes back to
                 // the last commit (no sharded agreed state is kept).
                 let holders = why.1.clone();
@@ -207,7 +218,40 @@ impl Integrity {
             self.agreed = bytes.map(|bytes| Agreed { step: state.position().global_step, digest, bytes });
             return Ok(());
         };
+        if ranges > 0 {
+            if let Some(odd) = parameters_alone(&digests.1, &verdict) {
+                return Err(self.parameters_differ(state, session, report, (odd, &digests.1)));
+            }
+        }
         Err(self.repair(state, session, report, (&digests.0, &verdict)))
+    }
+
+    /// Under sharding, a comparison found the parameters of `odd` (places) alone differ from a
+    /// strict majority's, and nothing else of the replicated state: the per-step check saw every
+    /// step read equal parameters, so they were corrupted after the last all-gather and no
+    /// gradient carried them. The odd members take a right member's parameters and keep their
+    /// ranges, and no step is lost ([`Integrity::take_parameters`]).
+    fn parameters_differ(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        report: &mut Reporter<'_>,
+        (odd, split): (Vec<usize>, &[(u64, u64)]),
+    ) -> Interrupt {
+        let step = state.position().global_step;
+        let right = (0..split.len()).find(|p| !odd.contains(p)).map_or(0, |p| split[p].0);
+        let names = |places: &mut dyn Iterator<Item = usize>| places.map(|p| session.name_at(p)).collect::<Vec<_>>();
+        let found: Vec<String> = odd.iter().map(|&p| format!("{:016x}", split[p].0)).collect();
+        let why = format!(
+            "replica check at step {step}: the parameters of {} differ from those of {} (xxh3 {} against \
+             {right:016x}), and nothing else of the replicated state",
+            names(&mut odd.iter().copied()).join(", "),
+            names(&mut (0..split.len()).filter(|p| !odd.contains(p))).join(", "),
+            found.join(", ")
+        );
+        let odd_names = names(&mut odd.iter().copied());
+        let dropped = odd.contains(&session.collective().rank());
+        self.take_parameters(state, session, report, (odd_names, why, dropped))
     }
 
     /// After a mismatch: this member's state put back to the agreed one when its digest was
@@ -240,15 +284,14 @@ impl Integrity {
     /// drop their state but keep their ranges of the optimizer state (a corrupted parameter never
     /// reaches them: ranges are updated from reduced gradients only after this check), the next
     /// formation hands them a right member's parameters, the step is trained again, and no step
-    /// is lost. Without one, every member goes back to the last commit. The interrupt, and
-    /// whether this member keeps its ranges with its state dropped.
+    /// is lost. Without one, every member goes back to the last commit.
     pub(crate) fn read_differed(
         &mut self,
         state: &mut TrainState,
         session: &mut Session,
         report: &mut Reporter<'_>,
         read: &Read,
-    ) -> (Interrupt, bool) {
+    ) -> Interrupt {
         let Some(verdict) = verdict(&read.digests, read.coordinator) else {
             unreachable!("told only where the digests differ")
         };
@@ -268,19 +311,35 @@ impl Integrity {
         );
         if 2 * right.len() <= read.digests.len() {
             let why = format!("{why}, and no majority is right: every member goes back to the last commit");
-            return (self.go_back(state, session, report, (false, odd, why)), false);
+            return self.go_back(state, session, report, (false, odd, why));
         }
+        let dropped = read.digests[session.collective().rank()] != verdict.right;
+        self.take_parameters(state, session, report, (odd, why, dropped))
+    }
+
+    /// A repair under sharding that loses no step: the odd members (`odd`; this one if `dropped`)
+    /// drop their state but keep their ranges of the optimizer state (ranges are written from
+    /// reduced gradients only, which no corrupted parameter reached), the next formation hands
+    /// them a right member's parameters, and the others keep their state; `why` is told.
+    fn take_parameters(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        report: &mut Reporter<'_>,
+        (odd, why, dropped): (Vec<String>, String, bool),
+    ) -> Interrupt {
+        let step = state.position().global_step;
         session.went_back_for_repair();
         self.went_back(step, Some(step));
-        let dropped = read.digests[session.collective().rank()] != verdict.right;
         let what = match dropped {
             true => "this worker drops its parameters and takes a right member's, and keeps its ranges of the optimizer state",
             false => "this worker keeps its state",
         };
         state.model.live &= !dropped;
+        self.ranges_kept = dropped;
         report.replica_mismatch(&format!("trainerd: {why}; no step is lost: {what}"), &odd);
         self.figures.mismatches.push(ReplicaMismatch { step, members: odd, back_to: (!dropped).then_some(step) });
-        (Interrupt::Abandoned(why), dropped)
+        Interrupt::Abandoned(why)
     }
 
     /// A formation found that these members (`odd`, places in the ring) held another state than
@@ -417,22 +476,24 @@ fn range_digests(state: &TrainState, ranges: usize) -> Vec<Option<u64>> {
     out
 }
 
-/// Per member, its state's digest and, per range, its copy's (if it holds one).
-type Exchanged = (Vec<u64>, Vec<Vec<Option<u64>>>);
+/// Per member, its state's digest, its parameters' and the rest's (under sharding), and, per
+/// range, its copy's (if it holds one).
+type Exchanged = (Vec<u64>, Vec<(u64, u64)>, Vec<Vec<Option<u64>>>);
 
-/// Every member's `digest`, its `ranges`' digests and the coordinator's place, by one all-reduce:
-/// each member puts its digests' halves (a range's after a 1 when it holds it, and a 1 when it
-/// coordinates) in its own place of zeros; the sum is then every member's value, exactly.
+/// Every member's `digest` (with its parameters' and the rest's), its `ranges`' digests and the
+/// coordinator's place, by one all-reduce: each member puts its digests' halves (a range's after
+/// a 1 when it holds it, and a 1 when it coordinates) in its own place of zeros; the sum is then
+/// every member's value, exactly.
 fn exchange(
     session: &mut Session,
-    digest: u64,
+    (digest, (params, rest)): (u64, (u64, u64)),
     coordinates: bool,
     ranges: &[Option<u64>],
 ) -> Result<(Exchanged, usize), Interrupt> {
     let halves = |d: u64| [(d >> 32) as f64, (d & 0xffff_ffff) as f64];
     let whole = |v: &[f64]| ((v[0] as u64) << 32) | v[1] as u64;
     let mut mine = vec![if coordinates { 1.0 } else { 0.0 }];
-    mine.extend(halves(digest));
+    [digest, params, rest].into_iter().for_each(|d| mine.extend(halves(d)));
     for r in ranges {
         mine.push(if r.is_some() { 1.0 } else { 0.0 });
         mine.extend(halves(r.unwrap_or(0)));
@@ -440,9 +501,34 @@ fn exchange(
     let values = session.gather(&mine)?;
     let rows: Vec<&[f64]> = values.chunks(mine.len()).collect();
     let digests = rows.iter().map(|v| whole(&v[1..3])).collect();
-    let held = rows.iter().map(|v| v[3..].chunks(3).map(|c| (c[0] > 0.5).then(|| whole(&c[1..]))).collect()).collect();
+    let split = rows.iter().map(|v| (whole(&v[3..5]), whole(&v[5..7]))).collect();
+    let held = rows.iter().map(|v| v[7..].chunks(3).map(|c| (c[0] > 0.5).then(|| whole(&c[1..]))).collect()).collect();
     let coordinator = rows.iter().position(|v| v[0] > 0.5).unwrap_or(0);
-    Ok(((digests, held), coordinator))
+    Ok(((digests, split, held), coordinator))
+}
+
+/// Under sharding, where the replicated states differ (`whole`, the verdict on their digests): the
+/// places whose parameters alone differ from a strict majority's (`split`: per member, its
+/// parameters' digest and the rest's), the rest being equal everywhere; `None` otherwise.
+fn parameters_alone(split: &[(u64, u64)], whole: &Verdict) -> Option<Vec<usize>> {
+    if split.iter().any(|s| s.1 != split[0].1) {
+        return None;
+    }
+    let params: Vec<u64> = split.iter().map(|s| s.0).collect();
+    let found = verdict(&params, 0)?;
+    let majority = 2 * (params.len() - found.odd.len()) > params.len();
+    (majority && found.odd == whole.odd).then_some(found.odd)
+}
+
+/// A sharded state's digests of its parameters (as the per-step check hashes them) and of the
+/// rest of its replicated state (its buffers' bytes and its position).
+fn split_digests(state: &TrainState) -> Result<(u64, u64), StateError> {
+    let mut rest = Xxh3::new();
+    for (name, t) in &state.model.buffers {
+        crate::state::host::stream_bytes(name, t, &mut |b| rest.update(b))?;
+    }
+    rest.update(&serde_json::to_vec(state.position()).expect("plain data"));
+    Ok((super::sharded::params_digest(&state.model.params), rest.digest()))
 }
 
 /// Where two copies of a sharded optimizer's range differ (per member, per range: its copy's

@@ -93,9 +93,6 @@ pub(super) struct Driver<'a> {
     /// The last formation found the sharded optimizer state incomplete (a range's owner and
     /// buddy both lost, or holders steps apart): every member goes back to the last commit.
     sharded_lost: bool,
-    /// The per-step check found this member's parameters corrupted: it dropped them (a peer's
-    /// come with the next formation) and keeps its ranges of the sharded optimizer state.
-    ranges_kept: bool,
     /// The coordinator's place in the current generation's ring.
     coordinator: usize,
     /// Whether the members write sharded commits in parallel (they all reach the location).
@@ -131,7 +128,6 @@ impl<'a> Driver<'a> {
             sharding: None,
             adopted_once: false,
             sharded_lost: false,
-            ranges_kept: false,
             coordinator: 0,
             reach: parts::Reach::default(),
         }
@@ -422,9 +418,7 @@ impl<'a> Driver<'a> {
         if let Some(read) = stepped.as_mut().and_then(|(s, _)| s.differed.take()) {
             // Nothing was updated: the step is trained again.
             model.restore_buffers(&saved);
-            let (interrupt, kept) = self.integrity.read_differed(state, session, &mut self.report, &read);
-            self.ranges_kept = kept;
-            return Err(interrupt);
+            return Err(self.integrity.read_differed(state, session, &mut self.report, &read));
         }
         Ok((result, prefetch, stepped))
     }

@@ -135,12 +135,12 @@ impl Driver<'_> {
         if !self.cfg.shard_optimizer || (!state.optimizer.sharded() && state.live()) {
             return Ok(());
         }
-        let kept = std::mem::take(&mut self.ranges_kept);
+        let kept = self.integrity.take_ranges_kept();
         if state.optimizer.sharded() && (state.live() || kept) && !std::mem::take(&mut self.sharded_lost) {
             // Each lost range has a buddy among the survivors, at the same step: the next
             // formation moves the ranges ([`Driver::reshard`]), and nothing is lost. Where it
             // finds otherwise, it sends every member back here with `sharded_lost` set. (A
-            // member whose parameters the per-step check found corrupted keeps its ranges, and
+            // member whose parameters alone a check found corrupted keeps its ranges, and
             // receives the parameters.)
             return Ok(());
         }
