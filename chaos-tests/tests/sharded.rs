@@ -288,7 +288,8 @@ fn a_flipped_parameter_is_found_before_the_next_update_and_nothing_is_lost() {
     let tmp = tempfile::tempdir().unwrap();
     let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--replica-check-every", 10);
     let mut c = start_armed(&run, 2, "flip-bit@step=27");
-    let prefix = "trainerd: replica check at step 28, before its update: the parameters of worker 2 (";
+    let prefix = "trainerd: replica check at step 28, before its update, of the parameters it read: the parameters of \
+                  worker 2 (";
     let (_, found) = c.wait_line(0, prefix, 0, DEADLINE);
     assert!(found.ends_with("; no step is lost: this worker keeps its state"), "{found}");
     let (_, dropped) = c.wait_line(2, prefix, 0, DEADLINE);

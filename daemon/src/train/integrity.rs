@@ -238,20 +238,14 @@ impl Integrity {
         report: &mut Reporter<'_>,
         (odd, split): (Vec<usize>, &[(u64, u64)]),
     ) -> Interrupt {
-        let step = state.position().global_step;
-        let right = (0..split.len()).find(|p| !odd.contains(p)).map_or(0, |p| split[p].0);
-        let names = |places: &mut dyn Iterator<Item = usize>| places.map(|p| session.name_at(p)).collect::<Vec<_>>();
-        let found: Vec<String> = odd.iter().map(|&p| format!("{:016x}", split[p].0)).collect();
+        let params: Vec<u64> = split.iter().map(|s| s.0).collect();
+        let (names, said) = parameters(session, &params, &odd);
         let why = format!(
-            "replica check at step {step}: the parameters of {} differ from those of {} (xxh3 {} against \
-             {right:016x}), and nothing else of the replicated state",
-            names(&mut odd.iter().copied()).join(", "),
-            names(&mut (0..split.len()).filter(|p| !odd.contains(p))).join(", "),
-            found.join(", ")
+            "replica check at step {}: {said}, and nothing else of the replicated state",
+            state.position().global_step
         );
-        let odd_names = names(&mut odd.iter().copied());
         let dropped = odd.contains(&session.collective().rank());
-        self.take_parameters(state, session, report, (odd_names, why, dropped))
+        self.take_parameters(state, session, report, (names, why, dropped))
     }
 
     /// After a mismatch: this member's state put back to the agreed one when its digest was
@@ -295,21 +289,10 @@ impl Integrity {
         let Some(verdict) = verdict(&read.digests, read.coordinator) else {
             unreachable!("told only where the digests differ")
         };
-        let step = state.position().global_step;
-        let names = |places: &mut dyn Iterator<Item = usize>| places.map(|p| session.name_at(p)).collect::<Vec<_>>();
-        let odd = names(&mut verdict.odd.iter().copied());
-        let right = names(&mut (0..read.digests.len()).filter(|p| !verdict.odd.contains(p)));
-        let found: Vec<String> = verdict.odd.iter().map(|&p| format!("{:016x}", read.digests[p])).collect();
-        let why = format!(
-            "replica check at step {}, before its update: the parameters of {} differ from those of {} as the step \
-             read them (xxh3 {} against {:016x})",
-            step + 1,
-            odd.join(", "),
-            right.join(", "),
-            found.join(", "),
-            verdict.right
-        );
-        if 2 * right.len() <= read.digests.len() {
+        let step = state.position().global_step + 1;
+        let (odd, said) = parameters(session, &read.digests, &verdict.odd);
+        let why = format!("replica check at step {step}, before its update, of the parameters it read: {said}");
+        if 2 * verdict.odd.len() >= read.digests.len() {
             let why = format!("{why}, and no majority is right: every member goes back to the last commit");
             return self.go_back(state, session, report, (false, odd, why));
         }
@@ -464,6 +447,23 @@ impl Integrity {
     pub(crate) fn figures(&self) -> ReplicaFigures {
         self.figures.clone()
     }
+}
+
+/// The odd members' names (places `odd`, by their parameters' `digests`), and what differs: `the
+/// parameters of worker 2 (…) differ from those of worker 0 (…), … (xxh3 X against Y)`.
+fn parameters(session: &Session, digests: &[u64], odd: &[usize]) -> (Vec<String>, String) {
+    let names = |places: &mut dyn Iterator<Item = usize>| places.map(|p| session.name_at(p)).collect::<Vec<_>>();
+    let right: Vec<usize> = (0..digests.len()).filter(|p| !odd.contains(p)).collect();
+    let found: Vec<String> = odd.iter().map(|&p| format!("{:016x}", digests[p])).collect();
+    let odd = names(&mut odd.iter().copied());
+    let said = format!(
+        "the parameters of {} differ from those of {} (xxh3 {} against {:016x})",
+        odd.join(", "),
+        names(&mut right.iter().copied()).join(", "),
+        found.join(", "),
+        right.first().map_or(0, |&p| digests[p])
+    );
+    (odd, said)
 }
 
 /// Per range of a sharded optimizer's `ranges` (none otherwise), this member's copy's digest if it
