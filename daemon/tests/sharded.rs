@@ -242,3 +242,34 @@ fn the_checkpoint_tools_read_a_commit_written_in_parts() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("DAMAGED") && text(&out).contains("model.part-1.safetensors"), "{}", text(&out));
 }
+
+/// Commits every step, the first held for 3 s before its collection (which deletes this writer's
+/// data that no record names but its own; failpoint `commit-before-collect`) while training goes
+/// on: the next commit's parts are written only after it ends, and every commit kept verifies
+/// (the soak found a record naming parts that the previous commit's collection had deleted).
+#[test]
+fn every_commit_of_a_sharded_run_committing_every_step_verifies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let release = tmp.path().join("release");
+    let args = cnn("mnist-cnn").optimizer("adam", 1e-3).on("--shard-optimizer").set("--keep-checkpoints", 0);
+    let mut cmd = args.checkpoints(&ckpt, 1).summary(tmp.path().join("s.json")).local(3);
+    cmd.env("TRAINERD_FAILPOINT", "commit-before-collect@1").env("TRAINERD_FAILPOINT_RELEASE", &release);
+    let releasing = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        std::fs::write(release, b"").unwrap();
+    });
+    let out = cmd.output().unwrap();
+    releasing.join().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let raw = trainerd_storage::location::local_store(&ckpt).unwrap();
+    let store = CheckpointStore::new(Arc::new(raw), object_store::path::Path::default(), "ckpt");
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let records = runtime.block_on(store.list()).unwrap();
+    assert_eq!(records.len(), 24, "a commit per step");
+    for r in records {
+        runtime
+            .block_on(store.load(r.sequence))
+            .unwrap_or_else(|e| panic!("commit {} does not verify: {e}", r.sequence));
+    }
+}

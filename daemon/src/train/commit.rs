@@ -307,6 +307,13 @@ impl Committer {
             Action::Skip(_) => Parts::Done(None),
             Action::Wait => Parts::Done(self.wait(report)),
             Action::Commit => {
+                // The commit in flight ends first, its collection included: that deletes this
+                // writer's data that no record names but its own, which the parts about to be
+                // written under the new data id would be (the soak found records naming parts so
+                // deleted).
+                if let Some(f) = self.checkpointer.wait() {
+                    report.commit_finished(self.checkpointer.location(), &f);
+                }
                 let score = if moment == Moment::EpochEnd { self.score(position) } else { None };
                 Parts::Commit(self.checkpointer.new_data_id(), score)
             }

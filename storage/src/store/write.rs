@@ -172,6 +172,9 @@ impl CheckpointStore {
             score: checkpoint.score.clone(),
         };
         self.create_record(&record).await?;
+        // Chaos tests hold a commit here: its collection deletes this writer's data that no record
+        // names, so a sharded commit's parts are written only after it ends.
+        trainerd_failpoint::point("commit-before-collect");
         self.collect(keep, (checkpoint.generation, checkpoint.writer), Some(id)).await;
         Ok(record)
     }
