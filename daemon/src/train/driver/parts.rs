@@ -86,8 +86,7 @@ impl Driver<'_> {
             return Ok(());
         }
         let nonce = if self.coordinates { format!("{:016x}", rand::random::<u64>()) } else { String::new() };
-        let nonce = session.collective().broadcast_bytes(self.coordinator, nonce.into_bytes());
-        let nonce = String::from_utf8_lossy(&nonce.map_err(|e| session.interrupt(e.into()))?).into_owned();
+        let nonce = String::from_utf8_lossy(&broadcast(session, self.coordinator, nonce.into_bytes())?).into_owned();
         let place = session.collective().rank();
         let tokens: Vec<String> = (0..world).map(|p| session.name_at(p)).collect();
         let wrote = c.checkpointer().write_probe(&nonce, place, &tokens[place]);
@@ -133,7 +132,7 @@ impl Driver<'_> {
             Parts::Commit(id, _) => id.clone().into_bytes(),
             Parts::Done(_) => Vec::new(),
         };
-        let id = session.collective().broadcast_bytes(self.coordinator, id).map_err(|e| session.interrupt(e.into()))?;
+        let id = broadcast(session, self.coordinator, id)?;
         if id.is_empty() {
             return Ok(match plan {
                 Parts::Done(waited) => waited,
@@ -179,7 +178,7 @@ fn exchange(
     let (mut entries, mut failed) = (Vec::new(), Vec::new());
     for root in 0..session.collective().world() {
         let sent = if root == place { bytes.clone() } else { Vec::new() };
-        let got = session.collective().broadcast_bytes(root, sent).map_err(|e| session.interrupt(e.into()))?;
+        let got = broadcast(session, root, sent)?;
         match serde_json::from_slice::<Result<Vec<BlobEntry>, String>>(&got) {
             Ok(Ok(theirs)) => entries.extend(theirs),
             Ok(Err(why)) => failed.push(format!("{} could not write its part: {why}", session.name_at(root))),
@@ -187,4 +186,9 @@ fn exchange(
         }
     }
     Ok(if failed.is_empty() { Ok(entries) } else { Err(failed.join("; ")) })
+}
+
+/// The bytes the member at place `root` sends every member (`bytes` there; ignored elsewhere).
+fn broadcast(session: &mut Session, root: usize, bytes: Vec<u8>) -> Result<Vec<u8>, Interrupt> {
+    session.collective().broadcast_bytes(root, bytes).map_err(|e| session.interrupt(e.into()))
 }
