@@ -30,12 +30,14 @@ run with the default rule and in one with `--replace-after 300` (the survivors w
 worker, the rule before). Per event, the survivors' longest gap between two steps until the victim
 is back, and around its return; their steps per second while short; the time back to full speed.
 --pause-sharded runs the same events a third time with --shard-optimizer, and adds the steps each
-event sent the cluster back to train again (a lost worker's ranges of the optimizer state exist
-nowhere else yet, so every member goes back to the last commit).
+event sent the cluster back to train again (none while a lost worker's buddy lives), the optimizer
+state every member received in the reshards at the loss and at the return, and the longest
+reshard. --pause-width W runs these events on bench/wide_mlp.py at width W (4700: 25.8 M
+parameters, 206 MB of Adam state) instead of mnist-cnn, where what a reshard moves shows.
 
 Usage: bench/recovery.sh [--kills N] [--chief-kills N] [--freezes N] [--torchrun-trials N]
                          [--world N] [--ckpt-every N] [--gone] [--chief-gone] [--replace-after S]
-                         [--pause-kills N] [--pause-freezes N] [--pause-sharded]
+                         [--pause-kills N] [--pause-freezes N] [--pause-sharded] [--pause-width W]
 """
 import argparse, json, os, random, re, signal, statistics, subprocess, sys, tempfile, threading, time
 
@@ -48,14 +50,20 @@ HANG_S = 60
 class Cluster:
     """A `trainerd local` run whose output lines are timestamped as they arrive."""
 
-    def __init__(self, d, world, ckpt_every, secret=False, launcher=(), extra=(), restart_delay=0):
+    def __init__(self, d, world, ckpt_every, secret=False, launcher=(), extra=(), restart_delay=0, width=None):
         self.d, self.world = d, world
+        self.batch = 32 if width else 64
         self.lines, self.pids, self.lock = [], {}, threading.Lock()
+        # mnist-cnn, or with `width` bench/wide_mlp.py (25.8 M parameters at 4700) in the python-model
+        # plugin, whose Adam state is 8 bytes per parameter.
+        model = (["--plugin", os.path.join(ROOT, "target/release/libpython_model.so"), "--plugin-arg",
+                  f"module={os.path.join(ROOT, 'bench', 'wide_mlp.py')}", "--plugin-arg", f"width={width}"] if width
+                 else ["--plugin", os.path.join(ROOT, "target/release/libmnist_cnn.so")])
         cmd = [os.path.join(ROOT, "target/release/trainerd"), "local", "--workers", str(world),
                "--restart-delay", str(restart_delay),
                *launcher,
-               "--plugin", os.path.join(ROOT, "target/release/libmnist_cnn.so"), "--data", DATA,
-               "--epochs", "1000", "--batch-size", "64", "--threads", "1", "--optimizer", "adam", "--lr", "0.001",
+               *model, "--data", DATA,
+               "--epochs", "1000", "--batch-size", str(self.batch), "--threads", "1", "--optimizer", "adam", "--lr", "0.001",
                "--checkpoint-dir", os.path.join(d, "ckpt"), "--checkpoint-every", str(ckpt_every),
                "--metrics-log", os.path.join(d, "m.jsonl"), *extra]
         if secret:
@@ -139,7 +147,7 @@ class Cluster:
         return "step"
 
     def steps_per_epoch(self):
-        return 60000 // (64 * self.world)
+        return 60000 // (self.batch * self.world)
 
     def epoch_end_pause(self):
         """Median seconds between an epoch's last step and the next step on worker 0 (its
@@ -268,6 +276,10 @@ def pause_event(c, victim, sig, cont_after=3.0):
         # commit: the steps each says it trains again.
         again = [int(m.group(1)) for _, line in c.lines[mark:]
                  for m in [re.search(r"\((\d+) step\(s\) to train again", line)] if m]
+        # And what each reshard moved: the MB every member received, and its seconds, at the loss
+        # (before the victim is back) and at its return.
+        moves = [(t, float(m.group(1)), float(m.group(2))) for t, line in c.lines[mark:]
+                 for m in [re.search(r"it received ([\d.]+) MB .*\(([\d.]+)s\)$", line)] if m]
     spe = c.steps_per_epoch()
     def gaps(w, a, b):
         # Not the pause after an epoch's last step (its evaluation and commit): a failure-free
@@ -282,7 +294,10 @@ def pause_event(c, victim, sig, cont_after=3.0):
     return {"step_s": statistics.median(before) if before else float("nan"), "lost_gap": lost_gap,
             "return_gap": return_gap, "full_steps_s": rate(t0 - 5, t0),
             "short_steps_s": rate(short_from, back) if back - short_from > 0.5 else float("nan"),
-            "back_s": stepped - back, "trained_again": max(again, default=0)}
+            "back_s": stepped - back, "trained_again": max(again, default=0),
+            "moved_mb_lost": sum(mb for t, mb, _ in moves if t < back),
+            "moved_mb_back": sum(mb for t, mb, _ in moves if t >= back),
+            "reshard_s": max((s for _, _, s in moves), default=0.0)}
 
 
 def never_pause(args, extra):
@@ -293,7 +308,7 @@ def never_pause(args, extra):
     random.Random(11).shuffle(plan)
     results = {"worker": [], "chief": [], "frozen": []}
     with tempfile.TemporaryDirectory() as d:
-        c = Cluster(d, 3, args.ckpt_every, extra=extra, restart_delay=2)
+        c = Cluster(d, 3, args.ckpt_every, extra=extra, restart_delay=2, width=args.pause_width)
         try:
             if not c.wait_steps(30, timeout=300):
                 sys.exit("trainerd did not start training")
@@ -312,9 +327,10 @@ def never_pause(args, extra):
     return results
 
 
-def never_pause_table(now, before, peer, sharded=None):
+def never_pause_table(now, before, peer, sharded=None, width=None):
     ok = lambda rs: [r for r in rs if not r.get("hang")]
-    print("\nThe survivors' longest gap between two steps, per event (3 workers, mnist-cnn, restarted after 2 s as "
+    model = f"bench/wide_mlp.py at width {width}, batch 32" if width else "mnist-cnn"
+    print(f"\nThe survivors' longest gap between two steps, per event (3 workers, {model}, restarted after 2 s as "
           "the unit does; a frozen worker gets SIGCONT after 3 s; medians, max in brackets):")
     print("| event | goal | trainerd | trainerd, the rule before (`--replace-after 300`) | torchrun (a worker killed) |"
           + (" trainerd `--shard-optimizer` |" if sharded else ""))
@@ -334,6 +350,10 @@ def never_pause_table(now, before, peer, sharded=None):
         if sharded:
             print(f"| {names[kind]}: steps trained again | 0 | {count(n, 'trained_again')} | "
                   f"{count(b, 'trained_again')} | - |" + sh(kind, "trained_again", count))
+            mb = lambda rs, k: f"{median(rs, k):.1f} MB ({max((r[k] for r in rs), default=float('nan')):.1f} MB)"
+            print(f"| {names[kind]}: optimizer state received by every member, at the loss / at the return | - | - "
+                  f"| - | - | {mb(ok(sharded[kind]), 'moved_mb_lost')} / {mb(ok(sharded[kind]), 'moved_mb_back')} |")
+            print(f"| {names[kind]}: a member's longest reshard | - | - | - | - |" + sh(kind, "reshard_s"))
     allr = [r for k in ("worker", "chief", "frozen") for r in ok(now[k])]
     print(f"| steps/s before / while short (2 of 3) | - | {median(allr, 'full_steps_s'):.1f} / "
           f"{median(allr, 'short_steps_s'):.1f} | - | - |" + (" - |" if sharded else ""))
@@ -379,6 +399,8 @@ def main():
     p.add_argument("--pause-kills", type=int, default=0,
                    help="never-pause table: kills of a worker, and of the chief, each restarted after 2 s")
     p.add_argument("--pause-freezes", type=int, default=0, help="never-pause table: freezes of a worker")
+    p.add_argument("--pause-width", type=int,
+                   help="never-pause table: bench/wide_mlp.py at this width (4700: 25.8 M parameters) instead of mnist-cnn")
     p.add_argument("--pause-sharded", action="store_true",
                    help="never-pause table: the same events with --shard-optimizer, beside the unsharded ones")
     args = p.parse_args()
@@ -392,7 +414,7 @@ def main():
     chief_for_good = gone(args, victim=0) if args.chief_gone else None
     peer = torchrun(args) if args.torchrun_trials > 0 else []
     if args.pause_kills + args.pause_freezes > 0:
-        never_pause_table(now, before, peer, sharded)
+        never_pause_table(now, before, peer, sharded, args.pause_width)
     ok = lambda rs: [r for r in rs if not r.get("hang")]
     w, c, f = ok(ours["worker"]), ok(ours["chief"]), ok(ours["frozen"])
     hangs = lambda rs: f"{sum(1 for r in rs if r.get('hang'))} in {len(rs)}"

@@ -104,11 +104,14 @@ fn killed_at_failpoint(rank: usize, (name, at): (&str, &str)) {
 }
 
 /// Worker `rank`'s line saying the ranges moved to the owners of the generation formed after
-/// `mark`: this worker holds some, and a buddy copy of its predecessor's.
-fn assert_moved(c: &mut Cluster, rank: usize, mark: usize) {
+/// `mark`: this worker holds some, and a buddy copy of its predecessor's, each from its own copy
+/// or a neighbour's (one worker lost or back moves only its ranges, between neighbours).
+fn assert_moved(c: &mut Cluster, rank: usize, mark: usize) -> String {
     let (_, moved) = c.wait_line(rank, "trainerd: the sharded optimizer state moved to generation ", mark, DEADLINE);
     assert!(moved.contains("'s owners: this worker holds "), "{moved}");
     assert!(!moved.contains("holds 0 range(s)") && !moved.contains("buddy copy of 0,"), "{moved}");
+    assert!(moved.contains(" from its own copies and its neighbours' ("), "{moved}");
+    moved
 }
 
 /// The run ended exactly, no worker lost or trained again a step, and no member went back to a
@@ -136,6 +139,9 @@ fn killed_mid_epoch(rank: usize) {
     c.signal(rank, libc::SIGKILL);
     let survivor = (rank + 1) % WORKERS;
     assert_moved(&mut c, survivor, mark);
+    // Two places from the lost worker: its slots and ranges stay, and nothing moves to it.
+    let apart = assert_moved(&mut c, (rank + 2) % WORKERS, mark);
+    assert!(apart.contains("; it received 0.0 MB from its own copies"), "{apart}");
     let chief = assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
     assert!(c.starts(rank) >= 2);
     // Its own quarter and a buddy copy of another: about half the state.

@@ -293,8 +293,9 @@ impl Buckets {
     pub(crate) fn owned_mut(&mut self, slots: &Slots, range: &Range) -> &mut [f32] {
         let v = slots.count;
         let u = (range.chunk + v - 1) % v;
-        assert!(slots.held.contains(&u), "range {} of bucket {} is not owned here", range.chunk, range.bucket);
-        self.range_mut(u - slots.held.start, range)
+        let i = slots.index(u);
+        let i = i.unwrap_or_else(|| panic!("range {} of bucket {} is not owned here", range.chunk, range.bucket));
+        self.range_mut(i, range)
     }
 
     /// The elements of `range` in the host buffer of the `i`th slot held here.
@@ -381,7 +382,7 @@ impl Buckets {
 /// bucket, for each slot u held.
 pub(crate) fn owned(ranges: &[Range], slots: &Slots) -> Vec<usize> {
     let v = slots.count;
-    (0..ranges.len()).filter(|&r| slots.held.contains(&((ranges[r].chunk + v - 1) % v))).collect()
+    (0..ranges.len()).filter(|&r| slots.holds((ranges[r].chunk + v - 1) % v)).collect()
 }
 
 impl Buckets {

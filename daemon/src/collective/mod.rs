@@ -190,6 +190,12 @@ pub trait Collective: Send + std::fmt::Debug {
         let _ = (send, recv);
         Err(CollectiveError::Unsupported { op: "shift" })
     }
+    /// [`Collective::shift_to_next`] the other way round: `send` to the previous worker, the
+    /// next worker's into `recv` (a sharded optimizer's range moving back to a neighbour).
+    fn shift_to_previous(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CollectiveError> {
+        let _ = (send, recv);
+        Err(CollectiveError::Unsupported { op: "shift" })
+    }
     /// Reduces host values over every slot of the run (one buffer per slot held here, in slot
     /// order, of equal lengths), as [`Collective::all_reduce_buffers`] does; the result in
     /// `bufs[0]`.

@@ -319,16 +319,17 @@ impl Telemetry {
         self.stopping.load(Ordering::Relaxed)
     }
 
-    /// A generation formed with `world` workers, this one in it holding the slots `held`.
-    pub(crate) fn joined(&self, generation: u64, world: usize, held: std::ops::Range<usize>) {
+    /// A generation formed with `world` workers, this one in it holding `held` slots, `slots` as
+    /// people read them (`slots 0-1`).
+    pub(crate) fn joined(&self, generation: u64, world: usize, (held, slots): (usize, String)) {
         self.series.generation.set(generation as i64);
         self.series.peers_up.set(world as i64);
-        self.series.slots_held.set(held.len() as i64);
+        self.series.slots_held.set(held as i64);
         {
             let mut s = self.status();
             s.generation = generation;
             s.peers = world;
-            s.slots = (held.len() > 1).then(|| format!("slots {}-{}", held.start, held.end - 1));
+            s.slots = (held > 1).then_some(slots);
         }
         self.progress();
         self.ready.store(true, Ordering::Relaxed);
@@ -450,7 +451,7 @@ mod tests {
     #[test]
     fn progress_keeps_the_daemon_alive_for_one_stall_period_and_bounded_waits_for_their_bound() {
         let t = Telemetry::new(Duration::from_millis(100), 2, 2);
-        t.joined(3, 2, 1..2);
+        t.joined(3, 2, (1, "slot 1".into()));
         assert_eq!(t.healthy(), Ok(()));
         std::thread::sleep(Duration::from_millis(250));
         assert!(t.healthy().unwrap_err().to_string().starts_with("no training progress for "));
@@ -460,7 +461,7 @@ mod tests {
         t.step((0, 5, 10), 5, &[("loss".into(), 0.5), ("accuracy".into(), 0.75)], 64.0, 1000.0, 0.01);
         assert_eq!(t.status_line(), "epoch 1/2, step 5/10, loss 0.5000, generation 3, 2/2 workers");
         let short = Telemetry::new(Duration::from_millis(100), 2, 3);
-        short.joined(4, 2, 0..2);
+        short.joined(4, 2, (2, "slots 0-1".into()));
         assert_eq!(short.status_line(), "generation 4, 2/3 workers, slots 0-1");
         assert!(short.encode().contains("trainerd_slots_held 2"));
         let text = t.encode();

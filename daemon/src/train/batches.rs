@@ -56,8 +56,8 @@ impl<'d> Batches<'d> {
     }
 
     /// Closes the pipelines of slots no longer held here (their streams and prefetch threads).
-    pub(crate) fn keep(&mut self, held: &std::ops::Range<usize>) {
-        self.cursors.retain(|&pipeline, _| held.contains(&(pipeline as usize)));
+    pub(crate) fn keep(&mut self, held: &crate::collective::Slots) {
+        self.cursors.retain(|&pipeline, _| held.holds(pipeline as usize));
     }
 
     /// The batch of step `step` (0-based) of `ctx`'s epoch: inputs, labels and (for a columnar

@@ -291,8 +291,9 @@ impl<'p> Reporter<'p> {
 
     /// Generation `generation` formed with `workers` workers, this one in it holding the slots
     /// `held` (systemd's readiness, the metrics).
-    pub(crate) fn formed(&self, generation: u64, workers: usize, held: std::ops::Range<usize>) {
-        self.telemetry.joined(generation, workers, held);
+    pub(crate) fn formed(&self, generation: u64, workers: usize, held: &crate::collective::Slots) {
+        let described = crate::collective::slots::describe(held.count, &held.held);
+        self.telemetry.joined(generation, workers, (held.len(), described));
     }
 
     /// This worker is admitted to generation `g` and trains from here; `started` is when this

@@ -65,6 +65,12 @@ pub(crate) struct Session {
     /// Slots of each worker: its replicas (`--devices`) times its micro-batches (`--accumulate`);
     /// the run has `world() * slots_per_worker` slots.
     slots_per_worker: usize,
+    /// Whether every worker keeps its own slots and a lost worker's go to its neighbours
+    /// ([`crate::collective::slots::assign_home`]: a sharded optimizer's ranges follow the slots,
+    /// so a loss moves only the lost worker's); otherwise the slots are balanced ([`assign`]).
+    ///
+    /// [`assign`]: crate::collective::slots::assign
+    home_slots: bool,
     /// The furthest global step this member's state reached since it last adopted a formation,
     /// and whether it went back from there for a repair: its next join says both.
     reached: u64,
@@ -90,6 +96,7 @@ impl Session {
             members: vec![0],
             floor: 0,
             slots_per_worker: 1,
+            home_slots: false,
             reached: 0,
             repaired: false,
         }
@@ -141,6 +148,7 @@ impl Session {
             members: Vec::new(),
             floor: 0,
             slots_per_worker: 1,
+            home_slots: false,
             reached: 0,
             repaired: false,
         })
@@ -179,9 +187,20 @@ impl Session {
     }
 
     /// Gives each worker `n` slots of the run (one per device and micro-batch) from the next
-    /// generation on.
-    pub(crate) fn set_slots_per_worker(&mut self, n: usize) {
+    /// generation on; `home`: each keeps its own wherever it can (a sharded optimizer).
+    pub(crate) fn set_slots_per_worker(&mut self, n: usize, home: bool) {
         self.slots_per_worker = n;
+        self.home_slots = home;
+    }
+
+    /// Which slots each member holds, by place in the ring, when `members` (ranks, ascending)
+    /// form a generation.
+    pub(crate) fn layout(&self, members: &[usize]) -> Vec<std::ops::Range<usize>> {
+        let count = self.slot_count();
+        match self.home_slots {
+            true => crate::collective::slots::assign_home(count, self.world(), members),
+            false => crate::collective::slots::assign(count, members),
+        }
     }
 
     /// The run's slots: every worker's.
@@ -201,7 +220,7 @@ impl Session {
 
     /// The rank of the worker holding `slot` in the current generation.
     pub(crate) fn holder(&self, slot: usize) -> usize {
-        self.members[crate::collective::slots::holder(self.collective.slots().count, &self.members, slot)]
+        self.members[self.collective.slots().holder_place(slot)]
     }
 
     /// The run's slots, and the ones this worker holds in the current generation.
@@ -268,7 +287,7 @@ impl Session {
     pub(crate) fn join(&mut self, state: Option<&dyn Shareable>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
         let Some(m) = self.cluster.as_mut() else {
             let mut ring = Ring::single();
-            ring.set_slots(Slots { count: self.slots_per_worker, held: 0..self.slots_per_worker });
+            ring.set_slots(Slots::all(self.slots_per_worker));
             self.collective = Box::new(ring);
             self.floor += 1;
             let progress = state.map_or((0, 0), |s| s.progress());
@@ -313,8 +332,8 @@ impl Session {
         self.generation = generation;
         ring.set_members(&members);
         let count = names.len() * self.slots_per_worker;
-        let held = crate::collective::slots::assign(count, &members).swap_remove(place);
-        ring.set_slots(Slots { count, held });
+        debug_assert_eq!(count, self.slot_count());
+        ring.set_slots(Slots::of(count, self.layout(&members), place));
         self.members = members;
         self.collective = match self.backend.form(ring) {
             Ok(collective) => collective,

@@ -10,7 +10,6 @@ use trainerd_storage::TensorData;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::collective::buckets::{owned, Buckets, Range};
-use crate::collective::slots::assign;
 use crate::collective::{Collective, CollectiveError, ReduceOp, Slots};
 use crate::optim::clip::{self, Clip};
 use crate::optim::elementwise::Write;
@@ -257,32 +256,28 @@ pub(crate) struct Unmoved {
 /// step is the state's (the formation took the furthest replicated state); a member a step
 /// behind that kept what completing that step needs completes it first (a failure inside the
 /// all-gather: [`ShardedOptimizer::cut_short`]), and the ranges of members further behind (one
-/// that was frozen or cut off while the others went on) are stale and not used. Each range's
-/// writer is the lowest place holding it at the furthest step. Then per state array every member
-/// fills its buffers with -0.0, each writer writes its values over them, and one reduce-scatter
-/// leaves every range summed, so copied bit for bit, at its new owner, which shifts its ranges
-/// on to its buddy (the next worker). What every member has alike (the steps, SGD's started
-/// flags) comes from the first member at the furthest step. `held` is this member's optimizer
-/// (a member without ranges holds none). Returns the state moved, and whether this member went
-/// forward.
+/// that was frozen or cut off while the others went on) are stale and not used. What every
+/// member has alike (the steps, SGD's started flags) comes from the first member at the furthest
+/// step. Each range then comes from this member's own copy, or from a neighbour in the ring
+/// ([`by_neighbours`]: with home slots a worker lost or back moves only its own ranges, and
+/// they sit next to it), or else through one reduce-scatter per state array
+/// ([`by_reduce_scatter`]). `held` is this member's optimizer (a member without ranges holds
+/// none). Returns the state moved, whether this member went forward, and what moved.
 pub(crate) fn reshard(
     (buckets, ranges, extra_len): (&mut Buckets, &[Range], usize),
     collective: &mut dyn Collective,
     params: &[(String, Tensor)],
     held: &mut ShardedOptimizer,
-) -> Result<Result<(ShardedOptimizer, bool), Unmoved>, CollectiveError> {
-    let slots = collective.slots().clone();
+) -> Result<Result<(ShardedOptimizer, bool, Moves), Unmoved>, CollectiveError> {
     let (world, place) = (collective.world(), collective.rank());
-    let holds = held.held();
     let Survey { holders, steps, forward, started } = survey(collective, held, (ranges.len(), params.len()))?;
     let furthest = steps.iter().flatten().copied().max().unwrap_or(0);
     let current = |q: usize| match steps[q] {
         Some(s) => s == furthest || (s + 1 == furthest && forward[q]),
         None => false,
     };
-    let writer: Vec<Option<usize>> =
-        (0..ranges.len()).map(|r| (0..world).find(|&q| current(q) && holders[q][r])).collect();
-    let missing: Vec<usize> = (0..ranges.len()).filter(|&r| writer[r].is_none()).collect();
+    let has: Vec<Vec<bool>> = (0..world).map(|q| holders[q].iter().map(|&h| h && current(q)).collect()).collect();
+    let missing: Vec<usize> = (0..ranges.len()).filter(|&r| (0..world).all(|q| !has[q][r])).collect();
     // A rule without state (plain SGD) loses nothing with its ranges.
     if !missing.is_empty() && !held.slot_names().is_empty() {
         return Ok(Err(Unmoved { ranges: missing, step: furthest }));
@@ -295,15 +290,128 @@ pub(crate) fn reshard(
     let mut next = ShardedOptimizer::new(
         held.config().clone(),
         params,
-        (&with_pieces(ranges, &mine), &with_pieces(ranges, &buddied)),
+        (&with_pieces(ranges, &mine)[..], &with_pieces(ranges, &buddied)[..]),
     );
     let mine_started = held.replicated().1.to_vec();
     let first = (0..world).find(|&q| steps[q] == Some(furthest));
     next.set_replicated(furthest, first.map_or(&mine_started, |q| &started[q]));
+    let moves = match plan(ranges, collective.slots(), &has) {
+        Some(plan) => by_neighbours(collective, (held, &mut next), &plan)?,
+        None => by_reduce_scatter((buckets, ranges, extra_len), collective, params, (held, &mut next), &has)?,
+    };
+    Ok(Ok((next, went_forward, moves)))
+}
+
+/// What a reshard moved to this member: the bytes of optimizer state it received, and whether
+/// every range came from its own copy or a neighbour's (otherwise through reduce-scatters).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Moves {
+    pub(crate) received: u64,
+    pub(crate) by_neighbours: bool,
+}
+
+/// Where a range a member needs in the new generation comes from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum From {
+    Own,
+    Previous,
+    Next,
+}
+
+/// Per place, the ranges it holds in the new generation (owned, then its buddy copies: the
+/// order of [`holding`]) and where each comes from: its own current copy, else the previous
+/// worker's, else the next's. `None` when some range is at none of them (several workers lost
+/// or back next to each other). `has`: per place, per range, whether it holds it current.
+fn plan(ranges: &[Range], slots: &Slots, has: &[Vec<bool>]) -> Option<Vec<Vec<(usize, From)>>> {
+    let world = slots.layout.len();
+    (0..world)
+        .map(|q| {
+            let at = Slots::of(slots.count, slots.layout.clone(), q);
+            let needed =
+                owned(ranges, &at).into_iter().chain(if world > 1 { owned(ranges, &at.before()) } else { vec![] });
+            let (previous, next) = ((q + world - 1) % world, (q + 1) % world);
+            needed
+                .map(|r| match () {
+                    _ if has[q][r] => Some((r, From::Own)),
+                    _ if world > 1 && has[previous][r] => Some((r, From::Previous)),
+                    _ if world > 1 && has[next][r] => Some((r, From::Next)),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Every range from its own copy or a neighbour's: one shift to the next worker and one to the
+/// previous (each skipped when no member sends that way), each carrying every state array of
+/// the ranges its receiver takes from it, in the receiver's order.
+fn by_neighbours(
+    collective: &mut dyn Collective,
+    (held, next): (&ShardedOptimizer, &mut ShardedOptimizer),
+    plan: &[Vec<(usize, From)>],
+) -> Result<Moves, CollectiveError> {
+    let (world, place) = (collective.world(), collective.rank());
+    let arrays = held.slot_names().len();
+    let shard_of = |o: &ShardedOptimizer, r: usize| o.held().iter().position(|&h| h == r).expect("held");
+    // Each held range's length in elements, over every state array.
+    let lens: Vec<usize> = (0..next.held().len()).map(|j| (0..arrays).map(|k| next.values(j, k).len()).sum()).collect();
+    for (shard, &(r, from)) in plan[place].iter().enumerate() {
+        if from == From::Own {
+            let own = shard_of(held, r);
+            (0..arrays).for_each(|k| next.values_mut(shard, k).copy_from_slice(held.values(own, k)));
+        }
+    }
+    let mut received = 0;
+    for (way, to) in [(From::Previous, (place + 1) % world), (From::Next, (place + world - 1) % world)] {
+        if world < 2 || arrays == 0 || plan.iter().all(|p| p.iter().all(|&(_, f)| f != way)) {
+            continue;
+        }
+        let theirs: Vec<usize> = plan[to].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| r).collect();
+        let mine: Vec<usize> = plan[place].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| r).collect();
+        let send: Vec<f32> = theirs
+            .iter()
+            .flat_map(|&r| (0..arrays).flat_map(move |k| held.values(shard_of(held, r), k).iter().copied()))
+            .collect();
+        let mut recv = vec![0.0f32; mine.iter().map(|&r| lens[shard_of(next, r)]).sum()];
+        match way {
+            From::Previous => collective.shift_to_next(&send, &mut recv)?,
+            _ => collective.shift_to_previous(&send, &mut recv)?,
+        }
+        let mut at = 0;
+        for &r in &mine {
+            let shard = shard_of(next, r);
+            for k in 0..arrays {
+                let values = next.values_mut(shard, k);
+                let n = values.len();
+                values.copy_from_slice(&recv[at..at + n]);
+                at += n;
+            }
+        }
+        received += std::mem::size_of_val(&recv[..]) as u64;
+    }
+    Ok(Moves { received, by_neighbours: true })
+}
+
+/// Every range through the buckets' buffers: per state array every member fills its buffers with
+/// -0.0, each range's writer (the lowest place holding it current, `has`) writes its values over
+/// them, and one reduce-scatter leaves every range summed, so copied bit for bit, at its new
+/// owner, which shifts its ranges on to its buddy (the next worker).
+fn by_reduce_scatter(
+    (buckets, ranges, extra_len): (&mut Buckets, &[Range], usize),
+    collective: &mut dyn Collective,
+    params: &[(String, Tensor)],
+    (held, next): (&ShardedOptimizer, &mut ShardedOptimizer),
+    has: &[Vec<bool>],
+) -> Result<Moves, CollectiveError> {
+    let slots = collective.slots().clone();
+    let place = collective.rank();
+    let writer = |r: usize| (0..has.len()).find(|&q| has[q][r]);
+    let (mine, buddied) = (next.owned(), next.buddied());
+    let mut received = 0;
     for k in 0..held.slot_names().len() {
         buckets.fill(slots.len(), params, extra_len, -0.0);
-        for (shard, &r) in holds.iter().enumerate() {
-            if writer[r] == Some(place) {
+        for (shard, &r) in held.held().iter().enumerate() {
+            if writer(r) == Some(place) {
                 let values = held.values(shard, k);
                 buckets.range_mut(0, &ranges[r])[..values.len()].copy_from_slice(values);
             }
@@ -317,11 +425,14 @@ pub(crate) fn reshard(
             values.copy_from_slice(&moved[..len]);
             ours.extend_from_slice(values);
         }
+        // What this member's link received in the reduce-scatter: (W - 1)/W of the buffers.
+        let world = has.len() as u64;
+        received += ranges.iter().map(Range::grads_len).sum::<usize>() as u64 * 4 * (world - 1) / world.max(1);
         if !buddied.is_empty() {
-            to_buddy(collective, &mut next, (mine.len(), k), &ours)?;
+            to_buddy(collective, next, (mine.len(), k), &ours)?;
         }
     }
-    Ok(Ok((next, went_forward)))
+    Ok(Moves { received, by_neighbours: false })
 }
 
 /// State array `k` of this member's owned ranges (`ours`) shifted to its buddy while its
@@ -389,14 +500,12 @@ fn survey(
 /// The ranges this member owns in the collective's generation (those its slots finish), and
 /// those it keeps a buddy copy of: its predecessor's in ring order (none alone).
 pub(crate) fn holding(ranges: &[Range], collective: &dyn Collective) -> (Vec<usize>, Vec<usize>) {
-    let (world, place, slots) = (collective.world(), collective.rank(), collective.slots());
+    let slots = collective.slots();
     let mine = owned(ranges, slots);
-    if world < 2 {
+    if collective.world() < 2 {
         return (mine, Vec::new());
     }
-    let present: Vec<usize> = (0..world).collect();
-    let before = Slots { count: slots.count, held: assign(slots.count, &present)[(place + world - 1) % world].clone() };
-    (mine, owned(ranges, &before))
+    (mine, owned(ranges, &slots.before()))
 }
 
 /// `held`'s ranges with their pieces, for [`ShardedOptimizer::new`].
@@ -433,7 +542,7 @@ mod tests {
 
     use super::*;
     use crate::collective::ring::tests::with_ring;
-    use crate::collective::slots::assign;
+    use crate::collective::slots::{assign, assign_home};
     use crate::collective::Slots;
     use crate::optim::optimizer::Optimizer;
 
@@ -486,8 +595,8 @@ mod tests {
     fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, steps: usize) -> Vec<Member> {
         with_ring(world, |ring| {
             let all: Vec<usize> = (0..world).collect();
-            ring.set_slots(Slots { count: v, held: assign(v, &all)[ring.rank()].clone() });
-            let (held, coordinates) = (ring.slots().held.clone(), ring.rank() == 0);
+            ring.set_slots(Slots::of(v, assign(v, &all), ring.rank()));
+            let (held, coordinates) = (ring.slots().clone(), ring.rank() == 0);
             let (mut plain, mut sharded) = (params(), params());
             let cap = 64; // bytes: several buckets, and ranges that cut parameters
             let (mut b_plain, mut b_sharded) = (Buckets::new(&plain, cap), Buckets::new(&sharded, cap));
@@ -497,7 +606,7 @@ mod tests {
             for step in 0..steps {
                 let lr = 0.05 / (1.0 + step as f64);
                 let extra = |slot: usize| [slot as f32 + 0.5, 1.0 / 3.0];
-                for (i, slot) in held.clone().enumerate() {
+                for (i, slot) in held.iter().enumerate() {
                     backward(&mut plain, slot, step);
                     b_plain.stage(i, &plain, &extra(slot));
                     backward(&mut sharded, slot, step);
@@ -672,7 +781,7 @@ mod tests {
             let was: Vec<usize> = (0..before).collect();
             let (mine, buddied) = if place < before && !empty.contains(&place) {
                 let layout = assign(v, &was);
-                let of = |q: usize| owned(&ranges, &Slots { count: v, held: layout[q].clone() });
+                let of = |q: usize| owned(&ranges, &Slots::of(v, layout.clone(), q));
                 (of(place), if before > 1 { of((place + before - 1) % before) } else { vec![] })
             } else {
                 (vec![], vec![])
@@ -688,8 +797,8 @@ mod tests {
             if !held.held().is_empty() {
                 held.set_replicated(steps[place], &started);
             }
-            ring.set_slots(Slots { count: v, held: assign(v, &[0, 1, 2])[place].clone() });
-            let (next, _) = reshard((&mut buckets, &ranges, 2), ring, &params, &mut held).unwrap()?;
+            ring.set_slots(Slots::of(v, assign(v, &[0, 1, 2]), place));
+            let (next, _, _) = reshard((&mut buckets, &ranges, 2), ring, &params, &mut held).unwrap()?;
             let mut wrong = Vec::new();
             for (shard, r) in next.held().into_iter().enumerate() {
                 for k in 0..3 {
@@ -731,12 +840,90 @@ mod tests {
             all.sort();
             assert_eq!(all, (0..ranges.len()).collect::<Vec<_>>(), "every range has one owner");
         }
-        let of = |q: usize| owned(&ranges, &Slots { count: v, held: assign(v, &[0, 1, 2])[q].clone() });
+        let of = |q: usize| owned(&ranges, &Slots::of(v, assign(v, &[0, 1, 2]), q));
         for m in reshard_on_3(3, &[1, 2], [7; 3]) {
             assert_eq!(m.unwrap_err(), Unmoved { ranges: of(1), step: 7 });
         }
         for m in reshard_on_3(3, &[], [7, 7, 8]) {
             assert_eq!(m.unwrap_err(), Unmoved { ranges: of(0), step: 8 });
+        }
+    }
+
+    /// Per member of the ring of `after` (ranks of `world`, one slot each, home slots), the
+    /// ranges it owns and keeps a buddy copy of after a reshard from a generation of `before`,
+    /// what moved to it, and the elements that are not the holders' bits.
+    fn reshard_home(world: usize, before: &[usize], after: &[usize]) -> Vec<(Vec<usize>, Vec<usize>, Moves, usize)> {
+        let v = world;
+        let config = OptimizerConfig::Adam { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
+        let value = |r: usize, k: usize, e: usize| ((r * 1000 + k * 100 + e) as f32).sqrt() * -1.5;
+        with_ring(after.len(), |ring| {
+            let params = params();
+            let mut buckets = Buckets::new(&params, 64);
+            let ranges = buckets.ranges(&params, v, 2);
+            let rank = after[ring.rank()];
+            let (mine, buddied) = match before.iter().position(|&r| r == rank) {
+                Some(p) => {
+                    let was = Slots::of(v, assign_home(v, world, before), p);
+                    (owned(&ranges, &was), owned(&ranges, &was.before()))
+                }
+                None => (vec![], vec![]),
+            };
+            let held = (&with_pieces(&ranges, &mine)[..], &with_pieces(&ranges, &buddied)[..]);
+            let mut held = ShardedOptimizer::new(config.clone(), &params, held);
+            for (shard, r) in held.held().into_iter().enumerate() {
+                for k in 0..2 {
+                    held.values_mut(shard, k).iter_mut().enumerate().for_each(|(e, x)| *x = value(r, k, e));
+                }
+            }
+            if !held.held().is_empty() {
+                held.set_replicated(7, &vec![true; params.len()]);
+            }
+            ring.set_slots(Slots::of(v, assign_home(v, world, after), ring.rank()));
+            let (next, _, moves) = reshard((&mut buckets, &ranges, 2), ring, &params, &mut held).unwrap().unwrap();
+            let mut wrong = 0;
+            for (shard, r) in next.held().into_iter().enumerate() {
+                for k in 0..2 {
+                    let bits = next.values(shard, k).iter().enumerate();
+                    wrong += bits.filter(|&(e, x)| x.to_bits() != value(r, k, e).to_bits()).count();
+                }
+            }
+            (next.owned(), next.buddied(), moves, wrong)
+        })
+    }
+
+    /// With home slots, a worker lost or back moves only its own ranges, from or to its
+    /// neighbours in the ring, bit for bit: the others receive nothing but the buddy copies that
+    /// changed hands. Three workers back at once next to each other, one of them two places from
+    /// its ranges' holders: every range through the reduce-scatters, bit for bit too.
+    #[test]
+    fn with_home_slots_a_loss_or_a_return_moves_only_that_workers_ranges_between_neighbours() {
+        // The bytes of both Adam arrays of every range that chunk `c` of a bucket is, of 4 slots.
+        let ranges = Buckets::new(&params(), 64).ranges(&params(), 4, 2);
+        let chunk =
+            |c: usize| ranges.iter().filter(|r| r.chunk == c).map(|r| r.grads_len() as u64 * 4 * 2).sum::<u64>();
+        let received = |out: &[(Vec<usize>, Vec<usize>, Moves, usize)]| {
+            let moved = |(_, _, m, wrong): &(Vec<usize>, Vec<usize>, Moves, usize)| {
+                assert_eq!(*wrong, 0, "bit for bit");
+                assert!(m.by_neighbours);
+                m.received
+            };
+            out.iter().map(moved).collect::<Vec<u64>>()
+        };
+        // Rank 1 of 4 lost: rank 0 takes its slot, so the ranges it finishes (chunk 2), from
+        // rank 2 (their buddy), and rank 2 keeps a buddy copy of rank 0's own (chunk 1); rank 3
+        // receives nothing.
+        let lost = reshard_home(4, &[0, 1, 2, 3], &[0, 2, 3]);
+        assert_eq!(received(&lost), vec![chunk(2), chunk(1), 0]);
+        // Rank 0 lost: rank 3 takes its slot (wrapping past the last).
+        let first = reshard_home(4, &[0, 1, 2, 3], &[1, 2, 3]);
+        assert_eq!(received(&first)[1], 0, "rank 2 keeps its own and its buddy copies");
+        // Rank 1 back: it alone receives, its own ranges and a buddy copy of rank 0's.
+        let back = reshard_home(4, &[0, 2, 3], &[0, 1, 2, 3]);
+        assert_eq!(received(&back), vec![0, chunk(2) + chunk(1), 0, 0]);
+        // Of 8, only ranks 0 and 4 left; all back at once: rank 2's ranges are two places away.
+        let all = reshard_home(8, &[0, 4], &(0..8).collect::<Vec<_>>());
+        for (rank, (_, _, moves, wrong)) in all.iter().enumerate() {
+            assert_eq!((*wrong, moves.by_neighbours), (0, false), "rank {rank}");
         }
     }
 
@@ -749,7 +936,7 @@ mod tests {
         let (v, config) =
             (3, OptimizerConfig::Adam { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 });
         let out = with_ring(3, |ring| {
-            ring.set_slots(Slots { count: v, held: assign(v, &[0, 1, 2])[ring.rank()].clone() });
+            ring.set_slots(Slots::of(v, assign(v, &[0, 1, 2]), ring.rank()));
             let mut params = params();
             let mut buckets = Buckets::new(&params, 64);
             let ranges = buckets.ranges(&params, v, 2);

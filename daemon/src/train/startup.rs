@@ -32,7 +32,7 @@ pub(super) fn open_session(
     let identity = (plugin.identity(), run_config.to_string());
     let mut session =
         Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, cfg.state_dir.as_deref())?;
-    session.set_slots_per_worker(cfg.devices.len() * cfg.accumulate);
+    session.set_slots_per_worker(cfg.devices.len() * cfg.accumulate, cfg.shard_optimizer);
     session.set_backend(cfg.collective);
     if let Some(listening) = session.listening() {
         let how = if cfg.network.key.is_some() { "peers must prove the cluster secret" } else { "no secret" };

@@ -132,7 +132,7 @@ pub(crate) fn train_step(
             // one return flag per slot.
             let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
             flags = extra.len();
-            extra.extend((0..slots.count).map(|s| if slots.held.contains(&s) && raised.stop { 1.0 } else { 0.0 }));
+            extra.extend((0..slots.count).map(|s| if slots.holds(s) && raised.stop { 1.0 } else { 0.0 }));
             extra.extend((0..slots.count).map(|s| if raised.back.get(s) == Some(&true) { 1.0 } else { 0.0 }));
             buckets.stage(round * per_round + r, replicas[r].params, &extra);
             if !replicas[r].buffers.is_empty() {
@@ -251,9 +251,12 @@ pub(crate) fn sync_slot_buffers(
         }
     }
     if floating.len() < buffers.len() {
-        // Slot 0 is held by the first worker of the ring.
-        let mut bytes = std::mem::take(&mut captured[0].other);
-        collective.broadcast(0, &mut bytes)?;
+        // Slot 0's holder sends them (the first worker of the ring, or with home slots the last
+        // when its slots wrap past the last slot); the others' are the same length.
+        let slots = collective.slots();
+        let root = slots.holder_place(0);
+        let mut bytes = std::mem::take(&mut captured[slots.index(0).unwrap_or(0)].other);
+        collective.broadcast(root, &mut bytes)?;
         let mut at = 0;
         for (_, b) in buffers.iter_mut().filter(|(_, b)| !b.is_floating_point()) {
             let len = b.numel() * b.kind().elt_size_in_bytes();

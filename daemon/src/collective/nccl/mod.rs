@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 
-use super::slots::{assign, Slots};
+use super::slots::Slots;
 use super::CollectiveError;
 
 mod group;
@@ -315,7 +315,7 @@ impl Comm {
     /// of equal lengths) over every slot of the run, in the V-slot ring's order; on return
     /// `bufs[0]` holds the sum on every worker, bit for bit the ring's (the others are scratch).
     /// `slots` says which slots this worker holds; every place holds the ranges
-    /// [`assign`] gives for `world` workers.
+    /// [`assign`](super::slots::assign) gives for `world` workers.
     pub(crate) fn all_reduce_slots(
         &mut self,
         bufs: &[Tensor],
@@ -388,7 +388,7 @@ impl Drop for Comm {
 type Move = (Tensor, usize, bool);
 
 /// Who holds what in a V-slot all-reduce over `world` workers (each holding the contiguous slots
-/// [`assign`] gives), seen from the worker at place `me`; buffers of `len` elements.
+/// [`assign`](super::slots::assign) gives), seen from the worker at place `me`; buffers of `len` elements.
 struct Layout {
     v: usize,
     len: usize,
@@ -405,8 +405,9 @@ fn part(t: &Tensor, r: &Range<usize>) -> Tensor {
 
 impl Layout {
     fn new(slots: &Slots, world: usize, me: usize, len: usize) -> Layout {
-        let ranges: Vec<Range<usize>> = assign(slots.count, &(0..world).collect::<Vec<_>>());
-        debug_assert_eq!(ranges[me], slots.held);
+        let ranges = slots.layout.clone();
+        debug_assert_eq!((ranges.len(), &ranges[me]), (world, &slots.held));
+        debug_assert!(ranges.iter().all(|r| r.end <= slots.count), "NCCL's layout does not wrap past the last slot");
         Layout { v: slots.count, len, me, world, first: slots.held.start, ranges }
     }
 
@@ -515,6 +516,7 @@ pub(crate) fn ring_order_sum(parts: &[Tensor], c: usize) -> Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::collective::slots::assign;
     use crate::collective::{ReduceOp, Ring};
     use tch::Device;
 
@@ -531,7 +533,7 @@ mod tests {
                 .collect();
             // The host ring, one worker holding every slot (the V-slot ring's hops in memory).
             let mut ring = Ring::single();
-            ring.set_slots(Slots { count: v, held: 0..v });
+            ring.set_slots(Slots::all(v));
             let mut copies = slots.clone();
             let mut views: Vec<&mut [f32]> = copies.iter_mut().map(|b| b.as_mut_slice()).collect();
             ring.all_reduce_slots(&mut views, ReduceOp::Sum).unwrap();
@@ -558,14 +560,13 @@ mod tests {
         for (v, world, len) in [(3, 2, 1000), (4, 3, 999), (5, 5, 4096), (4, 2, 3), (7, 3, 5000)] {
             let slots: Vec<Tensor> = (0..v).map(|_| Tensor::randn([len as i64], (Kind::Float, Device::Cpu))).collect();
             let mut ring = Ring::single();
-            ring.set_slots(Slots { count: v, held: 0..v });
+            ring.set_slots(Slots::all(v));
             let mut copies: Vec<Vec<f32>> = slots.iter().map(|t| Vec::<f32>::try_from(t).unwrap()).collect();
             let mut views: Vec<&mut [f32]> = copies.iter_mut().map(|b| b.as_mut_slice()).collect();
             ring.all_reduce_slots(&mut views, ReduceOp::Sum).unwrap();
             let ranges = assign(v, &(0..world).collect::<Vec<_>>());
-            let layouts: Vec<Layout> = (0..world)
-                .map(|me| Layout::new(&Slots { count: v, held: ranges[me].clone() }, world, me, len))
-                .collect();
+            let layouts: Vec<Layout> =
+                (0..world).map(|me| Layout::new(&Slots::of(v, ranges.clone(), me), world, me, len)).collect();
             let bufs: Vec<Vec<Tensor>> = ranges.iter().map(|r| r.clone().map(|s| slots[s].copy()).collect()).collect();
             let (moves, received): (Vec<_>, Vec<_>) = layouts.iter().zip(&bufs).map(|(l, b)| l.all_to_all(b)).unzip();
             deliver(&moves);

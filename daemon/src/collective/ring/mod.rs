@@ -351,14 +351,29 @@ impl Ring {
         assert!(self.world > 1, "a shift needs a next worker");
         self.link.check()?;
         trainerd_failpoint::point("buddy-shift");
+        self.shift_way(send, recv, true)
+    }
+
+    /// [`Ring::shift`] the other way round: `send` to the previous rank while the next rank's
+    /// data arrives in `recv` (each TCP link carries both ways).
+    pub(crate) fn shift_back<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<(), CollectiveError> {
+        assert!(self.world > 1, "a shift needs a previous worker");
+        self.link.check()?;
+        self.shift_way(send, recv, false)
+    }
+
+    fn shift_way<T: Element>(&mut self, send: &[T], recv: &mut [T], forward: bool) -> Result<(), CollectiveError> {
         let began = Instant::now();
         let link = &self.link;
         let (next, prev) = (self.next.as_mut().expect("ring"), self.prev.as_mut().expect("ring"));
         let (next_peer, prev_peer) = (&self.next_peer, &self.prev_peer);
-        let op = "buddy shift";
+        let ((to, to_peer), (from, from_peer), op) = match forward {
+            true => ((next, next_peer), (prev, prev_peer), "buddy shift"),
+            false => ((prev, prev_peer), (next, next_peer), "shift to the previous worker"),
+        };
         std::thread::scope(|s| {
-            let sender = s.spawn(move || write_full(next, bytemuck::cast_slice(send), op, next_peer, link));
-            let received = read_full(prev, bytemuck::cast_slice_mut(recv), op, prev_peer, link);
+            let sender = s.spawn(move || write_full(to, bytemuck::cast_slice(send), op, to_peer, link));
+            let received = read_full(from, bytemuck::cast_slice_mut(recv), op, from_peer, link);
             let sent = sender.join().expect("sender thread");
             // A failed receive is the cause; a send that failed after it is its echo.
             received.and(sent)
@@ -438,6 +453,10 @@ impl Collective for Ring {
 
     fn shift_to_next(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CollectiveError> {
         self.shift(send, recv)
+    }
+
+    fn shift_to_previous(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CollectiveError> {
+        self.shift_back(send, recv)
     }
 
     fn all_reduce_values(&mut self, bufs: &mut [&mut [f64]], op: ReduceOp) -> Result<(), CollectiveError> {
@@ -617,7 +636,8 @@ pub(crate) mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(16))]
 
-        /// However V slots are spread over the workers present, the reduction is bit for bit the
+        /// However V slots are spread over the workers present (wrapping past the last slot too),
+        /// the reduction is bit for bit the
         /// V-worker ring's (sums and means, float32 and float64), on every worker.
         #[test]
         fn slots_reduce_exactly_as_the_full_ring(
@@ -625,6 +645,7 @@ pub(crate) mod tests {
             workers in 1usize..=5,
             len in prop_oneof![0usize..7, 0usize..5000],
             seed in any::<u64>(),
+            home in any::<bool>(),
         ) {
             let workers = workers.min(count);
             let value = |slot: usize, i: usize| -> f32 {
@@ -638,16 +659,20 @@ pub(crate) mod tests {
                 ring.all_reduce(&mut wide, ReduceOp::Mean).unwrap();
                 (buf, wide)
             });
-            let present: Vec<usize> = (0..workers).collect();
-            let ranges = crate::collective::slots::assign(count, &present);
+            // Balanced slots, or home slots for the last `workers` ranks (rank 0 absent: the
+            // last worker's slots wrap past the last slot).
+            let ranges = match home {
+                false => crate::collective::slots::assign(count, &(0..workers).collect::<Vec<_>>()),
+                true => crate::collective::slots::assign_home(count, count, &(count - workers..count).collect::<Vec<_>>()),
+            };
             let short = with_ring(workers, |ring| {
-                let held = ranges[ring.rank()].clone();
-                ring.set_slots(Slots { count, held: held.clone() });
-                let mut bufs: Vec<Vec<f32>> = held.clone().map(|s| (0..len).map(|i| value(s, i)).collect()).collect();
+                ring.set_slots(Slots::of(count, ranges.clone(), ring.rank()));
+                let held: Vec<usize> = ring.slots().iter().collect();
+                let mut bufs: Vec<Vec<f32>> = held.iter().map(|&s| (0..len).map(|i| value(s, i)).collect()).collect();
                 let mut views: Vec<&mut [f32]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
                 ring.all_reduce_slots(&mut views, ReduceOp::Sum).unwrap();
                 let mut wide: Vec<Vec<f64>> =
-                    held.map(|s| (0..len).map(|i| f64::from(value(s, i)) / 3.0).collect()).collect();
+                    held.iter().map(|&s| (0..len).map(|i| f64::from(value(s, i)) / 3.0).collect()).collect();
                 let mut views: Vec<&mut [f64]> = wide.iter_mut().map(Vec::as_mut_slice).collect();
                 ring.all_reduce_slots(&mut views, ReduceOp::Mean).unwrap();
                 (bufs.swap_remove(0), wide.swap_remove(0))

@@ -38,7 +38,7 @@ impl Driver<'_> {
         // A live state at the source's step that still had to receive the source's: the two
         // differed where healthy replicas never do.
         let differed = received.is_some() && state.live() && state.position().progress() == formed.progress;
-        self.report.formed(formed.generation, session.members().len(), session.slots().held.clone());
+        self.report.formed(formed.generation, session.members().len(), session.slots());
         let got = received.is_some();
         if let Some(bytes) = received {
             // Decoded in place (the tensors are views of the bytes until copied into the model).
@@ -56,7 +56,7 @@ impl Driver<'_> {
         if let Some(c) = self.committer.as_mut() {
             c.checkpointer().set_generation(formed.generation);
         }
-        self.batches.keep(&session.collective().slots().held);
+        self.batches.keep(session.collective().slots());
         let owed = self.agree(state, session, (differed, formed.source))?;
         self.reshard(state, session)?;
         self.probe_reach(session)?;
@@ -168,15 +168,12 @@ impl Driver<'_> {
 
 /// Who holds which slots in the session's generation: `worker 0: slots 0-1, worker 1: slot 2`.
 fn layout(session: &Session) -> String {
-    let members = session.members();
-    let ranges = crate::collective::slots::assign(session.slot_count(), members);
-    members
+    let slots = session.slots();
+    session
+        .members()
         .iter()
-        .zip(ranges)
-        .map(|(&rank, r)| match r.len() {
-            1 => format!("{}: slot {}", session.name(rank), r.start),
-            _ => format!("{}: slots {}-{}", session.name(rank), r.start, r.end - 1),
-        })
+        .zip(&slots.layout)
+        .map(|(&rank, r)| format!("{}: {}", session.name(rank), crate::collective::slots::describe(slots.count, r)))
         .collect::<Vec<_>>()
         .join(", ")
 }

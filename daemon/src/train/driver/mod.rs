@@ -177,8 +177,8 @@ impl<'a> Driver<'a> {
     }
 
     /// The input contexts of the slots this worker holds, in slot order.
-    fn ctxs(&self, held: &std::ops::Range<usize>, epoch: u32, training: bool) -> Vec<InputContext> {
-        held.clone()
+    fn ctxs(&self, held: &crate::collective::Slots, epoch: u32, training: bool) -> Vec<InputContext> {
+        held.iter()
             .map(|slot| InputContext { epoch: u64::from(epoch), training, input_pipeline_id: slot as u32, ..self.ctx })
             .collect()
     }
@@ -239,11 +239,11 @@ impl<'a> Driver<'a> {
         let p = state.position();
         let (epoch, step, global_step) = (p.epoch, p.step_in_epoch + 1, p.global_step);
         trainerd_failpoint::set_step(global_step + 1);
-        let held = session.collective().slots().held.clone();
+        let held = session.collective().slots().clone();
         let ctxs = self.ctxs(&held, epoch, true);
         let batches = ctxs.iter().map(|ctx| self.batches.get(ctx, step - 1)).collect::<Result<Vec<_>, _>>();
         let batches = batches.map_err(Interrupt::Fatal)?;
-        let seeds: Vec<i64> = held.map(|slot| p.step_seed(self.cfg.seed, slot)).collect();
+        let seeds: Vec<i64> = held.iter().map(|slot| p.step_seed(self.cfg.seed, slot)).collect();
         let lr = self.lr(global_step, p);
         // The slots of the ranks that came back (known to the coordinator's process only).
         let back = session.returning();
@@ -427,7 +427,7 @@ impl<'a> Driver<'a> {
     /// collective bounded by the collective timeout. The shards already evaluated on these
     /// parameters (before a failure abandoned the pass) are not evaluated again.
     fn evaluate(&mut self, (epoch, global_step): (u32, u64), session: &mut Session) -> Result<Totals, Interrupt> {
-        let ctxs = self.ctxs(&session.collective().slots().held.clone(), epoch, false);
+        let ctxs = self.ctxs(&session.collective().slots().clone(), epoch, false);
         self.report.evaluating(epoch);
         if self.evaluated.0 != global_step {
             self.evaluated = (global_step, BTreeMap::new());
@@ -553,7 +553,7 @@ impl<'a> Driver<'a> {
             plugin_version: info.version.clone(),
             workers: world,
             workers_present: session.members().len(),
-            slots: session.slots().held.clone().collect(),
+            slots: session.slots().iter().collect(),
             rank: session.rank(),
             epochs: cfg.epochs,
             stopped_early_after_epoch: p.callbacks.stopped_after,

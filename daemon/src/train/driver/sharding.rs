@@ -57,7 +57,7 @@ impl Driver<'_> {
         let moved =
             sharded::reshard((&mut self.buckets, &ranges, extra_len), session.collective(), &state.model.params, held)
                 .map_err(|e| session.interrupt(e.into()))?;
-        let (next, forward) = moved.map_err(|unmoved| {
+        let (next, forward, moves) = moved.map_err(|unmoved| {
             self.sharded_lost = true;
             Interrupt::Abandoned(format!(
                 "{} of the {} range(s) of the sharded optimizer state were lost with both their owner and their \
@@ -75,12 +75,17 @@ impl Driver<'_> {
                 next.steps()
             ));
         }
+        let how = match moves.by_neighbours {
+            true => "from its own copies and its neighbours'",
+            false => "through reduce-scatters: some range was at no neighbour",
+        };
         self.report.line(&format!(
             "trainerd: the sharded optimizer state moved to generation {generation}'s owners: this worker holds {} \
-             range(s) and a buddy copy of {}, {:.1} MB ({:.2}s)",
+             range(s) and a buddy copy of {}, {:.1} MB; it received {:.1} MB {how} ({:.2}s)",
             next.owned().len(),
             next.buddied().len(),
             next.state_bytes() as f64 / 1e6,
+            moves.received as f64 / 1e6,
             began.elapsed().as_secs_f64()
         ));
         state.optimizer = Optim::Sharded(next);
