@@ -6,6 +6,9 @@ ReLU, Dense 10. At the default width (4700) it has 25.8 M parameters, so Adam's 
 """
 import torch.nn as nn
 
+# --plugin-arg width=W sets the two hidden layers' width.
+arguments = {"width": 4700}
+
 
 def model(args):
     width = int(args.get("width", 4700))

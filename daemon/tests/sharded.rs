@@ -95,6 +95,11 @@ fn a_sharded_run_is_the_unsharded_run_bit_for_bit() {
             2,
         ),
         (
+            "adam, --devices cpu,cpu (two replicas per daemon, each a slot: the daemon shards, replica 0 holds its state)",
+            cnn("mnist-cnn").optimizer("adam", 1e-3).set("--devices", "cpu,cpu"),
+            3,
+        ),
+        (
             "rmsprop with momentum, a cosine schedule with warmup",
             cnn("mnist-cnn")
                 .optimizer("rmsprop", 1e-3)

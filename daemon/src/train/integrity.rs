@@ -207,7 +207,9 @@ impl Integrity {
         report.replica_checked();
         self.owed = None;
         let Some(verdict) = verdict(&digests.0, coordinator) else {
-            if let Some(why) = ranges_differ(session, state.position().global_step, &digests.2) {
+            if let Some(why) =
+                ranges_differ(session, &format!("replica check at step {}", state.position().global_step), &digests.2)
+            {
                 // Two copies, no majority: neither is known right, and every member goes back to
                 // the last commit (no sharded agreed state is kept).
                 let holders = why.1.clone();
@@ -532,8 +534,9 @@ fn split_digests(state: &TrainState) -> Result<(u64, u64), StateError> {
 }
 
 /// Where two copies of a sharded optimizer's range differ (per member, per range: its copy's
-/// digest): why, naming the first such range and its holders, and the holders' names.
-fn ranges_differ(session: &Session, step: u64, held: &[Vec<Option<u64>>]) -> Option<(String, Vec<String>)> {
+/// digest): why, naming the first such range and its holders, and the holders' names. `when`:
+/// the replica check at a step, or a generation forming.
+pub(crate) fn ranges_differ(session: &Session, when: &str, held: &[Vec<Option<u64>>]) -> Option<(String, Vec<String>)> {
     let ranges = held.first().map_or(0, Vec::len);
     let differing: Vec<usize> = (0..ranges)
         .filter(|&r| {
@@ -547,7 +550,7 @@ fn ranges_differ(session: &Session, step: u64, held: &[Vec<Option<u64>>]) -> Opt
     let names: Vec<String> = holders.iter().map(|(n, _)| n.clone()).collect();
     let found: Vec<String> = holders.iter().map(|(n, d)| format!("{d:016x} on {n}")).collect();
     let why = format!(
-        "replica check at step {step}: {} range(s) of the sharded optimizer state differ between their two copies \
+        "{when}: {} range(s) of the sharded optimizer state differ between their two copies \
          (range {r}: xxh3 {}); with two copies neither is known right, and every member goes back to the last commit",
         differing.len(),
         found.join(" against ")

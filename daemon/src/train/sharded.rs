@@ -243,11 +243,13 @@ pub(crate) fn gather_state(
 
 /// Why a sharded optimizer's state could not move to a generation's owners: these ranges
 /// (indices among the run's ranges) are held by no member at the furthest step, `step` (their
-/// owner and buddy were both lost).
+/// owner and buddy were both lost); or (`copies`, per place, per range: the digest of its copy
+/// at that step) two copies of a range at that step differ.
 #[derive(Debug, PartialEq)]
 pub(crate) struct Unmoved {
     pub(crate) ranges: Vec<usize>,
     pub(crate) step: u64,
+    pub(crate) copies: Option<Vec<Vec<Option<u64>>>>,
 }
 
 /// A sharded optimizer's state moved to a generation's owners and their buddies (a return, or a
@@ -270,7 +272,7 @@ pub(crate) fn reshard(
     held: &mut ShardedOptimizer,
 ) -> Result<Result<(ShardedOptimizer, bool, Moves), Unmoved>, CollectiveError> {
     let (world, place) = (collective.world(), collective.rank());
-    let Survey { holders, steps, forward, started } = survey(collective, held, (ranges.len(), params.len()))?;
+    let Survey { holders, steps, forward, started, digests } = survey(collective, held, (ranges.len(), params.len()))?;
     let furthest = steps.iter().flatten().copied().max().unwrap_or(0);
     let current = |q: usize| match steps[q] {
         Some(s) => s == furthest || (s + 1 == furthest && forward[q]),
@@ -280,7 +282,14 @@ pub(crate) fn reshard(
     let missing: Vec<usize> = (0..ranges.len()).filter(|&r| (0..world).all(|q| !has[q][r])).collect();
     // A rule without state (plain SGD) loses nothing with its ranges.
     if !missing.is_empty() && !held.slot_names().is_empty() {
-        return Ok(Err(Unmoved { ranges: missing, step: furthest }));
+        return Ok(Err(Unmoved { ranges: missing, step: furthest, copies: None }));
+    }
+    // The copies at the furthest step (an owner's and its buddy's) are equal bit for bit, unless
+    // one was corrupted since the last comparison: then neither is known right.
+    let copies: Vec<Vec<Option<u64>>> =
+        (0..world).map(|q| digests[q].iter().map(|&d| d.filter(|_| steps[q] == Some(furthest))).collect()).collect();
+    if differ(&copies) {
+        return Ok(Err(Unmoved { ranges: Vec::new(), step: furthest, copies: Some(copies) }));
     }
     let went_forward = current(place) && steps[place] != Some(furthest);
     if went_forward {
@@ -300,6 +309,15 @@ pub(crate) fn reshard(
         None => by_reduce_scatter((buckets, ranges, extra_len), collective, params, (held, &mut next), &has)?,
     };
     Ok(Ok((next, went_forward, moves)))
+}
+
+/// Whether two copies of a range differ (per place, per range: its copy's digest, if it holds one).
+pub(crate) fn differ(copies: &[Vec<Option<u64>>]) -> bool {
+    let ranges = copies.first().map_or(0, Vec::len);
+    (0..ranges).any(|r| {
+        let mut found = copies.iter().filter_map(|h| h[r]);
+        found.next().is_some_and(|first| found.any(|d| d != first))
+    })
 }
 
 /// What a reshard moved to this member: the bytes of optimizer state it received, and whether
@@ -458,24 +476,27 @@ fn to_buddy(
 
 /// What a reshard needs to know of every member, per place: the ranges it holds (a flag per
 /// range), its optimizer's steps (none: it holds no range), whether it can complete the step
-/// after them, and its started flags.
+/// after them, its started flags, and its held ranges' digests (xxh3-64 of their state).
 struct Survey {
     holders: Vec<Vec<bool>>,
     steps: Vec<Option<u64>>,
     forward: Vec<bool>,
     started: Vec<Vec<bool>>,
+    digests: Vec<Vec<Option<u64>>>,
 }
 
 /// One small all-reduce over the workers for a [`Survey`] of `n` ranges and `p` parameters: each
 /// place writes its own row (a flag per range held, 1 + its steps (0: holds none), whether it
-/// can go forward, its started flags), zeros elsewhere, so the sum is every row.
+/// can go forward, its started flags, each held range's digest in two exact 32-bit halves),
+/// zeros elsewhere, so the sum is every row.
 fn survey(
     collective: &mut dyn Collective,
     held: &ShardedOptimizer,
     (n, p): (usize, usize),
 ) -> Result<Survey, CollectiveError> {
     let (world, place) = (collective.world(), collective.rank());
-    let (steps_at, forward_at, started_at, row) = (n, n + 1, n + 2, n + 2 + p);
+    let (steps_at, forward_at, started_at, digests_at) = (n, n + 1, n + 2, n + 2 + p);
+    let row = digests_at + 2 * n;
     let mut facts = vec![0.0f64; world * row];
     let mine = &mut facts[place * row..(place + 1) * row];
     let holds = held.held();
@@ -486,6 +507,9 @@ fn survey(
         mine[forward_at] = if held.can_go_forward() { 1.0 } else { 0.0 };
         started.iter().enumerate().for_each(|(i, &s)| mine[started_at + i] = if s { 1.0 } else { 0.0 });
     }
+    for (r, d) in held.digests() {
+        mine[digests_at + 2 * r..digests_at + 2 * r + 2].copy_from_slice(&[(d >> 32) as f64, d as u32 as f64]);
+    }
     collective.all_reduce_workers(&mut facts, ReduceOp::Sum)?;
     let rows: Vec<&[f64]> = facts.chunks(row).collect();
     let flags = |values: &[f64]| values.iter().map(|&x| x > 0.5).collect::<Vec<bool>>();
@@ -493,7 +517,15 @@ fn survey(
         holders: rows.iter().map(|r| flags(&r[..n])).collect(),
         steps: rows.iter().map(|r| (r[steps_at] > 0.5).then(|| r[steps_at] as u64 - 1)).collect(),
         forward: rows.iter().map(|r| r[forward_at] > 0.5).collect(),
-        started: rows.iter().map(|r| flags(&r[started_at..])).collect(),
+        started: rows.iter().map(|r| flags(&r[started_at..digests_at])).collect(),
+        digests: rows
+            .iter()
+            .map(|row| {
+                let held = |r: usize| row[r] > 0.5;
+                let digest = |r: usize| ((row[digests_at + 2 * r] as u64) << 32) | row[digests_at + 2 * r + 1] as u64;
+                (0..n).map(|r| held(r).then(|| digest(r))).collect()
+            })
+            .collect(),
     })
 }
 
@@ -842,17 +874,25 @@ mod tests {
         }
         let of = |q: usize| owned(&ranges, &Slots::of(v, assign(v, &[0, 1, 2]), q));
         for m in reshard_on_3(3, &[1, 2], [7; 3]) {
-            assert_eq!(m.unwrap_err(), Unmoved { ranges: of(1), step: 7 });
+            assert_eq!(m.unwrap_err(), Unmoved { ranges: of(1), step: 7, copies: None });
         }
         for m in reshard_on_3(3, &[], [7, 7, 8]) {
-            assert_eq!(m.unwrap_err(), Unmoved { ranges: of(0), step: 8 });
+            assert_eq!(m.unwrap_err(), Unmoved { ranges: of(0), step: 8, copies: None });
         }
     }
 
+    type Resharded = (Vec<usize>, Vec<usize>, Moves, usize);
+
     /// Per member of the ring of `after` (ranks of `world`, one slot each, home slots), the
     /// ranges it owns and keeps a buddy copy of after a reshard from a generation of `before`,
-    /// what moved to it, and the elements that are not the holders' bits.
-    fn reshard_home(world: usize, before: &[usize], after: &[usize]) -> Vec<(Vec<usize>, Vec<usize>, Moves, usize)> {
+    /// what moved to it, and the elements that are not the holders' bits. Rank `flip`'s copies
+    /// have one bit flipped.
+    fn reshard_home(
+        world: usize,
+        before: &[usize],
+        after: &[usize],
+        flip: Option<usize>,
+    ) -> Vec<Result<Resharded, Unmoved>> {
         let v = world;
         let config = OptimizerConfig::Adam { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
         let value = |r: usize, k: usize, e: usize| ((r * 1000 + k * 100 + e) as f32).sqrt() * -1.5;
@@ -878,8 +918,11 @@ mod tests {
             if !held.held().is_empty() {
                 held.set_replicated(7, &vec![true; params.len()]);
             }
+            if flip == Some(rank) {
+                held.flip_bit();
+            }
             ring.set_slots(Slots::of(v, assign_home(v, world, after), ring.rank()));
-            let (next, _, moves) = reshard((&mut buckets, &ranges, 2), ring, &params, &mut held).unwrap().unwrap();
+            let (next, _, moves) = reshard((&mut buckets, &ranges, 2), ring, &params, &mut held).unwrap()?;
             let mut wrong = 0;
             for (shard, r) in next.held().into_iter().enumerate() {
                 for k in 0..2 {
@@ -887,7 +930,7 @@ mod tests {
                     wrong += bits.filter(|&(e, x)| x.to_bits() != value(r, k, e).to_bits()).count();
                 }
             }
-            (next.owned(), next.buddied(), moves, wrong)
+            Ok((next.owned(), next.buddied(), moves, wrong))
         })
     }
 
@@ -901,8 +944,9 @@ mod tests {
         let ranges = Buckets::new(&params(), 64).ranges(&params(), 4, 2);
         let chunk =
             |c: usize| ranges.iter().filter(|r| r.chunk == c).map(|r| r.grads_len() as u64 * 4 * 2).sum::<u64>();
-        let received = |out: &[(Vec<usize>, Vec<usize>, Moves, usize)]| {
-            let moved = |(_, _, m, wrong): &(Vec<usize>, Vec<usize>, Moves, usize)| {
+        let received = |out: &[Result<Resharded, Unmoved>]| {
+            let moved = |r: &Result<Resharded, Unmoved>| {
+                let (_, _, m, wrong) = r.as_ref().unwrap();
                 assert_eq!(*wrong, 0, "bit for bit");
                 assert!(m.by_neighbours);
                 m.received
@@ -912,18 +956,34 @@ mod tests {
         // Rank 1 of 4 lost: rank 0 takes its slot, so the ranges it finishes (chunk 2), from
         // rank 2 (their buddy), and rank 2 keeps a buddy copy of rank 0's own (chunk 1); rank 3
         // receives nothing.
-        let lost = reshard_home(4, &[0, 1, 2, 3], &[0, 2, 3]);
+        let lost = reshard_home(4, &[0, 1, 2, 3], &[0, 2, 3], None);
         assert_eq!(received(&lost), vec![chunk(2), chunk(1), 0]);
         // Rank 0 lost: rank 3 takes its slot (wrapping past the last).
-        let first = reshard_home(4, &[0, 1, 2, 3], &[1, 2, 3]);
+        let first = reshard_home(4, &[0, 1, 2, 3], &[1, 2, 3], None);
         assert_eq!(received(&first)[1], 0, "rank 2 keeps its own and its buddy copies");
         // Rank 1 back: it alone receives, its own ranges and a buddy copy of rank 0's.
-        let back = reshard_home(4, &[0, 2, 3], &[0, 1, 2, 3]);
+        let back = reshard_home(4, &[0, 2, 3], &[0, 1, 2, 3], None);
         assert_eq!(received(&back), vec![0, chunk(2) + chunk(1), 0, 0]);
         // Of 8, only ranks 0 and 4 left; all back at once: rank 2's ranges are two places away.
-        let all = reshard_home(8, &[0, 4], &(0..8).collect::<Vec<_>>());
-        for (rank, (_, _, moves, wrong)) in all.iter().enumerate() {
+        let all = reshard_home(8, &[0, 4], &(0..8).collect::<Vec<_>>(), None);
+        for (rank, r) in all.iter().enumerate() {
+            let (_, _, moves, wrong) = r.as_ref().unwrap();
             assert_eq!((*wrong, moves.by_neighbours), (0, false), "rank {rank}");
+        }
+    }
+
+    /// A copy corrupted since the last comparison (one bit of rank 2's first range, of which
+    /// rank 1 or 3 holds the other copy) is found as the generation forms: every member gets the
+    /// same digests, naming the two copies, and nothing moves.
+    #[test]
+    fn two_copies_that_differ_are_found_as_a_generation_forms() {
+        for out in
+            [reshard_home(4, &[0, 1, 2, 3], &[0, 2, 3], Some(2)), reshard_home(4, &[0, 2, 3], &[0, 1, 2, 3], Some(2))]
+        {
+            let found: Vec<Unmoved> = out.into_iter().map(|r| r.unwrap_err()).collect();
+            assert!(found.iter().all(|u| u == &found[0]), "the same verdict everywhere");
+            let copies = found[0].copies.as_ref().expect("the copies differ");
+            assert!(differ(copies) && found[0].ranges.is_empty() && found[0].step == 7);
         }
     }
 

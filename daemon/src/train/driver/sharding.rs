@@ -59,6 +59,11 @@ impl Driver<'_> {
                 .map_err(|e| session.interrupt(e.into()))?;
         let (next, forward, moves) = moved.map_err(|unmoved| {
             self.sharded_lost = true;
+            if let Some(copies) = &unmoved.copies {
+                let when = format!("as generation {generation} forms, at step {}", unmoved.step);
+                let (why, _) = crate::train::integrity::ranges_differ(session, &when, copies).expect("copies differ");
+                return Interrupt::Abandoned(why);
+            }
             Interrupt::Abandoned(format!(
                 "{} of the {} range(s) of the sharded optimizer state were lost with both their owner and their \
                  buddy (ranges {}): no member holds them at step {}",
