@@ -441,9 +441,12 @@ struct Counted {
     /// that trained it, less one.
     trained: u64,
     /// Of those, the ones whose earlier completion was held only by workers that died before the
-    /// next formation: the formation counts them when a beat or a join told a living coordinator
-    /// (a killed chief takes the beats it heard with it, and a worker killed before it joins
-    /// again tells no one), so the formations' count may fall short of the transcript's by these.
+    /// next formation or are not in it: the formation counts them when a beat or a join told a
+    /// living coordinator (a killed chief takes the beats it heard with it, a worker killed before
+    /// it joins again tells no one, and a worker cut off while the others form without it, the
+    /// coordinator among them, tells the new coordinator nothing: its later join reports an older
+    /// generation, which counts for nothing), so the formations' count may fall short of the
+    /// transcript's by these.
     unheard: u64,
     /// Mismatches the comparisons found (each once: every member names it).
     repaired: usize,
@@ -464,6 +467,7 @@ fn counted(c: &Cluster) -> Counted {
     // generation formed (its first join), and where each worker died.
     let mut held_in: BTreeMap<(u64, u64), Vec<(usize, usize)>> = BTreeMap::new();
     let mut formed: BTreeMap<u64, usize> = BTreeMap::new();
+    let mut members: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
     let mut died: Vec<Vec<usize>> = vec![Vec::new(); WORKERS];
     let (mut unexplained, mut formed_at, mut went_back) = (Vec::new(), 0, 0);
     for (i, e) in c.seen.iter().enumerate() {
@@ -475,6 +479,7 @@ fn counted(c: &Cluster) -> Counted {
             (_, Some(Event::Joined { generation: g, global_step, steps_lost, steps_trained_again, .. })) => {
                 generation[e.worker] = *g;
                 formed.entry(*g).or_insert(i);
+                members.entry(*g).or_default().push(e.worker);
                 if reported.insert(*g, (*steps_trained_again, *steps_lost)).is_none() {
                     // Completed since the formation before this one, by workers all dead since.
                     let since = |&&(_, at): &&(usize, usize)| at > formed_at;
@@ -502,13 +507,15 @@ fn counted(c: &Cluster) -> Counted {
         .filter_map(|e| e.line()?.split_once("trainerd: replica check at step ")?.1.split_once(';').map(|(m, _)| m))
         .collect();
     // A generation's completion of a step that a later generation trained again, held only by
-    // workers that died before the next formation.
+    // workers that died before the next formation, or that are not in it (cut off).
     let unheard = held_in
         .iter()
         .filter(|((step, g), held)| {
             let later = held_in.range((*step, g + 1)..=(*step, u64::MAX)).next().is_some();
-            let next = formed.range(g + 1..).next().map_or(usize::MAX, |(_, &at)| at);
-            later && held.iter().all(|&(w, at)| died[w].iter().any(|&d| at < d && d < next))
+            let next_formed = formed.range(g + 1..).next();
+            let next = next_formed.map_or(usize::MAX, |(_, &at)| at);
+            let absent = |w: usize| next_formed.is_some_and(|(n, _)| !members[n].contains(&w));
+            later && held.iter().all(|&(w, at)| absent(w) || died[w].iter().any(|&d| at < d && d < next))
         })
         .count() as u64;
     let sum = |f: fn(&(u64, u64)) -> u64| reported.values().map(f).sum();
@@ -623,7 +630,7 @@ fn soak() {
         assert!(
             trained - unheard <= again && again <= trained,
             "round {rounds}: the formations reported {again} step(s) trained again, the transcript shows \
-             {trained} ({unheard} of them completed only by workers killed before the next formation)\n{}",
+             {trained} ({unheard} of them completed only by workers killed before the next formation or absent from it)\n{}",
             round.c.transcript()
         );
         assert!(
@@ -643,8 +650,8 @@ fn soak() {
         println!(
             "soak: round {rounds} ended bitwise equal to the failure-free run on all {WORKERS} workers; {verified} \
              commits verified; {again} step(s) trained again by the formations' count, {trained} by the \
-             transcript's ({unheard} of them completed only by workers killed before the next formation, which counts \
-             them only if it heard of them), {l} lost \
+             transcript's ({unheard} of them completed only by workers killed before the next formation or absent from it, \
+             which counts them only if it heard of them), {l} lost \
              (each held only by workers killed before the next formation); {r} replica mismatch(es) named and \
              repaired; transcript in {}",
             kept.display()
