@@ -330,7 +330,7 @@ pub(crate) struct Moves {
 
 /// Where a range a member needs in the new generation comes from.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum From {
+enum Source {
     Own,
     Previous,
     Next,
@@ -340,7 +340,7 @@ enum From {
 /// order of [`holding`]) and where each comes from: its own current copy, else the previous
 /// worker's, else the next's. `None` when some range is at none of them (several workers lost
 /// or back next to each other). `has`: per place, per range, whether it holds it current.
-fn plan(ranges: &[Range], slots: &Slots, has: &[Vec<bool>]) -> Option<Vec<Vec<(usize, From)>>> {
+fn plan(ranges: &[Range], slots: &Slots, has: &[Vec<bool>]) -> Option<Vec<Vec<(usize, Source)>>> {
     let world = slots.layout.len();
     (0..world)
         .map(|q| {
@@ -350,9 +350,9 @@ fn plan(ranges: &[Range], slots: &Slots, has: &[Vec<bool>]) -> Option<Vec<Vec<(u
             let (previous, next) = ((q + world - 1) % world, (q + 1) % world);
             needed
                 .map(|r| match () {
-                    _ if has[q][r] => Some((r, From::Own)),
-                    _ if world > 1 && has[previous][r] => Some((r, From::Previous)),
-                    _ if world > 1 && has[next][r] => Some((r, From::Next)),
+                    _ if has[q][r] => Some((r, Source::Own)),
+                    _ if world > 1 && has[previous][r] => Some((r, Source::Previous)),
+                    _ if world > 1 && has[next][r] => Some((r, Source::Next)),
                     _ => None,
                 })
                 .collect()
@@ -366,7 +366,7 @@ fn plan(ranges: &[Range], slots: &Slots, has: &[Vec<bool>]) -> Option<Vec<Vec<(u
 fn by_neighbours(
     collective: &mut dyn Collective,
     (held, next): (&ShardedOptimizer, &mut ShardedOptimizer),
-    plan: &[Vec<(usize, From)>],
+    plan: &[Vec<(usize, Source)>],
 ) -> Result<Moves, CollectiveError> {
     let (world, place) = (collective.world(), collective.rank());
     let arrays = held.slot_names().len();
@@ -374,13 +374,13 @@ fn by_neighbours(
     // Each held range's length in elements, over every state array.
     let lens: Vec<usize> = (0..next.held().len()).map(|j| (0..arrays).map(|k| next.values(j, k).len()).sum()).collect();
     for (shard, &(r, from)) in plan[place].iter().enumerate() {
-        if from == From::Own {
+        if from == Source::Own {
             let own = shard_of(held, r);
             (0..arrays).for_each(|k| next.values_mut(shard, k).copy_from_slice(held.values(own, k)));
         }
     }
     let mut received = 0;
-    for (way, to) in [(From::Previous, (place + 1) % world), (From::Next, (place + world - 1) % world)] {
+    for (way, to) in [(Source::Previous, (place + 1) % world), (Source::Next, (place + world - 1) % world)] {
         if world < 2 || arrays == 0 || plan.iter().all(|p| p.iter().all(|&(_, f)| f != way)) {
             continue;
         }
@@ -392,7 +392,7 @@ fn by_neighbours(
             .collect();
         let mut recv = vec![0.0f32; mine.iter().map(|&r| lens[shard_of(next, r)]).sum()];
         match way {
-            From::Previous => collective.shift_to_next(&send, &mut recv)?,
+            Source::Previous => collective.shift_to_next(&send, &mut recv)?,
             _ => collective.shift_to_previous(&send, &mut recv)?,
         }
         let mut at = 0;
