@@ -142,11 +142,15 @@ impl Driver<'_> {
         state: &mut TrainState,
         (generation, why): (u64, &str),
     ) -> Result<(), TrainError> {
+        // What sent the members back is this failure's alone: a member that returns early below
+        // (its state whole and live) must not carry it to a later failure (the soak found a
+        // worker killed 6,000 steps after a formation of mixed states send every member back).
+        let lost = std::mem::take(&mut self.sharded_lost);
         if !self.cfg.shard_optimizer || (!state.optimizer.sharded() && state.live()) {
             return Ok(());
         }
         let kept = self.integrity.take_ranges_kept();
-        if state.optimizer.sharded() && (state.live() || kept) && !std::mem::take(&mut self.sharded_lost) {
+        if state.optimizer.sharded() && (state.live() || kept) && !lost {
             // Each lost range has a buddy among the survivors, at the same step: the next
             // formation moves the ranges ([`Driver::reshard`]), and nothing is lost. Where it
             // finds otherwise, it sends every member back here with `sharded_lost` set. (A
@@ -154,7 +158,6 @@ impl Driver<'_> {
             // receives the parameters.)
             return Ok(());
         }
-        self.sharded_lost = false;
         self.sharding = None;
         let from = state.position().global_step;
         let restored = match self.committer.as_mut() {
