@@ -60,8 +60,7 @@ impl Slots {
 
     /// Where slot `s` is among the slots held here (its buffer's index), if held.
     pub(crate) fn index(&self, s: usize) -> Option<usize> {
-        let i = (s % self.count + self.count - self.held.start % self.count) % self.count;
-        (i < self.held.len()).then_some(i)
+        index_in(self.count, &self.held, s)
     }
 
     /// The slots of the previous worker in ring order (this worker's own when alone).
@@ -72,9 +71,14 @@ impl Slots {
 
     /// The place in the ring of the worker holding slot `s`.
     pub(crate) fn holder_place(&self, s: usize) -> usize {
-        let w = self.layout.len();
-        (0..w).find(|&q| Slots::of(self.count, self.layout.clone(), q).holds(s)).expect("every slot is held")
+        self.layout.iter().position(|held| index_in(self.count, held, s).is_some()).expect("every slot is held")
     }
+}
+
+/// Where slot `s` is among `held` (of `count`, possibly wrapping past the last slot), if there.
+fn index_in(count: usize, held: &Range<usize>, s: usize) -> Option<usize> {
+    let i = (s % count + count - held.start % count) % count;
+    (i < held.len()).then_some(i)
 }
 
 /// `held` as people read it: `slot 3`, `slots 0-1`, or wrapping past the last slot

@@ -370,12 +370,14 @@ fn by_neighbours(
 ) -> Result<Moves, CollectiveError> {
     let (world, place) = (collective.world(), collective.rank());
     let arrays = held.slot_names().len();
-    let shard_of = |o: &ShardedOptimizer, r: usize| o.held().iter().position(|&h| h == r).expect("held");
+    // Each optimizer's held ranges, listed once: a range's place among them is its shard.
+    let (was, now) = (held.held(), next.held());
+    let shard_of = |list: &[usize], r: usize| list.iter().position(|&h| h == r).expect("held");
     // Each held range's length in elements, over every state array.
-    let lens: Vec<usize> = (0..next.held().len()).map(|j| (0..arrays).map(|k| next.values(j, k).len()).sum()).collect();
+    let lens: Vec<usize> = (0..now.len()).map(|j| (0..arrays).map(|k| next.values(j, k).len()).sum()).collect();
     for (shard, &(r, from)) in plan[place].iter().enumerate() {
         if from == Source::Own {
-            let own = shard_of(held, r);
+            let own = shard_of(&was, r);
             (0..arrays).for_each(|k| next.values_mut(shard, k).copy_from_slice(held.values(own, k)));
         }
     }
@@ -388,16 +390,19 @@ fn by_neighbours(
         let mine: Vec<usize> = plan[place].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| r).collect();
         let send: Vec<f32> = theirs
             .iter()
-            .flat_map(|&r| (0..arrays).flat_map(move |k| held.values(shard_of(held, r), k).iter().copied()))
+            .flat_map(|&r| {
+                let shard = shard_of(&was, r);
+                (0..arrays).flat_map(move |k| held.values(shard, k).iter().copied())
+            })
             .collect();
-        let mut recv = vec![0.0f32; mine.iter().map(|&r| lens[shard_of(next, r)]).sum()];
+        let mut recv = vec![0.0f32; mine.iter().map(|&r| lens[shard_of(&now, r)]).sum()];
         match way {
             Source::Previous => collective.shift_to_next(&send, &mut recv)?,
             _ => collective.shift_to_previous(&send, &mut recv)?,
         }
         let mut at = 0;
         for &r in &mine {
-            let shard = shard_of(next, r);
+            let shard = shard_of(&now, r);
             for k in 0..arrays {
                 let values = next.values_mut(shard, k);
                 let n = values.len();
