@@ -4,6 +4,8 @@
 use crate::ports::free_port_pairs;
 use crate::proxy::TcpProxy;
 
+use std::time::Duration;
+
 /// A real S3-compatible server (SeaweedFS `weed mini`) on loopback for tests, with every port
 /// it opens chosen free, telemetry off, and one bucket. Stopped and its data removed on drop.
 ///
@@ -46,18 +48,29 @@ impl S3Server {
         }
     }
 
-    /// Starts a server and waits until its S3 endpoint answers.
+    /// Starts a server and waits until its S3 endpoint answers and takes a write.
+    ///
+    /// A start that fails (a port taken between choosing it and weed binding it, by something
+    /// outside this process) is tried again on other ports, twice; the error names weed's last
+    /// lines.
     pub fn start() -> Result<S3Server, String> {
+        const TRIES: usize = 3;
         let weed = S3Server::binary()?;
-        let dir = std::env::temp_dir().join(format!("trainerd-s3-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        // weed derives gRPC ports as port + 10000: pick ports whose +10000 twin is free too.
-        let ports = free_port_pairs(9)?;
-        let child = S3Server::spawn(&weed, &dir, &ports)?;
-        let endpoint = format!("http://127.0.0.1:{}", ports[3]);
-        let mut server = S3Server { child, dir, endpoint, bucket: "ckpt".into() };
-        server.wait_ready()?;
-        Ok(server)
+        let mut failures = Vec::new();
+        for _ in 0..TRIES {
+            let dir = std::env::temp_dir().join(format!("trainerd-s3-{}", uuid::Uuid::new_v4()));
+            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+            // weed derives gRPC ports as port + 10000: pick ports whose +10000 twin is free too.
+            let ports = free_port_pairs(9)?;
+            let child = S3Server::spawn(&weed, &dir, &ports)?;
+            let endpoint = format!("http://127.0.0.1:{}", ports[3]);
+            let mut server = S3Server { child, dir, endpoint, bucket: "ckpt".into() };
+            match server.wait_ready() {
+                Ok(()) => return Ok(server),
+                Err(e) => failures.push(format!("{e}; its last lines:\n{}", server.log_tail(8))),
+            }
+        }
+        Err(format!("weed mini did not start in {TRIES} tries:\n{}", failures.join("\n")))
     }
 
     fn spawn(weed: &std::path::Path, dir: &std::path::Path, ports: &[u16]) -> Result<std::process::Child, String> {
@@ -95,7 +108,7 @@ impl S3Server {
 
     /// Waits until the S3 endpoint answers.
     fn wait_ready(&mut self) -> Result<(), String> {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(format!("weed mini exited at start: {status}"));
@@ -106,7 +119,7 @@ impl S3Server {
             if std::time::Instant::now() > deadline {
                 return Err("weed mini did not answer within 60s".into());
             }
-            std::thread::sleep(std::time::Duration::from_millis(200));
+            std::thread::sleep(Duration::from_millis(200));
         }
     }
 
@@ -122,14 +135,22 @@ impl S3Server {
         self.child.id()
     }
 
-    /// True once the bucket answers a signed request.
+    /// True once the bucket answers a signed listing and takes (and deletes) a small object: the
+    /// listing needs weed's filer, the write its volume server too.
     fn bucket_ready(&self) -> bool {
-        let Ok(store) = self.store() else { return false };
+        // Each request tried once, briefly: a server that is not ready is asked again.
+        let options = object_store::ClientOptions::new().with_allow_http(true).with_timeout(Duration::from_secs(5));
+        let client = self.client(&self.endpoint).with_client_options(options);
+        let no_retries = object_store::RetryConfig { max_retries: 0, ..Default::default() };
+        let Ok(store) = client.with_retry(no_retries).build() else { return false };
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         rt.block_on(async {
             use futures::TryStreamExt;
-            use object_store::ObjectStore;
+            use object_store::{path::Path, ObjectStore, ObjectStoreExt};
+            let probe = Path::from(".trainerd-test-server-ready");
             store.list(None).try_collect::<Vec<_>>().await.is_ok()
+                && store.put(&probe, object_store::PutPayload::from_static(b"ready")).await.is_ok()
+                && store.delete(&probe).await.is_ok()
         })
     }
 
@@ -177,9 +198,9 @@ impl Drop for S3Server {
     fn drop(&mut self) {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while matches!(self.child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(50));
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
