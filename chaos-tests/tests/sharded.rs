@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use trainerd_testkit::{Cluster, Event, RunArgs};
+use trainerd_testkit::{Cluster, Event, RunArgs, What};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 const RESTART_SEC: Duration = Duration::from_secs(2);
@@ -218,6 +218,35 @@ fn a_worker_gone_for_good_loses_no_step_and_the_others_end_exactly() {
     assert_moved(&mut c, 1, mark);
     let chief = assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 3]);
     assert_eq!(chief["workers_present"].as_u64(), Some(3), "{chief}");
+}
+
+/// The chief killed, then the worker elected in its place (once the chief is back as a member):
+/// restarted, that worker holds its term's vote, so it coordinates at its start and restores the
+/// last commit (the whole optimizer state), then follows the chief's newer term into a generation
+/// whose state is sharded. The state it receives says so: it takes the sharded kind with the
+/// parameters (it stayed whole, and with Adam could not take the state; the soak's plain SGD sent
+/// every member back to the commit), its ranges come from its neighbours, and nothing is lost.
+#[test]
+fn an_elected_coordinator_killed_comes_back_from_a_commit_and_takes_the_sharded_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = start(tmp.path());
+    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
+    c.wait_step(0, 28, DEADLINE);
+    c.signal(0, libc::SIGKILL);
+    c.wait_for(|e| e.worker == 0 && e.what == What::Restarted, DEADLINE);
+    c.wait_event(0, |e| matches!(e, Event::Step { .. }), DEADLINE);
+    let elected = c.lines_of(1, "trainerd: worker 1 ");
+    assert!(elected.iter().any(|l| l.contains(" coordinates from term ")), "{}", c.transcript());
+    let mark = c.mark();
+    c.signal(1, libc::SIGKILL);
+    c.wait_line(1, "trainerd: resumed from checkpoint ", mark, DEADLINE);
+    let moved = assert_moved(&mut c, 1, mark);
+    assert!(!moved.contains("; it received 0.0 MB"), "{moved}");
+    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+    // Killed once each, and no error after (the restored worker took the received state: it
+    // exited with "the received state: optimizer state: missing model.conv.bias/exp_avg" and
+    // went on only once restarted again, following the chief's term).
+    assert_eq!((c.starts(0), c.starts(1)), (2, 2), "{}", c.transcript());
 }
 
 /// A worker frozen (SIGSTOP) past the heartbeat deadline while the others go on without it, then

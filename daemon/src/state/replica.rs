@@ -23,6 +23,13 @@ use crate::optim::optimizer::Optimizer;
 use crate::optim::sharded::ShardedOptimizer;
 
 const MAGIC: &[u8; 8] = b"TRDSTAT1";
+/// The magic of a training state whose optimizer state is not in its bytes: sharded over the
+/// generation's members, or not made yet (a sharded run before its first step). A receiver takes
+/// the source's kind from it: plain SGD's whole state holds no tensors either, so the bytes alone
+/// cannot tell (a restarted coordinator that restored a commit stayed whole among sharded
+/// members, and sent them all back to it; with Adam, it could not take the state at all). Part
+/// of the digest, as the kind is part of the state.
+const SHARDED_MAGIC: &[u8; 8] = b"TRDSHRD1";
 
 /// What a member brings to a formation: how far its state is, and the state itself as bytes for
 /// the members that lack it (a [`TrainState`] in training, a [`ModelState`] in an evaluation).
@@ -65,7 +72,7 @@ pub(crate) struct Encoding {
 }
 
 impl Encoding {
-    fn new(position: &Position, tensors: Vec<(String, Tensor)>) -> Result<Encoding, StateError> {
+    fn new(magic: &[u8; 8], position: &Position, tensors: Vec<(String, Tensor)>) -> Result<Encoding, StateError> {
         let position = serde_json::to_vec(position).map_err(StateError::EncodePosition)?;
         let shapes: Vec<Vec<usize>> =
             tensors.iter().map(|(_, t)| t.size().iter().map(|&d| d as usize).collect()).collect();
@@ -78,7 +85,7 @@ impl Encoding {
         let (header, order) = trainerd_storage::tensors::header(&entries).map_err(StateError::EncodeTensors)?;
         let data: usize = tensors.iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum();
         let mut head = Vec::with_capacity(16 + position.len() + header.len());
-        head.extend_from_slice(MAGIC);
+        head.extend_from_slice(magic);
         head.extend_from_slice(&(position.len() as u64).to_le_bytes());
         head.extend_from_slice(&position);
         head.extend_from_slice(&header);
@@ -257,7 +264,7 @@ impl ModelState {
 
     /// Takes a peer's model state from `bytes`.
     pub(crate) fn decode(&mut self, bytes: Bytes) -> Result<(), StateError> {
-        let (position, model, _) = decode(bytes)?;
+        let Decoded { position, model, .. } = decode(bytes)?;
         self.load(position, &model, "the received state's model")
     }
 }
@@ -272,7 +279,7 @@ impl Shareable for ModelState {
     }
 
     fn encoding(&self) -> Result<Encoding, StateError> {
-        Encoding::new(&self.position, self.prefixed("model/"))
+        Encoding::new(MAGIC, &self.position, self.prefixed("model/"))
     }
 }
 
@@ -292,21 +299,38 @@ impl TrainState {
         &self.model.position
     }
 
-    /// Takes a peer's state from `bytes` (checked against this model: names, types, shapes).
-    pub(crate) fn decode(&mut self, bytes: Bytes) -> Result<(), StateError> {
-        let (position, model, optim) = decode(bytes)?;
-        self.load(position, &model, &optim, ("the received state", false))
+    /// The magic of this state's bytes: whether its optimizer state is in them.
+    fn magic(&self) -> &'static [u8; 8] {
+        match self.optimizer {
+            Optim::Whole(_) => MAGIC,
+            Optim::Sharded(_) | Optim::Fresh(_) => SHARDED_MAGIC,
+        }
     }
 
-    /// Copies parameters, buffers and optimizer state in, and takes `position`; `what` names the
-    /// source in messages, `whole` says it holds the whole optimizer state (a commit: an empty
-    /// one is a rule without state, plain SGD's, not a sharded state's bytes).
+    /// Whether a peer's state `bytes` hold the optimizer state as this state does (whole, or not
+    /// at all): a state of the other kind at the same step differs from this one by its kind.
+    pub(crate) fn same_kind(&self, bytes: &[u8]) -> bool {
+        bytes.get(..8) == Some(&self.magic()[..])
+    }
+
+    /// Takes a peer's state from `bytes` (checked against this model: names, types, shapes), or
+    /// this member's own agreed copy, with the optimizer state's kind the bytes say.
+    pub(crate) fn decode(&mut self, bytes: Bytes) -> Result<(), StateError> {
+        let Decoded { position, model, optim, sharded } = decode(bytes)?;
+        if sharded {
+            return self.load_sharded(position, &model);
+        }
+        self.load(position, &model, &optim, "the received state")
+    }
+
+    /// Copies parameters, buffers and the whole optimizer state in, and takes `position`; `what`
+    /// names the source in messages.
     fn load(
         &mut self,
         position: Position,
         model: &[TensorData],
         optim: &[TensorData],
-        (what, whole): (&str, bool),
+        what: &str,
     ) -> Result<(), StateError> {
         self.model.copy_in(model, &format!("{what}'s model"))?;
         let device = self.model.device;
@@ -314,20 +338,6 @@ impl TrainState {
             .iter()
             .map(|t| Ok((t.name.clone(), checkpoint::to_tensor(t)?.to_device(device))))
             .collect::<Result<_, StateError>>()?;
-        if optim.is_empty() && !whole && !matches!(self.optimizer, Optim::Whole(_)) {
-            // A sharded run's: at its start, the optimizer has no state yet; later, it holds no
-            // range until the formation moves this member's to it. A member that holds ranges
-            // keeps them (the formation moves them, or finds them a step behind).
-            let config = self.optimizer.config().clone();
-            self.optimizer =
-                match (position.global_step, std::mem::replace(&mut self.optimizer, Optim::Fresh(config.clone()))) {
-                    (0, _) => Optim::Fresh(config),
-                    (_, Optim::Sharded(held)) => Optim::Sharded(held),
-                    _ => Optim::Sharded(ShardedOptimizer::new(config, &self.model.params, (&[], &[]))),
-                };
-            self.model.take(position);
-            return Ok(());
-        }
         if !matches!(self.optimizer, Optim::Whole(_)) {
             self.optimizer = Optim::Whole(Optimizer::new(self.optimizer.config().clone(), &self.model.params));
         }
@@ -339,12 +349,30 @@ impl TrainState {
         Ok(())
     }
 
+    /// Copies parameters and buffers in from a state whose optimizer state is sharded, and takes
+    /// `position`. At a sharded run's start, the optimizer has no state yet; later, this member
+    /// holds no range until the formation moves its own to it ([`crate::train::sharded`]). A
+    /// member that holds ranges keeps them (the formation moves them, or finds them a step
+    /// behind); a whole state is let go (the others' ranges are the run's).
+    fn load_sharded(&mut self, position: Position, model: &[TensorData]) -> Result<(), StateError> {
+        self.model.copy_in(model, "the received state's model")?;
+        let config = self.optimizer.config().clone();
+        self.optimizer =
+            match (position.global_step, std::mem::replace(&mut self.optimizer, Optim::Fresh(config.clone()))) {
+                (0, _) => Optim::Fresh(config),
+                (_, Optim::Sharded(held)) => Optim::Sharded(held),
+                _ => Optim::Sharded(ShardedOptimizer::new(config, &self.model.params, (&[], &[]))),
+            };
+        self.model.take(position);
+        Ok(())
+    }
+
     /// Takes a verified checkpoint's state (its metadata already checked against this run).
     pub(crate) fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), StateError> {
         let seq = restored.record.sequence;
         let blob =
             |name: &'static str| restored.blobs.get(name).ok_or(StateError::NoBlob { sequence: seq, blob: name });
-        self.load(position, blob(MODEL_BLOB)?, blob(OPTIMIZER_BLOB)?, (&format!("checkpoint {seq}"), true))
+        self.load(position, blob(MODEL_BLOB)?, blob(OPTIMIZER_BLOB)?, &format!("checkpoint {seq}"))
     }
 
     /// The state as checkpoint blobs, in host memory: the optimizer's is the whole optimizer's,
@@ -381,20 +409,30 @@ impl Shareable for TrainState {
     fn encoding(&self) -> Result<Encoding, StateError> {
         let mut all = self.model.prefixed("model/");
         // A sharded optimizer's state differs between members by design: what they share (and
-        // compare) is the rest.
+        // compare) is the rest, under the magic that says so.
         if let Optim::Whole(optimizer) = &self.optimizer {
             all.extend(optimizer.state().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
         }
-        Encoding::new(&self.model.position, all)
+        Encoding::new(self.magic(), &self.model.position, all)
     }
 }
 
-/// The position, the model's tensors and the optimizer's (names without their prefix) of
-/// [`encode`]'s bytes.
-fn decode(bytes: Bytes) -> Result<(Position, Vec<TensorData>, Vec<TensorData>), StateError> {
-    if bytes.len() < 16 || &bytes[..8] != MAGIC {
+/// A state's bytes: its position, the model's tensors and the optimizer's (names without their
+/// prefix), and whether its optimizer state is sharded (not in the bytes).
+struct Decoded {
+    position: Position,
+    model: Vec<TensorData>,
+    optim: Vec<TensorData>,
+    sharded: bool,
+}
+
+/// [`Shareable::encode`]'s bytes, taken apart.
+fn decode(bytes: Bytes) -> Result<Decoded, StateError> {
+    let magic = bytes.get(..8).filter(|m| *m == MAGIC || *m == SHARDED_MAGIC);
+    let Some(magic) = magic.filter(|_| bytes.len() >= 16) else {
         return Err(StateError::Invalid("no header"));
-    }
+    };
+    let sharded = magic == SHARDED_MAGIC;
     let len = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")) as usize;
     let position_end =
         16usize.checked_add(len).filter(|&e| e <= bytes.len()).ok_or(StateError::Invalid("short header"))?;
@@ -405,7 +443,11 @@ fn decode(bytes: Bytes) -> Result<(Position, Vec<TensorData>, Vec<TensorData>), 
     let strip = |ts: Vec<TensorData>, prefix: &str| -> Vec<TensorData> {
         ts.into_iter().map(|t| TensorData { name: t.name[prefix.len()..].to_string(), ..t }).collect()
     };
-    Ok((position, strip(model, "model/"), strip(optim, "optimizer/")))
+    let optim = strip(optim, "optimizer/");
+    if sharded && !optim.is_empty() {
+        return Err(StateError::Invalid("optimizer tensors in a state whose optimizer state is sharded"));
+    }
+    Ok(Decoded { position, model: strip(model, "model/"), optim, sharded })
 }
 
 #[cfg(test)]
@@ -464,7 +506,7 @@ mod tests {
             })
             .collect();
         let mut restored = state(3, OptimizerConfig::adam(1e-3));
-        restored.load(source.position().clone(), &files[0], &files[1], ("checkpoint 1", true)).unwrap();
+        restored.load(source.position().clone(), &files[0], &files[1], "checkpoint 1").unwrap();
         assert_eq!(bytes_of(&restored.model.buffers), bytes_of(&source.model.buffers));
         assert_eq!(digest(&restored), digest(&source));
         // Values float32 would have rounded are there exactly.
@@ -520,29 +562,57 @@ mod tests {
 
     /// A commit of plain SGD holds no optimizer tensors: restored into a sharded state, it is the
     /// whole (empty) state, not a sharded state's bytes (which left every member holding no range
-    /// and sent the cluster back to the same commit for ever); received from a peer, it is still
-    /// a sharded state's.
+    /// and sent the cluster back to the same commit for ever). A peer's state says its kind: a
+    /// sharded one makes a whole receiver sharded (the soak's restarted coordinator, which had
+    /// restored a commit, stayed whole and sent every member back to it; with Adam it could not
+    /// take the state at all), a whole one makes a sharded receiver whole, whatever the rule.
     #[test]
-    fn an_empty_optimizer_blob_restores_whole_and_decodes_sharded() {
-        let config =
-            OptimizerConfig::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
-        let mut source = state(1, config.clone());
-        train(&mut source, 2);
-        let sharded = |seed| {
-            let s = state(seed, config.clone());
-            let params = s.model.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect::<Vec<_>>();
-            let mut t = TrainState::fresh(s.model, config.clone());
-            t.optimizer = Optim::Sharded(ShardedOptimizer::new(config.clone(), &params, (&[], &[])));
-            t
-        };
-        let blobs = source.blobs().unwrap();
-        assert!(blobs[1].tensors.is_empty());
-        let mut restored = sharded(2);
-        restored.load(source.position().clone(), &blobs[0].tensors, &blobs[1].tensors, ("checkpoint 1", true)).unwrap();
-        assert!(matches!(restored.optimizer, Optim::Whole(_)), "{:?}", restored.optimizer);
-        let mut received = sharded(3);
-        received.load(source.position().clone(), &blobs[0].tensors, &[], ("the received state", false)).unwrap();
-        assert!(matches!(received.optimizer, Optim::Sharded(_)), "{:?}", received.optimizer);
+    fn a_state_takes_the_kind_of_optimizer_state_its_source_holds() {
+        let sgd = OptimizerConfig::Sgd { lr: 0.1, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+        for config in [sgd, OptimizerConfig::adam(1e-3)] {
+            let sharded = |seed| {
+                let mut t = state(seed, config.clone());
+                let params: Vec<_> = t.model.params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+                t.optimizer = Optim::Sharded(ShardedOptimizer::new(config.clone(), &params, (&[], &[])));
+                t
+            };
+            let mut whole_source = state(1, config.clone());
+            train(&mut whole_source, 2);
+            let blobs = whole_source.blobs().unwrap();
+            assert_eq!(blobs[1].tensors.is_empty(), matches!(config, OptimizerConfig::Sgd { .. }));
+            let mut restored = sharded(2);
+            restored
+                .load(whole_source.position().clone(), &blobs[0].tensors, &blobs[1].tensors, "checkpoint 1")
+                .unwrap();
+            assert!(matches!(restored.optimizer, Optim::Whole(_)), "{:?}", restored.optimizer);
+            // A sharded source at the same step: its bytes differ from the whole state's by the
+            // kind alone, which the receiver takes with them.
+            let mut sharded_source = sharded(4);
+            let bytes = whole_source.encode().unwrap();
+            sharded_source.decode(bytes.clone().into()).unwrap();
+            assert!(matches!(sharded_source.optimizer, Optim::Whole(_)), "{:?}", sharded_source.optimizer);
+            sharded_source.optimizer = sharded(5).optimizer;
+            let sharded_bytes = sharded_source.encode().unwrap();
+            assert_ne!(digest(&sharded_source), digest(&whole_source));
+            assert!(!restored.same_kind(&sharded_bytes) && restored.same_kind(&bytes));
+            restored.decode(sharded_bytes.into()).unwrap();
+            assert!(matches!(restored.optimizer, Optim::Sharded(_)), "{:?}", restored.optimizer);
+            assert_eq!(digest(&restored), digest(&sharded_source));
+            assert_eq!(restored.model.params_sha256(), whole_source.model.params_sha256());
+        }
+    }
+
+    #[test]
+    fn a_sharded_state_with_optimizer_tensors_is_refused() {
+        let mut whole = state(1, OptimizerConfig::adam(1e-3));
+        train(&mut whole, 1);
+        let mut bytes = whole.encode().unwrap();
+        bytes[..8].copy_from_slice(SHARDED_MAGIC);
+        let err = state(2, OptimizerConfig::adam(1e-3)).decode(bytes.into()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the state received is not valid: optimizer tensors in a state whose optimizer state is sharded"
+        );
     }
 
     #[test]

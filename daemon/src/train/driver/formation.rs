@@ -36,8 +36,11 @@ impl Driver<'_> {
         let Joined { formed, received } = joined;
         let world = session.world();
         // A live state at the source's step that still had to receive the source's: the two
-        // differed where healthy replicas never do.
-        let differed = received.is_some() && state.live() && state.position().progress() == formed.progress;
+        // differed where healthy replicas never do. Not when the kinds of optimizer state differ
+        // (a coordinator that restored a commit, whole, among members whose state is sharded):
+        // it takes the source's kind with the state.
+        let same_kind = received.as_deref().is_some_and(|b| state.same_kind(b));
+        let differed = same_kind && state.live() && state.position().progress() == formed.progress;
         self.report.formed(formed.generation, session.members().len(), session.slots());
         let got = received.is_some();
         if let Some(bytes) = received {
@@ -150,8 +153,10 @@ impl Driver<'_> {
     }
 
     /// A generation forms with every member's optimizer state sharded (`sharded`: the places
-    /// whose is), or none's: the ranges move together ([`Driver::reshard`]). Both kinds go back
-    /// to the last commit, every member (`sharded_lost`), rather than wait on themselves.
+    /// whose is), or none's: the ranges move together ([`Driver::reshard`]). A guard: every
+    /// member holds the source's digest, or received its state, and either way its kind (the
+    /// bytes say it, `TrainState::same_kind`). Should both kinds meet, every member goes back to
+    /// the last commit (`sharded_lost`) rather than wait on itself in a reshard the others skip.
     fn one_kind_of_state(&mut self, session: &Session, sharded: &[usize]) -> Result<(), Interrupt> {
         if sharded.is_empty() || sharded.len() == session.members().len() {
             return Ok(());
