@@ -59,6 +59,15 @@ fn start(dir: &Path) -> Cluster {
     Cluster::start(WORKERS, &args(dir, &dir.join("ckpt"), true), &[], vec![], RESTART_SEC)
 }
 
+/// The sharded cluster in `dir`, once the commit of step 25 is written and the chief is at step
+/// 28: where a failure has survivors' ranges to move and a commit to go back to.
+fn past_the_first_commit(dir: &Path) -> Cluster {
+    let mut c = start(dir);
+    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
+    c.wait_step(0, 28, DEADLINE);
+    c
+}
+
 /// `run` on the sharded cluster with the failpoint `point` armed on worker `rank`'s first process.
 fn start_armed(run: &RunArgs, rank: usize, point: &str) -> Cluster {
     let mut env = vec![vec![]; rank + 1];
@@ -132,9 +141,7 @@ fn assert_nothing_lost(c: &mut Cluster, dir: &Path, ranks: &[usize]) -> serde_js
 /// ranges back, and the run ends bit for bit the failure-free one without a step lost.
 fn killed_mid_epoch(rank: usize) {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = start(tmp.path());
-    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
-    c.wait_step(0, 28, DEADLINE);
+    let mut c = past_the_first_commit(tmp.path());
     let mark = c.mark();
     c.signal(rank, libc::SIGKILL);
     let survivor = (rank + 1) % WORKERS;
@@ -209,9 +216,7 @@ fn a_worker_killed_while_writing_its_part_of_a_commit_loses_no_step_and_the_run_
 #[test]
 fn a_worker_gone_for_good_loses_no_step_and_the_others_end_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = start(tmp.path());
-    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
-    c.wait_step(0, 28, DEADLINE);
+    let mut c = past_the_first_commit(tmp.path());
     c.hold(2);
     let mark = c.mark();
     c.signal(2, libc::SIGKILL);
@@ -229,9 +234,7 @@ fn a_worker_gone_for_good_loses_no_step_and_the_others_end_exactly() {
 #[test]
 fn an_elected_coordinator_killed_comes_back_from_a_commit_and_takes_the_sharded_state() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = start(tmp.path());
-    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
-    c.wait_step(0, 28, DEADLINE);
+    let mut c = past_the_first_commit(tmp.path());
     c.signal(0, libc::SIGKILL);
     c.wait_for(|e| e.worker == 0 && e.what == What::Restarted, DEADLINE);
     c.wait_event(0, |e| matches!(e, Event::Step { .. }), DEADLINE);
@@ -274,9 +277,7 @@ fn a_frozen_worker_comes_back_with_stale_ranges_and_nothing_is_lost() {
 #[test]
 fn a_worker_lost_with_its_buddy_sends_every_member_back_to_the_last_commit_and_the_run_ends_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = start(tmp.path());
-    c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
-    c.wait_step(0, 28, DEADLINE);
+    let mut c = past_the_first_commit(tmp.path());
     let mark = c.mark();
     c.signal(1, libc::SIGKILL);
     c.signal(2, libc::SIGKILL);
