@@ -30,6 +30,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: a build script is single-threaded, so nothing reads the environment concurrently;
     // prost-build reads PROTOC.
     unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
-    tonic_prost_build::configure().compile_protos(&["proto/control.proto"], &["proto"])?;
+    // A catch-up's pieces are slices of one buffer (`bytes::Bytes`), not copies.
+    tonic_prost_build::configure()
+        .bytes(".trainerd.control.v1.CatchUpPart.data")
+        .compile_protos(&["proto/control.proto"], &["proto"])?;
     Ok(())
 }

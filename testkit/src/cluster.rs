@@ -334,6 +334,12 @@ impl Cluster {
     }
 
     /// Lines of worker `rank` that start with `prefix`.
+    /// Everything seen so far, in order (a [`Cluster::mark`] indexes it).
+    pub fn seen(&self) -> &[Entry] {
+        &self.seen
+    }
+
+    /// Every line of worker `rank` seen so far that starts with `prefix`.
     pub fn lines_of(&self, rank: usize, prefix: &str) -> Vec<String> {
         let of = |e: &Entry| e.line().filter(|l| e.worker == rank && l.starts_with(prefix)).map(String::from);
         self.seen.iter().filter_map(of).collect()

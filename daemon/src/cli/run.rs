@@ -241,6 +241,7 @@ fn run_config(
         accumulate: args.accumulate as usize,
         clip: crate::optim::clip::Clip { norm: args.clip_norm, value: args.clip_value },
         shard_optimizer: args.shard_optimizer,
+        catch_up_memory: args.catch_up_memory,
         callbacks: callbacks(args, plugin)?,
         steps_per_epoch: args.steps_per_epoch,
         threads,

@@ -391,7 +391,7 @@ pub(crate) fn returners(state: &State, now: Instant, opts: &Options) -> Vec<usiz
 }
 
 /// Whether a member of the formed generation waits in its final barrier.
-fn in_final_barrier(state: &State) -> bool {
+pub(crate) fn in_final_barrier(state: &State) -> bool {
     state
         .barriers
         .iter()

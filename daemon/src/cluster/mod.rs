@@ -7,6 +7,7 @@
 //! ([`network`]; who may talk to it is `crate::auth`'s). It knows nothing of training, plugins or
 //! storage: a member's state is an opaque ordered progress and a digest.
 
+pub(crate) mod catchup;
 pub(crate) mod control;
 mod difference;
 pub(crate) mod election;

@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::catchup::{Hub, PartStream};
 use super::control::{check_rank, proto, Coordinator};
 use super::election::{Ballot, Elections};
 use crate::collective::AbortSignal;
@@ -37,6 +38,8 @@ pub(crate) struct Service {
     pub(crate) elections: Arc<Elections>,
     /// This member's collectives, for pushed aborts.
     pub(crate) abort: AbortSignal,
+    /// Where a returner's request to catch up waits for this process's training thread.
+    pub(crate) hub: Arc<Hub>,
 }
 
 impl Service {
@@ -158,6 +161,17 @@ impl Control for Service {
             }
         };
         Ok(Response::new(reply))
+    }
+
+    type CatchUpStream = PartStream;
+
+    async fn catch_up(&self, request: Request<proto::CatchUpRequest>) -> Result<Response<PartStream>, Status> {
+        let req = request.into_inner();
+        let c = self.coordinator(req.term)?;
+        let (rank, name, generation) = c.may_catch_up(&req)?;
+        let stream = self.hub.offer(rank, &name, generation)?;
+        tracing::info!("{name} asks to catch up with generation {generation}");
+        Ok(Response::new(stream))
     }
 
     async fn who(&self, _: Request<proto::Empty>) -> Result<Response<proto::WhoReply>, Status> {

@@ -9,6 +9,7 @@
 
 pub(crate) mod host;
 pub(crate) mod meta;
+pub(crate) mod outputs;
 pub(crate) mod position;
 pub(crate) mod replica;
 pub(crate) mod totals;

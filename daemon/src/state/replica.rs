@@ -72,7 +72,11 @@ pub(crate) struct Encoding {
 }
 
 impl Encoding {
-    fn new(magic: &[u8; 8], position: &Position, tensors: Vec<(String, Tensor)>) -> Result<Encoding, StateError> {
+    pub(super) fn new(
+        magic: &[u8; 8],
+        position: &Position,
+        tensors: Vec<(String, Tensor)>,
+    ) -> Result<Encoding, StateError> {
         let position = serde_json::to_vec(position).map_err(StateError::EncodePosition)?;
         let shapes: Vec<Vec<usize>> =
             tensors.iter().map(|(_, t)| t.size().iter().map(|&d| d as usize).collect()).collect();
@@ -397,6 +401,21 @@ impl TrainState {
     }
 }
 
+impl TrainState {
+    /// The state's encoding as [`Shareable::encoding`] gives it, with the buffers copied now (a
+    /// forward pass changes them in place): a catch-up's snapshot, whose parameters and optimizer
+    /// state the caller assembles ([`Encoding::bytes`]) before anything updates them.
+    pub(crate) fn snapshot_encoding(&self) -> Result<Encoding, StateError> {
+        let mut all: Vec<(String, Tensor)> =
+            self.model.params.iter().map(|(n, t)| (format!("model/{n}"), t.shallow_clone())).collect();
+        all.extend(self.model.buffers.iter().map(|(n, t)| (format!("model/{n}"), t.detach().copy())));
+        if let Optim::Whole(optimizer) = &self.optimizer {
+            all.extend(optimizer.state().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
+        }
+        Encoding::new(self.magic(), &self.model.position, all)
+    }
+}
+
 impl Shareable for TrainState {
     fn progress(&self) -> (u64, u64) {
         self.model.progress()
@@ -426,18 +445,26 @@ struct Decoded {
     sharded: bool,
 }
 
-/// [`Shareable::encode`]'s bytes, taken apart.
-fn decode(bytes: Bytes) -> Result<Decoded, StateError> {
-    let magic = bytes.get(..8).filter(|m| *m == MAGIC || *m == SHARDED_MAGIC);
+/// An [`Encoding`]'s bytes whose magic is one of `magics`, taken apart: the magic, the position
+/// and the tensors.
+pub(super) fn split(bytes: &Bytes, magics: &[&[u8; 8]]) -> Result<([u8; 8], Position, Vec<TensorData>), StateError> {
+    let magic = bytes.get(..8).filter(|m| magics.iter().any(|k| *m == &k[..]));
     let Some(magic) = magic.filter(|_| bytes.len() >= 16) else {
         return Err(StateError::Invalid("no header"));
     };
-    let sharded = magic == SHARDED_MAGIC;
+    let magic: [u8; 8] = magic.try_into().expect("8 bytes");
     let len = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")) as usize;
     let position_end =
         16usize.checked_add(len).filter(|&e| e <= bytes.len()).ok_or(StateError::Invalid("short header"))?;
     let position: Position = serde_json::from_slice(&bytes[16..position_end]).map_err(StateError::InvalidPosition)?;
     let all = tensors::decode(&bytes.slice(position_end..)).map_err(StateError::InvalidTensors)?;
+    Ok((magic, position, all))
+}
+
+/// [`Shareable::encode`]'s bytes, taken apart.
+fn decode(bytes: Bytes) -> Result<Decoded, StateError> {
+    let (magic, position, all) = split(&bytes, &[MAGIC, SHARDED_MAGIC])?;
+    let sharded = &magic == SHARDED_MAGIC;
     let (model, optim): (Vec<TensorData>, Vec<TensorData>) =
         all.into_iter().partition(|t| t.name.starts_with("model/"));
     let strip = |ts: Vec<TensorData>, prefix: &str| -> Vec<TensorData> {

@@ -98,6 +98,9 @@ pub(crate) struct RunConfig {
     pub(crate) clip: crate::optim::clip::Clip,
     /// The optimizer state sharded over the workers (`--shard-optimizer`).
     pub(crate) shard_optimizer: bool,
+    /// What a returner's catch-up may keep queued on the coordinator (`--catch-up-memory`; 0:
+    /// no catch-up, a return pauses the others).
+    pub(crate) catch_up_memory: u64,
     /// Early stopping and learning-rate reduction on a plateau.
     pub(crate) callbacks: crate::optim::callbacks::Callbacks,
     /// Stop each epoch after this many steps (all of them when `None`).
@@ -157,6 +160,7 @@ impl RunConfig {
             accumulate: 1,
             clip: Default::default(),
             shard_optimizer: false,
+            catch_up_memory: 1 << 30,
             callbacks: Default::default(),
             steps_per_epoch: None,
             threads: 1,

@@ -367,6 +367,17 @@ impl<'p> Reporter<'p> {
         self.events.emit(Event::Abandoned { generation, step, reason: why.to_string() });
     }
 
+    /// This process caught up, replaying `replayed` steps, `took` after its start's catch-up began.
+    pub(crate) fn caught_up(&mut self, replayed: u64, since_start: std::time::Duration) {
+        self.recovery.steps_replayed += replayed;
+        self.recovery.catch_up_seconds = Some(since_start.as_secs_f64());
+    }
+
+    /// This process fed a returner's catch-up, keeping at most `peak` bytes of outputs at once.
+    pub(crate) fn served_catch_up(&mut self, peak: u64) {
+        self.recovery.catch_up_kept_bytes = self.recovery.catch_up_kept_bytes.max(peak);
+    }
+
     /// Training is in `epoch` (0-based): its header, once.
     pub(crate) fn epoch(&mut self, epoch: u32) {
         if self.clock.shown_epoch != Some(epoch) {

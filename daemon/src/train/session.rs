@@ -45,6 +45,8 @@ pub(crate) struct Joined {
     pub(crate) formed: Formed,
     /// The source's state, when this member is one of its receivers (verified).
     pub(crate) received: Option<Vec<u8>>,
+    /// This member's join reported a lineage digest ([`lineage`]) rather than its state's hash.
+    pub(crate) by_lineage: bool,
 }
 
 /// A member of a cluster (or a worker alone).
@@ -75,6 +77,18 @@ pub(crate) struct Session {
     /// and whether it went back from there for a repair: its next join says both.
     reached: u64,
     repaired: bool,
+    /// The digest the next join reports instead of hashing the state: the lineage of a
+    /// generation ended by a caught-up return ([`lineage`]).
+    lineage: Option<String>,
+}
+
+/// The digest every member of generation `generation` (formed with digest `formation`) reports
+/// for its state after step `step` when the generation ends by a caught-up return: they all hold
+/// that generation's state at that step, the returner by replaying its outputs
+/// (docs/fault-tolerance.md, "A return that does not pause the survivors"). A digest each already
+/// has, so nobody hashes a whole state at the switch.
+pub(crate) fn lineage(formation: &str, generation: u64, step: u64) -> String {
+    sha256_hex(format!("trainerd lineage\n{formation}\n{generation}\n{step}").as_bytes())
 }
 
 struct Member {
@@ -99,6 +113,7 @@ impl Session {
             home_slots: false,
             reached: 0,
             repaired: false,
+            lineage: None,
         }
     }
 
@@ -151,6 +166,7 @@ impl Session {
             home_slots: false,
             reached: 0,
             repaired: false,
+            lineage: None,
         })
     }
 
@@ -169,6 +185,11 @@ impl Session {
     pub(crate) fn listening(&self) -> Option<String> {
         let m = self.cluster.as_ref()?;
         Some(format!("control {}, data {}", m.plane.listening(), m.listener.local_addr()))
+    }
+
+    /// Whether this is a member of a cluster (not a worker alone).
+    pub(crate) fn clustered(&self) -> bool {
+        self.cluster.is_some()
     }
 
     /// This member's rank.
@@ -275,6 +296,23 @@ impl Session {
         self.repaired = true;
     }
 
+    /// The next join reports `digest` (a [`lineage`]) instead of hashing the state.
+    pub(crate) fn set_lineage(&mut self, digest: String) {
+        self.lineage = Some(digest);
+    }
+
+    /// A returner's request to catch up, when this process coordinates.
+    pub(crate) fn catch_up_offer(&self) -> Option<crate::cluster::catchup::Offer> {
+        self.cluster.as_ref().and_then(|m| m.plane.catch_up_offer())
+    }
+
+    /// Asks the coordinator to catch up with the generation it trains (see
+    /// [`crate::cluster::ControlPlane::catch_up`]); why not, alone or coordinating.
+    pub(crate) fn catch_up(&self) -> Result<crate::cluster::catchup::Catching, String> {
+        let Some(m) = self.cluster.as_ref() else { return Err("a worker alone".into()) };
+        m.plane.catch_up(m.timeouts.collective)
+    }
+
     /// The ranks that came back to the generation this process coordinates (none elsewhere): it
     /// ends after the step about to be trained.
     pub(crate) fn returning(&self) -> Vec<usize> {
@@ -291,13 +329,18 @@ impl Session {
             self.collective = Box::new(ring);
             self.floor += 1;
             let progress = state.map_or((0, 0), |s| s.progress());
-            return Ok(Joined { formed: Formed::alone(self.floor, progress), received: None });
+            return Ok(Joined { formed: Formed::alone(self.floor, progress), received: None, by_lineage: false });
         };
+        let lineage = self.lineage.take();
+        let by_lineage = lineage.is_some() && state.is_some();
         let report = match state {
             Some(s) => Report {
                 generation: self.generation,
                 progress: s.progress(),
-                digest: s.digest().map_err(|e| Interrupt::Fatal(e.into()))?,
+                digest: match lineage {
+                    Some(digest) => digest,
+                    None => s.digest().map_err(|e| Interrupt::Fatal(e.into()))?,
+                },
                 reached: self.reached.max(s.progress().0),
                 repaired: self.repaired,
                 members: self.members.clone(),
@@ -342,7 +385,7 @@ impl Session {
         // Chaos tests stop a member here: a failure while a generation forms.
         trainerd_failpoint::point("formed");
         let received = self.transfer(&formed, state, &names)?;
-        Ok(Joined { formed, received })
+        Ok(Joined { formed, received, by_lineage })
     }
 
     /// Moves the formation's state from its source to the members that lack it, over the new

@@ -12,8 +12,9 @@ use trainerd_storage::Location;
 
 use super::batches::input_context;
 use super::commit::{Committer, Policy};
+use super::driver::First;
 use super::report::Reporter;
-use super::session::{Interrupt, Joined, Session};
+use super::session::Session;
 use super::{CheckpointConfig, RunConfig, TrainError};
 use crate::checkpoint::Checkpointer;
 use crate::input::Data as Input;
@@ -180,8 +181,9 @@ fn open_checkpointer(c: &CheckpointConfig, report: &mut Reporter<'_>) -> Result<
     Ok(checkpointer)
 }
 
-/// What the joining thread gives back: the session and the state it took, and how the join went.
-pub(super) type Joining = JoinHandle<(Session, TrainState, Result<Joined, Interrupt>)>;
+/// What the joining thread gives back: the session and the state it took, and how the join went
+/// (or the catch-up stream to replay first).
+pub(super) type Joining = JoinHandle<(Session, TrainState, First)>;
 
 /// Joins the first generation on a thread of its own, once the data is loaded (a worker returning
 /// to a running cluster ends its generation by joining: its peers wait from then on): the
@@ -196,11 +198,20 @@ pub(super) fn join_in_background(
 ) -> Result<Joining, TrainError> {
     report.waiting("joining the cluster", cfg.timeouts.rendezvous);
     let stop = Arc::clone(stop);
+    let catch_up = cfg.catch_up_memory > 0;
     std::thread::Builder::new()
         .name("trainerd-join".into())
         .spawn(move || {
+            // A worker that starts while the others train catches up first: it replays their
+            // steps instead of pausing them (refused at once when nothing trains yet).
+            if catch_up && session.clustered() && !session.coordinates() {
+                match session.catch_up() {
+                    Ok(catching) => return (session, state, First::CatchUp(catching)),
+                    Err(why) => tracing::debug!("no catch-up: {why}"),
+                }
+            }
             let joined = session.join(Some(&state as &dyn Shareable), &stop);
-            (session, state, joined)
+            (session, state, First::Joined(joined))
         })
         .map_err(|source| TrainError::Start { what: "the joining thread", source })
 }

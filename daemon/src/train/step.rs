@@ -54,6 +54,8 @@ pub(crate) struct StepResult {
     pub(crate) stopping: Vec<usize>,
     /// The slots whose ranks came back: the generation ends after this step.
     pub(crate) returning: Vec<usize>,
+    /// They caught up: every member joins with the lineage digest.
+    pub(crate) caught_up: bool,
 }
 
 /// What a worker raises in a step's tail: its stop flag, and the slots of the ranks that came
@@ -64,6 +66,9 @@ pub(crate) struct Raised<'f> {
     pub(crate) stop: bool,
     /// Per slot of the run: its rank came back (empty: none did).
     pub(crate) back: &'f [bool],
+    /// Those ranks caught up (docs/fault-tolerance.md, "A return that does not pause the
+    /// survivors"): every member joins with the lineage digest.
+    pub(crate) caught_up: bool,
 }
 
 /// One slot's part of a step: its slice of the global batch and its dropout seed.
@@ -126,14 +131,19 @@ pub(crate) fn train_step(
             let totals = batch_totals(n, &loss, &metrics)?;
             if slots.count == 1 {
                 let stopping = if raised.stop { vec![0] } else { Vec::new() };
-                return Ok(StepResult { totals, stopping, returning: Vec::new() });
+                return Ok(StepResult { totals, stopping, returning: Vec::new(), caught_up: false });
             }
             // The totals ride in the gradients' all-reduce (as float32), then one stop flag and
             // one return flag per slot.
             let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
             flags = extra.len();
             extra.extend((0..slots.count).map(|s| if slots.holds(s) && raised.stop { 1.0 } else { 0.0 }));
-            extra.extend((0..slots.count).map(|s| if raised.back.get(s) == Some(&true) { 1.0 } else { 0.0 }));
+            // Raised on one slot per worker, so that the reduced value is the raised one: 1 for a
+            // return, 2 for a caught-up return.
+            let first = round == 0 && r == 0;
+            let value = if raised.caught_up { 2.0 } else { 1.0 };
+            extra
+                .extend((0..slots.count).map(|s| if first && raised.back.get(s) == Some(&true) { value } else { 0.0 }));
             buckets.stage(round * per_round + r, replicas[r].params, &extra);
             if !replicas[r].buffers.is_empty() {
                 captured.push(capture(replicas[r].buffers)?);
@@ -149,6 +159,7 @@ pub(crate) fn train_step(
         totals: Totals::from_flat(&reduced),
         stopping: (0..slots.count).filter(|&s| extra[flags + s] > 0.0).collect(),
         returning: (0..slots.count).filter(|&s| extra[back + s] > 0.0).collect(),
+        caught_up: (0..slots.count).any(|s| extra[back + s] > 1.5),
     })
 }
 

@@ -60,6 +60,13 @@ pub(crate) struct Recovery {
     pub(crate) examples_per_second_short: Option<f64>,
     /// Training throughput with every worker present (`null` when never).
     pub(crate) examples_per_second_full: Option<f64>,
+    /// Steps this process replayed to catch up before taking its slots back
+    /// (docs/fault-tolerance.md, "A return that does not pause the survivors").
+    pub(crate) steps_replayed: u64,
+    /// Seconds from this process's start to when it had caught up (`null` when it did not).
+    pub(crate) catch_up_seconds: Option<f64>,
+    /// On the coordinator: the most bytes of outputs it kept for a returner's catch-up at once.
+    pub(crate) catch_up_kept_bytes: u64,
 }
 
 /// The result of a run, written as JSON by `--summary`.

@@ -195,7 +195,7 @@ impl DataArgs {
 
 /// A size in bytes: digits with an optional K, M, G or T (powers of 1024; a trailing `B` or
 /// `iB` allowed).
-fn parse_bytes(text: &str) -> Result<u64, String> {
+pub(super) fn parse_bytes(text: &str) -> Result<u64, String> {
     let t = text.trim();
     let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
     let (digits, shift) = match t.chars().last() {

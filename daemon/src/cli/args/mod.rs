@@ -288,6 +288,12 @@ pub(crate) struct RunArgs {
     /// two sides of a partition never both train); fewer wait, as before.
     #[arg(long)]
     pub(crate) min_workers: Option<usize>,
+    /// A worker that starts while the others train catches up first (their state, then every
+    /// step's outputs, replayed) and takes its slots back without pausing them; the coordinator
+    /// keeps the outputs not yet sent, up to this size (K, M, G suffixes), and past it the return
+    /// pauses the others as a state transfer (0: always; docs/fault-tolerance.md).
+    #[arg(long, default_value = "1G", value_parser = data::parse_bytes, value_name = "BYTES")]
+    pub(crate) catch_up_memory: u64,
     /// Accept --min-workers of exactly half the workers, and with it the risk that both halves
     /// of a partition train.
     #[arg(long)]

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
+use super::catchup::{Catching, Hub, Offer};
 use super::control::{
     proto, seated, Chair, ControlClient, ControlServer, Coordinator, Formed, Identity, Seat, Service,
 };
@@ -105,6 +106,8 @@ pub(crate) struct ControlPlane {
     /// Whether the run has finished (from the checkpoint location), asked while a join gets no
     /// answer from the coordinator: `Some(what to say)`.
     finished: Option<FinishedProbe>,
+    /// Where the service leaves a returner's request to catch up, when this process coordinates.
+    hub: Arc<Hub>,
 }
 
 /// Says whether the run has finished, and at which step and commit (blocking: it reads storage).
@@ -193,12 +196,14 @@ impl ControlPlane {
         let abort = AbortSignal::new();
         let (elections, chair) = seat(cluster, &identity, timeouts, state_dir)?;
         let coordinator = seated(&chair);
+        let hub = Arc::new(Hub::default());
         let service = Service {
             rank: cluster.rank,
             names: names.clone(),
             chair: Arc::clone(&chair),
             elections: Arc::clone(&elections),
             abort: abort.clone(),
+            hub: Arc::clone(&hub),
         };
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
         // Serving, and the peers' clients (which connect on first use), need the runtime.
@@ -227,6 +232,7 @@ impl ControlPlane {
             tasks,
             formed_once: false,
             finished: None,
+            hub,
         };
         let beater = plane.beater();
         plane.tasks.push(plane.runtime.spawn(beater.run()));
@@ -377,6 +383,42 @@ impl ControlPlane {
             tracing::error!("cannot keep the vote: {e}");
         }
         Ok(result)
+    }
+
+    /// A returner's request to catch up, left here while this process coordinates (its next
+    /// step boundary takes the snapshot).
+    pub(crate) fn catch_up_offer(&self) -> Option<Offer> {
+        self.hub.take()
+    }
+
+    /// Asks the coordinator this member follows to catch up with the generation it trains
+    /// (docs/fault-tolerance.md, "A return that does not pause the survivors"): the stream, once
+    /// its first part is on its way, or why not (the caller joins as before). `patience` bounds
+    /// the wait for each part.
+    pub(crate) fn catch_up(&self, patience: Duration) -> Result<Catching, String> {
+        let Some((term, rank, dial)) = self.coordinator() else { return Err("no coordinator is known".into()) };
+        if rank == self.rank {
+            return Err("this process coordinates".into());
+        }
+        let request = proto::CatchUpRequest {
+            rank: self.rank as u32,
+            incarnation: self.incarnation,
+            cluster_json: self.identity.cluster_json.clone(),
+            plugin_identity: self.identity.plugin.clone(),
+            run_config_json: self.identity.run_config_json.clone(),
+            term: self.shared.elections.vote().term.max(term),
+        };
+        let deadline = self.timeouts.heartbeat_deadline;
+        let stream = self.runtime.block_on(async {
+            // One attempt: a coordinator not up yet (a cluster starting) has nothing to catch up with.
+            let mut client =
+                dial.connect(Instant::now() + Duration::from_millis(1)).await.map_err(|e| e.to_string())?;
+            let call = tokio::time::timeout(deadline, client.catch_up(request)).await;
+            let reply =
+                call.map_err(|_| format!("{} did not answer in {:.1}s", self.names[rank], deadline.as_secs_f64()))?;
+            reply.map(tonic::Response::into_inner).map_err(|status| status.message().to_string())
+        })?;
+        Ok(Catching::new(stream, self.runtime.handle().clone(), patience))
     }
 
     /// While a join gets no answer, ask `probe` now and then whether the run has finished (a worker

@@ -33,14 +33,15 @@ impl Driver<'_> {
         joined: Joined,
         started: Instant,
     ) -> Result<(), Interrupt> {
-        let Joined { formed, received } = joined;
+        let Joined { formed, received, by_lineage } = joined;
         let world = session.world();
         // A live state at the source's step that still had to receive the source's: the two
         // differed where healthy replicas never do. Not when the kinds of optimizer state differ
         // (a coordinator that restored a commit, whole, among members whose state is sharded):
         // it takes the source's kind with the state.
         let same_kind = received.as_deref().is_some_and(|b| state.same_kind(b));
-        let differed = same_kind && state.live() && state.position().progress() == formed.progress;
+        // Not when this member reported a lineage digest, which is no hash of its state.
+        let differed = same_kind && !by_lineage && state.live() && state.position().progress() == formed.progress;
         self.report.formed(formed.generation, session.members().len(), session.slots());
         let got = received.is_some();
         if let Some(bytes) = received {
@@ -55,6 +56,7 @@ impl Driver<'_> {
         tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
         state.model.live = true;
         self.coordinates = formed.coordinator == session.rank();
+        self.formation = formed.digest.clone();
         self.coordinator = session.members().iter().position(|&r| r == formed.coordinator).unwrap_or(0);
         if let Some(c) = self.committer.as_mut() {
             c.checkpointer().set_generation(formed.generation);
@@ -63,7 +65,8 @@ impl Driver<'_> {
         let owed = self.agree(state, session, (differed, formed.source))?;
         self.reshard(state, session)?;
         self.probe_reach(session)?;
-        self.integrity.formed(state, got)?;
+        // A caught-up state came from a peer, as a received one does.
+        self.integrity.formed(state, got || std::mem::take(&mut self.caught_up))?;
         session.adopted(state.position().global_step);
         let source_name = session.name(formed.source);
         let generation = JoinedGeneration {

@@ -16,7 +16,7 @@ use super::commit::{Committer, Moment};
 use super::integrity::{self, Integrity};
 use super::replicas::Replicas;
 use super::report::{Reporter, StepDone};
-use super::session::{Interrupt, Joined, Session};
+use super::session::{lineage, Interrupt, Joined, Session};
 use super::sharded::{self, Stepped};
 use super::startup::Data;
 use super::step::{self, Raised, SlotBatch, StepResult};
@@ -34,6 +34,7 @@ use crate::optim::sharded::Piece;
 use crate::plugin::ModelInstance;
 use crate::state::{Optim, Position, Shareable, Totals, TrainState};
 
+mod catchup;
 mod formation;
 mod parts;
 mod sharding;
@@ -97,6 +98,22 @@ pub(super) struct Driver<'a> {
     coordinator: usize,
     /// Whether the members write sharded commits in parallel (they all reach the location).
     reach: parts::Reach,
+    /// The current generation's formation digest (the root of its lineage digests).
+    formation: String,
+    /// A returner's catch-up fed from here (this process coordinates).
+    donor: catchup::Donor,
+    /// This process caught up: its state came from a peer.
+    caught_up: bool,
+}
+
+/// How a worker begins: joined (or not) in the background, or with a catch-up stream to replay
+/// first.
+pub(super) enum First {
+    /// The first join's result.
+    Joined(Result<Joined, Interrupt>),
+    /// The coordinator feeds this returner (docs/fault-tolerance.md, "A return that does not
+    /// pause the survivors").
+    CatchUp(crate::cluster::catchup::Catching),
 }
 
 impl<'a> Driver<'a> {
@@ -130,6 +147,9 @@ impl<'a> Driver<'a> {
             sharded_lost: false,
             coordinator: 0,
             reach: parts::Reach::default(),
+            formation: String::new(),
+            donor: catchup::Donor::new(cfg.catch_up_memory),
+            caught_up: false,
         }
     }
 
@@ -139,7 +159,7 @@ impl<'a> Driver<'a> {
         mut self,
         mut session: Session,
         mut state: TrainState,
-        first: Result<Joined, Interrupt>,
+        first: First,
         started: Instant,
     ) -> Result<Outcome, TrainError> {
         let mut first = Some(first);
@@ -149,13 +169,24 @@ impl<'a> Driver<'a> {
                 return Err(TrainError::Cluster(ClusterError::Replaced(why)));
             }
             let joined = match first.take() {
-                Some(joined) => joined,
+                Some(First::Joined(joined)) => joined,
+                Some(First::CatchUp(catching)) => self
+                    .catch_up(&mut state, &mut session, (catching, started))
+                    .and_then(|()| session.join(Some(&state as &dyn Shareable), &self.stop)),
                 None => session.join(Some(&state as &dyn Shareable), &self.stop),
             };
             let ended = joined.and_then(|j| self.adopt(&mut state, &mut session, j, started)).and_then(|()| {
                 let ended = self.train(&mut state, &mut session)?;
                 self.conclude(&mut state, &mut session, ended)
             });
+            let generation = session.generation();
+            match &ended {
+                Ok(Next::Rejoin(why)) | Err(Interrupt::Abandoned(why)) => {
+                    self.donor.stop(&format!("generation {generation} ended: {why}"), &mut self.report)
+                }
+                Ok(Next::Complete) => self.donor.stop("the run finished", &mut self.report),
+                _ => self.donor.stop("this worker exits", &mut self.report),
+            }
             match ended {
                 Ok(Next::Exit(outcome)) => return Ok(outcome),
                 Ok(Next::Complete) => break,
@@ -216,11 +247,16 @@ impl<'a> Driver<'a> {
                 self.end_epoch(state, session)?;
                 continue;
             }
-            let StepResult { stopping, returning, .. } = self.step(state, session)?;
+            let StepResult { stopping, returning, caught_up, .. } = self.step(state, session)?;
             if !stopping.is_empty() {
                 return Ok(Ended::Stop(stopping));
             }
             if !returning.is_empty() {
+                if caught_up {
+                    // Every member holds this generation's state at this step, the returner too.
+                    let step = state.position().global_step;
+                    session.set_lineage(lineage(&self.formation, session.generation(), step));
+                }
                 return Ok(Ended::Return(slots::ranks_of(session.slot_count(), session.world(), &returning)));
             }
         }
@@ -245,17 +281,24 @@ impl<'a> Driver<'a> {
         let batches = batches.map_err(Interrupt::Fatal)?;
         let seeds: Vec<i64> = held.iter().map(|slot| p.step_seed(self.cfg.seed, slot)).collect();
         let lr = self.lr(global_step, p);
-        // The slots of the ranks that came back (known to the coordinator's process only).
-        let back = session.returning();
+        // The slots of the ranks that came back (known to the coordinator's process only), and of
+        // a returner that caught up (fed from here).
+        let mut back = session.returning();
+        self.donor.begin(state, session, &mut self.report);
+        let switching = self.donor.switch(!back.is_empty());
+        back.extend(switching);
         let back =
             if back.is_empty() { Vec::new() } else { slots::of_ranks(session.slot_count(), session.world(), &back) };
-        let raised = Raised { stop: self.stop.load(Ordering::Relaxed), back: &back };
+        let raised = Raised { stop: self.stop.load(Ordering::Relaxed), back: &back, caught_up: switching.is_some() };
         // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
         trainerd_failpoint::point("train-step");
         let began = Instant::now();
         let slot_batches: Vec<SlotBatch<'_>> =
             batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { columns: &b.columns, seed }).collect();
-        let (result, prefetch, stepped) = self.gradients(state, session, (&ctxs, step, lr), &slot_batches, raised)?;
+        let reduced = self.gradients(state, session, (&ctxs, step, lr), &slot_batches, raised);
+        // Before the update writes the state: the snapshot's copy complete, the outputs kept.
+        self.donor.reduced(reduced.is_ok(), state, &self.formation, &mut self.report);
+        let (result, prefetch, stepped) = reduced?;
         if let Some((what, took)) = session.collective().take_setup() {
             self.report.backend_ready(session.generation(), what, took);
         }
@@ -268,6 +311,7 @@ impl<'a> Driver<'a> {
             None => self.update(state, (global_step + 1, lr), session.slot_count())?,
         };
         state.model.position.stepped(&result.totals);
+        self.donor.moved(state, &mut self.report);
         let took = began.elapsed();
         session.set_step(state.position().global_step);
         let steps_per_epoch = self.steps_per_epoch;
@@ -287,6 +331,7 @@ impl<'a> Driver<'a> {
             self.check(state, session)?;
         }
         self.commit(Moment::Step, state, session)?;
+        self.donor.passed(state.position().global_step, &mut self.report);
         Ok(result)
     }
 
@@ -449,6 +494,7 @@ impl<'a> Driver<'a> {
         let lr = self.lr(p.global_step.saturating_sub(1), p);
         self.report.epoch_end((epoch, p.global_step, self.steps_per_epoch), &p.last_epoch, eval.as_ref(), lr);
         self.callbacks(state);
+        self.donor.moved(state, &mut self.report);
         self.commit(Moment::EpochEnd, state, session)?;
         Ok(())
     }

@@ -1,0 +1,191 @@
+//! A worker that comes back while the others train catches up (docs/fault-tolerance.md, "A return
+//! that does not pause the survivors"): the coordinator sends it its state and then every step's
+//! outputs while training goes on, it replays them, and it takes its slots back with nothing
+//! transferred at the switch; past `--catch-up-memory` the return pauses the others as a state
+//! transfer, and both sides say so. Every scenario ends with exactly the failure-free run's
+//! parameters on all workers.
+//!
+//! CI budget: about 4 minutes on 2 cores (the 100 MB scenario and its reference run dominate).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use trainerd_testkit::{Cluster, Event, RunArgs, What};
+
+const DEADLINE: Duration = Duration::from_secs(300);
+const RESTART_SEC: Duration = Duration::from_millis(200);
+
+/// The linear model's wide table at 2.5 M rows: 100 MB of parameters (plain SGD keeps no other
+/// state), and 100 MB of gradient in every step's outputs.
+const WIDE_100MB: u64 = 2_500_000;
+
+/// A job: the wide table's rows (0: none) and the steps of its one epoch.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Job {
+    wide: u64,
+    steps: u64,
+}
+
+const WIDE: Job = Job { wide: WIDE_100MB, steps: 40 };
+const SMALL: Job = Job { wide: 0, steps: 150 };
+
+/// `trainerd run` arguments of `job` on 3 workers, each worker's summary in `dir`, with `extra`.
+fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
+    RunArgs::new("linear")
+        .epochs(1)
+        .steps(job.steps)
+        .threads(1)
+        .seed(5)
+        .batch(32)
+        .plugin_arg(format!("wide={}", job.wide))
+        .summary(dir.join("summary.{rank}.json"))
+        .extend(extra)
+}
+
+fn summary(dir: &Path, rank: usize) -> serde_json::Value {
+    let path = dir.join(format!("summary.{rank}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+/// The failure-free run's `params_sha256` (computed once per job).
+fn reference(job: Job) -> String {
+    static CACHE: OnceLock<Mutex<HashMap<Job, String>>> = OnceLock::new();
+    let mut cache = CACHE.get_or_init(Mutex::default).lock().unwrap();
+    if let Some(sha) = cache.get(&job) {
+        return sha.clone();
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(3, &args(job, tmp.path(), &[]), &[], vec![], RESTART_SEC);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; 3], "{}", c.transcript());
+    let sha = summary(tmp.path(), 0)["params_sha256"].as_str().unwrap().to_string();
+    cache.insert(job, sha.clone());
+    sha
+}
+
+/// Every worker exited 0 with the failure-free run's parameters.
+fn assert_bitwise(c: &mut Cluster, job: Job, dir: &Path) {
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; 3], "{}", c.transcript());
+    let expected = reference(job);
+    for rank in 0..3 {
+        assert_eq!(summary(dir, rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
+    }
+}
+
+/// Worker 2 killed after step `step` and held down until the two others have formed a
+/// generation without it and trained `then` steps in it; then it comes back. The mark before it
+/// came back.
+fn back_while_they_train(c: &mut Cluster, step: u64, then: u64) -> usize {
+    c.hold(2);
+    c.wait_step(0, step, DEADLINE);
+    c.signal(2, libc::SIGKILL);
+    c.wait_event(0, |e| matches!(e, Event::Joined { present: Some(2), .. }), DEADLINE);
+    let from = match c.wait_event(0, |e| matches!(e, Event::Step { .. }), DEADLINE).1 {
+        Event::Step { global_step, .. } => global_step,
+        _ => unreachable!("a step"),
+    };
+    c.wait_step(0, from + then, DEADLINE);
+    let back = c.mark();
+    c.bring_back(2);
+    back
+}
+
+/// The first formation every worker joined after `mark`: (rank, its event), by rank.
+fn joined_after(c: &Cluster, mark: usize) -> Vec<(usize, Event)> {
+    let mut joined: Vec<(usize, Event)> = Vec::new();
+    for e in &c.seen()[mark..] {
+        if let What::Event(j @ Event::Joined { .. }) = &e.what {
+            if !joined.iter().any(|(r, _)| *r == e.worker) {
+                joined.push((e.worker, j.clone()));
+            }
+        }
+    }
+    joined.sort_by_key(|(r, _)| *r);
+    joined
+}
+
+/// The number before `after` in `line` (`12 step(s) replayed` with `after` = " step(s) replayed").
+fn number_before(line: &str, after: &str) -> u64 {
+    let head = &line[..line.find(after).unwrap_or_else(|| panic!("{after:?} in {line:?}"))];
+    head.rsplit(' ').next().unwrap().parse().unwrap_or_else(|e| panic!("{line:?}: {e}"))
+}
+
+/// The longest gap between two of worker `rank`'s steps seen after `mark`, and the median one
+/// before it.
+fn gaps(c: &Cluster, rank: usize, mark: usize) -> (Duration, Duration) {
+    let steps: Vec<(usize, Instant)> = c
+        .seen()
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.worker == rank && matches!(e.what, What::Event(Event::Step { .. })))
+        .map(|(i, e)| (i, e.at))
+        .collect();
+    let between: Vec<(usize, Duration)> = steps.windows(2).map(|w| (w[1].0, w[1].1 - w[0].1)).collect();
+    let longest = between.iter().filter(|(i, _)| *i >= mark).map(|(_, d)| *d).max().unwrap_or_default();
+    let mut before: Vec<Duration> = between.iter().filter(|(i, _)| *i < mark).map(|(_, d)| *d).collect();
+    before.sort();
+    (longest, before.get(before.len() / 2).copied().unwrap_or_default())
+}
+
+/// 100 MB of state: worker 2 killed, and back while the two others train. It catches up from the
+/// chief (its state, then every step's outputs, replayed), takes its slots back after a step
+/// every member ends at, and the generation that follows forms with nobody receiving anything
+/// (every member held the state: the joins' lineage digests are equal, nobody hashed 100 MB);
+/// the run is bitwise the failure-free one, and the summaries count the steps replayed and the
+/// outputs the chief kept. The survivors' longest gap around the return is printed beside their
+/// median step (`bench/recovery.sh --state-mb` measures it on the release build).
+#[test]
+fn a_worker_back_while_the_others_train_catches_up_and_takes_its_slots_back_with_nothing_sent() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(3, &args(WIDE, tmp.path(), &[]), &[], vec![], RESTART_SEC);
+    let back = back_while_they_train(&mut c, 5, 2);
+    let (_, caught) = c.wait_line(2, "trainerd: caught up in ", back, DEADLINE);
+    let replayed = number_before(&caught, " step(s) replayed");
+    assert!(replayed >= 1, "{caught}");
+    assert_bitwise(&mut c, WIDE, tmp.path());
+    // The generation formed with it: nobody received a state (every join said the same lineage).
+    let joined = joined_after(&c, back);
+    assert_eq!(joined.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), [0, 1, 2], "{joined:?}");
+    for (rank, joined) in &joined {
+        assert!(matches!(joined, Event::Joined { source: None, steps_lost: 0, .. }), "worker {rank}: {joined:?}");
+    }
+    let formed = c.lines_of(0, "trainerd: generation ");
+    let after = formed.iter().skip_while(|l| !l.contains(" came back: it takes its slots back")).nth(1);
+    assert!(after.is_some_and(|l| l.ends_with("state every member held it")), "{formed:?}");
+    let said = c.lines_of(0, "trainerd: worker 2 (");
+    assert!(said.iter().any(|l| l.contains(") catches up: sending the state at step ")), "{said:?}");
+    assert!(said.iter().any(|l| l.contains(") caught up: it takes its slots back after step ")), "{said:?}");
+    let (longest, step) = gaps(&c, 0, back);
+    println!("survivors' longest gap around the return: {longest:?} (median step before: {step:?})");
+    let returner = &summary(tmp.path(), 2)["fault_tolerance"];
+    assert_eq!(returner["steps_replayed"].as_u64(), Some(replayed));
+    assert!(returner["catch_up_seconds"].as_f64().is_some_and(|s| s > 0.0), "{returner}");
+    let kept = summary(tmp.path(), 0)["fault_tolerance"]["catch_up_kept_bytes"].as_u64().unwrap();
+    assert!(kept >= 100_000_000, "at least one step's 100 MB of gradient was kept: {kept}");
+}
+
+/// A bound no step's outputs fit under (`--catch-up-memory 1K`): the chief stops the catch-up at
+/// the first step and says why, the returner says it joins with a pause, receives the state at
+/// the formation as before, and the run is bitwise the failure-free one.
+#[test]
+fn a_return_past_the_memory_bound_pauses_the_others_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(3, &args(SMALL, tmp.path(), &["--catch-up-memory", "1K"]), &[], vec![], RESTART_SEC);
+    let back = back_while_they_train(&mut c, 20, 5);
+    c.wait_line(2, "trainerd: the catch-up stopped: ", back, DEADLINE);
+    assert_bitwise(&mut c, SMALL, tmp.path());
+    let joined = joined_after(&c, back);
+    let returner = joined.iter().find(|(rank, _)| *rank == 2);
+    assert!(matches!(returner, Some((_, Event::Joined { source: Some(0 | 1), present: None, .. }))), "{joined:?}");
+    let said = c.lines_of(0, "trainerd: worker 2 (");
+    let stopped = said.iter().find(|l| l.contains("'s catch-up stopped: ")).unwrap_or_else(|| panic!("{said:?}"));
+    assert!(
+        stopped.contains("'s catch-up stopped: its kept outputs would take ")
+            && stopped.ends_with(", above --catch-up-memory 1.0 KB; it takes its slots back with a pause"),
+        "{stopped}"
+    );
+    let (_, said) = c.wait_line(2, "trainerd: the catch-up stopped: ", back, DEADLINE);
+    assert!(said.ends_with("above --catch-up-memory 1.0 KB; joining with a pause"), "{said}");
+    assert_eq!(summary(tmp.path(), 2)["fault_tolerance"]["steps_replayed"].as_u64(), Some(0));
+}

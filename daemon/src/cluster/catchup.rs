@@ -1,0 +1,341 @@
+//! A returner's catch-up as the cluster carries it (docs/fault-tolerance.md, "A return that does
+//! not pause the survivors"). On the donor (the coordinator's process), the service leaves a
+//! returner's request in the [`Hub`] and the training thread takes it as a [`Feed`]: the sending
+//! side of the stream, which counts what is queued and not yet taken by the stream (the kept
+//! outputs, which the donor bounds). On the returner, [`Catching`] reads the stream and puts each
+//! item's pieces back together. What the items hold is the training loop's (`train::catchup`).
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::sync::mpsc;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Status, Streaming};
+
+use super::control::proto;
+use proto::catch_up_part::Kind;
+
+/// The largest piece of an item on the stream (gRPC refuses messages above 4 MiB).
+const PIECE: usize = 1 << 20;
+
+/// An item of a catch-up stream, put back together.
+#[derive(Debug)]
+pub(crate) enum Item {
+    /// The donor's state at a step boundary, in generation `generation` whose formation's digest
+    /// is `formation`.
+    State {
+        /// The generation the donor trains in.
+        generation: u64,
+        /// Its formation's digest.
+        formation: String,
+        /// The state's bytes (checked against the xxh3 the donor sent).
+        bytes: Bytes,
+    },
+    /// One step's outputs.
+    Step(Bytes),
+    /// The position after a step or an epoch's end.
+    Position(Bytes),
+    /// The generation ends after `step`; join with the lineage digest when `lineage`.
+    End {
+        /// The last step of the generation.
+        step: u64,
+        /// Whether every member joins with the lineage digest.
+        lineage: bool,
+    },
+    /// The catch-up stopped: why.
+    Fallback(String),
+}
+
+/// What the stream has queued and not yet sent, in bytes: the state's and the outputs'; and the
+/// most outputs ever queued at once.
+#[derive(Debug, Default)]
+struct Counts {
+    state: AtomicU64,
+    outputs: AtomicU64,
+    peak: AtomicU64,
+}
+
+/// A part on its way to the stream, and whether it counts as state or as kept outputs.
+struct Queued {
+    part: proto::CatchUpPart,
+    state: bool,
+}
+
+/// The sending side of one returner's catch-up stream.
+pub(crate) struct Feed {
+    tx: mpsc::UnboundedSender<Queued>,
+    counts: Arc<Counts>,
+}
+
+impl Feed {
+    /// Queues `bytes` as one item of `kind` (the first piece filled in by `head`); false when the
+    /// returner's stream is gone.
+    fn item(&self, kind: Kind, bytes: &Bytes, head: impl FnOnce(&mut proto::CatchUpPart)) -> bool {
+        let state = kind == Kind::State;
+        let counter = if state { &self.counts.state } else { &self.counts.outputs };
+        let queued = counter.fetch_add(bytes.len() as u64, Ordering::SeqCst) + bytes.len() as u64;
+        if !state {
+            self.counts.peak.fetch_max(queued, Ordering::SeqCst);
+        }
+        let mut first = proto::CatchUpPart { kind: kind as i32, total: bytes.len() as u64, ..Default::default() };
+        head(&mut first);
+        let mut at = 0;
+        let mut part = Some(first);
+        loop {
+            let end = (at + PIECE).min(bytes.len());
+            let mut piece = part.take().unwrap_or_default();
+            piece.data = bytes.slice(at..end);
+            if self.tx.send(Queued { part: piece, state }).is_err() {
+                return false;
+            }
+            at = end;
+            if at >= bytes.len() {
+                return true;
+            }
+        }
+    }
+
+    /// Queues the donor's state (`bytes`) in `generation`, whose formation's digest is `formation`.
+    pub(crate) fn state(&self, generation: u64, formation: &str, bytes: &Bytes) -> bool {
+        let xxh3 = xxhash_rust::xxh3::xxh3_64(bytes);
+        self.item(Kind::State, bytes, |p| {
+            (p.generation, p.formation_digest, p.xxh3) = (generation, formation.to_string(), xxh3);
+        })
+    }
+
+    /// Queues one step's outputs.
+    pub(crate) fn step(&self, bytes: &Bytes) -> bool {
+        self.item(Kind::Step, bytes, |_| {})
+    }
+
+    /// Queues the position after a step or an epoch's end.
+    pub(crate) fn position(&self, bytes: &Bytes) -> bool {
+        self.item(Kind::Position, bytes, |_| {})
+    }
+
+    /// The generation ends after `step`: the last item.
+    pub(crate) fn end(self, step: u64, lineage: bool) {
+        self.item(Kind::End, &Bytes::new(), |p| (p.step, p.lineage) = (step, lineage));
+    }
+
+    /// The catch-up stops (`reason`): the last item.
+    pub(crate) fn fallback(self, reason: &str) {
+        self.item(Kind::Fallback, &Bytes::new(), |p| p.reason = reason.to_string());
+    }
+
+    /// Bytes of outputs queued and not yet taken by the stream.
+    pub(crate) fn kept(&self) -> u64 {
+        self.counts.outputs.load(Ordering::SeqCst)
+    }
+
+    /// The most bytes of outputs queued at once.
+    pub(crate) fn peak(&self) -> u64 {
+        self.counts.peak.load(Ordering::SeqCst)
+    }
+
+    /// Whether the stream has taken every piece of the state.
+    pub(crate) fn state_taken(&self) -> bool {
+        self.counts.state.load(Ordering::SeqCst) == 0
+    }
+
+    /// Whether the returner's stream is gone (it died, or gave up).
+    pub(crate) fn gone(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+/// A returner's request, as the service leaves it for the training thread.
+pub(crate) struct Offer {
+    /// The returner's rank.
+    pub(crate) rank: usize,
+    /// The generation it catches up with.
+    pub(crate) generation: u64,
+    /// Its stream.
+    pub(crate) feed: Feed,
+}
+
+/// The stream a returner reads.
+pub(crate) type PartStream = Pin<Box<dyn Stream<Item = Result<proto::CatchUpPart, Status>> + Send + 'static>>;
+
+/// Where the coordinator's service leaves a returner's request, and the training thread takes it:
+/// one catch-up at a time.
+#[derive(Default)]
+pub(crate) struct Hub {
+    inner: Mutex<Slot>,
+}
+
+#[derive(Default)]
+struct Slot {
+    /// A request not taken yet.
+    offer: Option<Offer>,
+    /// The counts of the stream being fed (alive while its feed or its stream is).
+    running: Weak<Counts>,
+}
+
+impl Hub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A returner of rank `rank` (named `name`) asks to catch up with `generation`: its stream,
+    /// or why not now.
+    pub(crate) fn offer(&self, rank: usize, name: &str, generation: u64) -> Result<PartStream, Status> {
+        let mut slot = self.lock();
+        if slot.offer.as_ref().is_some_and(|o| o.feed.gone()) {
+            slot.offer = None;
+        }
+        if let Some(o) = slot.offer.as_ref().filter(|o| o.rank != rank) {
+            return Err(Status::unavailable(format!("another worker's catch-up (rank {}) is starting", o.rank)));
+        }
+        if slot.running.upgrade().is_some() {
+            return Err(Status::unavailable(format!("another catch-up is running; {name} joins as before")));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let counts = Arc::new(Counts::default());
+        let taken = Arc::clone(&counts);
+        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |q: Queued| {
+            let counter = if q.state { &taken.state } else { &taken.outputs };
+            counter.fetch_sub(q.part.data.len() as u64, Ordering::SeqCst);
+            Ok(q.part)
+        });
+        slot.offer = Some(Offer { rank, generation, feed: Feed { tx, counts } });
+        Ok(Box::pin(stream))
+    }
+
+    /// The request waiting, if any (its returner still there): the caller feeds it.
+    pub(crate) fn take(&self) -> Option<Offer> {
+        let mut slot = self.lock();
+        let offer = slot.offer.take().filter(|o| !o.feed.gone())?;
+        slot.running = Arc::downgrade(&offer.feed.counts);
+        Some(offer)
+    }
+}
+
+/// A returner's side of its catch-up stream.
+pub(crate) struct Catching {
+    stream: Streaming<proto::CatchUpPart>,
+    runtime: tokio::runtime::Handle,
+    /// How long a part may take to come.
+    patience: Duration,
+}
+
+impl Catching {
+    pub(super) fn new(
+        stream: Streaming<proto::CatchUpPart>,
+        runtime: tokio::runtime::Handle,
+        patience: Duration,
+    ) -> Self {
+        Catching { stream, runtime, patience }
+    }
+
+    /// The next part, or why none came.
+    fn part(&mut self) -> Result<proto::CatchUpPart, String> {
+        let (stream, patience) = (&mut self.stream, self.patience);
+        let next = self.runtime.block_on(async { tokio::time::timeout(patience, stream.message()).await });
+        match next {
+            Err(_) => Err(format!("nothing came for {:.1}s", patience.as_secs_f64())),
+            Ok(Err(status)) => Err(status.message().to_string()),
+            Ok(Ok(None)) => Err("the stream ended early".into()),
+            Ok(Ok(Some(part))) => Ok(part),
+        }
+    }
+
+    /// The next item, put back together; an error when the stream broke (the donor died).
+    pub(crate) fn next(&mut self) -> Result<Item, String> {
+        let first = self.part()?;
+        let kind = Kind::try_from(first.kind).map_err(|_| format!("a part of unknown kind {}", first.kind))?;
+        let total = usize::try_from(first.total).map_err(|_| "an item too large".to_string())?;
+        let mut bytes = BytesMut::with_capacity(total);
+        bytes.extend_from_slice(&first.data);
+        while bytes.len() < total {
+            let more = self.part()?;
+            if more.kind != Kind::More as i32 || bytes.len() + more.data.len() > total {
+                return Err(format!("a {kind:?} item cut short ({} of {total} bytes)", bytes.len()));
+            }
+            bytes.extend_from_slice(&more.data);
+        }
+        let bytes = bytes.freeze();
+        Ok(match kind {
+            Kind::State => {
+                let found = xxhash_rust::xxh3::xxh3_64(&bytes);
+                if found != first.xxh3 {
+                    return Err(format!("the state's xxh3 is {found:016x}, the donor sent {:016x}", first.xxh3));
+                }
+                Item::State { generation: first.generation, formation: first.formation_digest, bytes }
+            }
+            Kind::Step => Item::Step(bytes),
+            Kind::Position => Item::Position(bytes),
+            Kind::End => Item::End { step: first.step, lineage: first.lineage },
+            Kind::Fallback => Item::Fallback(first.reason),
+            Kind::More => return Err("a piece with no item before it".into()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    }
+
+    /// Every part the stream yields, in order.
+    fn drain(rt: &tokio::runtime::Runtime, mut stream: PartStream) -> Vec<proto::CatchUpPart> {
+        rt.block_on(async {
+            let mut parts = Vec::new();
+            while let Some(Ok(p)) = stream.next().await {
+                parts.push(p);
+            }
+            parts
+        })
+    }
+
+    #[test]
+    fn items_are_cut_into_pieces_and_what_is_queued_is_counted_until_the_stream_takes_it() {
+        let rt = runtime();
+        let hub = Hub::default();
+        let stream = hub.offer(2, "worker 2", 7).unwrap();
+        let offer = hub.take().expect("the offer is there");
+        assert_eq!((offer.rank, offer.generation), (2, 7));
+        let feed = offer.feed;
+        let state = Bytes::from(vec![1u8; PIECE * 2 + 5]);
+        assert!(feed.state(7, "abc", &state));
+        assert!(!feed.state_taken());
+        assert!(feed.step(&Bytes::from(vec![2u8; 10])));
+        assert!(feed.position(&Bytes::from_static(b"{}")));
+        assert_eq!((feed.kept(), feed.peak()), (12, 12));
+        let counts = Arc::clone(&feed.counts);
+        feed.end(41, true);
+        let parts = drain(&rt, stream);
+        assert_eq!(counts.state.load(Ordering::SeqCst) + counts.outputs.load(Ordering::SeqCst), 0);
+        let kinds: Vec<i32> = parts.iter().map(|p| p.kind).collect();
+        let (s, m) = (Kind::State as i32, Kind::More as i32);
+        let tail = [Kind::Step as i32, Kind::Position as i32, Kind::End as i32];
+        assert_eq!(kinds, [&[s, m, m][..], &tail[..]].concat());
+        assert_eq!(parts[0].total as usize, state.len());
+        assert_eq!((parts[5].step, parts[5].lineage), (41, true));
+    }
+
+    #[test]
+    fn one_catch_up_at_a_time_and_a_gone_returner_frees_the_hub() {
+        let hub = Hub::default();
+        let stream = hub.offer(1, "worker 1", 3).unwrap();
+        let err = hub.offer(2, "worker 2", 3).err().expect("busy");
+        assert!(err.message().contains("another worker's catch-up (rank 1) is starting"), "{}", err.message());
+        let offer = hub.take().unwrap();
+        let err = hub.offer(2, "worker 2", 3).err().expect("busy");
+        assert_eq!(err.message(), "another catch-up is running; worker 2 joins as before");
+        drop(stream);
+        assert!(offer.feed.gone());
+        drop(offer);
+        assert!(hub.offer(2, "worker 2", 3).is_ok(), "free once the stream and the feed are gone");
+        // A request whose returner gave up before it was taken is not taken.
+        let stream = hub.offer(2, "worker 2", 4).unwrap();
+        drop(stream);
+        assert!(hub.take().is_none());
+    }
+}

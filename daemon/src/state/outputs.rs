@@ -1,0 +1,163 @@
+//! One step's outputs as a catch-up carries them (docs/fault-tolerance.md, "A return that does
+//! not pause the survivors"): the position before the step, each parameter's averaged gradient
+//! as the update reads it (none where the parameter has none), and the buffers after the step.
+//! A returner that holds the state before the step puts the gradients in place, runs the same
+//! update, and takes the buffers: the state after the step, bit for bit.
+
+use bytes::Bytes;
+use tch::Kind;
+use trainerd_storage::TensorData;
+
+use super::host as checkpoint;
+use super::position::Position;
+use super::replica::{split, Encoding, ModelState};
+use super::StateError;
+
+/// The magic of a step's outputs.
+const MAGIC: &[u8; 8] = b"TRDSTEP1";
+
+/// A step's outputs, taken apart.
+pub(crate) struct Outputs {
+    /// The position before the step.
+    pub(crate) before: Position,
+    /// The gradients, by parameter name.
+    grads: Vec<TensorData>,
+    /// The buffers after the step, by name.
+    buffers: Vec<TensorData>,
+}
+
+/// The outputs of the step `model` has just reduced (its gradients averaged, its buffers made
+/// the same on every member, its position still the one before the step), as bytes: copied now,
+/// before the update changes the gradients (clipping, unscaling).
+pub(crate) fn capture(model: &ModelState) -> Result<Vec<u8>, StateError> {
+    let grads = model.params.iter().filter_map(|(n, p)| {
+        let g = p.grad();
+        g.defined().then(|| (format!("grad/{n}"), g))
+    });
+    let buffers = model.buffers.iter().map(|(n, b)| (format!("buffer/{n}"), b.shallow_clone()));
+    Encoding::new(MAGIC, &model.position, grads.chain(buffers).collect())?.bytes()
+}
+
+impl Outputs {
+    /// [`capture`]'s bytes, taken apart.
+    pub(crate) fn decode(bytes: &Bytes) -> Result<Outputs, StateError> {
+        let (_, before, all) = split(bytes, &[MAGIC])?;
+        let (mut grads, mut buffers) = (Vec::new(), Vec::new());
+        for t in all {
+            if let Some(name) = t.name.strip_prefix("grad/") {
+                grads.push(TensorData { name: name.to_string(), ..t });
+            } else if let Some(name) = t.name.strip_prefix("buffer/") {
+                buffers.push(TensorData { name: name.to_string(), ..t });
+            } else {
+                return Err(StateError::Invalid(
+                    "a step's outputs hold a tensor that is neither a gradient nor a buffer",
+                ));
+            }
+        }
+        Ok(Outputs { before, grads, buffers })
+    }
+
+    /// Puts each gradient in its parameter's `.grad` (made where the parameter has none yet); a
+    /// parameter without one in the outputs must have none here either (the update skips it).
+    pub(crate) fn set_grads(&self, model: &mut ModelState) -> Result<(), StateError> {
+        let _no_grad = tch::no_grad_guard();
+        for (name, p) in &model.params {
+            let Some(g) = self.grads.iter().find(|g| &g.name == name) else {
+                if p.grad().defined() {
+                    return Err(StateError::Missing {
+                        what: "a step's outputs".into(),
+                        name: format!("{name}'s gradient"),
+                    });
+                }
+                continue;
+            };
+            let source = checkpoint::to_tensor(g)?;
+            if source.size() != p.size() {
+                let (found, expected) = (source.size(), p.size());
+                return Err(StateError::Shape { what: "a step's outputs".into(), name: name.clone(), found, expected });
+            }
+            if !p.grad().defined() {
+                // Autograd owns `.grad`: made through a backward of zero, as the reduction does.
+                tch::with_grad(|| (p.sum(Kind::Float) * 0.0).backward());
+            }
+            let tensor = |source| StateError::Tensor { name: name.clone(), source };
+            p.grad().f_copy_(&source.to_device(p.device())).map_err(tensor)?;
+        }
+        if let Some(extra) = self.grads.iter().find(|g| !model.params.iter().any(|(n, _)| n == &g.name)) {
+            return Err(StateError::Missing { what: "the model".into(), name: extra.name.clone() });
+        }
+        Ok(())
+    }
+
+    /// Takes the buffers after the step.
+    pub(crate) fn set_buffers(&self, model: &mut ModelState) -> Result<(), StateError> {
+        let _no_grad = tch::no_grad_guard();
+        checkpoint::copy_into(&mut model.buffers, &self.buffers, "a step's outputs")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::optimizer::Optimizer;
+    use crate::state::{Optim, Shareable, TrainState};
+    use tch::{Device, Tensor};
+    use trainerd_sdk::OptimizerConfig;
+
+    /// A state of two parameters (one used, one that never gets a gradient) and a buffer.
+    fn state(seed: i64) -> TrainState {
+        tch::manual_seed(seed);
+        let params = vec![
+            ("a".to_string(), Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true)),
+            ("unused".to_string(), Tensor::randn([2], (Kind::Float, Device::Cpu)).set_requires_grad(true)),
+        ];
+        let buffers = vec![("count".to_string(), Tensor::from_slice(&[seed]))];
+        let optimizer = Optimizer::new(OptimizerConfig::adam(1e-2), &params);
+        TrainState::new(ModelState::new((params, buffers), 1, Device::Cpu, true), optimizer)
+    }
+
+    /// A step on `s`: a gradient for `a`, the buffer moved on, the update; its outputs.
+    fn step(s: &mut TrainState, k: i64) -> Vec<u8> {
+        let a = &s.model.params[0].1;
+        tch::with_grad(|| (a * a * (k as f64)).sum(Kind::Float).backward());
+        let _ = s.model.buffers[0].1.fill_(10 + k);
+        let bytes = capture(&s.model).unwrap();
+        let Optim::Whole(o) = &mut s.optimizer else { unreachable!("whole") };
+        o.step(&mut s.model.params, 0.1);
+        s.model.params[0].1.zero_grad();
+        s.model.position.global_step += 1;
+        bytes
+    }
+
+    #[test]
+    fn a_steps_outputs_replayed_through_the_same_update_give_the_same_bits() {
+        let mut donor = state(1);
+        let snapshot = donor.encode().unwrap();
+        let outputs: Vec<Vec<u8>> = (1..=3).map(|k| step(&mut donor, k)).collect();
+        let mut returner = state(2);
+        returner.decode(snapshot.into()).unwrap();
+        for bytes in outputs {
+            let o = Outputs::decode(&bytes.into()).unwrap();
+            assert_eq!(o.before, *returner.position());
+            o.set_grads(&mut returner.model).unwrap();
+            assert!(!returner.model.params[1].1.grad().defined(), "a parameter without a gradient gets none");
+            let Optim::Whole(opt) = &mut returner.optimizer else { unreachable!("whole") };
+            opt.step(&mut returner.model.params, 0.1);
+            o.set_buffers(&mut returner.model).unwrap();
+            returner.model.position.global_step += 1;
+        }
+        assert_eq!(returner.digest().unwrap(), donor.digest().unwrap());
+    }
+
+    #[test]
+    fn outputs_that_leave_a_gradient_out_are_refused_by_name() {
+        let mut donor = state(1);
+        let bytes = capture(&donor.model).unwrap();
+        step(&mut donor, 1);
+        let o = Outputs::decode(&bytes.into()).unwrap();
+        let err = o.set_grads(&mut donor.model).unwrap_err();
+        assert_eq!(err.to_string(), "a step's outputs has no tensor a's gradient");
+        let err = Outputs::decode(&donor.encode().unwrap().into()).err().expect("a state is not a step's outputs");
+        assert_eq!(err.to_string(), "the state received is not valid: no header");
+    }
+}

@@ -1,0 +1,296 @@
+//! A return that does not pause the survivors (docs/fault-tolerance.md): the donor's side, where
+//! the coordinator's process sends a returner its state at a step boundary and then every step's
+//! outputs ([`Donor`], bounded by `--catch-up-memory`), and the returner's, which replays them
+//! through the same update and joins with the lineage digest ([`Driver::catch_up`]).
+
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::Driver;
+use crate::cluster::catchup::{Catching, Feed, Item};
+use crate::state::outputs::{self, Outputs};
+use crate::state::{Optim, StateError, TrainState};
+use crate::train::kernels;
+use crate::train::report::Reporter;
+use crate::train::session::{lineage, Interrupt, Session};
+
+/// A size for lines: `512 B`, `31.4 KB`, `100.0 MB`, `1.2 GB` (powers of 1000).
+fn size(bytes: u64) -> String {
+    match bytes {
+        0..1_000 => format!("{bytes} B"),
+        1_000..1_000_000 => format!("{:.1} KB", bytes as f64 / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1} MB", bytes as f64 / 1e6),
+        _ => format!("{:.1} GB", bytes as f64 / 1e9),
+    }
+}
+
+/// The donor's side: at most one returner fed at a time.
+pub(super) struct Donor {
+    /// `--catch-up-memory`: the outputs queued and not yet sent may not exceed it.
+    memory: u64,
+    feeding: Option<Feeding>,
+}
+
+/// A returner being fed.
+struct Feeding {
+    rank: usize,
+    name: String,
+    generation: u64,
+    feed: Feed,
+    /// The snapshot's bytes, while a thread of their own assembles them.
+    copying: Option<JoinHandle<Result<Vec<u8>, StateError>>>,
+    /// The state is queued: every step's outputs follow it.
+    state_queued: bool,
+    /// Bytes of the last step's outputs.
+    step_bytes: u64,
+    /// The returner's flags are raised in this step: the generation ends after it.
+    switching: bool,
+    /// The step the state was taken at, and when.
+    from: (u64, Instant),
+}
+
+impl Donor {
+    pub(super) fn new(memory: u64) -> Donor {
+        Donor { memory, feeding: None }
+    }
+
+    /// At a step's start: a returner's request waiting is taken (its state copied from here on,
+    /// by a thread, while the step's forward and backward read it), and a returner that went away
+    /// is let go.
+    pub(super) fn begin(&mut self, state: &TrainState, session: &Session, report: &mut Reporter<'_>) {
+        if let Some(f) = &self.feeding {
+            if f.feed.gone() {
+                report.line(&format!("trainerd: {}'s catch-up ended: its stream is gone", f.name));
+                self.feeding = None;
+            }
+            return;
+        }
+        let Some(offer) = session.catch_up_offer() else { return };
+        let name = session.name(offer.rank);
+        let why_not = if self.memory == 0 {
+            Some("--catch-up-memory is 0 on the coordinator".to_string())
+        } else if offer.generation != session.generation() {
+            Some(format!("generation {} ended", offer.generation))
+        } else if !matches!(state.optimizer, Optim::Whole(_)) {
+            Some("the optimizer state is sharded (--shard-optimizer): a catch-up is not built for it yet".to_string())
+        } else {
+            None
+        };
+        if let Some(why) = why_not {
+            report.line(&format!("trainerd: {name} cannot catch up: {why}; it joins as before"));
+            offer.feed.fallback(&why);
+            return;
+        }
+        let encoding = match state.snapshot_encoding() {
+            Ok(e) => e,
+            Err(e) => return offer.feed.fallback(&format!("its state could not be encoded: {e}")),
+        };
+        let copying = std::thread::Builder::new().name("trainerd-snapshot".into()).spawn(move || encoding.bytes());
+        let Ok(copying) = copying else { return offer.feed.fallback("no thread for the snapshot") };
+        let step = state.position().global_step;
+        report.line(&format!("trainerd: {name} catches up: sending the state at step {step} while training goes on"));
+        self.feeding = Some(Feeding {
+            rank: offer.rank,
+            name,
+            generation: offer.generation,
+            feed: offer.feed,
+            copying: Some(copying),
+            state_queued: false,
+            step_bytes: 0,
+            switching: false,
+            from: (step, Instant::now()),
+        });
+    }
+
+    /// At a step's start, after [`Donor::begin`]: whether the returner is close enough to level
+    /// (its state taken by the stream, at most one step's outputs waiting) to take its slots back
+    /// after this step; its rank. Not while others come back as before (`others`): everyone then
+    /// hashes, and the returner is told so at the end.
+    pub(super) fn switch(&mut self, others: bool) -> Option<usize> {
+        let f = self.feeding.as_mut()?;
+        let level = f.state_queued && f.feed.state_taken() && f.feed.kept() <= f.step_bytes;
+        f.switching = level && !others;
+        f.switching.then_some(f.rank)
+    }
+
+    /// After the step's reduction (`ok`: it went through): the snapshot's copy is complete (the
+    /// update may write), its bytes queued, and this step's outputs queued behind them, within
+    /// the bound.
+    pub(super) fn reduced(&mut self, ok: bool, state: &TrainState, formation: &str, report: &mut Reporter<'_>) {
+        let Some(f) = self.feeding.as_mut() else { return };
+        if let Some(copying) = f.copying.take() {
+            match copying.join() {
+                Ok(Ok(bytes)) if ok => {
+                    f.state_queued = f.feed.state(f.generation, formation, &Bytes::from(bytes));
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return self.stop(&format!("its state could not be encoded: {e}"), report),
+                Err(_) => return self.stop("the snapshot's thread panicked", report),
+            }
+        }
+        if !ok || !f.state_queued {
+            return;
+        }
+        let bytes = match outputs::capture(&state.model) {
+            Ok(b) => b,
+            Err(e) => return self.stop(&format!("a step's outputs could not be encoded: {e}"), report),
+        };
+        let (kept, len) = (f.feed.kept(), bytes.len() as u64);
+        if kept + len > self.memory {
+            let why = format!(
+                "its kept outputs would take {}, above --catch-up-memory {}",
+                size(kept + len),
+                size(self.memory)
+            );
+            return self.stop(&why, report);
+        }
+        f.step_bytes = len;
+        f.feed.step(&Bytes::from(bytes));
+    }
+
+    /// After a step or an epoch's end: the position queued.
+    pub(super) fn moved(&mut self, state: &TrainState, report: &mut Reporter<'_>) {
+        let Some(f) = self.feeding.as_ref().filter(|f| f.state_queued) else { return };
+        match serde_json::to_vec(state.position()) {
+            Ok(json) => {
+                f.feed.position(&Bytes::from(json));
+            }
+            Err(e) => self.stop(&format!("the position could not be encoded: {e}"), report),
+        }
+    }
+
+    /// After a step that passed its comparison and commit: when the returner's flags were raised
+    /// in it, the end (the generation ends after `step`), with the lineage digest.
+    pub(super) fn passed(&mut self, step: u64, report: &mut Reporter<'_>) {
+        if !self.feeding.as_ref().is_some_and(|f| f.switching) {
+            return;
+        }
+        let f = self.feeding.take().expect("switching");
+        let (from, began) = f.from;
+        report.line(&format!(
+            "trainerd: {} caught up: it takes its slots back after step {step} (state from step {from}, {:.2}s ago; at \
+             most {} of outputs kept)",
+            f.name,
+            began.elapsed().as_secs_f64(),
+            size(f.feed.peak())
+        ));
+        report.served_catch_up(f.feed.peak());
+        f.feed.end(step, true);
+    }
+
+    /// The catch-up stops (`why`): the returner joins as before.
+    pub(super) fn stop(&mut self, why: &str, report: &mut Reporter<'_>) {
+        let Some(mut f) = self.feeding.take() else { return };
+        if let Some(copying) = f.copying.take() {
+            // Nothing may write the state while the copy reads it.
+            let _ = copying.join();
+        }
+        report.line(&format!("trainerd: {}'s catch-up stopped: {why}; it takes its slots back with a pause", f.name));
+        report.served_catch_up(f.feed.peak());
+        f.feed.fallback(why);
+    }
+}
+
+impl Driver<'_> {
+    /// A returner's catch-up from `catching`: the donor's state decoded, every step's outputs
+    /// replayed through the same update, the positions taken; at the end, the next join reports
+    /// the lineage digest. When it stops short (the bound, a failure, the donor gone), this
+    /// process's state is dropped (it receives the formation's, as before) and the reason said.
+    pub(super) fn catch_up(
+        &mut self,
+        state: &mut TrainState,
+        session: &mut Session,
+        (mut catching, started): (Catching, Instant),
+    ) -> Result<(), Interrupt> {
+        let began = Instant::now();
+        let (generation, formation, from) = match catching.next() {
+            Ok(Item::State { generation, formation, bytes }) => {
+                if let Err(e) = state.decode(bytes) {
+                    // Nothing of it was taken, or part: either way this process's state is not one.
+                    return self.caught_short(state, &format!("the state received could not be taken: {e}"));
+                }
+                kernels::restored(&mut state.model.position, "the run", &mut self.report).map_err(Interrupt::Fatal)?;
+                state.model.live = true;
+                (generation, formation, state.position().global_step)
+            }
+            // Refused before anything was taken: this process keeps what it restored.
+            Ok(Item::Fallback(why)) | Err(why) => return self.refused(&why),
+            Ok(other) => return self.refused(&format!("the stream began with {other:?}")),
+        };
+        let received = began.elapsed();
+        self.report.line(&format!(
+            "trainerd: catching up: the state at step {from} of generation {generation} came in {:.2}s; replaying \
+             the steps trained since",
+            received.as_secs_f64()
+        ));
+        let mut replayed = 0u64;
+        loop {
+            if self.stop.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(Interrupt::Stopped);
+            }
+            let replay = match catching.next() {
+                Ok(Item::Step(bytes)) => self.replay(state, session, &bytes).map(|()| replayed += 1),
+                Ok(Item::Position(bytes)) => serde_json::from_slice(&bytes)
+                    .map(|p| state.model.position = p)
+                    .map_err(|e| format!("a position could not be read: {e}")),
+                Ok(Item::End { step, lineage: with_lineage }) => {
+                    if state.position().global_step != step {
+                        let at = state.position().global_step;
+                        return self
+                            .caught_short(state, &format!("the end came at step {step}, the replay is at {at}"));
+                    }
+                    if with_lineage {
+                        session.set_lineage(lineage(&formation, generation, step));
+                    }
+                    self.caught_up = true;
+                    self.report.line(&format!(
+                        "trainerd: caught up in {:.2}s: the state at step {from}, {replayed} step(s) replayed; takes its \
+                         slots back after step {step}",
+                        began.elapsed().as_secs_f64()
+                    ));
+                    self.report.caught_up(replayed, started.elapsed());
+                    return Ok(());
+                }
+                Ok(Item::Fallback(why)) => return self.caught_short(state, &why),
+                Ok(Item::State { .. }) => Err("a second state".to_string()),
+                Err(why) => return self.caught_short(state, &why),
+            };
+            if let Err(why) = replay {
+                return self.caught_short(state, &why);
+            }
+        }
+    }
+
+    /// One step's outputs applied to `state` (at the step before them): the gradients, the same
+    /// update at the rate of the same position, the buffers.
+    fn replay(&mut self, state: &mut TrainState, session: &Session, bytes: &Bytes) -> Result<(), String> {
+        let outputs = Outputs::decode(bytes).map_err(|e| format!("a step's outputs could not be read: {e}"))?;
+        let at = state.position().global_step;
+        if outputs.before != *state.position() {
+            return Err(format!(
+                "the outputs of step {} follow another position than the replay's (step {at})",
+                outputs.before.global_step + 1
+            ));
+        }
+        outputs.set_grads(&mut state.model).map_err(|e| e.to_string())?;
+        let lr = self.lr(at, state.position());
+        self.update(state, (at + 1, lr), session.slot_count()).map_err(|e| format!("{e:?}"))?;
+        outputs.set_buffers(&mut state.model).map_err(|e| e.to_string())
+    }
+
+    /// The catch-up was refused before any state came (`why`): it joins as before.
+    fn refused(&mut self, why: &str) -> Result<(), Interrupt> {
+        self.report.line(&format!("trainerd: no catch-up: {why}; joining with a pause"));
+        Ok(())
+    }
+
+    /// The catch-up stopped short (`why`): this process's state is dropped, and it joins as
+    /// before (it receives the formation's state).
+    fn caught_short(&mut self, state: &mut TrainState, why: &str) -> Result<(), Interrupt> {
+        state.model.live = false;
+        self.report.line(&format!("trainerd: the catch-up stopped: {why}; joining with a pause"));
+        Ok(())
+    }
+}
