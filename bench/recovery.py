@@ -35,9 +35,16 @@ state every member received in the reshards at the loss and at the return, and t
 reshard. --pause-width W runs these events on bench/wide_mlp.py at width W (4700: 25.8 M
 parameters, 206 MB of Adam state) instead of mnist-cnn, where what a reshard moves shows.
 
+A return by state size (--state-mb 1 100 1000, --state-returns N): 3 workers of the linear plugin with
+a wide table (parameters and Adam's moments of that size), worker 1 or 2 killed and restarted once the
+others train again; the survivors' longest gap around its return with catch-up (the default) beside
+`--catch-up-memory 0` (a pause and a state transfer, the rule before), the returner's time from its
+start until it steps, and the outputs the chief kept. Given alone: nothing else is run with it.
+
 Usage: bench/recovery.sh [--kills N] [--chief-kills N] [--freezes N] [--torchrun-trials N]
                          [--world N] [--ckpt-every N] [--gone] [--chief-gone] [--replace-after S]
                          [--pause-kills N] [--pause-freezes N] [--pause-sharded] [--pause-width W]
+                         [--state-mb MB ...] [--state-returns N]
 """
 import argparse, json, os, random, re, signal, statistics, subprocess, sys, tempfile, threading, time
 
@@ -50,15 +57,19 @@ HANG_S = 60
 class Cluster:
     """A `trainerd local` run whose output lines are timestamped as they arrive."""
 
-    def __init__(self, d, world, ckpt_every, secret=False, launcher=(), extra=(), restart_delay=0, width=None):
+    def __init__(self, d, world, ckpt_every, secret=False, launcher=(), extra=(), restart_delay=0, width=None,
+                 wide=None):
         self.d, self.world = d, world
-        self.batch = 32 if width else 64
+        self.batch = 32 if width or wide else 64
         self.lines, self.pids, self.lock = [], {}, threading.Lock()
         # mnist-cnn, or with `width` bench/wide_mlp.py (25.8 M parameters at 4700) in the python-model
         # plugin, whose Adam state is 8 bytes per parameter.
+        # Or with `wide` the linear plugin with a table of that many rows (40 bytes each, 120 with
+        # Adam's moments): a state of any size at little compute.
         model = (["--plugin", os.path.join(ROOT, "target/release/libpython_model.so"), "--plugin-arg",
                   f"module={os.path.join(ROOT, 'bench', 'wide_mlp.py')}", "--plugin-arg", f"width={width}"] if width
-                 else ["--plugin", os.path.join(ROOT, "target/release/libmnist_cnn.so")])
+                 else ["--plugin", os.path.join(ROOT, "target/release/liblinear.so"), "--plugin-arg", f"wide={wide}"]
+                 if wide else ["--plugin", os.path.join(ROOT, "target/release/libmnist_cnn.so")])
         cmd = [os.path.join(ROOT, "target/release/trainerd"), "local", "--workers", str(world),
                "--restart-delay", str(restart_delay),
                *launcher,
@@ -365,6 +376,61 @@ def never_pause_table(now, before, peer, sharded=None, width=None):
     print(f"| hangs | 0 | {hangs} in {events} events (every column) | | |" + (" |" if sharded else ""))
 
 
+def returns_by_size(args):
+    """A return's cost by state size (--state-mb): per size, 3 workers of the linear plugin with a
+    wide table sized so that parameters and Adam's two moments make that many MB, `--state-returns`
+    kills of worker 1 or 2, each restarted once the two others train again; once with catch-up
+    (the default) and once with `--catch-up-memory 0` (a return pauses the survivors for a state
+    transfer, as before). Per event, from pause_event: the survivors' longest gap around the return
+    and their median step before; the returner's time from its start until it stepped; and from
+    the lines, whether it caught up (or fell back, and why) and the outputs the chief kept."""
+    results = {}
+    for mb in args.state_mb:
+        rows = max(1, int(mb * 1e6 / 120))
+        # The survivors must train again before the victim is back (re-forming hashes the state).
+        delay = 2 + 4 * mb / 1000
+        for mode, extra in (("catch-up", ()), ("pause", ("--catch-up-memory", "0"))):
+            rs = []
+            with tempfile.TemporaryDirectory() as d:
+                c = Cluster(d, 3, 10 ** 9, extra=extra, restart_delay=delay, wide=rows)
+                try:
+                    if not c.wait_steps(5, timeout=600):
+                        sys.exit(f"trainerd did not start training at {mb} MB")
+                    for i in range(args.state_returns):
+                        with c.lock:
+                            mark = len(c.lines)
+                        r = pause_event(c, 1 + i % 2, signal.SIGKILL)
+                        with c.lock:
+                            new = [line for _, line in c.lines[mark:]]
+                        kept = [m.group(1) for l in new for m in [re.search(r"at most ([\d.]+ [KMG]?B) of outputs kept", l)] if m]
+                        fell = [l.split("catch-up stopped: ", 1)[1] for l in new if "catch-up stopped: " in l]
+                        r.update(caught=any("trainerd: caught up in " in l for l in new), kept=kept[-1] if kept else "-",
+                                 fell_back=fell[:1])
+                        rs.append(r)
+                        print(f"state {mb} MB ({mode}) {i + 1}/{args.state_returns}: {r}", flush=True)
+                        if r.get("hang"):
+                            break
+                        c.wait_steps(3, timeout=300)
+                finally:
+                    c.stop()
+            results[(mb, mode)] = rs
+    print(f"\nA return by state size (3 workers, the linear plugin with a wide table, Adam, batch 32, 1 thread each; "
+          f"{args.state_returns} returns per row, restarted once the others train; medians, max in brackets):")
+    print("| state | step | goal: one step + 50 ms | survivors' longest gap: catch-up | survivors' longest gap: "
+          "a pause (`--catch-up-memory 0`) | returner: start to stepping, catch-up / pause | caught up | outputs kept |")
+    print("|---|---|---|---|---|---|---|---|")
+    ok = lambda rs: [r for r in rs if not r.get("hang")]
+    fmt = lambda rs, k: f"{median(rs, k):.2f} s ({max((r[k] for r in rs), default=float('nan')):.2f} s)"
+    for mb in args.state_mb:
+        cu, pa = ok(results[(mb, "catch-up")]), ok(results[(mb, "pause")])
+        step = median(cu + pa, "step_s")
+        caught = f"{sum(1 for r in cu if r['caught'])} of {len(results[(mb, 'catch-up')])}"
+        fell = sorted({f for r in cu for f in r["fell_back"]})
+        print(f"| {mb:g} MB | {step:.3f} s | {step + 0.05:.3f} s | {fmt(cu, 'return_gap')} | {fmt(pa, 'return_gap')} | "
+              f"{median(cu, 'back_s'):.2f} s / {median(pa, 'back_s'):.2f} s | {caught}{' (' + '; '.join(fell) + ')' if fell else ''} "
+              f"| {', '.join(r['kept'] for r in cu)} |")
+
+
 def percentile(rs, key, q):
     xs = sorted(r[key] for r in rs if r.get(key) is not None)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -401,9 +467,17 @@ def main():
     p.add_argument("--pause-freezes", type=int, default=0, help="never-pause table: freezes of a worker")
     p.add_argument("--pause-width", type=int,
                    help="never-pause table: bench/wide_mlp.py at this width (4700: 25.8 M parameters) instead of mnist-cnn")
+    p.add_argument("--state-mb", type=float, nargs="*", default=[],
+                   help="a return's cost at these state sizes (MB of parameters and Adam state), with catch-up and "
+                        "with --catch-up-memory 0, e.g. --state-mb 1 100 1000")
+    p.add_argument("--state-returns", type=int, default=3, help="returns per state size and mode")
     p.add_argument("--pause-sharded", action="store_true",
                    help="never-pause table: the same events with --shard-optimizer, beside the unsharded ones")
     args = p.parse_args()
+    if args.state_mb:
+        # A table of its own: the other measurements are not run with it.
+        returns_by_size(args)
+        return
     sharded = None
     if args.pause_kills + args.pause_freezes > 0:
         now = never_pause(args, ())

@@ -257,11 +257,18 @@ fn sigkill_of_the_chief_mid_epoch_on_s3_loses_nothing() {
     wait_for_step(&mut c, LINEAR, 2, 60);
     let killed = c.mark();
     c.signal(0, libc::SIGKILL);
-    // The restarted chief takes the state from a survivor, not from its older commit.
+    // The restarted chief takes the state from a survivor, not from its older commit: it catches
+    // up from the elected coordinator while the others train (nobody receives anything at the
+    // switch), or, back while they still re-form, it receives the state from one of them.
     let (_, joined) = c.wait_event(0, rejoined, DEADLINE);
-    assert!(matches!(joined, Event::Joined { steps_lost: 0, source: Some(1..), .. }), "{joined:?}");
+    assert!(matches!(joined, Event::Joined { steps_lost: 0, source: None | Some(1..), .. }), "{joined:?}");
     let (_, line) = c.wait_line(0, "trainerd: generation ", killed, DEADLINE);
-    assert!(line.contains(": 0 step(s) lost, 0 trained again; state from worker "), "{line}");
+    let from = if matches!(joined, Event::Joined { source: None, .. }) {
+        "state every member held it"
+    } else {
+        "state from worker "
+    };
+    assert!(line.contains(": 0 step(s) lost, 0 trained again; ") && line.contains(from), "{line}");
     let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
     assert_eq!(c.starts(0), 2);
     assert_eq!(recovery(&summary(tmp.path(), 1), "steps_lost"), 0);

@@ -259,7 +259,8 @@ fn a_second_kill_inside_the_comparison_that_finishes_the_first_costs_no_step_eit
 /// A return inside a comparison: worker 1 is down, and while worker 2 is held inside the
 /// comparison at step 50 (so worker 0 waits in it), worker 1 comes back. The coordinator says so
 /// and ends the generation only at the members' next step boundary: the comparison completes,
-/// nothing is cut short, lost or trained again.
+/// nothing is cut short, lost or trained again. (Without a catch-up, which would wait for the
+/// coordinator's next step boundary to begin: tests/catchup.rs.)
 #[test]
 fn a_return_inside_a_comparison_waits_for_the_step_boundary_and_costs_no_step() {
     let expected = reference();
@@ -267,7 +268,8 @@ fn a_return_inside_a_comparison_waits_for_the_step_boundary_and_costs_no_step() 
     let release = tmp.path().join("release");
     let mut held = failpoint("replica-check@step=50");
     held.push(("TRAINERD_FAILPOINT_RELEASE".to_string(), release.to_str().unwrap().to_string()));
-    let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], vec![vec![], vec![], held], RESTART_SEC);
+    let run = args(tmp.path()).set("--catch-up-memory", 0);
+    let mut c = Cluster::start(WORKERS, &run, &[], vec![vec![], vec![], held], RESTART_SEC);
     c.hold(1);
     c.wait_step(0, 10, DEADLINE);
     c.signal(1, libc::SIGKILL);

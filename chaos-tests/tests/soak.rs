@@ -556,6 +556,7 @@ fn soak() {
     let began = Instant::now();
     let until = began + Duration::from_secs_f64(soak.minutes * 60.0);
     let mut rows: BTreeMap<&str, (Vec<f64>, usize)> = BTreeMap::new();
+    let mut catch_ups = CatchUps::default();
     let (mut rounds, mut commits, mut repaired, mut lost, mut trained_again) = (0, 0, 0, 0, 0);
     let mut transcript = (0, 0);
     while rounds == 0 || Instant::now() < until {
@@ -640,6 +641,9 @@ fn soak() {
             counted.unexplained,
             round.c.transcript()
         );
+        let returns = CatchUps::of(&round.c.transcript());
+        println!("  round {rounds}: {returns}");
+        catch_ups.add(&returns);
         let found = pauses(&round.c, &round.applied, end);
         for (a, p) in round.applied.iter().zip(&found) {
             println!("  round {rounds} step {:6}  {:10}  {:60} pause {p:6.2}s", a.step, a.kind, a.what);
@@ -672,6 +676,7 @@ fn soak() {
             println!("| {kind} | {n} | {:.2} s | {max:.2} s |", median(p));
         }
     }
+    println!("returns: {catch_ups}");
     println!(
         "every round bitwise equal to the failure-free run; {commits} commits verified; {trained_again} step(s) \
          trained again by the formations' count ({} by the transcript's, {} of them completed only by workers \
@@ -681,6 +686,69 @@ fn soak() {
         transcript.1,
         trained_again - lost
     );
+}
+
+/// What a transcript says of its returners' catch-ups (docs/fault-tolerance.md, "A return that
+/// does not pause the survivors"): how many caught up and the steps they replayed, and why the
+/// others took their slots back with a pause (the donor's reason, or the returner's when nobody
+/// fed it), each reason with its count.
+#[derive(Default)]
+struct CatchUps {
+    caught: usize,
+    replayed: u64,
+    paused: BTreeMap<String, usize>,
+}
+
+impl CatchUps {
+    fn of(transcript: &str) -> CatchUps {
+        let mut c = CatchUps::default();
+        for line in transcript.lines() {
+            if let Some(rest) = line.split_once("trainerd: caught up in ").map(|(_, r)| r) {
+                c.caught += 1;
+                let replayed = rest.split(" step(s) replayed").next().and_then(|h| h.rsplit(' ').next());
+                c.replayed += replayed.and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
+            }
+            let why = line
+                .split_once("trainerd: the catch-up stopped: ")
+                .or_else(|| line.split_once("trainerd: no catch-up: "))
+                .and_then(|(_, r)| r.rsplit_once("; joining with a pause"))
+                .map(|(why, _)| why);
+            if let Some(why) = why {
+                // Sizes and steps vary: the reason's words are what is counted.
+                let words: String = why
+                    .split(' ')
+                    .filter(|w| !w.starts_with(|c: char| c.is_ascii_digit()))
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                *c.paused.entry(words).or_default() += 1;
+            }
+        }
+        c
+    }
+
+    fn add(&mut self, other: &CatchUps) {
+        self.caught += other.caught;
+        self.replayed += other.replayed;
+        for (why, n) in &other.paused {
+            *self.paused.entry(why.clone()).or_default() += n;
+        }
+    }
+}
+
+impl std::fmt::Display for CatchUps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let paused: usize = self.paused.values().sum();
+        write!(
+            f,
+            "{} returner(s) caught up ({} step(s) replayed), {paused} took their slots back with a pause",
+            self.caught, self.replayed
+        )?;
+        let whys: Vec<String> = self.paused.iter().map(|(why, n)| format!("{n}x {why}")).collect();
+        if !whys.is_empty() {
+            write!(f, " ({})", whys.join("; "))?;
+        }
+        Ok(())
+    }
 }
 
 /// A cluster secret (the namespaces are not loopback).
