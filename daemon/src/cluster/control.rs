@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
 
-use super::difference;
-use super::membership::{self, in_final_barrier, Effect, Gone, Report};
+use super::membership::{self, Effect, Gone, Report};
+
+mod admission;
 
 /// Generated gRPC code.
 #[allow(missing_docs, unreachable_pub, clippy::all)]
@@ -417,65 +418,9 @@ impl Coordinator {
         }
     }
 
-    /// Why the member of rank `rank` with `identity` (TF_CONFIG cluster, plugin, run
-    /// configuration) cannot take part, naming the member and both values.
-    fn mismatch(&self, rank: usize, (cluster, plugin, run): (&str, &str, &str)) -> Option<String> {
-        let who = &self.names[rank];
-        let role = self.role();
-        if cluster != self.expected.cluster_json {
-            return Some(format!(
-                "{who} has a different TF_CONFIG cluster: {cluster} on {who}, {} on {role}",
-                self.expected.cluster_json
-            ));
-        }
-        if plugin != self.expected.plugin {
-            return Some(format!(
-                "{who} runs a different plugin: {plugin} on {who}, {} on {role}",
-                self.expected.plugin
-            ));
-        }
-        if run != self.expected.run_config_json {
-            return Some(format!(
-                "{who} has a different run configuration: {} on {role}",
-                difference::json_difference(run, &self.expected.run_config_json, who)
-            ));
-        }
-        None
-    }
-
-    /// Whether the process `req` speaks for may catch up now (docs/fault-tolerance.md, "A return
-    /// that does not pause the survivors"): a generation is formed and training without it, it
-    /// has not joined, its heartbeats speak for it, and it runs the same job. Its rank, its name
-    /// and the generation; else why not (it joins as before).
-    pub(super) fn may_catch_up(&self, req: &proto::CatchUpRequest) -> Result<(usize, String, u64), Status> {
-        let rank = check_rank(req.rank, self.names.len())?;
-        let identity = (req.cluster_json.as_str(), req.plugin_identity.as_str(), req.run_config_json.as_str());
-        if let Some(why) = self.mismatch(rank, identity) {
-            return Err(Status::failed_precondition(why));
-        }
-        let c = self.lock();
-        let name = self.names[rank].clone();
-        if let Some(why) = &c.deposed {
-            return Err(Status::unavailable(why.clone()));
-        }
-        let m = &c.state.members[rank];
-        let not_now = |why: String| Err(Status::failed_precondition(why));
-        if !c.state.formed || c.state.finished || in_final_barrier(&c.state) {
-            return not_now("no generation is training".into());
-        }
-        if m.active || m.joined.is_some() {
-            return not_now(format!("{name} is in generation {} or has joined it", c.state.generation));
-        }
-        if m.incarnation != Some(req.incarnation) {
-            return not_now(format!("{name}'s heartbeats speak for another process"));
-        }
-        Ok((rank, name, c.state.generation))
-    }
-
     pub(super) async fn join(&self, req: proto::JoinRequest) -> Result<proto::JoinReply, Status> {
         let rank = check_rank(req.rank, self.names.len())?;
-        let identity = (req.cluster_json.as_str(), req.plugin_identity.as_str(), req.run_config_json.as_str());
-        if let Some(why) = self.mismatch(rank, identity) {
+        if let Some(why) = self.mismatch(rank, (&req.cluster_json, &req.plugin_identity, &req.run_config_json)) {
             tracing::warn!("refused {}: {why}", self.names[rank]);
             eprintln!("trainerd: refused {}: {why}", self.names[rank]);
             return Err(Status::failed_precondition(why));

@@ -49,6 +49,16 @@ pub(crate) struct Joined {
     pub(crate) by_lineage: bool,
 }
 
+/// How a worker begins: joined (or not) in the background, or with a catch-up stream to replay
+/// first.
+pub(crate) enum First {
+    /// The first join's result.
+    Joined(Result<Joined, Interrupt>),
+    /// The coordinator feeds this returner (docs/fault-tolerance.md, "A return that does not
+    /// pause the survivors").
+    CatchUp(crate::cluster::catchup::Catching),
+}
+
 /// A member of a cluster (or a worker alone).
 pub(crate) struct Session {
     cluster: Option<Box<Member>>,
@@ -323,30 +333,16 @@ impl Session {
     /// forms its ring, and receives the source's state if this member lacks it. Waits while the
     /// cluster gathers; `stop` ends the wait.
     pub(crate) fn join(&mut self, state: Option<&dyn Shareable>, stop: &AtomicBool) -> Result<Joined, Interrupt> {
-        let Some(m) = self.cluster.as_mut() else {
+        if self.cluster.is_none() {
             let mut ring = Ring::single();
             ring.set_slots(Slots::all(self.slots_per_worker));
             self.collective = Box::new(ring);
             self.floor += 1;
             let progress = state.map_or((0, 0), |s| s.progress());
             return Ok(Joined { formed: Formed::alone(self.floor, progress), received: None, by_lineage: false });
-        };
-        let lineage = self.lineage.take();
-        let by_lineage = lineage.is_some() && state.is_some();
-        let report = match state {
-            Some(s) => Report {
-                generation: self.generation,
-                progress: s.progress(),
-                digest: match lineage {
-                    Some(digest) => digest,
-                    None => s.digest().map_err(|e| Interrupt::Fatal(e.into()))?,
-                },
-                reached: self.reached.max(s.progress().0),
-                repaired: self.repaired,
-                members: self.members.clone(),
-            },
-            None => Report::default(),
-        };
+        }
+        let (report, by_lineage) = self.report(state)?;
+        let m = self.cluster.as_mut().expect("a member of a cluster");
         let formed = match m.plane.join(&m.data_address, &report, stop) {
             Ok(f) => f,
             Err(ClusterError::Stopped) => return Err(Interrupt::Stopped),
@@ -386,6 +382,22 @@ impl Session {
         trainerd_failpoint::point("formed");
         let received = self.transfer(&formed, state, &names)?;
         Ok(Joined { formed, received, by_lineage })
+    }
+
+    /// What this member's join says of `state`, and whether its digest is the lineage set for it
+    /// ([`lineage`]) rather than the state's hash.
+    fn report(&mut self, state: Option<&dyn Shareable>) -> Result<(Report, bool), Interrupt> {
+        let lineage = self.lineage.take();
+        let Some(s) = state else { return Ok((Report::default(), false)) };
+        let by_lineage = lineage.is_some();
+        let digest = match lineage {
+            Some(digest) => digest,
+            None => s.digest().map_err(|e| Interrupt::Fatal(e.into()))?,
+        };
+        let (generation, progress, repaired, members) =
+            (self.generation, s.progress(), self.repaired, self.members.clone());
+        let report = Report { generation, progress, digest, reached: self.reached.max(progress.0), repaired, members };
+        Ok((report, by_lineage))
     }
 
     /// Moves the formation's state from its source to the members that lack it, over the new

@@ -12,9 +12,8 @@ use trainerd_storage::Location;
 
 use super::batches::input_context;
 use super::commit::{Committer, Policy};
-use super::driver::First;
 use super::report::Reporter;
-use super::session::Session;
+use super::session::{First, Session};
 use super::{CheckpointConfig, RunConfig, TrainError};
 use crate::checkpoint::Checkpointer;
 use crate::input::Data as Input;

@@ -10,6 +10,7 @@ use bytes::Bytes;
 
 use super::Driver;
 use crate::cluster::catchup::{Catching, Feed, Item};
+use crate::collective::slots;
 use crate::state::outputs::{self, Outputs};
 use crate::state::{Optim, StateError, TrainState};
 use crate::train::kernels;
@@ -194,6 +195,19 @@ impl Donor {
 }
 
 impl Driver<'_> {
+    /// At a step's start: the slots of the ranks that came back (known to the coordinator's
+    /// process only), among them a returner fed from here that is level enough to take them back
+    /// after this step (then true: it caught up).
+    pub(super) fn back(&mut self, state: &TrainState, session: &Session) -> (Vec<bool>, bool) {
+        let mut back = session.returning();
+        self.donor.begin(state, session, &mut self.report);
+        let switching = self.donor.switch(!back.is_empty());
+        back.extend(switching);
+        let flags =
+            if back.is_empty() { Vec::new() } else { slots::of_ranks(session.slot_count(), session.world(), &back) };
+        (flags, switching.is_some())
+    }
+
     /// A returner's catch-up from `catching`: the donor's state decoded, every step's outputs
     /// replayed through the same update, the positions taken; at the end, the next join reports
     /// the lineage digest. When it stops short (the bound, a failure, the donor gone), this
@@ -205,20 +219,7 @@ impl Driver<'_> {
         (mut catching, started): (Catching, Instant),
     ) -> Result<(), Interrupt> {
         let began = Instant::now();
-        let (generation, formation, from) = match catching.next() {
-            Ok(Item::State { generation, formation, bytes }) => {
-                if let Err(e) = state.decode(bytes) {
-                    // Nothing of it was taken, or part: either way this process's state is not one.
-                    return self.caught_short(state, &format!("the state received could not be taken: {e}"));
-                }
-                kernels::restored(&mut state.model.position, "the run", &mut self.report).map_err(Interrupt::Fatal)?;
-                state.model.live = true;
-                (generation, formation, state.position().global_step)
-            }
-            // Refused before anything was taken: this process keeps what it restored.
-            Ok(Item::Fallback(why)) | Err(why) => return self.refused(&why),
-            Ok(other) => return self.refused(&format!("the stream began with {other:?}")),
-        };
+        let Some((generation, formation, from)) = self.take_state(state, &mut catching)? else { return Ok(()) };
         let received = began.elapsed();
         self.report.line(&format!(
             "trainerd: catching up: the state at step {from} of generation {generation} came in {:.2}s; replaying \
@@ -260,6 +261,30 @@ impl Driver<'_> {
             if let Err(why) = replay {
                 return self.caught_short(state, &why);
             }
+        }
+    }
+
+    /// The stream's first item, the donor's state, taken: its generation, that generation's
+    /// formation digest, and its step; `None` when the catch-up was refused or stopped (said).
+    fn take_state(
+        &mut self,
+        state: &mut TrainState,
+        catching: &mut Catching,
+    ) -> Result<Option<(u64, String, u64)>, Interrupt> {
+        match catching.next() {
+            Ok(Item::State { generation, formation, bytes }) => {
+                if let Err(e) = state.decode(bytes) {
+                    // Nothing of it was taken, or part: either way this process's state is not one.
+                    self.caught_short(state, &format!("the state received could not be taken: {e}"))?;
+                    return Ok(None);
+                }
+                kernels::restored(&mut state.model.position, "the run", &mut self.report).map_err(Interrupt::Fatal)?;
+                state.model.live = true;
+                Ok(Some((generation, formation, state.position().global_step)))
+            }
+            // Refused before anything was taken: this process keeps what it restored.
+            Ok(Item::Fallback(why)) | Err(why) => self.refused(&why).map(|()| None),
+            Ok(other) => self.refused(&format!("the stream began with {other:?}")).map(|()| None),
         }
     }
 

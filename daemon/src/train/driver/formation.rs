@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use super::Driver;
+use crate::cluster::control::Formed;
 use crate::state::{Shareable, TrainState};
 use crate::train::commit::Moment;
 use crate::train::kernels;
@@ -34,14 +35,13 @@ impl Driver<'_> {
         started: Instant,
     ) -> Result<(), Interrupt> {
         let Joined { formed, received, by_lineage } = joined;
-        let world = session.world();
         // A live state at the source's step that still had to receive the source's: the two
         // differed where healthy replicas never do. Not when the kinds of optimizer state differ
         // (a coordinator that restored a commit, whole, among members whose state is sharded):
-        // it takes the source's kind with the state.
-        let same_kind = received.as_deref().is_some_and(|b| state.same_kind(b));
-        // Not when this member reported a lineage digest, which is no hash of its state.
-        let differed = same_kind && !by_lineage && state.live() && state.position().progress() == formed.progress;
+        // it takes the source's kind with the state; nor when this member reported a lineage
+        // digest, which is no hash of its state.
+        let same_kind = !by_lineage && received.as_deref().is_some_and(|b| state.same_kind(b));
+        let differed = same_kind && state.live() && state.position().progress() == formed.progress;
         self.report.formed(formed.generation, session.members().len(), session.slots());
         let got = received.is_some();
         if let Some(bytes) = received {
@@ -55,8 +55,7 @@ impl Driver<'_> {
         self.adopted_once = true;
         tracing::debug!("generation {} adopted after {:?}", formed.generation, started.elapsed());
         state.model.live = true;
-        self.coordinates = formed.coordinator == session.rank();
-        self.formation = formed.digest.clone();
+        (self.coordinates, self.formation) = (formed.coordinator == session.rank(), formed.digest.clone());
         self.coordinator = session.members().iter().position(|&r| r == formed.coordinator).unwrap_or(0);
         if let Some(c) = self.committer.as_mut() {
             c.checkpointer().set_generation(formed.generation);
@@ -65,10 +64,22 @@ impl Driver<'_> {
         let owed = self.agree(state, session, (differed, formed.source))?;
         self.reshard(state, session)?;
         self.probe_reach(session)?;
-        // A caught-up state came from a peer, as a received one does.
-        self.integrity.formed(state, got || std::mem::take(&mut self.caught_up))?;
+        self.integrity.formed(state, got || std::mem::take(&mut self.caught_up))?; // caught up: from a peer too
         session.adopted(state.position().global_step);
         let source_name = session.name(formed.source);
+        self.joined(state, session, (&formed, source_name.as_str()), started);
+        // The comparison the last generation could not finish, and the commit it held up. At an
+        // epoch's end or the run's, the training loop begins with that comparison and commit.
+        if owed && self.steps_next(state.position()) {
+            self.check(state, session)?;
+            self.commit(Moment::Step, state, session)?;
+        }
+        Ok(())
+    }
+
+    /// Says that this member joined the generation `formed` (whose source is named `source`).
+    fn joined(&mut self, state: &TrainState, session: &Session, (formed, source): (&Formed, &str), started: Instant) {
+        let world = session.world();
         let generation = JoinedGeneration {
             generation: formed.generation,
             rank: session.rank(),
@@ -78,16 +89,9 @@ impl Driver<'_> {
             global_step: state.position().global_step,
             recovery: formed.recovery,
             steps: (formed.steps_lost, formed.steps_trained_again),
-            source: (!formed.receivers.is_empty()).then_some((formed.source, source_name.as_str())),
+            source: (!formed.receivers.is_empty()).then_some((formed.source, source)),
         };
         self.report.joined(&generation, started);
-        // The comparison the last generation could not finish, and the commit it held up. At an
-        // epoch's end or the run's, the training loop begins with that comparison and commit.
-        if owed && self.steps_next(state.position()) {
-            self.check(state, session)?;
-            self.commit(Moment::Step, state, session)?;
-        }
-        Ok(())
     }
 
     /// What every member must agree on, exchanged once per generation before any step: its steps

@@ -16,7 +16,7 @@ use super::commit::{Committer, Moment};
 use super::integrity::{self, Integrity};
 use super::replicas::Replicas;
 use super::report::{Reporter, StepDone};
-use super::session::{lineage, Interrupt, Joined, Session};
+use super::session::{lineage, First, Interrupt, Session};
 use super::sharded::{self, Stepped};
 use super::startup::Data;
 use super::step::{self, Raised, SlotBatch, StepResult};
@@ -104,16 +104,6 @@ pub(super) struct Driver<'a> {
     donor: catchup::Donor,
     /// This process caught up: its state came from a peer.
     caught_up: bool,
-}
-
-/// How a worker begins: joined (or not) in the background, or with a catch-up stream to replay
-/// first.
-pub(super) enum First {
-    /// The first join's result.
-    Joined(Result<Joined, Interrupt>),
-    /// The coordinator feeds this returner (docs/fault-tolerance.md, "A return that does not
-    /// pause the survivors").
-    CatchUp(crate::cluster::catchup::Catching),
 }
 
 impl<'a> Driver<'a> {
@@ -281,15 +271,8 @@ impl<'a> Driver<'a> {
         let batches = batches.map_err(Interrupt::Fatal)?;
         let seeds: Vec<i64> = held.iter().map(|slot| p.step_seed(self.cfg.seed, slot)).collect();
         let lr = self.lr(global_step, p);
-        // The slots of the ranks that came back (known to the coordinator's process only), and of
-        // a returner that caught up (fed from here).
-        let mut back = session.returning();
-        self.donor.begin(state, session, &mut self.report);
-        let switching = self.donor.switch(!back.is_empty());
-        back.extend(switching);
-        let back =
-            if back.is_empty() { Vec::new() } else { slots::of_ranks(session.slot_count(), session.world(), &back) };
-        let raised = Raised { stop: self.stop.load(Ordering::Relaxed), back: &back, caught_up: switching.is_some() };
+        let (back, caught_up) = self.back(state, session);
+        let raised = Raised { stop: self.stop.load(Ordering::Relaxed), back: &back, caught_up };
         // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
         trainerd_failpoint::point("train-step");
         let began = Instant::now();
