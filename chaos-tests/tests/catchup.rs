@@ -33,15 +33,9 @@ const SMALL: Job = Job { wide: 0, steps: 150 };
 
 /// `trainerd run` arguments of `job` on 3 workers, each worker's summary in `dir`, with `extra`.
 fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
-    RunArgs::new("linear")
-        .epochs(1)
-        .steps(job.steps)
-        .threads(1)
-        .seed(5)
-        .batch(32)
-        .plugin_arg(format!("wide={}", job.wide))
-        .summary(dir.join("summary.{rank}.json"))
-        .extend(extra)
+    let run = RunArgs::new("linear").epochs(1).steps(job.steps).threads(1).seed(5).batch(32);
+    let run = if job.wide > 0 { run.plugin_arg(format!("wide={}", job.wide)) } else { run };
+    run.summary(dir.join("summary.{rank}.json")).extend(extra)
 }
 
 fn summary(dir: &Path, rank: usize) -> serde_json::Value {

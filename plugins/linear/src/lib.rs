@@ -31,8 +31,9 @@ impl Model for Linear {
         vec![ArgSpec::new(
             "wide",
             "rows of a table of hashed (pixel, intensity) features whose rows are summed into the logits (Wide & \
-             Deep's wide part; 40 bytes a row, zeros at the start); 0: none",
-            Some("0"),
+             Deep's wide part; 40 bytes a row, zeros at the start); none when not given, so that the commits of the \
+             model without it resume",
+            None,
         )]
     }
 
