@@ -107,8 +107,8 @@ impl Donor {
 
     /// At a step's start, after [`Donor::begin`]: whether the returner is close enough to level
     /// (its state taken by the stream, at most one step's outputs waiting) to take its slots back
-    /// after this step; its rank. Not while others come back as before (`others`): everyone then
-    /// hashes, and the returner is told so at the end.
+    /// after this step; its rank. Not while others come back as before (`others`): their return
+    /// ends the generation, and with it this catch-up (the returner joins as before).
     pub(super) fn switch(&mut self, others: bool) -> Option<usize> {
         let f = self.feeding.as_mut()?;
         let level = f.state_queued && f.feed.state_taken() && f.feed.kept() <= f.step_bytes;
