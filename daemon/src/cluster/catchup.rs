@@ -21,6 +21,12 @@ use proto::catch_up_part::Kind;
 /// The largest piece of an item on the stream (gRPC refuses messages above 4 MiB).
 const PIECE: usize = 1 << 20;
 
+/// A state's fingerprint on the stream (xxh3), computed where its bytes are assembled, off the
+/// donor's training thread, and checked by the returner.
+pub(crate) fn fingerprint(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
 /// An item of a catch-up stream, put back together.
 #[derive(Debug)]
 pub(crate) enum Item {
@@ -98,9 +104,9 @@ impl Feed {
         }
     }
 
-    /// Queues the donor's state (`bytes`) in `generation`, whose formation's digest is `formation`.
-    pub(crate) fn state(&self, generation: u64, formation: &str, bytes: &Bytes) -> bool {
-        let xxh3 = xxhash_rust::xxh3::xxh3_64(bytes);
+    /// Queues the donor's state (`bytes`, whose [`fingerprint`] is `xxh3`) in `generation`, whose
+    /// formation's digest is `formation`.
+    pub(crate) fn state(&self, generation: u64, formation: &str, (bytes, xxh3): (&Bytes, u64)) -> bool {
         self.item(Kind::State, bytes, |p| {
             (p.generation, p.formation_digest, p.xxh3) = (generation, formation.to_string(), xxh3);
         })
@@ -260,7 +266,7 @@ impl Catching {
         let bytes = bytes.freeze();
         Ok(match kind {
             Kind::State => {
-                let found = xxhash_rust::xxh3::xxh3_64(&bytes);
+                let found = fingerprint(&bytes);
                 if found != first.xxh3 {
                     return Err(format!("the state's xxh3 is {found:016x}, the donor sent {:016x}", first.xxh3));
                 }
@@ -303,7 +309,7 @@ mod tests {
         assert_eq!((offer.rank, offer.generation), (2, 7));
         let feed = offer.feed;
         let state = Bytes::from(vec![1u8; PIECE * 2 + 5]);
-        assert!(feed.state(7, "abc", &state));
+        assert!(feed.state(7, "abc", (&state, fingerprint(&state))));
         assert!(!feed.state_taken());
         assert!(feed.step(&Bytes::from(vec![2u8; 10])));
         assert!(feed.position(&Bytes::from_static(b"{}")));

@@ -9,7 +9,7 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::Driver;
-use crate::cluster::catchup::{Catching, Feed, Item};
+use crate::cluster::catchup::{fingerprint, Catching, Feed, Item};
 use crate::collective::slots;
 use crate::state::outputs::{self, Outputs};
 use crate::state::{Optim, StateError, TrainState};
@@ -40,8 +40,8 @@ struct Feeding {
     name: String,
     generation: u64,
     feed: Feed,
-    /// The snapshot's bytes, while a thread of their own assembles them.
-    copying: Option<JoinHandle<Result<Vec<u8>, StateError>>>,
+    /// The snapshot's bytes and their fingerprint, while a thread of their own makes them.
+    copying: Option<JoinHandle<Result<(Bytes, u64), StateError>>>,
     /// The state is queued: every step's outputs follow it.
     state_queued: bool,
     /// Bytes of the last step's outputs.
@@ -88,7 +88,11 @@ impl Donor {
             Ok(e) => e,
             Err(e) => return offer.feed.fallback(&format!("its state could not be encoded: {e}")),
         };
-        let copying = std::thread::Builder::new().name("trainerd-snapshot".into()).spawn(move || encoding.bytes());
+        let copying = std::thread::Builder::new().name("trainerd-snapshot".into()).spawn(move || {
+            let bytes = Bytes::from(encoding.bytes()?);
+            let xxh3 = fingerprint(&bytes);
+            Ok((bytes, xxh3))
+        });
         let Ok(copying) = copying else { return offer.feed.fallback("no thread for the snapshot") };
         let step = state.position().global_step;
         report.line(&format!("trainerd: {name} catches up: sending the state at step {step} while training goes on"));
@@ -123,9 +127,7 @@ impl Donor {
         let Some(f) = self.feeding.as_mut() else { return };
         if let Some(copying) = f.copying.take() {
             match copying.join() {
-                Ok(Ok(bytes)) if ok => {
-                    f.state_queued = f.feed.state(f.generation, formation, &Bytes::from(bytes));
-                }
+                Ok(Ok((bytes, xxh3))) if ok => f.state_queued = f.feed.state(f.generation, formation, (&bytes, xxh3)),
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => return self.stop(&format!("its state could not be encoded: {e}"), report),
                 Err(_) => return self.stop("the snapshot's thread panicked", report),
