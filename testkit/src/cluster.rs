@@ -85,6 +85,12 @@ pub struct Cluster {
     poller: Option<std::thread::JoinHandle<()>>,
     /// Environment for each worker's next start only ([`Cluster::arm`]).
     armed: Arc<Mutex<Vec<Env>>>,
+    /// The cluster's own `$XDG_STATE_HOME`, where its workers keep their votes: removed with the
+    /// cluster (last, once the supervisor has killed every worker). Two tests whose clusters
+    /// chose the same ports and run the same job would otherwise share one state directory, and
+    /// a vote left by one (a worker elected in a term) would make it coordinate the other's run
+    /// from its start.
+    _state: tempfile::TempDir,
 }
 
 /// Environment variables for a process.
@@ -130,12 +136,14 @@ impl Cluster {
         place: impl Fn(usize) -> (Command, String) + Send + 'static,
     ) -> Cluster {
         let (args, env) = (args.to_vec(), env.to_vec());
+        let state = tempfile::Builder::new().prefix("trainerd-state-").tempdir().expect("a state directory");
+        let state_home = state.path().to_path_buf();
         let armed: Arc<Mutex<Vec<Env>>> = Arc::new(Mutex::new(vec![Vec::new(); workers]));
         let next_env = Arc::clone(&armed);
         let command = move |rank: usize, start: usize| {
             let (mut cmd, tf_config) = place(rank);
             cmd.arg("run").args(args.iter().map(|a| a.replace("{rank}", &rank.to_string())));
-            cmd.env("TF_CONFIG", tf_config).envs(env.iter().cloned());
+            cmd.env("TF_CONFIG", tf_config).env("XDG_STATE_HOME", &state_home).envs(env.iter().cloned());
             if start == 1 {
                 cmd.envs(first_env.get(rank).cloned().unwrap_or_default());
             }
@@ -159,7 +167,7 @@ impl Cluster {
                 }
             })
         };
-        Cluster { supervisor, closed, entries, seen: Vec::new(), poller: Some(poller), armed }
+        Cluster { supervisor, closed, entries, seen: Vec::new(), poller: Some(poller), armed, _state: state }
     }
 
     /// Adds `env` to worker `rank`'s next start only (a failpoint for the process that replaces
