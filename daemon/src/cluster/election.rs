@@ -383,6 +383,19 @@ impl Elections {
         Ok(true)
     }
 
+    /// The run finished (this member passed its final barrier): its vote is of no further use,
+    /// and its file is removed, so that the same job run again on these nodes starts with the
+    /// chief coordinating, as TF_CONFIG says, not with a term this run elected.
+    pub(crate) fn forget(&self) -> Result<(), VoteError> {
+        let Some(path) = &self.file else { return Ok(()) };
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(VoteError::File { path: path.clone(), source: e })
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn persist(&self, vote: &Vote) -> Result<(), VoteError> {
         let Some(path) = &self.file else { return Ok(()) };
         let bytes = serde_json::to_vec(vote).map_err(VoteError::Encode)?;
@@ -524,6 +537,23 @@ mod tests {
         let err = Elections::open(Some(path.clone())).err().unwrap().to_string();
         assert!(err.starts_with(&format!("{}: not a trainerd vote", path.display())), "{err}");
         assert_ne!(vote_file(dir.path(), 2, "another run"), path);
+    }
+
+    /// A finished run's vote is removed: the same job started again begins at term 0 (its chief
+    /// coordinates), not at the term this run elected.
+    #[test]
+    fn a_finished_runs_vote_is_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = vote_file(dir.path(), 1, "run");
+        let e = Elections::open(Some(path.clone())).unwrap();
+        e.heard_from(2, 3, 0).unwrap();
+        e.set_lost(Some(Instant::now() - Duration::from_secs(5)));
+        e.answer(&Ballot { term: 3, candidate: 1 }, Instant::now(), false).unwrap();
+        assert!(path.exists());
+        e.forget().unwrap();
+        assert!(!path.exists());
+        e.forget().unwrap();
+        assert_eq!(Elections::open(Some(path)).unwrap().vote(), Vote::default());
     }
 
     /// A model of the cluster's elections: `n` members with persisted votes, candidates asking

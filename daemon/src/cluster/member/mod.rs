@@ -544,9 +544,13 @@ impl ControlPlane {
         }
     }
 
-    /// After the final barrier: a member says it leaves; the chief waits (a bounded while) until
-    /// every member has, since its exit would cut off a barrier reply still on its way.
+    /// After the final barrier: its vote is removed (the run is over); a member says it leaves;
+    /// the chief waits (a bounded while) until every member has, since its exit would cut off a
+    /// barrier reply still on its way.
     pub(crate) fn finish(&self) {
+        if let Err(e) = self.shared.elections.forget() {
+            tracing::warn!("the run finished, but this worker's vote was not removed: {e}");
+        }
         match self.seated() {
             None => self.leave("finished"),
             Some(c) => self.linger(|| c.departed()),
