@@ -385,11 +385,13 @@ def returns_by_size(args):
     and their median step before; the returner's time from its start until it stepped; and from
     the lines, whether it caught up (or fell back, and why) and the outputs the chief kept."""
     results = {}
+    # With --state-sharded, the optimizer state is sharded over the workers in both modes.
+    shard = ("--shard-optimizer",) if args.state_sharded else ()
     for mb in args.state_mb:
         rows = max(1, int(mb * 1e6 / 120))
         # The survivors must train again before the victim is back (re-forming hashes the state).
         delay = 2 + 4 * mb / 1000
-        for mode, extra in (("catch-up", ()), ("pause", ("--catch-up-memory", "0"))):
+        for mode, extra in (("catch-up", shard), ("pause", shard + ("--catch-up-memory", "0"))):
             rs = []
             with tempfile.TemporaryDirectory() as d:
                 c = Cluster(d, 3, 10 ** 9, extra=extra, restart_delay=delay, wide=rows)
@@ -414,7 +416,8 @@ def returns_by_size(args):
                 finally:
                     c.stop()
             results[(mb, mode)] = rs
-    print(f"\nA return by state size (3 workers, the linear plugin with a wide table, Adam, batch 32, 1 thread each; "
+    print(f"\nA return by state size (3 workers, the linear plugin with a wide table, Adam"
+          f"{' sharded over the workers (--shard-optimizer)' if args.state_sharded else ''}, batch 32, 1 thread each; "
           f"{args.state_returns} returns per row, restarted once the others train; medians, max in brackets):")
     print("| state | step | goal: one step + 50 ms | survivors' longest gap: catch-up | survivors' longest gap: "
           "a pause (`--catch-up-memory 0`) | returner: start to stepping, catch-up / pause | caught up | outputs kept |")
@@ -471,6 +474,8 @@ def main():
                    help="a return's cost at these state sizes (MB of parameters and Adam state), with catch-up and "
                         "with --catch-up-memory 0, e.g. --state-mb 1 100 1000")
     p.add_argument("--state-returns", type=int, default=3, help="returns per state size and mode")
+    p.add_argument("--state-sharded", action="store_true",
+                   help="--state-mb's table with the optimizer state sharded (--shard-optimizer) in both modes")
     p.add_argument("--pause-sharded", action="store_true",
                    help="never-pause table: the same events with --shard-optimizer, beside the unsharded ones")
     args = p.parse_args()

@@ -1,11 +1,12 @@
 //! A worker that comes back while the others train catches up (docs/fault-tolerance.md, "A return
 //! that does not pause the survivors"): the coordinator sends it its state and then every step's
 //! outputs while training goes on, it replays them, and it takes its slots back with nothing
-//! transferred at the switch; past `--catch-up-memory` the return pauses the others as a state
-//! transfer, and both sides say so. Every scenario ends with exactly the failure-free run's
-//! parameters on all workers.
+//! transferred at the switch (with the optimizer state sharded, only its ranges move to it, from
+//! its neighbours); past `--catch-up-memory` the return pauses the others as a state transfer,
+//! and both sides say so. Every scenario ends with exactly the failure-free run's parameters on
+//! all workers.
 //!
-//! CI budget: about 4 minutes on 2 cores (the 100 MB scenario and its reference run dominate).
+//! CI budget: about 6 minutes on 2 cores (the 100 MB scenarios and their reference runs dominate).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -21,20 +22,25 @@ const RESTART_SEC: Duration = Duration::from_millis(200);
 /// state), and 100 MB of gradient in every step's outputs.
 const WIDE_100MB: u64 = 2_500_000;
 
-/// A job: the wide table's rows (0: none) and the steps of its one epoch.
+/// A job: the wide table's rows (0: none), the steps of its one epoch, and whether it trains with
+/// Adam (else plain SGD).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Job {
     wide: u64,
     steps: u64,
+    adam: bool,
 }
 
-const WIDE: Job = Job { wide: WIDE_100MB, steps: 40 };
-const SMALL: Job = Job { wide: 0, steps: 150 };
+const WIDE: Job = Job { wide: WIDE_100MB, steps: 40, adam: false };
+const SMALL: Job = Job { wide: 0, steps: 150, adam: false };
+/// 100 MB of state with Adam: 33 MB of parameters and twice that of moments.
+const WIDE_ADAM: Job = Job { wide: WIDE_100MB / 3, steps: 40, adam: true };
 
 /// `trainerd run` arguments of `job` on 3 workers, each worker's summary in `dir`, with `extra`.
 fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
     let run = RunArgs::new("linear").epochs(1).steps(job.steps).threads(1).seed(5).batch(32);
     let run = if job.wide > 0 { run.plugin_arg(format!("wide={}", job.wide)) } else { run };
+    let run = if job.adam { run.optimizer("adam", 0.001) } else { run };
     run.summary(dir.join("summary.{rank}.json")).extend(extra)
 }
 
@@ -134,12 +140,47 @@ fn a_worker_back_while_the_others_train_catches_up_and_takes_its_slots_back_with
     let tmp = tempfile::tempdir().unwrap();
     let mut c = Cluster::start(3, &args(WIDE, tmp.path(), &[]), &[], vec![], RESTART_SEC);
     let back = back_while_they_train(&mut c, 5, 2);
+    let replayed = assert_caught_up_with_nothing_sent(&mut c, WIDE, tmp.path(), back);
+    let returner = &summary(tmp.path(), 2)["fault_tolerance"];
+    assert_eq!(returner["steps_replayed"].as_u64(), Some(replayed));
+    assert!(returner["catch_up_seconds"].as_f64().is_some_and(|s| s > 0.0), "{returner}");
+    let kept = summary(tmp.path(), 0)["fault_tolerance"]["catch_up_kept_bytes"].as_u64().unwrap();
+    assert!(kept >= 100_000_000, "at least one step's 100 MB of gradient was kept: {kept}");
+}
+
+/// The same return with the optimizer state sharded (`--shard-optimizer`, Adam, 100 MB of state):
+/// the chief sends the parameters and buffers at a step, then the parameters after every step
+/// (no member holds a step's averaged gradient whole), and the returner takes them; at the
+/// switch nobody receives a model, and only the returner's ranges of the optimizer state (its
+/// own and its buddy copies) move to it from its neighbours. Bitwise the failure-free run,
+/// unsharded.
+#[test]
+fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ranges() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let sharded = ["--shard-optimizer", "--checkpoint-dir", ckpt.to_str().unwrap()];
+    let mut c = Cluster::start(3, &args(WIDE_ADAM, tmp.path(), &sharded), &[], vec![], RESTART_SEC);
+    let back = back_while_they_train(&mut c, 5, 2);
+    let replayed = assert_caught_up_with_nothing_sent(&mut c, WIDE_ADAM, tmp.path(), back);
+    assert_eq!(summary(tmp.path(), 2)["fault_tolerance"]["steps_replayed"].as_u64(), Some(replayed));
+    let (_, moved) = c.wait_line(2, "trainerd: the sharded optimizer state moved to generation ", back, DEADLINE);
+    let received: f64 =
+        moved.split("; it received ").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    assert!(received > 0.0 && !moved.contains("holds 0 range(s)"), "its ranges moved to it: {moved}");
+    assert!(moved.contains(" from its own copies and its neighbours' ("), "{moved}");
+    let kept = summary(tmp.path(), 0)["fault_tolerance"]["catch_up_kept_bytes"].as_u64().unwrap();
+    assert!(kept >= 33_000_000, "at least one step's 33 MB of parameters was kept: {kept}");
+}
+
+/// Worker 2, back after `back`, caught up and took its slots back with nothing sent at the
+/// switch, and the run ended bitwise the failure-free `job`'s: the steps it replayed.
+fn assert_caught_up_with_nothing_sent(c: &mut Cluster, job: Job, dir: &Path, back: usize) -> u64 {
     let (_, caught) = c.wait_line(2, "trainerd: caught up in ", back, DEADLINE);
     let replayed = number_before(&caught, " step(s) replayed");
     assert!(replayed >= 1, "{caught}");
-    assert_bitwise(&mut c, WIDE, tmp.path());
+    assert_bitwise(c, job, dir);
     // The generation formed with it: nobody received a state (every join said the same lineage).
-    let joined = joined_after(&c, back);
+    let joined = joined_after(c, back);
     assert_eq!(joined.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), [0, 1, 2], "{joined:?}");
     for (rank, joined) in &joined {
         assert!(matches!(joined, Event::Joined { source: None, steps_lost: 0, .. }), "worker {rank}: {joined:?}");
@@ -150,13 +191,9 @@ fn a_worker_back_while_the_others_train_catches_up_and_takes_its_slots_back_with
     let said = c.lines_of(0, "trainerd: worker 2 (");
     assert!(said.iter().any(|l| l.contains(") catches up: sending the state at step ")), "{said:?}");
     assert!(said.iter().any(|l| l.contains(") caught up: it takes its slots back after step ")), "{said:?}");
-    let (longest, step) = gaps(&c, 0, back);
+    let (longest, step) = gaps(c, 0, back);
     println!("survivors' longest gap around the return: {longest:?} (median step before: {step:?})");
-    let returner = &summary(tmp.path(), 2)["fault_tolerance"];
-    assert_eq!(returner["steps_replayed"].as_u64(), Some(replayed));
-    assert!(returner["catch_up_seconds"].as_f64().is_some_and(|s| s > 0.0), "{returner}");
-    let kept = summary(tmp.path(), 0)["fault_tolerance"]["catch_up_kept_bytes"].as_u64().unwrap();
-    assert!(kept >= 100_000_000, "at least one step's 100 MB of gradient was kept: {kept}");
+    replayed
 }
 
 /// A bound no step's outputs fit under (`--catch-up-memory 1K`): the chief stops the catch-up at

@@ -404,10 +404,15 @@ impl TrainState {
 impl TrainState {
     /// The state's encoding as [`Shareable::encoding`] gives it, with the buffers copied now (a
     /// forward pass changes them in place): a catch-up's snapshot, whose parameters and optimizer
-    /// state the caller assembles ([`Encoding::bytes`]) before anything updates them.
+    /// state the caller assembles ([`Encoding::bytes`]) before its update writes them (with the
+    /// optimizer state sharded, the parameters are copied now as well).
     pub(crate) fn snapshot_encoding(&self) -> Result<Encoding, StateError> {
+        // A sharded step writes the parameters in its reduction (its all-gather), before the
+        // caller could wait for the copy: they are copied now too (a third of an Adam state).
+        let whole = matches!(self.optimizer, Optim::Whole(_));
+        let param = |t: &Tensor| if whole { t.shallow_clone() } else { t.detach().copy() };
         let mut all: Vec<(String, Tensor)> =
-            self.model.params.iter().map(|(n, t)| (format!("model/{n}"), t.shallow_clone())).collect();
+            self.model.params.iter().map(|(n, t)| (format!("model/{n}"), param(t))).collect();
         all.extend(self.model.buffers.iter().map(|(n, t)| (format!("model/{n}"), t.detach().copy())));
         if let Optim::Whole(optimizer) = &self.optimizer {
             all.extend(optimizer.state().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)));

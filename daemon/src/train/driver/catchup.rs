@@ -11,7 +11,7 @@ use bytes::Bytes;
 use super::Driver;
 use crate::cluster::catchup::{fingerprint, Catching, Feed, Item};
 use crate::collective::slots;
-use crate::state::outputs::{self, Outputs};
+use crate::state::outputs::{self, Carried, Outputs};
 use crate::state::{Optim, StateError, TrainState};
 use crate::train::kernels;
 use crate::train::report::Reporter;
@@ -59,13 +59,18 @@ impl Donor {
 
     /// At a step's start: a returner's request waiting is taken (its state copied from here on,
     /// by a thread, while the step's forward and backward read it), and a returner that went away
-    /// is let go.
-    pub(super) fn begin(&mut self, state: &TrainState, session: &Session, report: &mut Reporter<'_>) {
+    /// is let go. A request waits for the next step where this one changes the optimizer state's
+    /// kind (`sharding`: this step shards it, at a sharded run's first step or a generation's
+    /// first after a whole state was restored).
+    pub(super) fn begin(&mut self, state: &TrainState, session: &Session, sharding: bool, report: &mut Reporter<'_>) {
         if let Some(f) = &self.feeding {
             if f.feed.gone() {
                 report.line(&format!("trainerd: {}'s catch-up ended: its stream is gone", f.name));
                 self.feeding = None;
             }
+            return;
+        }
+        if matches!(state.optimizer, Optim::Fresh(_)) || (sharding && !state.optimizer.sharded()) {
             return;
         }
         let Some(offer) = session.catch_up_offer() else { return };
@@ -74,8 +79,6 @@ impl Donor {
             Some("--catch-up-memory is 0 on the coordinator".to_string())
         } else if offer.generation != session.generation() {
             Some(format!("generation {} ended", offer.generation))
-        } else if !matches!(state.optimizer, Optim::Whole(_)) {
-            Some("the optimizer state is sharded (--shard-optimizer): a catch-up is not built for it yet".to_string())
         } else {
             None
         };
@@ -136,7 +139,12 @@ impl Donor {
         if !ok || !f.state_queued {
             return;
         }
-        let bytes = match outputs::capture(&state.model) {
+        // A sharded step's update is done by now (in its reduction): its parameters are sent.
+        let carried = match state.optimizer {
+            Optim::Sharded(_) => Carried::Parameters,
+            _ => Carried::Gradients,
+        };
+        let bytes = match outputs::capture(&state.model, carried) {
             Ok(b) => b,
             Err(e) => return self.stop(&format!("a step's outputs could not be encoded: {e}"), report),
         };
@@ -200,9 +208,10 @@ impl Driver<'_> {
     /// At a step's start: the slots of the ranks that came back (known to the coordinator's
     /// process only), among them a returner fed from here that is level enough to take them back
     /// after this step (then true: it caught up).
-    pub(super) fn back(&mut self, state: &TrainState, session: &Session) -> (Vec<bool>, bool) {
+    pub(super) fn back(&mut self, state: &TrainState, session: &mut Session) -> (Vec<bool>, bool) {
         let mut back = session.returning();
-        self.donor.begin(state, session, &mut self.report);
+        let sharding = self.cfg.shard_optimizer && session.collective().world() >= 2 && session.slot_count() >= 2;
+        self.donor.begin(state, session, sharding, &mut self.report);
         let switching = self.donor.switch(!back.is_empty());
         back.extend(switching);
         let flags =
@@ -291,7 +300,8 @@ impl Driver<'_> {
     }
 
     /// One step's outputs applied to `state` (at the step before them): the gradients, the same
-    /// update at the rate of the same position, the buffers.
+    /// update at the rate of the same position (or a sharded step's parameters after it), the
+    /// buffers.
     fn replay(&mut self, state: &mut TrainState, session: &Session, bytes: &Bytes) -> Result<(), String> {
         let outputs = Outputs::decode(bytes).map_err(|e| format!("a step's outputs could not be read: {e}"))?;
         let at = state.position().global_step;
@@ -301,9 +311,18 @@ impl Driver<'_> {
                 outputs.before.global_step + 1
             ));
         }
-        outputs.set_grads(&mut state.model).map_err(|e| e.to_string())?;
-        let lr = self.lr(at, state.position());
-        self.update(state, (at + 1, lr), session.slot_count()).map_err(|e| format!("{e:?}"))?;
+        match outputs.carried {
+            Carried::Gradients if !matches!(state.optimizer, Optim::Whole(_)) => {
+                return Err("a step's gradients came for a state whose optimizer state is not whole".into())
+            }
+            Carried::Gradients => {
+                outputs.set_grads(&mut state.model).map_err(|e| e.to_string())?;
+                let lr = self.lr(at, state.position());
+                self.update(state, (at + 1, lr), session.slot_count()).map_err(|e| format!("{e:?}"))?;
+            }
+            // A sharded step: this process holds no range (the next formation moves its own to it).
+            Carried::Parameters => outputs.set_params(&mut state.model).map_err(|e| e.to_string())?,
+        }
         outputs.set_buffers(&mut state.model).map_err(|e| e.to_string())
     }
 
