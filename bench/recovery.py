@@ -258,6 +258,8 @@ def pause_event(c, victim, sig, cont_after=3.0):
                   take it in a failure-free run too, so an event inside that pause is not seen);
       return_gap = their longest gap from then until 2 s after the victim stepped again (taking
                   its slots back);
+      switch_gap = their gap that ends with their first step after the generation without the
+                  victim ended for its return (the step in which it takes its slots back);
       short_steps_s / full_steps_s = their steps per second while short / before;
       back_s    = from the victim's return until it has stepped again (full speed)."""
     survivors = [w for w in range(c.world) if w != victim]
@@ -297,13 +299,21 @@ def pause_event(c, victim, sig, cont_after=3.0):
         # run takes it too, and on 2 of 3 workers it is longer by the evaluation's share.
         steps = c.steps(w)
         return [y - x for (x, s), (y, _) in zip(steps, steps[1:]) if y > a and x < b and s % spe != 0]
+    # The step in which the victim takes its slots back: the first after the generation without it
+    # ends for its return (after a catch-up, or for a pause and a state transfer).
+    with c.lock:
+        ended = next((t for t, line in c.lines[mark:]
+                      if t >= back and re.search(rf"ends after step \d+: worker {victim} \(.*came back", line)), None)
+    firsts = [next(((x, y) for (x, _), (y, _) in zip(c.steps(w), c.steps(w)[1:]) if y > ended), None)
+              for w in survivors] if ended is not None else []
+    switch_gap = max((y - x for x, y in filter(None, firsts)), default=float("nan"))
     before = [g for w in survivors for g in gaps(w, t0 - 5, t0)][:-1]
     lost_gap = max(max(gaps(w, t0, back), default=0.0) for w in survivors)
     return_gap = max(max(gaps(w, back, stepped + 2), default=0.0) for w in survivors)
     rate = lambda a, b: sum(1 for t, _ in c.steps(survivors[0]) if a < t <= b) / (b - a)
     short_from = t0 + lost_gap
     return {"step_s": statistics.median(before) if before else float("nan"), "lost_gap": lost_gap,
-            "return_gap": return_gap, "full_steps_s": rate(t0 - 5, t0),
+            "return_gap": return_gap, "switch_gap": switch_gap, "full_steps_s": rate(t0 - 5, t0),
             "short_steps_s": rate(short_from, back) if back - short_from > 0.5 else float("nan"),
             "back_s": stepped - back, "trained_again": max(again, default=0),
             "moved_mb_lost": sum(mb for t, mb, _ in moves if t < back),
@@ -382,7 +392,8 @@ def returns_by_size(args):
     kills of worker 1 or 2, each restarted once the two others train again; once with catch-up
     (the default) and once with `--catch-up-memory 0` (a return pauses the survivors for a state
     transfer, as before). Per event, from pause_event: the survivors' longest gap around the return
-    and their median step before; the returner's time from its start until it stepped; and from
+    (on a machine shared by the 3 workers, the catch-up's own work slows their steps meanwhile),
+    the step in which the returner takes its slots back, and their median step before; the returner's time from its start until it stepped; and from
     the lines, whether it caught up (or fell back, and why) and the outputs the chief kept."""
     results = {}
     # With --state-sharded, the optimizer state is sharded over the workers in both modes.
@@ -420,8 +431,9 @@ def returns_by_size(args):
           f"{' sharded over the workers (--shard-optimizer)' if args.state_sharded else ''}, batch 32, 1 thread each; "
           f"{args.state_returns} returns per row, restarted once the others train; medians, max in brackets):")
     print("| state | step | goal: one step + 50 ms | survivors' longest gap: catch-up | survivors' longest gap: "
-          "a pause (`--catch-up-memory 0`) | returner: start to stepping, catch-up / pause | caught up | outputs kept |")
-    print("|---|---|---|---|---|---|---|---|")
+          "a pause (`--catch-up-memory 0`) | the switch's step: catch-up / pause | returner: start to stepping, "
+          "catch-up / pause | caught up | outputs kept |")
+    print("|---|---|---|---|---|---|---|---|---|")
     ok = lambda rs: [r for r in rs if not r.get("hang")]
     fmt = lambda rs, k: f"{median(rs, k):.2f} s ({max((r[k] for r in rs), default=float('nan')):.2f} s)"
     for mb in args.state_mb:
@@ -430,6 +442,7 @@ def returns_by_size(args):
         caught = f"{sum(1 for r in cu if r['caught'])} of {len(results[(mb, 'catch-up')])}"
         fell = sorted({f for r in cu for f in r["fell_back"]})
         print(f"| {mb:g} MB | {step:.3f} s | {step + 0.05:.3f} s | {fmt(cu, 'return_gap')} | {fmt(pa, 'return_gap')} | "
+              f"{median(cu, 'switch_gap'):.2f} s / {median(pa, 'switch_gap'):.2f} s | "
               f"{median(cu, 'back_s'):.2f} s / {median(pa, 'back_s'):.2f} s | {caught}{' (' + '; '.join(fell) + ')' if fell else ''} "
               f"| {', '.join(r['kept'] for r in cu)} |")
 

@@ -55,13 +55,15 @@ pub(crate) enum Item {
     Fallback(String),
 }
 
-/// What the stream has queued and not yet sent, in bytes: the state's and the outputs'; and the
-/// most outputs ever queued at once.
+/// What the stream has queued and not yet sent, in bytes: the state's and the outputs'; the
+/// most outputs ever queued at once; and the step the returner says its replay has reached, plus
+/// one (0: it has said nothing yet).
 #[derive(Debug, Default)]
 struct Counts {
     state: AtomicU64,
     outputs: AtomicU64,
     peak: AtomicU64,
+    replayed: AtomicU64,
 }
 
 /// A part on its way to the stream, and whether it counts as state or as kept outputs.
@@ -147,6 +149,11 @@ impl Feed {
         self.counts.state.load(Ordering::SeqCst) == 0
     }
 
+    /// The step the returner says its replay has reached, once it has said one.
+    pub(crate) fn replayed(&self) -> Option<u64> {
+        self.counts.replayed.load(Ordering::SeqCst).checked_sub(1)
+    }
+
     /// Whether the returner's stream is gone (it died, or gave up).
     pub(crate) fn gone(&self) -> bool {
         self.tx.is_closed()
@@ -177,8 +184,9 @@ pub(crate) struct Hub {
 struct Slot {
     /// A request not taken yet.
     offer: Option<Offer>,
-    /// The counts of the stream being fed (alive while its feed or its stream is).
-    running: Weak<Counts>,
+    /// The counts of the stream being fed (alive while its feed or its stream is), and its
+    /// returner's rank.
+    running: (Weak<Counts>, usize),
 }
 
 impl Hub {
@@ -196,7 +204,7 @@ impl Hub {
         if let Some(o) = slot.offer.as_ref().filter(|o| o.rank != rank) {
             return Err(Status::unavailable(format!("another worker's catch-up (rank {}) is starting", o.rank)));
         }
-        if slot.running.upgrade().is_some() {
+        if slot.running.0.upgrade().is_some() {
             return Err(Status::unavailable(format!("another catch-up is running; {name} joins as before")));
         }
         let (tx, rx) = mpsc::unbounded_channel();
@@ -215,8 +223,17 @@ impl Hub {
     pub(crate) fn take(&self) -> Option<Offer> {
         let mut slot = self.lock();
         let offer = slot.offer.take().filter(|o| !o.feed.gone())?;
-        slot.running = Arc::downgrade(&offer.feed.counts);
+        slot.running = (Arc::downgrade(&offer.feed.counts), offer.rank);
         Some(offer)
+    }
+
+    /// The returner of rank `rank` says its replay reached `step`: kept for the feed, if that
+    /// returner is being fed; whether it is.
+    pub(crate) fn progress(&self, rank: usize, step: u64) -> bool {
+        let slot = self.lock();
+        let Some(counts) = slot.running.0.upgrade().filter(|_| slot.running.1 == rank) else { return false };
+        counts.replayed.fetch_max(step + 1, Ordering::SeqCst);
+        true
     }
 }
 
@@ -327,14 +344,19 @@ mod tests {
     }
 
     #[test]
-    fn one_catch_up_at_a_time_and_a_gone_returner_frees_the_hub() {
+    fn one_catch_up_at_a_time_its_returners_progress_reaches_its_feed_and_a_gone_returner_frees_the_hub() {
         let hub = Hub::default();
         let stream = hub.offer(1, "worker 1", 3).unwrap();
         let err = hub.offer(2, "worker 2", 3).err().expect("busy");
         assert!(err.message().contains("another worker's catch-up (rank 1) is starting"), "{}", err.message());
+        assert!(!hub.progress(1, 7), "not taken yet: nobody to tell");
         let offer = hub.take().unwrap();
         let err = hub.offer(2, "worker 2", 3).err().expect("busy");
         assert_eq!(err.message(), "another catch-up is running; worker 2 joins as before");
+        // The returner's word of its replay reaches its feed, the highest kept.
+        assert_eq!(offer.feed.replayed(), None);
+        assert!(hub.progress(1, 7) && hub.progress(1, 6) && !hub.progress(2, 9));
+        assert_eq!(offer.feed.replayed(), Some(7));
         drop(stream);
         assert!(offer.feed.gone());
         drop(offer);

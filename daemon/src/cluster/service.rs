@@ -174,6 +174,17 @@ impl Control for Service {
         Ok(Response::new(stream))
     }
 
+    async fn catch_up_progress(
+        &self,
+        request: Request<proto::CatchUpProgressRequest>,
+    ) -> Result<Response<proto::Empty>, Status> {
+        let req = request.into_inner();
+        if !self.hub.progress(req.rank as usize, req.step) {
+            return Err(Status::failed_precondition(format!("no catch-up of rank {} is running here", req.rank)));
+        }
+        Ok(Response::new(proto::Empty {}))
+    }
+
     async fn who(&self, _: Request<proto::Empty>) -> Result<Response<proto::WhoReply>, Status> {
         let vote = self.elections.vote();
         Ok(Response::new(proto::WhoReply {

@@ -95,18 +95,34 @@ pub(crate) fn copy_into(dst: &mut [(String, Tensor)], src: &[TensorData], what: 
         let Some(s) = src.iter().find(|s| &s.name == name) else {
             return Err(StateError::Missing { what: what.into(), name: name.clone() });
         };
-        let value = to_tensor(s)?;
-        if value.size() != t.size() {
-            let (found, expected) = (value.size(), t.size());
+        let shape: Vec<i64> = s.shape.iter().map(|&d| d as i64).collect();
+        if shape != t.size() {
+            let (found, expected) = (shape, t.size());
             return Err(StateError::Shape { what: what.into(), name: name.clone(), found, expected });
         }
-        if value.kind() != t.kind() {
-            let (found, expected) = (value.kind(), t.kind());
+        if kind(s.dtype) != t.kind() {
+            let (found, expected) = (kind(s.dtype), t.kind());
             return Err(StateError::Type { what: what.into(), name: name.clone(), found, expected });
         }
-        t.f_copy_(&value).map_err(|source| StateError::Tensor { name: name.clone(), source })?;
+        copy_bytes(t, s)?;
     }
     Ok(())
+}
+
+/// Copies `s`'s bytes into `t` (same shape; another type is converted): straight into its memory when it is a
+/// contiguous CPU tensor of that many bytes (one copy, where going through a tensor made from the
+/// bytes takes two: a state received or a step's outputs replayed is copied in on the returner's
+/// way back), else through such a tensor.
+pub(crate) fn copy_bytes(t: &mut Tensor, s: &TensorData) -> Result<(), StateError> {
+    let len = t.numel() * t.kind().elt_size_in_bytes();
+    if t.device() == Device::Cpu && t.is_contiguous() && kind(s.dtype) == t.kind() && s.data.len() == len && len > 0 {
+        // SAFETY: `t` is a contiguous CPU tensor whose storage holds `len` bytes from its data
+        // pointer, and `s.data` is `len` bytes of another allocation (bytes received or read).
+        unsafe { std::ptr::copy_nonoverlapping(s.data.as_ptr(), t.data_ptr().cast::<u8>(), len) };
+        return Ok(());
+    }
+    let value = to_tensor(s)?;
+    t.f_copy_(&value).map_err(|source| StateError::Tensor { name: s.name.clone(), source })
 }
 
 #[cfg(test)]

@@ -114,17 +114,16 @@ impl Outputs {
                 }
                 continue;
             };
-            let source = checkpoint::to_tensor(g)?;
-            if source.size() != p.size() {
-                let (found, expected) = (source.size(), p.size());
+            let shape: Vec<i64> = g.shape.iter().map(|&d| d as i64).collect();
+            if shape != p.size() {
+                let (found, expected) = (shape, p.size());
                 return Err(StateError::Shape { what: "a step's outputs".into(), name: name.clone(), found, expected });
             }
             if !p.grad().defined() {
                 // Autograd owns `.grad`: made through a backward of zero, as the reduction does.
                 tch::with_grad(|| (p.sum(Kind::Float) * 0.0).backward());
             }
-            let tensor = |source| StateError::Tensor { name: name.clone(), source };
-            p.grad().f_copy_(&source.to_device(p.device())).map_err(tensor)?;
+            checkpoint::copy_bytes(&mut p.grad(), g)?;
         }
         if let Some(extra) = self.tensors.iter().find(|g| !model.params.iter().any(|(n, _)| n == &g.name)) {
             return Err(StateError::Missing { what: "the model".into(), name: extra.name.clone() });

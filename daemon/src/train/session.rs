@@ -323,6 +323,13 @@ impl Session {
         m.plane.catch_up(m.timeouts.collective)
     }
 
+    /// Tells the coordinator this returner's catch-up reached `step`.
+    pub(crate) fn caught_up_to(&self, step: u64) {
+        if let Some(m) = self.cluster.as_ref() {
+            m.plane.caught_up_to(step);
+        }
+    }
+
     /// The ranks that came back to the generation this process coordinates (none elsewhere): it
     /// ends after the step about to be trained.
     pub(crate) fn returning(&self) -> Vec<usize> {

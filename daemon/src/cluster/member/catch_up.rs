@@ -44,4 +44,16 @@ impl ControlPlane {
         })?;
         Ok(Catching::new(stream, self.runtime.handle().clone(), patience))
     }
+
+    /// Tells the coordinator this returner's replay reached `step` (sent in the background; one
+    /// lost is made up for by the next).
+    pub(crate) fn caught_up_to(&self, step: u64) {
+        let Some((_, _, dial)) = self.coordinator() else { return };
+        let (dial, request) = (dial.clone(), proto::CatchUpProgressRequest { rank: self.rank as u32, step });
+        self.runtime.spawn(async move {
+            if let Ok(mut client) = dial.connect(Instant::now() + Duration::from_secs(1)).await {
+                let _ = tokio::time::timeout(Duration::from_secs(1), client.catch_up_progress(request)).await;
+            }
+        });
+    }
 }

@@ -112,13 +112,17 @@ impl Donor {
         });
     }
 
-    /// At a step's start, after [`Donor::begin`]: whether the returner is close enough to level
-    /// (its state taken by the stream, at most one step's outputs waiting) to take its slots back
-    /// after this step; its rank. Not while others come back as before (`others`): their return
+    /// At a step's start (this member at global step `at`), after [`Donor::begin`]: whether the
+    /// returner is close enough to level to take its slots back after this step (its state taken
+    /// by the stream, at most one step's outputs waiting, and its replay, as it says, at most one
+    /// step behind: the step about to be trained is then all it has left to replay once the
+    /// others end it); its rank. Not while others come back as before (`others`): their return
     /// ends the generation, and with it this catch-up (the returner joins as before).
-    pub(super) fn switch(&mut self, others: bool) -> Option<usize> {
+    pub(super) fn switch(&mut self, others: bool, at: u64) -> Option<usize> {
         let f = self.feeding.as_mut()?;
-        let level = f.state_queued && f.feed.state_taken() && f.feed.kept() <= f.step_bytes;
+        // Until the returner has said where its replay is, the stream's queue alone decides.
+        let replayed = f.feed.replayed().is_none_or(|r| r + 1 >= at);
+        let level = f.state_queued && f.feed.state_taken() && f.feed.kept() <= f.step_bytes && replayed;
         f.switching = level && !others;
         f.switching.then_some(f.rank)
     }
@@ -212,7 +216,7 @@ impl Driver<'_> {
         let mut back = session.returning();
         let sharding = self.cfg.shard_optimizer && session.collective().world() >= 2 && session.slot_count() >= 2;
         self.donor.begin(state, session, sharding, &mut self.report);
-        let switching = self.donor.switch(!back.is_empty());
+        let switching = self.donor.switch(!back.is_empty(), state.position().global_step);
         back.extend(switching);
         let flags =
             if back.is_empty() { Vec::new() } else { slots::of_ranks(session.slot_count(), session.world(), &back) };
@@ -232,6 +236,7 @@ impl Driver<'_> {
         let began = Instant::now();
         let Some((generation, formation, from)) = self.take_state(state, &mut catching)? else { return Ok(()) };
         let received = began.elapsed();
+        session.caught_up_to(from);
         self.report.line(&format!(
             "trainerd: catching up: the state at step {from} of generation {generation} came in {:.2}s; replaying \
              the steps trained since",
@@ -245,7 +250,10 @@ impl Driver<'_> {
             let replay = match catching.next() {
                 Ok(Item::Step(bytes)) => self.replay(state, session, &bytes).map(|()| replayed += 1),
                 Ok(Item::Position(bytes)) => serde_json::from_slice(&bytes)
-                    .map(|p| state.model.position = p)
+                    .map(|p: crate::state::Position| {
+                        session.caught_up_to(p.global_step);
+                        state.model.position = p;
+                    })
                     .map_err(|e| format!("a position could not be read: {e}")),
                 Ok(Item::End { step, lineage: with_lineage }) => {
                     if state.position().global_step != step {
