@@ -601,6 +601,35 @@ fn the_chief_killed_for_good_without_a_state_dir_is_replaced_by_default() {
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[1, 2]);
 }
 
+/// The chief killed near the end and held down while the two others elect a coordinator and
+/// finish the run; then back. It coordinates at its start (the chief, with no term kept), finds
+/// no member, and exits 0 naming where the run finished, instead of waiting for a cluster that is
+/// gone (found by `fault_tolerance.rs`'s ten kills, which outlasted a short run: a worker whose
+/// kept vote had won a term came back after the end and waited).
+#[test]
+fn the_chief_returning_after_the_end_exits_0_naming_where_the_run_finished() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, env) = at_once(LINEAR, tmp.path());
+    let mut c = Cluster::start(LINEAR.workers, &run, &env, vec![], RESTART_SEC);
+    c.hold(0);
+    wait_for_step(&mut c, LINEAR, 2, 100);
+    c.signal(0, libc::SIGKILL);
+    let mut finished = [false; 2];
+    while finished != [true, true] {
+        let e = c.wait_for(|e| e.worker > 0 && matches!(e.what, What::Finished(_)), DEADLINE);
+        assert_eq!(e.what, What::Finished(0), "worker {}:\n{}", e.worker, c.transcript());
+        finished[e.worker - 1] = true;
+    }
+    let back = c.mark();
+    c.bring_back(0);
+    let (_, code) = c.wait_exit(0, DEADLINE);
+    assert_eq!(code, 0, "{}", c.transcript());
+    let (_, line) = c.wait_line(0, "trainerd: the run finished", back, DEADLINE);
+    let steps = 2 * LINEAR.steps;
+    assert!(line.starts_with(&format!("trainerd: the run finished at step {steps} (commit ")), "{line}");
+    assert!(line.ends_with("); nothing left to do"), "{line}");
+}
+
 /// A worker that returns after the run finished exits 0 at once, naming the step and commit the
 /// run finished at, instead of waiting for a cluster that is gone.
 #[test]

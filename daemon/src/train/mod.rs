@@ -427,10 +427,10 @@ pub(crate) fn run(
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
     let checkpointer = startup::restore((cfg, &run_config), (&info, world), &mut session, &mut state, &mut report)?;
-    if !session.coordinates() {
-        if let Some(probe) = startup::finished_probe((cfg, &run_config), (&info, world))? {
-            session.set_finished_probe(probe);
-        }
+    // A coordinator too: the chief, or a worker whose kept vote won a term, restarted after the
+    // others finished under another coordinator, finds no member to form a generation with.
+    if let Some(probe) = startup::finished_probe((cfg, &run_config), (&info, world))? {
+        session.set_finished_probe(probe);
     }
     tracing::debug!("start-up: model built (and restored) after {:?}", started.elapsed());
     // The data first, then the join: a worker that returns to a running cluster ends its

@@ -406,6 +406,22 @@ impl ControlPlane {
         tokio::task::spawn_blocking(move || probe()).await.ok().flatten()
     }
 
+    /// On the coordinator's process, while its own join waits for members: from two heartbeat
+    /// deadlines after `since` on, asks the probe every second whether the run has finished (its
+    /// own beats keep it in contact, so [`ControlPlane::finished`]'s silence never comes); what
+    /// to say once it has. Never, without a probe.
+    async fn finished_meanwhile(&self, since: Instant) -> String {
+        let Some(probe) = self.finished.clone() else { return std::future::pending().await };
+        tokio::time::sleep_until((since + self.timeouts.heartbeat_deadline * 2).into()).await;
+        loop {
+            let ask = probe.clone();
+            if let Some(said) = tokio::task::spawn_blocking(move || ask()).await.ok().flatten() {
+                return said;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
     /// Asks the chief to join until it answers, or [`JoinWait::end`] says the wait is over.
     async fn ask_to_join(
         &self,
@@ -442,7 +458,18 @@ impl ControlPlane {
                 }
                 None => continue,
             };
-            match answered(client.join(request), || over().is_some() || !following()).await {
+            let call = answered(client.join(request), || over().is_some() || !following());
+            // Its own join waits for members: none comes to a run that has finished (this process
+            // came back after the others ended it under another coordinator).
+            let answer = if rank == self.rank {
+                tokio::select! {
+                    answer = call => answer,
+                    said = self.finished_meanwhile(wait.started) => return Err(ClusterError::Finished(said)),
+                }
+            } else {
+                call.await
+            };
+            match answer {
                 None => continue,
                 Some(Ok(reply)) => {
                     let formed = Formed::from(reply.into_inner());

@@ -48,6 +48,9 @@ struct Feeding {
     step_bytes: u64,
     /// The returner's flags are raised in this step: the generation ends after it.
     switching: bool,
+    /// The least the returner's replay was behind this member at a step's start, in steps, and
+    /// how many step starts have passed since it last came closer.
+    behind: Option<(u64, u32)>,
     /// The step the state was taken at, and when.
     from: (u64, Instant),
 }
@@ -108,6 +111,7 @@ impl Donor {
             state_queued: false,
             step_bytes: 0,
             switching: false,
+            behind: None,
             from: (step, Instant::now()),
         });
     }
@@ -116,13 +120,27 @@ impl Donor {
     /// returner is close enough to level to take its slots back after this step (its state taken
     /// by the stream, at most one step's outputs waiting, and its replay, as it says, at most one
     /// step behind: the step about to be trained is then all it has left to replay once the
-    /// others end it); its rank. Not while others come back as before (`others`): their return
-    /// ends the generation, and with it this catch-up (the returner joins as before).
+    /// others end it); its rank. A returner that replays no faster than this member trains (a
+    /// small model's steps, whose cost is mostly their overhead) would never be: once 3 step
+    /// starts pass without it coming closer, it switches anyway, and the others wait at the switch
+    /// for what it has left. Not while others come back as before (`others`): their return ends
+    /// the generation, and with it this catch-up (the returner joins as before).
     pub(super) fn switch(&mut self, others: bool, at: u64) -> Option<usize> {
         let f = self.feeding.as_mut()?;
         // Until the returner has said where its replay is, the stream's queue alone decides.
-        let replayed = f.feed.replayed().is_none_or(|r| r + 1 >= at);
-        let level = f.state_queued && f.feed.state_taken() && f.feed.kept() <= f.step_bytes && replayed;
+        let close = match f.feed.replayed() {
+            None => true,
+            Some(r) => {
+                let lag = at.saturating_sub(r);
+                let (least, since) = match f.behind {
+                    Some((least, since)) if lag >= least => (least, since + 1),
+                    _ => (lag, 0),
+                };
+                f.behind = Some((least, since));
+                lag <= 1 || since >= 3
+            }
+        };
+        let level = f.state_queued && f.feed.state_taken() && f.feed.kept() <= f.step_bytes && close;
         f.switching = level && !others;
         f.switching.then_some(f.rank)
     }
