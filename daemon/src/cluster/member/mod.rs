@@ -13,6 +13,7 @@
 mod catch_up;
 pub(crate) mod dial;
 mod elect;
+mod finished;
 pub(crate) mod heartbeat;
 pub(crate) mod watch;
 
@@ -386,42 +387,6 @@ impl ControlPlane {
         Ok(result)
     }
 
-    /// While a join gets no answer, ask `probe` now and then whether the run has finished (a worker
-    /// that comes back after the end then exits 0 instead of waiting for a cluster that is gone).
-    pub(crate) fn set_finished_probe(&mut self, probe: FinishedProbe) {
-        self.finished = Some(probe);
-    }
-
-    /// Whether the run has finished, when the coordinator has not answered for two heartbeat
-    /// deadlines since `since` and `probed` (the last look) is a second old: what to say.
-    async fn finished(&self, since: Instant, probed: &mut Option<Instant>) -> Option<String> {
-        let probe = self.finished.clone()?;
-        let now = Instant::now();
-        let silent = now.saturating_duration_since(since.max(self.shared.last_contact()));
-        let due = probed.is_none_or(|p| now.saturating_duration_since(p) >= Duration::from_secs(1));
-        if silent < self.timeouts.heartbeat_deadline * 2 || !due {
-            return None;
-        }
-        *probed = Some(now);
-        tokio::task::spawn_blocking(move || probe()).await.ok().flatten()
-    }
-
-    /// On the coordinator's process, while its own join waits for members: from two heartbeat
-    /// deadlines after `since` on, asks the probe every second whether the run has finished (its
-    /// own beats keep it in contact, so [`ControlPlane::finished`]'s silence never comes); what
-    /// to say once it has. Never, without a probe.
-    async fn finished_meanwhile(&self, since: Instant) -> String {
-        let Some(probe) = self.finished.clone() else { return std::future::pending().await };
-        tokio::time::sleep_until((since + self.timeouts.heartbeat_deadline * 2).into()).await;
-        loop {
-            let ask = probe.clone();
-            if let Some(said) = tokio::task::spawn_blocking(move || ask()).await.ok().flatten() {
-                return said;
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    }
-
     /// Asks the chief to join until it answers, or [`JoinWait::end`] says the wait is over.
     async fn ask_to_join(
         &self,
@@ -459,17 +424,7 @@ impl ControlPlane {
                 None => continue,
             };
             let call = answered(client.join(request), || over().is_some() || !following());
-            // Its own join waits for members: none comes to a run that has finished (this process
-            // came back after the others ended it under another coordinator).
-            let answer = if rank == self.rank {
-                tokio::select! {
-                    answer = call => answer,
-                    said = self.finished_meanwhile(wait.started) => return Err(ClusterError::Finished(said)),
-                }
-            } else {
-                call.await
-            };
-            match answer {
+            match self.answer_or_end(call, rank == self.rank, wait.started).await? {
                 None => continue,
                 Some(Ok(reply)) => {
                     let formed = Formed::from(reply.into_inner());
