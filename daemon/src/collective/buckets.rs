@@ -179,10 +179,9 @@ impl Buckets {
         }
         for (i, averaged) in missing {
             if tail[extra + i] > 0.0 {
-                // Used elsewhere: give it a gradient here (autograd owns `.grad`, so through a
-                // backward of zero) and take the average.
+                // Used elsewhere: give it a gradient here and take the average.
                 let p = &params[i].1;
-                tch::with_grad(|| (p.sum(Kind::Float) * 0.0).backward());
+                crate::sys::autograd::ensure_grad(p);
                 p.grad().copy_(&averaged.view_as(p));
             }
         }

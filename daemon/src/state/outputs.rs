@@ -7,7 +7,6 @@
 //! whole, and the returner holds no range of the optimizer state to update with it).
 
 use bytes::Bytes;
-use tch::Kind;
 use trainerd_storage::TensorData;
 
 use super::host as checkpoint;
@@ -119,10 +118,7 @@ impl Outputs {
                 let (found, expected) = (shape, p.size());
                 return Err(StateError::Shape { what: "a step's outputs".into(), name: name.clone(), found, expected });
             }
-            if !p.grad().defined() {
-                // Autograd owns `.grad`: made through a backward of zero, as the reduction does.
-                tch::with_grad(|| (p.sum(Kind::Float) * 0.0).backward());
-            }
+            crate::sys::autograd::ensure_grad(p);
             checkpoint::copy_bytes(&mut p.grad(), g)?;
         }
         if let Some(extra) = self.tensors.iter().find(|g| !model.params.iter().any(|(n, _)| n == &g.name)) {
@@ -143,7 +139,7 @@ mod tests {
     use super::*;
     use crate::optim::optimizer::Optimizer;
     use crate::state::{Optim, Shareable, TrainState};
-    use tch::{Device, Tensor};
+    use tch::{Device, Kind, Tensor};
     use trainerd_sdk::OptimizerConfig;
 
     /// A state of two parameters (one used, one that never gets a gradient) and a buffer.

@@ -1,6 +1,7 @@
-//! The machine the daemon runs on: its accelerators ([`accel`]), its CPU's kernel set ([`cpu`])
-//! and files written atomically ([`atomic`]).
+//! The machine the daemon runs on: its accelerators ([`accel`]), its CPU's kernel set ([`cpu`]),
+//! files written atomically ([`atomic`]) and what autograd owns ([`autograd`]).
 
 pub mod accel;
 pub(crate) mod atomic;
+pub(crate) mod autograd;
 pub(crate) mod cpu;
