@@ -209,9 +209,18 @@ struct Round<'a> {
     /// The workers a bit was flipped in.
     flipped: Vec<usize>,
     started: Instant,
+    /// The round's number, naming its kept transcript.
+    number: usize,
 }
 
 impl Round<'_> {
+    /// Where the round's whole transcript is kept, for whoever reads the table or a failure.
+    fn keep_transcript(&self) -> std::path::PathBuf {
+        let kept = std::env::temp_dir().join(format!("trainerd-soak-seed{}-round{}.log", self.soak.seed, self.number));
+        std::fs::write(&kept, self.c.transcript()).unwrap();
+        kept
+    }
+
     fn running(&self, rank: usize) -> bool {
         self.c.pid(rank).is_some() && self.down != Some(rank)
     }
@@ -431,6 +440,15 @@ fn pauses(c: &Cluster, applied: &[Applied], end: Instant) -> Vec<f64> {
         .collect()
 }
 
+/// A failed round's transcript is kept too: a panic's message shows only its last lines.
+impl Drop for Round<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("soak: round {}'s whole transcript: {}", self.number, self.keep_transcript().display());
+        }
+    }
+}
+
 /// What a round's transcript says of its steps trained again.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Counted {
@@ -602,12 +620,11 @@ fn soak() {
             down: None,
             flipped: Vec::new(),
             started: Instant::now(),
+            number: rounds,
         };
         round.run(steps, until);
         let end = Instant::now();
-        // Every round's transcript is kept, for whoever reads the table.
-        let kept = std::env::temp_dir().join(format!("trainerd-soak-seed{}-round{rounds}.log", soak.seed));
-        std::fs::write(&kept, round.c.transcript()).unwrap();
+        let kept = round.keep_transcript();
         // A replica may differ only where a bit was flipped on purpose.
         for line in round.c.transcript().lines().filter(|l| l.contains("trainerd: replica check at step")) {
             println!("  {line}");
