@@ -586,6 +586,33 @@ fn a_restarted_chief_forms_at_once_with_the_survivors_while_another_worker_is_he
     assert_finished_exactly(&mut c, LINEAR4, tmp.path(), &[0, 1, 2, 3]);
 }
 
+/// Found by the soak: with worker 3 held down, every other process was killed, so no live state
+/// was left and the chief resumed the latest commit. Nobody's join reported a generation, and the
+/// coordinator waited the rendezvous timeout (300 s) for worker 3 as at a job's start. The commit
+/// names its generation, made without worker 3: the three form at once, and the run, back at the
+/// commit, ends bitwise.
+#[test]
+fn every_process_restarted_while_a_worker_is_held_down_forms_without_it_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, env) = at_once(LINEAR4, tmp.path());
+    let mut c = Cluster::start(LINEAR4.workers, &run, &env, vec![], RESTART_SEC);
+    c.hold(3);
+    wait_for_step(&mut c, LINEAR4, 1, 20);
+    c.signal(3, libc::SIGKILL);
+    c.wait_event(0, formed_with(3, 4), DEADLINE);
+    c.wait_event(0, |e| matches!(e, Event::Committed { .. }), DEADLINE);
+    for rank in 0..3 {
+        c.signal(rank, libc::SIGKILL);
+    }
+    let restarted = c.wait_for(|e| e.worker == 0 && e.what == What::Restarted, DEADLINE);
+    c.wait_event(0, |e| matches!(e, Event::Resumed { .. }), DEADLINE);
+    let (formed, _) = c.wait_event(0, formed_with(3, 4), DEADLINE);
+    let waited = formed.saturating_duration_since(restarted.at);
+    assert!(waited < Duration::from_secs(30), "waited {waited:?} for a worker gone before the commit");
+    c.bring_back(3);
+    assert_finished_exactly(&mut c, LINEAR4, tmp.path(), &[0, 1, 2, 3]);
+}
+
 /// The chief killed for good, with the README's cluster command (no `--state-dir`, no
 /// `--replace-after`): the survivors elect a coordinator, go on, and finish bitwise.
 #[test]

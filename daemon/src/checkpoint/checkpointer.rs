@@ -63,6 +63,8 @@ pub(crate) struct Checkpointer {
     runtime: Arc<tokio::runtime::Runtime>,
     keep: usize,
     generation: u64,
+    /// The ranks of that generation, which its commits name.
+    members: Vec<usize>,
     writer: u64,
     in_flight: Option<InFlight>,
     /// The store's transient failures when the commit in flight began.
@@ -88,6 +90,7 @@ impl Checkpointer {
             runtime: Arc::new(runtime),
             keep,
             generation: 1,
+            members: Vec::new(),
             writer: rand::random::<u64>() >> 1,
             in_flight: None,
             failures_before: 0,
@@ -138,9 +141,11 @@ impl Checkpointer {
         self.runtime.block_on(self.store.load(sequence))
     }
 
-    /// Commits from now on carry `generation` (the cluster's current one).
-    pub(crate) fn set_generation(&mut self, generation: u64) {
+    /// Commits from now on carry `generation` (the cluster's current one) and name its
+    /// `members`.
+    pub(crate) fn set_generation(&mut self, generation: u64, members: &[usize]) {
         self.generation = generation;
+        self.members = members.to_vec();
     }
 
     /// Whether the state at `progress` is already committed (or on its way).
@@ -241,7 +246,8 @@ impl Checkpointer {
             writer: self.writer,
             global_step: position.global_step,
             epoch: u64::from(position.epoch),
-            meta: serde_json::to_value(meta).map_err(CheckpointError::Meta)?,
+            meta: serde_json::to_value(Meta { members: self.members.clone(), ..meta.clone() })
+                .map_err(CheckpointError::Meta)?,
             blobs,
             score,
         };
@@ -296,5 +302,30 @@ impl Checkpointer {
     /// Removes this member's object of the reach probe `nonce`.
     pub(crate) fn remove_probe(&self, nonce: &str, place: usize) {
         self.runtime.block_on(self.probing().remove_reach_probe(nonce, place));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{Position, Reader};
+    use trainerd_sdk::PluginInfo;
+    use trainerd_storage::{Location, S3Options};
+
+    /// A commit names the ranks of the generation that made it, and a restore reads them back:
+    /// what lets a restarted coordinator know who was gone already.
+    #[test]
+    fn a_commit_names_its_generations_ranks() {
+        let store = Location::Memory.open(&S3Options::default()).unwrap();
+        let mut c = Checkpointer::new(store, 0).unwrap();
+        c.set_generation(3, &[0, 1, 3]);
+        let info = PluginInfo::classifier("linear", "0.1.0", "");
+        let meta = Meta::new(Position::start(1), &info, 3, "{}");
+        c.commit(Vec::new(), &meta, None).unwrap();
+        assert!(matches!(c.wait(), Some(Finished::Committed { sequence: 1, .. })));
+        let (restored, floor) = c.restore().unwrap();
+        let restored = restored.expect("the commit");
+        assert_eq!((floor, restored.record.generation), (3, 3));
+        assert_eq!(Meta::read(&restored, &info, Reader::Evaluation).unwrap().members, vec![0, 1, 3]);
     }
 }

@@ -290,6 +290,15 @@ impl Coordinator {
         c.state.floor = c.state.floor.max(generation);
     }
 
+    /// The latest commit was made by `generation`, of `members`: before any join reports a
+    /// generation as new, a rank it left out counts as gone at once.
+    pub(crate) fn set_committed(&self, generation: u64, members: &[usize]) {
+        let mut c = self.lock();
+        if !members.is_empty() {
+            c.state.committed = Some((generation, members.to_vec()));
+        }
+    }
+
     /// Runs the decisions until none is due, and wakes every waiting call (after an event, or
     /// when a decision changed something).
     fn settle(&self, c: &mut Coord) {

@@ -142,6 +142,9 @@ pub(crate) struct State {
     pub(crate) unanswered: BTreeSet<usize>,
     /// Each open barrier of a generation, by (generation, name): the ranks that arrived.
     pub(crate) barriers: BTreeMap<(u64, String), BTreeSet<usize>>,
+    /// The generation that made the latest commit, and its ranks (as the commit names them), when
+    /// this coordinator restored one.
+    pub(crate) committed: Option<(u64, Vec<usize>)>,
 }
 
 impl State {
@@ -166,6 +169,7 @@ impl State {
             closed: false,
             unanswered: BTreeSet::new(),
             barriers: BTreeMap::new(),
+            committed: None,
         }
     }
 
@@ -354,13 +358,15 @@ pub(crate) fn decide(state: &State, now: Instant, opts: &Options) -> Option<Deci
     // After a formation, a member known gone (its stream closed, silent past the deadline, or
     // never seen here and left out of the newest generation the joins report) is replaced once
     // out of sight for `replace_after` (0: at once); one that is live but has not joined yet is on
-    // its way and waited for. Before it, anyone missing for the rendezvous timeout.
+    // its way and waited for. Before it, anyone missing for the rendezvous timeout, unless the
+    // latest commit's generation had left it out (every process restarted since).
+    let never_seen_and_left_out = |r: usize, m: &MemberState| m.incarnation.is_none() && left_out.contains(&r);
     let replaceable = |r: usize, m: &MemberState| match rejoin {
         true => {
-            (m.lost || unseen(m) > opts.heartbeat_deadline || (m.incarnation.is_none() && left_out.contains(&r)))
+            (m.lost || unseen(m) > opts.heartbeat_deadline || never_seen_and_left_out(r, m))
                 && (opts.replace_after.is_zero() || unseen(m) > opts.replace_after)
         }
-        false => unseen(m) > opts.rendezvous_timeout,
+        false => unseen(m) > opts.rendezvous_timeout || never_seen_and_left_out(r, m),
     };
     let replaceable = state.members.iter().enumerate().all(|(r, m)| present.contains(&r) || replaceable(r, m));
     if present.len() >= opts.min_workers && present.contains(&state.own) && replaceable {
@@ -398,12 +404,15 @@ pub(crate) fn in_final_barrier(state: &State) -> bool {
         .any(|((g, name), arrived)| *g == state.generation && name == FINAL_BARRIER && !arrived.is_empty())
 }
 
-/// The ranks left out of the newest generation that a joined member reports: the coordinator
-/// before this one counted them gone.
+/// The ranks left out of the newest generation that a joined member reports, or that made the
+/// latest commit (where every process restarted, no join reports one): the coordinator before
+/// this one counted them gone.
 fn left_out(state: &State) -> Vec<usize> {
-    let newest = state.members.iter().filter_map(|m| m.joined.as_ref()).filter(|r| !r.members.is_empty());
-    let Some(newest) = newest.max_by_key(|r| r.generation) else { return Vec::new() };
-    (0..state.members.len()).filter(|r| !newest.members.contains(r)).collect()
+    let reported = state.members.iter().filter_map(|m| m.joined.as_ref()).filter(|r| !r.members.is_empty());
+    let reported = reported.map(|r| (r.generation, r.members.as_slice()));
+    let committed = state.committed.iter().map(|(g, members)| (*g, members.as_slice()));
+    let Some((_, newest)) = reported.chain(committed).max_by_key(|(g, _)| *g) else { return Vec::new() };
+    (0..state.members.len()).filter(|r| !newest.contains(r)).collect()
 }
 
 /// Why an active member has failed, if it has.
@@ -1004,6 +1013,34 @@ mod tests {
         s.members[..3].iter_mut().for_each(|m| m.last_seen = t0);
         // An older report (a member frozen since) does not speak for the newest generation.
         s.members[1].joined = Some(Report { members: vec![0, 1], ..report(5, 200, "old") });
+        assert_eq!(decide(&s, t0 + ms(10), &opts), None);
+    }
+
+    /// Found by the randomized soak: with worker 2 held down, workers 0, 1 and 3 were killed one
+    /// after another while the checkpoints' storage was cut, so no process held a live state and
+    /// the restarted chief resumed the latest commit. Nobody's join reported a generation, so the
+    /// coordinator waited the rendezvous timeout (300 s) for worker 2, as for a job's first start.
+    /// The commit names its generation's ranks: one it left out was gone already, and is not
+    /// waited for. A rank it held still is (a whole job started again waits for everyone).
+    #[test]
+    fn a_rank_the_latest_commit_left_out_is_not_waited_for_after_every_process_restarted() {
+        let t0 = Instant::now();
+        let mut s = State::new(4, 3, t0);
+        for r in [0, 1, 3] {
+            s.members[r].incarnation = Some(r as u64 + 1);
+            s.members[r].connected = true;
+            s.members[r].joined = Some(report(0, 0, ""));
+        }
+        let opts = Options { min_workers: 3, ..ELASTIC };
+        assert_eq!(decide(&s, t0 + ms(10), &opts), None, "no commit: the rendezvous timeout");
+        s.committed = Some((3, vec![0, 1, 3]));
+        let Some(Decision::Form(f)) = decide(&s, t0 + ms(10), &opts) else { panic!("worker 2 was gone already") };
+        assert_eq!((f.members, f.recovery), (vec![0, 1, 3], false));
+        s.committed = Some((3, vec![0, 1, 2, 3]));
+        assert_eq!(decide(&s, t0 + ms(10), &opts), None, "worker 2 was in the committed generation");
+        // A join's newer generation speaks over the commit's.
+        s.committed = Some((3, vec![0, 1, 3]));
+        s.members[1].joined = Some(Report { members: vec![0, 1, 2, 3], ..report(4, 10, "s") });
         assert_eq!(decide(&s, t0 + ms(10), &opts), None);
     }
 

@@ -145,6 +145,11 @@ pub(crate) struct Meta {
     /// The names `ckpt export` writes, when the plugin gives them ([`PluginInfo::export_names`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(crate) export_names: Vec<(String, String)>,
+    /// The ranks of the generation that committed it (none in commits made before the field):
+    /// after every process restarted, a rank it left out was already gone, and is not waited
+    /// for (docs/fault-tolerance.md, "Going on at once").
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) members: Vec<usize>,
 }
 
 /// The run configuration's key for the replicas of each worker (`--devices`). The math depends on
@@ -212,6 +217,7 @@ impl Meta {
             run_config: serde_json::from_str(run_config).expect("canonical JSON of our own"),
             rng: RNG_SCHEME.into(),
             export_names: info.export_names.clone(),
+            members: Vec::new(),
         }
     }
 

@@ -285,6 +285,15 @@ impl Session {
         }
     }
 
+    /// On the chief: the latest commit was made by `generation`, of `members` (none named in
+    /// commits before they were): a rank it left out is not waited for after every process
+    /// restarted.
+    pub(crate) fn set_committed(&self, generation: u64, members: &[usize]) {
+        if let Some(m) = &self.cluster {
+            m.plane.set_committed(generation, members);
+        }
+    }
+
     /// This member's state reached global step `step` (the furthest is what its beats and its
     /// next join carry).
     pub(crate) fn set_step(&mut self, step: u64) {

@@ -296,6 +296,14 @@ impl ControlPlane {
         }
     }
 
+    /// The latest commit was made by `generation`, of `members`: told to the coordinator this
+    /// process holds, if any.
+    pub(crate) fn set_committed(&self, generation: u64, members: &[usize]) {
+        if let Some(c) = self.seated() {
+            c.set_committed(generation, members);
+        }
+    }
+
     /// This member's state reached global step `step` in its generation: the furthest is what
     /// the beats carry.
     pub(crate) fn set_step(&self, step: u64) {
