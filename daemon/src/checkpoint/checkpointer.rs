@@ -63,8 +63,8 @@ pub(crate) struct Checkpointer {
     runtime: Arc<tokio::runtime::Runtime>,
     keep: usize,
     generation: u64,
-    /// The ranks of that generation, which its commits name.
-    members: Vec<usize>,
+    /// The ranks of that generation, which its commits name, of TF_CONFIG's worker count.
+    members: (Vec<usize>, usize),
     writer: u64,
     in_flight: Option<InFlight>,
     /// The store's transient failures when the commit in flight began.
@@ -90,7 +90,7 @@ impl Checkpointer {
             runtime: Arc::new(runtime),
             keep,
             generation: 1,
-            members: Vec::new(),
+            members: (Vec::new(), 0),
             writer: rand::random::<u64>() >> 1,
             in_flight: None,
             failures_before: 0,
@@ -142,10 +142,10 @@ impl Checkpointer {
     }
 
     /// Commits from now on carry `generation` (the cluster's current one) and name its
-    /// `members`.
-    pub(crate) fn set_generation(&mut self, generation: u64, members: &[usize]) {
+    /// `members`, ranks of a cluster of `world` workers.
+    pub(crate) fn set_generation(&mut self, generation: u64, (members, world): (&[usize], usize)) {
         self.generation = generation;
-        self.members = members.to_vec();
+        self.members = (members.to_vec(), world);
     }
 
     /// Whether the state at `progress` is already committed (or on its way).
@@ -246,8 +246,12 @@ impl Checkpointer {
             writer: self.writer,
             global_step: position.global_step,
             epoch: u64::from(position.epoch),
-            meta: serde_json::to_value(Meta { members: self.members.clone(), ..meta.clone() })
-                .map_err(CheckpointError::Meta)?,
+            meta: serde_json::to_value(Meta {
+                members: self.members.0.clone(),
+                cluster_workers: self.members.1,
+                ..meta.clone()
+            })
+            .map_err(CheckpointError::Meta)?,
             blobs,
             score,
         };
@@ -318,7 +322,7 @@ mod tests {
     fn a_commit_names_its_generations_ranks() {
         let store = Location::Memory.open(&S3Options::default()).unwrap();
         let mut c = Checkpointer::new(store, 0).unwrap();
-        c.set_generation(3, &[0, 1, 3]);
+        c.set_generation(3, (&[0, 1, 3], 4));
         let info = PluginInfo::classifier("linear", "0.1.0", "");
         let meta = Meta::new(Position::start(1), &info, 3, "{}");
         c.commit(Vec::new(), &meta, None).unwrap();
@@ -326,6 +330,7 @@ mod tests {
         let (restored, floor) = c.restore().unwrap();
         let restored = restored.expect("the commit");
         assert_eq!((floor, restored.record.generation), (3, 3));
-        assert_eq!(Meta::read(&restored, &info, Reader::Evaluation).unwrap().members, vec![0, 1, 3]);
+        let meta = Meta::read(&restored, &info, Reader::Evaluation).unwrap();
+        assert_eq!((meta.members, meta.cluster_workers), (vec![0, 1, 3], 4));
     }
 }

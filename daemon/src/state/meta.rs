@@ -150,6 +150,14 @@ pub(crate) struct Meta {
     /// for (docs/fault-tolerance.md, "Going on at once").
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(crate) members: Vec<usize>,
+    /// TF_CONFIG's worker count then: the ranks mean the same workers only in a cluster of that
+    /// size (a job started again with another count waits for everyone).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) cluster_workers: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// The run configuration's key for the replicas of each worker (`--devices`). The math depends on
@@ -218,6 +226,7 @@ impl Meta {
             rng: RNG_SCHEME.into(),
             export_names: info.export_names.clone(),
             members: Vec::new(),
+            cluster_workers: 0,
         }
     }
 

@@ -94,7 +94,9 @@ pub(super) fn restore(
     }
     let meta = Meta::read(&r, info, Reader::Training { workers, run_config })
         .map_err(|source| TrainError::Unfit { location: location.clone(), source })?;
-    session.set_committed(r.record.generation, &meta.members);
+    if meta.cluster_workers == session.world() {
+        session.set_committed(r.record.generation, &meta.members);
+    }
     if meta.workers != workers {
         report.line(&format!(
             "trainerd: checkpoint {} was written by {} worker(s), this run has {workers}: the same global batches \

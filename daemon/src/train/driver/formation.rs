@@ -58,7 +58,7 @@ impl Driver<'_> {
         (self.coordinates, self.formation) = (formed.coordinator == session.rank(), formed.digest.clone());
         self.coordinator = session.members().iter().position(|&r| r == formed.coordinator).unwrap_or(0);
         if let Some(c) = self.committer.as_mut() {
-            c.checkpointer().set_generation(formed.generation, &formed.members);
+            c.checkpointer().set_generation(formed.generation, (&formed.members, session.world()));
         }
         self.batches.keep(session.collective().slots());
         let owed = self.agree(state, session, (differed, formed.source))?;
