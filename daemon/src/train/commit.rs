@@ -257,11 +257,9 @@ impl Committer {
             // starts: its line, its event, the metrics and the last error stay current.
             self.poll(report);
         }
-        let c = &self.checkpointer;
         let position = state.position();
-        let last = Last { holds: c.has(position.progress()), stuck: c.stuck() };
         let score = if moment == Moment::EpochEnd { self.score(position) } else { None };
-        match decide(moment, position, state.model.live, self.policy, last) {
+        match self.decide(moment, state, report) {
             Action::Skip(Skip::Stuck) => {
                 self.skipped_stuck(position, report);
                 if let Some(score) = score {
@@ -277,6 +275,21 @@ impl Committer {
                 Ok(if moment.last() { self.wait(report) } else { None })
             }
         }
+    }
+
+    /// The policy's decision at `moment` for `state`. A commit to start waits for the one in
+    /// flight first, and is skipped as stuck should the storage fail under that one meanwhile.
+    fn decide(&mut self, moment: Moment, state: &TrainState, report: &mut Reporter<'_>) -> Action {
+        let position = state.position();
+        let last = |c: &Checkpointer| Last { holds: c.has(position.progress()), stuck: c.stuck() };
+        let action = decide(moment, position, state.model.live, self.policy, last(&self.checkpointer));
+        if action != Action::Commit {
+            return action;
+        }
+        if let Some(f) = self.checkpointer.wait_unless_stuck() {
+            report.commit_finished(self.checkpointer.location(), &f);
+        }
+        decide(moment, position, state.model.live, self.policy, last(&self.checkpointer))
     }
 
     /// Says that the commit of the state at `position` is skipped: the previous one is retrying.
@@ -296,10 +309,8 @@ impl Committer {
         if moment == Moment::Step {
             self.poll(report);
         }
-        let c = &self.checkpointer;
         let position = state.position();
-        let last = Last { holds: c.has(position.progress()), stuck: c.stuck() };
-        match decide(moment, position, state.model.live, self.policy, last) {
+        match self.decide(moment, state, report) {
             Action::Skip(Skip::Stuck) => {
                 self.skipped_stuck(position, report);
                 Parts::Done(None)
