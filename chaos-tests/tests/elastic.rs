@@ -559,6 +559,18 @@ fn a_killed_chief_is_replaced_at_once_and_returns_as_a_member() {
     assert_eq!(state, 1, "one default state directory for the job");
 }
 
+/// Four workers with the defaults a user gets, worker 3 killed and held down after step 20: the
+/// other three have formed without it.
+fn four_training_while_worker_3_is_held_down(dir: &Path) -> Cluster {
+    let (run, env) = at_once(LINEAR4, dir);
+    let mut c = Cluster::start(LINEAR4.workers, &run, &env, vec![], RESTART_SEC);
+    c.hold(3);
+    wait_for_step(&mut c, LINEAR4, 1, 20);
+    c.signal(3, libc::SIGKILL);
+    c.wait_event(0, formed_with(3, 4), DEADLINE);
+    c
+}
+
 /// Found by the randomized soak: the chief killed while another worker is held down. The two
 /// survivors of four (no majority) wait for the chief's restart, whose new coordinator has never
 /// seen the worker held down. Before, it counted that worker gone only a heartbeat deadline (1.5
@@ -568,12 +580,7 @@ fn a_killed_chief_is_replaced_at_once_and_returns_as_a_member() {
 #[test]
 fn a_restarted_chief_forms_at_once_with_the_survivors_while_another_worker_is_held_down() {
     let tmp = tempfile::tempdir().unwrap();
-    let (run, env) = at_once(LINEAR4, tmp.path());
-    let mut c = Cluster::start(LINEAR4.workers, &run, &env, vec![], RESTART_SEC);
-    c.hold(3);
-    wait_for_step(&mut c, LINEAR4, 1, 20);
-    c.signal(3, libc::SIGKILL);
-    c.wait_event(0, formed_with(3, 4), DEADLINE);
+    let mut c = four_training_while_worker_3_is_held_down(tmp.path());
     c.signal(0, libc::SIGKILL);
     let restarted = c.wait_for(|e| e.worker == 0 && e.what == What::Restarted, DEADLINE);
     let (formed, joined) = c.wait_event(1, formed_with(3, 4), DEADLINE);
@@ -594,12 +601,7 @@ fn a_restarted_chief_forms_at_once_with_the_survivors_while_another_worker_is_he
 #[test]
 fn every_process_restarted_while_a_worker_is_held_down_forms_without_it_at_once() {
     let tmp = tempfile::tempdir().unwrap();
-    let (run, env) = at_once(LINEAR4, tmp.path());
-    let mut c = Cluster::start(LINEAR4.workers, &run, &env, vec![], RESTART_SEC);
-    c.hold(3);
-    wait_for_step(&mut c, LINEAR4, 1, 20);
-    c.signal(3, libc::SIGKILL);
-    c.wait_event(0, formed_with(3, 4), DEADLINE);
+    let mut c = four_training_while_worker_3_is_held_down(tmp.path());
     c.wait_event(0, |e| matches!(e, Event::Committed { .. }), DEADLINE);
     for rank in 0..3 {
         c.signal(rank, libc::SIGKILL);
