@@ -35,4 +35,4 @@ pub use batch::{Batch, ATTENTION_MASK, LABEL};
 pub use columns::{Column, Columns, DeclarationError, Decode, Side};
 pub use model::{InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
 pub use tch;
-pub use training::{DecayShape, LrSchedule, NoDecay, OptimizerConfig, TrainDefaults};
+pub use training::{DecayShape, KerasOptimizer, KerasRule, LrSchedule, NoDecay, OptimizerConfig, TrainDefaults};

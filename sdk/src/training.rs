@@ -21,7 +21,7 @@ pub struct TrainDefaults {
     pub schedule: LrSchedule,
 }
 
-/// An optimizer and its hyper-parameters, with PyTorch's meaning and defaults.
+/// An optimizer and its hyper-parameters, with PyTorch's meaning and defaults, or Keras's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "name", rename_all = "lowercase")]
 pub enum OptimizerConfig {
@@ -82,6 +82,144 @@ pub enum OptimizerConfig {
         /// Normalise by the estimated variance of the gradient.
         centered: bool,
     },
+    /// One of Keras's optimizers with Keras's hyper-parameters and update rules: what a Keras
+    /// model's `compile(optimizer=...)` named.
+    Keras(KerasOptimizer),
+}
+
+/// A Keras optimizer (Keras 3's rules, as its PyTorch backend runs them): the gradients clipped
+/// (`clipnorm` per variable; `global_clipnorm` or `clipvalue` over all), then each decayed variable
+/// shrunk by `lr * weight_decay` of itself (decoupled, on every optimizer), then the rule's update.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KerasOptimizer {
+    /// The update rule and its own hyper-parameters.
+    pub rule: KerasRule,
+    /// `learning_rate`.
+    pub lr: f64,
+    /// `weight_decay` (0: none).
+    pub weight_decay: f64,
+    /// The variables `exclude_from_weight_decay` exempts, by name under the model.
+    #[serde(default)]
+    pub no_decay: Vec<String>,
+    /// `clipnorm`: each variable's gradient scaled to at most this 2-norm.
+    #[serde(default)]
+    pub clipnorm: Option<f64>,
+    /// `global_clipnorm`: every gradient scaled so that their global 2-norm is at most this.
+    #[serde(default)]
+    pub global_clipnorm: Option<f64>,
+    /// `clipvalue`: every gradient element clamped to [-clipvalue, clipvalue].
+    #[serde(default)]
+    pub clipvalue: Option<f64>,
+}
+
+/// A Keras optimizer's update rule. Where it differs from PyTorch's: SGD's momentum buffer holds
+/// `-lr·g` steps (`m = momentum·m - lr·g`); Adam adds epsilon to the uncorrected `√v` (`p -= α·m /
+/// (√v + ε)` with `α = lr·√(1-β₂ᵗ)/(1-β₁ᵗ)`); RMSprop adds epsilon under the root (`g·lr /
+/// √(v + ε)`). Keras's defaults: epsilon 1e-7, RMSprop's rho 0.9.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum KerasRule {
+    /// `keras.optimizers.SGD`.
+    Sgd {
+        /// `momentum` (0: none).
+        momentum: f64,
+        /// `nesterov`.
+        nesterov: bool,
+    },
+    /// `keras.optimizers.Adam`.
+    Adam {
+        /// `beta_1`.
+        beta1: f64,
+        /// `beta_2`.
+        beta2: f64,
+        /// `epsilon`.
+        eps: f64,
+    },
+    /// `keras.optimizers.AdamW`: Adam's rule; it differs in its default weight decay (0.004).
+    Adamw {
+        /// `beta_1`.
+        beta1: f64,
+        /// `beta_2`.
+        beta2: f64,
+        /// `epsilon`.
+        eps: f64,
+    },
+    /// `keras.optimizers.RMSprop`.
+    Rmsprop {
+        /// `rho`.
+        rho: f64,
+        /// `momentum` (0: none).
+        momentum: f64,
+        /// `epsilon`.
+        eps: f64,
+        /// `centered`.
+        centered: bool,
+    },
+}
+
+impl KerasOptimizer {
+    /// Keras's defaults for the optimizer `name` (`sgd`, `adam`, `adamw`, `rmsprop`) at rate `lr`.
+    pub fn defaults(name: &str, lr: f64) -> Option<KerasOptimizer> {
+        let (rule, weight_decay) = match name {
+            "sgd" => (KerasRule::Sgd { momentum: 0.0, nesterov: false }, 0.0),
+            "adam" => (KerasRule::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-7 }, 0.0),
+            "adamw" => (KerasRule::Adamw { beta1: 0.9, beta2: 0.999, eps: 1e-7 }, 0.004),
+            "rmsprop" => (KerasRule::Rmsprop { rho: 0.9, momentum: 0.0, eps: 1e-7, centered: false }, 0.0),
+            _ => return None,
+        };
+        Some(KerasOptimizer {
+            rule,
+            lr,
+            weight_decay,
+            no_decay: Vec::new(),
+            clipnorm: None,
+            global_clipnorm: None,
+            clipvalue: None,
+        })
+    }
+
+    /// The rule's lower-case name.
+    pub fn name(&self) -> &'static str {
+        match self.rule {
+            KerasRule::Sgd { .. } => "sgd",
+            KerasRule::Adam { .. } => "adam",
+            KerasRule::Adamw { .. } => "adamw",
+            KerasRule::Rmsprop { .. } => "rmsprop",
+        }
+    }
+
+    /// Its hyper-parameters under Keras's names, as the start-up line shows them.
+    pub fn describe(&self) -> String {
+        let mut parts = vec![format!("learning_rate {}", self.lr)];
+        match self.rule {
+            KerasRule::Sgd { momentum, nesterov } => {
+                parts.push(format!("momentum {momentum}"));
+                parts.push(format!("nesterov {nesterov}"));
+            }
+            KerasRule::Adam { beta1, beta2, eps } | KerasRule::Adamw { beta1, beta2, eps } => {
+                parts.push(format!("beta_1 {beta1}"));
+                parts.push(format!("beta_2 {beta2}"));
+                parts.push(format!("epsilon {eps}"));
+            }
+            KerasRule::Rmsprop { rho, momentum, eps, centered } => {
+                parts.push(format!("rho {rho}"));
+                parts.push(format!("momentum {momentum}"));
+                parts.push(format!("epsilon {eps}"));
+                parts.push(format!("centered {centered}"));
+            }
+        }
+        if self.weight_decay != 0.0 {
+            let exempt = match self.no_decay.len() {
+                0 => " (every variable)".to_string(),
+                n => format!(" ({n} variable(s) excluded)"),
+            };
+            parts.push(format!("weight_decay {}{exempt}", self.weight_decay));
+        }
+        let clips =
+            [("clipnorm", self.clipnorm), ("global_clipnorm", self.global_clipnorm), ("clipvalue", self.clipvalue)];
+        parts.extend(clips.iter().filter_map(|(name, v)| v.map(|v| format!("{name} {v}"))));
+        parts.join(", ")
+    }
 }
 
 /// Which parameters AdamW does not decay: the second of its two groups.
@@ -146,6 +284,7 @@ impl OptimizerConfig {
             OptimizerConfig::Adam { .. } => "adam",
             OptimizerConfig::Adamw { .. } => "adamw",
             OptimizerConfig::Rmsprop { .. } => "rmsprop",
+            OptimizerConfig::Keras(k) => k.name(),
         }
     }
 
@@ -155,7 +294,8 @@ impl OptimizerConfig {
             OptimizerConfig::Sgd { lr, .. }
             | OptimizerConfig::Adam { lr, .. }
             | OptimizerConfig::Adamw { lr, .. }
-            | OptimizerConfig::Rmsprop { lr, .. } => lr,
+            | OptimizerConfig::Rmsprop { lr, .. }
+            | OptimizerConfig::Keras(KerasOptimizer { lr, .. }) => lr,
         }
     }
 }

@@ -87,6 +87,9 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
         progress = progress.without_step_lines();
     }
     announce(&mut progress, &plugin, &facts, (&cfg, not_nccl.as_deref()));
+    if let Some(line) = keras_line(&cfg, &optimizer_flags(&args.optim)) {
+        progress.line(&line);
+    }
     if let Some(addr) = args.metrics_addr {
         let bound = serve::start(addr, Arc::clone(&telemetry), token)?;
         progress.line(&format!("trainerd: metrics on http://{bound}/metrics, health on http://{bound}/healthz"));
@@ -223,6 +226,22 @@ fn run_config(
     if args.shard_optimizer {
         shardable(&devices, cluster.is_some() && checkpoint.is_none())?;
     }
+    let keras = match &optimizer {
+        trainerd_sdk::OptimizerConfig::Keras(k) => Some(k),
+        _ => None,
+    };
+    if args.shard_optimizer && keras.is_some_and(|k| k.clipnorm.is_some()) {
+        anyhow::bail!(
+            "--shard-optimizer with the Keras optimizer's clipnorm: clipnorm scales each variable's gradient by its \
+             own norm, which no worker holds whole when the state is sharded; use global_clipnorm in compile() (or \
+             --clip-norm), or train without --shard-optimizer"
+        );
+    }
+    // compile()'s global_clipnorm and clipvalue, where the flags say nothing.
+    let clip = crate::optim::clip::Clip {
+        norm: args.clip_norm.or(keras.and_then(|k| k.global_clipnorm)),
+        value: args.clip_value.or(keras.and_then(|k| k.clipvalue)),
+    };
     Ok(RunConfig {
         data,
         plugin: plugin.agreement(),
@@ -239,7 +258,7 @@ fn run_config(
         device: devices[0],
         devices,
         accumulate: args.accumulate as usize,
-        clip: crate::optim::clip::Clip { norm: args.clip_norm, value: args.clip_value },
+        clip,
         shard_optimizer: args.shard_optimizer,
         catch_up_memory: args.catch_up_memory,
         callbacks: callbacks(args, plugin)?,
@@ -275,6 +294,17 @@ fn shardable(devices: &[tch::Device], uncommitted: bool) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A Keras model's optimizer as the run uses it: compile()'s, with Keras's rules, and which flags
+/// won over what compile() said. `None` for other models.
+fn keras_line(cfg: &RunConfig, flags: &OptimizerFlags) -> Option<String> {
+    let trainerd_sdk::OptimizerConfig::Keras(k) = &cfg.optimizer else { return None };
+    let whose = match flags::keras_overrides(flags) {
+        Some(given) => format!("from compile(), {given} from the command line over it"),
+        None => "from compile()".to_string(),
+    };
+    Some(format!("trainerd: optimizer {whose}: {} with Keras's update rules, {}", k.name(), k.describe()))
 }
 
 /// The GPU model of each CUDA device in `devices` (none on the CPU).

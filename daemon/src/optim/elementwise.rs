@@ -59,6 +59,74 @@ pub(crate) enum Rule {
         /// `-lr`.
         neg_lr: f32,
     },
+    /// Keras's SGD (Keras 3 on PyTorch): `g` clipped ([`KerasClip`]), `p` shrunk by the decoupled
+    /// decay, then with momentum `m = m·momentum + g·(-lr)` and `p = p + g·(-lr) + m·momentum`
+    /// (Nesterov) or `p = p + m`; without, `p = p + g·(-lr)`. State: `[momentum]` when `momentum` is
+    /// not 0 (zeros at the start, as Keras makes it).
+    KerasSgd {
+        /// `1 - weight_decay·lr`, by which a decayed parameter is multiplied first.
+        shrink: Option<f32>,
+        /// `clipnorm`'s scaling of this parameter's gradient.
+        clip: Option<KerasClip>,
+        /// Momentum (0: none).
+        momentum: f32,
+        /// Nesterov momentum.
+        nesterov: bool,
+        /// `-lr`.
+        neg_lr: f32,
+    },
+    /// Keras's Adam and AdamW: `m = m·β₁ + g·(1-β₁)`, `v = v·β₂ + g²·(1-β₂)`, `p = p - m·α / (√v +
+    /// ε)`, after the clipping and the shrink as [`Rule::KerasSgd`]. State: `[m, v]`.
+    KerasAdam {
+        /// As [`Rule::KerasSgd`]'s.
+        shrink: Option<f32>,
+        /// As [`Rule::KerasSgd`]'s.
+        clip: Option<KerasClip>,
+        /// `beta1`, `1 - beta1`, `beta2`, `1 - beta2`.
+        betas: [f32; 4],
+        /// Epsilon.
+        eps: f32,
+        /// `lr·√(1-β₂ᵗ)/(1-β₁ᵗ)`, in float32 as Keras computes it.
+        alpha: f32,
+    },
+    /// Keras's RMSprop: `v = v·ρ + g²·(1-ρ)`, `d = v + ε` (centered: `a = a·ρ + g·(1-ρ)`, `d = d -
+    /// a²`), `i = g·lr / √d`; with momentum `o = o·momentum + i`, `p = p - o`, else `p = p - i`.
+    /// State: `[v]`, then `o` with momentum, then `a` when centered.
+    KerasRmsprop {
+        /// As [`Rule::KerasSgd`]'s.
+        shrink: Option<f32>,
+        /// As [`Rule::KerasSgd`]'s.
+        clip: Option<KerasClip>,
+        /// `rho`, `1 - rho`.
+        rho: [f32; 2],
+        /// Epsilon.
+        eps: f32,
+        /// Momentum, when not 0.
+        momentum: Option<f32>,
+        /// Centered.
+        centered: bool,
+        /// `lr`.
+        lr: f32,
+    },
+}
+
+/// Keras's `clipnorm` of one variable's gradient: `g·clipnorm / max(‖g‖, clipnorm)`, applied
+/// whatever the norm (as Keras does).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct KerasClip {
+    /// `clipnorm`.
+    pub(crate) clipnorm: f32,
+    /// `max(‖g‖, clipnorm)`.
+    pub(crate) divisor: f32,
+}
+
+impl KerasClip {
+    fn apply(clip: Option<KerasClip>, g: f32) -> f32 {
+        match clip {
+            Some(c) => g * c.clipnorm / c.divisor,
+            None => g,
+        }
+    }
 }
 
 /// What an update stores.
@@ -88,7 +156,11 @@ impl Rule {
         match *self {
             Rule::Sgd { momentum, .. } => usize::from(momentum != 0.0),
             Rule::Adam { .. } => 2,
-            Rule::Rmsprop { momentum, centered, .. } => 1 + usize::from(momentum.is_some()) + usize::from(centered),
+            Rule::Rmsprop { momentum, centered, .. } | Rule::KerasRmsprop { momentum, centered, .. } => {
+                1 + usize::from(momentum.is_some()) + usize::from(centered)
+            }
+            Rule::KerasSgd { momentum, .. } => usize::from(momentum != 0.0),
+            Rule::KerasAdam { .. } => 2,
         }
     }
 
@@ -145,6 +217,90 @@ impl Rule {
                 }
             }
             Rule::Rmsprop { .. } => self.rmsprop((p, &mut out), g, state, (wp, ws)),
+            Rule::KerasSgd { .. } | Rule::KerasAdam { .. } | Rule::KerasRmsprop { .. } => {
+                self.keras((p, &mut out), g, state, (wp, ws))
+            }
+        }
+    }
+
+    /// Keras's loops ([`Rule::apply`]'s, for these rules): each operation as Keras's PyTorch
+    /// backend runs it, one float32 rounding each.
+    fn keras(
+        &self,
+        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        (wp, ws): (bool, bool),
+    ) {
+        let shrunk = |shrink: Option<f32>, pi: f32| shrink.map_or(pi, |s| pi * s);
+        match *self {
+            Rule::KerasSgd { shrink, clip, momentum, nesterov, neg_lr } => {
+                for i in 0..p.len() {
+                    let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
+                    let new = if momentum != 0.0 {
+                        let m = state[0][i] * momentum + neg_lr * grad;
+                        if ws {
+                            state[0][i] = m;
+                        }
+                        if nesterov {
+                            (pi + neg_lr * grad) + momentum * m
+                        } else {
+                            pi + m
+                        }
+                    } else {
+                        pi + neg_lr * grad
+                    };
+                    if wp {
+                        put(p, out, i, new);
+                    }
+                }
+            }
+            Rule::KerasAdam { shrink, clip, betas: [b1, one_b1, b2, one_b2], eps, alpha } => {
+                for i in 0..p.len() {
+                    let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
+                    let m = state[0][i] * b1 + one_b1 * grad;
+                    let v = state[1][i] * b2 + one_b2 * (grad * grad);
+                    if ws {
+                        (state[0][i], state[1][i]) = (m, v);
+                    }
+                    if wp {
+                        put(p, out, i, pi - (m * alpha) / (v.sqrt() + eps));
+                    }
+                }
+            }
+            Rule::KerasRmsprop { shrink, clip, rho: [rho, one_rho], eps, momentum, centered, lr } => {
+                let (mom_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
+                for i in 0..p.len() {
+                    let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
+                    let v = state[0][i] * rho + one_rho * (grad * grad);
+                    let mut denom = v + eps;
+                    if centered {
+                        let a = state[avg_at][i] * rho + one_rho * grad;
+                        if ws {
+                            state[avg_at][i] = a;
+                        }
+                        denom -= a * a;
+                    }
+                    if ws {
+                        state[0][i] = v;
+                    }
+                    let increment = (grad * lr) / denom.sqrt();
+                    let new = match momentum {
+                        Some(mo) => {
+                            let o = state[mom_at][i] * mo + increment;
+                            if ws {
+                                state[mom_at][i] = o;
+                            }
+                            pi - o
+                        }
+                        None => pi - increment,
+                    };
+                    if wp {
+                        put(p, out, i, new);
+                    }
+                }
+            }
+            _ => unreachable!("Keras's rules"),
         }
     }
 

@@ -2,7 +2,7 @@
 //! A flag wins over the plugin's default; a flag that does not apply to the chosen optimizer is
 //! an error rather than silently ignored.
 
-use trainerd_sdk::{NoDecay, OptimizerConfig};
+use trainerd_sdk::{KerasOptimizer, KerasRule, NoDecay, OptimizerConfig};
 
 use super::FlagError;
 
@@ -35,6 +35,10 @@ pub(crate) fn optimizer(
     no_decay: &[String],
 ) -> Result<OptimizerConfig, FlagError> {
     let mut config = chosen(default, flags.name.as_deref())?;
+    if let OptimizerConfig::Keras(k) = &mut config {
+        keras(k, flags)?;
+        return checked(config);
+    }
     let name = config.name();
     let inapplicable = |flag: &'static str| FlagError::Inapplicable { flag, optimizer: name };
     let adams = ["--adam-beta1", "--adam-beta2", "--adam-epsilon"];
@@ -78,6 +82,7 @@ pub(crate) fn optimizer(
                 return Err(inapplicable("--nesterov"));
             }
         }
+        OptimizerConfig::Keras(_) => unreachable!("handled above"),
     }
     if let OptimizerConfig::Adamw { no_decay: rule, .. } = &mut config {
         if flags.decay_all {
@@ -89,12 +94,85 @@ pub(crate) fn optimizer(
     checked(config)
 }
 
+/// The flags over a Keras model's optimizer (Keras's rules): each hyper-parameter of Keras's that
+/// a flag names; `--decay-all-parameters` undoes `exclude_from_weight_decay`.
+fn keras(k: &mut KerasOptimizer, flags: &OptimizerFlags) -> Result<(), FlagError> {
+    let name = k.name();
+    let inapplicable = |flag: &'static str| FlagError::Inapplicable { flag, optimizer: name };
+    set(&mut k.lr, flags.lr);
+    set(&mut k.weight_decay, flags.weight_decay);
+    if flags.decay_all {
+        k.no_decay.clear();
+    }
+    let adams = ["--adam-beta1", "--adam-beta2", "--adam-epsilon"];
+    match &mut k.rule {
+        KerasRule::Sgd { momentum, nesterov } => {
+            set(momentum, flags.momentum);
+            *nesterov |= flags.nesterov;
+            if *nesterov && *momentum <= 0.0 {
+                return Err(FlagError::NesterovWithoutMomentum);
+            }
+        }
+        KerasRule::Adam { beta1, beta2, eps } | KerasRule::Adamw { beta1, beta2, eps } => {
+            for (field, flag) in [beta1, beta2, eps].into_iter().zip(flags.adam) {
+                set(field, flag);
+            }
+            if flags.momentum.is_some() {
+                return Err(inapplicable("--momentum"));
+            }
+        }
+        KerasRule::Rmsprop { momentum, .. } => set(momentum, flags.momentum),
+    }
+    if flags.nesterov && !matches!(k.rule, KerasRule::Sgd { .. }) {
+        return Err(inapplicable("--nesterov"));
+    }
+    if let Some(i) = flags.adam.iter().position(Option::is_some) {
+        if !matches!(k.rule, KerasRule::Adam { .. } | KerasRule::Adamw { .. }) {
+            return Err(inapplicable(adams[i]));
+        }
+    }
+    Ok(())
+}
+
+/// Which of a Keras model's hyper-parameters the flags set, as the start-up line says it:
+/// `--lr` and `--momentum` over compile()'s, or `None` when the flags set none.
+pub(crate) fn keras_overrides(flags: &OptimizerFlags) -> Option<String> {
+    let given: Vec<&str> = [
+        (flags.name.is_some(), "--optimizer"),
+        (flags.lr.is_some(), "--lr"),
+        (flags.momentum.is_some(), "--momentum"),
+        (flags.weight_decay.is_some(), "--weight-decay"),
+        (flags.nesterov, "--nesterov"),
+        (flags.adam[0].is_some(), "--adam-beta1"),
+        (flags.adam[1].is_some(), "--adam-beta2"),
+        (flags.adam[2].is_some(), "--adam-epsilon"),
+        (flags.decay_all, "--decay-all-parameters"),
+    ]
+    .into_iter()
+    .filter_map(|(set, flag)| set.then_some(flag))
+    .collect();
+    (!given.is_empty()).then(|| given.join(", "))
+}
+
 /// The optimizer `--optimizer` names (the plugin's default when it names none, or the default's
-/// own), with PyTorch's defaults and the default's learning rate.
+/// own), with PyTorch's defaults and the default's learning rate; Keras's defaults when the
+/// default is a Keras model's.
 fn chosen(default: &OptimizerConfig, name: Option<&str>) -> Result<OptimizerConfig, FlagError> {
     Ok(match name {
         None => default.clone(),
         Some(name) if name == default.name() => default.clone(),
+        Some(name) if matches!(default, OptimizerConfig::Keras(_)) => {
+            match KerasOptimizer::defaults(name, default.lr()) {
+                Some(k) => OptimizerConfig::Keras(k),
+                None => {
+                    return Err(FlagError::Form {
+                        flag: "--optimizer",
+                        text: name.into(),
+                        expected: "sgd, adam, adamw or rmsprop",
+                    })
+                }
+            }
+        }
         Some("sgd") => OptimizerConfig::sgd(default.lr()),
         Some("adam") => OptimizerConfig::adam(default.lr()),
         Some("adamw") => OptimizerConfig::adamw(default.lr()),
@@ -114,7 +192,17 @@ fn checked(config: OptimizerConfig) -> Result<OptimizerConfig, FlagError> {
     if !(config.lr() > 0.0 && config.lr().is_finite()) {
         return Err(FlagError::Form { flag: "--lr", text: config.lr().to_string(), expected: "a positive number" });
     }
-    if let OptimizerConfig::Adam { beta1, beta2, .. } | OptimizerConfig::Adamw { beta1, beta2, .. } = config {
+    let betas = match config {
+        OptimizerConfig::Adam { beta1, beta2, .. } | OptimizerConfig::Adamw { beta1, beta2, .. } => {
+            Some((beta1, beta2))
+        }
+        OptimizerConfig::Keras(KerasOptimizer {
+            rule: KerasRule::Adam { beta1, beta2, .. } | KerasRule::Adamw { beta1, beta2, .. },
+            ..
+        }) => Some((beta1, beta2)),
+        _ => None,
+    };
+    if let Some((beta1, beta2)) = betas {
         for (flag, beta) in [("--adam-beta1", beta1), ("--adam-beta2", beta2)] {
             if !(0.0..1.0).contains(&beta) {
                 return Err(FlagError::Form { flag, text: beta.to_string(), expected: "a number from 0 to below 1" });

@@ -80,25 +80,33 @@ struct Pending {
 
 /// The state names of `config`'s rule, in the rule's order (as [`Optimizer::state`] names them).
 fn slot_names(config: &OptimizerConfig) -> Vec<&'static str> {
-    match *config {
-        OptimizerConfig::Sgd { momentum, .. } => {
-            if momentum != 0.0 {
-                vec!["momentum_buffer"]
-            } else {
-                vec![]
-            }
-        }
-        OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. } => vec!["exp_avg", "exp_avg_sq"],
-        OptimizerConfig::Rmsprop { momentum, centered, .. } => {
-            let mut names = vec!["square_avg"];
-            if momentum > 0.0 {
-                names.push("momentum_buffer");
-            }
-            if centered {
-                names.push("grad_avg");
-            }
-            names
-        }
+    use trainerd_sdk::KerasRule;
+    let (momentum, centered) = match *config {
+        OptimizerConfig::Sgd { momentum, .. } => return sgd_slots(momentum),
+        OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. } => return vec!["exp_avg", "exp_avg_sq"],
+        OptimizerConfig::Keras(ref k) => match k.rule {
+            KerasRule::Sgd { momentum, .. } => return sgd_slots(momentum),
+            KerasRule::Adam { .. } | KerasRule::Adamw { .. } => return vec!["exp_avg", "exp_avg_sq"],
+            KerasRule::Rmsprop { momentum, centered, .. } => (momentum, centered),
+        },
+        OptimizerConfig::Rmsprop { momentum, centered, .. } => (momentum, centered),
+    };
+    let mut names = vec!["square_avg"];
+    if momentum > 0.0 {
+        names.push("momentum_buffer");
+    }
+    if centered {
+        names.push("grad_avg");
+    }
+    names
+}
+
+/// SGD's state names (PyTorch's rule or Keras's).
+fn sgd_slots(momentum: f64) -> Vec<&'static str> {
+    if momentum != 0.0 {
+        vec!["momentum_buffer"]
+    } else {
+        vec![]
     }
 }
 

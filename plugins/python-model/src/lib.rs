@@ -65,6 +65,9 @@ struct FileInfo {
     no_decay: Vec<String>,
     #[serde(default)]
     vocab_size: Option<u64>,
+    /// A compiled Keras model's optimizer, with Keras's rules.
+    #[serde(default)]
+    optimizer: Option<trainerd_sdk::OptimizerConfig>,
 }
 
 fn device_name(device: Device) -> String {
@@ -126,6 +129,9 @@ impl Model for PythonModel {
         info.export_names = file.export_names;
         info.no_decay = file.no_decay;
         info.vocab_size = file.vocab_size;
+        if let Some(optimizer) = file.optimizer {
+            info.defaults.optimizer = optimizer;
+        }
         if let Some(columns) = file.columns {
             let parsed = columns
                 .into_iter()

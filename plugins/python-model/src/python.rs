@@ -27,6 +27,8 @@ const VERSION: &str = env!("TRAINERD_PYTHON_VERSION");
 const PYTHON: &str = env!("TRAINERD_PYTHON_EXECUTABLE");
 
 const RUNTIME: &str = include_str!("runtime.py");
+/// The runtime's part for Keras models, which it imports as `trainerd_keras_runtime`.
+const KERAS_RUNTIME: &str = include_str!("keras_model.py");
 
 /// Before the interpreter starts: its checks, with the site-packages on the path, `torch` not yet
 /// imported (a `torch` of another version would load a second libtorch).
@@ -129,6 +131,8 @@ fn runtime() -> Result<&'static Py<PyModule>, PluginError> {
                 globals.set_item("LIBTORCH", LIBTORCH_VERSION)?;
                 let code = CString::new(PREFLIGHT).expect("no NUL");
                 py.run(&code, Some(&globals), None)?;
+                let code = CString::new(KERAS_RUNTIME).expect("no NUL");
+                PyModule::from_code(py, &code, c"trainerd_keras_runtime.py", c"trainerd_keras_runtime")?;
                 let code = CString::new(RUNTIME).expect("no NUL");
                 let module = PyModule::from_code(py, &code, c"trainerd_python_runtime.py", c"trainerd_python_runtime")?;
                 Ok::<_, PyErr>(module.unbind())

@@ -34,8 +34,12 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+import trainerd_keras_runtime as keras_model
+
 LABEL = "label"
 ATTENTION_MASK = "attention_mask"
+# What a file that declares no columns trains on: the MNIST-format data's.
+MNIST_COLUMNS = {"image": "image:1x28x28", LABEL: "integer"}
 
 
 class ModelFileError(Exception):
@@ -94,6 +98,8 @@ def load(path):
     folder = os.path.dirname(path)
     if folder not in sys.path:
         sys.path.append(folder)
+    # A Keras 3 model runs on Keras's torch backend: set before the file imports keras.
+    os.environ["KERAS_BACKEND"] = "torch"
     name = "trainerd_model_" + hashlib.sha256(path.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -206,15 +212,8 @@ def _arguments(path, module, given):
     return args
 
 
-def info(path, given):
-    """What the plugin's info says of the file: a dict of plain values."""
-    module = load(path)
-    path = os.path.abspath(path)
-    args = _arguments(path, module, given)
-    if not callable(getattr(module, "model", None)):
-        raise ModelFileError(
-            f"model file {path} defines no model function: expected def model(args) -> torch.nn.Module"
-        )
+def _columns(path, module, args):
+    """The columns the file declares (a dict of name to kind), or None."""
     columns = getattr(module, "columns", None)
     if callable(columns):
         try:
@@ -226,27 +225,73 @@ def info(path, given):
             f"model file {path}: columns is {type(columns).__name__}, expected a dict of column name to kind, "
             f"such as {{\"input_ids\": \"tokens:128\"}}"
         )
+    return columns
+
+
+def _build(path, module, args, device, columns):
+    """The file's model(args) on `device`, and its `KerasModel` when it is a compiled Keras model
+    (None for a torch.nn.Module): built with Keras prepared (names, seed, device) when the file
+    uses Keras."""
+    try:
+        with keras_model.building(module.__trainerd_source__, device, torch.initial_seed()):
+            net = module.model(dict(args))
+    except Exception as e:  # noqa: BLE001
+        raise _raised(path, "model(args)", e) from None
+    if not keras_model.is_model(net):
+        return net, None
+    try:
+        return net, keras_model.KerasModel(net, columns or MNIST_COLUMNS, device)
+    except keras_model.Refused as e:
+        raise ModelFileError(f"model file {path}: {e}") from None
+    except Exception as e:  # noqa: BLE001
+        raise _raised(path, "building the Keras model", e) from None
+
+
+def info(path, given):
+    """What the plugin's info says of the file: a dict of plain values."""
+    module = load(path)
+    path = os.path.abspath(path)
+    args = _arguments(path, module, given)
+    if not callable(getattr(module, "model", None)):
+        raise ModelFileError(
+            f"model file {path} defines no model function: expected def model(args) -> torch.nn.Module"
+        )
+    columns = _columns(path, module, args)
+    keras = None
+    if keras_model.imported(module.__trainerd_source__) is not None:
+        # A Keras model is built for real (on the CPU): what compile() said is read from it.
+        _, keras = _build(path, module, args, "cpu", columns)
+        if keras is not None and columns is None:
+            # It trains on MNIST-format data as Parquet too (`trainerd data convert`'s columns).
+            columns = dict(MNIST_COLUMNS)
     no_decay = getattr(module, "no_decay", [])
     if not (isinstance(no_decay, (list, tuple)) and all(isinstance(n, str) and n for n in no_decay)):
         raise ModelFileError(
             f"model file {path}: no_decay is {no_decay!r}, expected a list of name parts such as [\"bias\", \"norm\"] "
             f"(AdamW leaves undecayed each parameter whose name contains one)"
         )
-    names = _metrics_of(path, module)
+    names = keras.metric_names() if keras is not None else _metrics_of(path, module)
     source = module.__trainerd_source__
     identity = {"module_sha256": hashlib.sha256(source).hexdigest(), "torch": torch.__version__}
     packages = _imported_distributions(path, source)
     packages.pop("torch", None)
     identity.update({f"package {d}": v for d, v in packages.items()})
     identity.update({f"arg {k}": v for k, v in sorted(args.items())})
+    identity.update(keras_model.identity() if keras is not None else {})
     doc = (module.__doc__ or "").strip().splitlines()
+    if keras is not None:
+        # Each variable under its path (`sequential/conv2d/kernel`), the name the export keeps.
+        facts = {"export_names": [[v.path, v.path] for v in keras.variables], "vocab_size": None,
+                 "optimizer": keras.optimizer}
+    else:
+        facts = _meta_facts(path, module, args)
     return {
         "description": doc[0] if doc else f"model(args) of {os.path.basename(path)}",
         "columns": None if columns is None else [[k, str(v)] for k, v in columns.items()],
         "metrics": names,
         "identity": identity,
         "language_model": bool(getattr(module, "language_model", False)),
-        **_meta_facts(path, module, args),
+        **facts,
         "no_decay": list(no_decay),
     }
 
@@ -351,10 +396,13 @@ class Runner:
         if device.type == "cuda":
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
-        try:
-            net = module.model(dict(self.args))
-        except Exception as e:  # noqa: BLE001
-            raise _raised(path, "model(args)", e) from None
+        net, self.keras = _build(path, module, self.args, str(device), _columns(path, module, self.args))
+        if self.keras is not None:
+            self.names = self.keras.metric_names()
+            self.module = net
+            # Each variable under its path; a seed generator's state is not among them.
+            self.tensors = [(v.path, v.value) for v in self.keras.variables]
+            return
         if not isinstance(net, torch.nn.Module):
             raise ModelFileError(
                 f"model file {path}: model(args) returned {_describe(net)}, expected a torch.nn.Module"
@@ -386,6 +434,10 @@ class Runner:
 
     def step(self, batch, train):
         """(mean loss, float64 metric sums in `names` order) of a batch."""
+        if self.keras is not None:
+            loss, sums = self._call("the Keras model's step", self.keras.step, batch, train)
+            self._check_loss(loss, train)
+            return loss, sums
         self._mode(train)
         logits = outputs = None
         if self.loss_fn is not None:
@@ -472,12 +524,10 @@ class Runner:
 
     def predict(self, batch):
         """Outputs per example of a batch, in evaluation mode without gradients."""
-        self._mode(False)
-        with torch.no_grad():
-            if self.predict_fn is not None:
-                out = self._call("predict(module, batch)", self.predict_fn, self.module, batch)
-            else:
-                out = self._call("the forward pass (the default predict)", lambda b: self.module(_input(b)), batch)
+        if self.keras is not None:
+            out = self._call("the Keras model's predict", self.keras.predict, batch)
+        else:
+            out = self._predict(batch)
         out = _outputs(out)
         n = next(iter(batch.values())).shape[0] if batch else 0
         if not _tensor(out) or out.dim() == 0 or out.shape[0] != n:
@@ -485,4 +535,13 @@ class Runner:
                 f"model file {self.path}: predict returned {_describe(out)}, expected a tensor of {n} examples along "
                 f"its first dimension"
             )
+        return out
+
+    def _predict(self, batch):
+        self._mode(False)
+        with torch.no_grad():
+            if self.predict_fn is not None:
+                out = self._call("predict(module, batch)", self.predict_fn, self.module, batch)
+            else:
+                out = self._call("the forward pass (the default predict)", lambda b: self.module(_input(b)), batch)
         return out

@@ -1,15 +1,15 @@
 //! The daemon's optimizers: SGD (momentum, Nesterov), Adam, AdamW (with its decay groups) and
-//! RMSprop with PyTorch's update rules, and every piece of state held as named tensors that can
-//! be exported and restored.
+//! RMSprop with PyTorch's update rules, the same four with Keras's (a Keras model's `compile`),
+//! and every piece of state held as named tensors that can be exported and restored.
 //!
 //! tch's own optimizers cannot export their state, so a resumed run could not continue exactly;
 //! these can. Updates run in place on the model's parameters (shared with the plugin).
 
 use tch::Tensor;
-use trainerd_sdk::{NoDecay, OptimizerConfig};
+use trainerd_sdk::{KerasOptimizer, KerasRule, NoDecay, OptimizerConfig};
 
 use super::adam::{self, FlatAdam, Hyper};
-use super::elementwise::{self, Rule};
+use super::elementwise::{self, KerasClip, Rule};
 
 /// Per-parameter state. `None` where PyTorch creates the buffer lazily.
 #[derive(Debug)]
@@ -114,7 +114,22 @@ fn groups(config: &OptimizerConfig, params: &[(String, Tensor)]) -> Vec<Group> {
                 .map(|(members, weight_decay, decays)| Group { members, weight_decay, decays, flat: None })
                 .collect()
         }
+        OptimizerConfig::Keras(k) => {
+            let exempt = |i: &usize| keras_exempts(k, &params[*i].0);
+            let (undecayed, decayed): (Vec<usize>, Vec<usize>) = all.iter().partition(|i| exempt(i));
+            [(decayed, k.weight_decay, true), (undecayed, 0.0, false)]
+                .into_iter()
+                .filter(|(members, ..)| !members.is_empty())
+                .map(|(members, weight_decay, decays)| Group { members, weight_decay, decays, flat: None })
+                .collect()
+        }
     }
+}
+
+/// Whether Keras's `exclude_from_weight_decay` exempts the parameter `name` (the variable's path,
+/// under the model's).
+fn keras_exempts(k: &KerasOptimizer, name: &str) -> bool {
+    k.no_decay.iter().any(|n| n == name || n == short_name(name))
 }
 
 impl Optimizer {
@@ -148,6 +163,20 @@ impl Optimizer {
                     square_avg: zeros(p),
                     momentum_buffer: (*momentum > 0.0).then(|| zeros(p)),
                     grad_avg: centered.then(|| zeros(p)),
+                },
+                // Keras makes every slot at the start, zeros.
+                (OptimizerConfig::Keras(k), None) => match k.rule {
+                    KerasRule::Sgd { momentum, .. } => {
+                        Slots::Sgd { momentum_buffer: (momentum != 0.0).then(|| zeros(p)) }
+                    }
+                    KerasRule::Adam { .. } | KerasRule::Adamw { .. } => {
+                        Slots::Adam { exp_avg: zeros(p), exp_avg_sq: zeros(p) }
+                    }
+                    KerasRule::Rmsprop { momentum, centered, .. } => Slots::Rmsprop {
+                        square_avg: zeros(p),
+                        momentum_buffer: (momentum > 0.0).then(|| zeros(p)),
+                        grad_avg: centered.then(|| zeros(p)),
+                    },
                 },
             })
             .collect();
@@ -293,7 +322,12 @@ impl Optimizer {
     /// Each parameter on its own.
     fn step_each(&mut self, params: &mut [(String, Tensor)], lr: f64) {
         let decay = per_parameter(&self.groups, params.len());
-        let rules: Vec<Rule> = decay.iter().map(|&wd| self.rule(wd, lr)).collect();
+        let mut rules: Vec<Rule> = decay.iter().map(|&wd| self.rule(wd, lr)).collect();
+        if let OptimizerConfig::Keras(KerasOptimizer { clipnorm: Some(clipnorm), .. }) = self.config {
+            for (rule, (_, p)) in rules.iter_mut().zip(params.iter()) {
+                keras_clip(rule, clipnorm, &p.grad());
+            }
+        }
         for (i, ((_, p), slots)) in params.iter_mut().zip(self.slots.iter_mut()).enumerate() {
             let grad = p.grad();
             if !grad.defined() {
@@ -304,6 +338,7 @@ impl Optimizer {
                 continue;
             }
             match (&self.config, slots) {
+                (OptimizerConfig::Keras(_), slots) => on_cpu(&rules[i], p, &grad, slots),
                 (&OptimizerConfig::Sgd { momentum, dampening, nesterov, .. }, Slots::Sgd { momentum_buffer }) => {
                     sgd(
                         p,
@@ -386,8 +421,86 @@ pub(crate) fn rule(config: &OptimizerConfig, (weight_decay, lr): (f64, f64), ste
             centered,
             neg_lr: -lr as f32,
         },
+        OptimizerConfig::Keras(ref k) => keras_rule(k, (weight_decay, lr), steps),
         OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. } => unreachable!("Adam's rule is its hyper's"),
     }
+}
+
+/// Keras's rule of `k`'s update number `steps` (1-based) at rate `lr` for a parameter of weight
+/// decay `weight_decay`, its scalars rounded to float32 where Keras holds them as float32 (the
+/// learning rate is a float32 variable); no `clipnorm` ([`keras_clip`] adds it per parameter).
+fn keras_rule(k: &KerasOptimizer, (weight_decay, lr): (f64, f64), steps: u64) -> Rule {
+    let lr32 = lr as f32;
+    let shrink = (weight_decay != 0.0).then_some(1.0 - weight_decay as f32 * lr32);
+    match k.rule {
+        KerasRule::Sgd { momentum, nesterov } => {
+            Rule::KerasSgd { shrink, clip: None, momentum: momentum as f32, nesterov, neg_lr: -lr32 }
+        }
+        KerasRule::Adam { beta1, beta2, eps } | KerasRule::Adamw { beta1, beta2, eps } => {
+            let t = steps as f32;
+            let (power1, power2) = ((beta1 as f32).powf(t), (beta2 as f32).powf(t));
+            Rule::KerasAdam {
+                shrink,
+                clip: None,
+                betas: [beta1 as f32, (1.0 - beta1) as f32, beta2 as f32, (1.0 - beta2) as f32],
+                eps: eps as f32,
+                alpha: lr32 * (1.0 - power2).sqrt() / (1.0 - power1),
+            }
+        }
+        KerasRule::Rmsprop { rho, momentum, eps, centered } => Rule::KerasRmsprop {
+            shrink,
+            clip: None,
+            rho: [rho as f32, (1.0 - rho) as f32],
+            eps: eps as f32,
+            momentum: (momentum > 0.0).then_some(momentum as f32),
+            centered,
+            lr: lr32,
+        },
+    }
+}
+
+/// Adds Keras's `clipnorm` of the gradient `grad` to a Keras `rule`: its 2-norm as Keras takes it
+/// (the float32 sum of the squares, its root).
+fn keras_clip(rule: &mut Rule, clipnorm: f64, grad: &Tensor) {
+    if !grad.defined() {
+        return;
+    }
+    let c = clipnorm as f32;
+    let norm = grad.square().sum(tch::Kind::Float).sqrt().double_value(&[]) as f32;
+    let clip = Some(KerasClip { clipnorm: c, divisor: norm.max(c) });
+    match rule {
+        Rule::KerasSgd { clip: at, .. } | Rule::KerasAdam { clip: at, .. } | Rule::KerasRmsprop { clip: at, .. } => {
+            *at = clip
+        }
+        _ => {}
+    }
+}
+
+/// `rule`'s update of `p` from `grad` (a Keras rule) where the one-pass loop cannot run on them in
+/// place (another device or kind): on float32 CPU copies, written back. The same bits as on the
+/// CPU; Keras's models are small enough that the copies cost little.
+fn on_cpu(rule: &Rule, p: &mut Tensor, grad: &Tensor, slots: &mut Slots) {
+    let cpu = |t: &Tensor| t.to_device(tch::Device::Cpu).to_kind(tch::Kind::Float).contiguous().copy();
+    let (mut p32, g32) = (cpu(p), cpu(grad));
+    let mut state: Vec<&mut Tensor> = match slots {
+        Slots::Sgd { momentum_buffer } => momentum_buffer.iter_mut().collect(),
+        Slots::Adam { exp_avg, exp_avg_sq } => vec![exp_avg, exp_avg_sq],
+        Slots::Rmsprop { square_avg, momentum_buffer, grad_avg } => {
+            let mut v = vec![square_avg];
+            v.extend(momentum_buffer.iter_mut());
+            v.extend(grad_avg.iter_mut());
+            v
+        }
+    };
+    let mut copies: Vec<Tensor> = state.iter().map(|t| cpu(t)).collect();
+    let done = elementwise::on_tensors(rule, &mut p32, &g32, &mut copies.iter_mut().collect::<Vec<_>>(), false);
+    assert!(done, "float32 CPU copies of one length");
+    tch::no_grad(|| {
+        p.copy_(&p32);
+        for (t, c) in state.iter_mut().zip(&copies) {
+            t.copy_(c);
+        }
+    });
 }
 
 /// Each parameter's weight decay under `config` (its group's).
@@ -452,5 +565,7 @@ fn sgd(
     let _ = p.g_add_(&(d_p * -lr));
 }
 
+#[cfg(test)]
+mod keras_tests;
 #[cfg(test)]
 mod tests;
