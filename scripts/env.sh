@@ -1,6 +1,8 @@
 # Sourced by the scripts: puts the PyTorch virtualenv that trainerd builds against on PATH.
 # The venv lives outside the clone, keyed by version, so fresh clones reuse it.
 TORCH_VERSION=2.13.0
+# Keras 3, whose torch backend runs Keras models through the Python model plugin.
+KERAS_VERSION=3.15.1
 TRAINERD_CACHE="${TRAINERD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/trainerd}"
 TRAINERD_VENV="$TRAINERD_CACHE/venv-torch-$TORCH_VERSION"
 export VIRTUAL_ENV="$TRAINERD_VENV"

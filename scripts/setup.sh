@@ -75,6 +75,13 @@ if ! "$TRAINERD_VENV/bin/python" -c "import transformers, tokenizers, pyarrow" 2
         "huggingface-hub==2.4.0" "pyarrow==26.0.1"
 fi
 
+# Keras 3 (its torch backend runs a compiled Keras model through the Python model plugin), into the
+# venv itself (installed with --target it would bring a numpy of its own).
+if ! "$TRAINERD_VENV/bin/python" -c "import importlib.metadata as m; assert m.version('keras') == '$KERAS_VERSION'" 2>/dev/null; then
+    echo "setup: installing keras $KERAS_VERSION (Keras models on the torch backend)"
+    "$TRAINERD_VENV/bin/pip" install -q --disable-pip-version-check "keras==$KERAS_VERSION"
+fi
+
 if [ "$tests" = 1 ]; then
     # The partition tests make network namespaces with iproute2's `ip`.
     if ! command -v ip >/dev/null; then
