@@ -146,9 +146,30 @@ class KerasModel:
         self.seed_states = [g.state for g in generators]
         drawn = {id(s) for s in self.seed_states}
         self.variables = [v for v in net.variables if id(v) not in drawn]
+        self._check_dtypes()
         if not any(v.trainable for v in self.variables):
             raise Refused("the Keras model has no trainable variable: nothing to train")
         self.optimizer = self._optimizer()
+
+    def _check_dtypes(self):
+        """Every layer computes in float32 and every float variable is float32: trainerd's optimizer,
+        all-reduce and checkpoints hold float32, and its mixed precision is --precision."""
+        for layer in self.net._flatten_layers(include_self=False, recursive=True):
+            policy = getattr(layer, "dtype_policy", None)
+            compute = getattr(policy, "compute_dtype", "float32")
+            if compute != getattr(policy, "variable_dtype", compute):
+                raise Refused(
+                    f"layer {layer.name!r} ({type(layer).__name__}) computes in {compute} (dtype policy "
+                    f"{policy.name!r}); trainerd trains float32 layers: for mixed precision, give --precision bf16 "
+                    f"(fp16 on CUDA) and leave the policy at float32"
+                )
+        for v in self.variables:
+            dtype = str(v.dtype)
+            if "float" in dtype and dtype != "float32":
+                raise Refused(
+                    f"the Keras variable {v.path} is {dtype}; trainerd trains float32 variables (keep the layers' "
+                    f"dtype and keras.config.floatx() at float32)"
+                )
 
     # ---- what compile() said ----
 
