@@ -2,8 +2,9 @@
 //! python-model plugin: the two tutorial models (plugins/python-model/examples/keras_*.py) on two
 //! workers against Keras's own training (examples/keras_fit.py) from the same initial weights in
 //! the same order; BatchNormalization and Dropout on two workers bitwise one worker accumulating
-//! two; a kill and resume bitwise; the export loaded back into Keras by path; a regularizer's
-//! penalty in the loss; the start-up line; and every refusal of what trainerd cannot take.
+//! two; a kill and resume, and a worker gone for good, bitwise; the export loaded back into Keras
+//! by path; a regularizer's penalty in the loss; a subclassed model built from the data's shapes;
+//! the identity and the start-up line; and every refusal of what trainerd cannot take.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -387,4 +388,96 @@ fn the_start_up_line_says_which_of_compile_and_the_flags_won() {
         "{}",
         stdout(&out)
     );
+}
+
+/// A subclassed model: no variables until it is called.
+const SUBCLASSED: &str = r#"import keras
+
+class Net(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.logits = keras.layers.Dense(10)
+
+    def call(self, x, training=False):
+        return self.logits(self.hidden(self.flatten(x)))
+
+def model(args):
+    m = Net()
+    m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              optimizer=keras.optimizers.Adam(1e-3), metrics=["sparse_categorical_accuracy"])
+    return m
+"#;
+
+/// A subclassed model is built from a batch of the data's shapes before its variables are taken;
+/// `plugin check` shows them under their paths, the metric under its Keras name, compile()'s
+/// optimizer, and the identity with Keras's settings; two workers train it and end alike.
+#[test]
+fn a_subclassed_model_is_built_from_the_datas_shapes_and_its_identity_names_keras() {
+    let tmp = tempfile::tempdir().unwrap();
+    let module = file(tmp.path(), "net.py", SUBCLASSED);
+    let out = trainerd_cmd()
+        .args(["plugin", "check", "--plugin-arg", &format!("module={}", module.display())])
+        .arg(trainerd_testkit::plugin("python-model"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let said = stdout(&out);
+    for part in [
+        "metrics: sparse_categorical_accuracy\n",
+        "optimizer adam with Keras's update rules (learning_rate 0.001, beta_1 0.9, beta_2 0.999, epsilon \
+         0.0000001; from compile())\n",
+        "net/dense/kernel [784, 32]",
+        "net/dense_1/bias [10]",
+        "  keras: 3.15.1\n",
+        "  keras backend: torch\n",
+        "  keras epsilon: 1e-07\n",
+        "  keras floatx: float32\n",
+        "  keras image_data_format: channels_last\n",
+    ] {
+        assert!(said.contains(part), "no {part:?} in:\n{said}");
+    }
+    let run = keras_run(&module, &dataset()).epochs(1).steps(20).batch(16).summary(tmp.path().join("s.json"));
+    let out = run.local(2).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(params_sha256(&tmp.path().join("s.worker0.json")), params_sha256(&tmp.path().join("s.worker1.json")));
+    assert!(stdout(&out).contains("val_sparse_categorical_accuracy: "), "{}", stdout(&out));
+}
+
+/// Three workers, worker 2 SIGKILLed and never restarted: after --replace-after its slot moves to
+/// worker 1, and the survivors end with the three-worker run's parameters (BatchNormalization and
+/// both Dropouts included).
+#[test]
+fn a_keras_model_with_a_worker_gone_for_good_ends_bitwise_as_three_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let module = file(tmp.path(), "bn_dropout.py", BN_DROPOUT);
+    let run = |name: &str| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir(&dir).unwrap();
+        let args = keras_run(&module, &dataset())
+            .epochs(1)
+            .steps(30)
+            .batch(16)
+            .summary(dir.join("s.json"))
+            .set("--replace-after", 3);
+        (dir, args)
+    };
+    let three = |args: &RunArgs, extra: &[&str]| {
+        Worker::start(&[&["local", "--restart-delay", "0", "--workers", "3"][..], extra, &args.strs()].concat())
+    };
+    let (reference, args) = run("reference");
+    assert!(three(&args, &[]).wait().success());
+    let (short, args) = run("short");
+    let mut cluster = three(&args, &["--no-restart", "2"]);
+    let at = |r: &trainerd_testkit::events::Record| {
+        r.worker == Some(2) && matches!(r.event, Event::Step { global_step, .. } if global_step > 8)
+    };
+    let pid = cluster.wait_event(at, WAIT).pid;
+    // SAFETY: kill(2) on the launcher's worker 2, a process this test started through it.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+    assert!(cluster.wait().success());
+    let expected = params_sha256(&reference.join("s.worker0.json"));
+    assert_eq!(params_sha256(&short.join("s.worker0.json")), expected);
+    assert_eq!(params_sha256(&short.join("s.worker1.json")), expected);
 }

@@ -110,3 +110,25 @@ fn the_python_model_quick_start_runs_as_written_after_the_main_command() {
     let out = check.output().unwrap();
     assert!(!out.status.success() && text(&out).contains("No module named 'pandas'"), "{}", text(&out));
 }
+
+#[test]
+fn the_keras_quick_start_runs_as_written_after_the_main_command() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let blocks = blocks(&readme, "Models from Keras");
+    assert_eq!(blocks.len(), 1, "{blocks:?}");
+    let _ = std::fs::remove_dir_all(root().join("runs/keras"));
+    let hide = tempfile::tempdir().unwrap();
+    hiding(hide.path());
+    let mut cmd = Command::new("/bin/bash");
+    cmd.args(["-euo", "pipefail", "-c", &blocks[0]]).current_dir(root());
+    user_env(&mut cmd, hide.path());
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "the README's block failed:\n{}\n{}", blocks[0], text(&out));
+    let said = stdout(&out);
+    assert!(said.contains("trainerd: optimizer from compile(): rmsprop with Keras's update rules"), "{said}");
+    // The export, assigned to the Keras model by path, scores what trainerd's test split did.
+    let ours = said.lines().find_map(|l| l.split(", test accuracy ").nth(1)).map(|r| r[..6].to_string());
+    let theirs = said.lines().find_map(|l| l.strip_prefix("Keras test accuracy of the export: ")).map(str::to_string);
+    assert!(ours.is_some() && ours == theirs, "trainerd's {ours:?}, Keras's {theirs:?}:\n{said}");
+    assert!(said.contains("done: 468 steps, test loss "), "{said}");
+}

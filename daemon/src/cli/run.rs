@@ -86,10 +86,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     if cfg.cluster.as_ref().is_some_and(|c| c.rank != 0) {
         progress = progress.without_step_lines();
     }
-    announce(&mut progress, &plugin, &facts, (&cfg, not_nccl.as_deref()));
-    if let Some(line) = keras_line(&cfg, &optimizer_flags(&args.optim)) {
-        progress.line(&line);
-    }
+    announce(&mut progress, &plugin, &facts, (&cfg, not_nccl.as_deref(), &optimizer_flags(&args.optim)));
     if let Some(addr) = args.metrics_addr {
         let bound = serve::start(addr, Arc::clone(&telemetry), token)?;
         progress.line(&format!("trainerd: metrics on http://{bound}/metrics, health on http://{bound}/healthz"));
@@ -226,22 +223,7 @@ fn run_config(
     if args.shard_optimizer {
         shardable(&devices, cluster.is_some() && checkpoint.is_none())?;
     }
-    let keras = match &optimizer {
-        trainerd_sdk::OptimizerConfig::Keras(k) => Some(k),
-        _ => None,
-    };
-    if args.shard_optimizer && keras.is_some_and(|k| k.clipnorm.is_some()) {
-        anyhow::bail!(
-            "--shard-optimizer with the Keras optimizer's clipnorm: clipnorm scales each variable's gradient by its \
-             own norm, which no worker holds whole when the state is sharded; use global_clipnorm in compile() (or \
-             --clip-norm), or train without --shard-optimizer"
-        );
-    }
-    // compile()'s global_clipnorm and clipvalue, where the flags say nothing.
-    let clip = crate::optim::clip::Clip {
-        norm: args.clip_norm.or(keras.and_then(|k| k.global_clipnorm)),
-        value: args.clip_value.or(keras.and_then(|k| k.clipvalue)),
-    };
+    let clip = clip(args, &optimizer)?;
     Ok(RunConfig {
         data,
         plugin: plugin.agreement(),
@@ -296,6 +278,27 @@ fn shardable(devices: &[tch::Device], uncommitted: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The gradient clipping: the flags', or a Keras model's compile()'s `global_clipnorm` and
+/// `clipvalue` where the flags say nothing. Its per-variable `clipnorm` is the optimizer's, which
+/// a sharded optimizer state cannot run.
+fn clip(args: &RunArgs, optimizer: &trainerd_sdk::OptimizerConfig) -> anyhow::Result<crate::optim::clip::Clip> {
+    let keras = match optimizer {
+        trainerd_sdk::OptimizerConfig::Keras(k) => Some(k),
+        _ => None,
+    };
+    if args.shard_optimizer && keras.is_some_and(|k| k.clipnorm.is_some()) {
+        anyhow::bail!(
+            "--shard-optimizer with the Keras optimizer's clipnorm: clipnorm scales each variable's gradient by its \
+             own norm, which no worker holds whole when the state is sharded; use global_clipnorm in compile() (or \
+             --clip-norm), or train without --shard-optimizer"
+        );
+    }
+    Ok(crate::optim::clip::Clip {
+        norm: args.clip_norm.or(keras.and_then(|k| k.global_clipnorm)),
+        value: args.clip_value.or(keras.and_then(|k| k.clipvalue)),
+    })
+}
+
 /// A Keras model's optimizer as the run uses it: compile()'s, with Keras's rules, and which flags
 /// won over what compile() said. `None` for other models.
 fn keras_line(cfg: &RunConfig, flags: &OptimizerFlags) -> Option<String> {
@@ -315,7 +318,12 @@ fn gpus(devices: &[tch::Device], facts: &Facts) -> Vec<String> {
 
 /// The run's first lines: what trains where, which libtorch, and (in a cluster) what carries the
 /// gradients, with why not NCCL when `--collective auto` chose the ring.
-fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_nccl): (&RunConfig, Option<&str>)) {
+fn announce(
+    progress: &mut Progress,
+    plugin: &Plugin,
+    facts: &Facts,
+    (cfg, not_nccl, flags): (&RunConfig, Option<&str>, &OptimizerFlags),
+) {
     let info = plugin.info();
     let who = match &cfg.cluster {
         None => "one worker".to_string(),
@@ -342,21 +350,16 @@ fn announce(progress: &mut Progress, plugin: &Plugin, facts: &Facts, (cfg, not_n
         cfg.optimizer.lr(),
         cfg.seed
     ));
+    if let Some(line) = keras_line(cfg, flags) {
+        progress.line(&line);
+    }
     progress.line(&format!("trainerd: {}", facts.line()));
     match crate::sys::cpu::resolved() {
         Ok(resolved) => progress.line(&format!("trainerd: {}", crate::sys::cpu::describe(resolved))),
         Err(e) => progress.line(&format!("warning: {e}")),
     }
-    match cfg.precision {
-        crate::optim::precision::Precision::Fp32 => {}
-        crate::optim::precision::Precision::Bf16 => progress.line(
-            "trainerd: mixed precision: the forward pass under autocast to bfloat16; parameters, optimizer state and \
-             checkpoints float32",
-        ),
-        crate::optim::precision::Precision::Fp16 => progress.line(
-            "trainerd: mixed precision: the forward pass under autocast to float16 with dynamic loss scaling; \
-             parameters, optimizer state and checkpoints float32",
-        ),
+    if let Some(line) = cfg.precision.start_line() {
+        progress.line(line);
     }
     if cfg.shard_optimizer && cfg.cluster.as_ref().is_some_and(|c| c.world_size() > 1) {
         progress.line(

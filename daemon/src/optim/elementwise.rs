@@ -223,87 +223,6 @@ impl Rule {
         }
     }
 
-    /// Keras's loops ([`Rule::apply`]'s, for these rules): each operation as Keras's PyTorch
-    /// backend runs it, one float32 rounding each.
-    fn keras(
-        &self,
-        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
-        g: &[f32],
-        state: &mut [&mut [f32]],
-        (wp, ws): (bool, bool),
-    ) {
-        let shrunk = |shrink: Option<f32>, pi: f32| shrink.map_or(pi, |s| pi * s);
-        match *self {
-            Rule::KerasSgd { shrink, clip, momentum, nesterov, neg_lr } => {
-                for i in 0..p.len() {
-                    let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
-                    let new = if momentum != 0.0 {
-                        let m = state[0][i] * momentum + neg_lr * grad;
-                        if ws {
-                            state[0][i] = m;
-                        }
-                        if nesterov {
-                            (pi + neg_lr * grad) + momentum * m
-                        } else {
-                            pi + m
-                        }
-                    } else {
-                        pi + neg_lr * grad
-                    };
-                    if wp {
-                        put(p, out, i, new);
-                    }
-                }
-            }
-            Rule::KerasAdam { shrink, clip, betas: [b1, one_b1, b2, one_b2], eps, alpha } => {
-                for i in 0..p.len() {
-                    let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
-                    let m = state[0][i] * b1 + one_b1 * grad;
-                    let v = state[1][i] * b2 + one_b2 * (grad * grad);
-                    if ws {
-                        (state[0][i], state[1][i]) = (m, v);
-                    }
-                    if wp {
-                        put(p, out, i, pi - (m * alpha) / (v.sqrt() + eps));
-                    }
-                }
-            }
-            Rule::KerasRmsprop { shrink, clip, rho: [rho, one_rho], eps, momentum, centered, lr } => {
-                let (mom_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
-                for i in 0..p.len() {
-                    let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
-                    let v = state[0][i] * rho + one_rho * (grad * grad);
-                    let mut denom = v + eps;
-                    if centered {
-                        let a = state[avg_at][i] * rho + one_rho * grad;
-                        if ws {
-                            state[avg_at][i] = a;
-                        }
-                        denom -= a * a;
-                    }
-                    if ws {
-                        state[0][i] = v;
-                    }
-                    let increment = (grad * lr) / denom.sqrt();
-                    let new = match momentum {
-                        Some(mo) => {
-                            let o = state[mom_at][i] * mo + increment;
-                            if ws {
-                                state[mom_at][i] = o;
-                            }
-                            pi - o
-                        }
-                        None => pi - increment,
-                    };
-                    if wp {
-                        put(p, out, i, new);
-                    }
-                }
-            }
-            _ => unreachable!("Keras's rules"),
-        }
-    }
-
     /// RMSprop's loop ([`Rule::apply`]'s, for this rule).
     fn rmsprop(
         &self,
@@ -348,6 +267,113 @@ impl Rule {
             }
         }
     }
+
+    /// Keras's loops ([`Rule::apply`]'s, for these rules): each operation as Keras's PyTorch
+    /// backend runs it, one float32 rounding each.
+    fn keras(
+        &self,
+        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        (wp, ws): (bool, bool),
+    ) {
+        match *self {
+            Rule::KerasSgd { .. } => self.keras_sgd((p, out), g, state, (wp, ws)),
+            Rule::KerasAdam { shrink, clip, betas: [b1, one_b1, b2, one_b2], eps, alpha } => {
+                for i in 0..p.len() {
+                    let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
+                    let m = state[0][i] * b1 + one_b1 * grad;
+                    let v = state[1][i] * b2 + one_b2 * (grad * grad);
+                    if ws {
+                        (state[0][i], state[1][i]) = (m, v);
+                    }
+                    if wp {
+                        put(p, out, i, pi - (m * alpha) / (v.sqrt() + eps));
+                    }
+                }
+            }
+            Rule::KerasRmsprop { .. } => self.keras_rmsprop((p, out), g, state, (wp, ws)),
+            _ => unreachable!("Keras's rules"),
+        }
+    }
+
+    /// Keras's SGD loop.
+    fn keras_sgd(
+        &self,
+        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        (wp, ws): (bool, bool),
+    ) {
+        let Rule::KerasSgd { shrink, clip, momentum, nesterov, neg_lr } = *self else { unreachable!("Keras's SGD") };
+        for i in 0..p.len() {
+            let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
+            let new = if momentum != 0.0 {
+                let m = state[0][i] * momentum + neg_lr * grad;
+                if ws {
+                    state[0][i] = m;
+                }
+                if nesterov {
+                    (pi + neg_lr * grad) + momentum * m
+                } else {
+                    pi + m
+                }
+            } else {
+                pi + neg_lr * grad
+            };
+            if wp {
+                put(p, out, i, new);
+            }
+        }
+    }
+
+    /// Keras's RMSprop loop.
+    fn keras_rmsprop(
+        &self,
+        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
+        g: &[f32],
+        state: &mut [&mut [f32]],
+        (wp, ws): (bool, bool),
+    ) {
+        let Rule::KerasRmsprop { shrink, clip, rho: [rho, one_rho], eps, momentum, centered, lr } = *self else {
+            unreachable!("Keras's RMSprop")
+        };
+        let (mom_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
+        for i in 0..p.len() {
+            let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
+            let v = state[0][i] * rho + one_rho * (grad * grad);
+            let mut denom = v + eps;
+            if centered {
+                let a = state[avg_at][i] * rho + one_rho * grad;
+                if ws {
+                    state[avg_at][i] = a;
+                }
+                denom -= a * a;
+            }
+            if ws {
+                state[0][i] = v;
+            }
+            let increment = (grad * lr) / denom.sqrt();
+            let new = match momentum {
+                Some(mo) => {
+                    let o = state[mom_at][i] * mo + increment;
+                    if ws {
+                        state[mom_at][i] = o;
+                    }
+                    pi - o
+                }
+                None => pi - increment,
+            };
+            if wp {
+                put(p, out, i, new);
+            }
+        }
+    }
+}
+
+/// `p` shrunk by Keras's decoupled weight decay, when it has one.
+fn shrunk(shrink: Option<f32>, p: f32) -> f32 {
+    shrink.map_or(p, |s| p * s)
 }
 
 /// Stores a new parameter value: into `out` when given, else into `p`.

@@ -39,17 +39,9 @@ pub(crate) fn optimizer(
         keras(k, flags)?;
         return checked(config);
     }
+    applicable(&config, flags)?;
     let name = config.name();
     let inapplicable = |flag: &'static str| FlagError::Inapplicable { flag, optimizer: name };
-    let adams = ["--adam-beta1", "--adam-beta2", "--adam-epsilon"];
-    if let Some(i) = flags.adam.iter().position(Option::is_some) {
-        if !matches!(config, OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. }) {
-            return Err(inapplicable(adams[i]));
-        }
-    }
-    if flags.decay_all && !matches!(config, OptimizerConfig::Adamw { .. }) {
-        return Err(inapplicable("--decay-all-parameters"));
-    }
     match &mut config {
         OptimizerConfig::Sgd { lr, momentum, weight_decay, nesterov, .. } => {
             set(lr, flags.lr);
@@ -92,6 +84,22 @@ pub(crate) fn optimizer(
         }
     }
     checked(config)
+}
+
+/// Refuses the Adam flags and `--decay-all-parameters` where `config` (PyTorch's rules) has no use
+/// for them.
+fn applicable(config: &OptimizerConfig, flags: &OptimizerFlags) -> Result<(), FlagError> {
+    let inapplicable = |flag: &'static str| FlagError::Inapplicable { flag, optimizer: config.name() };
+    let adams = ["--adam-beta1", "--adam-beta2", "--adam-epsilon"];
+    if let Some(i) = flags.adam.iter().position(Option::is_some) {
+        if !matches!(config, OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. }) {
+            return Err(inapplicable(adams[i]));
+        }
+    }
+    if flags.decay_all && !matches!(config, OptimizerConfig::Adamw { .. }) {
+        return Err(inapplicable("--decay-all-parameters"));
+    }
+    Ok(())
 }
 
 /// The flags over a Keras model's optimizer (Keras's rules): each hyper-parameter of Keras's that

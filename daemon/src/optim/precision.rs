@@ -180,6 +180,23 @@ fn check(status: *mut c_char) -> Result<(), tch::TchError> {
     Err(tch::TchError::Torch(text))
 }
 
+impl Precision {
+    /// The run's start-up line about it; `None` for float32.
+    pub(crate) fn start_line(self) -> Option<&'static str> {
+        match self {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(
+                "trainerd: mixed precision: the forward pass under autocast to bfloat16; parameters, optimizer state \
+                 and checkpoints float32",
+            ),
+            Precision::Fp16 => Some(
+                "trainerd: mixed precision: the forward pass under autocast to float16 with dynamic loss scaling; \
+                 parameters, optimizer state and checkpoints float32",
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -47,7 +47,12 @@ pub(crate) fn describe(plugin: &Plugin, torch: &Facts) -> Result<String, CallErr
         metrics = info.metrics.join(", "),
         epochs = d.epochs,
         batch = d.batch_size,
-        optimizer = serde_json::to_string(&d.optimizer).unwrap_or_default(),
+        optimizer = match &d.optimizer {
+            trainerd_sdk::OptimizerConfig::Keras(k) => {
+                format!("{} with Keras's update rules ({}; from compile())", k.name(), k.describe())
+            }
+            other => serde_json::to_string(other).unwrap_or_default(),
+        },
         count = params.len(),
         values = crate::ops::progress::thousands(values as f64),
         names = shapes(&params),

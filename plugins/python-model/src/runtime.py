@@ -10,7 +10,10 @@ The file's contract (see the plugin's README section):
     columns = {"input_ids": "tokens:128"}     what it reads of a Parquet dataset ("text:128":
                                               raw text, tokenized and packed into blocks); or
     def columns(args) -> dict                 the same from the arguments (a length by flag)
-    def model(args) -> torch.nn.Module        required
+    def model(args) -> torch.nn.Module        required; or a compiled keras.Model (Keras 3, its torch
+                                              backend): its compile() names the loss, metrics and
+                                              optimizer (keras_model.py), and loss/metrics/predict
+                                              below are not used
     def loss(module, batch) -> Tensor         optional: the batch's mean loss, a 0-dim tensor, or
                                               (loss, outputs) to hand the outputs to metrics
     def metrics(module, batch[, outputs])     optional: a dict of sums over the batch's examples

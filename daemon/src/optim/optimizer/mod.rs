@@ -319,15 +319,22 @@ impl Optimizer {
         self.steps
     }
 
-    /// Each parameter on its own.
-    fn step_each(&mut self, params: &mut [(String, Tensor)], lr: f64) {
-        let decay = per_parameter(&self.groups, params.len());
+    /// Each parameter's rule at rate `lr` (of weight decay `decay`), with Keras's `clipnorm` of its
+    /// gradient.
+    fn rules(&self, decay: &[f64], params: &[(String, Tensor)], lr: f64) -> Vec<Rule> {
         let mut rules: Vec<Rule> = decay.iter().map(|&wd| self.rule(wd, lr)).collect();
         if let OptimizerConfig::Keras(KerasOptimizer { clipnorm: Some(clipnorm), .. }) = self.config {
-            for (rule, (_, p)) in rules.iter_mut().zip(params.iter()) {
+            for (rule, (_, p)) in rules.iter_mut().zip(params) {
                 keras_clip(rule, clipnorm, &p.grad());
             }
         }
+        rules
+    }
+
+    /// Each parameter on its own.
+    fn step_each(&mut self, params: &mut [(String, Tensor)], lr: f64) {
+        let decay = per_parameter(&self.groups, params.len());
+        let rules = self.rules(&decay, params, lr);
         for (i, ((_, p), slots)) in params.iter_mut().zip(self.slots.iter_mut()).enumerate() {
             let grad = p.grad();
             if !grad.defined() {
