@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::PluginError;
+use crate::error::PluginError;
 
 /// One key a plugin accepts.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

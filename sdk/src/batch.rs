@@ -4,7 +4,7 @@
 
 use tch::Tensor;
 
-use crate::model::PluginError;
+use crate::error::PluginError;
 
 /// The name of the column that holds the labels, when a dataset has them.
 pub const LABEL: &str = "label";

@@ -17,7 +17,8 @@ use tch::Tensor;
 
 use crate::abi::InputContext;
 use crate::batch::Batch;
-use crate::model::{Pipeline, PluginError};
+use crate::error::PluginError;
+use crate::model::Pipeline;
 
 /// The order of `n` examples in `epoch` of a run seeded with `seed`.
 pub fn epoch_permutation(n: usize, seed: u64, epoch: u64) -> Vec<i64> {

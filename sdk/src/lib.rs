@@ -23,6 +23,7 @@ pub mod args;
 pub mod batch;
 pub mod columns;
 pub mod data;
+pub mod error;
 #[doc(hidden)]
 pub mod export;
 mod inflated;
@@ -33,6 +34,7 @@ pub mod training;
 pub use args::{ArgError, ArgSpec, PluginArgs};
 pub use batch::{Batch, ATTENTION_MASK, LABEL};
 pub use columns::{Column, Columns, DeclarationError, Decode, Side};
-pub use model::{InputContext, Model, Pipeline, PluginError, PluginInfo, Split};
+pub use error::PluginError;
+pub use model::{InputContext, Model, Pipeline, PluginInfo, Split};
 pub use tch;
 pub use training::{DecayShape, KerasOptimizer, KerasRule, LrSchedule, NoDecay, OptimizerConfig, TrainDefaults};

@@ -10,67 +10,15 @@ use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
 
 use crate::abi::InputContext;
-use crate::model::{Pipeline, PluginError, Split};
+pub use crate::error::DataError;
+use crate::error::PluginError;
+use crate::model::{Pipeline, Split};
 
 /// Magic number of an idx3 unsigned-byte file (images).
 pub const IMAGES_MAGIC: u32 = 0x0000_0803;
 /// Magic number of an idx1 unsigned-byte file (labels).
 pub const LABELS_MAGIC: u32 = 0x0000_0801;
 
-/// A problem with a data file.
-#[derive(Debug, thiserror::Error)]
-pub enum DataError {
-    /// Neither the plain nor the gzipped file exists.
-    #[error("data directory {dir}: missing {name} (or {name}.gz)")]
-    MissingFile {
-        /// The data directory.
-        dir: PathBuf,
-        /// The file's base name.
-        name: String,
-    },
-    /// The file could not be read or decompressed.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// What failed.
-        source: std::io::Error,
-    },
-    /// The header's magic number is not the one for this kind of file.
-    #[error("{path}: wrong magic number 0x{found:08x}, expected 0x{expected:08x} ({what})")]
-    BadMagic {
-        /// The file.
-        path: PathBuf,
-        /// Magic found.
-        found: u32,
-        /// Magic expected.
-        expected: u32,
-        /// What kind of file was expected.
-        what: &'static str,
-    },
-    /// The file is shorter than its header says.
-    #[error("{path}: truncated: the header promises {expected} bytes of data, the file has {found}")]
-    Truncated {
-        /// The file.
-        path: PathBuf,
-        /// Data bytes the header promises.
-        expected: u64,
-        /// Data bytes present.
-        found: u64,
-    },
-    /// Images and labels disagree on the number of examples.
-    #[error("{images}: {n_images} images, but {labels}: {n_labels} labels")]
-    CountMismatch {
-        /// Images file.
-        images: PathBuf,
-        /// Image count.
-        n_images: u32,
-        /// Labels file.
-        labels: PathBuf,
-        /// Label count.
-        n_labels: u32,
-    },
-}
 
 /// One split held in memory, compact: pixels stay bytes until a batch is drawn
 /// ([`Mnist::pipeline`]).

@@ -9,25 +9,12 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Tensor};
 
 pub use crate::abi::InputContext;
+pub use crate::error::PluginError;
 use crate::args::{ArgSpec, PluginArgs};
 use crate::batch::Batch;
 use crate::columns::Columns;
 use crate::training::{LrSchedule, OptimizerConfig, TrainDefaults};
 
-/// An error raised by plugin code; its message reaches the operator as it is, so it should name
-/// the thing that is wrong (a file, a shape) and what was expected.
-#[derive(Debug, thiserror::Error)]
-pub enum PluginError {
-    /// A data file problem (see [`crate::mnist::DataError`]).
-    #[error(transparent)]
-    Data(#[from] crate::mnist::DataError),
-    /// A libtorch error.
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
-    /// Anything else, as a message.
-    #[error("{0}")]
-    Other(String),
-}
 
 /// A dataset split.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
