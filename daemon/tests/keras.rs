@@ -11,7 +11,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use trainerd_testkit::output::{error_of, json, params_sha256, stdout, step_losses, text};
-use trainerd_testkit::{dataset, parquet_dataset, python, trainerd_cmd, Event, RunArgs, Worker};
+use trainerd_testkit::{dataset, parquet_dataset, python, python_examples, trainerd_cmd, Event, RunArgs, Worker};
 
 const SEED: u64 = 3;
 /// Per-worker batch of the tutorials' runs (the multi-worker tutorial's 64).
@@ -19,10 +19,6 @@ const BATCH: u32 = 64;
 /// Steps of the tutorials' runs (of a global batch of 128).
 const STEPS: u64 = 150;
 const WAIT: Duration = Duration::from_secs(240);
-
-fn examples() -> PathBuf {
-    std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/python-model/examples")).unwrap()
-}
 
 fn path(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -56,7 +52,7 @@ fn order(dir: &Path, workers: usize) -> serde_json::Value {
 fn keras_fit(module: &Path, dir: &Path, args: &[&str]) -> serde_json::Value {
     let out = dir.join("keras.json");
     let run = Command::new(python())
-        .arg(examples().join("keras_fit.py"))
+        .arg(python_examples().join("keras_fit.py"))
         .args(["--module", path(module), "--data", path(&dataset()), "--parquet", path(&parquet_dataset())])
         .args(["--seed", &SEED.to_string(), "--out", path(&out)])
         .args(args)
@@ -74,7 +70,7 @@ fn keras_fit(module: &Path, dir: &Path, args: &[&str]) -> serde_json::Value {
 fn trains_as_keras_does(example: &str, bar: f64) -> (tempfile::TempDir, f64) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let module = examples().join(example);
+    let module = python_examples().join(example);
     let run = keras_run(&module, &parquet_dataset())
         .batch(BATCH)
         .epochs(1)
@@ -125,7 +121,7 @@ fn the_multi_worker_tutorial_model_trains_on_two_workers_as_keras_does() {
 fn the_custom_loop_tutorial_model_trains_on_two_workers_as_keras_does_and_its_export_loads_into_keras() {
     let (tmp, _) = trains_as_keras_does("keras_custom_loop.py", 0.6);
     let dir = tmp.path();
-    let module = examples().join("keras_custom_loop.py");
+    let module = python_examples().join("keras_custom_loop.py");
     let weights = dir.join("model.safetensors");
     let out = trainerd_cmd().args(["ckpt", "export", path(&dir.join("ckpt")), "--output", path(&weights)]).output();
     assert!(out.as_ref().unwrap().status.success(), "{}", text(&out.unwrap()));
@@ -209,6 +205,15 @@ fn batch_norm_and_dropout_on_two_workers_are_bitwise_one_worker_accumulating_two
     assert_eq!(params_sha256(&tmp.path().join("two.worker1.json")), expected);
 }
 
+/// A run named `name` of the BatchNorm and Dropout model `module`: its directory under `root`, its
+/// flags (batch 16, its summary in the directory).
+fn bn_dropout_run(root: &Path, module: &Path, name: &str) -> (PathBuf, RunArgs) {
+    let dir = root.join(name);
+    std::fs::create_dir(&dir).unwrap();
+    let args = keras_run(module, &dataset()).batch(16).summary(dir.join("s.json"));
+    (dir, args)
+}
+
 fn launch(args: &RunArgs) -> Worker {
     Worker::start(&[&["local", "--restart-delay", "0", "--workers", "2"][..], &args.strs()].concat())
 }
@@ -221,14 +226,8 @@ fn a_keras_model_killed_and_resumed_ends_bitwise() {
     let tmp = tempfile::tempdir().unwrap();
     let module = file(tmp.path(), "bn_dropout.py", BN_DROPOUT);
     let run = |name: &str| {
-        let dir = tmp.path().join(name);
-        std::fs::create_dir(&dir).unwrap();
-        let args = keras_run(&module, &dataset())
-            .epochs(2)
-            .steps(40)
-            .batch(16)
-            .summary(dir.join("s.json"))
-            .checkpoints(dir.join("ckpt"), 10);
+        let (dir, args) = bn_dropout_run(tmp.path(), &module, name);
+        let args = args.epochs(2).steps(40).checkpoints(dir.join("ckpt"), 10);
         (dir, args)
     };
     let (reference, args) = run("reference");
@@ -453,15 +452,8 @@ fn a_keras_model_with_a_worker_gone_for_good_ends_bitwise_as_three_workers() {
     let tmp = tempfile::tempdir().unwrap();
     let module = file(tmp.path(), "bn_dropout.py", BN_DROPOUT);
     let run = |name: &str| {
-        let dir = tmp.path().join(name);
-        std::fs::create_dir(&dir).unwrap();
-        let args = keras_run(&module, &dataset())
-            .epochs(1)
-            .steps(30)
-            .batch(16)
-            .summary(dir.join("s.json"))
-            .set("--replace-after", 3);
-        (dir, args)
+        let (dir, args) = bn_dropout_run(tmp.path(), &module, name);
+        (dir, args.epochs(1).steps(30).set("--replace-after", 3))
     };
     let three = |args: &RunArgs, extra: &[&str]| {
         Worker::start(&[&["local", "--restart-delay", "0", "--workers", "3"][..], extra, &args.strs()].concat())

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use trainerd_testkit::output::{error_line, json, metrics_log, params_sha256, stdout, text};
-use trainerd_testkit::{copy_tree, python, Event, RunArgs, Worker};
+use trainerd_testkit::{copy_tree, python, python_examples, Event, RunArgs, Worker};
 
 /// Steps of each of the 2 epochs of every run here.
 const STEPS: u64 = 30;
@@ -170,10 +170,6 @@ fn adamw_with_a_warmup_says_its_groups_and_records_them() {
 
 const WAIT: Duration = Duration::from_secs(240);
 
-fn examples() -> PathBuf {
-    std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/python-model/examples")).unwrap()
-}
-
 /// The licenses corpus as raw text (tokenize.py --raw: one document per license, a 512-id BPE's
 /// tokenizer.json beside them), made once; and another tokenizer (of 400 ids) beside a copy.
 fn raw_text() -> &'static (PathBuf, PathBuf) {
@@ -184,7 +180,7 @@ fn raw_text() -> &'static (PathBuf, PathBuf) {
             let (raw, other) = (tmp.path().join("text"), tmp.path().join("other"));
             for (dir, vocab) in [(&raw, "512"), (&other, "400")] {
                 let out = Command::new(python())
-                    .arg(examples().join("tokenize.py"))
+                    .arg(python_examples().join("tokenize.py"))
                     .args(["--raw", "--out", dir.to_str().unwrap(), "--vocab", vocab, "--rows-per-group", "4"])
                     .output()
                     .unwrap();
@@ -198,7 +194,7 @@ fn raw_text() -> &'static (PathBuf, PathBuf) {
 /// The small GPT on the raw licenses, packed into blocks of 32, with dropout (drawn per step and
 /// slot), AdamW, a warmup and a cosine; its outputs and token files in `dir`.
 fn gpt_on_text(dir: &Path) -> RunArgs {
-    module_on_text(dir, &examples().join("gpt.py"))
+    module_on_text(dir, &python_examples().join("gpt.py"))
 }
 
 /// [`gpt_on_text`] of the model file `module`.
@@ -342,7 +338,7 @@ fn another_tokenizer_is_refused_naming_both_hashes_and_a_larger_one_both_sizes()
 #[test]
 fn a_python_model_names_its_undecayed_parameters() {
     let tmp = tempfile::tempdir().unwrap();
-    let source = std::fs::read_to_string(examples().join("gpt.py")).unwrap();
+    let source = std::fs::read_to_string(python_examples().join("gpt.py")).unwrap();
     let file = |name: &str, line: &str| {
         let path = tmp.path().join(name);
         std::fs::write(&path, format!("{source}\n{line}\n")).unwrap();

@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use trainerd_testkit::output::{error_line, error_of, json, params_sha256, step_losses, text};
-use trainerd_testkit::{plugin, python, trainerd_cmd, Event, RunArgs, Worker};
+use trainerd_testkit::{plugin, python, python_examples, trainerd_cmd, Event, RunArgs, Worker};
 
 const SEED: u64 = 5;
 /// Per-worker batch of every run here.
@@ -19,11 +19,6 @@ const BATCH: u32 = 4;
 /// Tokens per row, and the vocabulary, of the tokenizer's defaults (which the examples take).
 const VOCAB: f64 = 512.0;
 const WAIT: Duration = Duration::from_secs(240);
-
-fn examples() -> PathBuf {
-    // As the plugin names files: absolute, without `..`.
-    std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/python-model/examples")).unwrap()
-}
 
 fn path(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -34,7 +29,10 @@ fn tokens() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let out = Command::new(python()).arg(examples().join("tokenize.py")).args(["--out", path(dir.path())]).output();
+        let out = Command::new(python())
+            .arg(python_examples().join("tokenize.py"))
+            .args(["--out", path(dir.path())])
+            .output();
         let out = out.unwrap();
         assert!(out.status.success(), "{}", text(&out));
         dir
@@ -59,7 +57,7 @@ const HF_GPT2: Example = Example { file: "hf_gpt2.py", lr: 2e-3, bar: 4.7 };
 fn run_args(example: Example, epochs: u32, dir: &Path) -> RunArgs {
     RunArgs::new("python-model")
         .data(tokens())
-        .plugin_arg(format!("module={}", examples().join(example.file).display()))
+        .plugin_arg(format!("module={}", python_examples().join(example.file).display()))
         .epochs(epochs)
         .batch(BATCH)
         .seed(SEED)
@@ -88,8 +86,8 @@ fn order(dir: &Path, workers: usize) -> Vec<Vec<u64>> {
 fn eager(example: Example, dir: &Path, args: &[&str]) -> serde_json::Value {
     let out = dir.join("eager.json");
     let run = Command::new(python())
-        .arg(examples().join("eager.py"))
-        .args(["--module", path(&examples().join(example.file)), "--data", path(tokens())])
+        .arg(python_examples().join("eager.py"))
+        .args(["--module", path(&python_examples().join(example.file)), "--data", path(tokens())])
         .args(["--seed", &SEED.to_string(), "--lr", &example.lr.to_string(), "--out", path(&out)])
         .args(args)
         .output()
@@ -145,7 +143,7 @@ fn trains_as_pytorch_eager_does(example: Example) {
     let predictions = dir.join("predictions.parquet");
     let out = RunArgs::new("python-model")
         .data(tokens())
-        .plugin_arg(format!("module={}", examples().join(example.file).display()))
+        .plugin_arg(format!("module={}", python_examples().join(example.file).display()))
         .threads(1)
         .batch(16)
         .set("--checkpoint", path(&dir.join("ckpt")))
@@ -180,7 +178,7 @@ assert np.array_equal(ref, out), np.abs(ref - out).max()
         .args([
             "-c",
             &check,
-            path(&examples().join(example.file)),
+            path(&python_examples().join(example.file)),
             path(&weights),
             path(&predictions),
             path(&test_file),
@@ -418,7 +416,7 @@ fn a_bad_model_file_is_one_error_naming_the_file_and_the_line() {
     let told = at_load(&typed, &[]);
     assert!(told.contains("column `input_ids`: expected an integer, found list<int64>"), "{told}");
     // An argument the file does not declare.
-    let gpt = examples().join("gpt.py");
+    let gpt = python_examples().join("gpt.py");
     assert_eq!(
         at_load(&gpt, &["d_modl=64"]),
         format!(
@@ -522,7 +520,7 @@ fn another_torch_is_refused_naming_both_versions() {
     std::fs::write(info.join("METADATA"), "Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0\n").unwrap();
     let out = RunArgs::new("python-model")
         .data(tokens())
-        .plugin_arg(format!("module={}", examples().join("gpt.py").display()))
+        .plugin_arg(format!("module={}", python_examples().join("gpt.py").display()))
         .command("run")
         .env("TRAINERD_PYTHON_SITE", &site)
         .output()
@@ -543,7 +541,7 @@ fn another_torch_is_refused_naming_both_versions() {
 /// identity); a default given is the default left out.
 #[test]
 fn workers_whose_models_differ_are_refused_naming_both() {
-    let gpt = format!("module={}", examples().join("gpt.py").display());
+    let gpt = format!("module={}", python_examples().join("gpt.py").display());
     let spawn = |ports: &[u16], i: usize, args: &[&str]| {
         let run = RunArgs::new("python-model").data(tokens()).threads(1).steps(2).epochs(1).batch(2);
         let run = run.on("--no-evaluation").set("--rendezvous-timeout", 20);

@@ -19,7 +19,6 @@ pub const IMAGES_MAGIC: u32 = 0x0000_0803;
 /// Magic number of an idx1 unsigned-byte file (labels).
 pub const LABELS_MAGIC: u32 = 0x0000_0801;
 
-
 /// One split held in memory, compact: pixels stay bytes until a batch is drawn
 /// ([`Mnist::pipeline`]).
 #[derive(Debug)]

@@ -9,12 +9,11 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Tensor};
 
 pub use crate::abi::InputContext;
-pub use crate::error::PluginError;
 use crate::args::{ArgSpec, PluginArgs};
 use crate::batch::Batch;
 use crate::columns::Columns;
+pub use crate::error::PluginError;
 use crate::training::{LrSchedule, OptimizerConfig, TrainDefaults};
-
 
 /// A dataset split.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

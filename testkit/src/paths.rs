@@ -23,6 +23,13 @@ pub fn python() -> PathBuf {
     std::env::var_os("VIRTUAL_ENV").map(|v| PathBuf::from(v).join("bin/python")).unwrap_or_else(|| "python3".into())
 }
 
+/// The python-model plugin's examples (`plugins/python-model/examples`), as an absolute path
+/// without `..`, as the plugin names files.
+pub fn python_examples() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/python-model/examples");
+    std::fs::canonicalize(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
 /// A plugin library, by crate name.
 pub fn plugin(name: &str) -> PathBuf {
     let path = build_dir().join(format!("lib{}.so", name.replace('-', "_")));

@@ -68,15 +68,7 @@ save_file(out, sys.argv[1])
 }
 
 fn keras(rule: KerasRule, lr: f64, weight_decay: f64) -> KerasOptimizer {
-    KerasOptimizer {
-        rule,
-        lr,
-        weight_decay,
-        no_decay: Vec::new(),
-        clipnorm: None,
-        global_clipnorm: None,
-        clipvalue: None,
-    }
+    KerasOptimizer { rule, weight_decay, ..KerasOptimizer::defaults("sgd", lr).expect("Keras's SGD") }
 }
 
 #[test]
