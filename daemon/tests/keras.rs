@@ -355,6 +355,20 @@ fn what_trainerd_cannot_take_of_a_keras_model_is_refused_naming_it() {
         let told = refused(layers, compile);
         assert!(told.starts_with(&expected), "{compile}:\n  told:     {told}\n  expected: {expected}");
     }
+    // Keras on another backend than torch (the file set it; JAX is not installed).
+    let jax = format!("import os\nos.environ['KERAS_BACKEND'] = 'jax'\n{}", source("", "pass"));
+    let out = run_source(tmp.path(), &jax, &[]);
+    assert!(!out.status.success());
+    assert!(
+        error_of(&out).contains(&format!(
+            "model file {}: Keras's backend is jax here, not torch: trainerd trains Keras models on the torch \
+             backend, and the plugin sets KERAS_BACKEND=torch before the file runs; do not set it in the file \
+             (importing it raised ModuleNotFoundError: No module named 'jax')",
+            module.display()
+        )),
+        "{}",
+        error_of(&out)
+    );
     // A flag of another optimizer's, over compile()'s.
     let adam = source("", &format!("m.compile(optimizer=keras.optimizers.Adam(), {LOSS})"));
     let out = run_source(tmp.path(), &adam, &["--momentum", "0.9"]);

@@ -575,7 +575,7 @@ fn host_values(p: &Tensor) -> Cow<'_, [f32]> {
 mod tests {
     use std::collections::BTreeMap;
 
-    use trainerd_sdk::{NoDecay, OptimizerConfig};
+    use trainerd_sdk::{KerasOptimizer, KerasRule, NoDecay, OptimizerConfig};
 
     use super::*;
     use crate::collective::ring::tests::with_ring;
@@ -738,6 +738,14 @@ mod tests {
             no_decay: NoDecay::UnderTwoDims,
         };
         let adam = OptimizerConfig::Adam { lr: 1e-2, beta1: 0.8, beta2: 0.99, eps: 1e-6, weight_decay: 1e-2 };
+        // Keras's rules (a Keras model's compile()), their decoupled decay on every optimizer.
+        let keras = |rule, weight_decay| {
+            let k = KerasOptimizer::defaults("sgd", 0.01).expect("Keras's SGD");
+            OptimizerConfig::Keras(KerasOptimizer { rule, weight_decay, ..k })
+        };
+        let keras_sgd = keras(KerasRule::Sgd { momentum: 0.9, nesterov: true }, 0.01);
+        let keras_adamw = keras(KerasRule::Adamw { beta1: 0.9, beta2: 0.99, eps: 1e-7 }, 0.004);
+        let keras_rms = keras(KerasRule::Rmsprop { rho: 0.9, momentum: 0.5, eps: 1e-7, centered: true }, 0.0);
         let (norm, value) = (Clip { norm: Some(0.5), value: None }, Clip { norm: None, value: Some(0.05) });
         let both = Clip { norm: Some(0.8), value: Some(0.1) };
         let cases = [
@@ -749,6 +757,9 @@ mod tests {
             ((1, 3), adamw, Clip::default()),
             ((2, 3), rms(0.5, 1e-3, true), both),
             ((2, 2), rms(0.0, 0.0, false), value),
+            ((2, 3), keras_sgd, norm),
+            ((3, 3), keras_adamw, Clip::default()),
+            ((2, 2), keras_rms, value),
         ];
         for ((world, v), config, clip) in cases {
             let out = both_modes((world, v), &config, clip, 6);

@@ -61,10 +61,25 @@ def building(source, device, seed):
     if k is None:
         yield
         return
+    check_backend(k)
     k.backend.clear_session(free_memory=False)
     k.utils.set_random_seed(int(seed) % 2**32)
     with k.device(device):
         yield
+
+
+def backend_refusal(backend):
+    """What is said of Keras on the backend `backend` (the file set KERAS_BACKEND itself)."""
+    return (
+        f"Keras's backend is {backend} here, not torch: trainerd trains Keras models on the torch backend, and the "
+        f"plugin sets KERAS_BACKEND=torch before the file runs; do not set it in the file"
+    )
+
+
+def check_backend(k):
+    """Refuses a Keras that does not run on its torch backend."""
+    if k.backend.backend() != "torch":
+        raise Refused(backend_refusal(k.backend.backend()))
 
 
 def identity():
@@ -113,11 +128,7 @@ class KerasModel:
 
     def __init__(self, net, columns, device):
         k = self.k = imported()
-        if k.backend.backend() != "torch":
-            raise Refused(
-                f"model(args) returned a Keras model of the {k.backend.backend()} backend; trainerd trains Keras "
-                f"models on the torch backend (KERAS_BACKEND=torch, which the plugin sets)"
-            )
+        check_backend(k)
         self.net, self.device = net, device
         self.channels_last = k.config.image_data_format() == "channels_last"
         if LABEL not in columns:

@@ -111,6 +111,13 @@ def load(path):
         exec(code, module.__dict__)
     except BaseException as e:  # noqa: BLE001 - SystemExit in a user's file is an error too
         del sys.modules[name]
+        backend = os.environ.get("KERAS_BACKEND", "torch")
+        if backend != "torch":
+            # The file chose another Keras backend, whose import failed.
+            raise ModelFileError(
+                f"model file {path}: {keras_model.backend_refusal(backend)} (importing it raised "
+                f"{type(e).__name__}: {e})"
+            ) from None
         raise _raised(path, "importing it", e) from None
     module.__trainerd_source__ = source
     _loaded[path] = module
@@ -238,6 +245,8 @@ def _build(path, module, args, device, columns):
     try:
         with keras_model.building(module.__trainerd_source__, device, torch.initial_seed()):
             net = module.model(dict(args))
+    except keras_model.Refused as e:
+        raise ModelFileError(f"model file {path}: {e}") from None
     except Exception as e:  # noqa: BLE001
         raise _raised(path, "model(args)", e) from None
     if not keras_model.is_model(net):
