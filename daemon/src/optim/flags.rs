@@ -90,16 +90,21 @@ pub(crate) fn optimizer(
 /// for them.
 fn applicable(config: &OptimizerConfig, flags: &OptimizerFlags) -> Result<(), FlagError> {
     let inapplicable = |flag: &'static str| FlagError::Inapplicable { flag, optimizer: config.name() };
-    let adams = ["--adam-beta1", "--adam-beta2", "--adam-epsilon"];
-    if let Some(i) = flags.adam.iter().position(Option::is_some) {
+    if let Some(flag) = adam_flag(flags) {
         if !matches!(config, OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. }) {
-            return Err(inapplicable(adams[i]));
+            return Err(inapplicable(flag));
         }
     }
     if flags.decay_all && !matches!(config, OptimizerConfig::Adamw { .. }) {
         return Err(inapplicable("--decay-all-parameters"));
     }
     Ok(())
+}
+
+/// The first Adam flag given (`--adam-beta1`, `--adam-beta2`, `--adam-epsilon`), if any.
+fn adam_flag(flags: &OptimizerFlags) -> Option<&'static str> {
+    let adams = ["--adam-beta1", "--adam-beta2", "--adam-epsilon"];
+    flags.adam.iter().position(Option::is_some).map(|i| adams[i])
 }
 
 /// The flags over a Keras model's optimizer (Keras's rules): each hyper-parameter of Keras's that
@@ -112,7 +117,6 @@ fn keras(k: &mut KerasOptimizer, flags: &OptimizerFlags) -> Result<(), FlagError
     if flags.decay_all {
         k.no_decay.clear();
     }
-    let adams = ["--adam-beta1", "--adam-beta2", "--adam-epsilon"];
     match &mut k.rule {
         KerasRule::Sgd { momentum, nesterov } => {
             set(momentum, flags.momentum);
@@ -134,9 +138,9 @@ fn keras(k: &mut KerasOptimizer, flags: &OptimizerFlags) -> Result<(), FlagError
     if flags.nesterov && !matches!(k.rule, KerasRule::Sgd { .. }) {
         return Err(inapplicable("--nesterov"));
     }
-    if let Some(i) = flags.adam.iter().position(Option::is_some) {
+    if let Some(flag) = adam_flag(flags) {
         if !matches!(k.rule, KerasRule::Adam { .. } | KerasRule::Adamw { .. }) {
-            return Err(inapplicable(adams[i]));
+            return Err(inapplicable(flag));
         }
     }
     Ok(())

@@ -20,6 +20,15 @@ enum Slots {
 }
 
 impl Slots {
+    /// RMSprop's state for `p`, zeros (PyTorch's rule or Keras's).
+    fn rmsprop(p: &Tensor, momentum: f64, centered: bool) -> Slots {
+        Slots::Rmsprop {
+            square_avg: p.zeros_like(),
+            momentum_buffer: (momentum > 0.0).then(|| p.zeros_like()),
+            grad_avg: centered.then(|| p.zeros_like()),
+        }
+    }
+
     fn named(&self) -> Vec<(&'static str, &Tensor)> {
         let mut out = Vec::new();
         match self {
@@ -106,24 +115,21 @@ fn groups(config: &OptimizerConfig, params: &[(String, Tensor)]) -> Vec<Group> {
         | OptimizerConfig::Adam { weight_decay, .. }
         | OptimizerConfig::Rmsprop { weight_decay, .. } => one(*weight_decay),
         OptimizerConfig::Adamw { weight_decay, no_decay, .. } => {
-            let exempt = |i: &usize| no_decay.exempts(short_name(&params[*i].0), params[*i].1.dim());
-            let (undecayed, decayed): (Vec<usize>, Vec<usize>) = all.iter().partition(|i| exempt(i));
-            [(decayed, *weight_decay, true), (undecayed, 0.0, false)]
-                .into_iter()
-                .filter(|(members, ..)| !members.is_empty())
-                .map(|(members, weight_decay, decays)| Group { members, weight_decay, decays, flat: None })
-                .collect()
+            decay_groups(&all, *weight_decay, |i| no_decay.exempts(short_name(&params[i].0), params[i].1.dim()))
         }
-        OptimizerConfig::Keras(k) => {
-            let exempt = |i: &usize| keras_exempts(k, &params[*i].0);
-            let (undecayed, decayed): (Vec<usize>, Vec<usize>) = all.iter().partition(|i| exempt(i));
-            [(decayed, k.weight_decay, true), (undecayed, 0.0, false)]
-                .into_iter()
-                .filter(|(members, ..)| !members.is_empty())
-                .map(|(members, weight_decay, decays)| Group { members, weight_decay, decays, flat: None })
-                .collect()
-        }
+        OptimizerConfig::Keras(k) => decay_groups(&all, k.weight_decay, |i| keras_exempts(k, &params[i].0)),
     }
+}
+
+/// The parameters `all` in two groups: those decayed by `weight_decay`, then those `exempt` leaves
+/// undecayed (each only when it has a parameter).
+fn decay_groups(all: &[usize], weight_decay: f64, exempt: impl Fn(usize) -> bool) -> Vec<Group> {
+    let (undecayed, decayed): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&i| exempt(i));
+    [(decayed, weight_decay, true), (undecayed, 0.0, false)]
+        .into_iter()
+        .filter(|(members, ..)| !members.is_empty())
+        .map(|(members, weight_decay, decays)| Group { members, weight_decay, decays, flat: None })
+        .collect()
 }
 
 /// Whether Keras's `exclude_from_weight_decay` exempts the parameter `name` (the variable's path,
@@ -159,11 +165,7 @@ impl Optimizer {
                 (OptimizerConfig::Adam { .. } | OptimizerConfig::Adamw { .. }, None) => {
                     Slots::Adam { exp_avg: zeros(p), exp_avg_sq: zeros(p) }
                 }
-                (OptimizerConfig::Rmsprop { momentum, centered, .. }, None) => Slots::Rmsprop {
-                    square_avg: zeros(p),
-                    momentum_buffer: (*momentum > 0.0).then(|| zeros(p)),
-                    grad_avg: centered.then(|| zeros(p)),
-                },
+                (&OptimizerConfig::Rmsprop { momentum, centered, .. }, None) => Slots::rmsprop(p, momentum, centered),
                 // Keras makes every slot at the start, zeros.
                 (OptimizerConfig::Keras(k), None) => match k.rule {
                     KerasRule::Sgd { momentum, .. } => {
@@ -172,11 +174,7 @@ impl Optimizer {
                     KerasRule::Adam { .. } | KerasRule::Adamw { .. } => {
                         Slots::Adam { exp_avg: zeros(p), exp_avg_sq: zeros(p) }
                     }
-                    KerasRule::Rmsprop { momentum, centered, .. } => Slots::Rmsprop {
-                        square_avg: zeros(p),
-                        momentum_buffer: (momentum > 0.0).then(|| zeros(p)),
-                        grad_avg: centered.then(|| zeros(p)),
-                    },
+                    KerasRule::Rmsprop { momentum, centered, .. } => Slots::rmsprop(p, momentum, centered),
                 },
             })
             .collect();
