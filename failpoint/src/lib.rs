@@ -7,16 +7,21 @@
 //! step S (1-based, as the training loop says with [`set_step`]) until step S+1 starts: in the
 //! step, its comparison of the replicas and its commit, or a formation that follows it. So a
 //! test's point falls on the step it means whatever else the process did before (a recovery's extra all-reduces, a
-//! comparison of the replicas). A [`point`] pauses there, for good or, when
+//! comparison of the replicas). Several points, each counted on its own, are armed at once by a
+//! comma-separated list (`flip-bit@30,replica-mismatch@1`). A point reached inside a [`region`]
+//! (a guard the code holds around a phase, such as the comparison of the replicas) is also
+//! reached as `REGION/NAME` (`replica-check/all-gather@step=40`: that all-gather, not the step's
+//! own). A [`point`] pauses there, for good or, when
 //! `TRAINERD_FAILPOINT_RELEASE` names a file, until that file exists; a [`hit`] says so to its
-//! caller; both print `trainerd: failpoint NAME reached` to standard error. Unset, as in
+//! caller; both print `trainerd: failpoint NAME reached` to standard error (NAME as armed). Unset, as in
 //! production, a point costs one check of an initialised value.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// The variable that arms a failpoint.
+/// The variable that arms failpoints.
 pub const VARIABLE: &str = "TRAINERD_FAILPOINT";
 /// The variable naming a file whose creation releases a paused point.
 pub const RELEASE: &str = "TRAINERD_FAILPOINT_RELEASE";
@@ -30,10 +35,22 @@ enum When {
     Step(u64),
 }
 
-static ARMED: OnceLock<Option<(String, When)>> = OnceLock::new();
-static REACHED: AtomicU64 = AtomicU64::new(0);
+/// One armed point: its name (possibly `REGION/NAME`), which visit, and its visits so far.
+#[derive(Debug)]
+struct Armed {
+    name: String,
+    when: When,
+    reached: AtomicU64,
+}
+
+static ARMED: OnceLock<Vec<Armed>> = OnceLock::new();
 /// The global step being trained (1-based; 0 before the first).
 static STEP: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// The region this thread is in, if any.
+    static REGION: Cell<Option<&'static str>> = const { Cell::new(None) };
+}
 
 /// `NAME@N` or `NAME@step=S` as (NAME, when); `None` when absent or not of that form.
 fn parse(value: &str) -> Option<(String, When)> {
@@ -45,25 +62,65 @@ fn parse(value: &str) -> Option<(String, When)> {
     Some((name.to_string(), when))
 }
 
+/// Every well-formed point of a comma-separated list.
+fn parse_all(value: &str) -> Vec<Armed> {
+    let armed = value.split(',').filter_map(|v| parse(v.trim()));
+    armed.map(|(name, when)| Armed { name, when, reached: AtomicU64::new(0) }).collect()
+}
+
+fn armed() -> &'static [Armed] {
+    ARMED.get_or_init(|| std::env::var(VARIABLE).map(|v| parse_all(&v)).unwrap_or_default())
+}
+
 /// The training loop is at global step `step` (1-based): what `NAME@step=S` is armed by.
 pub fn set_step(step: u64) {
     STEP.store(step, Ordering::Relaxed);
 }
 
-/// Whether the failpoint `name` is armed and this is the visit it names (said on standard error).
+/// Held while the code is in the region it was made for ([`region`]).
+#[must_use = "the region ends when the guard is dropped"]
+pub struct Region {
+    outer: Option<&'static str>,
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        REGION.with(|r| r.set(self.outer));
+    }
+}
+
+/// Enters the region `name` on this thread until the guard is dropped: a point reached meanwhile
+/// is also reached as `name/POINT`.
+pub fn region(name: &'static str) -> Region {
+    if armed().is_empty() {
+        return Region { outer: REGION.with(Cell::get) };
+    }
+    Region { outer: REGION.with(|r| r.replace(Some(name))) }
+}
+
+/// Whether `wanted` (as armed) names the point `name` reached in `region`.
+fn names(wanted: &str, name: &str, region: Option<&str>) -> bool {
+    wanted == name || region.is_some_and(|r| wanted.strip_prefix(r).and_then(|w| w.strip_prefix('/')) == Some(name))
+}
+
+/// Whether a failpoint armed for `name` is armed for this visit (said on standard error).
 pub fn hit(name: &str) -> bool {
-    let armed = ARMED.get_or_init(|| std::env::var(VARIABLE).ok().as_deref().and_then(parse));
-    let Some((wanted, when)) = armed else { return false };
-    if wanted != name {
+    let armed = armed();
+    if armed.is_empty() {
         return false;
     }
-    let now = match *when {
-        When::Visit(n) => REACHED.fetch_add(1, Ordering::SeqCst) + 1 == n,
-        // Once only: the first visit in that step takes it.
-        When::Step(s) => STEP.load(Ordering::Relaxed) == s && REACHED.fetch_add(1, Ordering::SeqCst) == 0,
-    };
-    if now {
-        eprintln!("trainerd: failpoint {name} reached");
+    let region = REGION.with(Cell::get);
+    let mut now = false;
+    for point in armed.iter().filter(|p| names(&p.name, name, region)) {
+        let here = match point.when {
+            When::Visit(n) => point.reached.fetch_add(1, Ordering::SeqCst) + 1 == n,
+            // Once only: the first visit in that step takes it.
+            When::Step(s) => STEP.load(Ordering::Relaxed) == s && point.reached.fetch_add(1, Ordering::SeqCst) == 0,
+        };
+        if here {
+            eprintln!("trainerd: failpoint {} reached", point.name);
+            now = true;
+        }
     }
     now
 }
@@ -98,5 +155,22 @@ mod tests {
         assert_eq!(parse("all-gather@step=0"), None);
         assert_eq!(parse("all-gather@step=x"), None);
         assert_eq!(parse("x@-1"), None);
+    }
+
+    #[test]
+    fn a_list_arms_each_of_its_well_formed_points() {
+        let armed = parse_all("flip-bit@30, replica-mismatch@1,bad");
+        let names: Vec<(&str, &When)> = armed.iter().map(|a| (a.name.as_str(), &a.when)).collect();
+        assert_eq!(names, vec![("flip-bit", &When::Visit(30)), ("replica-mismatch", &When::Visit(1))]);
+    }
+
+    #[test]
+    fn a_point_in_a_region_is_reached_under_both_names() {
+        assert!(names("all-gather", "all-gather", None));
+        assert!(names("all-gather", "all-gather", Some("replica-check")));
+        assert!(names("replica-check/all-gather", "all-gather", Some("replica-check")));
+        assert!(!names("replica-check/all-gather", "all-gather", None));
+        assert!(!names("replica-check/all-gather", "all-gather", Some("formed")));
+        assert!(!names("replica-check/all-gather", "all-gather-late", Some("replica-check")));
     }
 }

@@ -3,7 +3,8 @@
 //! rules and the kept vote), the timeout hierarchy ([`timeouts`]), the gRPC control plane that
 //! carries them out ([`control`], the coordinator; [`service`], the server every daemon runs;
 //! [`member`], a member's calls; [`error`], what goes wrong, and the one reading of the
-//! coordinator's answers), and where it listens
+//! coordinator's answers), what a member found at a comparison of the replicas and told its peers
+//! ([`finding`]), and where it listens
 //! ([`network`]; who may talk to it is `crate::auth`'s). It knows nothing of training, plugins or
 //! storage: a member's state is an opaque ordered progress and a digest.
 
@@ -12,6 +13,7 @@ pub(crate) mod control;
 mod difference;
 pub(crate) mod election;
 pub(crate) mod error;
+pub(crate) mod finding;
 pub(crate) mod member;
 pub(crate) mod membership;
 pub(crate) mod network;

@@ -14,6 +14,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::catchup::{Hub, PartStream};
 use super::control::{check_rank, proto, Coordinator};
 use super::election::{Ballot, Elections};
+use super::finding::{Finding, Findings};
 use crate::collective::AbortSignal;
 use proto::control_server::Control;
 
@@ -40,6 +41,8 @@ pub(crate) struct Service {
     pub(crate) abort: AbortSignal,
     /// Where a returner's request to catch up waits for this process's training thread.
     pub(crate) hub: Arc<Hub>,
+    /// What peers found at comparisons of the replicas, for this process's training thread.
+    pub(crate) findings: Arc<Findings>,
 }
 
 impl Service {
@@ -136,6 +139,17 @@ impl Control for Service {
         if self.abort.trigger(req.generation, &format!("{}: {reason}", self.names[from])) {
             tracing::info!("generation {} aborted by {}: {reason}", req.generation, self.names[from]);
         }
+        Ok(Response::new(proto::Empty {}))
+    }
+
+    async fn found(&self, request: Request<proto::FoundRequest>) -> Result<Response<proto::Empty>, Status> {
+        let req = request.into_inner();
+        let from = check_rank(req.rank, self.names.len())?;
+        let (odd, why): (Vec<String>, String) = (req.odd.into_iter().take(self.names.len()).collect(), req.why);
+        let why: String = why.chars().take(2000).collect();
+        tracing::info!("{} found at step {} of generation {}: {why}", self.names[from], req.step, req.generation);
+        let finder = self.names[from].clone();
+        self.findings.keep(Finding { generation: req.generation, finder, step: req.step, odd, why });
         Ok(Response::new(proto::Empty {}))
     }
 

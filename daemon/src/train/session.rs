@@ -9,6 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use super::TrainError;
 use crate::cluster::control::{Formed, Identity};
+use crate::cluster::finding::Finding;
 use crate::cluster::membership::Report;
 use crate::cluster::{BindError, ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
 use crate::collective::{Backend, Collective, CollectiveError, DataListener, Link, Ring, Slots, Traffic};
@@ -47,6 +48,9 @@ pub(crate) struct Joined {
     pub(crate) received: Option<Vec<u8>>,
     /// This member's join reported a lineage digest ([`lineage`]) rather than its state's hash.
     pub(crate) by_lineage: bool,
+    /// What peers found at comparisons of the replicas in the generation this member was in
+    /// before ([`Session::tell`]).
+    pub(crate) findings: Vec<Finding>,
 }
 
 /// How a worker begins: joined (or not) in the background, or with a catch-up stream to replay
@@ -355,7 +359,8 @@ impl Session {
             self.collective = Box::new(ring);
             self.floor += 1;
             let progress = state.map_or((0, 0), |s| s.progress());
-            return Ok(Joined { formed: Formed::alone(self.floor, progress), received: None, by_lineage: false });
+            let formed = Formed::alone(self.floor, progress);
+            return Ok(Joined { formed, received: None, by_lineage: false, findings: Vec::new() });
         }
         let (report, by_lineage) = self.report(state)?;
         let m = self.cluster.as_mut().expect("a member of a cluster");
@@ -364,6 +369,9 @@ impl Session {
             Err(ClusterError::Stopped) => return Err(Interrupt::Stopped),
             Err(e) => return Err(Interrupt::Fatal(e.into())),
         };
+        // Told while this member was still in the generation before (its finder tells every peer
+        // before it leaves it), so all here by now.
+        let findings = m.plane.findings(self.generation);
         let rank = m.plane.rank();
         let names = m.plane.names().to_vec();
         let abort = m.plane.abort_signal();
@@ -397,7 +405,7 @@ impl Session {
         // Chaos tests stop a member here: a failure while a generation forms.
         trainerd_failpoint::point("formed");
         let received = self.transfer(&formed, state, &names)?;
-        Ok(Joined { formed, received, by_lineage })
+        Ok(Joined { formed, received, by_lineage, findings })
     }
 
     /// What this member's join says of `state`, and whether its digest is the lineage set for it
@@ -482,6 +490,14 @@ impl Session {
         if let Some(m) = &self.cluster {
             m.plane.abandon(generation, reason, suspect);
         }
+    }
+
+    /// Tells every peer what this member found at the comparison of global step `step` in the
+    /// current generation (the states of `odd` differed; `why`), before it acts on it: whatever
+    /// becomes of this process, the next formation learns it ([`Joined::findings`]). How many
+    /// peers kept it.
+    pub(crate) fn tell(&self, step: u64, odd: &[String], why: &str) -> usize {
+        self.cluster.as_ref().map_or(0, |m| m.plane.tell(self.generation(), step, (odd, why)))
     }
 
     /// Every member's `mine` (the same length on every member), in ring order, concatenated: one

@@ -14,6 +14,7 @@ mod catch_up;
 pub(crate) mod dial;
 mod elect;
 mod finished;
+mod found;
 pub(crate) mod heartbeat;
 pub(crate) mod watch;
 
@@ -31,6 +32,7 @@ use super::control::{
 use super::election::{vote_file, Elections};
 use super::error::BindError;
 use super::error::{from_status, Call, ClusterError};
+use super::finding::Findings;
 use super::membership::Report;
 use super::network::Network;
 use super::tf_config::ClusterConfig;
@@ -110,6 +112,8 @@ pub(crate) struct ControlPlane {
     finished: Option<FinishedProbe>,
     /// Where the service leaves a returner's request to catch up, when this process coordinates.
     hub: Arc<Hub>,
+    /// Where the service leaves what peers found at comparisons of the replicas.
+    findings: Arc<Findings>,
 }
 
 /// Says whether the run has finished, and at which step and commit (blocking: it reads storage).
@@ -198,7 +202,7 @@ impl ControlPlane {
         let abort = AbortSignal::new();
         let (elections, chair) = seat(cluster, &identity, timeouts, state_dir)?;
         let coordinator = seated(&chair);
-        let hub = Arc::new(Hub::default());
+        let (hub, findings) = (Arc::new(Hub::default()), Arc::new(Findings::default()));
         let service = Service {
             rank: cluster.rank,
             names: names.clone(),
@@ -206,6 +210,7 @@ impl ControlPlane {
             elections: Arc::clone(&elections),
             abort: abort.clone(),
             hub: Arc::clone(&hub),
+            findings: Arc::clone(&findings),
         };
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
         // Serving, and the peers' clients (which connect on first use), need the runtime.
@@ -235,6 +240,7 @@ impl ControlPlane {
             formed_once: false,
             finished: None,
             hub,
+            findings,
         };
         let beater = plane.beater();
         plane.tasks.push(plane.runtime.spawn(beater.run()));

@@ -193,10 +193,17 @@ impl Ring {
 
     /// The all-gather after [`Ring::scatter`]: slot u holds chunk u + 1 complete; this worker's
     /// chunks are gathered into the first buffer, then passed around the ring (at step s, slot u
-    /// passes chunk u + 1 - s on to slot u + 1; hops inside a worker are no-ops). `point` names
-    /// its failpoint: an all-reduce's `all-gather`, or the `sharded-all-gather` of a sharded
-    /// optimizer's new parameters.
-    fn gather<T: Element>(&mut self, slots: &Slots, bufs: &mut [&mut [T]], point: &str) -> Result<(), CollectiveError> {
+    /// passes chunk u + 1 - s on to slot u + 1; hops inside a worker are no-ops). `points` name
+    /// its failpoints after its first hop and after its second: an all-reduce's `all-gather` and
+    /// `all-gather-second`, or the `sharded-all-gather` pair of a sharded optimizer's new
+    /// parameters. With a slot per worker, one stopped after its hop s (from 0) lets the s + 1
+    /// workers before it in the ring complete; it and the others do not.
+    fn gather<T: Element>(
+        &mut self,
+        slots: &Slots,
+        bufs: &mut [&mut [T]],
+        points: [&str; 2],
+    ) -> Result<(), CollectiveError> {
         let (v, a, b) = (slots.count, slots.held.start, slots.held.end);
         let len = bufs[0].len();
         if v == 1 {
@@ -216,8 +223,8 @@ impl Ring {
             let (send, recv) = (chunk(b + v - s), chunk(a + v - s));
             let (first, _) = bufs.split_at_mut(1);
             self.exchange_slots("all-reduce", first, (send, recv), false)?;
-            if s == 0 {
-                // Chaos tests stop a member here: some peers complete this all-reduce, some not.
+            // Chaos tests stop a member here: some peers complete this all-reduce, some not.
+            if let Some(point) = points.get(s) {
                 trainerd_failpoint::point(point);
             }
         }
@@ -262,7 +269,7 @@ impl Ring {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         self.scatter(slots, bufs)?;
-        self.gather(slots, bufs, "all-gather")?;
+        self.gather(slots, bufs, ["all-gather", "all-gather-second"])?;
         if op == ReduceOp::Mean {
             let factor = 1.0 / slots.count as f64;
             bufs[0].iter_mut().for_each(|x| *x = x.scaled(factor));
@@ -281,7 +288,7 @@ impl Ring {
     /// every worker's first buffer, which then holds every chunk.
     pub(crate) fn all_gather_slots<T: Element>(&mut self, bufs: &mut [&mut [T]]) -> Result<(), CollectiveError> {
         let slots = self.slots.clone();
-        self.gather(&slots, bufs, "sharded-all-gather")
+        self.gather(&slots, bufs, ["sharded-all-gather", "sharded-all-gather-second"])
     }
 
     fn scatter<T: Element>(&mut self, slots: &Slots, bufs: &mut [&mut [T]]) -> Result<(), CollectiveError> {

@@ -34,7 +34,8 @@ impl Driver<'_> {
         joined: Joined,
         started: Instant,
     ) -> Result<(), Interrupt> {
-        let Joined { formed, received, by_lineage } = joined;
+        let Joined { formed, received, by_lineage, findings } = joined;
+        self.integrity.heard(findings);
         // A live state at the source's step that still had to receive the source's: the two
         // differed where healthy replicas never do. Not when the kinds of optimizer state differ
         // (a coordinator that restored a commit, whole, among members whose state is sharded):
@@ -44,6 +45,7 @@ impl Driver<'_> {
         let differed = same_kind && state.live() && state.position().progress() == formed.progress;
         self.report.formed(formed.generation, session.members().len(), session.slots());
         let got = received.is_some();
+        let holds = got || state.live();
         if let Some(bytes) = received {
             // Decoded in place (the tensors are views of the bytes until copied into the model).
             state.decode(bytes.into()).map_err(|e| Interrupt::Fatal(e.into()))?;
@@ -61,7 +63,7 @@ impl Driver<'_> {
             c.checkpointer().set_generation(formed.generation, (&formed.members, session.world()));
         }
         self.batches.keep(session.collective().slots());
-        let owed = self.agree(state, session, (differed, formed.source))?;
+        let owed = self.agree(state, session, (differed, formed.source, holds))?;
         self.reshard(state, session)?;
         self.probe_reach(session)?;
         self.integrity.formed(state, got || std::mem::take(&mut self.caught_up))?; // caught up: from a peer too
@@ -101,7 +103,8 @@ impl Driver<'_> {
     /// corruption the formation would hide:
     /// [`crate::train::integrity::Integrity::differed_at_formation`]), its checkpoint interval
     /// (commits are compared first), and what it knows of the comparison of the formation's step
-    /// ([`crate::train::integrity::Flags`]), and whether its optimizer state is sharded (all
+    /// (its own, or told by a peer: [`crate::train::integrity::Flags`]; `holds`: it holds the
+    /// formation's state), and whether its optimizer state is sharded (all
     /// members' or none: see [`Driver::reshard`]), and whether it knows every member to reach the
     /// checkpoint location (when none does, every member probes: [`Driver::probe_reach`]). Every
     /// member sees the same values, so every
@@ -110,11 +113,11 @@ impl Driver<'_> {
         &mut self,
         state: &mut TrainState,
         session: &mut Session,
-        (differed, source): (bool, usize),
+        (differed, source, holds): (bool, usize, bool),
     ) -> Result<bool, Interrupt> {
         let mine = crate::sys::cpu::resolved().map_err(|e| Interrupt::Fatal(e.into()))?;
         let present = session.collective().world();
-        let flags = self.integrity.flags(state.position().global_step);
+        let flags = self.integrity.flags(state.position().global_step, holds);
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
         let values = session.gather(&[
             self.steps_per_epoch as f64,

@@ -7,19 +7,28 @@
 //! whoever lacks it, and the steps since are trained again, so the run stays the failure-free
 //! one, bit for bit. A comparison cut short (a member lost during its exchange) undoes nothing:
 //! the members keep the compared state, *owe* the comparison, and finish it as the next
-//! generation forms ([`Integrity::flags`]).
+//! generation forms ([`Integrity::flags`]). A mismatch found is never forgotten: a member that
+//! finds one which sends the run back tells every peer before it acts on it ([`Session::tell`]),
+//! so that the next formation goes back even when the finder dropped its state, died, or was the
+//! only member whose comparison completed ([`Integrity::heard`]).
 
 use std::time::Instant;
 
 use bytes::Bytes;
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use xxhash_rust::xxh3::xxh3_64;
+
+mod digests;
+
+pub(crate) use digests::ranges_differ;
+use digests::{digest, exchange, parameters, parameters_alone, range_digests, split_digests};
 
 use super::report::Reporter;
 use super::session::{Interrupt, Session};
 use super::sharded::Read;
 use super::summary::{ReplicaFigures, ReplicaMismatch};
-use crate::state::{Optim, Position, Shareable, StateError, TrainState};
+use crate::cluster::finding::Finding;
+use crate::state::{Optim, Position, Shareable, TrainState};
 
 /// The default of `--replica-check-every`: at mnist-cnn's step on this project's CPUs the check
 /// costs well under 1% of the step time (bench/multi_worker.sh measures it).
@@ -84,9 +93,18 @@ pub(crate) struct Integrity {
     /// The step of a comparison this member entered that did not complete: its state is still
     /// that step's, not yet compared.
     owed: Option<u64>,
-    /// The step of a comparison whose verdict (a mismatch) sent this member back: a formation
-    /// that hands it a state at or past that step took a state the verdict did not reach.
+    /// The step of a comparison whose verdict (a mismatch) sent the run back before it, found
+    /// here or told by a peer: a formation that hands this member a state at or past that step
+    /// took a state the verdict did not reach.
     mismatch_at: Option<u64>,
+    /// The global step at which every member last held the same state: this member's last
+    /// formation, or its last comparison that found every state equal. A mismatch found after it
+    /// condemns the steps since (a corrupted replica's gradients went into their updates); one
+    /// found at it condemns only the odd replicas.
+    equal_at: u64,
+    /// The earliest finding a peer told of the comparison that sent the run back, while it is
+    /// owed: what this member says when the formation goes back.
+    heard: Option<Finding>,
     figures: ReplicaFigures,
     /// A comparison found this member's parameters alone corrupted under sharding: it dropped its
     /// state but keeps its ranges of the optimizer state (see [`Integrity::take_parameters`]).
@@ -114,6 +132,8 @@ impl Integrity {
             agreed: None,
             owed: None,
             mismatch_at: None,
+            equal_at: 0,
+            heard: None,
             figures,
             ranges_kept: false,
         }
@@ -147,9 +167,26 @@ impl Integrity {
         due(self.schedule.every, &self.commits, position, steps_per_epoch)
     }
 
-    /// What this member tells the others of a generation formed at global step `step`.
-    pub(crate) fn flags(&self, step: u64) -> Flags {
-        Flags { mismatch: self.mismatch_at.is_some_and(|s| step >= s), owes: self.owed == Some(step) }
+    /// What this member tells the others of a generation formed at global step `step`, where it
+    /// `holds` the formation's state (its own or the source's: a member that dropped its state and
+    /// received none, as every member does where none held one, flags nothing; the run's way back
+    /// is then the last commit, not another comparison).
+    pub(crate) fn flags(&self, step: u64, holds: bool) -> Flags {
+        let mismatch = holds && self.mismatch_at.is_some_and(|s| step >= s);
+        Flags { mismatch, owes: self.owed == Some(step) }
+    }
+
+    /// What peers found at comparisons of the generation this member was in, told before they
+    /// acted on it: each sends the run back before its step, as this member's own finding would.
+    pub(crate) fn heard(&mut self, findings: Vec<Finding>) {
+        for finding in findings {
+            if self.mismatch_at.is_none_or(|s| finding.step < s) {
+                self.mismatch_at = Some(finding.step);
+            }
+            if self.heard.as_ref().is_none_or(|h| finding.step < h.step) {
+                self.heard = Some(finding);
+            }
+        }
     }
 
     /// A generation formed on `state`. At this process's first formation, the state it brought
@@ -165,6 +202,8 @@ impl Integrity {
         let step = state.position().global_step;
         self.owed = self.owed.filter(|&s| s == step);
         self.mismatch_at = self.mismatch_at.filter(|&s| step >= s);
+        self.heard = self.heard.take().filter(|_| self.mismatch_at.is_some());
+        self.equal_at = step;
         let first = !std::mem::replace(&mut self.formed_once, true);
         // A sharded optimizer's state is not in the bytes: nothing to keep (see `check`).
         if !first || received || !state.live() || state.optimizer.whole().is_none() {
@@ -193,7 +232,12 @@ impl Integrity {
         trainerd_failpoint::point("replica-check");
         let mine = range_digests(state, ranges);
         let split = if ranges > 0 { split_digests(state).map_err(|e| Interrupt::Fatal(e.into()))? } else { (0, 0) };
-        let (digests, coordinator) = match exchange(session, (digest, split), coordinates, &mine) {
+        // Chaos tests stop a member inside the exchange (`replica-check/all-gather`): some members'
+        // comparisons complete, some not.
+        let region = trainerd_failpoint::region("replica-check");
+        let exchanged = exchange(session, (digest, split), coordinates, &mine);
+        drop(region);
+        let (digests, coordinator) = match exchanged {
             Ok(exchanged) => exchanged,
             // Interrupted (a peer failed, or the generation ended): the verdict is unknown here.
             // The state is kept and the comparison finished as the next generation forms.
@@ -218,6 +262,7 @@ impl Integrity {
             // A sharded optimizer's state is not in the bytes, so they could not be gone back to:
             // a mismatch sends every member back to the last commit instead, and nothing is kept.
             self.agreed = bytes.map(|bytes| Agreed { step: state.position().global_step, digest, bytes });
+            self.equal_at = state.position().global_step;
             return Ok(());
         };
         if ranges > 0 {
@@ -323,7 +368,7 @@ impl Integrity {
         state.model.live &= !dropped;
         self.ranges_kept = dropped;
         report.replica_mismatch(&format!("trainerd: {why}; no step is lost: {what}"), &odd);
-        self.figures.mismatches.push(ReplicaMismatch { step, members: odd, back_to: (!dropped).then_some(step) });
+        self.mismatched(ReplicaMismatch { step, members: odd, back_to: (!dropped).then_some(step) });
         Interrupt::Abandoned(why)
     }
 
@@ -363,14 +408,34 @@ impl Integrity {
     ) -> Interrupt {
         let step = state.position().global_step;
         let names: Vec<String> = finders.iter().map(|&p| session.name_at(p)).collect();
-        let why = format!(
-            "generation {} formed at step {step}, but {} found the replicas' states differ at a comparison not \
-             after it",
-            session.generation(),
-            names.join(", ")
-        );
+        let heard = self.heard.take();
+        let why = match &heard {
+            // A peer's own words, whichever member flagged it here (the finder may be gone).
+            Some(f) => format!(
+                "generation {} formed at step {step}, but {} found at step {}: {}",
+                session.generation(),
+                f.finder,
+                f.step,
+                f.why
+            ),
+            None => format!(
+                "generation {} formed at step {step}, but {} found the replicas' states differ at a comparison not \
+                 after it",
+                session.generation(),
+                names.join(", ")
+            ),
+        };
         let back_to = self.back_for_repair(state, session, true);
-        report.line(&format!("trainerd: {why}; {}", going_back(back_to)));
+        let line = format!("trainerd: {why}; {}", going_back(back_to));
+        // What a peer found is this member's mismatch too (once), as if its own comparison had
+        // completed: its summary names the odd members.
+        match heard {
+            Some(f) => {
+                report.replica_mismatch(&line, &f.odd);
+                self.mismatched(ReplicaMismatch { step: f.step, members: f.odd, back_to });
+            }
+            None => report.line(&line),
+        }
         Interrupt::Abandoned(why)
     }
 
@@ -409,15 +474,24 @@ impl Integrity {
     ) -> Interrupt {
         let step = state.position().global_step;
         let back_to = self.back_for_repair(state, session, right);
+        // A verdict that sends the run back before this step is told to every peer before this
+        // member acts on it: a peer whose exchange was cut short (by this member's leaving, first)
+        // carries it into the next formation, even where this member dropped its state or dies.
+        if self.mismatch_at.is_some() {
+            let kept = session.tell(step, &odd, &why);
+            tracing::debug!("the mismatch at step {step} told to {kept} peer(s)");
+        }
         let what = match (back_to, &state.optimizer) {
             // Its optimizer state exists nowhere whole: the last commit is the agreed state.
             (None, Optim::Sharded(_)) => "this worker drops its state and goes back to the last commit".to_string(),
             _ => going_back(back_to),
         };
         report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
-        self.figures.mismatches.push(ReplicaMismatch { step, members: odd, back_to });
-        // No abort is pushed: every member reaches the same verdict from the same digests; a member
-        // whose exchange the others' leaving cut short learns it as the next generation forms.
+        self.mismatched(ReplicaMismatch { step, members: odd, back_to });
+        // No abort is pushed: every member reaches the same verdict from the same digests, and one
+        // whose exchange the others' leaving cut short was told it. Chaos tests hold the finder
+        // here, its finding told and said, to kill it before it rejoins.
+        trainerd_failpoint::point("replica-mismatch");
         Interrupt::Abandoned(why)
     }
 
@@ -437,125 +511,35 @@ impl Integrity {
     }
 
     /// A verdict sent this member from its state at `step` back to its agreed state at `back_to`
-    /// (`None`: it dropped its state). Where that is an earlier step, a formation at `step` or
-    /// later took a state the verdict did not reach: [`Integrity::flags`] says so. (Where it is the
-    /// same step, or none, the formation after it is the repair itself.)
+    /// (`None`: it dropped its state). Where that is an earlier step, or where it dropped a state
+    /// trained since every member last held the same one, the verdict condemns the steps since
+    /// (the run goes back before `step`): a formation at `step` or later took a state the verdict
+    /// did not reach, and [`Integrity::flags`] says so. (Where the members held the same state at
+    /// `step`, nothing but the odd replicas is condemned, and the formation after it is the
+    /// repair itself.)
     fn went_back(&mut self, step: u64, back_to: Option<u64>) {
         self.owed = None;
-        self.mismatch_at = back_to.filter(|&b| b < step).map(|_| step);
+        let condemns = match back_to {
+            Some(b) => b < step,
+            None => step > self.equal_at,
+        };
+        self.mismatch_at = condemns.then_some(step);
+    }
+
+    /// A mismatch for the summary: one of the same step and members as one already there is the
+    /// same corruption met again (a formation that finds the state a peer's comparison condemned),
+    /// and counts once.
+    fn mismatched(&mut self, m: ReplicaMismatch) {
+        let same = |k: &ReplicaMismatch| k.step == m.step && k.members == m.members;
+        if !self.figures.mismatches.iter().any(same) {
+            self.figures.mismatches.push(m);
+        }
     }
 
     /// What the summary says.
     pub(crate) fn figures(&self) -> ReplicaFigures {
         self.figures.clone()
     }
-}
-
-/// The odd members' names (places `odd`, by their parameters' `digests`), and what differs: `the
-/// parameters of worker 2 (…) differ from those of worker 0 (…), … (xxh3 X against Y)`.
-fn parameters(session: &Session, digests: &[u64], odd: &[usize]) -> (Vec<String>, String) {
-    let names = |places: &mut dyn Iterator<Item = usize>| places.map(|p| session.name_at(p)).collect::<Vec<_>>();
-    let right: Vec<usize> = (0..digests.len()).filter(|p| !odd.contains(p)).collect();
-    let found: Vec<String> = odd.iter().map(|&p| format!("{:016x}", digests[p])).collect();
-    let odd = names(&mut odd.iter().copied());
-    let said = format!(
-        "the parameters of {} differ from those of {} (xxh3 {} against {:016x})",
-        odd.join(", "),
-        names(&mut right.iter().copied()).join(", "),
-        found.join(", "),
-        right.first().map_or(0, |&p| digests[p])
-    );
-    (odd, said)
-}
-
-/// Per range of a sharded optimizer's `ranges` (none otherwise), this member's copy's digest if it
-/// holds one.
-fn range_digests(state: &TrainState, ranges: usize) -> Vec<Option<u64>> {
-    let mut out = vec![None; ranges];
-    if let Optim::Sharded(o) = &state.optimizer {
-        o.digests().into_iter().filter(|&(r, _)| r < ranges).for_each(|(r, d)| out[r] = Some(d));
-    }
-    out
-}
-
-/// Per member, its state's digest, its parameters' and the rest's (under sharding), and, per
-/// range, its copy's (if it holds one).
-type Exchanged = (Vec<u64>, Vec<(u64, u64)>, Vec<Vec<Option<u64>>>);
-
-/// Every member's `digest` (with its parameters' and the rest's), its `ranges`' digests and the
-/// coordinator's place, by one all-reduce: each member puts its digests' halves (a range's after
-/// a 1 when it holds it, and a 1 when it coordinates) in its own place of zeros; the sum is then
-/// every member's value, exactly.
-fn exchange(
-    session: &mut Session,
-    (digest, (params, rest)): (u64, (u64, u64)),
-    coordinates: bool,
-    ranges: &[Option<u64>],
-) -> Result<(Exchanged, usize), Interrupt> {
-    let halves = |d: u64| [(d >> 32) as f64, (d & 0xffff_ffff) as f64];
-    let whole = |v: &[f64]| ((v[0] as u64) << 32) | v[1] as u64;
-    let mut mine = vec![if coordinates { 1.0 } else { 0.0 }];
-    [digest, params, rest].into_iter().for_each(|d| mine.extend(halves(d)));
-    for r in ranges {
-        mine.push(if r.is_some() { 1.0 } else { 0.0 });
-        mine.extend(halves(r.unwrap_or(0)));
-    }
-    let values = session.gather(&mine)?;
-    let rows: Vec<&[f64]> = values.chunks(mine.len()).collect();
-    let digests = rows.iter().map(|v| whole(&v[1..3])).collect();
-    let split = rows.iter().map(|v| (whole(&v[3..5]), whole(&v[5..7]))).collect();
-    let held = rows.iter().map(|v| v[7..].chunks(3).map(|c| (c[0] > 0.5).then(|| whole(&c[1..]))).collect()).collect();
-    let coordinator = rows.iter().position(|v| v[0] > 0.5).unwrap_or(0);
-    Ok(((digests, split, held), coordinator))
-}
-
-/// Under sharding, where the replicated states differ (`whole`, the verdict on their digests): the
-/// places whose parameters alone differ from a strict majority's (`split`: per member, its
-/// parameters' digest and the rest's), the rest being equal everywhere; `None` otherwise.
-fn parameters_alone(split: &[(u64, u64)], whole: &Verdict) -> Option<Vec<usize>> {
-    if split.iter().any(|s| s.1 != split[0].1) {
-        return None;
-    }
-    let params: Vec<u64> = split.iter().map(|s| s.0).collect();
-    let found = verdict(&params, 0)?;
-    let majority = 2 * (params.len() - found.odd.len()) > params.len();
-    (majority && found.odd == whole.odd).then_some(found.odd)
-}
-
-/// A sharded state's digests of its parameters (as the per-step check hashes them) and of the
-/// rest of its replicated state (its buffers' bytes and its position).
-fn split_digests(state: &TrainState) -> Result<(u64, u64), StateError> {
-    let mut rest = Xxh3::new();
-    for (name, t) in &state.model.buffers {
-        crate::state::host::stream_bytes(name, t, &mut |b| rest.update(b))?;
-    }
-    rest.update(&serde_json::to_vec(state.position()).expect("plain data"));
-    Ok((super::sharded::params_digest(&state.model.params), rest.digest()))
-}
-
-/// Where two copies of a sharded optimizer's range differ (per member, per range: its copy's
-/// digest): why, naming the first such range and its holders, and the holders' names. `when`:
-/// the replica check at a step, or a generation forming.
-pub(crate) fn ranges_differ(session: &Session, when: &str, held: &[Vec<Option<u64>>]) -> Option<(String, Vec<String>)> {
-    let ranges = held.first().map_or(0, Vec::len);
-    let differing: Vec<usize> = (0..ranges)
-        .filter(|&r| {
-            let copies: Vec<u64> = held.iter().filter_map(|h| h[r]).collect();
-            copies.iter().any(|&d| d != copies[0])
-        })
-        .collect();
-    let &r = differing.first()?;
-    let holders: Vec<(String, u64)> =
-        held.iter().enumerate().filter_map(|(p, h)| h[r].map(|d| (session.name_at(p), d))).collect();
-    let names: Vec<String> = holders.iter().map(|(n, _)| n.clone()).collect();
-    let found: Vec<String> = holders.iter().map(|(n, d)| format!("{d:016x} on {n}")).collect();
-    let why = format!(
-        "{when}: {} range(s) of the sharded optimizer state differ between their two copies \
-         (range {r}: xxh3 {}); with two copies neither is known right, and every member goes back to the last commit",
-        differing.len(),
-        found.join(" against ")
-    );
-    Some((why, names))
 }
 
 /// What a member does after a comparison failed: back to the agreed state's step, or (`None`) it
@@ -577,18 +561,6 @@ pub(crate) fn flip_bit(state: &mut TrainState) -> Option<String> {
     let after = f32::from_bits(before.to_bits() ^ (1 << 12));
     let _ = flat.get(0).fill_(f64::from(after));
     Some(format!("flipped bit 12 of {name}[0]: {before:e} is now {after:e}"))
-}
-
-/// A state's xxh3-64, and its bytes where they can be gone back to (a whole optimizer's state);
-/// a sharded one is hashed as it is written, without a copy.
-fn digest(state: &TrainState) -> Result<(u64, Option<Bytes>), StateError> {
-    if state.optimizer.whole().is_some() {
-        let bytes = state.encode()?;
-        return Ok((xxh3_64(&bytes), Some(bytes.into())));
-    }
-    let mut hasher = Xxh3::new();
-    state.encoding()?.write(&mut |b| hasher.update(b))?;
-    Ok((hasher.digest(), None))
 }
 
 #[cfg(test)]
@@ -620,16 +592,47 @@ mod tests {
     /// for one past the mismatch, sending everyone back again, for ever. Only a member that went
     /// back to an earlier step flags a formation at or past the mismatch.
     #[test]
-    fn a_formation_past_a_mismatch_is_flagged_only_where_a_member_went_back_to_an_earlier_step() {
+    fn a_formation_past_a_mismatch_is_flagged_only_where_the_run_went_back_before_it() {
         let mut integrity = Integrity::new(Schedule { every: 25, commits: 40 });
         integrity.went_back(0, None);
-        assert_eq!(integrity.flags(0), Flags::default());
+        assert_eq!(integrity.flags(0, true), Flags::default());
         integrity.went_back(40, Some(40));
-        assert_eq!(integrity.flags(40), Flags::default());
+        assert_eq!(integrity.flags(40, true), Flags::default());
         integrity.went_back(40, Some(25));
-        assert_eq!(integrity.flags(40), Flags { mismatch: true, owes: false });
-        assert_eq!(integrity.flags(41), Flags { mismatch: true, owes: false });
-        assert_eq!(integrity.flags(25), Flags::default(), "the repair's own formation");
+        assert_eq!(integrity.flags(40, true), Flags { mismatch: true, owes: false });
+        assert_eq!(integrity.flags(41, true), Flags { mismatch: true, owes: false });
+        assert_eq!(integrity.flags(25, true), Flags::default(), "the repair's own formation");
+        assert_eq!(integrity.flags(40, false), Flags::default(), "a formation where no member held a state");
+    }
+
+    /// The suite's failure at 65fe391: the drifted worker's comparison alone completed, and it
+    /// dropped its state. Its finding still sends the run back: the state it dropped was trained
+    /// since the members last agreed (step 25), so a formation at step 40 is flagged, by it and by
+    /// every peer it told. A mismatch found where the members last held the same state (a
+    /// formation's, with no step since) condemns nothing but the odd replicas.
+    #[test]
+    fn a_finder_that_dropped_its_state_still_flags_the_formation_past_its_finding() {
+        let mut finder = Integrity::new(Schedule { every: 25, commits: 40 });
+        finder.equal_at = 25;
+        finder.went_back(40, None);
+        assert_eq!(finder.flags(40, true), Flags { mismatch: true, owes: false });
+        let mut at_formation = Integrity::new(Schedule { every: 25, commits: 40 });
+        at_formation.equal_at = 30;
+        at_formation.went_back(30, None);
+        assert_eq!(at_formation.flags(30, true), Flags::default());
+
+        let mut told = Integrity::new(Schedule { every: 25, commits: 40 });
+        told.owed = Some(40);
+        let finding = |step: u64| Finding {
+            generation: 2,
+            finder: "worker 2".into(),
+            step,
+            odd: vec!["worker 2".into()],
+            why: format!("replica check at step {step}"),
+        };
+        told.heard(vec![finding(50), finding(40)]);
+        assert_eq!(told.flags(40, true), Flags { mismatch: true, owes: true });
+        assert_eq!(told.heard.as_ref().map(|f| f.step), Some(40), "the earliest finding is said");
     }
 
     #[test]

@@ -1,0 +1,30 @@
+//! What this member found at a comparison of the replicas, told to every peer before it acts on
+//! it, and what peers told it ([`super::super::finding`]).
+
+use super::super::control::proto;
+use super::super::finding::Finding;
+use super::ControlPlane;
+
+impl ControlPlane {
+    /// Tells every peer what this member found at the comparison of global step `step` in
+    /// `generation` (`odd`: the members whose state differed; `why`: what it says), and waits
+    /// until each has kept it, failed, or not answered within the heartbeat deadline: a peer that
+    /// answered carries the finding into the next formation whatever becomes of this process.
+    /// How many peers kept it.
+    pub(crate) fn tell(&self, generation: u64, step: u64, (odd, why): (&[String], &str)) -> usize {
+        let request =
+            proto::FoundRequest { generation, rank: self.rank as u32, step, odd: odd.to_vec(), why: why.to_string() };
+        let within = self.timeouts.heartbeat_deadline;
+        let calls = self.peers.iter().flatten().map(|client| {
+            let (mut client, request) = (client.clone(), request.clone());
+            async move { matches!(tokio::time::timeout(within, client.found(request)).await, Ok(Ok(_))) }
+        });
+        self.runtime.block_on(futures::future::join_all(calls)).into_iter().filter(|&kept| kept).count()
+    }
+
+    /// What peers found at comparisons of `generation`, the generation this member was in, taken
+    /// ([`ControlPlane::tell`]).
+    pub(crate) fn findings(&self, generation: u64) -> Vec<Finding> {
+        self.findings.take(generation)
+    }
+}
