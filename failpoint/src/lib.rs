@@ -12,7 +12,7 @@
 //! (a guard the code holds around a phase, such as the comparison of the replicas) is also
 //! reached as `REGION/NAME` (`replica-check/all-gather@step=40`: that all-gather, not the step's
 //! own). A [`point`] pauses there, for good or, when
-//! `TRAINERD_FAILPOINT_RELEASE` names a file, until that file exists; a [`hit`] says so to its
+//! `TRAINERD_FAILPOINT_RELEASE` names a file, until that file exists (taking it); a [`hit`] says so to its
 //! caller; both print `trainerd: failpoint NAME reached` to standard error (NAME as armed). Unset, as in
 //! production, a point costs one check of an initialised value.
 
@@ -126,7 +126,9 @@ pub fn hit(name: &str) -> bool {
 }
 
 /// Marks the failpoint `name`: pauses here if it is armed and this is the visit it names, for
-/// good, or until the file named by [`RELEASE`] exists.
+/// good, or until the file named by [`RELEASE`] exists. The file is taken (removed) as it
+/// releases the point, so that a test releases each of a process's pauses with a file of its
+/// own making (each process its own file).
 pub fn point(name: &str) {
     if !hit(name) {
         return;
@@ -134,7 +136,10 @@ pub fn point(name: &str) {
     let release = std::env::var_os(RELEASE).map(std::path::PathBuf::from);
     loop {
         match &release {
-            Some(file) if file.exists() => return,
+            Some(file) if file.exists() => {
+                let _ = std::fs::remove_file(file);
+                return;
+            }
             Some(_) => std::thread::sleep(Duration::from_millis(5)),
             None => std::thread::sleep(Duration::from_secs(3600)),
         }

@@ -311,6 +311,15 @@ impl Buckets {
     /// used-flag per parameter) and filled with `value`: -0.0 leaves whatever a single slot
     /// writes over it unchanged by a sum over the slots.
     pub(crate) fn fill(&mut self, held: usize, params: &[(String, Tensor)], extra_len: usize, value: f32) {
+        self.make(held, params, extra_len, Some(value));
+    }
+
+    /// Every bucket's host buffers of the first `held` slots, made where missing (zeros) as
+    /// [`Buckets::fill`] makes them, and filled with `value` if given. A member that staged no
+    /// step in this generation (a returner whose first operation is a commit, or a survivor that
+    /// now holds more slots) lacks some, and a gather of the sharded state passes through them
+    /// (the chief restarted during a sharded run's last steps panicked here, 2026-11-28).
+    pub(crate) fn make(&mut self, held: usize, params: &[(String, Tensor)], extra_len: usize, value: Option<f32>) {
         assert!(!self.on_device, "host buffers only");
         self.slots_up_to(held);
         let last = self.groups.len() - 1;
@@ -320,8 +329,10 @@ impl Buckets {
                 let tail = if b == last { extra_len + params.len() } else { 0 };
                 let len = group.iter().map(|&p| params[p].1.numel()).sum::<usize>() + tail;
                 let buffer = buffer_of(&mut self.staging[i][b], len, (self.home, false));
-                // SAFETY: as in `range_mut`.
-                unsafe { host_slice(buffer) }.fill(value);
+                if let Some(value) = value {
+                    // SAFETY: as in `range_mut`.
+                    unsafe { host_slice(buffer) }.fill(value);
+                }
             }
         }
     }

@@ -426,7 +426,8 @@ pub(crate) fn run(
     }
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
-    let checkpointer = startup::restore((cfg, &run_config), (&info, world), &mut session, &mut state, &mut report)?;
+    let (checkpointer, resumed) =
+        startup::restore((cfg, &run_config), (&info, world), &mut session, &mut state, &mut report)?;
     // A coordinator too: the chief, or a worker whose kept vote won a term, restarted after the
     // others finished under another coordinator, finds no member to form a generation with.
     if let Some(probe) = startup::finished_probe((cfg, &run_config), (&info, world))? {
@@ -442,5 +443,5 @@ pub(crate) fn run(
     let (session, state, joined) = joining.join().expect("the joining thread does not panic");
     tracing::debug!("start-up: joined after {:?}", started.elapsed());
     let driver = Driver::new((cfg, &info), (&model, replicas, &data), buckets, (report, committer), stop);
-    driver.run(session, state, joined, started)
+    driver.resumed(resumed).run(session, state, joined, started)
 }

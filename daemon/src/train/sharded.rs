@@ -950,6 +950,56 @@ mod tests {
         })
     }
 
+    /// A gather of the state right after a reshard, on members that staged no step in the
+    /// generation: the returner's buffers are made where missing (the chief restarted during a
+    /// sharded run's last steps panicked here: its first operation was a commit, 2026-11-28), and
+    /// what the buffers held before does not change a bit of what is gathered (the survivors'
+    /// hold another generation's values).
+    #[test]
+    fn a_returner_that_staged_no_step_gathers_the_same_state_as_every_member() {
+        let v = 4;
+        let config = OptimizerConfig::Adam { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
+        let out = with_ring(4, |ring| {
+            let params = params();
+            let mut buckets = Buckets::new(&params, 64);
+            let ranges = buckets.ranges(&params, v, 2);
+            let (before, rank) = ([0, 2, 3], ring.rank());
+            let (mine, buddied) = match before.iter().position(|&r| r == rank) {
+                Some(p) => {
+                    let was = Slots::of(v, assign_home(v, 4, &before), p);
+                    buckets.fill(was.len(), &params, 2, 123.0);
+                    (owned(&ranges, &was), owned(&ranges, &was.before()))
+                }
+                None => (vec![], vec![]),
+            };
+            let held = (&with_pieces(&ranges, &mine)[..], &with_pieces(&ranges, &buddied)[..]);
+            let mut held = ShardedOptimizer::new(config.clone(), &params, held);
+            for (shard, r) in held.held().into_iter().enumerate() {
+                for k in 0..2 {
+                    held.values_mut(shard, k).iter_mut().enumerate().for_each(|(e, x)| *x = (r * 7 + k + e) as f32);
+                }
+            }
+            if !held.held().is_empty() {
+                held.set_replicated(7, &vec![true; params.len()]);
+            }
+            ring.set_slots(Slots::of(v, assign_home(v, 4, &[0, 1, 2, 3]), ring.rank()));
+            let (next, _, _) = reshard((&mut buckets, &ranges, 2), ring, &params, &mut held).unwrap().unwrap();
+            let gathered = |buckets: &mut Buckets, ring: &mut dyn Collective| {
+                let state = gather_state((buckets, &ranges), ring, &params, (&next, true)).unwrap();
+                state.iter().map(|t| (t.name.clone(), bytes(&host::to_tensor(t).unwrap()))).collect::<Vec<_>>()
+            };
+            buckets.make(ring.slots().len(), &params, 2, None);
+            let first = gathered(&mut buckets, ring);
+            buckets.fill(ring.slots().len(), &params, 2, -0.0);
+            (first, gathered(&mut buckets, ring))
+        });
+        for (rank, (first, again)) in out.iter().enumerate() {
+            assert!(!first.is_empty());
+            assert_eq!(first, again, "worker {rank}: the buffers' old values leaked into the gathered state");
+            assert_eq!(first, &out[0].0, "worker {rank} gathered another state");
+        }
+    }
+
     /// With home slots, a worker lost or back moves only its own ranges, from or to its
     /// neighbours in the ring, bit for bit: the others receive nothing but the buddy copies that
     /// changed hands. Three workers back at once next to each other, one of them two places from

@@ -71,24 +71,24 @@ pub(super) fn initial_state(model: &ModelInstance<'_>, cfg: &RunConfig, info: &P
 /// With checkpoints: the checkpointer (every member has one: whoever coordinates commits); on
 /// the coordinator (the chief, or the member its kept vote says won a term), its location
 /// checked and the newest commit that verifies restored into `state` (the state of last resort;
-/// a survivor's is further).
+/// a survivor's is further); whether it restored one.
 pub(super) fn restore(
     (cfg, run_config): (&RunConfig, &str),
     (info, workers): (&PluginInfo, usize),
     session: &mut Session,
     state: &mut TrainState,
     report: &mut Reporter<'_>,
-) -> Result<Option<Checkpointer>, TrainError> {
-    let Some(c) = cfg.checkpoint.as_ref() else { return Ok(None) };
+) -> Result<(Option<Checkpointer>, bool), TrainError> {
+    let Some(c) = cfg.checkpoint.as_ref() else { return Ok((None, false)) };
     if !session.coordinates() {
-        return Ok(Some(Checkpointer::new(c.location.open(&c.s3)?, c.keep)?));
+        return Ok((Some(Checkpointer::new(c.location.open(&c.s3)?, c.keep)?), false));
     }
     let mut checkpointer = open_checkpointer(c, report)?;
     let location = checkpointer.location().to_string();
     report.waiting_for_cluster(&format!("restoring from {location}"));
     let (restored, floor) = checkpointer.restore()?;
     session.set_floor(floor);
-    let Some(r) = restored else { return Ok(Some(checkpointer)) };
+    let Some(r) = restored else { return Ok((Some(checkpointer), false)) };
     for why in &r.fallbacks {
         report.line(&format!("warning: skipped a damaged checkpoint: {why}"));
     }
@@ -111,7 +111,7 @@ pub(super) fn restore(
     let whose = format!("checkpoint {} in {location}", r.record.sequence);
     super::kernels::restored(&mut state.model.position, &whose, report)?;
     report.resumed(r.record.sequence, &location, state.position());
-    Ok(Some(checkpointer))
+    Ok((Some(checkpointer), true))
 }
 
 /// On a member with checkpoints: a probe of whether the run has finished, asked while its join

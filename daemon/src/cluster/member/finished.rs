@@ -25,8 +25,19 @@ impl ControlPlane {
         if silent < self.timeouts.heartbeat_deadline * 2 || !due {
             return None;
         }
-        *probed = Some(now);
-        tokio::task::spawn_blocking(move || probe()).await.ok().flatten()
+        let first = probed.replace(now).is_none();
+        let said = tokio::task::spawn_blocking(move || probe()).await.ok().flatten();
+        if said.is_none() && first {
+            // A worker down when the run finished on another machine's disk cannot tell that
+            // from a cluster that is down, and waits for it: said once.
+            eprintln!(
+                "trainerd: {} does not answer, and the checkpoint location holds no commit that ends this run: \
+                 waiting for the cluster (a run that finished while this worker was down shows here only where the \
+                 others committed to a location this worker reads; SIGTERM stops the wait)",
+                self.coordinator_name()
+            );
+        }
+        said
     }
 
     /// On the coordinator's process, while its own join waits for members: from two heartbeat

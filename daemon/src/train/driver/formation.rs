@@ -40,9 +40,12 @@ impl Driver<'_> {
         // differed where healthy replicas never do. Not when the kinds of optimizer state differ
         // (a coordinator that restored a commit, whole, among members whose state is sharded):
         // it takes the source's kind with the state; nor when this member reported a lineage
-        // digest, which is no hash of its state.
+        // digest, which is no hash of its state; nor when its state is the placeholder a fresh
+        // process builds (a restarted chief joining the coordinator elected meanwhile at step 0:
+        // its model is the run's initial one, its position not yet pinned to the run's kernels).
         let same_kind = !by_lineage && received.as_deref().is_some_and(|b| state.same_kind(b));
-        let differed = same_kind && state.live() && state.position().progress() == formed.progress;
+        let of_the_run = self.adopted_once || self.resumed;
+        let differed = same_kind && of_the_run && state.live() && state.position().progress() == formed.progress;
         self.report.formed(formed.generation, session.members().len(), session.slots());
         let got = received.is_some();
         let holds = got || state.live();

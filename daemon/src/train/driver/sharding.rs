@@ -113,6 +113,11 @@ impl Driver<'_> {
         let (Optim::Sharded(o), Some((_, ranges))) = (&state.optimizer, self.sharding.as_ref()) else {
             unreachable!("gathered only when sharded")
         };
+        // The gather passes through the host buffers of every slot held here, which a member that
+        // trained no step in this generation has not made (the values do not matter: it writes
+        // every range it reads).
+        let (held, extra_len) = (session.collective().slots().len(), self.extra_len(session.slot_count()));
+        self.buckets.make(held, &state.model.params, extra_len, None);
         sharded::gather_state((&mut self.buckets, ranges), session.collective(), &state.model.params, (o, keep))
             .map_err(|e| session.interrupt(e.into()))
     }
