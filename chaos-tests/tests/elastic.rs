@@ -671,3 +671,37 @@ fn a_worker_returning_after_the_end_exits_0_naming_where_the_run_finished() {
 fn the_chief_returning_after_the_end_exits_0_naming_where_the_run_finished() {
     returning_after_the_end(0);
 }
+
+/// A step that only processes that died completed is counted (position records): of 4 workers,
+/// worker 2 is stopped inside step 60's all-gather after its second hop, so that workers 0 (the
+/// chief) and 1 complete step 60 and workers 2 and 3 do not; the chief, worker 1 and worker 2 are
+/// then SIGKILLed together (worker 2, released, would complete the step from its socket's
+/// buffer). Worker 3, left alone (no majority), waits for their new processes, which report the
+/// position their predecessors recorded, and the formation at step 59 counts step 60 as trained
+/// again and lost, as the transcript shows it (before, it counted 0 and 0: nobody alive had
+/// reported step 60). The run ends bitwise the failure-free one.
+#[test]
+fn a_step_only_processes_that_died_completed_is_counted_by_the_formation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut first_env = vec![vec![]; LINEAR4.workers];
+    first_env[2] = vec![("TRAINERD_FAILPOINT".to_string(), "all-gather-second@step=60".to_string())];
+    let mut c = Cluster::start(LINEAR4.workers, &args(LINEAR4, tmp.path(), &[]), &[], first_env, RESTART_SEC);
+    c.wait_line(2, "trainerd: failpoint all-gather-second reached", 0, DEADLINE);
+    c.wait_step(0, 60, DEADLINE);
+    c.wait_step(1, 60, DEADLINE);
+    let killed = c.mark();
+    for rank in [0, 1, 2] {
+        c.signal(rank, libc::SIGKILL);
+    }
+    let steps = c.seen()[..killed].iter().filter_map(|e| match e.event() {
+        Some(Event::Step { global_step, .. }) => Some(*global_step),
+        _ => None,
+    });
+    let furthest = steps.max().unwrap();
+    assert_eq!(furthest, 60);
+    let (_, formed) = c.wait_event(3, |e| matches!(e, Event::Joined { .. }), DEADLINE);
+    let Event::Joined { global_step, steps_lost, steps_trained_again, .. } = formed else { unreachable!("matched") };
+    assert_eq!(global_step, 59, "{}", c.transcript());
+    assert_eq!((steps_trained_again, steps_lost), (furthest - global_step, 1), "{}", c.transcript());
+    assert_finished_exactly(&mut c, LINEAR4, tmp.path(), &[0, 1, 2, 3]);
+}

@@ -144,6 +144,7 @@ fn report_of(r: Option<proto::StateReport>) -> Report {
         reached: r.reached,
         repaired: r.repaired,
         members: r.members.into_iter().map(|r| r as usize).collect(),
+        recorded: r.recorded.map(|p| (p.generation, p.step)),
     }
 }
 

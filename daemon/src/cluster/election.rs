@@ -417,9 +417,13 @@ fn read(path: &Path) -> Result<(Vote, bool), VoteError> {
 /// Where `rank` keeps its vote for the run `identity` (the cluster, the plugin and the run
 /// configuration, so that another run's votes in the same directory do not count).
 pub(crate) fn vote_file(dir: &Path, rank: usize, identity: &str) -> PathBuf {
+    dir.join(format!("vote-rank{rank}-{}.json", run_id(identity)))
+}
+
+/// A short name for the run `identity`, for the files a member keeps in its state directory.
+pub(crate) fn run_id(identity: &str) -> String {
     use sha2::{Digest, Sha256};
-    let id: String = Sha256::digest(identity.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect();
-    dir.join(format!("vote-rank{rank}-{id}.json"))
+    Sha256::digest(identity.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

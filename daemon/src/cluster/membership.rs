@@ -33,6 +33,9 @@ pub(crate) struct Report {
     pub(crate) repaired: bool,
     /// The ranks of the generation it was last in (empty before its first).
     pub(crate) members: Vec<usize>,
+    /// What the process this one replaced recorded before it died, until this one is in a
+    /// generation: the generation it trained in and the furthest step its state reached there.
+    pub(crate) recorded: Option<(u64, u64)>,
 }
 
 impl Report {
@@ -495,16 +498,21 @@ fn reached(state: &State, members: &[usize]) -> (u64, u64) {
 
 /// Folds what `report` says into `reaches`: a newer generation than the one kept replaces it, the
 /// same one raises its furthest step (and the furthest of a member that went back for a repair),
-/// an older one counts for nothing.
+/// an older one counts for nothing. A position the process before the reporting one recorded
+/// counts as a report of its own (the steps a process trained before it died count).
 fn add_reach(reaches: &mut Option<(u64, u64, u64)>, report: &Report) {
-    let (generation, reached, repaired) = reaches.get_or_insert((report.generation, 0, 0));
-    if report.generation > *generation {
-        (*generation, *reached, *repaired) = (report.generation, 0, 0);
-    }
-    if report.generation == *generation {
-        *reached = (*reached).max(report.reached);
-        if report.repaired {
-            *repaired = (*repaired).max(report.reached);
+    let recorded = report.recorded.filter(|&(generation, _)| generation > 0);
+    let own = (report.generation, report.reached, report.repaired);
+    for (of, at, repair) in recorded.map(|(g, s)| (g, s, false)).into_iter().chain([own]) {
+        let (generation, reached, repaired) = reaches.get_or_insert((of, 0, 0));
+        if of > *generation {
+            (*generation, *reached, *repaired) = (of, 0, 0);
+        }
+        if of == *generation {
+            *reached = (*reached).max(at);
+            if repair {
+                *repaired = (*repaired).max(at);
+            }
         }
     }
 }
@@ -1171,7 +1179,9 @@ mod tests {
         Restart(usize),
         /// Two members die close together: the first inside a step that the members flagged
         /// complete (their beats too late to count); the second after its join, before the
-        /// survivors can form; the first's new process then makes a majority.
+        /// survivors can form; the first's new process then makes a majority, and reports what
+        /// its predecessor recorded (the step it completed, if it was flagged: before position
+        /// records, a step only the first had completed was not counted).
         TwoClose { first: usize, second: usize, ahead: Vec<bool> },
     }
 
@@ -1197,18 +1207,28 @@ mod tests {
         generation: u64,
         members: Vec<usize>,
         alive: bool,
+        /// What the process before this one recorded (its generation and furthest step), until
+        /// this one adopts a formation.
+        recorded: Option<(u64, u64)>,
     }
 
     impl Held {
         fn report(&self) -> Report {
             let (generation, reached, repaired, members) =
                 (self.generation, self.reached, self.repaired, self.members.clone());
+            let recorded = self.recorded;
             match self.step {
                 Some(step) => {
-                    Report { generation, progress: (step, 0), digest: format!("s{step}"), reached, repaired, members }
+                    let digest = format!("s{step}");
+                    Report { generation, progress: (step, 0), digest, reached, repaired, members, recorded }
                 }
-                None => Report { generation, reached, repaired, members, ..Report::default() },
+                None => Report { generation, reached, repaired, members, recorded, ..Report::default() },
             }
+        }
+
+        /// A new process for this rank: nothing held but what the dead one recorded.
+        fn restarted(&self) -> Held {
+            Held { alive: true, recorded: self.recorded, ..Held::default() }
         }
     }
 
@@ -1278,7 +1298,7 @@ mod tests {
                     for &r in &f.members {
                         let h = &mut self.held[r];
                         (h.step, h.reached, h.repaired) = (Some(f.progress.0), f.progress.0, false);
-                        (h.generation, h.members) = (f.generation, f.members.clone());
+                        (h.generation, h.members, h.recorded) = (f.generation, f.members.clone(), None);
                     }
                 }
                 self.s.apply(d, self.t0, &names4());
@@ -1309,7 +1329,9 @@ mod tests {
 
         /// Rank `r`'s process dies: the coordinator sees its stream close.
         fn die(&mut self, r: usize) {
-            self.held[r] = Held::default();
+            let h = &self.held[r];
+            let recorded = (h.generation > 0).then_some((h.generation, h.reached));
+            self.held[r] = Held { recorded, ..Held::default() };
             (self.s.members[r].connected, self.s.members[r].lost) = (false, true);
             self.settle();
         }
@@ -1347,14 +1369,15 @@ mod tests {
                 }
                 Happening::TwoClose { first, second, ahead } if first != second && self.active().len() == 4 => {
                     let n = self.step_of() + 1;
-                    let done: Vec<usize> = (0..4).filter(|&r| r != first && ahead[r]).collect();
+                    // The first's completion is known from its record once its new process joins.
+                    let done: Vec<usize> = (0..4).filter(|&r| ahead[r]).collect();
                     self.complete(n, &done, false);
                     self.die(first);
                     self.join(second);
                     self.die(second);
                     self.rejoin();
                     assert!(self.active().is_empty(), "2 of 4 form nothing");
-                    self.held[first] = Held { alive: true, ..Held::default() };
+                    self.held[first] = self.held[first].restarted();
                     self.start(first);
                     self.settle();
                 }
@@ -1367,7 +1390,7 @@ mod tests {
                     self.rejoin();
                 }
                 Happening::Restart(r) if !self.held[r].alive => {
-                    self.held[r] = Held { alive: true, ..Held::default() };
+                    self.held[r] = self.held[r].restarted();
                     self.start(r);
                     self.settle();
                     assert_eq!(returners(&self.s, self.t0, &Self::OPTS), vec![r], "a return waits for a boundary");

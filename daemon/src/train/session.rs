@@ -420,7 +420,8 @@ impl Session {
         };
         let (generation, progress, repaired, members) =
             (self.generation, s.progress(), self.repaired, self.members.clone());
-        let report = Report { generation, progress, digest, reached: self.reached.max(progress.0), repaired, members };
+        let reached = self.reached.max(progress.0);
+        let report = Report { generation, progress, digest, reached, repaired, members, recorded: None };
         Ok((report, by_lineage))
     }
 

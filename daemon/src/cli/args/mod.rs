@@ -299,7 +299,9 @@ pub(crate) struct RunArgs {
     #[arg(long)]
     pub(crate) allow_even_split: bool,
     /// Keep this worker's vote here (fsynced), so that it can take part in electing a new
-    /// coordinator when the chief is lost [default: $STATE_DIRECTORY, which systemd's
+    /// coordinator when the chief is lost, and its position (the step its state reached, written
+    /// after every step), so that the process that replaces it counts the steps it trained
+    /// [default: $STATE_DIRECTORY, which systemd's
     /// StateDirectory= sets, else $XDG_STATE_HOME/trainerd/JOB or ~/.local/state/trainerd/JOB,
     /// JOB named for TF_CONFIG's cluster].
     #[arg(long)]

@@ -16,6 +16,8 @@ mod elect;
 mod finished;
 mod found;
 pub(crate) mod heartbeat;
+mod position;
+mod setup;
 pub(crate) mod watch;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,11 +28,8 @@ use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
 use super::catchup::Hub;
-use super::control::{
-    proto, seated, Chair, ControlClient, ControlServer, Coordinator, Formed, Identity, Seat, Service,
-};
-use super::election::{vote_file, Elections};
-use super::error::BindError;
+use super::control::{proto, seated, Chair, ControlClient, Coordinator, Formed, Identity, Service};
+use super::election::Elections;
 use super::error::{from_status, Call, ClusterError};
 use super::finding::Findings;
 use super::membership::Report;
@@ -39,8 +38,10 @@ use super::tf_config::ClusterConfig;
 use super::timeouts::Timeouts;
 use crate::collective::{AbortSignal, Aborted};
 pub(crate) use dial::resolve;
-use dial::{authenticated, port_of, push_abort, Dial};
+use dial::{push_abort, Dial};
 use heartbeat::Beater;
+use position::PositionRecord;
+use setup::{bind, control_runtime, peers, run_identity, seat, serve};
 use watch::{JoinEnd, JoinWait};
 
 /// What the heartbeat task and the training thread share.
@@ -114,6 +115,9 @@ pub(crate) struct ControlPlane {
     hub: Arc<Hub>,
     /// Where the service leaves what peers found at comparisons of the replicas.
     findings: Arc<Findings>,
+    /// This process's position record (with a state directory), and what the process before it
+    /// recorded: its first join reports that.
+    position: Option<position::Kept>,
 }
 
 /// Says whether the run has finished, and at which step and commit (blocking: it reads storage).
@@ -128,59 +132,6 @@ async fn answered<T>(call: impl std::future::Future<Output = T>, gone: impl Fn()
             () = tokio::time::sleep(Duration::from_millis(50)) => if gone() { return None },
         }
     }
-}
-
-/// The control plane's runtime: two threads.
-fn control_runtime() -> Result<tokio::runtime::Runtime, ClusterError> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("trainerd-control")
-        .enable_all()
-        .build()
-        .map_err(ClusterError::Setup)
-}
-
-/// This member's vote (kept in `state_dir`, if given) and the coordinator it holds at start: the
-/// chief coordinates term 0; a member whose kept vote says it won a term takes it up again.
-fn seat(
-    cluster: &ClusterConfig,
-    identity: &Identity,
-    timeouts: Timeouts,
-    state_dir: Option<&std::path::Path>,
-) -> Result<(Arc<Elections>, Chair), ClusterError> {
-    let names: Vec<String> = cluster.members.iter().map(|m| m.to_string()).collect();
-    let run = format!("{}\n{}\n{}", identity.cluster_json, identity.plugin, identity.run_config_json);
-    let file = state_dir.map(|dir| vote_file(dir, cluster.rank, &run));
-    let elections = Arc::new(Elections::open(file)?);
-    let coordinator = match elections.coordinator() {
-        Some((term, rank)) if rank == cluster.rank => {
-            let seat = Seat { rank, term, ..Seat::default() };
-            Some(Coordinator::new(identity.clone(), names.clone(), timeouts.options(names.len()), seat))
-        }
-        _ => None,
-    };
-    Ok((elections, Arc::new(std::sync::RwLock::new(coordinator))))
-}
-
-/// This member's TF_CONFIG port, bound as `network` says; `name` is this member's.
-fn bind(cluster: &ClusterConfig, network: &Network, name: &str) -> Result<std::net::TcpListener, ClusterError> {
-    let me = cluster.me();
-    let bind_error =
-        |reason: BindError| ClusterError::Bind { address: me.address.clone(), member: name.to_string(), reason };
-    let port = resolve(&me.address)
-        .map(|a| a.port())
-        .or_else(|e| port_of(&me.address).ok_or(e))
-        .map_err(|e| bind_error(e.into()))?;
-    let addr = std::net::SocketAddr::new(network.bind, port);
-    let listener = std::net::TcpListener::bind(addr).map_err(|source| {
-        bind_error(if addr.to_string() == me.address {
-            BindError::Address(source)
-        } else {
-            BindError::Other { addr, source }
-        })
-    })?;
-    listener.set_nonblocking(true).map_err(|e| bind_error(BindError::Address(e)))?;
-    Ok(listener)
 }
 
 impl ControlPlane {
@@ -201,6 +152,7 @@ impl ControlPlane {
         let listening = listener.local_addr().map_err(ClusterError::Setup)?;
         let abort = AbortSignal::new();
         let (elections, chair) = seat(cluster, &identity, timeouts, state_dir)?;
+        let position = PositionRecord::kept(state_dir, cluster.rank, &run_identity(&identity))?;
         let coordinator = seated(&chair);
         let (hub, findings) = (Arc::new(Hub::default()), Arc::new(Findings::default()));
         let service = Service {
@@ -241,11 +193,10 @@ impl ControlPlane {
             finished: None,
             hub,
             findings,
+            position,
         };
-        let beater = plane.beater();
-        plane.tasks.push(plane.runtime.spawn(beater.run()));
-        let elector = plane.elector();
-        plane.tasks.push(plane.runtime.spawn(elector.run()));
+        let (beater, elector) = (plane.beater(), plane.elector());
+        plane.tasks.extend([plane.runtime.spawn(beater.run()), plane.runtime.spawn(elector.run())]);
         Ok(plane)
     }
 
@@ -313,7 +264,10 @@ impl ControlPlane {
     /// This member's state reached global step `step` in its generation: the furthest is what
     /// the beats carry.
     pub(crate) fn set_step(&self, step: u64) {
-        self.shared.step.fetch_max(step, Ordering::Relaxed);
+        let furthest = self.shared.step.fetch_max(step, Ordering::Relaxed).max(step);
+        if let Some((record, _)) = &self.position {
+            record.write(self.shared.generation.load(Ordering::Relaxed), furthest);
+        }
     }
 
     /// The ranks that came back to the generation this process coordinates (none elsewhere): it
@@ -378,6 +332,13 @@ impl ControlPlane {
                 reached: report.reached,
                 repaired: report.repaired,
                 members: report.members.iter().map(|&r| r as u32).collect(),
+                // Until this process is in a generation: what the process before it recorded.
+                recorded: self
+                    .position
+                    .as_ref()
+                    .and_then(|(_, r)| *r)
+                    .filter(|_| !self.formed_once)
+                    .map(|(generation, step)| proto::Position { generation, step }),
             }),
             term: 0,
         };
@@ -547,6 +508,9 @@ impl ControlPlane {
         if let Err(e) = self.shared.elections.forget() {
             tracing::warn!("the run finished, but this worker's vote was not removed: {e}");
         }
+        if let Some((record, _)) = &self.position {
+            record.remove();
+        }
         match self.seated() {
             None => self.leave("finished"),
             Some(c) => self.linger(|| c.departed()),
@@ -594,37 +558,6 @@ impl Drop for ControlPlane {
             let _ = s.send(());
         }
     }
-}
-
-/// A client for every other member (connecting on first use), by rank.
-fn peers(cluster: &ClusterConfig, network: &Network) -> Vec<Option<ControlClient<Channel>>> {
-    let dial = |(r, m): (usize, &super::tf_config::Member)| {
-        (r != cluster.rank).then(|| Dial::new(&m.address, &network.key).lazy())?
-    };
-    cluster.members.iter().enumerate().map(dial).collect()
-}
-
-/// Serves the control plane on `listener` until `shutdown`: connections admitted once they pass
-/// the cluster secret's handshake, answered by `service`. The tasks, to abort on drop.
-fn serve(
-    listener: tokio::net::TcpListener,
-    service: Service,
-    network: &Network,
-    shutdown: oneshot::Receiver<()>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    let (accepting, incoming) = authenticated(listener, network.key.clone());
-    let serving = tokio::spawn(async move {
-        let served = tonic::transport::Server::builder()
-            .add_service(ControlServer::new(service))
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = shutdown.await;
-            })
-            .await;
-        if let Err(e) = served {
-            tracing::error!("control plane server stopped: {e}");
-        }
-    });
-    vec![accepting, serving]
 }
 
 #[cfg(test)]
@@ -757,8 +690,9 @@ mod tests {
         assert_eq!(planes[winner].coordinates(), Some(second[0].term));
         assert_eq!(planes[voter].coordinates(), None);
         // The votes are kept: the other survivor voted for the winner in that term, and follows it.
-        let kept = std::fs::read_dir(dir.path()).unwrap().count();
-        assert_eq!(kept, 3, "every member keeps its vote");
+        let files = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap());
+        let votes = files.filter(|name| name.starts_with("vote-")).count();
+        assert_eq!(votes, 3, "every member keeps its vote");
         let vote = planes[voter].shared.elections.vote();
         assert_eq!((vote.term, vote.voted_for, vote.coordinator), (second[0].term, Some(elected), Some(elected)));
         // The chief comes back: it finds the new coordinator, joins as a member, takes its slot back.
