@@ -203,11 +203,12 @@ fn lands(dir: &Path, (place, sharded, location): (Place, bool, Location), return
         // waits for its cluster, saying so, as any worker whose cluster is down; SIGTERM ends the
         // wait cleanly.
         let said = match returner {
-            0 => "trainerd: waiting for 3 worker(s) to join".to_string(),
-            _ => "trainerd: worker 0 (".to_string(),
+            0 => "trainerd: waiting for 3 worker(s) to join",
+            _ => "trainerd: no coordinator has answered for ",
         };
         let waits = |l: &str| {
-            l.starts_with(&said) && (returner == 0 || l.contains(" does not answer, and the checkpoint location holds no commit that ends this run: waiting for the cluster"))
+            l.starts_with(said)
+                && (returner == 0 || l.contains("holds no commit that ends this run: waiting for the cluster"))
         };
         c.wait_for(|e| e.worker == returner && e.line().is_some_and(waits), DEADLINE);
         c.signal(returner, libc::SIGTERM);

@@ -19,6 +19,16 @@ use trainerd_storage::{
 use super::CheckpointError;
 use crate::state::Meta;
 
+/// The server the location is on proved (if it still had to be) to refuse a second
+/// create-if-absent write; the proof is made once.
+async fn probed(store: &CheckpointStore, unprobed: &std::sync::Mutex<Option<String>>) -> Result<(), StorageError> {
+    let endpoint = unprobed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let Some(endpoint) = endpoint else { return Ok(()) };
+    store.probe_create_if_absent(&endpoint).await?;
+    *unprobed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    Ok(())
+}
+
 /// Background commit work runs at a lower scheduling priority (nice 10), so that on a busy
 /// machine it yields the CPU to training: a commit takes a little longer, training is barely
 /// slowed (bench/checkpoint.sh measures both).
@@ -73,6 +83,9 @@ pub(crate) struct Checkpointer {
     committed: Option<(u64, u64)>,
     /// The last commit's failure, if it failed.
     last_error: Option<String>,
+    /// The S3 server to prove refuses a second create-if-absent write before anything is read or
+    /// committed, until it has (taken by the proof; shared with the commit thread that makes it).
+    unprobed: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl Checkpointer {
@@ -96,13 +109,21 @@ impl Checkpointer {
             failures_before: 0,
             committed: None,
             last_error: None,
+            unprobed: Arc::default(),
         })
     }
 
     /// Proves that the location's server refuses a second create-if-absent write (see
     /// [`CheckpointStore::probe_create_if_absent`]); `endpoint` names it.
-    pub(crate) fn probe(&self, endpoint: &str) -> Result<(), StorageError> {
-        self.runtime.block_on(self.store.probe_create_if_absent(endpoint))
+    pub(crate) fn probe(&self) -> Result<(), StorageError> {
+        self.runtime.block_on(probed(&self.store, &self.unprobed))
+    }
+
+    /// Proves `endpoint` refuses a second create-if-absent write before the location is first
+    /// read ([`Checkpointer::probe`]) or committed to: a process that coordinates may never read it
+    /// (survivors held the state), and its first commit then proves it.
+    pub(crate) fn probe_before_writing(&mut self, endpoint: &str) {
+        *self.unprobed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(endpoint.to_string());
     }
 
     /// The location's name.
@@ -270,11 +291,13 @@ impl Checkpointer {
             score,
         };
         let (store, runtime, keep) = (self.store.clone(), Arc::clone(&self.runtime), self.keep);
+        let unprobed = Arc::clone(&self.unprobed);
         let handle = std::thread::Builder::new()
             .name("trainerd-commit".into())
             .spawn(move || {
                 lower_priority();
                 runtime.block_on(async {
+                    probed(&store, &unprobed).await?;
                     match parts {
                         Some((id, parts)) => store.commit_parts(&checkpoint, (&id, parts), keep).await,
                         None => store.commit(&checkpoint, keep).await,

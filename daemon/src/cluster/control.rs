@@ -112,6 +112,7 @@ impl From<&Formed> for proto::JoinReply {
             members: f.members.iter().map(|&r| r as u32).collect(),
             coordinator: f.coordinator as u32,
             term: f.term,
+            read_first: false,
         }
     }
 }
@@ -145,6 +146,7 @@ fn report_of(r: Option<proto::StateReport>) -> Report {
         repaired: r.repaired,
         members: r.members.into_iter().map(|r| r as usize).collect(),
         recorded: r.recorded.map(|p| (p.generation, p.step)),
+        unread: r.unread,
     }
 }
 
@@ -167,6 +169,8 @@ struct Coord {
     formation: Option<Formed>,
     /// A coordinator of a newer term exists: this one answers nothing any more, and why.
     deposed: Option<String>,
+    /// Its own process's join is answered `read_first` ([`Effect::Read`]), until it joins again.
+    read_first: bool,
 }
 
 /// Where a coordinator sits and since when: its rank and term, and the ranks already missing
@@ -221,6 +225,7 @@ impl Coordinator {
                 sinks: vec![None; world],
                 formation: None,
                 deposed: None,
+                read_first: false,
             }),
             names,
             seat,
@@ -355,6 +360,10 @@ impl Coordinator {
                 });
             }
             Effect::GaveUp => tracing::warn!("coordinator gave up: {}", c.state.gave_up),
+            Effect::Read => {
+                tracing::info!("no member holds a state: this process reads its checkpoint location first");
+                c.read_first = true;
+            }
         }
     }
 
@@ -460,6 +469,10 @@ impl Coordinator {
                 );
             }
             c.state.joined(&report);
+            if rank == self.seat.rank {
+                // Its own join again: after a read, if it was asked to read first.
+                (c.state.reading, c.read_first) = (false, false);
+            }
             let m = &mut c.state.members[rank];
             m.joined = Some(report);
             m.last_seen = Instant::now();
@@ -467,26 +480,34 @@ impl Coordinator {
             self.settle(&mut c);
             seen
         };
-        self.wait_for(|c| {
-            if let Some(why) = &c.deposed {
-                return Some(Err(Status::unavailable(why.clone())));
-            }
-            if c.state.members[rank].incarnation != Some(incarnation) {
-                return Some(Err(Status::failed_precondition(format!(
-                    "another process took {} while this one was joining",
-                    self.names[rank]
-                ))));
-            }
-            // A formation this member is left out of (it was missing too long) is not its answer: it
-            // waits, and its join brings the next generation about once it is live.
-            if let Some(f) =
-                c.formation.as_ref().filter(|f| f.generation > since_generation && f.members.contains(&rank))
-            {
-                return Some(Ok(proto::JoinReply::from(f)));
-            }
-            (c.state.give_ups > since_give_ups).then(|| Err(Status::aborted(c.state.gave_up.clone())))
-        })
-        .await
+        self.wait_for(|c| self.answer(c, (rank, incarnation), (since_generation, since_give_ups))).await
+    }
+
+    /// The answer for the join of `rank` by `incarnation`, once there is one: a formation after
+    /// generation `since` that holds it (or, for its own process, `read_first`), or a give-up after
+    /// `give_ups`, or why it no longer counts.
+    fn answer(
+        &self,
+        c: &Coord,
+        (rank, incarnation): (usize, u64),
+        (since, give_ups): (u64, u64),
+    ) -> Option<Result<proto::JoinReply, Status>> {
+        if let Some(why) = &c.deposed {
+            return Some(Err(Status::unavailable(why.clone())));
+        }
+        if c.state.members[rank].incarnation != Some(incarnation) {
+            let why = format!("another process took {} while this one was joining", self.names[rank]);
+            return Some(Err(Status::failed_precondition(why)));
+        }
+        if rank == self.seat.rank && c.read_first {
+            return Some(Ok(proto::JoinReply { read_first: true, ..proto::JoinReply::default() }));
+        }
+        // A formation this member is left out of (it was missing too long) is not its answer: it
+        // waits, and its join brings the next generation about once it is live.
+        if let Some(f) = c.formation.as_ref().filter(|f| f.generation > since && f.members.contains(&rank)) {
+            return Some(Ok(proto::JoinReply::from(f)));
+        }
+        (c.state.give_ups > give_ups).then(|| Err(Status::aborted(c.state.gave_up.clone())))
     }
 
     /// A beat on `rank`'s stream: the stream now speaks for `incarnation`.

@@ -47,6 +47,10 @@ pub(crate) enum ClusterError {
     /// commit) while its coordinator did not answer; nothing is left to do.
     #[error("{0}")]
     Finished(String),
+    /// No member holds a state, and this process coordinates without having read its checkpoint
+    /// location: it reads it first, then joins again (not an error the command line sees).
+    #[error("no member holds a state: the coordinator reads its checkpoint location first")]
+    ReadFirst,
     /// The generation ended while this member waited in it.
     #[error("generation {generation} ended: {reason}")]
     Aborted {

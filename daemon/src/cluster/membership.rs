@@ -36,12 +36,20 @@ pub(crate) struct Report {
     /// What the process this one replaced recorded before it died, until this one is in a
     /// generation: the generation it trained in and the furthest step its state reached there.
     pub(crate) recorded: Option<(u64, u64)>,
+    /// It holds no state yet and has not read its checkpoint location (a process that coordinates
+    /// at its start joins first): asked to ([`Decision::Read`]), it reads it and joins again.
+    pub(crate) unread: bool,
 }
 
 impl Report {
     /// Whether the member holds a state.
     pub(crate) fn has_state(&self) -> bool {
         !self.digest.is_empty()
+    }
+
+    /// The newest generation the report names: the member's last, or its predecessor's recorded.
+    fn newest_generation(&self) -> u64 {
+        self.generation.max(self.recorded.map_or(0, |(g, _)| g))
     }
 }
 
@@ -148,6 +156,10 @@ pub(crate) struct State {
     /// The generation that made the latest commit, and its ranks (as the commit names them), when
     /// this coordinator restored one.
     pub(crate) committed: Option<(u64, Vec<usize>)>,
+    /// The coordinator's process was asked to read its checkpoint location ([`Decision::Read`])
+    /// and has not joined again: nothing is decided meanwhile (no give-up: no state exists but the
+    /// one it reads).
+    pub(crate) reading: bool,
 }
 
 impl State {
@@ -173,6 +185,7 @@ impl State {
             unanswered: BTreeSet::new(),
             barriers: BTreeMap::new(),
             committed: None,
+            reading: false,
         }
     }
 
@@ -234,6 +247,11 @@ impl State {
                 self.reaches = None;
                 Effect::Formed(f)
             }
+            Decision::Read => {
+                self.members[self.own].joined = None;
+                self.reading = true;
+                Effect::Read
+            }
             Decision::GiveUp { missing, waited } => {
                 let missing: Vec<&str> = missing.iter().map(|&r| names[r].as_str()).collect();
                 self.gave_up = format!("{} did not join within {waited:?}", missing.join(", "));
@@ -265,6 +283,8 @@ pub(crate) enum Effect {
     Formed(Formation),
     /// Answer the waiting joins with [`State::gave_up`].
     GaveUp,
+    /// Answer the coordinator's own join: read the checkpoint location, then join again.
+    Read,
 }
 
 /// Deadlines the decisions use.
@@ -316,6 +336,9 @@ pub(crate) enum Decision {
     Fail(Vec<(usize, String)>),
     /// Every member has joined, or those missing were replaced: form the next generation.
     Form(Formation),
+    /// Every member needed has joined, but none holds a state of the newest generation they name,
+    /// and the coordinator's process has not read its checkpoint location: it reads it first.
+    Read,
     /// These members stayed away past the deadline: the waiting members give up.
     GiveUp {
         /// Missing ranks.
@@ -335,23 +358,16 @@ pub(crate) fn decide(state: &State, now: Instant, opts: &Options) -> Option<Deci
     }
     let live = |m: &MemberState| live(m, now, opts);
     if state.formed {
-        let mut failed: Vec<(usize, String)> = state
-            .members
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.active)
-            .filter_map(|(rank, m)| failure(m, now, opts).map(|why| (rank, why)))
-            .collect();
-        // A member left out of the generation and back takes its slots back at the members' next
-        // step boundary (the coordinator's process raises the return flag in its step); with
-        // members in the final barrier no step comes, and it ends the generation at once.
-        if !failed.is_empty() || in_final_barrier(state) {
-            failed.extend(returners(state, now, opts).into_iter().map(|rank| (rank, CAME_BACK.to_string())));
-        }
-        return (!failed.is_empty()).then_some(Decision::Fail(failed));
+        return ended(state, now, opts);
+    }
+    if state.reading {
+        return None;
     }
     let present: Vec<usize> =
         (0..state.members.len()).filter(|&r| state.members[r].joined.is_some() && live(&state.members[r])).collect();
+    if must_read(state, &present, |m| live(m)) {
+        return Some(Decision::Read);
+    }
     if present.len() == state.members.len() {
         return Some(Decision::Form(form(state, present)));
     }
@@ -382,6 +398,40 @@ pub(crate) fn decide(state: &State, now: Instant, opts: &Options) -> Option<Deci
         return Some(Decision::GiveUp { missing, waited });
     }
     None
+}
+
+/// Whether the formed generation ends: its members that failed, and then the ranks that came back.
+fn ended(state: &State, now: Instant, opts: &Options) -> Option<Decision> {
+    let mut failed: Vec<(usize, String)> = state
+        .members
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.active)
+        .filter_map(|(rank, m)| failure(m, now, opts).map(|why| (rank, why)))
+        .collect();
+    // A member left out of the generation and back takes its slots back at the members' next step
+    // boundary (the coordinator's process raises the return flag in its step); with members in the
+    // final barrier no step comes, and it ends the generation at once.
+    if !failed.is_empty() || in_final_barrier(state) {
+        failed.extend(returners(state, now, opts).into_iter().map(|rank| (rank, CAME_BACK.to_string())));
+    }
+    (!failed.is_empty()).then_some(Decision::Fail(failed))
+}
+
+/// Whether the coordinator's process must read its checkpoint location before anything forms: it
+/// has not (it joined first), every member that is live has joined (one on its way may hold a
+/// state), and none of them (`present`) holds a state of the newest generation any of them names
+/// (a state of an older one may be behind a commit the newer made). Members not live are not
+/// waited for: the read tells which of them the latest commit left out
+/// (docs/fault-tolerance.md, "Join first; read storage only when nobody holds the state").
+fn must_read(state: &State, present: &[usize], live: impl Fn(&MemberState) -> bool) -> bool {
+    let unread = present.contains(&state.own) && state.members[state.own].joined.as_ref().is_some_and(|r| r.unread);
+    if !unread || state.members.iter().any(|m| live(m) && m.joined.is_none()) {
+        return false;
+    }
+    let reports: Vec<&Report> = present.iter().filter_map(|&r| state.members[r].joined.as_ref()).collect();
+    let newest = reports.iter().map(|r| r.newest_generation()).max().unwrap_or(0);
+    !reports.iter().any(|r| r.has_state() && r.generation >= newest && r.generation > 0)
 }
 
 /// Whether `m` is connected and was heard from within the heartbeat deadline.
@@ -446,7 +496,7 @@ fn failure(m: &MemberState, now: Instant, opts: &Options) -> Option<String> {
 /// the furthest state as the source.
 fn form(state: &State, members: Vec<usize>) -> Formation {
     let report = |r: usize| state.members[r].joined.as_ref().expect("every member joined");
-    let seen = members.iter().map(|&r| report(r).generation).max().unwrap_or(0);
+    let seen = members.iter().map(|&r| report(r).newest_generation()).max().unwrap_or(0);
     let generation = state.generation.max(state.floor).max(seen) + 1;
     // The furthest state that exists; where members hold different states that far, the one
     // most of them hold (a replica corrupted in silence is outvoted); on a tie the lowest rank
@@ -642,6 +692,51 @@ mod tests {
             m.joined = r;
         }
         s
+    }
+
+    /// A restarted chief (rank 0, the coordinator's process) joins first, holding no state and
+    /// having read nothing: where the survivors hold states of the newest generation named, the
+    /// generation forms at once from theirs (a storage outage costs nothing); where none does (a
+    /// job's start, every process restarted, or only a state older than a generation a restarted
+    /// process recorded), its process reads first, and nothing is decided until it joins again,
+    /// not even a give-up past the rendezvous timeout.
+    #[test]
+    fn a_coordinator_that_joined_first_reads_only_when_no_member_holds_a_current_state() {
+        let t0 = Instant::now();
+        let unread = Report { unread: true, ..Report::default() };
+        let s = gathering(t0, [Some(unread.clone()), Some(report(4, 40, "s40")), Some(report(4, 40, "s40"))]);
+        let Some(Decision::Form(f)) = decide(&s, t0 + ms(10), &OPTS) else { panic!("forms at once") };
+        assert_eq!((f.source, f.receivers, f.generation), (1, vec![0], 6));
+
+        let fresh = Report::default();
+        let mut s = gathering(t0, [Some(unread.clone()), Some(fresh.clone()), Some(fresh.clone())]);
+        (s.generation, s.ever_formed) = (0, false);
+        assert_eq!(decide(&s, t0 + ms(10), &OPTS), Some(Decision::Read));
+        assert_eq!(s.apply(Decision::Read, t0 + ms(10), &names()), Effect::Read);
+        assert!(s.members[0].joined.is_none() && s.reading);
+        s.last_tick = t0 + Duration::from_secs(400);
+        assert_eq!(decide(&s, t0 + Duration::from_secs(400), &OPTS), None, "no give-up while it reads");
+        s.reading = false;
+        s.members[0].joined = Some(report(0, 120, "c120"));
+        let at = s.last_tick + ms(10);
+        s.members.iter_mut().for_each(|m| m.last_seen = at);
+        let Some(Decision::Form(f)) = decide(&s, at, &OPTS) else { panic!("forms from the commit") };
+        assert_eq!((f.source, f.progress), (0, (120, 0)));
+
+        // Worker 1 was frozen in generation 4; worker 2's process died in generation 9 (its record
+        // says so): worker 1's state may be behind a commit generation 9 made.
+        let recorded = Report { recorded: Some((9, 300)), ..Report::default() };
+        let s = gathering(t0, [Some(unread.clone()), Some(report(4, 40, "s40")), Some(recorded)]);
+        assert_eq!(decide(&s, t0 + ms(10), &OPTS), Some(Decision::Read));
+
+        // Every process restarted but worker 2, held down (not live): the read is not held up by
+        // it (the commit it reads says whom to wait for); worker 2 live but not joined yet (it may
+        // hold a state) holds it up.
+        let mut s = gathering(t0, [Some(unread), Some(fresh), None]);
+        (s.generation, s.ever_formed) = (0, false);
+        assert_eq!(decide(&s, t0 + ms(10), &OPTS), None, "worker 2 is live: its join may hold a state");
+        s.members[2].connected = false;
+        assert_eq!(decide(&s, t0 + ms(10), &OPTS), Some(Decision::Read));
     }
 
     #[test]
@@ -1220,7 +1315,8 @@ mod tests {
             match self.step {
                 Some(step) => {
                     let digest = format!("s{step}");
-                    Report { generation, progress: (step, 0), digest, reached, repaired, members, recorded }
+                    let progress = (step, 0);
+                    Report { generation, progress, digest, reached, repaired, members, recorded, ..Report::default() }
                 }
                 None => Report { generation, reached, repaired, members, recorded, ..Report::default() },
             }

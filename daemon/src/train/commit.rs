@@ -232,6 +232,11 @@ impl Committer {
         Ok(())
     }
 
+    /// The run configuration every commit records (a commit read must be of it).
+    pub(crate) fn run_config(&self) -> &str {
+        &self.run_config
+    }
+
     /// The checkpointer (restoring, its location, the generation commits carry).
     pub(crate) fn checkpointer(&mut self) -> &mut Checkpointer {
         &mut self.checkpointer

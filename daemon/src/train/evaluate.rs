@@ -69,6 +69,7 @@ pub(crate) fn failed(interrupt: Interrupt) -> TrainError {
         Interrupt::Fatal(e) => e,
         Interrupt::Abandoned(why) => TrainError::EvaluationAbandoned(why),
         Interrupt::Stopped => TrainError::Stopped,
+        Interrupt::ReadFirst => TrainError::Cluster(crate::cluster::ClusterError::ReadFirst),
     }
 }
 

@@ -420,14 +420,24 @@ pub(crate) fn run(
     let mut report = Reporter::open(cfg, &info, rank == 0, outputs)?;
     tch::manual_seed(cfg.seed as i64);
     let model = plugin.create_model(crate::plugin::MODEL_PATH, cfg.device)?;
-    let mut state = startup::initial_state(&model, cfg, &info, session.coordinates());
+    // A process that coordinates reads its checkpoint location before it joins only where it
+    // cannot join first (alone, or without a state directory): else its state is a placeholder,
+    // and it reads the location only if the formation finds no member holding a state.
+    let reads_now = session.coordinates() && !session.unread();
+    let mut state = startup::initial_state(&model, cfg, &info, reads_now);
     if let Some(groups) = Optimizer::describe_groups(&cfg.optimizer, &state.model.params) {
         report.line(&format!("trainerd: {groups}"));
     }
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
-    let (checkpointer, resumed) =
-        startup::restore((cfg, &run_config), (&info, world), &mut session, &mut state, &mut report)?;
+    let mut checkpointer = startup::checkpointer(cfg, &mut report)?;
+    let resumed = match checkpointer.as_mut().filter(|_| reads_now) {
+        Some(c) => {
+            let at = (&mut session, &mut state, &mut report);
+            startup::resume(c, &run_config, (&info, world), at, (false, stop))?
+        }
+        None => false,
+    };
     // A coordinator too: the chief, or a worker whose kept vote won a term, restarted after the
     // others finished under another coordinator, finds no member to form a generation with.
     if let Some(probe) = startup::finished_probe((cfg, &run_config), (&info, world))? {

@@ -25,6 +25,9 @@ pub(crate) enum Interrupt {
     Abandoned(String),
     /// A stop signal arrived while waiting for the cluster.
     Stopped,
+    /// No member holds a state, and this member coordinates without having read its checkpoint
+    /// location: it reads it, then joins again.
+    ReadFirst,
     /// The run cannot go on.
     Fatal(TrainError),
 }
@@ -94,6 +97,10 @@ pub(crate) struct Session {
     /// The digest the next join reports instead of hashing the state: the lineage of a
     /// generation ended by a caught-up return ([`lineage`]).
     lineage: Option<String>,
+    /// This member coordinates at its start and has not read its checkpoint location: it joins
+    /// first, and reads the location only when the formation finds no member holding a state
+    /// (docs/fault-tolerance.md, "Join first; read storage only when nobody holds the state").
+    unread: bool,
 }
 
 /// The digest every member of generation `generation` (formed with digest `formation`) reports
@@ -115,19 +122,25 @@ struct Member {
 impl Session {
     /// A worker alone.
     pub(crate) fn single() -> Session {
+        Session::of(None, vec![0])
+    }
+
+    /// A session of `cluster` (none: alone) before its first generation, `members` its ring.
+    fn of(cluster: Option<Box<Member>>, members: Vec<usize>) -> Session {
         Session {
-            cluster: None,
+            cluster,
             collective: Box::new(Ring::single()),
             backend: Backend::Ring,
             traffic: Traffic::default(),
             generation: 0,
-            members: vec![0],
+            members,
             floor: 0,
             slots_per_worker: 1,
             home_slots: false,
             reached: 0,
             repaired: false,
             lineage: None,
+            unread: false,
         }
     }
 
@@ -167,21 +180,22 @@ impl Session {
         })?;
         let host = me.address.rsplit_once(':').map_or(me.address.as_str(), |(h, _)| h);
         let data_address = format!("{host}:{}", listener.local_addr().port());
+        // Without a state directory, no position records tell the newest generation: a process
+        // that coordinates at its start reads its location before it joins, as before.
+        let unread = state_dir.is_some() && plane.coordinates().is_some();
         let member = Member { plane, listener, data_address, timeouts };
-        Ok(Session {
-            cluster: Some(Box::new(member)),
-            collective: Box::new(Ring::single()),
-            backend: Backend::Ring,
-            traffic: Traffic::default(),
-            generation: 0,
-            members: Vec::new(),
-            floor: 0,
-            slots_per_worker: 1,
-            home_slots: false,
-            reached: 0,
-            repaired: false,
-            lineage: None,
-        })
+        Ok(Session { unread, ..Session::of(Some(Box::new(member)), Vec::new()) })
+    }
+
+    /// Whether this member has yet to read its checkpoint location (it coordinates at its start,
+    /// and joins first).
+    pub(crate) fn unread(&self) -> bool {
+        self.unread
+    }
+
+    /// This member read its checkpoint location: its joins say so from now on.
+    pub(crate) fn read(&mut self) {
+        self.unread = false;
     }
 
     /// Carries the collectives over `backend` from the next generation on (each generation
@@ -367,6 +381,8 @@ impl Session {
         let formed = match m.plane.join(&m.data_address, &report, stop) {
             Ok(f) => f,
             Err(ClusterError::Stopped) => return Err(Interrupt::Stopped),
+            // The driver reads the location, then joins again.
+            Err(ClusterError::ReadFirst) => return Err(Interrupt::ReadFirst),
             Err(e) => return Err(Interrupt::Fatal(e.into())),
         };
         // Told while this member was still in the generation before (its finder tells every peer
@@ -421,7 +437,8 @@ impl Session {
         let (generation, progress, repaired, members) =
             (self.generation, s.progress(), self.repaired, self.members.clone());
         let reached = self.reached.max(progress.0);
-        let report = Report { generation, progress, digest, reached, repaired, members, recorded: None };
+        let report =
+            Report { generation, progress, digest, reached, repaired, members, unread: self.unread, recorded: None };
         Ok((report, by_lineage))
     }
 

@@ -14,7 +14,7 @@ use super::batches::input_context;
 use super::commit::{Committer, Policy};
 use super::report::Reporter;
 use super::session::{First, Session};
-use super::{CheckpointConfig, RunConfig, TrainError};
+use super::{RunConfig, TrainError};
 use crate::checkpoint::Checkpointer;
 use crate::input::Data as Input;
 use crate::ops::progress::Progress;
@@ -68,27 +68,57 @@ pub(super) fn initial_state(model: &ModelInstance<'_>, cfg: &RunConfig, info: &P
     TrainState::new(model, optimizer)
 }
 
-/// With checkpoints: the checkpointer (every member has one: whoever coordinates commits); on
-/// the coordinator (the chief, or the member its kept vote says won a term), its location
-/// checked and the newest commit that verifies restored into `state` (the state of last resort;
-/// a survivor's is further); whether it restored one.
-pub(super) fn restore(
-    (cfg, run_config): (&RunConfig, &str),
-    (info, workers): (&PluginInfo, usize),
-    session: &mut Session,
-    state: &mut TrainState,
-    report: &mut Reporter<'_>,
-) -> Result<(Option<Checkpointer>, bool), TrainError> {
-    let Some(c) = cfg.checkpoint.as_ref() else { return Ok((None, false)) };
-    if !session.coordinates() {
-        return Ok((Some(Checkpointer::new(c.location.open(&c.s3)?, c.keep)?), false));
+/// With checkpoints: the checkpointer (every member has one: whoever coordinates commits), its
+/// location opened, nothing read. On S3 it proves the server refuses a second create-if-absent
+/// write before its first commit (unless told not to, with a warning now).
+pub(super) fn checkpointer(cfg: &RunConfig, report: &mut Reporter<'_>) -> Result<Option<Checkpointer>, TrainError> {
+    let Some(c) = cfg.checkpoint.as_ref() else { return Ok(None) };
+    let mut checkpointer = Checkpointer::new(c.location.open(&c.s3)?, c.keep)?;
+    if matches!(c.location, Location::S3 { .. }) {
+        let endpoint = c.s3.endpoint_name();
+        if c.s3.skip_probe {
+            report.line(&format!(
+                "warning: --s3-skip-probe: not checking that {endpoint} refuses a second create-if-absent write; if it \
+                 does not, two chiefs can overwrite each other's commits"
+            ));
+        } else {
+            checkpointer.probe_before_writing(&endpoint);
+        }
     }
-    let mut checkpointer = open_checkpointer(c, report)?;
+    Ok(Some(checkpointer))
+}
+
+/// On the coordinator (the chief, or the member its kept vote says won a term): its location
+/// read, the newest commit that verifies restored into `state` (the state of last resort; a
+/// survivor's is further), and the floor every formation must exceed set; whether it restored
+/// one. Retries every 2 s while the location does not answer when `wait` (no member holds a
+/// state: there is nothing else to train from), saying so once; `stop` ends the wait.
+pub(super) fn resume(
+    checkpointer: &mut Checkpointer,
+    run_config: &str,
+    (info, workers): (&PluginInfo, usize),
+    (session, state, report): (&mut Session, &mut TrainState, &mut Reporter<'_>),
+    (wait, stop): (bool, &AtomicBool),
+) -> Result<bool, TrainError> {
     let location = checkpointer.location().to_string();
     report.waiting_for_cluster(&format!("restoring from {location}"));
-    let (restored, floor) = checkpointer.restore()?;
+    let mut said = false;
+    let (restored, floor) = loop {
+        match checkpointer.probe().and_then(|()| checkpointer.restore()) {
+            Err(e) if wait && e.unanswered() && !stop.load(std::sync::atomic::Ordering::Relaxed) => {
+                if !std::mem::replace(&mut said, true) {
+                    report.line(&format!(
+                        "trainerd: the checkpoint location {location} does not answer ({e}): no member holds a \
+                         state, so the cluster waits for it; retrying every 2 s"
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_secs(2));
+            }
+            read => break read?,
+        }
+    };
     session.set_floor(floor);
-    let Some(r) = restored else { return Ok((Some(checkpointer), false)) };
+    let Some(r) = restored else { return Ok(false) };
     for why in &r.fallbacks {
         report.line(&format!("warning: skipped a damaged checkpoint: {why}"));
     }
@@ -111,7 +141,7 @@ pub(super) fn restore(
     let whose = format!("checkpoint {} in {location}", r.record.sequence);
     super::kernels::restored(&mut state.model.position, &whose, report)?;
     report.resumed(r.record.sequence, &location, state.position());
-    Ok((Some(checkpointer), true))
+    Ok(true)
 }
 
 /// On a member with checkpoints: a probe of whether the run has finished, asked while its join
@@ -121,7 +151,10 @@ pub(super) fn finished_probe(
     (info, workers): (&PluginInfo, usize),
 ) -> Result<Option<crate::cluster::member::FinishedProbe>, TrainError> {
     let Some(c) = cfg.checkpoint.as_ref() else { return Ok(None) };
-    let checkpointer = std::sync::Mutex::new(Checkpointer::new(c.location.open(&c.s3)?, c.keep)?);
+    // A few tries only: it is asked again a second later, and the join it runs beside waits for
+    // it (a storage outage must not hold up a join whose coordinator comes back meanwhile).
+    let store = c.location.open(&c.s3)?.with_retry(trainerd_storage::Retry { attempts: 2, ..Default::default() });
+    let checkpointer = std::sync::Mutex::new(Checkpointer::new(store, c.keep)?);
     let (epochs, run_config, info) = (cfg.epochs, run_config.to_string(), info.clone());
     Ok(Some(std::sync::Arc::new(move || {
         let checkpointer = checkpointer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -163,24 +196,6 @@ pub(super) fn committer(
     let policy = Policy { every, steps_per_epoch };
     let best = cfg.checkpoint.as_ref().and_then(|c| c.best.clone());
     checkpointer.map(|c| Committer::new(c, policy, info, workers, run_config.to_string()).keeping_best(best))
-}
-
-/// The checkpoint location opened; on S3, its server proved to refuse a second create-if-absent
-/// write (unless told not to, with a warning).
-fn open_checkpointer(c: &CheckpointConfig, report: &mut Reporter<'_>) -> Result<Checkpointer, TrainError> {
-    let checkpointer = Checkpointer::new(c.location.open(&c.s3)?, c.keep)?;
-    if matches!(c.location, Location::S3 { .. }) {
-        let endpoint = c.s3.endpoint_name();
-        if c.s3.skip_probe {
-            report.line(&format!(
-                "warning: --s3-skip-probe: not checking that {endpoint} refuses a second create-if-absent write; if it \
-                 does not, two chiefs can overwrite each other's commits"
-            ));
-        } else {
-            checkpointer.probe(&endpoint)?;
-        }
-    }
-    Ok(checkpointer)
 }
 
 /// What the joining thread gives back: the session and the state it took, and how the join went

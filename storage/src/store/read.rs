@@ -87,7 +87,9 @@ impl CheckpointStore {
     }
 
     /// Reads an object of commit `sequence` and checks it against the `(sha256, size)` that
-    /// `expected_by` recorded; any failure makes the commit damaged, described as `label`.
+    /// `expected_by` recorded; a failure makes the commit damaged, described as `label`, but for
+    /// a storage that did not answer (after its retries): that says nothing of the commit, and a
+    /// reader must not fall back past it to an older one.
     pub(super) async fn get_verified(
         &self,
         sequence: u64,
@@ -96,7 +98,10 @@ impl CheckpointStore {
         (sha256, size): (&str, u64),
         expected_by: &str,
     ) -> Result<Bytes, StorageError> {
-        let bytes = self.get(relative).await.map_err(|e| self.damaged(sequence, e.to_string()))?;
+        let bytes =
+            self.get(relative)
+                .await
+                .map_err(|e| if e.unanswered() { e } else { self.damaged(sequence, e.to_string()) })?;
         let found = hex(&Sha256::digest(&bytes));
         if found != sha256 || bytes.len() as u64 != size {
             return Err(self.damaged(

@@ -247,6 +247,14 @@ impl Default for Retry {
     }
 }
 
+impl StorageError {
+    /// Whether the storage did not answer (its retries spent on errors another try may cure):
+    /// nothing was learnt of the commits there.
+    pub fn unanswered(&self) -> bool {
+        matches!(self, StorageError::Backend { source, .. } if transient(source))
+    }
+}
+
 /// Errors that another try may cure (a server down, 5xx, a timeout). Everything definite (not
 /// found, already exists, a precondition, an unsupported operation, a bad path) is not.
 pub fn transient(e: &object_store::Error) -> bool {

@@ -25,15 +25,19 @@ impl ControlPlane {
         if silent < self.timeouts.heartbeat_deadline * 2 || !due {
             return None;
         }
-        let first = probed.replace(now).is_none();
+        *probed = Some(now);
         let said = tokio::task::spawn_blocking(move || probe()).await.ok().flatten();
-        if said.is_none() && first {
-            // A worker down when the run finished on another machine's disk cannot tell that
-            // from a cluster that is down, and waits for it: said once.
+        // A worker down when the run finished on another machine's disk cannot tell that from a
+        // cluster that is down, and waits for it: said once, past what an election or a restart
+        // takes.
+        let long = silent >= self.timeouts.heartbeat_deadline * 10;
+        if said.is_none() && long && !self.shared.said_unfinished.swap(true, std::sync::atomic::Ordering::Relaxed) {
             eprintln!(
-                "trainerd: {} does not answer, and the checkpoint location holds no commit that ends this run: \
-                 waiting for the cluster (a run that finished while this worker was down shows here only where the \
-                 others committed to a location this worker reads; SIGTERM stops the wait)",
+                "trainerd: no coordinator has answered for {:.0}s ({} was the last known), and the checkpoint \
+                 location holds no commit that ends this run: waiting for the cluster (a run that finished while this \
+                 worker was down shows here only where the others committed to a location this worker reads; SIGTERM \
+                 stops the wait)",
+                silent.as_secs_f64(),
                 self.coordinator_name()
             );
         }

@@ -62,13 +62,16 @@ struct Shared {
     elections: Arc<Elections>,
     /// The latest commit's generation, which every formation must exceed (whoever coordinates).
     floor: AtomicU64,
+    /// It said that nothing it reads shows the run finished ([`ControlPlane::finished`]).
+    said_unfinished: AtomicBool,
 }
 
 impl Shared {
     fn new(abort: AbortSignal, elections: Arc<Elections>) -> Shared {
         let (generation, step, last_contact_ms) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
         let (replaced, epoch, floor) = (Mutex::new(None), Instant::now(), AtomicU64::new(0));
-        Shared { generation, step, abort, replaced, last_contact_ms, epoch, elections, floor }
+        let said_unfinished = AtomicBool::new(false);
+        Shared { generation, step, abort, replaced, last_contact_ms, epoch, elections, floor, said_unfinished }
     }
 
     fn touch(&self) {
@@ -332,6 +335,7 @@ impl ControlPlane {
                 reached: report.reached,
                 repaired: report.repaired,
                 members: report.members.iter().map(|&r| r as u32).collect(),
+                unread: report.unread,
                 // Until this process is in a generation: what the process before it recorded.
                 recorded: self
                     .position
@@ -401,16 +405,10 @@ impl ControlPlane {
             let call = answered(client.join(request), || over().is_some() || !following());
             match self.answer_or_end(call, rank == self.rank, wait.started).await? {
                 None => continue,
-                Some(Ok(reply)) => {
-                    let formed = Formed::from(reply.into_inner());
-                    // Formed by a coordinator this member no longer follows (it voted in a newer
-                    // term meanwhile): not its generation; the others fail it and rejoin.
-                    if formed.term < self.shared.elections.vote().term {
-                        last = format!("{} formed generation {} in an old term", self.names[rank], formed.generation);
-                        continue;
-                    }
-                    return Ok(formed);
-                }
+                Some(Ok(reply)) => match self.formed_of(reply.into_inner(), rank)? {
+                    Ok(formed) => return Ok(formed),
+                    Err(why) => last = why,
+                },
                 Some(Err(status)) => match from_status(&status, Call::Join { phase: wait.phase }) {
                     Some(e) => return Err(e),
                     None => {
@@ -422,6 +420,22 @@ impl ControlPlane {
                 },
             }
         }
+    }
+
+    /// The formation that a join's `reply` from the coordinator `rank` gives, or why it is not
+    /// this member's generation (the join goes on); `ReadFirst` where this process must read its
+    /// checkpoint location first.
+    fn formed_of(&self, reply: proto::JoinReply, rank: usize) -> Result<Result<Formed, String>, ClusterError> {
+        if reply.read_first {
+            return Err(ClusterError::ReadFirst);
+        }
+        let formed = Formed::from(reply);
+        // Formed by a coordinator this member no longer follows (it voted in a newer term
+        // meanwhile): not its generation; the others fail it and rejoin.
+        if formed.term < self.shared.elections.vote().term {
+            return Ok(Err(format!("{} formed generation {} in an old term", self.names[rank], formed.generation)));
+        }
+        Ok(Ok(formed))
     }
 
     /// Why a join's wait ended without an answer (`last`: what happened last).

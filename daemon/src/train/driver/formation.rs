@@ -11,6 +11,7 @@ use crate::train::commit::Moment;
 use crate::train::kernels;
 use crate::train::report::JoinedGeneration;
 use crate::train::session::{Interrupt, Joined, Session};
+use crate::train::startup;
 use crate::train::TrainError;
 
 /// Where each of a member's values sits in the first exchange, and how many there are.
@@ -79,6 +80,24 @@ impl Driver<'_> {
             self.check(state, session)?;
             self.commit(Moment::Step, state, session)?;
         }
+        Ok(())
+    }
+
+    /// No member holds a state of the newest generation the members name, and this process
+    /// coordinates without having read its checkpoint location (it joined first): it reads it
+    /// now, waiting while it does not answer (there is nothing else to train from), and joins
+    /// again with the latest commit that verifies, or the run's initial model where there is none
+    /// (docs/fault-tolerance.md, "Join first; read storage only when nobody holds the state").
+    pub(super) fn read_first(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), TrainError> {
+        let world = session.slot_count();
+        if let Some(c) = self.committer.as_mut() {
+            let run_config = c.run_config().to_string();
+            let at = (&mut *session, &mut *state, &mut self.report);
+            let read = startup::resume(c.checkpointer(), &run_config, (self.info, world), at, (true, &self.stop));
+            self.resumed = read?;
+        }
+        state.model.live = true;
+        session.read();
         Ok(())
     }
 

@@ -183,6 +183,8 @@ impl<'a> Driver<'a> {
                     self.donor.stop(&format!("generation {generation} ended: {why}"), &mut self.report)
                 }
                 Ok(Next::Complete) => self.donor.stop("the run finished", &mut self.report),
+                // Before any generation: nothing is fed.
+                Err(Interrupt::ReadFirst) => {}
                 _ => self.donor.stop("this worker exits", &mut self.report),
             }
             match ended {
@@ -196,6 +198,7 @@ impl<'a> Driver<'a> {
                     self.unshard_after_failure(&mut state, (session.generation(), &why))?;
                 }
                 Err(Interrupt::Stopped) => return self.stopped(&state),
+                Err(Interrupt::ReadFirst) => self.read_first(&mut state, &mut session)?,
                 Err(Interrupt::Fatal(TrainError::Cluster(ClusterError::Finished(said)))) => {
                     return Ok(Outcome::AlreadyFinished(said))
                 }
