@@ -1,17 +1,27 @@
-//! The local cache of remote byte ranges (a row group's columns, a footer): bounded in bytes,
-//! least recently used out first, and safe to share between the workers of one host (systemd's
-//! `CacheDirectory=`).
+//! The local cache: remote byte ranges (a row group's columns, a footer, a tokenizer fetched from
+//! S3) and raw text's token streams, bounded in bytes together, least recently used out first,
+//! and safe to share between the workers of one host (systemd's `CacheDirectory=`).
 //!
-//! An entry is one file named by the sha256 of (location, file, ETag, size, range), so a changed
-//! file never serves stale bytes; its last four bytes are the CRC-32C of the rest, so a damaged
-//! entry is dropped and fetched again rather than decoded. Entries are written to a temporary
-//! name and renamed into place (another worker sees the whole entry or none); reading one
-//! touches its modification time, which is what eviction orders by. Each process evicts down to
-//! seven eighths of the bound whenever it has added an eighth of it since it last looked, so
-//! the directory stays within the bound plus what its writers add between two looks.
+//! A range entry is one file named by the sha256 of (location, file, ETag, size, range), so a
+//! changed file never serves stale bytes; its last four bytes are the CRC-32C of the rest, so a
+//! damaged entry is dropped and fetched again rather than decoded. A token stream is a file in
+//! `tokens/` and its sidecar (what the pass counted), named by the caller's key. Both are written
+//! to a temporary name and renamed into place (another worker sees the whole entry or none);
+//! using one touches its modification time, which is what eviction orders by. Each process
+//! evicts down to seven eighths of the bound whenever it has added an eighth of it since it last
+//! looked, so the directory stays within the bound plus what its writers add between two looks.
+//!
+//! A token stream is read for a whole run, so it is held open under a shared `flock` from the
+//! moment it is written or opened until it is let go ([`InUse`]); eviction takes the lock
+//! exclusively before removing one, and passes over a stream that any process holds. A stream
+//! larger than the whole bound is written anyway (training needs it) and goes at the first look
+//! after it is let go.
 
+use std::fs::File;
 use std::io::Write;
 use std::ops::Range;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
@@ -25,12 +35,27 @@ use crate::source::FileRef;
 /// Temporary files older than this are a crashed writer's, and removed.
 const STALE: Duration = Duration::from_secs(3600);
 
+/// The sub-directory of token streams.
+pub const STREAMS: &str = "tokens";
+
 /// A cache directory and its bound.
 #[derive(Debug)]
 pub struct Cache {
     dir: PathBuf,
     limit: u64,
     added: AtomicU64,
+}
+
+/// One thing the cache holds, as eviction sees it.
+struct Entry {
+    /// A range entry's file, or a token stream's (its sidecar beside it).
+    path: PathBuf,
+    /// Bytes on disk (a stream's with its sidecar's).
+    len: u64,
+    /// Last used: the file's modification time.
+    used: SystemTime,
+    /// Whether it is a token stream (which may be in use).
+    stream: bool,
 }
 
 impl Cache {
@@ -94,58 +119,230 @@ impl Cache {
             let _ = std::fs::remove_file(&tmp);
             return Err(err(e));
         }
+        self.added(len);
+        Ok(())
+    }
+
+    /// The paths of token stream `key`: the stream, and its sidecar.
+    pub fn stream_paths(&self, key: &str) -> (PathBuf, PathBuf) {
+        let dir = self.dir.join(STREAMS);
+        (dir.join(format!("{key}.tokens")), dir.join(format!("{key}.json")))
+    }
+
+    /// Token stream `key`, opened for use (held: no eviction removes it while the [`InUse`]
+    /// lives), with its sidecar's bytes; `None` when the cache does not hold it whole.
+    pub fn open_stream(&self, key: &str) -> Option<(InUse, Vec<u8>)> {
+        let (path, sidecar) = self.stream_paths(key);
+        // The lock is taken on what was opened: if the path was removed or replaced meanwhile,
+        // what is held is no longer the cache's stream, and the path is opened again.
+        for _ in 0..3 {
+            let file = File::open(&path).ok()?;
+            let _ = lock(&file, libc::LOCK_SH);
+            if !names(&path, &file) {
+                continue;
+            }
+            let side = std::fs::read(&sidecar).ok()?;
+            let _ = file.set_modified(SystemTime::now());
+            return Some((InUse { file, path }, side));
+        }
+        None
+    }
+
+    /// A new token stream `key`, held from its first byte: written to a temporary file that
+    /// [`StreamWriter::finish`] puts in place.
+    pub fn write_stream(&self, key: &str) -> Result<StreamWriter<'_>, DataError> {
+        let dir = self.dir.join(STREAMS);
+        let err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| DataError::Cache { path, source }
+        };
+        std::fs::create_dir_all(&dir).map_err(err(&dir))?;
+        let tmp = dir.join(format!(".{key}.tokens.{}.{}.tmp", std::process::id(), unique()));
+        let file = File::options().read(true).write(true).create_new(true).open(&tmp).map_err(err(&tmp))?;
+        let _ = lock(&file, libc::LOCK_SH);
+        Ok(StreamWriter { cache: self, key: key.to_string(), file: Some(file), tmp })
+    }
+
+    /// Bytes the cache holds now (its entries and streams, as listed).
+    pub fn size(&self) -> u64 {
+        self.entries().iter().map(|e| e.len).sum()
+    }
+
+    /// Counts `len` bytes added, and evicts when an eighth of the bound was added since the
+    /// last look.
+    fn added(&self, len: u64) {
         if self.added.fetch_add(len, Ordering::Relaxed) + len > self.limit / 8 {
             self.added.store(0, Ordering::Relaxed);
             self.evict();
         }
-        Ok(())
     }
 
-    /// Bytes the cache holds now (its entries, as listed).
-    pub fn size(&self) -> u64 {
-        self.entries().iter().map(|e| e.1).sum()
-    }
-
-    /// Removes the least recently used entries until the cache holds at most seven eighths of
-    /// its bound, and crashed writers' temporary files.
+    /// Removes the least recently used entries and streams (passing over streams in use) until
+    /// the cache holds at most seven eighths of its bound, and crashed writers' temporary files.
     fn evict(&self) {
         let mut entries = self.entries();
-        let mut total: u64 = entries.iter().map(|e| e.1).sum();
+        let mut total: u64 = entries.iter().map(|e| e.len).sum();
         if total <= self.limit {
             return;
         }
-        entries.sort_by_key(|e| e.2);
-        for (path, len, _) in entries {
+        entries.sort_by_key(|e| e.used);
+        for entry in entries {
             if total <= self.limit / 8 * 7 {
                 break;
             }
-            // Another worker may have removed it first; either way it is gone.
-            let _ = std::fs::remove_file(&path);
-            total = total.saturating_sub(len);
+            let gone = if entry.stream {
+                remove_unused_stream(&entry.path)
+            } else {
+                // Another worker may have removed it first; either way it is gone.
+                let _ = std::fs::remove_file(&entry.path);
+                true
+            };
+            if gone {
+                total = total.saturating_sub(entry.len);
+            }
         }
     }
 
-    /// Every entry: (path, bytes, last used); stale temporary files are removed on the way.
-    fn entries(&self) -> Vec<(PathBuf, u64, SystemTime)> {
+    /// Every entry and stream; stale temporary files are removed on the way.
+    fn entries(&self) -> Vec<Entry> {
         let mut out = Vec::new();
         let Ok(dirs) = std::fs::read_dir(&self.dir) else { return out };
         for sub in dirs.flatten() {
+            let streams = sub.file_name() == STREAMS;
             let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
             for f in files.flatten() {
                 let (Ok(meta), name) = (f.metadata(), f.file_name()) else { continue };
-                let modified = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                let used = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
                 let name = name.to_string_lossy();
                 if name.ends_with(".tmp") {
-                    if modified.elapsed().is_ok_and(|age| age > STALE) {
+                    if used.elapsed().is_ok_and(|age| age > STALE) {
                         let _ = std::fs::remove_file(f.path());
                     }
-                } else if name.ends_with(".bin") {
-                    out.push((f.path(), meta.len(), modified));
+                } else if streams && name.ends_with(".tokens") {
+                    let sidecar = std::fs::metadata(f.path().with_extension("json")).map_or(0, |m| m.len());
+                    out.push(Entry { path: f.path(), len: meta.len() + sidecar, used, stream: true });
+                } else if !streams && name.ends_with(".bin") {
+                    out.push(Entry { path: f.path(), len: meta.len(), used, stream: false });
                 }
             }
         }
         out
     }
+}
+
+/// A token stream being written: its temporary file, held, removed if never finished.
+#[derive(Debug)]
+pub struct StreamWriter<'a> {
+    cache: &'a Cache,
+    key: String,
+    file: Option<File>,
+    tmp: PathBuf,
+}
+
+impl StreamWriter<'_> {
+    /// The file to write the stream to.
+    pub fn file(&self) -> &File {
+        self.file.as_ref().expect("present until finished")
+    }
+
+    /// The temporary file's path, as errors name it.
+    pub fn path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Puts the written stream in place with its `sidecar` (written last: a stream without one
+    /// is never opened), counts both against the bound, and hands the stream over, still held.
+    pub fn finish(mut self, sidecar: &[u8]) -> Result<InUse, DataError> {
+        let (path, side_path) = self.cache.stream_paths(&self.key);
+        let err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| DataError::Cache { path, source }
+        };
+        // Until the rename, an error leaves the temporary file to the writer's drop to remove.
+        let synced = self.file().sync_all();
+        synced.and_then(|()| std::fs::rename(&self.tmp, &path)).map_err(err(&path))?;
+        let file = self.file.take().expect("present until finished");
+        let side_tmp = self.tmp.with_extension("json.tmp");
+        let written = std::fs::write(&side_tmp, sidecar).and_then(|()| std::fs::rename(&side_tmp, &side_path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&side_tmp);
+            return Err(err(&side_path)(e));
+        }
+        let len = file.metadata().map_or(0, |m| m.len()) + sidecar.len() as u64;
+        self.cache.added(len);
+        Ok(InUse { file, path })
+    }
+}
+
+impl Drop for StreamWriter<'_> {
+    fn drop(&mut self) {
+        if self.file.is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// A token stream in use: its file, open and held under a shared lock, so that no process's
+/// eviction removes it; touched when let go, so that its last use counts from its release.
+#[derive(Debug)]
+pub struct InUse {
+    file: File,
+    path: PathBuf,
+}
+
+impl InUse {
+    /// The stream's file, for positioned reads.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Its path in the cache.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        let _ = self.file.set_modified(SystemTime::now());
+    }
+}
+
+/// Takes `how` of `file`'s `flock`: `WouldBlock` when another holds it the other way
+/// (`LOCK_NB`); another error where locks are not supported (then nothing is protected, and a
+/// reader keeps reading the file it has open even if it is removed).
+fn lock(file: &File, how: libc::c_int) -> std::io::Result<()> {
+    loop {
+        // SAFETY: flock(2) on the descriptor `file` owns, open for the call's duration.
+        if unsafe { libc::flock(file.as_raw_fd(), how) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Whether `path` still names the file `file` has open.
+fn names(path: &Path, file: &File) -> bool {
+    match (std::fs::metadata(path), file.metadata()) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
+/// Removes the token stream at `path` and its sidecar unless a process holds it; whether it is
+/// gone.
+fn remove_unused_stream(path: &Path) -> bool {
+    let Ok(file) = File::open(path) else { return true };
+    if lock(&file, libc::LOCK_EX | libc::LOCK_NB).is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock) {
+        return false;
+    }
+    // The sidecar first: a stream without one is never opened.
+    let _ = std::fs::remove_file(path.with_extension("json"));
+    let _ = std::fs::remove_file(path);
+    true
 }
 
 /// A number no other call in this process returns (temporary names of concurrent writers).
@@ -156,6 +353,8 @@ fn unique() -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::FileExt;
+
     use super::*;
 
     fn file(name: &str, etag: &str) -> FileRef {
@@ -208,5 +407,101 @@ mod tests {
         assert!(a.size() <= bound, "{} bytes cached, bound {bound}", a.size());
         assert!(a.get(&keys[63], 4096).is_some(), "the newest entry stays");
         assert!(a.get(&keys[0], 4096).is_none(), "the oldest goes");
+    }
+
+    /// Writes token stream `key` of `len` bytes and lets it go, last used at second `at`.
+    fn stream(cache: &Cache, key: &str, len: usize, at: u64) {
+        drop(held_stream(cache, key, len));
+        used_at(&cache.stream_paths(key).0, at);
+    }
+
+    /// Writes token stream `key` of `len` bytes, still held.
+    fn held_stream(cache: &Cache, key: &str, len: usize) -> InUse {
+        let writer = cache.write_stream(key).unwrap();
+        writer.file().write_all(&vec![1u8; len]).unwrap();
+        writer.finish(b"{}").unwrap()
+    }
+
+    fn used_at(path: &Path, at: u64) {
+        let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 + at);
+        File::options().append(true).open(path).unwrap().set_modified(t).unwrap();
+    }
+
+    fn kept(cache: &Cache, key: &str) -> bool {
+        cache.stream_paths(key).0.exists()
+    }
+
+    /// Token streams count against the bound: with room for one, writing a second evicts the
+    /// first (stream and sidecar), as range entries are evicted.
+    #[test]
+    fn a_stream_written_evicts_the_least_recently_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path(), 10_000).unwrap();
+        let range = cache.key("s3://b/p", &file("a.parquet", "e1"), &(0..1000));
+        cache.put(&range, &[0u8; 1000]).unwrap();
+        used_at(&cache.path(&range), 1);
+        stream(&cache, "a", 6000, 2);
+        assert!(kept(&cache, "a") && cache.get(&range, 1000).is_some());
+        used_at(&cache.path(&range), 1);
+        stream(&cache, "b", 6000, 3);
+        assert!(!kept(&cache, "a"), "the stream used least recently goes");
+        assert!(!cache.stream_paths("a").1.exists(), "with its sidecar");
+        assert!(cache.get(&range, 1000).is_none(), "older still: the range entry went first");
+        assert!(kept(&cache, "b"));
+        assert!(cache.size() <= 10_000, "{} bytes cached", cache.size());
+    }
+
+    /// Opening a stream is a use: the one read since stays, the one not read goes.
+    #[test]
+    fn a_stream_read_since_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path(), 10_000).unwrap();
+        stream(&cache, "a", 4000, 1);
+        stream(&cache, "b", 4000, 2);
+        let (held, sidecar) = cache.open_stream("a").unwrap();
+        assert_eq!((held.file().metadata().unwrap().len(), sidecar), (4000, b"{}".to_vec()));
+        drop(held);
+        stream(&cache, "c", 4000, 3);
+        assert!(kept(&cache, "a"), "read since b was");
+        assert!(!kept(&cache, "b"));
+        assert!(cache.open_stream("b").is_none());
+    }
+
+    /// A stream held (by this process or another worker of the host) is passed over, however old
+    /// and large; let go, it goes at the next look.
+    #[test]
+    fn a_stream_in_use_is_never_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path(), 10_000).unwrap();
+        stream(&cache, "a", 6000, 1);
+        let (reading, _) = cache.open_stream("a").unwrap();
+        used_at(&cache.stream_paths("a").0, 1);
+        let writing = held_stream(&cache, "b", 12_000);
+        assert!(kept(&cache, "a") && kept(&cache, "b"), "both held: nothing removed");
+        let mut bytes = [0u8; 6];
+        reading.file().read_exact_at(&mut bytes, 10).unwrap();
+        assert_eq!(bytes, [1u8; 6]);
+        drop(reading);
+        used_at(&cache.stream_paths("a").0, 1);
+        let other = Cache::open(dir.path(), 10_000).unwrap();
+        assert!(!kept(&other, "a"), "let go, the oldest goes");
+        assert!(kept(&other, "b"), "larger than the bound, but still held");
+        drop(writing);
+        drop(Cache::open(dir.path(), 10_000).unwrap());
+        assert!(!kept(&other, "b"));
+    }
+
+    /// A writer that never finishes leaves nothing; one whose key exists already replaces it.
+    #[test]
+    fn an_unfinished_stream_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::open(dir.path(), 1 << 20).unwrap();
+        let writer = cache.write_stream("a").unwrap();
+        writer.file().write_all(b"partial").unwrap();
+        let tmp = writer.path().to_path_buf();
+        drop(writer);
+        assert!(!tmp.exists());
+        assert!(cache.open_stream("a").is_none());
+        assert_eq!(cache.size(), 0);
     }
 }

@@ -7,7 +7,8 @@
 //! - [`schema`]: each file's columns checked against the plugin's declaration, before training.
 //! - [`order`]: the order of an epoch, a pure function of (seed, epoch, row groups, window).
 //! - [`source`] and [`cache`]: byte ranges read against the files as they were at start, retried
-//!   within a bound, remote ones cached on local disk within a bound.
+//!   within a bound, remote ones cached on local disk within a bound that raw text's token
+//!   streams count against too.
 //! - [`rows`], [`batch`]: a row group's wanted rows, and a batch's tensors; [`codec`]: its images
 //!   (PNG and JPEG).
 //! - [`stream`]: the prefetching pipeline, in bounded memory.
@@ -56,7 +57,8 @@ pub struct Options {
     pub s3: S3Options,
     /// How long a read waits for a failing source before it is an error.
     pub timeout: Duration,
-    /// The local cache of remote ranges (directory, bytes), if any.
+    /// The local cache (directory, bytes): remote ranges, and raw text's token streams, which
+    /// need one.
     pub cache: Option<(PathBuf, u64)>,
     /// Loader threads (reading row groups, decoding images).
     pub threads: usize,
@@ -73,17 +75,23 @@ pub struct Dataset {
     fingerprint: String,
     peak_bytes: Arc<AtomicUsize>,
     patience: Duration,
+    /// The cache, shared with the source (remote ranges) and the token streams.
+    cache: Option<Arc<cache::Cache>>,
+    /// How other files are fetched (a tokenizer on S3): as the dataset's.
+    fetching: (S3Options, Duration, Arc<dyn Observer>),
 }
 
 impl Dataset {
     /// Opens the dataset at `location`: lists it, reads every file's footer, and checks that
     /// both splits are there and whole.
     pub fn open(location: &DataLocation, options: Options) -> Result<Dataset, DataError> {
+        // Opened for local data too: its token streams live there.
         let cache = match &options.cache {
-            Some((dir, bytes)) if matches!(location, DataLocation::S3 { .. }) => Some(cache::Cache::open(dir, *bytes)?),
-            _ => None,
+            Some((dir, bytes)) => Some(Arc::new(cache::Cache::open(dir, *bytes)?)),
+            None => None,
         };
-        let source = source::Source::open(location, &options.s3, options.timeout, cache, options.observer)?;
+        let fetching = (options.s3.clone(), options.timeout, Arc::clone(&options.observer));
+        let source = source::Source::open(location, &options.s3, options.timeout, cache.clone(), options.observer)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(options.threads.max(1))
             .thread_name(|i| format!("trainerd-loader-{i}"))
@@ -123,6 +131,8 @@ impl Dataset {
             peak_bytes: Arc::default(),
             // A batch waits at most for its reads, each bounded by the timeout, and their decoding.
             patience: options.timeout * 2 + Duration::from_secs(60),
+            cache,
+            fetching,
         })
     }
 

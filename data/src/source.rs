@@ -82,7 +82,7 @@ pub struct Source {
     runtime: tokio::runtime::Runtime,
     timeout: Duration,
     backoff: Retry,
-    cache: Option<Cache>,
+    cache: Option<Arc<Cache>>,
     observer: Arc<dyn Observer>,
     traffic: Mutex<BTreeMap<Purpose, Traffic>>,
 }
@@ -100,7 +100,7 @@ impl Source {
         location: &DataLocation,
         s3: &S3Options,
         timeout: Duration,
-        cache: Option<Cache>,
+        cache: Option<Arc<Cache>>,
         observer: Arc<dyn Observer>,
     ) -> Result<Source, DataError> {
         let err = |reason: String| DataError::Location { location: location.to_string(), reason };
@@ -159,6 +159,22 @@ impl Source {
         let full = meta.location.as_ref();
         let name = full.strip_prefix(self.root.as_ref()).unwrap_or(full).trim_start_matches('/').to_string();
         FileRef { name, size: meta.size, etag: meta.e_tag }
+    }
+
+    /// The file `name` (a name inside the location) as it is now; `None` when there is none.
+    pub fn head(&self, name: &str) -> Result<Option<FileRef>, DataError> {
+        let shown = self.location.file(name);
+        let path = name.split('/').fold(self.root.clone(), |p, part| p.join(part));
+        let got = self.retrying(&shown, || {
+            let path = path.clone();
+            async move { Ok(self.store.get_opts(&path, GetOptions::new().with_head(true)).await?.meta) }
+        });
+        match got {
+            Ok(meta) => Ok(Some(self.file_ref(meta))),
+            Err(Failure::Definite(object_store::Error::NotFound { .. })) => Ok(None),
+            Err(Failure::Definite(source)) => Err(DataError::Source { file: shown, source }),
+            Err(Failure::Gave(e)) => Err(e),
+        }
     }
 
     /// Bytes `range` of `file`, read for `purpose`, from the cache when it holds them.

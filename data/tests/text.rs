@@ -1,14 +1,17 @@
 //! Raw text packed into blocks, against a short Python reference of the packing rule that uses
 //! Hugging Face's `tokenizers` (plugins/python-model/examples/pack.py): block for block, with
-//! empty and null documents, several files and row groups; the pass kept and read again; and
-//! every bad input named.
+//! empty and null documents, several files and row groups; the pass kept and read again, and
+//! evicted within the data cache's bound; a tokenizer on a real S3-compatible server; and every
+//! bad input named.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use trainerd_data::text::{Blocks, TextOptions};
+use trainerd_testkit::s3::{S3Server, S3_KEY_ID, S3_SECRET};
+
+use trainerd_data::text::{Blocks, TextOptions, TokenizerLocation};
 use trainerd_data::{DataLocation, Dataset, Options, Quiet};
 use trainerd_sdk::Split;
 use trainerd_storage::S3Options;
@@ -61,19 +64,24 @@ tok.save(f"{out}/tokenizer.json")
     run_python(script, &[dir.to_str().unwrap()]);
 }
 
-fn open(dir: &Path, threads: usize) -> Dataset {
+/// The dataset in `dir`, its token streams in the cache `cache` (of 1 GiB).
+fn open(dir: &Path, threads: usize, cache: &Path) -> Dataset {
+    open_with(dir, threads, (cache, 1 << 30), S3Options::default())
+}
+
+fn open_with(dir: &Path, threads: usize, (cache, bytes): (&Path, u64), s3: S3Options) -> Dataset {
     let options = Options {
-        s3: S3Options::default(),
+        s3,
         timeout: Duration::from_secs(5),
-        cache: None,
+        cache: Some((cache.into(), bytes)),
         threads,
         observer: Arc::new(Quiet),
     };
     Dataset::open(&DataLocation::Local(dir.into()), options).unwrap()
 }
 
-fn text_options(cache: &Path) -> TextOptions {
-    TextOptions { tokenizer: None, column: "text".into(), eos: None, cache: cache.into() }
+fn text_options() -> TextOptions {
+    TextOptions { tokenizer: None, column: "text".into(), eos: None }
 }
 
 /// The reference's blocks of `split` at `length`, and its counts.
@@ -96,12 +104,12 @@ fn blocks_are_the_python_references_block_for_block() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("text");
     dataset(&dir);
-    let cache = tmp.path().join("tokens");
+    let cache = tmp.path().join("cache");
     for (split, name, length) in [(Split::Train, "train", 16), (Split::Train, "train", 7), (Split::Test, "test", 5)] {
-        let data = open(&dir, 1);
-        let tokenizer = data.tokenizer(&text_options(&cache)).unwrap();
+        let data = open(&dir, 1, &cache);
+        let tokenizer = data.tokenizer(&text_options()).unwrap();
         assert_eq!(tokenizer.eos, ("<|endoftext|>".to_string(), 1));
-        let tokens = data.tokenize(split, &text_options(&cache), &tokenizer, &mut |_, _, _| {}).unwrap();
+        let tokens = data.tokenize(split, &text_options(), &tokenizer, &mut |_, _, _| {}).unwrap();
         let blocks = Blocks::new(tokens, length, "input_ids", (name, "text")).unwrap();
         let (theirs, counts) = reference(&dir, name, length);
         assert_eq!(blocks.count(), theirs.len() as u64, "{name} at {length}");
@@ -128,18 +136,19 @@ fn a_split_is_tokenized_once_per_data_and_tokenizer() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("text");
     dataset(&dir);
-    let cache = tmp.path().join("tokens");
+    let cache = tmp.path().join("cache");
     let pass = |threads, options: &TextOptions| {
-        let data = open(&dir, threads);
+        let data = open(&dir, threads, &cache);
         let tokenizer = data.tokenizer(options).unwrap();
         data.tokenize(Split::Train, options, &tokenizer, &mut |_, _, _| {}).unwrap()
     };
-    let first = pass(1, &text_options(&cache));
+    let first = pass(1, &text_options());
     assert!(first.made);
-    let again = pass(2, &text_options(&cache));
+    assert_eq!(first.path.parent().unwrap(), cache.join("tokens"), "in the data cache");
+    let again = pass(2, &text_options());
     assert!(!again.made);
     assert_eq!((again.path.clone(), again.counts), (first.path.clone(), first.counts));
-    let other = TextOptions { eos: Some("<pad>".into()), ..text_options(&cache) };
+    let other = TextOptions { eos: Some("<pad>".into()), ..text_options() };
     let third = pass(2, &other);
     assert!(third.made && third.path != first.path);
     assert_eq!(third.counts.tokens, first.counts.tokens);
@@ -150,25 +159,26 @@ fn bad_text_input_is_one_error_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("text");
     dataset(&dir);
-    let cache = tmp.path().join("tokens");
-    let data = open(&dir, 1);
+    let cache = tmp.path().join("cache");
+    let data = open(&dir, 1, &cache);
     let err = |options: &TextOptions| data.tokenizer(options).unwrap_err().to_string();
+    let local = |path: &Path| Some(TokenizerLocation::Local(path.into()));
     let missing = tmp.path().join("nowhere/tokenizer.json");
     assert_eq!(
-        err(&TextOptions { tokenizer: Some(missing.clone()), ..text_options(&cache) }),
+        err(&TextOptions { tokenizer: local(&missing), ..text_options() }),
         format!("tokenizer {}: No such file or directory (os error 2)", missing.display())
     );
     let junk = tmp.path().join("junk.json");
     std::fs::write(&junk, "{\"not\": \"a tokenizer\"}").unwrap();
-    assert!(err(&TextOptions { tokenizer: Some(junk.clone()), ..text_options(&cache) })
+    assert!(err(&TextOptions { tokenizer: local(&junk), ..text_options() })
         .starts_with(&format!("tokenizer {}: not a Hugging Face tokenizer.json: ", junk.display())));
     assert_eq!(
-        err(&TextOptions { eos: Some("<|im_end|>".into()), ..text_options(&cache) }),
+        err(&TextOptions { eos: Some("<|im_end|>".into()), ..text_options() }),
         format!("--eos-token \"<|im_end|>\": tokenizer {}/tokenizer.json has no such token", dir.display())
     );
-    let tokenizer = data.tokenizer(&text_options(&cache)).unwrap();
+    let tokenizer = data.tokenizer(&text_options()).unwrap();
     let tokenize = |column: &str| {
-        let options = TextOptions { column: column.into(), ..text_options(&cache) };
+        let options = TextOptions { column: column.into(), ..text_options() };
         data.tokenize(Split::Train, &options, &tokenizer, &mut |_, _, _| {}).unwrap_err().to_string()
     };
     let first = dir.join("train-00000-of-00002.parquet");
@@ -188,7 +198,7 @@ fn bad_text_input_is_one_error_naming_it() {
         )
     );
     // Fewer tokens than one block.
-    let tokens = data.tokenize(Split::Test, &text_options(&cache), &tokenizer, &mut |_, _, _| {}).unwrap();
+    let tokens = data.tokenize(Split::Test, &text_options(), &tokenizer, &mut |_, _, _| {}).unwrap();
     let count = tokens.counts.tokens;
     let err = Blocks::new(tokens, 100_000, "input_ids", ("test", "DATA")).unwrap_err().to_string();
     assert_eq!(
@@ -200,13 +210,144 @@ fn bad_text_input_is_one_error_naming_it() {
     );
     // No tokenizer beside the data.
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
-    let data = open(&dir, 1);
+    let data = open(&dir, 1, &cache);
     assert_eq!(
-        data.tokenizer(&text_options(&cache)).unwrap_err().to_string(),
+        data.tokenizer(&text_options()).unwrap_err().to_string(),
         format!(
             "the model trains on raw text, and data location {} has no tokenizer.json beside its Parquet files: give \
-             --tokenizer PATH (the model's tokenizer.json) or put it there",
+             --tokenizer PATH or s3://bucket/key (the model's tokenizer.json) or put it there",
             dir.display()
         )
     );
+}
+
+/// Token streams count against the data cache's bound (`--data-cache-size`): with room for one
+/// of two streams, writing the second evicts the one used least recently; a stream held (a run
+/// reading its blocks) is never removed, and goes once let go if it is then the oldest.
+#[test]
+fn token_streams_are_evicted_least_recently_used_within_the_cache_bound() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("text");
+    dataset(&dir);
+    let (gpt, pad) = (text_options(), TextOptions { eos: Some("<pad>".into()), ..text_options() });
+    let pass = |options: &TextOptions, cache: (&Path, u64)| {
+        let data = open_with(&dir, 1, cache, S3Options::default());
+        let tokenizer = data.tokenizer(options).unwrap();
+        data.tokenize(Split::Train, options, &tokenizer, &mut |_, _, _| {}).unwrap()
+    };
+    let on_disk = |path: &Path| {
+        std::fs::metadata(path).unwrap().len() + std::fs::metadata(path.with_extension("json")).unwrap().len()
+    };
+    // Two streams of the same tokens (another end-of-text id): the bound holds one, not both.
+    let sizing = tmp.path().join("sizing");
+    let bound = on_disk(&pass(&gpt, (&sizing, 1 << 30)).path) + on_disk(&pass(&pad, (&sizing, 1 << 30)).path) - 1;
+    let cache = (tmp.path().join("cache"), bound);
+    let cache = (cache.0.as_path(), cache.1);
+    let first = pass(&gpt, cache);
+    let gpt_path = first.path.clone();
+    drop(first);
+    let second = pass(&pad, cache);
+    let pad_path = second.path.clone();
+    drop(second);
+    assert!(!gpt_path.exists() && !gpt_path.with_extension("json").exists(), "the least recently used goes");
+    assert!(pad_path.exists());
+    let reading = Blocks::new(pass(&pad, cache), 4, "input_ids", ("train", "text")).unwrap();
+    assert!(!reading.made);
+    let again = pass(&gpt, cache);
+    assert!(again.made, "tokenized again, having been evicted");
+    assert!(pad_path.exists() && gpt_path.exists(), "both held: nothing removed");
+    assert_eq!(reading.block(3).unwrap().len(), 4);
+    drop(reading);
+    drop(again);
+    drop(open_with(&dir, 1, cache, S3Options::default()));
+    assert!(!pad_path.exists(), "let go first, so used least recently");
+    assert!(gpt_path.exists());
+}
+
+/// The suite's S3-compatible server, its credentials in the AWS variables that the data
+/// crate's S3 client reads (as the daemon's is given them).
+fn s3() -> &'static S3Server {
+    static S3: OnceLock<S3Server> = OnceLock::new();
+    S3.get_or_init(|| {
+        std::env::set_var("AWS_ACCESS_KEY_ID", S3_KEY_ID);
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", S3_SECRET);
+        S3Server::start().unwrap_or_else(|e| panic!("S3-compatible test server: {e}"))
+    })
+}
+
+fn s3_options(server: &S3Server) -> S3Options {
+    S3Options { endpoint: Some(server.endpoint.clone()), region: Some("us-east-1".into()), ..S3Options::default() }
+}
+
+fn upload(server: &S3Server, key: &str, bytes: Vec<u8>) {
+    use object_store::ObjectStoreExt;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let to = object_store::path::Path::from(key);
+    runtime.block_on(server.store().unwrap().put(&to, bytes.into())).unwrap();
+}
+
+/// The range entries of the data cache in `dir`: (path, bytes).
+fn cached(dir: &Path) -> Vec<(PathBuf, u64)> {
+    let subs = std::fs::read_dir(dir).unwrap().flatten().filter(|d| d.file_name().len() == 2);
+    let files = subs.flat_map(|d| std::fs::read_dir(d.path()).unwrap().flatten());
+    files
+        .filter(|f| f.path().extension().is_some_and(|e| e == "bin"))
+        .map(|f| (f.path(), f.metadata().unwrap().len()))
+        .collect()
+}
+
+/// `--tokenizer s3://bucket/key`: the tokenizer loads as the same file on local disk does, with
+/// the same sha256 (the identity every worker must agree on); it is kept in the data cache under
+/// its ETag, once however often it is loaded, and a replaced object is fetched anew.
+#[test]
+fn a_tokenizer_on_s3_loads_by_url_as_from_a_file() {
+    let server = s3();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("text");
+    dataset(&dir);
+    let bytes = std::fs::read(dir.join("tokenizer.json")).unwrap();
+    upload(server, "models/gpt/tokenizer.json", bytes.clone());
+    let url = format!("s3://{}/models/gpt/tokenizer.json", server.bucket);
+    let cache = tmp.path().join("cache");
+    let data = open_with(&dir, 1, (&cache, 1 << 30), s3_options(server));
+    let remote = TextOptions { tokenizer: Some(url.parse().unwrap()), ..text_options() };
+    let (theirs, ours) = (data.tokenizer(&remote).unwrap(), data.tokenizer(&text_options()).unwrap());
+    assert_eq!(theirs.location, url);
+    assert_eq!((&theirs.sha256, &theirs.eos, theirs.vocab), (&ours.sha256, &ours.eos, ours.vocab));
+    let entries = cached(&cache);
+    assert_eq!(entries.iter().map(|e| e.1).collect::<Vec<_>>(), [bytes.len() as u64 + 4]);
+    // Served from the cache while the object is unchanged: an entry doctored (same length, its
+    // checksum made again) is what loads.
+    let doctored = String::from_utf8(bytes.clone()).unwrap().replace("\"<pad>\"", "\"<PAD>\"").into_bytes();
+    let entry = [&doctored[..], &crc32c::crc32c(&doctored).to_le_bytes()].concat();
+    std::fs::write(&entries[0].0, entry).unwrap();
+    let again = data.tokenizer(&TextOptions { eos: Some("<PAD>".into()), ..remote.clone() }).unwrap();
+    assert_ne!(again.sha256, ours.sha256);
+    std::fs::remove_file(&entries[0].0).unwrap();
+    // Blocks of the same tokenizer are the same, wherever it was read from.
+    let tokens = data.tokenize(Split::Test, &remote, &theirs, &mut |_, _, _| {}).unwrap();
+    let local = data.tokenize(Split::Test, &text_options(), &ours, &mut |_, _, _| {}).unwrap();
+    assert_eq!((tokens.path.clone(), tokens.made), (local.path.clone(), true));
+    upload(server, "models/gpt/tokenizer.json", b"{\"not\": \"a tokenizer\"}".to_vec());
+    let err = data.tokenizer(&remote).unwrap_err().to_string();
+    assert!(err.starts_with(&format!("tokenizer {url}: not a Hugging Face tokenizer.json: ")), "{err}");
+}
+
+/// A key or bucket that is not there is one error naming the URL and saying so.
+#[test]
+fn a_tokenizer_missing_on_s3_is_one_error_naming_it() {
+    let server = s3();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("text");
+    dataset(&dir);
+    let data = open_with(&dir, 1, (&tmp.path().join("cache"), 1 << 30), s3_options(server));
+    for url in
+        [format!("s3://{}/models/none/tokenizer.json", server.bucket), "s3://no-such-bucket/tokenizer.json".into()]
+    {
+        let options = TextOptions { tokenizer: Some(url.parse().unwrap()), ..text_options() };
+        assert_eq!(
+            data.tokenizer(&options).unwrap_err().to_string(),
+            format!("tokenizer {url}: no such object (check the bucket and the key)")
+        );
+    }
 }

@@ -3,7 +3,7 @@
 //! (seed, epoch) ([`crate::order`]), so a resumed or recovered worker opens at any (epoch, step)
 //! and N workers of batch b see what one worker of batch N·b sees; evaluation reads the blocks in
 //! order. Each batch reads its blocks from the token file (positioned reads: nothing else of the
-//! file is held).
+//! file is held in memory), which stays held in the data cache for as long as the blocks live.
 
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -13,6 +13,7 @@ use trainerd_sdk::tch::Tensor;
 
 use super::pack::{Counts, TokenFile};
 use super::TextError;
+use crate::cache::InUse;
 use crate::error::DataError;
 use crate::order::{EpochOrder, Layout, Shuffle};
 use crate::stream::Plan;
@@ -23,7 +24,7 @@ pub const LABELS: &str = "labels";
 /// A packed split: its token file cut into blocks.
 #[derive(Debug)]
 pub struct Blocks {
-    file: std::fs::File,
+    file: InUse,
     path: PathBuf,
     /// What the pass found.
     pub counts: Counts,
@@ -56,7 +57,7 @@ impl Blocks {
         column: &str,
         (split, location): (&str, &str),
     ) -> Result<Blocks, DataError> {
-        let TokenFile { path, counts, made } = tokens;
+        let TokenFile { path, counts, made, held } = tokens;
         if counts.tokens < u64::from(length) {
             return Err(TextError::TooFew {
                 split: split.to_string(),
@@ -67,9 +68,7 @@ impl Blocks {
             }
             .into());
         }
-        let file = std::fs::File::open(&path)
-            .map_err(|source| TextError::Cache { path: path.display().to_string(), source })?;
-        Ok(Blocks { file, path, counts, length, column: column.to_string(), made })
+        Ok(Blocks { file: held, path, counts, length, column: column.to_string(), made })
     }
 
     /// Blocks in the split (the last partial one dropped).
@@ -82,7 +81,7 @@ impl Blocks {
         let n = self.length as usize;
         let mut bytes = vec![0u8; n * 4];
         let at = b * u64::from(self.length) * 4;
-        let read = self.file.read_exact_at(&mut bytes, at);
+        let read = self.file.file().read_exact_at(&mut bytes, at);
         read.map_err(|source| TextError::Cache { path: self.path.display().to_string(), source })?;
         Ok(bytes.chunks_exact(4).map(|c| i64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect())
     }

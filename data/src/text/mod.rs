@@ -4,11 +4,12 @@
 //! model's length, the last partial block dropped: no padding and no token wasted, as torchtitan
 //! packs.
 //!
-//! - [`tokenizer`]: the tokenizer, beside the dataset or named by a flag.
+//! - [`tokenizer`]: the tokenizer, beside the dataset or named by a flag (a file or an S3
+//!   object).
 //! - [`pack`]: one pass over the split (row group by row group, in bounded memory) that
-//!   tokenizes every document and writes the token stream to a local file, kept by the data's
-//!   fingerprint, the column and the tokenizer's hash, so that the next run on the same data
-//!   reads it again instead.
+//!   tokenizes every document and writes the token stream to the data cache ([`crate::cache`],
+//!   whose bound it counts against), kept by the data's fingerprint, the column and the
+//!   tokenizer's hash, so that the next run on the same data reads it again instead.
 //! - [`blocks`]: the blocks of an epoch in a pure function of (seed, epoch) (a uniform shuffle of
 //!   the blocks; evaluation in order), each read from the token file.
 //!
@@ -19,23 +20,21 @@ pub mod blocks;
 pub mod pack;
 pub mod tokenizer;
 
-use std::path::PathBuf;
-
 pub use blocks::{BlockBatch, BlockStream, Blocks};
 pub use pack::Counts;
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{FetchError, Tokenizer, TokenizerLocation};
 
-/// How a run finds and reads its text: the flags.
+/// How a run finds and reads its text: the flags. Its token streams go to the dataset's cache
+/// ([`crate::Options::cache`]).
 #[derive(Clone, Debug)]
 pub struct TextOptions {
-    /// `--tokenizer`: a local `tokenizer.json`; `None`: the one beside the dataset.
-    pub tokenizer: Option<PathBuf>,
+    /// `--tokenizer`: a `tokenizer.json` on local disk or S3; `None`: the one beside the
+    /// dataset.
+    pub tokenizer: Option<TokenizerLocation>,
     /// `--text-column`: the documents' column.
     pub column: String,
     /// `--eos-token`: the token that ends each document; `None`: the tokenizer's own.
     pub eos: Option<String>,
-    /// Where token files are kept.
-    pub cache: PathBuf,
 }
 
 /// Why raw text cannot be packed.
@@ -44,12 +43,29 @@ pub enum TextError {
     /// No tokenizer beside the dataset, and none named.
     #[error(
         "the model trains on raw text, and data location {location} has no {} beside its Parquet files: give \
-         --tokenizer PATH (the model's tokenizer.json) or put it there",
+         --tokenizer PATH or s3://bucket/key (the model's tokenizer.json) or put it there",
         tokenizer::FILE
     )]
     NoTokenizer {
         /// The dataset.
         location: String,
+    },
+    /// `--tokenizer` names no file or S3 object.
+    #[error("--tokenizer {text:?}: {reason}")]
+    Url {
+        /// The text given.
+        text: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tokenizer on S3 that cannot be fetched.
+    #[error("tokenizer {url}: {reason}")]
+    Fetch {
+        /// Its URL.
+        url: String,
+        /// Why.
+        #[source]
+        reason: FetchError,
     },
     /// A tokenizer file that cannot be read.
     #[error("tokenizer {path}: {source}")]
@@ -114,6 +130,12 @@ pub enum TextError {
         documents: u64,
         /// The block length.
         length: u32,
+    },
+    /// A dataset opened without a cache, which token streams live in.
+    #[error("data location {location}: raw text is tokenized into the data cache, and none was given")]
+    NoCache {
+        /// The dataset.
+        location: String,
     },
     /// The token file cannot be written or read.
     #[error("token cache {path}: {source}")]

@@ -1,10 +1,12 @@
 //! One pass over a split's documents: each row group's text column read (in file order),
 //! tokenized on the loader threads, each non-empty document's ids followed by the end-of-text
-//! token and appended to a local token file (little-endian u32). Memory holds one row group's
-//! documents and ids at a time. The file and its counts are kept under a key of everything that
-//! decides them (the data's fingerprint, the split, the column, the tokenizer's sha256, the
-//! end-of-text id), so that a later run on the same data and tokenizer reads it instead of
-//! tokenizing again; the counts are written last, so a pass cut short leaves nothing usable.
+//! token and appended to a token stream (little-endian u32) in the data cache. Memory holds one
+//! row group's documents and ids at a time. The stream and its counts are kept under a key of
+//! everything that decides them (the data's fingerprint, the split, the column, the tokenizer's
+//! sha256, the end-of-text id), so that a later run on the same data and tokenizer reads it
+//! instead of tokenizing again; the counts are written last, so a pass cut short leaves nothing
+//! usable. Streams count against the cache's bound and are evicted with its entries, least
+//! recently used first, never while a process holds one ([`crate::cache`]).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -14,6 +16,7 @@ use sha2::{Digest, Sha256};
 use trainerd_sdk::{Column, Columns, Decode, Split};
 
 use super::{TextError, TextOptions, Tokenizer};
+use crate::cache::InUse;
 use crate::error::DataError;
 use crate::index::SplitIndex;
 use crate::rows::{self, Chunk, Place, Value};
@@ -33,7 +36,8 @@ pub struct Counts {
     pub max_id: u32,
 }
 
-/// A split's token stream on local disk.
+/// A split's token stream in the data cache, held: no eviction removes it while this, or the
+/// blocks made of it, lives.
 #[derive(Debug)]
 pub struct TokenFile {
     /// The file.
@@ -42,32 +46,14 @@ pub struct TokenFile {
     pub counts: Counts,
     /// Whether this run tokenized it (else an earlier run did, and it was read again).
     pub made: bool,
+    /// The open file, held.
+    pub held: InUse,
 }
 
 /// The version of the token files' layout, in their key.
 const FORMAT: &str = "trainerd-tokens/1";
 
 impl Dataset {
-    /// The tokenizer `options` name, or the one beside the dataset.
-    pub fn tokenizer(&self, options: &TextOptions) -> Result<Tokenizer, DataError> {
-        let (location, bytes) = match &options.tokenizer {
-            Some(path) => {
-                let shown = path.display().to_string();
-                let bytes =
-                    std::fs::read(path).map_err(|source| TextError::Unreadable { path: shown.clone(), source })?;
-                (shown, bytes)
-            }
-            None => {
-                let listed = self.source.list()?;
-                let found = listed.iter().find(|f| f.name == super::tokenizer::FILE);
-                let file = found.ok_or_else(|| TextError::NoTokenizer { location: self.location().to_string() })?;
-                let bytes = self.source.read(file, 0..file.size, Purpose::Index)?;
-                (self.location().file(&file.name), bytes.to_vec())
-            }
-        };
-        Ok(Tokenizer::from_bytes(location, &bytes, options.eos.as_deref())?)
-    }
-
     /// `split`'s documents in `options.column`, tokenized by `tokenizer` into a token file (or the
     /// one an earlier pass made); `progress` hears (row groups done, row groups, tokens so far).
     pub fn tokenize(
@@ -83,29 +69,20 @@ impl Dataset {
             found: String::new(),
         })?;
         let key = self.token_key(index, options, tokenizer);
-        let (path, counts_path) =
-            (options.cache.join(format!("{key}.tokens")), options.cache.join(format!("{key}.json")));
-        let cache_error = |path: &Path| {
-            let path = path.display().to_string();
-            move |source| TextError::Cache { path, source }
-        };
-        if let Some(counts) = kept(&path, &counts_path) {
-            return Ok(TokenFile { path, counts, made: false });
+        let cache = self.cache.as_ref().ok_or_else(|| TextError::NoCache { location: self.location().to_string() })?;
+        if let Some((held, counts)) = cache.open_stream(&key).and_then(kept) {
+            return Ok(TokenFile { path: held.path().to_path_buf(), counts, made: false, held });
         }
-        std::fs::create_dir_all(&options.cache).map_err(cache_error(&options.cache))?;
-        // Workers on one host may share the directory: each writes its own file, and the renames
-        // (of the same bytes) replace one another atomically.
-        let partial = options.cache.join(format!("{key}.tokens.{}.partial", std::process::id()));
-        let file = std::fs::File::create(&partial).map_err(cache_error(&partial))?;
-        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+        // Workers on one host may share the cache: each writes its own file (see the cache).
+        let writer = cache.write_stream(&key)?;
+        let partial = writer.path().to_path_buf();
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, writer.file());
         let counts = self.pass(index, options, tokenizer, (&mut out, &partial), progress)?;
-        out.flush().and_then(|()| out.get_ref().sync_all()).map_err(cache_error(&partial))?;
-        std::fs::rename(&partial, &path).map_err(cache_error(&path))?;
-        let json = serde_json::to_vec(&counts).expect("plain numbers");
-        let counts_partial = options.cache.join(format!("{key}.json.{}.partial", std::process::id()));
-        std::fs::write(&counts_partial, json).map_err(cache_error(&counts_partial))?;
-        std::fs::rename(&counts_partial, &counts_path).map_err(cache_error(&counts_path))?;
-        Ok(TokenFile { path, counts, made: true })
+        let flushed = out.flush();
+        drop(out);
+        flushed.map_err(|source| TextError::Cache { path: partial.display().to_string(), source })?;
+        let held = writer.finish(&serde_json::to_vec(&counts).expect("plain numbers"))?;
+        Ok(TokenFile { path: held.path().to_path_buf(), counts, made: true, held })
     }
 
     /// Tokenizes every row group of `index` in order into `out`.
@@ -177,9 +154,9 @@ impl Dataset {
     }
 }
 
-/// The counts of a token file an earlier pass finished, when its size fits them.
-fn kept(path: &Path, counts: &Path) -> Option<Counts> {
-    let counts: Counts = serde_json::from_slice(&std::fs::read(counts).ok()?).ok()?;
-    let size = std::fs::metadata(path).ok()?.len();
-    (size == counts.tokens * 4).then_some(counts)
+/// The counts of a token stream an earlier pass finished, when its size fits them.
+fn kept((held, counts): (InUse, Vec<u8>)) -> Option<(InUse, Counts)> {
+    let counts: Counts = serde_json::from_slice(&counts).ok()?;
+    let size = held.file().metadata().ok()?.len();
+    (size == counts.tokens * 4).then_some((held, counts))
 }

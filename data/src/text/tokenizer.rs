@@ -1,10 +1,24 @@
 //! The run's tokenizer: a Hugging Face `tokenizer.json`, read by Hugging Face's own Rust
 //! `tokenizers` (the crate the Python package wraps, pinned to the venv's version), found
-//! beside the dataset or named by a flag; its sha256, its end-of-text token and its ids' range.
+//! beside the dataset or named by a flag (a local file or an S3 object); its sha256, its
+//! end-of-text token and its ids' range.
+//!
+//! An S3 object is fetched as the dataset's files are (the same S3 settings, reads retried
+//! within `--data-timeout`) and kept in the data cache under its ETag, so a worker fetches it
+//! once while it is unchanged. Its sha256 is of its bytes, as a local file's: the same
+//! tokenizer is the same identity wherever it was read from.
+
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
+use trainerd_storage::Location;
 
-use super::TextError;
+use super::{TextError, TextOptions};
+use crate::error::DataError;
+use crate::location::DataLocation;
+use crate::source::{Purpose, Source};
+use crate::Dataset;
 
 /// The tokenizer's file name beside a dataset's Parquet files (as every Hugging Face model
 /// ships it).
@@ -59,5 +73,210 @@ impl Tokenizer {
     pub fn encode(&self, documents: Vec<&str>) -> Result<Vec<Vec<u32>>, String> {
         let encodings = self.inner.encode_batch_fast(documents, false).map_err(|e| e.to_string())?;
         Ok(encodings.into_iter().map(|e| e.get_ids().to_vec()).collect())
+    }
+}
+
+/// Where `--tokenizer` names a `tokenizer.json`: `PATH`, `file:///PATH` or `s3://bucket/key`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenizerLocation {
+    /// A local file.
+    Local(PathBuf),
+    /// An S3 object.
+    S3 {
+        /// Its bucket.
+        bucket: String,
+        /// Its key.
+        key: String,
+    },
+}
+
+impl std::str::FromStr for TokenizerLocation {
+    type Err = TextError;
+
+    fn from_str(text: &str) -> Result<TokenizerLocation, TextError> {
+        let err = |reason: String| TextError::Url { text: text.to_string(), reason };
+        // The grammar of the data and checkpoint locations, so that every flag reads alike.
+        match text.parse::<Location>() {
+            Ok(Location::Local(path)) => Ok(TokenizerLocation::Local(path)),
+            Ok(Location::S3 { bucket, prefix: key }) if !key.is_empty() && !text.ends_with('/') => {
+                Ok(TokenizerLocation::S3 { bucket, key })
+            }
+            Ok(Location::S3 { .. }) => Err(err("names no object: expected s3://bucket/key of a tokenizer.json".into())),
+            Ok(Location::Memory) => Err(err("expected a file, file:///path or s3://bucket/key".into())),
+            Err(e) => Err(err(e
+                .reason
+                .replace(
+                    "a directory, file:///path, s3://bucket/prefix or memory://",
+                    "a file, file:///path or s3://bucket/key",
+                )
+                .replace("key prefix", "key"))),
+        }
+    }
+}
+
+impl std::fmt::Display for TokenizerLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TokenizerLocation::Local(path) => write!(f, "{}", path.display()),
+            TokenizerLocation::S3 { bucket, key } => write!(f, "s3://{bucket}/{key}"),
+        }
+    }
+}
+
+/// Why a tokenizer on S3 could not be fetched.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FetchError {
+    /// No such object (or no such bucket).
+    #[error("no such object (check the bucket and the key)")]
+    NotFound,
+    /// The credentials may not read it.
+    #[error(
+        "no permission to read it (check the S3 credentials, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, and the \
+         bucket's policy): {0}"
+    )]
+    Denied(#[source] object_store::Error),
+    /// The store's error.
+    #[error("{0}")]
+    Store(#[source] object_store::Error),
+    /// The store kept failing past the retries' bound.
+    #[error("S3 kept failing for {:.0} s (last error: {last}); gave up after --data-timeout", waited.as_secs_f64())]
+    Unavailable {
+        /// How long it was retried.
+        waited: std::time::Duration,
+        /// The last error.
+        last: String,
+    },
+    /// Anything else (the S3 settings, the cache).
+    #[error("{0}")]
+    Read(#[source] Box<DataError>),
+}
+
+impl FetchError {
+    /// What a failed read of the tokenizer means for it.
+    fn of(e: DataError) -> FetchError {
+        use object_store::Error as E;
+        match e {
+            DataError::Source { source: source @ (E::PermissionDenied { .. } | E::Unauthenticated { .. }), .. } => {
+                FetchError::Denied(source)
+            }
+            // Gone between the head and the read.
+            DataError::Source { source: E::NotFound { .. }, .. } | DataError::Changed { .. } => FetchError::NotFound,
+            DataError::Source { source, .. } | DataError::Store { source, .. } => FetchError::Store(source),
+            DataError::Unavailable { waited, last, .. } => FetchError::Unavailable { waited, last },
+            e => FetchError::Read(Box::new(e)),
+        }
+    }
+}
+
+impl Dataset {
+    /// The tokenizer `options` name, or the one beside the dataset.
+    pub fn tokenizer(&self, options: &TextOptions) -> Result<Tokenizer, DataError> {
+        let (location, bytes) = match &options.tokenizer {
+            Some(TokenizerLocation::Local(path)) => {
+                let shown = path.display().to_string();
+                let bytes =
+                    std::fs::read(path).map_err(|source| TextError::Unreadable { path: shown.clone(), source })?;
+                (shown, bytes)
+            }
+            Some(url @ TokenizerLocation::S3 { bucket, key }) => {
+                let fetch = |e| TextError::Fetch { url: url.to_string(), reason: e };
+                (url.to_string(), self.fetch(bucket, key).map_err(fetch)?)
+            }
+            None => {
+                let listed = self.source.list()?;
+                let found = listed.iter().find(|f| f.name == FILE);
+                let file = found.ok_or_else(|| TextError::NoTokenizer { location: self.location().to_string() })?;
+                let bytes = self.source.read(file, 0..file.size, Purpose::Index)?;
+                (self.location().file(&file.name), bytes.to_vec())
+            }
+        };
+        Ok(Tokenizer::from_bytes(location, &bytes, options.eos.as_deref())?)
+    }
+
+    /// The object `key` of `bucket`, read as the dataset's files are, through the data cache.
+    fn fetch(&self, bucket: &str, key: &str) -> Result<Vec<u8>, FetchError> {
+        let (prefix, name) = key.rsplit_once('/').unwrap_or(("", key));
+        let location = DataLocation::S3 { bucket: bucket.to_string(), prefix: prefix.to_string() };
+        let (s3, timeout, observer) = &self.fetching;
+        let source =
+            Source::open(&location, s3, *timeout, self.cache.clone(), Arc::clone(observer)).map_err(FetchError::of)?;
+        let file = source.head(name).map_err(FetchError::of)?.ok_or(FetchError::NotFound)?;
+        // Keyed by the ETag (and size) the head gave, and read with If-Match on it.
+        let bytes = source.read(&file, 0..file.size, Purpose::Index).map_err(FetchError::of)?;
+        Ok(bytes.to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<TokenizerLocation, String> {
+        text.parse().map_err(|e: TextError| e.to_string())
+    }
+
+    #[test]
+    fn locations_parse_and_show_as_given() {
+        let s3 = |bucket: &str, key: &str| TokenizerLocation::S3 { bucket: bucket.into(), key: key.into() };
+        assert_eq!(parse("tok/tokenizer.json"), Ok(TokenizerLocation::Local("tok/tokenizer.json".into())));
+        assert_eq!(parse("file:///m/tokenizer.json"), Ok(TokenizerLocation::Local("/m/tokenizer.json".into())));
+        assert_eq!(parse("s3://models/gpt2/tokenizer.json"), Ok(s3("models", "gpt2/tokenizer.json")));
+        assert_eq!(parse("s3://models/tokenizer.json"), Ok(s3("models", "tokenizer.json")));
+        for text in ["s3://models/gpt2/tokenizer.json", "s3://models/tokenizer.json", "/m/tokenizer.json"] {
+            assert_eq!(parse(text).unwrap().to_string(), text);
+        }
+    }
+
+    #[test]
+    fn a_location_that_names_no_file_is_refused_saying_what_is_expected() {
+        let expected = "expected s3://bucket/key of a tokenizer.json";
+        for text in ["s3://models", "s3://models/", "s3://models/gpt2/"] {
+            assert_eq!(parse(text), Err(format!("--tokenizer {text:?}: names no object: {expected}")));
+        }
+        assert_eq!(
+            parse("gs://models/tokenizer.json"),
+            Err("--tokenizer \"gs://models/tokenizer.json\": unknown scheme \"gs\"; expected a file, file:///path or \
+                 s3://bucket/key"
+                .into())
+        );
+        assert_eq!(
+            parse("memory://"),
+            Err("--tokenizer \"memory://\": expected a file, file:///path or s3://bucket/key".into())
+        );
+        assert!(parse("s3://Models/tokenizer.json").unwrap_err().contains("the bucket name must be 3-63 characters"));
+        assert_eq!(
+            parse("s3://models/a/../tokenizer.json"),
+            Err(
+                "--tokenizer \"s3://models/a/../tokenizer.json\": the key must not contain empty, '.' or '..' segments"
+                    .into()
+            )
+        );
+    }
+
+    /// A failed read says what it means for the tokenizer: gone, or not allowed, or the store's
+    /// own error.
+    #[test]
+    fn fetch_failures_name_the_cause() {
+        let store = |e: object_store::Error| DataError::Source { file: "s3://b/k".into(), source: e };
+        let denied = object_store::Error::PermissionDenied { path: "k".into(), source: "403 Forbidden".into() };
+        assert!(matches!(FetchError::of(store(denied)), FetchError::Denied(_)));
+        let unauthenticated = object_store::Error::Unauthenticated { path: "k".into(), source: "401".into() };
+        let said = TextError::Fetch { url: "s3://b/k".into(), reason: FetchError::of(store(unauthenticated)) };
+        assert!(said.to_string().starts_with("tokenizer s3://b/k: no permission to read it (check the S3 credentials"));
+        let gone = DataError::Changed { file: "s3://b/k".into(), what: "it is gone".into() };
+        assert!(matches!(FetchError::of(gone), FetchError::NotFound));
+        let unavailable = DataError::Unavailable {
+            file: "s3://b/k".into(),
+            waited: std::time::Duration::from_secs(60),
+            last: "503".into(),
+        };
+        let said = TextError::Fetch { url: "s3://b/k".into(), reason: FetchError::of(unavailable) };
+        assert_eq!(
+            said.to_string(),
+            "tokenizer s3://b/k: S3 kept failing for 60 s (last error: 503); gave up after --data-timeout"
+        );
+        let missing = TextError::Fetch { url: "s3://b/k".into(), reason: FetchError::NotFound };
+        assert_eq!(missing.to_string(), "tokenizer s3://b/k: no such object (check the bucket and the key)");
     }
 }

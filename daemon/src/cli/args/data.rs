@@ -105,11 +105,12 @@ pub(crate) struct DataArgs {
     /// the steps).
     #[arg(long)]
     pub(crate) loader_threads: Option<usize>,
-    /// Where remote (S3) data is cached; default: systemd's CACHE_DIRECTORY, else
-    /// ~/.cache/trainerd/data. Workers on one host may share it.
+    /// Where remote (S3) data and raw text's token streams are cached; default: systemd's
+    /// CACHE_DIRECTORY, else ~/.cache/trainerd/data. Workers on one host may share it.
     #[arg(long, env = "TRAINERD_DATA_CACHE")]
     pub(crate) data_cache: Option<PathBuf>,
-    /// The cache's bound (K, M, G, T: powers of 1024); least recently used data goes first.
+    /// The cache's bound (K, M, G, T: powers of 1024), remote data and token streams together;
+    /// least recently used goes first, never a token stream a run is reading.
     #[arg(long, default_value = "10G", value_parser = parse_bytes)]
     pub(crate) data_cache_size: u64,
     /// Seconds a read of the data waits for a failing source (retried, logged, shown in STATUS=)
@@ -126,10 +127,11 @@ pub(crate) struct DataArgs {
 /// How raw text (a model's `text` column) is tokenized.
 #[derive(clap::Args, Clone, Debug)]
 pub(crate) struct TextArgs {
-    /// For a model that trains on raw text: its tokenizer.json (default: the tokenizer.json
-    /// beside the dataset's Parquet files, on S3 as well). Its sha256 is part of the run.
+    /// For a model that trains on raw text: its tokenizer.json, a file or s3://bucket/key (with
+    /// the --s3-* settings; cached in the data cache) (default: the tokenizer.json beside the
+    /// dataset's Parquet files, on S3 as well). Its sha256 is part of the run.
     #[arg(long)]
-    pub(crate) tokenizer: Option<PathBuf>,
+    pub(crate) tokenizer: Option<trainerd_data::text::TokenizerLocation>,
     /// The documents' column of a raw-text dataset.
     #[arg(long, default_value = "text")]
     pub(crate) text_column: String,
@@ -163,19 +165,13 @@ impl DataArgs {
         }
     }
 
-    /// How raw text is found and read: the flags, its token files kept beside the data cache
-    /// (`tokens` in its directory's parent: ~/.cache/trainerd/tokens by default).
+    /// How raw text is found and read: the flags (its token streams are kept in the data cache,
+    /// within its bound).
     pub(crate) fn text_options(&self) -> trainerd_data::text::TextOptions {
-        let cache = self.cache_dir();
-        let tokens = match &self.data_cache {
-            Some(dir) => dir.join("tokens"),
-            None => cache.parent().map_or_else(|| PathBuf::from("tokens"), |p| p.join("tokens")),
-        };
         trainerd_data::text::TextOptions {
             tokenizer: self.text.tokenizer.clone(),
             column: self.text.text_column.clone(),
             eos: self.text.eos_token.clone(),
-            cache: tokens,
         }
     }
 
