@@ -360,7 +360,27 @@ impl Drop for Cluster {
         if let Some(h) = self.poller.take() {
             let _ = h.join();
         }
+        // A failing test keeps the whole transcript (its message may show only part of it, and a
+        // test binary run in a loop overwrites its output).
+        if std::thread::panicking() {
+            while self.take(Duration::from_millis(10)).is_some() {}
+            keep_transcript(&self.transcript());
+        }
         // The supervisor, dropped with the last reference, kills every worker still running.
+    }
+}
+
+/// Writes a failing test's `transcript` to `$TRAINERD_TRANSCRIPTS` (default: the temporary
+/// directory's `trainerd-transcripts`), named for the test and the time, and says where.
+fn keep_transcript(transcript: &str) {
+    let dir = std::env::var_os("TRAINERD_TRANSCRIPTS")
+        .map_or_else(|| std::env::temp_dir().join("trainerd-transcripts"), std::path::PathBuf::from);
+    let test = std::thread::current().name().unwrap_or("test").replace("::", "-");
+    let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let path = dir.join(format!("{test}-{at}.log"));
+    match std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, transcript)) {
+        Ok(()) => eprintln!("the cluster's transcript is kept in {}", path.display()),
+        Err(e) => eprintln!("the cluster's transcript could not be kept in {}: {e}", path.display()),
     }
 }
 

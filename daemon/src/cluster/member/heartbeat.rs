@@ -92,8 +92,9 @@ impl Beater {
             if moved() {
                 break End::Moved;
             }
-            // Each wait is bounded by the watch's deadline, and (but for the stream's opening, which
-            // cannot be taken up again) by a look for a new coordinator now and then.
+            // Each wait is bounded by the watch's deadline, and ends when another coordinator is
+            // followed (a look now and then, or, for the stream's opening, which cannot be taken up
+            // again, at once).
             let until = watch.deadline(deadline).min(Instant::now() + deadline / 4);
             let seen = match watch.link {
                 // Given up on at once when another coordinator is followed (it retries until then).
@@ -108,7 +109,15 @@ impl Beater {
                 Link::Opening(_) => {
                     let c = client.as_mut().expect("connected");
                     let stream = ReceiverStream::new(rx.take().expect("opened once"));
-                    match timeout_at(watch.deadline(deadline).into(), c.heartbeat(stream)).await {
+                    let opening = timeout_at(watch.deadline(deadline).into(), c.heartbeat(stream));
+                    // Given up on when another coordinator is followed: a frozen one's kernel takes
+                    // the connection, but its opening would hang to the deadline (the soak measured
+                    // 1.3 s more of a freeze's pause, after the election).
+                    let opened = tokio::select! {
+                        opened = opening => opened,
+                        () = elections.moved_from(Some((term, rank))) => break End::Moved,
+                    };
+                    match opened {
                         Ok(Ok(response)) => {
                             notices = Some(response.into_inner());
                             self.shared.elections.set_lost(None);
