@@ -107,24 +107,15 @@ impl Beater {
                     None => continue,
                 },
                 Link::Opening(_) => {
-                    let c = client.as_mut().expect("connected");
+                    let client = client.as_mut().expect("connected");
                     let stream = ReceiverStream::new(rx.take().expect("opened once"));
-                    let opening = timeout_at(watch.deadline(deadline).into(), c.heartbeat(stream));
-                    // Given up on when another coordinator is followed: a frozen one's kernel takes
-                    // the connection, but its opening would hang to the deadline (the soak measured
-                    // 1.3 s more of a freeze's pause, after the election).
-                    let opened = tokio::select! {
-                        opened = opening => opened,
-                        () = elections.moved_from(Some((term, rank))) => break End::Moved,
-                    };
-                    match opened {
-                        Ok(Ok(response)) => {
-                            notices = Some(response.into_inner());
-                            self.shared.elections.set_lost(None);
+                    match self.open(client, stream, watch.deadline(deadline), (term, rank)).await {
+                        Some(Ok(opened)) => {
+                            notices = Some(opened);
                             Seen::Opened
                         }
-                        Ok(Err(_)) => Seen::Refused,
-                        Err(_) => Seen::Nothing,
+                        Some(Err(seen)) => seen,
+                        None => break End::Moved,
                     }
                 }
                 Link::Open => match timeout_at(until.into(), notices.as_mut().expect("open").message()).await {
@@ -145,6 +136,33 @@ impl Beater {
         };
         beats.abort();
         end
+    }
+
+    /// Opens the heartbeat stream of `beats` on `client` to the coordinator of `term` (`rank`),
+    /// waiting until `until`: its notices, or what was seen instead; `None` once another
+    /// coordinator is followed. A frozen coordinator's kernel takes the connection, but its
+    /// opening would hang to the deadline (the soak measured 1.3 s more of a freeze's pause,
+    /// after the election), so the wait ends at once when this member follows another.
+    async fn open(
+        &self,
+        client: &mut ControlClient<Channel>,
+        beats: ReceiverStream<proto::Beat>,
+        until: Instant,
+        (term, rank): (u64, usize),
+    ) -> Option<Result<tonic::Streaming<proto::Notice>, Seen>> {
+        let opening = timeout_at(until.into(), client.heartbeat(beats));
+        let opened = tokio::select! {
+            opened = opening => opened,
+            () = self.shared.elections.moved_from(Some((term, rank))) => return None,
+        };
+        Some(match opened {
+            Ok(Ok(response)) => {
+                self.shared.elections.set_lost(None);
+                Ok(response.into_inner())
+            }
+            Ok(Err(_)) => Err(Seen::Refused),
+            Err(_) => Err(Seen::Nothing),
+        })
     }
 
     /// Beats into `tx` every interval, carrying this member's generation and the furthest global step
