@@ -50,6 +50,9 @@ static STEP: AtomicU64 = AtomicU64::new(0);
 thread_local! {
     /// The region this thread is in, if any.
     static REGION: Cell<Option<&'static str>> = const { Cell::new(None) };
+    /// The global step this thread works for, where it is not the one being trained (a thread
+    /// writing a commit's parts in the background while the loop trains on).
+    static THREAD_STEP: Cell<Option<u64>> = const { Cell::new(None) };
 }
 
 /// `NAME@N` or `NAME@step=S` as (NAME, when); `None` when absent or not of that form.
@@ -75,6 +78,17 @@ fn armed() -> &'static [Armed] {
 /// The training loop is at global step `step` (1-based): what `NAME@step=S` is armed by.
 pub fn set_step(step: u64) {
     STEP.store(step, Ordering::Relaxed);
+}
+
+/// The global step being trained, as last set ([`set_step`]).
+pub fn step() -> u64 {
+    STEP.load(Ordering::Relaxed)
+}
+
+/// This thread works for global step `step` from now on, whatever step the loop is training:
+/// `NAME@step=S` is armed by that, here (a background writer of step S's commit).
+pub fn set_thread_step(step: u64) {
+    THREAD_STEP.with(|s| s.set(Some(step)));
 }
 
 /// Held while the code is in the region it was made for ([`region`]).
@@ -110,12 +124,13 @@ pub fn hit(name: &str) -> bool {
         return false;
     }
     let region = REGION.with(Cell::get);
+    let step = THREAD_STEP.with(Cell::get).unwrap_or_else(|| STEP.load(Ordering::Relaxed));
     let mut now = false;
     for point in armed.iter().filter(|p| names(&p.name, name, region)) {
         let here = match point.when {
             When::Visit(n) => point.reached.fetch_add(1, Ordering::SeqCst) + 1 == n,
             // Once only: the first visit in that step takes it.
-            When::Step(s) => STEP.load(Ordering::Relaxed) == s && point.reached.fetch_add(1, Ordering::SeqCst) == 0,
+            When::Step(s) => step == s && point.reached.fetch_add(1, Ordering::SeqCst) == 0,
         };
         if here {
             eprintln!("trainerd: failpoint {} reached", point.name);

@@ -19,6 +19,22 @@ use trainerd_storage::{
 use super::CheckpointError;
 use crate::state::Meta;
 
+/// Writes a member's parts of a sharded commit from a thread of its own (the training thread goes
+/// on meanwhile): the location's store and runtime.
+pub(crate) struct PartsWriter {
+    store: CheckpointStore,
+    runtime: Arc<tokio::runtime::Runtime>,
+}
+
+impl PartsWriter {
+    /// Writes `parts` under the commit's data id `id`, at the lower priority of commit work; the
+    /// entries the manifest lists, or why not.
+    pub(crate) fn write(&self, id: &str, parts: &[Part]) -> Result<Vec<BlobEntry>, StorageError> {
+        lower_priority();
+        self.runtime.block_on(futures::future::try_join_all(parts.iter().map(|p| self.store.write_part(id, p))))
+    }
+}
+
 /// The server the location is on proved (if it still had to be) to refuse a second
 /// create-if-absent write; the proof is made once.
 async fn probed(store: &CheckpointStore, unprobed: &std::sync::Mutex<Option<String>>) -> Result<(), StorageError> {
@@ -212,6 +228,17 @@ impl Checkpointer {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         self.wait()
+    }
+
+    /// Whether a commit is in flight (its record, or its collection, still being made).
+    pub(crate) fn busy(&self) -> bool {
+        self.in_flight.as_ref().is_some_and(|(_, _, h)| !h.is_finished())
+    }
+
+    /// What a thread other than the training thread writes a member's parts of a sharded commit
+    /// with ([`PartsWriter::write`]).
+    pub(crate) fn parts_writer(&self) -> PartsWriter {
+        PartsWriter { store: self.store.clone(), runtime: Arc::clone(&self.runtime) }
     }
 
     /// Whether a commit is still uploading and the storage failed under it since it began (a

@@ -4,7 +4,8 @@
 //! carries them out ([`control`], the coordinator; [`service`], the server every daemon runs;
 //! [`member`], a member's calls; [`error`], what goes wrong, and the one reading of the
 //! coordinator's answers), what a member found at a comparison of the replicas and told its peers
-//! ([`finding`]), and where it listens
+//! ([`finding`]), what members said of their parts of a sharded commit ([`parts`]), and where it
+//! listens
 //! ([`network`]; who may talk to it is `crate::auth`'s). It knows nothing of training, plugins or
 //! storage: a member's state is an opaque ordered progress and a digest.
 
@@ -17,6 +18,7 @@ pub(crate) mod finding;
 pub(crate) mod member;
 pub(crate) mod membership;
 pub(crate) mod network;
+pub(crate) mod parts;
 pub(crate) mod service;
 pub(crate) mod tf_config;
 pub(crate) mod timeouts;

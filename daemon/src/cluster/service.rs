@@ -15,6 +15,7 @@ use super::catchup::{Hub, PartStream};
 use super::control::{check_rank, proto, Coordinator};
 use super::election::{Ballot, Elections};
 use super::finding::{Finding, Findings};
+use super::parts::Reports;
 use crate::collective::AbortSignal;
 use proto::control_server::Control;
 
@@ -43,6 +44,8 @@ pub(crate) struct Service {
     pub(crate) hub: Arc<Hub>,
     /// What peers found at comparisons of the replicas, for this process's training thread.
     pub(crate) findings: Arc<Findings>,
+    /// What members said of their parts of sharded commits, for this process's training thread.
+    pub(crate) parts: Arc<Reports>,
 }
 
 impl Service {
@@ -150,6 +153,21 @@ impl Control for Service {
         tracing::info!("{} found at step {} of generation {}: {why}", self.names[from], req.step, req.generation);
         let finder = self.names[from].clone();
         self.findings.keep(Finding { generation: req.generation, finder, step: req.step, odd, why });
+        Ok(Response::new(proto::Empty {}))
+    }
+
+    async fn parts(&self, request: Request<proto::PartsRequest>) -> Result<Response<proto::Empty>, Status> {
+        let req = request.into_inner();
+        let from = check_rank(req.rank, self.names.len())?;
+        let said = if req.error.is_empty() { Ok(req.entries_json) } else { Err(req.error) };
+        tracing::debug!(
+            "{} said of its parts of {} (generation {}): {}",
+            self.names[from],
+            req.data_id,
+            req.generation,
+            said.is_ok()
+        );
+        self.parts.keep((req.generation, &req.data_id), from, said);
         Ok(Response::new(proto::Empty {}))
     }
 

@@ -26,7 +26,7 @@ pub(crate) enum Moment {
 
 impl Moment {
     /// Whether the loop waits for the commit before it goes on (it is the run's last word).
-    fn last(self) -> bool {
+    pub(crate) fn last(self) -> bool {
         matches!(self, Moment::Finish | Moment::Stop)
     }
 }
@@ -326,7 +326,16 @@ impl Committer {
                 // The commit in flight ends first, its collection included: that deletes this
                 // writer's data that no record names but its own, which the parts about to be
                 // written under the new data id would be (the soak found records naming parts so
-                // deleted).
+                // deleted). A step's commit is skipped meanwhile, so that training never waits
+                // for storage; an epoch's end and the last moments wait for it.
+                if moment == Moment::Step && self.checkpointer.busy() {
+                    report.line(&format!(
+                        "warning: checkpoint at step {} skipped: the previous commit to {} is still being made",
+                        position.global_step,
+                        self.checkpointer.location()
+                    ));
+                    return Parts::Done(None);
+                }
                 if let Some(f) = self.checkpointer.wait() {
                     report.commit_finished(self.checkpointer.location(), &f);
                 }
@@ -343,7 +352,7 @@ impl Committer {
     /// For the last moments, returns the sequence of the commit waited for, if it committed.
     pub(crate) fn commit_parts(
         &mut self,
-        (moment, state): (Moment, &TrainState),
+        (moment, position): (Moment, &Position),
         ((id, written), began): ((String, Result<Vec<BlobEntry>, String>), std::time::Instant),
         score: Option<Score>,
         report: &mut Reporter<'_>,
@@ -351,13 +360,13 @@ impl Committer {
         let location = self.checkpointer.location().to_string();
         match written {
             Ok(entries) => {
-                let meta = Meta::new(state.position().clone(), &self.info, self.workers, &self.run_config);
+                let meta = Meta::new(position.clone(), &self.info, self.workers, &self.run_config);
                 if let Some(f) = self.checkpointer.commit_parts((id, entries), &meta, (score, began))? {
                     report.commit_finished(&location, &f);
                 }
             }
             Err(why) => {
-                let (previous, failed) = self.checkpointer.failed_parts(state.position().progress(), &why);
+                let (previous, failed) = self.checkpointer.failed_parts(position.progress(), &why);
                 for f in previous.iter().chain([&failed]) {
                     report.commit_finished(&location, f);
                 }

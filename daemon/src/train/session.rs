@@ -5,12 +5,14 @@
 //!
 //! A run of one worker is a session too, whose every generation forms at once.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::AtomicBool;
 
 use super::TrainError;
 use crate::cluster::control::{Formed, Identity};
 use crate::cluster::finding::Finding;
 use crate::cluster::membership::Report;
+use crate::cluster::parts::Said;
 use crate::cluster::{BindError, ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
 use crate::collective::{Backend, Collective, CollectiveError, DataListener, Link, Ring, Slots, Traffic};
 use crate::state::{sha256_hex, Shareable};
@@ -516,6 +518,26 @@ impl Session {
     /// peers kept it.
     pub(crate) fn tell(&self, step: u64, odd: &[String], why: &str) -> usize {
         self.cluster.as_ref().map_or(0, |m| m.plane.tell(self.generation(), step, (odd, why)))
+    }
+
+    /// How a thread that writes this member's parts of a sharded commit tells the coordinator
+    /// what they came to (none alone).
+    pub(crate) fn parts_reporter(&self) -> Option<crate::cluster::member::parts::PartsReporter> {
+        self.cluster.as_ref().map(|m| m.plane.parts_reporter())
+    }
+
+    /// On the coordinator's process: what every member of the current generation said of its
+    /// parts of commit `id` (planned in `generation`), by rank, taken once every member has said.
+    pub(crate) fn parts_said(&self, generation: u64, id: &str) -> Option<BTreeMap<usize, Said>> {
+        let m = self.cluster.as_ref()?;
+        m.plane.parts_said((generation, id), &self.members)
+    }
+
+    /// Whether the current generation is still on: `Abandoned` once it has been aborted (a member
+    /// lost), for a wait outside any collective.
+    pub(crate) fn ended(&self) -> Result<(), Interrupt> {
+        let Some(m) = &self.cluster else { return Ok(()) };
+        m.plane.abort_signal().check(self.generation()).map_err(|aborted| Interrupt::Abandoned(aborted.reason))
     }
 
     /// Every member's `mine` (the same length on every member), in ring order, concatenated: one

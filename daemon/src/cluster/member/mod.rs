@@ -16,6 +16,7 @@ mod elect;
 mod finished;
 mod found;
 pub(crate) mod heartbeat;
+pub(crate) mod parts;
 mod position;
 mod setup;
 pub(crate) mod watch;
@@ -34,6 +35,7 @@ use super::error::{from_status, Call, ClusterError};
 use super::finding::Findings;
 use super::membership::Report;
 use super::network::Network;
+use super::parts::Reports;
 use super::tf_config::ClusterConfig;
 use super::timeouts::Timeouts;
 use crate::collective::{AbortSignal, Aborted};
@@ -121,6 +123,8 @@ pub(crate) struct ControlPlane {
     /// This process's position record (with a state directory), and what the process before it
     /// recorded: its first join reports that.
     position: Option<position::Kept>,
+    /// Where the service leaves what members said of their parts of sharded commits.
+    parts: Arc<Reports>,
 }
 
 /// Says whether the run has finished, and at which step and commit (blocking: it reads storage).
@@ -156,8 +160,7 @@ impl ControlPlane {
         let abort = AbortSignal::new();
         let (elections, chair) = seat(cluster, &identity, timeouts, state_dir)?;
         let position = PositionRecord::kept(state_dir, cluster.rank, &run_identity(&identity))?;
-        let coordinator = seated(&chair);
-        let (hub, findings) = (Arc::new(Hub::default()), Arc::new(Findings::default()));
+        let (hub, findings, parts): (Arc<Hub>, Arc<Findings>, Arc<Reports>) = Default::default();
         let service = Service {
             rank: cluster.rank,
             names: names.clone(),
@@ -166,6 +169,7 @@ impl ControlPlane {
             abort: abort.clone(),
             hub: Arc::clone(&hub),
             findings: Arc::clone(&findings),
+            parts: Arc::clone(&parts),
         };
         let (shutdown, shutdown_rx) = oneshot::channel::<()>();
         // Serving, and the peers' clients (which connect on first use), need the runtime.
@@ -174,15 +178,14 @@ impl ControlPlane {
             let listener = tokio::net::TcpListener::from_std(listener).map_err(ClusterError::Setup)?;
             (serve(listener, service, network, shutdown_rx), peers(cluster, network))
         };
-        if let Some(c) = &coordinator {
+        if let Some(c) = &seated(&chair) {
             tasks.push(runtime.spawn(Arc::clone(c).tick(timeouts.heartbeat_interval / 4)));
         }
-        let dials = cluster.members.iter().map(|m| Dial::new(&m.address, &network.key)).collect();
         let mut plane = ControlPlane {
             runtime,
             listening,
             rank: cluster.rank,
-            dials: Arc::new(dials),
+            dials: Arc::new(cluster.members.iter().map(|m| Dial::new(&m.address, &network.key)).collect()),
             names,
             identity,
             chair,
@@ -197,6 +200,7 @@ impl ControlPlane {
             hub,
             findings,
             position,
+            parts,
         };
         let (beater, elector) = (plane.beater(), plane.elector());
         plane.tasks.extend([plane.runtime.spawn(beater.run()), plane.runtime.spawn(elector.run())]);

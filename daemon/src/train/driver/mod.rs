@@ -105,6 +105,8 @@ pub(super) struct Driver<'a> {
     /// The state this process brought to its first formation is a commit it resumed, not the
     /// placeholder a fresh process builds (the chief's, live until something better turns up).
     resumed: bool,
+    /// On the coordinator: the sharded commit whose parts the members are writing.
+    open: Option<parts::Open>,
 }
 
 impl<'a> Driver<'a> {
@@ -142,6 +144,7 @@ impl<'a> Driver<'a> {
             donor: catchup::Donor::new(cfg.catch_up_memory),
             caught_up: false,
             resumed: false,
+            open: None,
         }
     }
 
@@ -276,6 +279,8 @@ impl<'a> Driver<'a> {
         let p = state.position();
         let (epoch, step, global_step) = (p.epoch, p.step_in_epoch + 1, p.global_step);
         trainerd_failpoint::set_step(global_step + 1);
+        // The open sharded commit's record, once every member has said what its parts came to.
+        self.settle(session, false)?;
         let held = session.collective().slots().clone();
         let ctxs = self.ctxs(&held, epoch, true);
         let batches = ctxs.iter().map(|ctx| self.batches.get(ctx, step - 1)).collect::<Result<Vec<_>, _>>();

@@ -5,14 +5,15 @@
 //! member writes its parts under it, and the coordinator commits the record once every part is
 //! durable and reported.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
-use trainerd_storage::BlobEntry;
+use trainerd_storage::{BlobEntry, Part, Score};
 
 use super::Driver;
-use crate::optim::sharded::ShardedOptimizer;
-use crate::state::{Optim, TrainState};
+use crate::checkpoint::checkpointer::PartsWriter;
+use crate::cluster::parts::Said;
+use crate::state::{Optim, Position, TrainState};
 use crate::train::commit::{Moment, Parts};
 use crate::train::session::{Interrupt, Session};
 use crate::train::TrainError;
@@ -115,16 +116,32 @@ impl Driver<'_> {
     }
 
     /// A sharded commit at `moment`, written in parallel: the coordinator's decision and data id
-    /// reach every member, each writes its parts under it ([`crate::train::parts::parts`]), every
-    /// member's entries (or why it failed) reach the coordinator, and it commits the record in
-    /// the background. For the last moments, the sequence of the commit waited for.
+    /// reach every member, each copies its parts ([`crate::train::parts::parts`]) and writes them
+    /// in a thread of its own, which tells the coordinator what they came to; the coordinator
+    /// commits the record once every member has said ([`Driver::settle`]). Training waits for
+    /// none of it: a step's commit due while another is open is skipped. An epoch's end settles
+    /// the open commit first (its scored commit is never skipped); the last moments (the run's
+    /// end, a stop) do too, then write theirs and wait for it; for those, the sequence of the
+    /// commit waited for.
     pub(super) fn commit_in_parts(
         &mut self,
         moment: Moment,
         state: &TrainState,
         session: &mut Session,
     ) -> Result<Option<u64>, Interrupt> {
+        if moment != Moment::Step {
+            self.settle(session, true)?;
+        }
         let plan = match self.committer.as_mut().filter(|_| self.coordinates) {
+            // One sharded commit at a time: a moment while one is open is skipped.
+            Some(c) if self.open.is_some() => {
+                let step = state.position().global_step;
+                let location = c.checkpointer().location().to_string();
+                self.report.line(&format!(
+                    "warning: checkpoint at step {step} skipped: the previous commit to {location} is still being made"
+                ));
+                Parts::Done(None)
+            }
             Some(c) => c.plan_parts(moment, state, &mut self.report),
             None => Parts::Done(None),
         };
@@ -142,28 +159,102 @@ impl Driver<'_> {
         let id = String::from_utf8_lossy(&id).into_owned();
         let Optim::Sharded(optimizer) = &state.optimizer else { unreachable!("committed in parts only when sharded") };
         let (place, began) = (session.collective().rank(), Instant::now());
-        let written = self.write_parts(state, optimizer, (&id, place));
+        let buffers = self.coordinates.then_some(&state.model.buffers[..]);
+        let parts = crate::train::parts::parts(&state.model.params, buffers, optimizer, place);
+        let c = self.committer.as_mut().expect("a member with checkpoints writes parts");
+        if !moment.last() {
+            write_in_background(c.checkpointer().parts_writer(), session, (&id, parts))?;
+            if let Parts::Commit(id, score) = plan {
+                let position = state.position().clone();
+                self.open = Some(Open { generation: session.generation(), id, moment, position, score, began });
+            }
+            return Ok(None);
+        }
+        let written = c.checkpointer().write_parts(&id, &parts).map_err(|e| e.to_string());
         let written = exchange(session, written)?;
         match (plan, self.committer.as_mut()) {
             (Parts::Commit(id, score), Some(c)) => {
                 let parts = ((id, written), began);
-                c.commit_parts((moment, state), parts, score, &mut self.report).map_err(Interrupt::Fatal)
+                c.commit_parts((moment, state.position()), parts, score, &mut self.report).map_err(Interrupt::Fatal)
             }
             _ => Ok(None),
         }
     }
 
-    /// This member's parts written under data id `id` (it is `place`), or why not.
-    fn write_parts(
-        &mut self,
-        state: &TrainState,
-        optimizer: &ShardedOptimizer,
-        (id, place): (&str, usize),
-    ) -> Result<Vec<BlobEntry>, String> {
-        let buffers = self.coordinates.then_some(&state.model.buffers[..]);
-        let parts = crate::train::parts::parts(&state.model.params, buffers, optimizer, place);
-        let c = self.committer.as_mut().expect("a member with checkpoints writes parts");
-        c.checkpointer().write_parts(id, &parts).map_err(|e| e.to_string())
+    /// On the coordinator: the open sharded commit's record started (in the background) once every
+    /// member has said what its parts came to; with `wait`, waiting until they have, or the
+    /// generation ends (a member lost). A commit of a generation that ended is abandoned: its
+    /// parts are this writer's data, collected by a later commit.
+    pub(super) fn settle(&mut self, session: &mut Session, wait: bool) -> Result<(), Interrupt> {
+        let Some(open) = &self.open else { return Ok(()) };
+        if open.generation != session.generation() {
+            self.open = None;
+            return Ok(());
+        }
+        let said = loop {
+            match session.parts_said(open.generation, &open.id) {
+                Some(said) => break said,
+                None if !wait => return Ok(()),
+                None => {
+                    session.ended()?;
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            }
+        };
+        let Open { id, moment, position, score, began, .. } = self.open.take().expect("open");
+        let written = entries(session, said);
+        let c = self.committer.as_mut().expect("the coordinator commits");
+        c.commit_parts((moment, &position), ((id, written), began), score, &mut self.report)
+            .map_err(Interrupt::Fatal)?;
+        Ok(())
+    }
+}
+
+/// A sharded commit whose parts the members are writing, on the coordinator until every member
+/// has said what they came to: the generation it was planned in, its data id, and what its record
+/// says (the moment, the state's position, an epoch-end commit's score), from when.
+pub(super) struct Open {
+    generation: u64,
+    id: String,
+    moment: Moment,
+    position: Position,
+    score: Option<Score>,
+    began: Instant,
+}
+
+/// Writes this member's `parts` of the commit `id` with `writer` in a thread of its own, which then
+/// tells the coordinator what they came to (the entries, or why not).
+fn write_in_background(
+    writer: PartsWriter,
+    session: &Session,
+    (id, parts): (&str, Vec<Part>),
+) -> Result<(), Interrupt> {
+    let reporter = session.parts_reporter().expect("a sharded commit has a cluster");
+    let (generation, id, step) = (session.generation(), id.to_string(), trainerd_failpoint::step());
+    let writing = move || {
+        trainerd_failpoint::set_thread_step(step);
+        let written = writer.write(&id, &parts).map_err(|e| e.to_string());
+        reporter.say((generation, &id), written.map(|e| serde_json::to_string(&e).expect("plain data")));
+    };
+    let spawned = std::thread::Builder::new().name("trainerd-parts".into()).spawn(writing);
+    spawned.map(drop).map_err(|source| Interrupt::Fatal(TrainError::Start { what: "the thread writing parts", source }))
+}
+
+/// Every member's entries of its parts (`said`, by rank), put together; or why not, naming each
+/// member that could not write its part.
+fn entries(session: &Session, said: BTreeMap<usize, Said>) -> Result<Vec<BlobEntry>, String> {
+    let (mut entries, mut failed) = (Vec::new(), Vec::new());
+    for (rank, said) in said {
+        match said.map(|json| serde_json::from_str::<Vec<BlobEntry>>(&json)) {
+            Ok(Ok(theirs)) => entries.extend(theirs),
+            Ok(Err(e)) => failed.push(format!("{}'s report of its part cannot be read: {e}", session.name(rank))),
+            Err(why) => failed.push(format!("{} could not write its part: {why}", session.name(rank))),
+        }
+    }
+    if failed.is_empty() {
+        Ok(entries)
+    } else {
+        Err(failed.join("; "))
     }
 }
 
