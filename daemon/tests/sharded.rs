@@ -283,3 +283,49 @@ fn every_commit_of_a_sharded_run_committing_every_step_verifies_and_a_held_commi
             .unwrap_or_else(|e| panic!("commit {} does not verify: {e}", r.sequence));
     }
 }
+
+/// Every worker's part of the first commit (step 1) held for 3 s as it is written (failpoint
+/// `commit-part`, in each worker's writing thread): training goes on meanwhile (each step's
+/// commit due is skipped, said in a line, where the loop used to wait for its parts), the epoch's
+/// end waits for it, and the held commit and the epoch's are both recorded and verify.
+#[test]
+fn training_goes_on_while_the_parts_of_a_sharded_commit_are_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let release = tmp.path().join("release");
+    let args = cnn("mnist-cnn").optimizer("adam", 1e-3).on("--shard-optimizer").set("--keep-checkpoints", 0);
+    let mut cmd = args.checkpoints(&ckpt, 1).summary(tmp.path().join("s.json")).local(3);
+    cmd.env("TRAINERD_FAILPOINT", "commit-part@1").env("TRAINERD_FAILPOINT_RELEASE", &release);
+    let releasing = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        // One file for each worker's pause (each takes the file it finds).
+        for _ in 0..3 {
+            std::fs::write(&release, b"").unwrap();
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while release.exists() && std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
+    });
+    let out = cmd.output().unwrap();
+    releasing.join().unwrap();
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert_eq!(log.matches("trainerd: failpoint commit-part reached").count(), 3, "{log}");
+    // Steps 2 to 11 went on while the parts were held: their commits were skipped, not waited for.
+    for step in 2..=11 {
+        let skipped = format!("warning: checkpoint at step {step} skipped: the previous commit to ");
+        assert!(log.contains(&skipped), "step {step} waited for the held parts: {log}");
+    }
+    let raw = trainerd_storage::location::local_store(&ckpt).unwrap();
+    let store = CheckpointStore::new(Arc::new(raw), object_store::path::Path::default(), "ckpt");
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let records = runtime.block_on(store.list()).unwrap();
+    let steps: Vec<u64> = records.iter().map(|r| r.global_step).collect();
+    assert!(steps.contains(&1) && steps.contains(&12) && steps.contains(&24), "{steps:?}: {log}");
+    for r in records {
+        runtime
+            .block_on(store.load(r.sequence))
+            .unwrap_or_else(|e| panic!("commit {} does not verify: {e}", r.sequence));
+    }
+}

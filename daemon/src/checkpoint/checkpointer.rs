@@ -235,6 +235,12 @@ impl Checkpointer {
         self.in_flight.as_ref().is_some_and(|(_, _, h)| !h.is_finished())
     }
 
+    /// Transient storage failures met so far by this location's store and every writer of it
+    /// (a count that moves while a commit is open says the storage is failing, not slow).
+    pub(crate) fn transient_failures(&self) -> u64 {
+        self.store.transient_failures()
+    }
+
     /// What a thread other than the training thread writes a member's parts of a sharded commit
     /// with ([`PartsWriter::write`]).
     pub(crate) fn parts_writer(&self) -> PartsWriter {

@@ -119,32 +119,17 @@ impl Driver<'_> {
     /// reach every member, each copies its parts ([`crate::train::parts::parts`]) and writes them
     /// in a thread of its own, which tells the coordinator what they came to; the coordinator
     /// commits the record once every member has said ([`Driver::settle`]). Training waits for
-    /// none of it: a step's commit due while another is open is skipped. An epoch's end settles
-    /// the open commit first (its scored commit is never skipped); the last moments (the run's
-    /// end, a stop) do too, then write theirs and wait for it; for those, the sequence of the
-    /// commit waited for.
+    /// none of it: a step's commit due while another is open is skipped. An epoch's end waits for
+    /// the open commit first, unless the storage failed under it (then it is skipped too); the
+    /// last moments (the run's end, a stop) wait for it, then write theirs and wait for it; for
+    /// those, the sequence of the commit waited for.
     pub(super) fn commit_in_parts(
         &mut self,
         moment: Moment,
         state: &TrainState,
         session: &mut Session,
     ) -> Result<Option<u64>, Interrupt> {
-        if moment != Moment::Step {
-            self.settle(session, true)?;
-        }
-        let plan = match self.committer.as_mut().filter(|_| self.coordinates) {
-            // One sharded commit at a time: a moment while one is open is skipped.
-            Some(c) if self.open.is_some() => {
-                let step = state.position().global_step;
-                let location = c.checkpointer().location().to_string();
-                self.report.line(&format!(
-                    "warning: checkpoint at step {step} skipped: the previous commit to {location} is still being made"
-                ));
-                Parts::Done(None)
-            }
-            Some(c) => c.plan_parts(moment, state, &mut self.report),
-            None => Parts::Done(None),
-        };
+        let plan = self.plan_in_parts(moment, state, session)?;
         let id = match &plan {
             Parts::Commit(id, _) => id.clone().into_bytes(),
             Parts::Done(_) => Vec::new(),
@@ -166,7 +151,9 @@ impl Driver<'_> {
             write_in_background(c.checkpointer().parts_writer(), session, (&id, parts))?;
             if let Parts::Commit(id, score) = plan {
                 let position = state.position().clone();
-                self.open = Some(Open { generation: session.generation(), id, moment, position, score, began });
+                let failures = c.checkpointer().transient_failures();
+                let (generation, id) = (session.generation(), id);
+                self.open = Some(Open { generation, id, moment, position, score, began, failures });
             }
             return Ok(None);
         }
@@ -179,6 +166,33 @@ impl Driver<'_> {
             }
             _ => Ok(None),
         }
+    }
+
+    /// The coordinator's decision at `moment` ([`Driver::commit_in_parts`]), after it settled the
+    /// open commit as the moment says; `Parts::Done` elsewhere.
+    fn plan_in_parts(&mut self, moment: Moment, state: &TrainState, session: &mut Session) -> Result<Parts, Interrupt> {
+        if moment != Moment::Step {
+            // An epoch's end waits for a slow store, not a failing one: then it is skipped.
+            let failing = self
+                .open
+                .as_ref()
+                .zip(self.committer.as_mut())
+                .is_some_and(|(open, c)| c.checkpointer().transient_failures() > open.failures);
+            self.settle(session, moment.last() || !failing)?;
+        }
+        Ok(match self.committer.as_mut().filter(|_| self.coordinates) {
+            // One sharded commit at a time: a moment while one is open is skipped.
+            Some(c) if self.open.is_some() => {
+                let step = state.position().global_step;
+                let location = c.checkpointer().location().to_string();
+                self.report.line(&format!(
+                    "warning: checkpoint at step {step} skipped: the previous commit to {location} is still being made"
+                ));
+                Parts::Done(None)
+            }
+            Some(c) => c.plan_parts(moment, state, &mut self.report),
+            None => Parts::Done(None),
+        })
     }
 
     /// On the coordinator: the open sharded commit's record started (in the background) once every
@@ -220,6 +234,8 @@ pub(super) struct Open {
     position: Position,
     score: Option<Score>,
     began: Instant,
+    /// The location's transient failures when it began.
+    failures: u64,
 }
 
 /// Writes this member's `parts` of the commit `id` with `writer` in a thread of its own, which then
