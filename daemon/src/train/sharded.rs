@@ -897,6 +897,32 @@ mod tests {
         }
     }
 
+    /// The optimizer state a member held before a reshard from a generation of `before` (ranks
+    /// of `world`, `v` home slots): its ranges and buddy copies, every element `value(range, k,
+    /// e)`, replicated at step 7 (none where `rank` was not in it); and the slots it held, if it
+    /// was.
+    fn held_before(
+        (config, params, ranges): (&OptimizerConfig, &[(String, Tensor)], &[Range]),
+        (v, world, before): (usize, usize, &[usize]),
+        rank: usize,
+        value: impl Fn(usize, usize, usize) -> f32,
+    ) -> (ShardedOptimizer, Option<Slots>) {
+        let was = before.iter().position(|&r| r == rank).map(|p| Slots::of(v, assign_home(v, world, before), p));
+        let (mine, buddied) =
+            was.as_ref().map_or((vec![], vec![]), |was| (owned(ranges, was), owned(ranges, &was.before())));
+        let held = (&with_pieces(ranges, &mine)[..], &with_pieces(ranges, &buddied)[..]);
+        let mut held = ShardedOptimizer::new(config.clone(), params, held);
+        for (shard, r) in held.held().into_iter().enumerate() {
+            for k in 0..2 {
+                held.values_mut(shard, k).iter_mut().enumerate().for_each(|(e, x)| *x = value(r, k, e));
+            }
+        }
+        if !held.held().is_empty() {
+            held.set_replicated(7, &vec![true; params.len()]);
+        }
+        (held, was)
+    }
+
     type Resharded = (Vec<usize>, Vec<usize>, Moves, usize);
 
     /// Per member of the ring of `after` (ranks of `world`, one slot each, home slots), the
@@ -917,23 +943,7 @@ mod tests {
             let mut buckets = Buckets::new(&params, 64);
             let ranges = buckets.ranges(&params, v, 2);
             let rank = after[ring.rank()];
-            let (mine, buddied) = match before.iter().position(|&r| r == rank) {
-                Some(p) => {
-                    let was = Slots::of(v, assign_home(v, world, before), p);
-                    (owned(&ranges, &was), owned(&ranges, &was.before()))
-                }
-                None => (vec![], vec![]),
-            };
-            let held = (&with_pieces(&ranges, &mine)[..], &with_pieces(&ranges, &buddied)[..]);
-            let mut held = ShardedOptimizer::new(config.clone(), &params, held);
-            for (shard, r) in held.held().into_iter().enumerate() {
-                for k in 0..2 {
-                    held.values_mut(shard, k).iter_mut().enumerate().for_each(|(e, x)| *x = value(r, k, e));
-                }
-            }
-            if !held.held().is_empty() {
-                held.set_replicated(7, &vec![true; params.len()]);
-            }
+            let (mut held, _) = held_before((&config, &params, &ranges), (v, world, before), rank, value);
             if flip == Some(rank) {
                 held.flip_bit();
             }
@@ -963,24 +973,10 @@ mod tests {
             let params = params();
             let mut buckets = Buckets::new(&params, 64);
             let ranges = buckets.ranges(&params, v, 2);
-            let (before, rank) = ([0, 2, 3], ring.rank());
-            let (mine, buddied) = match before.iter().position(|&r| r == rank) {
-                Some(p) => {
-                    let was = Slots::of(v, assign_home(v, 4, &before), p);
-                    buckets.fill(was.len(), &params, 2, 123.0);
-                    (owned(&ranges, &was), owned(&ranges, &was.before()))
-                }
-                None => (vec![], vec![]),
-            };
-            let held = (&with_pieces(&ranges, &mine)[..], &with_pieces(&ranges, &buddied)[..]);
-            let mut held = ShardedOptimizer::new(config.clone(), &params, held);
-            for (shard, r) in held.held().into_iter().enumerate() {
-                for k in 0..2 {
-                    held.values_mut(shard, k).iter_mut().enumerate().for_each(|(e, x)| *x = (r * 7 + k + e) as f32);
-                }
-            }
-            if !held.held().is_empty() {
-                held.set_replicated(7, &vec![true; params.len()]);
+            let value = |r: usize, k: usize, e: usize| (r * 7 + k + e) as f32;
+            let (mut held, was) = held_before((&config, &params, &ranges), (v, 4, &[0, 2, 3]), ring.rank(), value);
+            if let Some(was) = was {
+                buckets.fill(was.len(), &params, 2, 123.0);
             }
             ring.set_slots(Slots::of(v, assign_home(v, 4, &[0, 1, 2, 3]), ring.rank()));
             let (next, _, _) = reshard((&mut buckets, &ranges, 2), ring, &params, &mut held).unwrap().unwrap();
