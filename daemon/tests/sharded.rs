@@ -248,58 +248,19 @@ fn the_checkpoint_tools_read_a_commit_written_in_parts() {
     assert!(text(&out).contains("DAMAGED") && text(&out).contains("model.part-1.safetensors"), "{}", text(&out));
 }
 
-/// Commits every step, the first held for 3 s before its collection (which deletes this writer's
-/// data that no record names but its own; failpoint `commit-before-collect`) while training goes
-/// on: the next commit's parts are written only after it ends, and every commit kept verifies
-/// (the soak found a record naming parts that the previous commit's collection had deleted).
-#[test]
-fn every_commit_of_a_sharded_run_committing_every_step_verifies_and_a_held_commit_holds_no_step_back() {
+/// A sharded run of 3 workers committing every step, failpoint `point` armed on each and each
+/// pause released 3 s after it began (`pauses` of them, one file each: each process takes the
+/// file it finds): its output, and the global steps of its records, every one verified.
+fn held_at(point: &str, pauses: usize) -> (String, Vec<u64>) {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");
     let release = tmp.path().join("release");
     let args = cnn("mnist-cnn").optimizer("adam", 1e-3).on("--shard-optimizer").set("--keep-checkpoints", 0);
     let mut cmd = args.checkpoints(&ckpt, 1).summary(tmp.path().join("s.json")).local(3);
-    cmd.env("TRAINERD_FAILPOINT", "commit-before-collect@1").env("TRAINERD_FAILPOINT_RELEASE", &release);
+    cmd.env("TRAINERD_FAILPOINT", point).env("TRAINERD_FAILPOINT_RELEASE", &release);
     let releasing = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_secs(3));
-        std::fs::write(release, b"").unwrap();
-    });
-    let out = cmd.output().unwrap();
-    releasing.join().unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    let raw = trainerd_storage::location::local_store(&ckpt).unwrap();
-    let store = CheckpointStore::new(Arc::new(raw), object_store::path::Path::default(), "ckpt");
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let records = runtime.block_on(store.list()).unwrap();
-    // The first commit's collection is held 3 s: the steps' commits due meanwhile are skipped
-    // (training never waits for storage); the epoch's end waits for it, and is committed.
-    let log = text(&out);
-    assert!(log.contains("skipped: the previous commit to"), "{log}");
-    assert!(records.len() >= 2 && records.len() < 24, "{} records: {log}", records.len());
-    assert_eq!(records.last().unwrap().global_step, 24, "the run's end is committed: {log}");
-    for r in records {
-        runtime
-            .block_on(store.load(r.sequence))
-            .unwrap_or_else(|e| panic!("commit {} does not verify: {e}", r.sequence));
-    }
-}
-
-/// Every worker's part of the first commit (step 1) held for 3 s as it is written (failpoint
-/// `commit-part`, in each worker's writing thread): training goes on meanwhile (each step's
-/// commit due is skipped, said in a line, where the loop used to wait for its parts), the epoch's
-/// end waits for it, and the held commit and the epoch's are both recorded and verify.
-#[test]
-fn training_goes_on_while_the_parts_of_a_sharded_commit_are_written() {
-    let tmp = tempfile::tempdir().unwrap();
-    let ckpt = tmp.path().join("ckpt");
-    let release = tmp.path().join("release");
-    let args = cnn("mnist-cnn").optimizer("adam", 1e-3).on("--shard-optimizer").set("--keep-checkpoints", 0);
-    let mut cmd = args.checkpoints(&ckpt, 1).summary(tmp.path().join("s.json")).local(3);
-    cmd.env("TRAINERD_FAILPOINT", "commit-part@1").env("TRAINERD_FAILPOINT_RELEASE", &release);
-    let releasing = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_secs(3));
-        // One file for each worker's pause (each takes the file it finds).
-        for _ in 0..3 {
+        for _ in 0..pauses {
             std::fs::write(&release, b"").unwrap();
             let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
             while release.exists() && std::time::Instant::now() < until {
@@ -311,21 +272,48 @@ fn training_goes_on_while_the_parts_of_a_sharded_commit_are_written() {
     releasing.join().unwrap();
     let log = text(&out);
     assert!(out.status.success(), "{log}");
-    assert_eq!(log.matches("trainerd: failpoint commit-part reached").count(), 3, "{log}");
-    // Steps 2 to 11 went on while the parts were held: their commits were skipped, not waited for.
-    for step in 2..=11 {
-        let skipped = format!("warning: checkpoint at step {step} skipped: the previous commit to ");
-        assert!(log.contains(&skipped), "step {step} waited for the held parts: {log}");
-    }
     let raw = trainerd_storage::location::local_store(&ckpt).unwrap();
     let store = CheckpointStore::new(Arc::new(raw), object_store::path::Path::default(), "ckpt");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let records = runtime.block_on(store.list()).unwrap();
-    let steps: Vec<u64> = records.iter().map(|r| r.global_step).collect();
-    assert!(steps.contains(&1) && steps.contains(&12) && steps.contains(&24), "{steps:?}: {log}");
+    let steps = records.iter().map(|r| r.global_step).collect();
     for r in records {
         runtime
             .block_on(store.load(r.sequence))
-            .unwrap_or_else(|e| panic!("commit {} does not verify: {e}", r.sequence));
+            .unwrap_or_else(|e| panic!("commit {} does not verify: {e}\n{log}", r.sequence));
     }
+    (log, steps)
+}
+
+/// Commits every step, the first held for 3 s before its collection (which deletes this writer's
+/// data that no record names but its own; failpoint `commit-before-collect`, on the coordinator)
+/// while training goes on: the next commit's parts are written only after it ends, and every
+/// commit kept verifies (the soak found a record naming parts that the previous commit's
+/// collection had deleted).
+#[test]
+fn every_commit_of_a_sharded_run_committing_every_step_verifies_and_a_held_commit_holds_no_step_back() {
+    let (log, steps) = held_at("commit-before-collect@1", 1);
+    // The steps' commits due meanwhile are skipped (training never waits for storage); the
+    // epoch's end waits for it, and the run's end is committed.
+    assert!(log.contains("skipped: the previous commit to"), "{log}");
+    assert!(steps.len() >= 2 && steps.len() < 24, "{steps:?}: {log}");
+    assert_eq!(steps.last(), Some(&24), "the run's end is committed: {log}");
+}
+
+/// Every worker's part of the first commit (step 1) held for 3 s as it is written (failpoint
+/// `commit-part`, in each worker's writing thread): training goes on meanwhile (each step's
+/// commit due is skipped, said in a line, where the loop used to wait for its parts), the epoch's
+/// end waits for it, and the held commit and the epoch's are both recorded and verify.
+#[test]
+fn training_goes_on_while_the_parts_of_a_sharded_commit_are_written() {
+    let (log, steps) = held_at("commit-part@1", 3);
+    assert_eq!(log.matches("trainerd: failpoint commit-part reached").count(), 3, "{log}");
+    // Steps 2 to 11 went on while the parts were held: their commits were skipped, not waited
+    // for, said once and counted as the next commit started.
+    assert!(log.contains("warning: checkpoint at step 2 skipped: the previous commit to "), "{log}");
+    assert!(log.contains("warning: 10 checkpoints skipped, steps 2 to 11, while the previous commit to "), "{log}");
+    for step in 3..=11 {
+        assert!(!log.contains(&format!("checkpoint at step {step} skipped")), "step {step} said alone: {log}");
+    }
+    assert!(steps.contains(&1) && steps.contains(&12) && steps.contains(&24), "{steps:?}: {log}");
 }

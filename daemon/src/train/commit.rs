@@ -120,6 +120,26 @@ pub(crate) struct Committer {
     /// An epoch-end state whose commit was skipped on failing storage, the best of those, kept
     /// in host memory until the next commit (docs/best-checkpoint.md).
     pending: Option<(Vec<Blob>, Meta, Score)>,
+    /// The checkpoints skipped in a row since the last commit started.
+    skipped: Option<Skipped>,
+}
+
+/// Why a checkpoint due was skipped: the previous commit is still being made (its parts, record
+/// or collection: a commit takes longer than the interval), or it is retrying failing storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Busy {
+    Making,
+    Retrying,
+}
+
+/// Checkpoints skipped in a row for one reason: the first is said as it is skipped, the rest
+/// counted in one line as the next commit starts (a line per step flooded the soak's logs).
+#[derive(Debug)]
+struct Skipped {
+    first: u64,
+    last: u64,
+    count: u64,
+    why: Busy,
 }
 
 impl Committer {
@@ -132,7 +152,8 @@ impl Committer {
         workers: usize,
         run_config: String,
     ) -> Self {
-        Committer { checkpointer, policy, info: info.clone(), workers, run_config, best: None, pending: None }
+        let (best, pending, skipped) = (None, None, None);
+        Committer { checkpointer, policy, info: info.clone(), workers, run_config, best, pending, skipped }
     }
 
     /// Puts the newest commit that verifies into `state` (a sharded run whose member was lost
@@ -266,7 +287,7 @@ impl Committer {
         let score = if moment == Moment::EpochEnd { self.score(position) } else { None };
         match self.decide(moment, state, report) {
             Action::Skip(Skip::Stuck) => {
-                self.skipped_stuck(position, report);
+                self.skip(position, Busy::Retrying, report);
                 if let Some(score) = score {
                     self.keep_pending(state, score, report)?;
                 }
@@ -276,6 +297,7 @@ impl Committer {
             // Never with a kept state: the commit that holds this state took the kept one first.
             Action::Wait => Ok(self.wait(report)),
             Action::Commit => {
+                self.said_skipped(report);
                 self.commit_now(state, score, report)?;
                 Ok(if moment.last() { self.wait(report) } else { None })
             }
@@ -297,12 +319,35 @@ impl Committer {
         decide(moment, position, state.model.live, self.policy, last(&self.checkpointer))
     }
 
-    /// Says that the commit of the state at `position` is skipped: the previous one is retrying.
-    fn skipped_stuck(&self, position: &Position, report: &mut Reporter<'_>) {
+    /// Says that the checkpoint of the state at `position` is skipped, the previous commit being
+    /// `why` busy: the first of a row in a line, the others counted ([`Committer::said_skipped`]).
+    pub(crate) fn skip(&mut self, position: &Position, why: Busy, report: &mut Reporter<'_>) {
+        let step = position.global_step;
+        if let Some(s) = self.skipped.as_mut().filter(|s| s.why == why) {
+            (s.last, s.count) = (step, s.count + 1);
+            return;
+        }
+        self.said_skipped(report);
+        let busy = match why {
+            Busy::Making => "is still being made",
+            Busy::Retrying => "is still retrying",
+        };
+        let location = self.checkpointer.location();
+        report.line(&format!("warning: checkpoint at step {step} skipped: the previous commit to {location} {busy}"));
+        self.skipped = Some(Skipped { first: step, last: step, count: 1, why });
+    }
+
+    /// Says how many checkpoints were skipped in the row that ends (a commit starts), where more
+    /// than its first, which was said as it was skipped.
+    fn said_skipped(&mut self, report: &mut Reporter<'_>) {
+        let Some(Skipped { first, last, count, why }) = self.skipped.take().filter(|s| s.count > 1) else { return };
+        let location = self.checkpointer.location();
+        let why = match why {
+            Busy::Making => "was being made: each commit takes longer than --checkpoint-every steps here",
+            Busy::Retrying => "was retrying",
+        };
         report.line(&format!(
-            "warning: checkpoint at step {} skipped: the previous commit to {} is still retrying",
-            position.global_step,
-            self.checkpointer.location()
+            "warning: {count} checkpoints skipped, steps {first} to {last}, while the previous commit to {location} {why}"
         ));
     }
 
@@ -317,7 +362,7 @@ impl Committer {
         let position = state.position();
         match self.decide(moment, state, report) {
             Action::Skip(Skip::Stuck) => {
-                self.skipped_stuck(position, report);
+                self.skip(position, Busy::Retrying, report);
                 Parts::Done(None)
             }
             Action::Skip(_) => Parts::Done(None),
@@ -329,13 +374,10 @@ impl Committer {
                 // deleted). A step's commit is skipped meanwhile, so that training never waits
                 // for storage; an epoch's end and the last moments wait for it.
                 if moment == Moment::Step && self.checkpointer.busy() {
-                    report.line(&format!(
-                        "warning: checkpoint at step {} skipped: the previous commit to {} is still being made",
-                        position.global_step,
-                        self.checkpointer.location()
-                    ));
+                    self.skip(position, Busy::Making, report);
                     return Parts::Done(None);
                 }
+                self.said_skipped(report);
                 if let Some(f) = self.checkpointer.wait() {
                     report.commit_finished(self.checkpointer.location(), &f);
                 }

@@ -14,7 +14,7 @@ use super::Driver;
 use crate::checkpoint::checkpointer::PartsWriter;
 use crate::cluster::parts::Said;
 use crate::state::{Optim, Position, TrainState};
-use crate::train::commit::{Moment, Parts};
+use crate::train::commit::{Busy, Moment, Parts};
 use crate::train::session::{Interrupt, Session};
 use crate::train::TrainError;
 
@@ -171,23 +171,20 @@ impl Driver<'_> {
     /// The coordinator's decision at `moment` ([`Driver::commit_in_parts`]), after it settled the
     /// open commit as the moment says; `Parts::Done` elsewhere.
     fn plan_in_parts(&mut self, moment: Moment, state: &TrainState, session: &mut Session) -> Result<Parts, Interrupt> {
+        // An epoch's end waits for a slow store, not a failing one: then it is skipped.
+        let failing = self
+            .open
+            .as_ref()
+            .zip(self.committer.as_mut())
+            .is_some_and(|(open, c)| c.checkpointer().transient_failures() > open.failures);
         if moment != Moment::Step {
-            // An epoch's end waits for a slow store, not a failing one: then it is skipped.
-            let failing = self
-                .open
-                .as_ref()
-                .zip(self.committer.as_mut())
-                .is_some_and(|(open, c)| c.checkpointer().transient_failures() > open.failures);
             self.settle(session, moment.last() || !failing)?;
         }
         Ok(match self.committer.as_mut().filter(|_| self.coordinates) {
             // One sharded commit at a time: a moment while one is open is skipped.
             Some(c) if self.open.is_some() => {
-                let step = state.position().global_step;
-                let location = c.checkpointer().location().to_string();
-                self.report.line(&format!(
-                    "warning: checkpoint at step {step} skipped: the previous commit to {location} is still being made"
-                ));
+                let why = if failing { Busy::Retrying } else { Busy::Making };
+                c.skip(state.position(), why, &mut self.report);
                 Parts::Done(None)
             }
             Some(c) => c.plan_parts(moment, state, &mut self.report),
