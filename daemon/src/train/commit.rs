@@ -353,13 +353,37 @@ impl Committer {
 
     /// The policy's decision at `moment` for a state whose members write their parts of each
     /// commit (docs/fault-tolerance.md, "Sharded commits"): a commit to start now, under a fresh
-    /// data id, or what was done instead. (An epoch-end state skipped on failing storage is not
-    /// kept for later: no member holds it whole.)
-    pub(crate) fn plan_parts(&mut self, moment: Moment, state: &TrainState, report: &mut Reporter<'_>) -> Parts {
+    /// data id, or what was done instead. `open` says why, if so, the previous commit's parts are
+    /// still being written. (An epoch-end state skipped on failing storage is not kept for later:
+    /// no member holds it whole.)
+    pub(crate) fn plan_parts(
+        &mut self,
+        moment: Moment,
+        state: &TrainState,
+        open: Option<Busy>,
+        report: &mut Reporter<'_>,
+    ) -> Parts {
         if moment == Moment::Step {
             self.poll(report);
         }
         let position = state.position();
+        // One commit at a time: the one in flight ends first, its collection included (that
+        // deletes this writer's data that no record names but its own, which the parts about to
+        // be written under the new data id would be: the soak found records naming parts so
+        // deleted). A step's commit due meanwhile is skipped, so that training never waits for
+        // storage; an epoch's end and the last moments wait for it (the driver settled the open
+        // one, unless failing).
+        let stuck = self.checkpointer.stuck();
+        let busy = (moment == Moment::Step && self.checkpointer.busy())
+            .then_some(if stuck { Busy::Retrying } else { Busy::Making })
+            .or(open);
+        let last = Last { holds: self.checkpointer.has(position.progress()), stuck };
+        if let Some(why) =
+            busy.filter(|_| decide(moment, position, state.model.live, self.policy, last) == Action::Commit)
+        {
+            self.skip(position, why, report);
+            return Parts::Done(None);
+        }
         match self.decide(moment, state, report) {
             Action::Skip(Skip::Stuck) => {
                 self.skip(position, Busy::Retrying, report);
@@ -368,15 +392,6 @@ impl Committer {
             Action::Skip(_) => Parts::Done(None),
             Action::Wait => Parts::Done(self.wait(report)),
             Action::Commit => {
-                // The commit in flight ends first, its collection included: that deletes this
-                // writer's data that no record names but its own, which the parts about to be
-                // written under the new data id would be (the soak found records naming parts so
-                // deleted). A step's commit is skipped meanwhile, so that training never waits
-                // for storage; an epoch's end and the last moments wait for it.
-                if moment == Moment::Step && self.checkpointer.busy() {
-                    self.skip(position, Busy::Making, report);
-                    return Parts::Done(None);
-                }
                 self.said_skipped(report);
                 if let Some(f) = self.checkpointer.wait() {
                     report.commit_finished(self.checkpointer.location(), &f);

@@ -180,14 +180,9 @@ impl Driver<'_> {
         if moment != Moment::Step {
             self.settle(session, moment.last() || !failing)?;
         }
+        let open = self.open.as_ref().map(|_| if failing { Busy::Retrying } else { Busy::Making });
         Ok(match self.committer.as_mut().filter(|_| self.coordinates) {
-            // One sharded commit at a time: a moment while one is open is skipped.
-            Some(c) if self.open.is_some() => {
-                let why = if failing { Busy::Retrying } else { Busy::Making };
-                c.skip(state.position(), why, &mut self.report);
-                Parts::Done(None)
-            }
-            Some(c) => c.plan_parts(moment, state, &mut self.report),
+            Some(c) => c.plan_parts(moment, state, open, &mut self.report),
             None => Parts::Done(None),
         })
     }
