@@ -31,6 +31,11 @@ impl PartsWriter {
     /// entries the manifest lists, or why not.
     pub(crate) fn write(&self, id: &str, parts: &[Part]) -> Result<Vec<BlobEntry>, StorageError> {
         lower_priority();
+        self.upload(id, parts)
+    }
+
+    /// Writes `parts` under `id` from the calling thread, at its priority.
+    fn upload(&self, id: &str, parts: &[Part]) -> Result<Vec<BlobEntry>, StorageError> {
         self.runtime.block_on(futures::future::try_join_all(parts.iter().map(|p| self.store.write_part(id, p))))
     }
 }
@@ -274,7 +279,7 @@ impl Checkpointer {
     /// Writes this member's `parts` of a sharded commit under its coordinator's data id `id`, and
     /// waits for them: the entries the coordinator lists in the manifest.
     pub(crate) fn write_parts(&self, id: &str, parts: &[Part]) -> Result<Vec<BlobEntry>, StorageError> {
-        self.runtime.block_on(futures::future::try_join_all(parts.iter().map(|p| self.store.write_part(id, p))))
+        self.parts_writer().upload(id, parts)
     }
 
     /// Starts committing the `parts` every member wrote under data id `id` (since `began`: the

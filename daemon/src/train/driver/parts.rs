@@ -251,19 +251,9 @@ fn write_in_background(
 /// Every member's entries of its parts (`said`, by rank), put together; or why not, naming each
 /// member that could not write its part.
 fn entries(session: &Session, said: BTreeMap<usize, Said>) -> Result<Vec<BlobEntry>, String> {
-    let (mut entries, mut failed) = (Vec::new(), Vec::new());
-    for (rank, said) in said {
-        match said.map(|json| serde_json::from_str::<Vec<BlobEntry>>(&json)) {
-            Ok(Ok(theirs)) => entries.extend(theirs),
-            Ok(Err(e)) => failed.push(format!("{}'s report of its part cannot be read: {e}", session.name(rank))),
-            Err(why) => failed.push(format!("{} could not write its part: {why}", session.name(rank))),
-        }
-    }
-    if failed.is_empty() {
-        Ok(entries)
-    } else {
-        Err(failed.join("; "))
-    }
+    put_together(said.into_iter().map(|(rank, said)| {
+        (session.name(rank), said.map(|json| serde_json::from_str(&json).map_err(|e| e.to_string())))
+    }))
 }
 
 /// Every member's entries of its parts, by place, put together; or why not, naming each member
@@ -274,17 +264,37 @@ fn exchange(
 ) -> Result<Result<Vec<BlobEntry>, String>, Interrupt> {
     let place = session.collective().rank();
     let bytes = serde_json::to_vec(&mine).expect("plain data");
-    let (mut entries, mut failed) = (Vec::new(), Vec::new());
+    let mut reports = Vec::new();
     for root in 0..session.collective().world() {
         let sent = if root == place { bytes.clone() } else { Vec::new() };
         let got = broadcast(session, root, sent)?;
-        match serde_json::from_slice::<Result<Vec<BlobEntry>, String>>(&got) {
+        let report = match serde_json::from_slice::<Result<Vec<BlobEntry>, String>>(&got) {
+            Ok(written) => written.map(Ok),
+            Err(e) => Ok(Err(e.to_string())),
+        };
+        reports.push((session.name_at(root), report));
+    }
+    Ok(put_together(reports.into_iter()))
+}
+
+/// Each member's (name, report) put together: the entries of them all, or why not, naming each
+/// member that could not write its part (`Err`) or whose report cannot be read (`Ok(Err)`).
+fn put_together(
+    reports: impl Iterator<Item = (String, Result<Result<Vec<BlobEntry>, String>, String>)>,
+) -> Result<Vec<BlobEntry>, String> {
+    let (mut entries, mut failed) = (Vec::new(), Vec::new());
+    for (name, report) in reports {
+        match report {
             Ok(Ok(theirs)) => entries.extend(theirs),
-            Ok(Err(why)) => failed.push(format!("{} could not write its part: {why}", session.name_at(root))),
-            Err(e) => failed.push(format!("{}'s report of its part cannot be read: {e}", session.name_at(root))),
+            Ok(Err(e)) => failed.push(format!("{name}'s report of its part cannot be read: {e}")),
+            Err(why) => failed.push(format!("{name} could not write its part: {why}")),
         }
     }
-    Ok(if failed.is_empty() { Ok(entries) } else { Err(failed.join("; ")) })
+    if failed.is_empty() {
+        Ok(entries)
+    } else {
+        Err(failed.join("; "))
+    }
 }
 
 /// The bytes the member at place `root` sends every member (`bytes` there; ignored elsewhere).
