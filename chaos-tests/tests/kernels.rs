@@ -53,6 +53,15 @@ fn workers_started_with_different_cpu_kernels_end_with_the_bits_of_the_pinned_on
     assert!(transcript
         .lines()
         .any(|l| l == "[worker 0] trainerd: CPU kernels: DEFAULT (the run's, pinned by trainerd)"));
+    // Worker 1 received the chief's initial model, made with AVX2 kernels: it is not the run's,
+    // and worker 1 drops it for the one the chief makes again with the run's.
+    let dropped = "with AVX2 CPU kernels, the run's are DEFAULT: it is made again with the run's";
+    assert!(
+        transcript.lines().any(|l| l.starts_with("[worker 1] trainerd: ")
+            && l.contains("the run's initial model was made by worker 0 (")
+            && l.contains(dropped)),
+        "{transcript}"
+    );
 }
 
 /// A single worker of the linear plugin committing to `dir` every 10 steps (2 epochs of 20 steps,

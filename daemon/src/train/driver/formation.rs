@@ -175,13 +175,42 @@ impl Driver<'_> {
             return Err(self.integrity.mismatch_found_before(state, session, &mut self.report, &finders));
         }
         let codes: Vec<u8> = column(KERNELS).into_iter().map(|c| c as u8).collect();
-        if let (Some(mine), Some(run)) =
-            (mine, kernels::run_capability(state.position().cpu_capability.as_deref(), &codes))
-        {
-            kernels::pin(&mut state.model.position, (run, mine), "the run", &mut self.report)
-                .map_err(Interrupt::Fatal)?;
-        }
+        self.pin_kernels(state, session, (mine, &codes, source))?;
         Ok(!raised(OWES).is_empty())
+    }
+
+    /// Pins the run's CPU kernels ([`kernels`]) from the members' (`codes`, in member order;
+    /// `mine`: this process's). The run's initial model is the chief's, made at its start with
+    /// its own kernels: made with others than the run's (the chief's are higher: it starts itself
+    /// again), it is not the run's, and every member that stays drops it and abandons the
+    /// generation, so that the next one forms from the initial model the chief makes again.
+    fn pin_kernels(
+        &mut self,
+        state: &mut TrainState,
+        session: &Session,
+        (mine, codes, source): (Option<crate::sys::cpu::Capability>, &[u8], usize),
+    ) -> Result<(), Interrupt> {
+        let recorded = state.position().cpu_capability.clone();
+        let (Some(mine), Some(run)) = (mine, kernels::run_capability(recorded.as_deref(), codes)) else {
+            return Ok(());
+        };
+        kernels::pin(&mut state.model.position, (run, mine), "the run", &mut self.report).map_err(Interrupt::Fatal)?;
+        let made_with = session.members().iter().position(|&r| r == source).map(|p| codes[p]);
+        let initial = recorded.is_none() && state.position().global_step == 0 && !self.resumed;
+        match made_with.and_then(crate::sys::cpu::Capability::from_code) {
+            Some(made) if initial && made != run => {
+                state.model.position.cpu_capability = None;
+                state.model.live = false;
+                Err(Interrupt::Abandoned(format!(
+                    "the run's initial model was made by {} with {} CPU kernels, the run's are {}: it is made again \
+                     with the run's",
+                    session.name(source),
+                    made.name(),
+                    run.name()
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// A generation forms with every member's optimizer state sharded (`sharded`: the places
