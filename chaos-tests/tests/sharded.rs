@@ -318,22 +318,72 @@ fn a_range_whose_two_copies_differ_sends_every_member_back_to_the_last_commit() 
 /// the step read them and names it (a comparison every 10 steps would not: the all-gather
 /// overwrites or spreads a corrupted parameter first). The other three agree, so worker 2 drops
 /// its parameters and takes theirs, keeping its ranges; step 28 is trained again, and nothing is
-/// lost.
+/// lost. Every right member names the mismatch: the finders, and those whose exchange the
+/// finders' leaving cut short (told by a finder; in CI only workers 2 and 3 completed it).
 #[test]
 fn a_flipped_parameter_is_found_before_the_next_update_and_nothing_is_lost() {
     let tmp = tempfile::tempdir().unwrap();
     let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--replica-check-every", 10);
     let mut c = start_armed(&run, 2, "flip-bit@step=27");
-    let prefix = "trainerd: replica check at step 28, before its update, of the parameters it read: the parameters of \
-                  worker 2 (";
-    let (_, found) = c.wait_line(0, prefix, 0, DEADLINE);
-    assert!(found.ends_with("; no step is lost: this worker keeps its state"), "{found}");
-    let (_, dropped) = c.wait_line(2, prefix, 0, DEADLINE);
+    let found = "replica check at step 28, before its update, of the parameters it read: the parameters of worker 2 (";
+    let (_, dropped) = c.wait_line(2, &format!("trainerd: {found}"), 0, DEADLINE);
     let own = "; no step is lost: this worker drops its parameters and takes a right member's, and keeps its ranges";
     assert!(dropped.contains(own), "{dropped}");
     let chief = assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
     let mismatches = &chief["integrity"]["mismatches"];
     assert_eq!(mismatches.as_array().map(Vec::len), Some(1), "{chief}");
+    eprintln!(
+        "TOLD {:?}",
+        c.transcript().lines().filter(|l| l.contains(" found: ") || l.contains("keeps its state")).collect::<Vec<_>>()
+    );
+    for right in [0, 1, 3] {
+        let named = c.lines_of(right, "trainerd: ").into_iter().any(|l| {
+            let itself = l.starts_with(&format!("trainerd: {found}"))
+                && l.ends_with("; no step is lost: this worker keeps its state");
+            let told = l.contains(&format!(" found: {found}")) && l.ends_with("; no step is lost");
+            itself || told
+        });
+        assert!(named, "worker {right} did not name the mismatch:\n{}", c.transcript());
+    }
+}
+
+/// The same flip, with worker 2 itself stopped inside the per-step check's exchange (after its
+/// first hop: only worker 1 completes it) until the others have abandoned the generation. Worker 1
+/// tells what it found before it leaves: worker 2, whose own exchange was cut short, drops its
+/// parameters and keeps its ranges as if it had found it (else the formation would see its state
+/// differ and send everyone back to the commit), every member's summary names the mismatch, and
+/// nothing is lost.
+#[test]
+fn a_flip_found_by_one_member_alone_is_repaired_in_place_by_the_member_it_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--replica-check-every", 10);
+    let release = tmp.path().join("release");
+    let mut env = vec![vec![]; 3];
+    env[2] = vec![
+        ("TRAINERD_FAILPOINT".to_string(), "flip-bit@step=27,all-gather@step=28".to_string()),
+        ("TRAINERD_FAILPOINT_RELEASE".to_string(), release.to_str().unwrap().to_string()),
+    ];
+    let mut c = Cluster::start(WORKERS, &run, &[], env, RESTART_SEC);
+    c.wait_line(2, "trainerd: failpoint all-gather reached", 0, DEADLINE);
+    let found = "replica check at step 28, before its update, of the parameters it read: the parameters of worker 2 (";
+    let (_, finding) = c.wait_line(1, &format!("trainerd: {found}"), 0, DEADLINE);
+    assert!(finding.ends_with("; no step is lost: this worker keeps its state"), "{finding}");
+    c.wait_line(0, "trainerd: step 28 abandoned (generation 1): ", 0, DEADLINE);
+    std::fs::write(&release, b"").unwrap();
+    assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+    for rank in 0..WORKERS {
+        let mismatches = &summary(tmp.path(), rank)["integrity"]["mismatches"];
+        assert_eq!(mismatches.as_array().map(Vec::len), Some(1), "worker {rank}: {mismatches}");
+    }
+    let told = |rank: usize, what: &str| {
+        let lines = c.lines_of(rank, "trainerd: worker 1 (");
+        lines.iter().any(|l| l.contains(&format!(" found: {found}")) && l.ends_with(what))
+    };
+    let drops = "; no step is lost: this worker drops its parameters and takes a right member's, and keeps its ranges \
+                 of the optimizer state";
+    assert!(told(2, drops), "{}", c.transcript());
+    assert!(told(0, "; no step is lost") && told(3, "; no step is lost"), "{}", c.transcript());
+    assert!(c.lines_of(2, &format!("trainerd: {found}")).is_empty(), "worker 2 found it itself:\n{}", c.transcript());
 }
 
 /// A bit of a parameter flipped on worker 1 after step 30, a step the replicas are compared at

@@ -9,7 +9,8 @@ use std::sync::Mutex;
 const KEPT: usize = 16;
 
 /// A peer's finding: in `generation`, the comparison of global step `step` found the states of
-/// `odd` different (`why`, as the finder said it), and the run goes back before that step.
+/// `odd` different (`why`, as the finder said it), and the run goes back before that step, or,
+/// `in_place`, the odd members took a right member's parameters and no step is lost.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Finding {
     pub(crate) generation: u64,
@@ -18,6 +19,7 @@ pub(crate) struct Finding {
     pub(crate) step: u64,
     pub(crate) odd: Vec<String>,
     pub(crate) why: String,
+    pub(crate) in_place: bool,
 }
 
 /// The findings told to this member, until its training thread takes them (the newest [`KEPT`]).
@@ -52,7 +54,7 @@ mod tests {
 
     fn found(generation: u64, step: u64) -> Finding {
         let odd = vec!["worker 2".to_string()];
-        Finding { generation, finder: "worker 2".into(), step, odd, why: format!("step {step}") }
+        Finding { generation, finder: "worker 2".into(), step, odd, why: format!("step {step}"), in_place: false }
     }
 
     #[test]

@@ -152,7 +152,8 @@ impl Control for Service {
         let why: String = why.chars().take(2000).collect();
         tracing::info!("{} found at step {} of generation {}: {why}", self.names[from], req.step, req.generation);
         let finder = self.names[from].clone();
-        self.findings.keep(Finding { generation: req.generation, finder, step: req.step, odd, why });
+        let (generation, step, in_place) = (req.generation, req.step, req.in_place);
+        self.findings.keep(Finding { generation, finder, step, odd, why, in_place });
         Ok(Response::new(proto::Empty {}))
     }
 

@@ -513,11 +513,11 @@ impl Session {
     }
 
     /// Tells every peer what this member found at the comparison of global step `step` in the
-    /// current generation (the states of `odd` differed; `why`), before it acts on it: whatever
-    /// becomes of this process, the next formation learns it ([`Joined::findings`]). How many
-    /// peers kept it.
-    pub(crate) fn tell(&self, step: u64, odd: &[String], why: &str) -> usize {
-        self.cluster.as_ref().map_or(0, |m| m.plane.tell(self.generation(), step, (odd, why)))
+    /// current generation (the states of `odd` differed; `why`; `in_place`: no step is lost),
+    /// before it acts on it: whatever becomes of this process, the next formation learns it
+    /// ([`Joined::findings`]). How many peers kept it.
+    pub(crate) fn tell(&self, step: u64, (odd, why, in_place): (&[String], &str, bool)) -> usize {
+        self.cluster.as_ref().map_or(0, |m| m.plane.tell(self.generation(), step, (odd, why, in_place)))
     }
 
     /// How a thread that writes this member's parts of a sharded commit tells the coordinator

@@ -7,13 +7,14 @@ use super::ControlPlane;
 
 impl ControlPlane {
     /// Tells every peer what this member found at the comparison of global step `step` in
-    /// `generation` (`odd`: the members whose state differed; `why`: what it says), and waits
-    /// until each has kept it, failed, or not answered within the heartbeat deadline: a peer that
-    /// answered carries the finding into the next formation whatever becomes of this process.
-    /// How many peers kept it.
-    pub(crate) fn tell(&self, generation: u64, step: u64, (odd, why): (&[String], &str)) -> usize {
-        let request =
-            proto::FoundRequest { generation, rank: self.rank as u32, step, odd: odd.to_vec(), why: why.to_string() };
+    /// `generation` (`odd`: the members whose state differed; `why`: what it says; `in_place`:
+    /// they took a right member's parameters and no step is lost), and waits until each has kept
+    /// it, failed, or not answered within the heartbeat deadline: a peer that answered carries
+    /// the finding into the next formation whatever becomes of this process. How many peers kept
+    /// it.
+    pub(crate) fn tell(&self, generation: u64, step: u64, (odd, why, in_place): (&[String], &str, bool)) -> usize {
+        let (rank, odd, why) = (self.rank as u32, odd.to_vec(), why.to_string());
+        let request = proto::FoundRequest { generation, rank, step, odd, why, in_place };
         let within = self.timeouts.heartbeat_deadline;
         let calls = self.peers.iter().flatten().map(|client| {
             let (mut client, request) = (client.clone(), request.clone());

@@ -36,7 +36,10 @@ impl Driver<'_> {
         started: Instant,
     ) -> Result<(), Interrupt> {
         let Joined { formed, received, by_lineage, findings } = joined;
-        self.integrity.heard(findings);
+        let me = session.name(session.rank());
+        for (line, odd) in self.integrity.heard(findings, (state, &me)) {
+            self.report.replica_mismatch(&line, &odd);
+        }
         // A live state at the source's step that still had to receive the source's: the two
         // differed where healthy replicas never do. Not when the kinds of optimizer state differ
         // (a coordinator that restored a commit, whole, among members whose state is sharded):

@@ -177,9 +177,20 @@ impl Integrity {
     }
 
     /// What peers found at comparisons of the generation this member was in, told before they
-    /// acted on it: each sends the run back before its step, as this member's own finding would.
-    pub(crate) fn heard(&mut self, findings: Vec<Finding>) {
+    /// acted on it: each sends the run back before its step, as this member's own finding would;
+    /// one repaired in place (no step lost) is counted here too ([`Integrity::heard_in_place`]).
+    /// The lines to say, with the odd members.
+    pub(crate) fn heard(
+        &mut self,
+        findings: Vec<Finding>,
+        (state, me): (&mut TrainState, &str),
+    ) -> Vec<(String, Vec<String>)> {
+        let mut said = Vec::new();
         for finding in findings {
+            if finding.in_place {
+                said.extend(self.heard_in_place(finding, (&mut *state, me)));
+                continue;
+            }
             if self.mismatch_at.is_none_or(|s| finding.step < s) {
                 self.mismatch_at = Some(finding.step);
             }
@@ -187,6 +198,34 @@ impl Integrity {
                 self.heard = Some(finding);
             }
         }
+        said
+    }
+
+    /// A peer's finding repaired in place, unless this member found it itself: counted, so that
+    /// every member's summary names every mismatch; where it names this member (`me`) at the step
+    /// its `state` is at (its own exchange was cut short), this member drops its parameters and
+    /// keeps its ranges, as had its exchange completed (else the formation would find its state
+    /// differed, and send every member back to the last commit). The line to say.
+    fn heard_in_place(
+        &mut self,
+        finding: Finding,
+        (state, me): (&mut TrainState, &str),
+    ) -> Option<(String, Vec<String>)> {
+        let found = ReplicaMismatch { step: finding.step, members: finding.odd, back_to: Some(finding.step) };
+        if self.figures.mismatches.iter().any(|m| m.step == found.step && m.members == found.members) {
+            return None;
+        }
+        let named = found.members.iter().any(|m| m == me);
+        let what = if named && state.live() && state.position().global_step == found.step {
+            state.model.live = false;
+            self.ranges_kept = matches!(state.optimizer, Optim::Sharded(_));
+            DROPS_PARAMETERS
+        } else {
+            "no step is lost"
+        };
+        let said = (format!("trainerd: {} found: {}; {what}", finding.finder, finding.why), found.members.clone());
+        self.mismatched(found);
+        Some(said)
     }
 
     /// A generation formed on `state`. At this process's first formation, the state it brought
@@ -362,12 +401,15 @@ impl Integrity {
         session.went_back_for_repair();
         self.went_back(step, Some(step));
         let what = match dropped {
-            true => "this worker drops its parameters and takes a right member's, and keeps its ranges of the optimizer state",
-            false => "this worker keeps its state",
+            true => DROPS_PARAMETERS,
+            false => "no step is lost: this worker keeps its state",
         };
         state.model.live &= !dropped;
         self.ranges_kept = dropped;
-        report.replica_mismatch(&format!("trainerd: {why}; no step is lost: {what}"), &odd);
+        // Told for the record: a peer whose exchange was cut short names it in its summary too.
+        let kept = session.tell(step, (&odd, &why, true));
+        tracing::debug!("the mismatch at step {step}, repaired in place, told to {kept} peer(s)");
+        report.replica_mismatch(&format!("trainerd: {why}; {what}"), &odd);
         self.mismatched(ReplicaMismatch { step, members: odd, back_to: (!dropped).then_some(step) });
         Interrupt::Abandoned(why)
     }
@@ -478,7 +520,7 @@ impl Integrity {
         // member acts on it: a peer whose exchange was cut short (by this member's leaving, first)
         // carries it into the next formation, even where this member dropped its state or dies.
         if self.mismatch_at.is_some() {
-            let kept = session.tell(step, &odd, &why);
+            let kept = session.tell(step, (&odd, &why, false));
             tracing::debug!("the mismatch at step {step} told to {kept} peer(s)");
         }
         let what = match (back_to, &state.optimizer) {
@@ -541,6 +583,11 @@ impl Integrity {
         self.figures.clone()
     }
 }
+
+/// What an odd member does after a mismatch of its parameters alone (no step lost).
+const DROPS_PARAMETERS: &str =
+    "no step is lost: this worker drops its parameters and takes a right member's, and keeps its ranges of the \
+     optimizer state";
 
 /// What a member does after a comparison failed: back to the agreed state's step, or (`None`) it
 /// takes the agreed state from a peer.
@@ -629,10 +676,56 @@ mod tests {
             step,
             odd: vec!["worker 2".into()],
             why: format!("replica check at step {step}"),
+            in_place: false,
         };
-        told.heard(vec![finding(50), finding(40)]);
+        let heard = told.heard(vec![finding(50), finding(40)], (&mut state_at(40), "worker 0"));
+        assert_eq!(heard, vec![], "nothing said until the formation goes back");
         assert_eq!(told.flags(40, true), Flags { mismatch: true, owes: true });
         assert_eq!(told.heard.as_ref().map(|f| f.step), Some(40), "the earliest finding is said");
+    }
+
+    /// Found by the sharded chaos test in CI: the drifted worker and worker 3 completed the
+    /// per-step check and repaired it in place; the chief's exchange was cut short, and its
+    /// summary named no mismatch.
+    #[test]
+    fn a_finding_repaired_in_place_is_counted_once_and_sends_nobody_back() {
+        let mut told = Integrity::new(Schedule { every: 10, commits: 25 });
+        let finding = Finding {
+            generation: 1,
+            finder: "worker 3".into(),
+            step: 27,
+            odd: vec!["worker 2".into()],
+            why: "replica check at step 28, before its update".into(),
+            in_place: true,
+        };
+        let mut state = state_at(27);
+        let said = told.heard(vec![finding.clone(), finding.clone()], (&mut state, "worker 0"));
+        let line = "trainerd: worker 3 found: replica check at step 28, before its update; no step is lost";
+        assert_eq!(said, vec![(line.to_string(), vec!["worker 2".to_string()])]);
+        assert!(state.live(), "worker 0 is not named: it keeps its state");
+        assert_eq!(told.flags(27, true), Flags::default());
+        assert_eq!(told.figures().mismatches.len(), 1);
+        // Heard again in a later formation (told twice), or found by this member itself: once.
+        assert_eq!(told.heard(vec![finding.clone()], (&mut state, "worker 0")), vec![]);
+        assert_eq!(told.figures().mismatches.len(), 1);
+        // The odd member whose own exchange was cut short drops its parameters, as the finder
+        // did it; at another step (a state it no longer holds), it keeps what it has.
+        let mut odd = Integrity::new(Schedule { every: 10, commits: 25 });
+        let mut elsewhere = state_at(30);
+        let said = odd.heard(vec![finding.clone()], (&mut elsewhere, "worker 2"));
+        assert!(elsewhere.live() && said[0].0.ends_with("; no step is lost"), "{said:?}");
+        let (mut odd, mut state) = (Integrity::new(Schedule { every: 10, commits: 25 }), state_at(27));
+        let said = odd.heard(vec![finding], (&mut state, "worker 2"));
+        assert!(!state.live() && said[0].0.ends_with(DROPS_PARAMETERS), "{said:?}");
+    }
+
+    /// A live state of one parameter at global step `step`.
+    fn state_at(step: u64) -> TrainState {
+        let params = vec![("w".to_string(), tch::Tensor::zeros([2], (tch::Kind::Float, tch::Device::Cpu)))];
+        let optimizer = crate::train::Optimizer::new(trainerd_sdk::OptimizerConfig::sgd(0.1), &params);
+        let mut model = crate::state::ModelState::new((params, Vec::new()), 1, tch::Device::Cpu, true);
+        model.position.global_step = step;
+        TrainState::new(model, optimizer)
     }
 
     #[test]
