@@ -79,6 +79,16 @@ pub(crate) enum ClusterError {
     /// The control plane's runtime or listener could not be set up.
     #[error("control plane: {0}")]
     Setup(#[source] std::io::Error),
+    /// The coordinator sent a formation this member cannot follow (another version, or a bug).
+    #[error("control plane: {from} formed generation {generation} with what this worker cannot follow: {what}")]
+    Malformed {
+        /// The coordinator, named.
+        from: String,
+        /// The generation.
+        generation: u64,
+        /// What is wrong with it.
+        what: String,
+    },
     /// A member's data-plane address does not resolve.
     #[error("control plane: data address {address}: {source}")]
     DataAddress {

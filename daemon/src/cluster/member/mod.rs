@@ -14,6 +14,7 @@ mod catch_up;
 pub(crate) mod dial;
 mod elect;
 mod finished;
+mod formed;
 mod found;
 pub(crate) mod heartbeat;
 pub(crate) mod parts;
@@ -434,6 +435,10 @@ impl ControlPlane {
             return Err(ClusterError::ReadFirst);
         }
         let formed = Formed::from(reply);
+        if let Some(what) = formed::wrong(&formed, self.names.len(), self.rank) {
+            let from = self.names[rank].clone();
+            return Err(ClusterError::Malformed { from, generation: formed.generation, what });
+        }
         // Formed by a coordinator this member no longer follows (it voted in a newer term
         // meanwhile): not its generation; the others fail it and rejoin.
         if formed.term < self.shared.elections.vote().term {
