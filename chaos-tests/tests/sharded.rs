@@ -231,6 +231,8 @@ fn a_worker_gone_for_good_loses_no_step_and_the_others_end_exactly() {
 /// whose state is sharded. The state it receives says so: it takes the sharded kind with the
 /// parameters (it stayed whole, and with Adam could not take the state; the soak's plain SGD sent
 /// every member back to the commit), its ranges come from its neighbours, and nothing is lost.
+/// Its peers may tell it the chief's newer term before it reads the commit (a repeated run under
+/// load, 2026-11-29): it then joins as a member at once, and ends the same.
 #[test]
 fn an_elected_coordinator_killed_comes_back_from_a_commit_and_takes_the_sharded_state() {
     let tmp = tempfile::tempdir().unwrap();
@@ -242,9 +244,12 @@ fn an_elected_coordinator_killed_comes_back_from_a_commit_and_takes_the_sharded_
     assert!(elected.iter().any(|l| l.contains(" coordinates from term ")), "{}", c.transcript());
     let mark = c.mark();
     c.signal(1, libc::SIGKILL);
-    c.wait_line(1, "trainerd: resumed from checkpoint ", mark, DEADLINE);
     let moved = assert_moved(&mut c, 1, mark);
     assert!(!moved.contains("; it received 0.0 MB"), "{moved}");
+    let said: Vec<&str> = c.seen()[mark..].iter().filter(|e| e.worker == 1).filter_map(|e| e.line()).collect();
+    let restored = said.iter().any(|l| l.starts_with("trainerd: resumed from checkpoint "));
+    let followed = said.iter().any(|l| l.contains("; joining as a member (this worker coordinated term "));
+    assert!(restored || followed, "{}", c.transcript());
     assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
     // Killed once each, and no error after (the restored worker took the received state: it
     // exited with "the received state: optimizer state: missing model.conv.bias/exp_avg" and
