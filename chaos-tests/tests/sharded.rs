@@ -352,6 +352,41 @@ fn a_flipped_parameter_is_found_before_the_next_update_and_nothing_is_lost() {
     }
 }
 
+/// The same bit of a range flipped, with the commit of step 25 still being written as the
+/// comparison at step 30 finds it (every member's part held until then; a repeated run under load
+/// found it, 2026-11-29: the members went back to no commit, and the run could not go on). Every
+/// member was alive to give its digest, so the coordinator records that commit first, once their
+/// parts are written, and every member goes back to it.
+#[test]
+fn a_range_found_different_while_the_last_commit_is_written_goes_back_to_that_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--replica-check-every", 10);
+    let release = tmp.path().join("release");
+    let held = |also: &str| {
+        vec![
+            ("TRAINERD_FAILPOINT".to_string(), format!("commit-part@step=25{also}")),
+            ("TRAINERD_FAILPOINT_RELEASE".to_string(), release.to_str().unwrap().to_string()),
+        ]
+    };
+    let env = (0..WORKERS).map(|w| held(if w == 2 { ",flip-state-bit@step=27" } else { "" })).collect();
+    let mut c = Cluster::start(WORKERS, &run, &[], env, RESTART_SEC);
+    let prefix = "trainerd: replica check at step 30: 1 range(s) of the sharded optimizer state differ between their";
+    c.wait_line(0, prefix, 0, DEADLINE);
+    assert!(c.lines_of(0, "checkpoint 1 committed to ").is_empty(), "{}", c.transcript());
+    // Each member's held part, released one at a time (each process takes the file it finds).
+    for _ in 0..WORKERS {
+        std::fs::write(&release, b"").unwrap();
+        while release.exists() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let (_, back) = c.wait_line(0, "trainerd: the optimizer state was sharded over generation ", 0, DEADLINE);
+    assert!(back.contains("every member goes back to checkpoint 1 at step 25 ("), "{back}\n{}", c.transcript());
+    let chief = assert_finished_exactly(&mut c, tmp.path());
+    let again = chief["fault_tolerance"]["steps_trained_again"].as_u64().unwrap();
+    assert!(again >= 5, "steps 26 to 30 are trained again: {again}\n{}", c.transcript());
+}
+
 /// The same flip, with worker 2 itself stopped inside the per-step check's exchange (after its
 /// first hop: only worker 1 completes it) until the others have abandoned the generation. Worker 1
 /// tells what it found before it leaves: worker 2, whose own exchange was cut short, drops its

@@ -198,7 +198,7 @@ impl<'a> Driver<'a> {
                 }
                 Err(Interrupt::Abandoned(why)) => {
                     self.report.abandoned(state.position().global_step + 1, session.generation(), &why);
-                    self.unshard_after_failure(&mut state, (session.generation(), &why))?;
+                    self.unshard_after_failure(&mut state, &session, (session.generation(), &why))?;
                 }
                 Err(Interrupt::Stopped) => return self.stopped(&state),
                 Err(Interrupt::ReadFirst) => self.read_first(&mut state, &mut session)?,

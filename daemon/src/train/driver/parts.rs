@@ -214,6 +214,38 @@ impl Driver<'_> {
             .map_err(Interrupt::Fatal)?;
         Ok(())
     }
+
+    /// On the coordinator, as every member goes back to the last commit after a verdict of the
+    /// generation that just ended (every member was alive to give its digest, and its writer goes
+    /// on after the generation's end): the open commit's record is made first, once every member
+    /// of that generation has said what its parts came to, so that the run goes back to it
+    /// rather than to the commit before it (or, for the run's first, to nothing: the run would
+    /// start over). Found by a repeated run under load, 2026-11-29: a range's copies found
+    /// different at step 30 while the commit of step 25 was still being written. Waits at most
+    /// ten heartbeat deadlines (a member that died meanwhile never says); the commit is then left
+    /// as it was, its parts collected by a later commit.
+    pub(super) fn finish_open(&mut self, session: &Session) -> Result<(), TrainError> {
+        let Some(open) = self.open.take() else { return Ok(()) };
+        let until = Instant::now() + self.cfg.timeouts.heartbeat_deadline * 10;
+        let said = loop {
+            if let Some(said) = session.parts_said(open.generation, &open.id) {
+                break said;
+            }
+            if Instant::now() >= until || self.stop.load(std::sync::atomic::Ordering::Relaxed) {
+                self.report.line(&format!(
+                    "trainerd: the commit of step {} was still being written as generation {} ended: left unfinished",
+                    open.position.global_step, open.generation
+                ));
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        let Open { id, moment, position, score, began, .. } = open;
+        let written = entries(session, said);
+        let c = self.committer.as_mut().expect("the coordinator commits");
+        c.commit_parts((moment, &position), ((id, written), began), score, &mut self.report)?;
+        Ok(())
+    }
 }
 
 /// A sharded commit whose parts the members are writing, on the coordinator until every member

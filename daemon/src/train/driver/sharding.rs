@@ -145,12 +145,14 @@ impl Driver<'_> {
     pub(super) fn unshard_after_failure(
         &mut self,
         state: &mut TrainState,
+        session: &Session,
         (generation, why): (u64, &str),
     ) -> Result<(), TrainError> {
         // What sent the members back is this failure's alone: a member that returns early below
         // (its state whole and live) must not carry it to a later failure (the soak found a
         // worker killed 6,000 steps after a formation of mixed states send every member back).
         let lost = std::mem::take(&mut self.sharded_lost);
+        let sent_back = self.integrity.take_sent_back();
         if !self.cfg.shard_optimizer || (!state.optimizer.sharded() && state.live()) {
             return Ok(());
         }
@@ -165,6 +167,9 @@ impl Driver<'_> {
         }
         self.sharding = None;
         let from = state.position().global_step;
+        if sent_back && !lost {
+            self.finish_open(session)?;
+        }
         let restored = match self.committer.as_mut() {
             Some(c) => c.restore_latest(state, &mut self.report)?,
             None => None,

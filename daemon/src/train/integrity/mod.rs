@@ -109,6 +109,9 @@ pub(crate) struct Integrity {
     /// A comparison found this member's parameters alone corrupted under sharding: it dropped its
     /// state but keeps its ranges of the optimizer state (see [`Integrity::take_parameters`]).
     ranges_kept: bool,
+    /// A verdict sent this member back, every member of its generation alive as it was reached
+    /// (each gave its digest): their writers of an open sharded commit's parts are too.
+    sent_back: bool,
 }
 
 /// What a member tells the others of its comparisons as a generation forms at some step.
@@ -136,6 +139,7 @@ impl Integrity {
             heard: None,
             figures,
             ranges_kept: false,
+            sent_back: false,
         }
     }
 
@@ -143,6 +147,12 @@ impl Integrity {
     /// sharded optimizer state (asked once).
     pub(crate) fn take_ranges_kept(&mut self) -> bool {
         std::mem::take(&mut self.ranges_kept)
+    }
+
+    /// Whether a verdict (a comparison's, or a formation's) sent this member back since last
+    /// asked: every member of the generation was alive when it was reached.
+    pub(crate) fn take_sent_back(&mut self) -> bool {
+        std::mem::take(&mut self.sent_back)
     }
 
     /// This member's schedule.
@@ -542,6 +552,7 @@ impl Integrity {
     fn back_for_repair(&mut self, state: &mut TrainState, session: &mut Session, right: bool) -> Option<u64> {
         let step = state.position().global_step;
         session.went_back_for_repair();
+        self.sent_back = true;
         let back_to = if right {
             self.back_to_agreed(state)
         } else {
