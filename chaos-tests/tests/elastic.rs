@@ -222,6 +222,8 @@ fn the_chief_killed_for_good_is_replaced_by_an_elected_coordinator() {
 
 /// The chief comes back while its successor coordinates: it hears of the newer term, joins as a
 /// member saying so, takes its slot back, and the run is still bitwise the three-worker run's.
+/// It receives the state at its join, or (repeated runs under load, 2026-11-29: 2 of 2) catches
+/// up from a peer's first and joins holding the state every member holds.
 #[test]
 fn a_chief_that_returns_while_its_successor_coordinates_joins_as_a_member() {
     let tmp = tempfile::tempdir().unwrap();
@@ -231,7 +233,10 @@ fn a_chief_that_returns_while_its_successor_coordinates_joins_as_a_member() {
     let (_, line) = c.wait_line(0, "trainerd: worker 0 ", back, DEADLINE);
     assert!(line.contains(" coordinates (term ") && line.contains("joining as a member"), "{line}");
     let (_, joined) = c.wait_event(0, |e| matches!(e, Event::Joined { .. }), DEADLINE);
-    assert!(matches!(joined, Event::Joined { present: None, source: Some(1 | 2), .. }), "{joined:?}");
+    let caught_up = !c.lines_of(0, "trainerd: caught up in ").is_empty();
+    let received = matches!(joined, Event::Joined { present: None, source: Some(1 | 2), .. });
+    let held = matches!(joined, Event::Joined { present: None, source: None, .. }) && caught_up;
+    assert!(received || held, "{joined:?}\n{}", c.transcript());
     assert_finished_exactly(&mut c, LONGER, tmp.path(), &[0, 1, 2]);
     assert_eq!(summary(tmp.path(), 0)["slots"], serde_json::json!([0]));
 }
