@@ -207,11 +207,16 @@ impl Driver<'_> {
                 }
             }
         };
-        let Open { id, moment, position, score, began, .. } = self.open.take().expect("open");
+        let open = self.open.take().expect("open");
+        self.record(session, open, said).map_err(Interrupt::Fatal)
+    }
+
+    /// The record of the `open` commit started, from what every member `said` of its parts.
+    fn record(&mut self, session: &Session, open: Open, said: BTreeMap<usize, Said>) -> Result<(), TrainError> {
+        let Open { id, moment, position, score, began, .. } = open;
         let written = entries(session, said);
         let c = self.committer.as_mut().expect("the coordinator commits");
-        c.commit_parts((moment, &position), ((id, written), began), score, &mut self.report)
-            .map_err(Interrupt::Fatal)?;
+        c.commit_parts((moment, &position), ((id, written), began), score, &mut self.report)?;
         Ok(())
     }
 
@@ -240,11 +245,7 @@ impl Driver<'_> {
             }
             std::thread::sleep(std::time::Duration::from_millis(5));
         };
-        let Open { id, moment, position, score, began, .. } = open;
-        let written = entries(session, said);
-        let c = self.committer.as_mut().expect("the coordinator commits");
-        c.commit_parts((moment, &position), ((id, written), began), score, &mut self.report)?;
-        Ok(())
+        self.record(session, open, said)
     }
 }
 
