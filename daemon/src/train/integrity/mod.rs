@@ -222,7 +222,7 @@ impl Integrity {
         (state, me): (&mut TrainState, &str),
     ) -> Option<(String, Vec<String>)> {
         let found = ReplicaMismatch { step: finding.step, members: finding.odd, back_to: Some(finding.step) };
-        if self.figures.mismatches.iter().any(|m| m.step == found.step && m.members == found.members) {
+        if self.counted(&found) {
             return None;
         }
         let named = found.members.iter().any(|m| m == me);
@@ -583,10 +583,14 @@ impl Integrity {
     /// same corruption met again (a formation that finds the state a peer's comparison condemned),
     /// and counts once.
     fn mismatched(&mut self, m: ReplicaMismatch) {
-        let same = |k: &ReplicaMismatch| k.step == m.step && k.members == m.members;
-        if !self.figures.mismatches.iter().any(same) {
+        if !self.counted(&m) {
             self.figures.mismatches.push(m);
         }
+    }
+
+    /// Whether the summary already has a mismatch of `m`'s step and members.
+    fn counted(&self, m: &ReplicaMismatch) -> bool {
+        self.figures.mismatches.iter().any(|k| k.step == m.step && k.members == m.members)
     }
 
     /// What the summary says.
