@@ -96,7 +96,7 @@ fn reference() -> &'static str {
 /// The environment of worker `rank`'s first process: the coordinator's joins logged, and `point`
 /// armed with its own release file in `dir`.
 fn armed(dir: &Path, rank: usize, point: Option<&str>) -> Vec<(String, String)> {
-    let mut env = vec![("TRAINERD_LOG".to_string(), "warn,trainerd::cluster::control=debug".to_string())];
+    let mut env = vec![("TRAINERD_LOG".to_string(), "warn,trainerd::cluster::coordinator=debug".to_string())];
     if let Some(point) = point {
         env.push(("TRAINERD_FAILPOINT".to_string(), point.to_string()));
         env.push(("TRAINERD_FAILPOINT_RELEASE".to_string(), release(dir, rank).to_str().unwrap().to_string()));
@@ -131,7 +131,9 @@ fn hold_before(place: Place) -> Option<String> {
 fn has_its_join(line: &str, returner: usize) -> bool {
     let name = format!("worker {returner} (");
     (line.contains(&format!("trainerd: {name}")) && line.contains(") came back; generation "))
-        || (line.contains("trainerd::cluster::control: ") && line.contains(&name) && line.contains(") asks to join"))
+        || (line.contains("trainerd::cluster::coordinator: ")
+            && line.contains(&name)
+            && line.contains(") asks to join"))
 }
 
 /// Worker `returner` down and back so that it lands at `place`; the cluster, once every worker

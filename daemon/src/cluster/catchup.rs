@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Status, Streaming};
 
-use super::control::proto;
+use super::wire::proto;
 use proto::catch_up_part::Kind;
 
 /// The largest piece of an item on the stream (gRPC refuses messages above 4 MiB).

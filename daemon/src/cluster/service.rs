@@ -12,10 +12,11 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::catchup::{Hub, PartStream};
-use super::control::{check_rank, proto, Coordinator};
+use super::coordinator::Coordinator;
 use super::election::{Ballot, Elections};
 use super::finding::{Finding, Findings};
 use super::parts::Reports;
+use super::wire::{check_rank, proto};
 use crate::collective::AbortSignal;
 use proto::control_server::Control;
 

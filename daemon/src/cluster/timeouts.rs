@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::membership::Options;
+use super::coordinator::rules::Options;
 
 /// Every deadline of the cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

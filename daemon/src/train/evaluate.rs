@@ -14,7 +14,7 @@ use std::time::Instant;
 use serde::Serialize;
 use trainerd_sdk::PluginInfo;
 
-use crate::cluster::control::FINAL_BARRIER;
+use crate::cluster::coordinator::rules::FINAL_BARRIER;
 use crate::input::Data;
 use crate::ops::progress::Progress;
 use crate::plugin::Plugin;

@@ -18,7 +18,7 @@ use super::evaluate::{failed, load, Loaded};
 use super::jobs::PredictConfig;
 use super::step::{on_device, torch};
 use super::TrainError;
-use crate::cluster::control::FINAL_BARRIER;
+use crate::cluster::coordinator::rules::FINAL_BARRIER;
 use crate::input::Data;
 use crate::ops::progress::Progress;
 use crate::plugin::{ModelInstance, Plugin};

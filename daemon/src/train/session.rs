@@ -9,10 +9,10 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicBool;
 
 use super::TrainError;
-use crate::cluster::control::{Formed, Identity};
+use crate::cluster::coordinator::rules::Report;
 use crate::cluster::finding::Finding;
-use crate::cluster::membership::Report;
 use crate::cluster::parts::Said;
+use crate::cluster::wire::{Formed, Identity};
 use crate::cluster::{BindError, ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
 use crate::collective::{Backend, Collective, CollectiveError, DataListener, Link, Ring, Slots, Traffic};
 use crate::state::{sha256_hex, Shareable};

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::super::catchup::{Catching, Offer};
-use super::super::control::proto;
+use super::super::wire::proto;
 use super::ControlPlane;
 
 impl ControlPlane {

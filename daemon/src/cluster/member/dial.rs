@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-use super::super::control::{proto, ControlClient};
+use super::super::wire::{proto, ControlClient};
 use crate::auth::{self, ClusterKey, Plane};
 use crate::cluster::election::Elections;
 use crate::cluster::error::{DialError, ResolveError};

@@ -10,9 +10,11 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinSet;
 use tonic::transport::Channel;
 
-use super::super::control::{depose, proto, seated, Chair, ControlClient, Coordinator, Identity, Seat};
+use super::super::coordinator::{Coordinator, Seat};
 use super::super::election::{caught_up, next_term, stands, won};
+use super::super::service::{depose, seated, Chair};
 use super::super::timeouts::Timeouts;
+use super::super::wire::{proto, ControlClient, Identity};
 use super::Shared;
 
 /// What the elector needs.

@@ -4,7 +4,7 @@
 //! names, slots and ranges by these ranks; a formation that breaks them (another version's
 //! coordinator, or a bug) is refused naming what is wrong, never followed into a panic.
 
-use super::super::control::Formed;
+use super::super::wire::Formed;
 
 /// What is wrong with `formed` for member `me` of a cluster of `world`, if anything.
 pub(super) fn wrong(formed: &Formed, world: usize, me: usize) -> Option<String> {

@@ -1,8 +1,8 @@
 //! What this member found at a comparison of the replicas, told to every peer before it acts on
 //! it, and what peers told it ([`super::super::finding`]).
 
-use super::super::control::proto;
 use super::super::finding::Finding;
+use super::super::wire::proto;
 use super::ControlPlane;
 
 impl ControlPlane {

@@ -14,8 +14,8 @@ use tokio::time::timeout_at;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
-use super::super::control::{proto, ControlClient};
 use super::super::timeouts::Timeouts;
+use super::super::wire::{proto, ControlClient};
 use super::dial::{push_abort, Dial};
 use super::watch::{Link, Lost, Seen, Watch};
 use super::Shared;

@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::super::control::proto;
 use super::super::parts::Said;
+use super::super::wire::proto;
 use super::{ControlPlane, Dial, Shared};
 
 /// What a thread other than the training thread needs to tell the coordinator about its parts.

@@ -6,12 +6,14 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
-use super::super::control::{ControlClient, ControlServer, Coordinator, Identity, Seat, Service};
+use super::super::coordinator::{Coordinator, Seat};
 use super::super::election::{vote_file, Elections};
 use super::super::error::BindError;
 use super::super::network::Network;
+use super::super::service::Service;
 use super::super::tf_config::ClusterConfig;
 use super::super::timeouts::Timeouts;
+use super::super::wire::{ControlClient, ControlServer, Identity};
 use super::dial::{authenticated, port_of, resolve, Dial};
 use super::{Chair, ClusterError};
 

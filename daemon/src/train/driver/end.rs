@@ -6,8 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Driver, Ended, Next};
-use crate::cluster::control::FINAL_BARRIER;
-use crate::cluster::membership::CAME_BACK;
+use crate::cluster::coordinator::rules::{CAME_BACK, FINAL_BARRIER};
 use crate::state::{Totals, TrainState};
 use crate::train::commit::{Committer, Moment};
 use crate::train::session::{Interrupt, Session};

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::Driver;
-use crate::cluster::control::Formed;
+use crate::cluster::wire::Formed;
 use crate::state::{Shareable, TrainState};
 use crate::train::commit::Moment;
 use crate::train::kernels;

@@ -1,12 +1,12 @@
-//! The coordinator, which the chief's process holds (or, once the chief is lost for good, the
-//! process of a member elected by a majority; [`super::election`]); the server every daemon
-//! runs, which hands it the calls, is [`super::service`]. The [`Coordinator`]
-//! it stores what joins, heartbeats, reports and departures say into a
-//! [`membership::State`], runs [`membership::decide`] after every event and on a fine tick,
-//! and applies the decisions (ending a generation and pushing the notice, forming the next one
-//! and answering the waiting joins, giving up). It decides nothing itself.
+//! The coordinator's side of membership. The [`Coordinator`] lives in the chief's process (or,
+//! once the chief is lost for good, in the process of a member elected by a majority;
+//! [`super::election`]); the server every daemon runs hands it the calls ([`super::service`]).
+//! It stores what joins, heartbeats, reports and departures say into a [`rules::State`], runs
+//! [`rules::decide`] (the pure rules, [`rules`]) after every event and on a fine tick, and applies
+//! the decisions (ending a generation and pushing the notice, forming the next one and answering
+//! the waiting joins, giving up). It decides nothing itself. Who it admits is [`admission`].
 //!
-//! The client side, what a member calls, is [`super::member`].
+//! A member's side, what a member calls, is [`super::member`].
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -14,127 +14,17 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
 
-use super::membership::{self, Effect, Gone, Report};
+use super::wire::{check_rank, proto, Formed, Identity};
+use proto::notice::Kind;
+use rules::{Effect, Gone, Report};
 
 mod admission;
+pub(crate) mod rules;
 
-/// Generated gRPC code.
-#[allow(missing_docs, unreachable_pub, clippy::all)]
-pub(crate) mod proto {
-    tonic::include_proto!("trainerd.control.v1");
-}
-
-pub(crate) use super::service::{depose, seated, Chair, Service};
-pub(crate) use proto::control_client::ControlClient;
-pub(crate) use proto::control_server::ControlServer;
-use proto::notice::Kind;
-
-pub(crate) use super::membership::FINAL_BARRIER;
 /// Barrier names are bounded, and so are the barriers of a generation (a peer cannot grow the
 /// chief's memory with new names; the training loop uses two per generation at most).
 const MAX_BARRIER_NAME: usize = 64;
 const MAX_BARRIERS: usize = 16;
-
-/// What every member must agree on for the replicas to stay identical.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Identity {
-    /// The TF_CONFIG `cluster`, canonical JSON.
-    pub(crate) cluster_json: String,
-    /// Plugin name, version and build facts.
-    pub(crate) plugin: String,
-    /// Run configuration, canonical JSON (an object).
-    pub(crate) run_config_json: String,
-}
-
-/// A formed generation, as a member learns it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Formed {
-    /// Its number.
-    pub(crate) generation: u64,
-    /// Data-plane address of each rank.
-    pub(crate) data_addresses: Vec<String>,
-    /// The rank whose state everyone continues from.
-    pub(crate) source: usize,
-    /// That state's progress.
-    pub(crate) progress: (u64, u64),
-    /// That state's sha256.
-    pub(crate) digest: String,
-    /// Ranks that receive the source's state.
-    pub(crate) receivers: Vec<usize>,
-    /// A generation had formed before: this one is a recovery.
-    pub(crate) recovery: bool,
-    /// Steps the members' states had reached that this formation does not continue from: every
-    /// member trains them again.
-    pub(crate) steps_trained_again: u64,
-    /// Of those, the ones no repair of a corrupted replica asked for.
-    pub(crate) steps_lost: u64,
-    /// The ranks in the generation, ascending (the ring's order).
-    pub(crate) members: Vec<usize>,
-    /// The coordinator's rank (it commits).
-    pub(crate) coordinator: usize,
-    /// The coordinator's term (0: the chief's, without a vote).
-    pub(crate) term: u64,
-}
-
-impl Formed {
-    /// The generation of a worker alone, at `progress`.
-    pub(crate) fn alone(generation: u64, progress: (u64, u64)) -> Formed {
-        Formed {
-            generation,
-            data_addresses: Vec::new(),
-            source: 0,
-            progress,
-            digest: String::new(),
-            receivers: Vec::new(),
-            recovery: false,
-            steps_trained_again: 0,
-            steps_lost: 0,
-            members: vec![0],
-            coordinator: 0,
-            term: 0,
-        }
-    }
-}
-
-impl From<&Formed> for proto::JoinReply {
-    fn from(f: &Formed) -> proto::JoinReply {
-        proto::JoinReply {
-            generation: f.generation,
-            data_addresses: f.data_addresses.clone(),
-            source: f.source as u32,
-            progress_major: f.progress.0,
-            progress_minor: f.progress.1,
-            sha256: f.digest.clone(),
-            receivers: f.receivers.iter().map(|&r| r as u32).collect(),
-            recovery: f.recovery,
-            steps_lost: f.steps_lost,
-            steps_trained_again: f.steps_trained_again,
-            members: f.members.iter().map(|&r| r as u32).collect(),
-            coordinator: f.coordinator as u32,
-            term: f.term,
-            read_first: false,
-        }
-    }
-}
-
-impl From<proto::JoinReply> for Formed {
-    fn from(r: proto::JoinReply) -> Formed {
-        Formed {
-            generation: r.generation,
-            data_addresses: r.data_addresses,
-            source: r.source as usize,
-            progress: (r.progress_major, r.progress_minor),
-            digest: r.sha256,
-            receivers: r.receivers.into_iter().map(|r| r as usize).collect(),
-            recovery: r.recovery,
-            steps_trained_again: r.steps_trained_again,
-            steps_lost: r.steps_lost,
-            members: r.members.into_iter().map(|r| r as usize).collect(),
-            coordinator: r.coordinator as usize,
-            term: r.term,
-        }
-    }
-}
 
 fn report_of(r: Option<proto::StateReport>) -> Report {
     let r = r.unwrap_or_default();
@@ -160,7 +50,7 @@ pub(super) type NoticeSink = mpsc::UnboundedSender<Result<proto::Notice, Status>
 /// The coordinator's stored state: the membership state the decisions read, and what the
 /// control plane needs to carry them out.
 struct Coord {
-    state: membership::State,
+    state: rules::State,
     /// Data-plane addresses from the joins.
     addresses: Vec<String>,
     /// Each member's heartbeat stream, with the incarnation it belongs to.
@@ -192,7 +82,7 @@ pub(crate) struct Coordinator {
     expected: Identity,
     names: Vec<String>,
     seat: Seat,
-    opts: membership::Options,
+    opts: rules::Options,
     inner: Mutex<Coord>,
     /// Bumped on every change a waiting call may care about.
     version: watch::Sender<u64>,
@@ -201,15 +91,10 @@ pub(crate) struct Coordinator {
 impl Coordinator {
     /// A coordinator for `names.len()` members that admits only `expected`, sitting in `seat`:
     /// its generations exceed its term.
-    pub(crate) fn new(
-        expected: Identity,
-        names: Vec<String>,
-        opts: membership::Options,
-        seat: Seat,
-    ) -> Arc<Coordinator> {
+    pub(crate) fn new(expected: Identity, names: Vec<String>, opts: rules::Options, seat: Seat) -> Arc<Coordinator> {
         let world = names.len();
         let now = Instant::now();
-        let mut state = membership::State::new(world, seat.term, now);
+        let mut state = rules::State::new(world, seat.term, now);
         state.own = seat.rank;
         state.ever_formed = seat.ever_formed;
         for &(rank, since) in &seat.lost {
@@ -254,7 +139,7 @@ impl Coordinator {
     /// members' next step boundary. The coordinator's process raises their return flags in its
     /// next step's all-reduce, so every member learns it at the same step.
     pub(crate) fn returning(&self) -> Vec<usize> {
-        membership::returners(&self.lock().state, Instant::now(), &self.opts)
+        rules::returners(&self.lock().state, Instant::now(), &self.opts)
     }
 
     /// Whether it is gathering members (no generation formed, or the last one ended).
@@ -319,7 +204,7 @@ impl Coordinator {
             return false;
         }
         let mut any = false;
-        while let Some(decision) = membership::decide(&c.state, now, &self.opts) {
+        while let Some(decision) = rules::decide(&c.state, now, &self.opts) {
             let effect = c.state.apply(decision, now, &self.names);
             self.carry(c, effect);
             any = true;
@@ -611,7 +496,7 @@ impl Coordinator {
             }
             let arrived = c.state.barriers.entry(key.clone()).or_default();
             arrived.insert(rank);
-            if arrived.len() == world && req.name == FINAL_BARRIER {
+            if arrived.len() == world && req.name == rules::FINAL_BARRIER {
                 c.state.finished = true;
             }
             self.settle(&mut c);
@@ -629,12 +514,4 @@ impl Coordinator {
         })
         .await
     }
-}
-
-pub(super) fn check_rank(rank: u32, world: usize) -> Result<usize, Status> {
-    let r = rank as usize;
-    if r >= world {
-        return Err(Status::invalid_argument(format!("rank {rank} is out of range for {world} members")));
-    }
-    Ok(r)
 }

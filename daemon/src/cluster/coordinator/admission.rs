@@ -5,8 +5,9 @@
 use tonic::Status;
 
 use super::super::difference;
-use super::super::membership::in_final_barrier;
-use super::{check_rank, proto, Coordinator};
+use super::super::wire::{check_rank, proto};
+use super::rules::in_final_barrier;
+use super::Coordinator;
 
 impl Coordinator {
     /// Why the member of rank `rank` with `identity` (TF_CONFIG cluster, plugin, run
