@@ -22,7 +22,7 @@ while IFS=' ' read -r name path; do
 done < <(cargo test --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 want = {"fault_tolerance", "elastic", "integrity", "kill", "kernels", "data", "soak", "models", "operations",
-        "python_model", "torchscript", "partition", "sharded", "catchup", "returns", "keras"}
+        "python_model", "torchscript", "partition", "sharded", "catch_up", "returns", "keras"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"] \
@@ -37,7 +37,7 @@ one() {
     echo "$name run $i exit $status $(( $(date +%s) - start ))s" >> "$out/tally"
 }
 pairs=("fault_tolerance@chaos elastic@chaos" "integrity@chaos kill@chaos" "kernels@chaos data@chaos"
-       "soak@chaos partition@chaos" "sharded@chaos catchup@chaos" "returns@chaos sharded@daemon"
+       "soak@chaos partition@chaos" "sharded@chaos catch_up@chaos" "returns@chaos sharded@daemon"
        "models@daemon operations@daemon" "python_model@daemon torchscript@daemon" "keras@daemon")
 if [ -n "${ONLY:-}" ]; then
     read -r -a only <<< "$ONLY"

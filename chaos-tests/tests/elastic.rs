@@ -142,7 +142,7 @@ fn a_worker_gone_for_good_is_replaced_and_the_run_is_bitwise_the_full_runs() {
 #[test]
 fn a_replaced_worker_that_comes_back_takes_its_slot_back() {
     let tmp = tempfile::tempdir().unwrap();
-    // Without a catch-up (tests/catchup.rs has it), the return pauses the others for a state
+    // Without a catch-up (tests/catch_up.rs has it), the return pauses the others for a state
     // transfer, as before.
     let run = args(LINEAR, tmp.path(), &["--catch-up-memory", "0"]);
     let mut c = Cluster::start(LINEAR.workers, &run, &[], vec![], RESTART_SEC);

@@ -432,7 +432,7 @@ fn a_second_kill_inside_the_comparison_that_finishes_the_first_costs_no_step_eit
 /// comparison at step 50 (so worker 0 waits in it), worker 1 comes back. The coordinator says so
 /// and ends the generation only at the members' next step boundary: the comparison completes,
 /// nothing is cut short, lost or trained again. (Without a catch-up, which would wait for the
-/// coordinator's next step boundary to begin: tests/catchup.rs.)
+/// coordinator's next step boundary to begin: tests/catch_up.rs.)
 #[test]
 fn a_return_inside_a_comparison_waits_for_the_step_boundary_and_costs_no_step() {
     let expected = reference();

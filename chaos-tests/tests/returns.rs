@@ -8,7 +8,7 @@
 //! chief restarted during a sharded run's last steps, with node-local locations, panicked in the
 //! epoch's end commit before (2026-11-28).
 //!
-//! A plain return (`--catch-up-memory 0`; catch-up's own tests are `catchup.rs`) places the
+//! A plain return (`--catch-up-memory 0`; catch-up's own tests are `catch_up.rs`) places the
 //! landing: the returner is held down, the survivors are held by a failpoint before the place,
 //! the returner is brought back, and the survivors are released once the coordinator has its
 //! join (its `asks to join` debug line, or its `came back` line).

@@ -6,13 +6,13 @@
 //! runs ([`service`]), and what goes wrong and the one reading of the coordinator's answers
 //! ([`error`]). Beside them: `TF_CONFIG` ([`tf_config`]), the timeout hierarchy ([`timeouts`]),
 //! electing a coordinator when the chief is lost for good ([`election`], pure rules and the kept
-//! vote), a returner's catch-up stream ([`catchup`]), what a member found at a comparison of the
+//! vote), a returner's catch-up stream ([`catch_up`]), what a member found at a comparison of the
 //! replicas and told its peers ([`finding`]), what members said of their parts of a sharded
 //! commit ([`parts`]), and where it listens ([`network`]; who may talk to it is `crate::auth`'s).
 //! It knows nothing of training, plugins or storage: a member's state is an opaque ordered
 //! progress and a digest.
 
-pub(crate) mod catchup;
+pub(crate) mod catch_up;
 pub(crate) mod coordinator;
 mod difference;
 pub(crate) mod election;

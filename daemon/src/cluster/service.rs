@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::catchup::{Hub, PartStream};
+use super::catch_up::{Hub, PartStream};
 use super::coordinator::Coordinator;
 use super::election::{Ballot, Elections};
 use super::finding::{Finding, Findings};

@@ -1,7 +1,8 @@
 //! A replica's state and the forms it takes: where training stands ([`position`], with its
 //! running [`totals`]), the model's and the optimizer's tensors ([`replica`]), the same as bytes
 //! for a peer (a state transfer) or as blobs for storage ([`host`] moves tensors to and from host
-//! memory), and a checkpoint's metadata ([`meta`]: what must match to continue from it).
+//! memory), a checkpoint's metadata ([`meta`]: what must match to continue from it), and one
+//! step's outputs as a catch-up carries them to a returner ([`step_outputs`]).
 //!
 //! It knows nothing of the cluster, the loop or storage's protocol: the training loop
 //! (`train`) changes a state, the session (`train::session`) carries it to peers, the
@@ -9,9 +10,9 @@
 
 pub(crate) mod host;
 pub(crate) mod meta;
-pub(crate) mod outputs;
 pub(crate) mod position;
 pub(crate) mod replica;
+pub(crate) mod step_outputs;
 pub(crate) mod totals;
 
 pub(crate) use meta::{

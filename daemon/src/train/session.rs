@@ -65,7 +65,7 @@ pub(crate) enum First {
     Joined(Result<Joined, Interrupt>),
     /// The coordinator feeds this returner (docs/fault-tolerance.md, "A return that does not
     /// pause the survivors").
-    CatchUp(crate::cluster::catchup::Catching),
+    CatchUp(crate::cluster::catch_up::Catching),
 }
 
 /// A member of a cluster (or a worker alone).
@@ -341,13 +341,13 @@ impl Session {
     }
 
     /// A returner's request to catch up, when this process coordinates.
-    pub(crate) fn catch_up_offer(&self) -> Option<crate::cluster::catchup::Offer> {
+    pub(crate) fn catch_up_offer(&self) -> Option<crate::cluster::catch_up::Offer> {
         self.cluster.as_ref().and_then(|m| m.plane.catch_up_offer())
     }
 
     /// Asks the coordinator to catch up with the generation it trains (see
     /// [`crate::cluster::ControlPlane::catch_up`]); why not, alone or coordinating.
-    pub(crate) fn catch_up(&self) -> Result<crate::cluster::catchup::Catching, String> {
+    pub(crate) fn catch_up(&self) -> Result<crate::cluster::catch_up::Catching, String> {
         let Some(m) = self.cluster.as_ref() else { return Err("a worker alone".into()) };
         m.plane.catch_up(m.timeouts.collective)
     }

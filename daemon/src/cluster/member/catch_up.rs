@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::super::catchup::{Catching, Offer};
+use super::super::catch_up::{Catching, Offer};
 use super::super::wire::proto;
 use super::ControlPlane;
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
-use super::super::catchup::Hub;
+use super::super::catch_up::Hub;
 use super::super::coordinator::rules::Report;
 use super::super::coordinator::Coordinator;
 use super::super::election::Elections;

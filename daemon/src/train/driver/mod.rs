@@ -31,7 +31,7 @@ use crate::optim::sharded::Piece;
 use crate::plugin::ModelInstance;
 use crate::state::{Optim, Position, Shareable, Totals, TrainState};
 
-mod catchup;
+mod catch_up;
 mod end;
 mod formation;
 mod parts;
@@ -99,7 +99,7 @@ pub(super) struct Driver<'a> {
     /// The current generation's formation digest (the root of its lineage digests).
     formation: String,
     /// A returner's catch-up fed from here (this process coordinates).
-    donor: catchup::Donor,
+    donor: catch_up::Donor,
     /// This process caught up: its state came from a peer.
     caught_up: bool,
     /// The state this process brought to its first formation is a commit it resumed, not the
@@ -141,7 +141,7 @@ impl<'a> Driver<'a> {
             coordinator: 0,
             reach: parts::Reach::default(),
             formation: String::new(),
-            donor: catchup::Donor::new(cfg.catch_up_memory),
+            donor: catch_up::Donor::new(cfg.catch_up_memory),
             caught_up: false,
             resumed: false,
             open: None,

@@ -9,9 +9,9 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::Driver;
-use crate::cluster::catchup::{fingerprint, Catching, Feed, Item};
+use crate::cluster::catch_up::{fingerprint, Catching, Feed, Item};
 use crate::collective::slots;
-use crate::state::outputs::{self, Carried, Outputs};
+use crate::state::step_outputs::{self, Carried, StepOutputs};
 use crate::state::{Optim, StateError, TrainState};
 use crate::train::kernels;
 use crate::train::report::Reporter;
@@ -166,7 +166,7 @@ impl Donor {
             Optim::Sharded(_) => Carried::Parameters,
             _ => Carried::Gradients,
         };
-        let bytes = match outputs::capture(&state.model, carried) {
+        let bytes = match step_outputs::capture(&state.model, carried) {
             Ok(b) => b,
             Err(e) => return self.stop(&format!("a step's outputs could not be encoded: {e}"), report),
         };
@@ -329,7 +329,7 @@ impl Driver<'_> {
     /// update at the rate of the same position (or a sharded step's parameters after it), the
     /// buffers.
     fn replay(&mut self, state: &mut TrainState, session: &Session, bytes: &Bytes) -> Result<(), String> {
-        let outputs = Outputs::decode(bytes).map_err(|e| format!("a step's outputs could not be read: {e}"))?;
+        let outputs = StepOutputs::decode(bytes).map_err(|e| format!("a step's outputs could not be read: {e}"))?;
         let at = state.position().global_step;
         if outputs.before != *state.position() {
             return Err(format!(

@@ -29,7 +29,7 @@ pub(crate) enum Carried {
 }
 
 /// A step's outputs, taken apart.
-pub(crate) struct Outputs {
+pub(crate) struct StepOutputs {
     /// The position before the step.
     pub(crate) before: Position,
     /// What `tensors` are.
@@ -65,9 +65,9 @@ pub(crate) fn capture(model: &ModelState, carried: Carried) -> Result<Vec<u8>, S
     Encoding::new(magic, &model.position, tensors.into_iter().chain(buffers).collect())?.bytes()
 }
 
-impl Outputs {
+impl StepOutputs {
     /// [`capture`]'s bytes, taken apart.
-    pub(crate) fn decode(bytes: &Bytes) -> Result<Outputs, StateError> {
+    pub(crate) fn decode(bytes: &Bytes) -> Result<StepOutputs, StateError> {
         let (magic, before, all) = split(bytes, &[MAGIC, PARAMS_MAGIC])?;
         let (carried, prefix) =
             if &magic == MAGIC { (Carried::Gradients, "grad/") } else { (Carried::Parameters, "param/") };
@@ -84,7 +84,7 @@ impl Outputs {
                 }));
             }
         }
-        Ok(Outputs { before, carried, tensors, buffers })
+        Ok(StepOutputs { before, carried, tensors, buffers })
     }
 
     /// Takes the parameters after the step ([`Carried::Parameters`]), checked against the model
@@ -175,7 +175,7 @@ mod tests {
         let mut returner = state(2);
         returner.decode(snapshot.into()).unwrap();
         for bytes in outputs {
-            let o = Outputs::decode(&bytes.into()).unwrap();
+            let o = StepOutputs::decode(&bytes.into()).unwrap();
             assert_eq!(o.before, *returner.position());
             o.set_grads(&mut returner.model).unwrap();
             assert!(!returner.model.params[1].1.grad().defined(), "a parameter without a gradient gets none");
@@ -198,7 +198,7 @@ mod tests {
         step(&mut donor, 1);
         donor.model.position = before;
         let bytes = capture(&donor.model, Carried::Parameters).unwrap();
-        let o = Outputs::decode(&bytes.into()).unwrap();
+        let o = StepOutputs::decode(&bytes.into()).unwrap();
         assert_eq!((o.carried, &o.before), (Carried::Parameters, returner.position()));
         o.set_params(&mut returner.model).unwrap();
         o.set_buffers(&mut returner.model).unwrap();
@@ -215,10 +215,10 @@ mod tests {
         let mut donor = state(1);
         let bytes = capture(&donor.model, Carried::Gradients).unwrap();
         step(&mut donor, 1);
-        let o = Outputs::decode(&bytes.into()).unwrap();
+        let o = StepOutputs::decode(&bytes.into()).unwrap();
         let err = o.set_grads(&mut donor.model).unwrap_err();
         assert_eq!(err.to_string(), "a step's outputs has no tensor a's gradient");
-        let err = Outputs::decode(&donor.encode().unwrap().into()).err().expect("a state is not a step's outputs");
+        let err = StepOutputs::decode(&donor.encode().unwrap().into()).err().expect("a state is not a step's outputs");
         assert_eq!(err.to_string(), "the state received is not valid: no header");
     }
 }

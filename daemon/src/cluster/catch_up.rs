@@ -3,7 +3,7 @@
 //! returner's request in the [`Hub`] and the training thread takes it as a [`Feed`]: the sending
 //! side of the stream, which counts what is queued and not yet taken by the stream (the kept
 //! outputs, which the donor bounds). On the returner, [`Catching`] reads the stream and puts each
-//! item's pieces back together. What the items hold is the training loop's (`train::catchup`).
+//! item's pieces back together. What the items hold is the training loop's (`train::driver::catch_up`).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
