@@ -8,7 +8,7 @@
 use serde::Serialize;
 use tch::{TchError, Tensor};
 
-use super::sharded::Piece;
+use super::sharded_state::Piece;
 use super::FlagError;
 
 /// What to clip; nothing when both are `None`.

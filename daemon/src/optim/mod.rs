@@ -1,6 +1,7 @@
 //! The step's mathematics: the optimizers ([`optimizer`]) and their settings from the flags
 //! ([`flags`]), learning-rate schedules ([`schedule`]), gradient clipping ([`clip`]), mixed
-//! precision ([`precision`]) and the epoch-end callbacks ([`callbacks`]).
+//! precision ([`precision`]), the epoch-end callbacks ([`callbacks`]), and the optimizer state
+//! of the ranges a member owns under `--shard-optimizer` ([`sharded_state`]).
 
 mod adam;
 pub(crate) mod callbacks;
@@ -10,7 +11,7 @@ pub(crate) mod flags;
 pub(crate) mod optimizer;
 pub(crate) mod precision;
 pub(crate) mod schedule;
-pub(crate) mod sharded;
+pub(crate) mod sharded_state;
 
 /// A flag of the step's mathematics whose value cannot be used: each names the flag, what it was
 /// given, and what it takes.

@@ -20,7 +20,7 @@ use super::host as checkpoint;
 use super::position::Position;
 use super::{StateError, MODEL_BLOB, OPTIMIZER_BLOB};
 use crate::optim::optimizer::Optimizer;
-use crate::optim::sharded::ShardedOptimizer;
+use crate::optim::sharded_state::ShardedOptimizer;
 
 const MAGIC: &[u8; 8] = b"TRDSTAT1";
 /// The magic of a training state whose optimizer state is not in its bytes: sharded over the

@@ -20,7 +20,8 @@
 //! steps), [`step`] one step and one evaluation pass, [`batches`] the data by (epoch, step),
 //! [`replicas`] a daemon's further devices, [`report`] everything the run tells the outside,
 //! [`commit`] when the chief commits, [`session`] a member's place in the cluster, [`summary`] the
-//! result.
+//! result; [`sharded_step`] the sharded step's reduction and update (`--shard-optimizer`), and
+//! [`parts`] a member's parts of a sharded commit.
 
 pub(crate) mod agreement;
 pub(crate) mod batches;
@@ -35,7 +36,7 @@ pub(crate) mod predict;
 pub(crate) mod replicas;
 pub(crate) mod report;
 pub(crate) mod session;
-pub(crate) mod sharded;
+pub(crate) mod sharded_step;
 pub(crate) mod startup;
 pub(crate) mod step;
 pub(crate) mod summary;

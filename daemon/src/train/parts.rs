@@ -7,8 +7,8 @@
 use tch::Tensor;
 use trainerd_storage::{Part, Slice, TensorData};
 
-use super::sharded::param_values;
-use crate::optim::sharded::ShardedOptimizer;
+use super::sharded_step::param_values;
+use crate::optim::sharded_state::ShardedOptimizer;
 use crate::state::{host, MODEL_BLOB, OPTIMIZER_BLOB};
 
 /// A part being made: its tensors and what each is a slice of.

@@ -2,7 +2,8 @@
 //! source), admitted (every member's steps per epoch agree), and trained until the run is done,
 //! a member asks to stop, or a failure abandons it; then the next generation is joined with the
 //! state as it stands. What to show is the reporter's ([`super::report`]), when to commit the
-//! policy's ([`super::commit`]).
+//! policy's ([`super::commit`]); a member's side of commits is [`commits`], a returner's
+//! catch-up [`catch_up`].
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +18,7 @@ use super::integrity::{self, Integrity};
 use super::replicas::Replicas;
 use super::report::{Reporter, StepDone};
 use super::session::{lineage, First, Interrupt, Session};
-use super::sharded::{self, Stepped};
+use super::sharded_step::{self, Stepped};
 use super::startup::Data;
 use super::step::{self, Raised, SlotBatch, StepResult};
 use super::{Outcome, RunConfig, TrainError};
@@ -27,14 +28,14 @@ use crate::collective::slots;
 use crate::collective::Collective;
 use crate::input::Data as Input;
 use crate::optim::schedule::Curve;
-use crate::optim::sharded::Piece;
+use crate::optim::sharded_state::Piece;
 use crate::plugin::ModelInstance;
 use crate::state::{Optim, Position, Shareable, Totals, TrainState};
 
 mod catch_up;
+mod commits;
 mod end;
 mod formation;
-mod parts;
 mod sharding;
 
 /// How training in a generation ended.
@@ -95,7 +96,7 @@ pub(super) struct Driver<'a> {
     /// The coordinator's place in the current generation's ring.
     coordinator: usize,
     /// Whether the members write sharded commits in parallel (they all reach the location).
-    reach: parts::Reach,
+    reach: commits::Reach,
     /// The current generation's formation digest (the root of its lineage digests).
     formation: String,
     /// A returner's catch-up fed from here (this process coordinates).
@@ -106,7 +107,7 @@ pub(super) struct Driver<'a> {
     /// placeholder a fresh process builds (the chief's, live until something better turns up).
     resumed: bool,
     /// On the coordinator: the sharded commit whose parts the members are writing.
-    open: Option<parts::Open>,
+    open: Option<commits::Open>,
 }
 
 impl<'a> Driver<'a> {
@@ -139,7 +140,7 @@ impl<'a> Driver<'a> {
             adopted_once: false,
             sharded_lost: false,
             coordinator: 0,
-            reach: parts::Reach::default(),
+            reach: commits::Reach::default(),
             formation: String::new(),
             donor: catch_up::Donor::new(cfg.catch_up_memory),
             caught_up: false,
@@ -348,7 +349,7 @@ impl<'a> Driver<'a> {
             true => {
                 if !self.cfg.clip.is_off() && self.clip_ranges.as_ref().is_none_or(|(of, _)| *of != v) {
                     let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
-                    let ranges = ranges.iter().map(sharded::pieces).collect();
+                    let ranges = ranges.iter().map(sharded_step::pieces).collect();
                     self.clip_ranges = Some((v, ranges));
                 }
                 let ranges = self.clip_ranges.as_ref().map_or(&[][..], |(_, r)| r.as_slice());
@@ -443,7 +444,7 @@ impl<'a> Driver<'a> {
         let mut apart = |b: &mut Buckets, c: &mut dyn Collective, p: &mut [(String, tch::Tensor)], _: usize| {
             let (Optim::Sharded(o), Some(ranges)) = (&mut *optimizer, ranges) else { unreachable!("sharded above") };
             let began = Instant::now();
-            let s = sharded::reduce_and_update((b, ranges), c, p, o, (&clip, lr, None), (extra_len, check))?;
+            let s = sharded_step::reduce_and_update((b, ranges), c, p, o, (&clip, lr, None), (extra_len, check))?;
             let extra = s.extra.clone();
             stepped = Some((s, began.elapsed()));
             Ok(extra)

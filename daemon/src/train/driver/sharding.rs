@@ -6,10 +6,10 @@
 
 use super::Driver;
 use crate::optim::optimizer::Optimizer;
-use crate::optim::sharded::ShardedOptimizer;
+use crate::optim::sharded_state::ShardedOptimizer;
 use crate::state::{host, Optim, Position, Shareable, TrainState};
 use crate::train::session::{Interrupt, Session};
-use crate::train::sharded;
+use crate::train::sharded_step;
 use crate::train::TrainError;
 use trainerd_storage::TensorData;
 
@@ -30,8 +30,9 @@ impl Driver<'_> {
             // A sharded state held over from another generation moved when this one formed
             // ([`Driver::reshard`]).
             let ranges = self.buckets.ranges(params, v, self.extra_len(v));
-            let (mine, buddied) = sharded::holding(&ranges, session.collective());
-            let held = (&sharded::with_pieces(&ranges, &mine)[..], &sharded::with_pieces(&ranges, &buddied)[..]);
+            let (mine, buddied) = sharded_step::holding(&ranges, session.collective());
+            let held =
+                (&sharded_step::with_pieces(&ranges, &mine)[..], &sharded_step::with_pieces(&ranges, &buddied)[..]);
             state.optimizer = Optim::Sharded(match &state.optimizer {
                 Optim::Whole(whole) => ShardedOptimizer::of(whole, params, held),
                 _ => ShardedOptimizer::new(state.optimizer.config().clone(), params, held),
@@ -54,9 +55,13 @@ impl Driver<'_> {
         let (v, generation, began) = (session.slot_count(), session.generation(), std::time::Instant::now());
         let extra_len = self.extra_len(v);
         let ranges = self.buckets.ranges(&state.model.params, v, extra_len);
-        let moved =
-            sharded::reshard((&mut self.buckets, &ranges, extra_len), session.collective(), &state.model.params, held)
-                .map_err(|e| session.interrupt(e.into()))?;
+        let moved = sharded_step::reshard(
+            (&mut self.buckets, &ranges, extra_len),
+            session.collective(),
+            &state.model.params,
+            held,
+        )
+        .map_err(|e| session.interrupt(e.into()))?;
         let (next, forward, moves) = moved.map_err(|unmoved| {
             self.sharded_lost = true;
             if let Some(copies) = &unmoved.copies {
@@ -118,7 +123,7 @@ impl Driver<'_> {
         // every range it reads).
         let (held, extra_len) = (session.collective().slots().len(), self.extra_len(session.slot_count()));
         self.buckets.make(held, &state.model.params, extra_len, None);
-        sharded::gather_state((&mut self.buckets, ranges), session.collective(), &state.model.params, (o, keep))
+        sharded_step::gather_state((&mut self.buckets, ranges), session.collective(), &state.model.params, (o, keep))
             .map_err(|e| session.interrupt(e.into()))
     }
 

@@ -88,7 +88,7 @@ pub(super) fn split_digests(state: &TrainState) -> Result<(u64, u64), StateError
         crate::state::host::stream_bytes(name, t, &mut |b| rest.update(b))?;
     }
     rest.update(&serde_json::to_vec(state.position()).expect("plain data"));
-    Ok((crate::train::sharded::params_digest(&state.model.params), rest.digest()))
+    Ok((crate::train::sharded_step::params_digest(&state.model.params), rest.digest()))
 }
 
 /// Where two copies of a sharded optimizer's range differ (per member, per range: its copy's

@@ -25,7 +25,7 @@ use digests::{digest, exchange, parameters, parameters_alone, range_digests, spl
 
 use super::report::Reporter;
 use super::session::{Interrupt, Session};
-use super::sharded::Read;
+use super::sharded_step::Read;
 use super::summary::{ReplicaFigures, ReplicaMismatch};
 use crate::cluster::finding::Finding;
 use crate::state::{Optim, Position, Shareable, TrainState};
