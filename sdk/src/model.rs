@@ -181,12 +181,4 @@ impl PluginInfo {
         self.columns = Some(columns);
         self
     }
-
-    /// The same identity, AdamW leaving undecayed each parameter whose name (under the model's
-    /// path: `blocks.0.ln1.weight`) contains one of `parts`, instead of those of fewer than 2
-    /// dimensions.
-    pub fn with_no_decay(mut self, parts: &[&str]) -> PluginInfo {
-        self.no_decay = parts.iter().map(|p| p.to_string()).collect();
-        self
-    }
 }

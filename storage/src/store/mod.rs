@@ -32,7 +32,6 @@ pub struct CheckpointStore {
     root: Path,
     name: String,
     retry: Retry,
-    grace: Duration,
     /// Transient failures seen so far (shared by clones).
     failures: Arc<std::sync::atomic::AtomicU64>,
 }
@@ -43,20 +42,7 @@ pub const COLLECT_GRACE: Duration = Duration::from_secs(24 * 3600);
 impl CheckpointStore {
     /// A store over `store`, under `root`, called `name` in messages.
     pub fn new(store: Arc<dyn ObjectStore>, root: Path, name: impl Into<String>) -> CheckpointStore {
-        CheckpointStore {
-            store,
-            root,
-            name: name.into(),
-            retry: Retry::default(),
-            grace: COLLECT_GRACE,
-            failures: Arc::default(),
-        }
-    }
-
-    /// The same store with another grace period for data that may be in flight.
-    pub fn with_collect_grace(mut self, grace: Duration) -> CheckpointStore {
-        self.grace = grace;
-        self
+        CheckpointStore { store, root, name: name.into(), retry: Retry::default(), failures: Arc::default() }
     }
 
     /// The same store with another retry policy.

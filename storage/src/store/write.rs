@@ -10,8 +10,8 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload}
 use sha2::{Digest, Sha256};
 
 use super::{
-    hex, unix_ms, BlobEntry, CheckpointStore, CommitRecord, Manifest, NewCheckpoint, Part, StorageError, FORMAT,
-    PART_BYTES,
+    hex, unix_ms, BlobEntry, CheckpointStore, CommitRecord, Manifest, NewCheckpoint, Part, StorageError, COLLECT_GRACE,
+    FORMAT, PART_BYTES,
 };
 use crate::protocol::{self, COMMITS, DATA, MANIFEST};
 use crate::tensors;
@@ -338,8 +338,13 @@ impl CheckpointStore {
             *newest = (*newest).max(written);
             by_id.entry(id).or_default().push(object.location);
         }
-        let collector =
-            protocol::Collector { me, in_flight, newest, now_ms: unix_ms(), grace_ms: self.grace.as_millis() as u64 };
+        let collector = protocol::Collector {
+            me,
+            in_flight,
+            newest,
+            now_ms: unix_ms(),
+            grace_ms: COLLECT_GRACE.as_millis() as u64,
+        };
         for id in protocol::garbage(&ids, &referenced, collector) {
             for location in &by_id[&id] {
                 let relative = self.relative(location);
