@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use trainerd_sdk::tch::Tensor;
 use trainerd_sdk::{Column, Decode, Side};
 
-use crate::error::ValueError;
+use crate::codec::ValueError;
 use crate::rows::Value;
 
 /// Why a row's value could not become its tensor: the row's index in the batch, and the reason.

@@ -30,7 +30,7 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
 use crate::error::DataError;
-use crate::source::FileRef;
+use crate::location::FileRef;
 
 /// Temporary files older than this are a crashed writer's, and removed.
 const STALE: Duration = Duration::from_secs(3600);

@@ -1,11 +1,9 @@
 //! A dataset's images: PNG and JPEG decoded to 8-bit pixels, PNG encoded for `trainerd data
-//! convert`. The decoders are the ones the `image` crate wraps (png, zune-jpeg), used directly
+//! convert`; and what is wrong with one row's value ([`ValueError`], images' faults among them). The decoders are the ones the `image` crate wraps (png, zune-jpeg), used directly
 //! with its settings: the rest of `image` (colour management, a dozen other formats) was 40 s of
 //! the first build for nothing the data path reads.
 
 use std::io::Cursor;
-
-use crate::error::{DecodeError, ValueError};
 
 /// An image's format, as its first bytes tell (the formats `image` recognises, so that an image
 /// of another kind is named in the error).
@@ -161,6 +159,96 @@ pub fn encode_grey_png(pixels: &[u8], (h, w): (u32, u32)) -> Result<Vec<u8>, png
     writer.write_image_data(pixels)?;
     writer.finish()?;
     Ok(out)
+}
+
+/// What is wrong with one row's value, for the plugin's declaration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ValueError {
+    /// A null value.
+    #[error("the value is null")]
+    Null,
+    /// A null element of a list.
+    #[error("element {0} is null")]
+    NullElement(usize),
+    /// An unsigned integer beyond int64.
+    #[error("{0} does not fit an int64")]
+    TooLarge(u64),
+    /// A list of another length than the declared shape's.
+    #[error("a list of {found} numbers, the plugin expects {expected} (shape {shape:?})")]
+    Length {
+        /// Its length.
+        found: usize,
+        /// The shape's size.
+        expected: usize,
+        /// The declared shape.
+        shape: Vec<i64>,
+    },
+    /// A value of another type than the declaration reads (the type as the schema shows it).
+    #[error("expected {expected}, found {found}")]
+    Type {
+        /// What the declaration reads ("a list", "an integer", "a number", "bytes").
+        expected: &'static str,
+        /// The column's type.
+        found: String,
+    },
+    /// Hugging Face's image struct without its bytes.
+    #[error("the image struct has no `bytes`")]
+    NoImageBytes,
+    /// Hugging Face's image struct with null bytes.
+    #[error("the image's `bytes` is null")]
+    NullImageBytes,
+    /// A value that cannot be decoded as the declaration says.
+    #[error("{value} cannot be decoded as {expects}")]
+    Mismatch {
+        /// The value, shortened.
+        value: String,
+        /// What the declaration reads.
+        expects: String,
+    },
+    /// Bytes that are no image.
+    #[error("not a PNG or JPEG image")]
+    NotAnImage,
+    /// An image of another format.
+    #[error("a {0:?} image: expected PNG or JPEG")]
+    ImageFormat(ImageFormat),
+    /// A damaged image.
+    #[error("a damaged {format:?} image: {source}")]
+    DamagedImage {
+        /// Its format.
+        format: ImageFormat,
+        /// What the decoder said.
+        source: DecodeError,
+    },
+    /// An image of another size or channel count than declared.
+    #[error(
+        "a {}x{} image with {} channel(s); the plugin expects {}x{} with {} (images are not resized or converted)",
+        found.2, found.1, found.0, expected.2, expected.1, expected.0
+    )]
+    ImageSize {
+        /// Its (channels, height, width).
+        found: (usize, usize, usize),
+        /// The declared (channels, height, width).
+        expected: (usize, usize, usize),
+    },
+    /// The batch's tensor could not be shaped.
+    #[error("{0}")]
+    Torch(#[source] trainerd_sdk::tch::TchError),
+}
+
+/// What an image's decoder said of it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The PNG decoder's error.
+    #[error("{0}")]
+    Png(#[source] png::DecodingError),
+    /// A PNG whose pixels would not fit in memory's addresses.
+    #[error("its pixels would not fit in memory")]
+    PngTooLarge,
+    /// The JPEG decoder's error.
+    #[error("{0}")]
+    Jpeg(#[source] zune_jpeg::errors::DecodeErrors),
 }
 
 #[cfg(test)]

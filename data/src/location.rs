@@ -1,6 +1,7 @@
 //! Where a dataset lives, as `--data` names it: a local directory (`/path`, `file:///path`) or an
 //! S3-compatible prefix (`s3://bucket/prefix`, with the same S3 settings as checkpoints), and how
-//! to tell a columnar dataset from a directory in a plugin's own format.
+//! to tell a columnar dataset from a directory in a plugin's own format; and a file of it as
+//! listed ([`FileRef`]).
 
 use std::path::{Path, PathBuf};
 
@@ -71,6 +72,17 @@ impl DataLocation {
 fn holds_parquet(dir: &Path) -> bool {
     std::fs::read_dir(dir)
         .is_ok_and(|entries| entries.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".parquet")))
+}
+
+/// A file of the dataset as it was when the run started.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileRef {
+    /// Its name inside the location.
+    pub name: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its ETag, when the store gives one.
+    pub etag: Option<String>,
 }
 
 #[cfg(test)]

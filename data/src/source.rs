@@ -23,17 +23,7 @@ use trainerd_storage::{transient, Retry, S3Options};
 use crate::cache::Cache;
 use crate::error::{DataError, WriteError};
 use crate::location::DataLocation;
-
-/// A file of the dataset as it was when the run started.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FileRef {
-    /// Its name inside the location.
-    pub name: String,
-    /// Its size in bytes.
-    pub size: u64,
-    /// Its ETag, when the store gives one.
-    pub etag: Option<String>,
-}
+pub use crate::location::FileRef;
 
 /// Told when the data source fails and comes back, while a read waits within its bound.
 pub trait Observer: Send + Sync {
