@@ -230,3 +230,135 @@ fn a_forbidden_name_is_found_in_a_use_group_and_in_a_path_written_out() {
     assert!(found.iter().any(|p| p.starts_with("crate::train")), "{found:?}");
     assert!(found.iter().any(|p| p == "trainerd_storage::x"), "{found:?}");
 }
+
+/// The page, whole.
+fn page() -> String {
+    std::fs::read_to_string(repo().join("docs/architecture.md")).expect("docs/architecture.md")
+}
+
+/// What the page names as a path, outside its rooms block: every span in backticks that holds a
+/// `/` or ends in a file's extension, without an item after `::` (`train/commit::decide`).
+fn named_paths(doc: &str) -> Vec<String> {
+    let mut prose = String::new();
+    for (i, part) in doc.split("```").enumerate() {
+        if i % 2 == 0 {
+            prose.push_str(part);
+        }
+    }
+    let spans = prose.split('`').skip(1).step_by(2);
+    let looks_like_path = |s: &&str| {
+        !s.contains(' ')
+            && !s.contains('*')
+            && (s.contains('/') || [".rs", ".md", ".py", ".toml"].iter().any(|e| s.ends_with(e)))
+    };
+    spans.filter(looks_like_path).map(|s| s.split("::").next().unwrap_or(s).to_string()).collect()
+}
+
+/// Whether `path`, as the page writes it, is in the tree: from the repository's root, from
+/// `daemon/src` (the rooms are written from there), or inside a crate's `src/`
+/// (`storage/protocol`), a module written without its `.rs`.
+fn exists(path: &str) -> bool {
+    let path = path.trim_end_matches('/');
+    let mut bases = vec![repo(), repo().join("daemon/src")];
+    if let Some((krate, rest)) = path.split_once('/') {
+        bases.push(repo().join(krate).join("src").join(rest).parent().map(Path::to_path_buf).unwrap_or_default());
+        let in_src = repo().join(krate).join("src").join(rest);
+        if in_src.exists() || in_src.with_extension("rs").exists() {
+            return true;
+        }
+    }
+    bases.iter().any(|b| {
+        let p = b.join(path);
+        p.exists() || p.with_extension("rs").exists()
+    })
+}
+
+#[test]
+fn every_path_the_page_names_exists() {
+    let missing: Vec<String> = named_paths(&page()).into_iter().filter(|p| !exists(p)).collect();
+    assert!(missing.is_empty(), "docs/architecture.md names paths that are not in the tree: {missing:?}");
+}
+
+#[test]
+fn a_path_the_page_names_is_read_with_or_without_its_extension_and_item() {
+    let doc = "`cli/args/mod.rs` and `train/commit::decide` in `storage/protocol`; ```\nx/ `no/such`\n```";
+    assert_eq!(named_paths(doc), ["cli/args/mod.rs", "train/commit", "storage/protocol"]);
+    assert!(exists("train/commit") && exists("storage/protocol") && exists("cluster/coordinator/rules/"));
+    assert!(!exists("cli/args.rs") && !exists("cluster/membership.rs"));
+}
+
+/// Each room's paragraph of the rooms block, by the room's name.
+fn room_paragraphs() -> Vec<(String, String)> {
+    let doc = page();
+    let start = doc.find("## The daemon's rooms, from the bottom up").expect("the rooms section");
+    let block = doc[start..].split("```").nth(1).expect("the rooms block");
+    let mut out: Vec<(String, String)> = Vec::new();
+    for line in block.lines() {
+        match line.split_whitespace().next().and_then(|w| w.strip_suffix('/')) {
+            Some(room) if !line.starts_with(' ') => out.push((room.to_string(), line.to_string())),
+            _ => {
+                if let Some(last) = out.last_mut() {
+                    last.1.push('\n');
+                    last.1.push_str(line);
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_module_of_a_room_is_named_in_its_description() {
+    fn modules(dir: &Path, out: &mut Vec<String>) {
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if path.is_dir() {
+                out.push(name);
+                modules(&path, out);
+            } else if let Some(stem) = name.strip_suffix(".rs") {
+                if !(stem == "mod" || stem == "tests" || stem.ends_with("_tests")) {
+                    out.push(stem.to_string());
+                }
+            }
+        }
+    }
+    let words = |text: &str| -> Vec<String> {
+        text.split(|c: char| !(c.is_alphanumeric() || c == '_')).map(str::to_lowercase).collect()
+    };
+    let mut unnamed = Vec::new();
+    for (room, paragraph) in room_paragraphs() {
+        let said = words(&paragraph);
+        let mut found = Vec::new();
+        modules(&repo().join("daemon/src").join(&room), &mut found);
+        unnamed.extend(found.into_iter().filter(|m| !said.contains(m)).map(|m| format!("{room}/: {m}")));
+    }
+    assert!(unnamed.is_empty(), "modules docs/architecture.md does not describe in their room: {unnamed:?}");
+}
+
+#[test]
+fn every_crate_of_the_workspace_is_in_the_crates_table() {
+    let manifest = std::fs::read_to_string(repo().join("Cargo.toml")).expect("Cargo.toml");
+    let members = manifest.split("members = [").nth(1).and_then(|m| m.split(']').next()).expect("members");
+    let doc = page();
+    let table = doc.split("## Crates").nth(1).and_then(|t| t.split("\nRules:").next()).expect("the crates table");
+    let rows: Vec<&str> =
+        table.lines().filter_map(|l| l.strip_prefix("| `")).filter_map(|l| l.split('`').next()).collect();
+    let missing: Vec<&str> = members
+        .split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| !m.is_empty())
+        .filter(|m| {
+            let dir = format!("{m}/");
+            !rows.iter().any(|r| {
+                *r == dir
+                    || (r.ends_with("/*/") || r.ends_with("/*"))
+                        && m.starts_with(r.trim_end_matches("*/").trim_end_matches('*'))
+            })
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "crates of the workspace missing from docs/architecture.md's table: {missing:?} (rows {rows:?})"
+    );
+}
