@@ -8,8 +8,8 @@
 
 use serde_json::json;
 
+use super::config::RunConfig;
 use super::jobs::{EvalConfig, PredictConfig};
-use super::RunConfig;
 use crate::state::{
     ACCUMULATE_KEY, GPU_KEY, PLUGIN_KEY, REPLICAS_KEY, REPLICA_CHECK_KEY, SCHEDULE_VERSION_KEY, SHARD_KEY,
 };

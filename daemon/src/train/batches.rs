@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use tch::{Device, Tensor};
 use trainerd_sdk::InputContext;
 
-use super::TrainError;
+use super::error::TrainError;
 use crate::input::{Batch, Data, Epochs};
 
 /// The input context of worker `rank` of `world`, each taking `batch_size` examples of every

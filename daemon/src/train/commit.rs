@@ -6,8 +6,8 @@
 use trainerd_sdk::PluginInfo;
 use trainerd_storage::{Blob, BlobEntry, Mode, Score};
 
+use super::error::TrainError;
 use super::report::Reporter;
-use super::TrainError;
 use crate::checkpoint::{Checkpointer, Finished};
 use crate::state::{Meta, Position, Reader, TrainState};
 

@@ -21,11 +21,11 @@ use crate::plugin::Plugin;
 use crate::state::{Meta, ModelState, Reader, Shareable, Totals};
 use crate::train::agreement::{agreement, Job};
 use crate::train::batches::input_context;
+use crate::train::error::TrainError;
 use crate::train::jobs::EvalConfig;
 use crate::train::session::{Interrupt, Session};
 use crate::train::step;
 use crate::train::summary::device_name;
-use crate::train::TrainError;
 
 /// The result, written as JSON by `--summary`.
 #[derive(Clone, Debug, Serialize)]

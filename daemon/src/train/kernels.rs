@@ -4,8 +4,8 @@
 //! A process whose libtorch runs higher kernels starts itself again with the run's; one that
 //! runs lower ones is refused, naming both.
 
+use super::error::TrainError;
 use super::report::Reporter;
-use super::TrainError;
 use crate::state::Position;
 use crate::sys::cpu::{self, Capability};
 

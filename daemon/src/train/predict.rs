@@ -14,10 +14,10 @@ use tch::{Device, Kind, Tensor};
 use trainerd_data::predictions::Writer;
 use trainerd_sdk::{InputContext, Split};
 
+use super::error::TrainError;
 use super::evaluate::{failed, load, Loaded};
 use super::jobs::PredictConfig;
 use super::step::{on_device, torch};
-use super::TrainError;
 use crate::cluster::coordinator::rules::FINAL_BARRIER;
 use crate::input::Data;
 use crate::ops::progress::Progress;

@@ -8,8 +8,8 @@
 
 use tch::{Device, Tensor};
 
+use super::error::TrainError;
 use super::step::{Replica, Variables};
-use super::TrainError;
 use crate::optim::precision::Precision;
 use crate::plugin::{ModelInstance, Named, Plugin};
 

@@ -14,8 +14,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use trainerd_sdk::{Columns, LrSchedule, PluginInfo};
 
+use super::config::RunConfig;
+use super::error::TrainError;
 use super::summary::{Recovery, StepPhases};
-use super::{RunConfig, TrainError};
 use crate::checkpoint::Finished;
 use crate::events::{Event, Events};
 use crate::ops::progress::{with_perplexity, Progress};

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicBool;
 
-use super::TrainError;
+use super::error::TrainError;
 use crate::cluster::coordinator::rules::Report;
 use crate::cluster::finding::Finding;
 use crate::cluster::parts::Said;

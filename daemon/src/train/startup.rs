@@ -12,9 +12,10 @@ use trainerd_storage::Location;
 
 use super::batches::input_context;
 use super::commit::{Committer, Policy};
+use super::config::RunConfig;
+use super::error::TrainError;
 use super::report::Reporter;
 use super::session::{First, Session};
-use super::{RunConfig, TrainError};
 use crate::checkpoint::Checkpointer;
 use crate::input::Data as Input;
 use crate::ops::progress::Progress;

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use tch::{Device, Kind, Tensor};
 use trainerd_sdk::{Batch, InputContext};
 
-use super::TrainError;
+use super::error::TrainError;
 use crate::collective::buckets::Buckets;
 use crate::collective::{Collective, ReduceOp};
 use crate::input::Data;

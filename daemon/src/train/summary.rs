@@ -1,4 +1,4 @@
-//! The result of a run, as `--summary` writes it: what trained, how well, how fast, the
+//! How a worker's run ended ([`Outcome`]), and the result of a run, as `--summary` writes it: what trained, how well, how fast, the
 //! parameters' fingerprint, and the failures and recoveries this worker went through.
 
 use std::collections::BTreeMap;
@@ -9,6 +9,24 @@ use tch::Device;
 use trainerd_sdk::{LrSchedule, OptimizerConfig};
 
 use crate::input::DataFigures;
+
+/// How this worker's run ended.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// Training is complete.
+    Finished(Box<Summary>),
+    /// The run had finished when this worker came back (its coordinator did not answer, and the
+    /// latest commit holds the final state of this run's configuration): nothing is left to do.
+    /// What to say: at which step and commit it finished.
+    AlreadyFinished(String),
+    /// Stopped by a signal, after the cluster's commit (or with nothing newer to commit).
+    Stopped {
+        /// The global step it stopped at.
+        step: u64,
+        /// What became of the state: the commit holding it, or why none does.
+        saved: String,
+    },
+}
 
 /// One mismatch the replicas' comparison found, as the summary tells it.
 #[derive(Clone, Debug, Serialize)]

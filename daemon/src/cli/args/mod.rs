@@ -313,7 +313,7 @@ pub(crate) struct RunArgs {
     /// state) every N global steps, as well as before each commit (0: before commits only). A
     /// member that differs (silent corruption) is named, and every member goes back to the last
     /// state they agreed on (docs/fault-tolerance.md).
-    #[arg(long, default_value_t = crate::train::integrity::DEFAULT_EVERY)]
+    #[arg(long, default_value_t = crate::train::config::REPLICA_CHECK_EVERY)]
     pub(crate) replica_check_every: u64,
     /// Commit checkpoints here (a directory, file:///path, s3://bucket/prefix) and resume from
     /// the newest one at start.

@@ -15,8 +15,8 @@ use crate::checkpoint::checkpointer::PartsWriter;
 use crate::cluster::parts::Said;
 use crate::state::{Optim, Position, TrainState};
 use crate::train::commit::{Busy, Moment, Parts};
+use crate::train::error::TrainError;
 use crate::train::session::{Interrupt, Session};
-use crate::train::TrainError;
 
 /// What the reach probes found: the ranks known to reach the checkpoint location as every other
 /// member does, whether no member of the forming generation knows that of every member (then

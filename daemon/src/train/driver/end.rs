@@ -9,9 +9,10 @@ use super::{Driver, Ended, Next};
 use crate::cluster::coordinator::rules::{CAME_BACK, FINAL_BARRIER};
 use crate::state::{Totals, TrainState};
 use crate::train::commit::{Committer, Moment};
+use crate::train::error::TrainError;
 use crate::train::session::{Interrupt, Session};
+use crate::train::summary::Outcome;
 use crate::train::summary::{device_name, Summary};
-use crate::train::{Outcome, TrainError};
 
 impl Driver<'_> {
     /// After `train`: the end of the run (every member's final barrier, the chief's last commit

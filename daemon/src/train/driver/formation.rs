@@ -8,11 +8,11 @@ use super::Driver;
 use crate::cluster::wire::Formed;
 use crate::state::{Shareable, TrainState};
 use crate::train::commit::Moment;
+use crate::train::error::TrainError;
 use crate::train::kernels;
 use crate::train::report::JoinedGeneration;
 use crate::train::session::{Interrupt, Joined, Session};
 use crate::train::startup;
-use crate::train::TrainError;
 
 /// Where each of a member's values sits in the first exchange, and how many there are.
 const STEPS: usize = 0;

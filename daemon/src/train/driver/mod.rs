@@ -14,6 +14,8 @@ use trainerd_sdk::{InputContext, PluginInfo};
 
 use super::batches::Batches;
 use super::commit::{Committer, Moment};
+use super::config::RunConfig;
+use super::error::TrainError;
 use super::integrity::{self, Integrity};
 use super::replicas::Replicas;
 use super::report::{Reporter, StepDone};
@@ -21,7 +23,7 @@ use super::session::{lineage, First, Interrupt, Session};
 use super::sharded_step::{self, Stepped};
 use super::startup::Data;
 use super::step::{self, Raised, SlotBatch, StepResult};
-use super::{Outcome, RunConfig, TrainError};
+use super::summary::Outcome;
 use crate::cluster::ClusterError;
 use crate::collective::buckets::{Buckets, Range};
 use crate::collective::slots;
@@ -134,7 +136,7 @@ impl<'a> Driver<'a> {
             committer,
             evaluated: (u64::MAX, BTreeMap::new()),
             coordinates: true,
-            integrity: Integrity::new(cfg.integrity()),
+            integrity: Integrity::new(integrity::Schedule::of(cfg)),
             clip_ranges: None,
             sharding: None,
             adopted_once: false,

@@ -8,9 +8,9 @@ use super::Driver;
 use crate::optim::optimizer::Optimizer;
 use crate::optim::sharded_state::ShardedOptimizer;
 use crate::state::{host, Optim, Position, Shareable, TrainState};
+use crate::train::error::TrainError;
 use crate::train::session::{Interrupt, Session};
 use crate::train::sharded_step;
-use crate::train::TrainError;
 use trainerd_storage::TensorData;
 
 impl Driver<'_> {

@@ -23,16 +23,13 @@ mod digests;
 pub(crate) use digests::ranges_differ;
 use digests::{digest, exchange, parameters, parameters_alone, range_digests, split_digests};
 
+use super::config::RunConfig;
 use super::report::Reporter;
 use super::session::{Interrupt, Session};
 use super::sharded_step::Read;
 use super::summary::{ReplicaFigures, ReplicaMismatch};
 use crate::cluster::finding::Finding;
 use crate::state::{Optim, Position, Shareable, TrainState};
-
-/// The default of `--replica-check-every`: at mnist-cnn's step on this project's CPUs the check
-/// costs well under 1% of the step time (bench/multi_worker.sh measures it).
-pub(crate) const DEFAULT_EVERY: u64 = 100;
 
 /// When this member compares: every `every` global steps (agreed by every member), and before
 /// the commits of any member that may coordinate.
@@ -44,6 +41,13 @@ pub(crate) struct Schedule {
     /// members exchange theirs with each generation, so that the commits of whoever coordinates
     /// are compared first, though only the chief may have checkpoints.
     pub(crate) commits: u64,
+}
+
+impl Schedule {
+    /// The run's: `--replica-check-every`, and this member's checkpoint interval.
+    pub(crate) fn of(cfg: &RunConfig) -> Schedule {
+        Schedule { every: cfg.replica_check_every, commits: cfg.checkpoint.as_ref().map_or(0, |c| c.every) }
+    }
 }
 
 /// Whether a check is due after the step that brought the state to `position`: on the interval
