@@ -234,7 +234,7 @@ pub enum DataError {
     },
     /// Raw text that cannot be tokenized and packed.
     #[error(transparent)]
-    Text(#[from] crate::text::TextError),
+    Text(#[from] TextError),
     /// libtorch failed making a batch's tensors.
     #[error("making a batch: {0}")]
     Torch(#[from] trainerd_sdk::tch::TchError),
@@ -299,6 +299,161 @@ pub enum GroupError {
     /// A decoder panicked on it.
     #[error(transparent)]
     Panicked(#[from] Panicked),
+}
+
+/// Why raw text cannot be packed.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    /// No tokenizer beside the dataset, and none named.
+    #[error(
+        "the model trains on raw text, and data location {location} has no tokenizer.json beside its Parquet files: \
+         give --tokenizer PATH or s3://bucket/key (the model's tokenizer.json) or put it there"
+    )]
+    NoTokenizer {
+        /// The dataset.
+        location: String,
+    },
+    /// `--tokenizer` names no file or S3 object.
+    #[error("--tokenizer {text:?}: {reason}")]
+    Url {
+        /// The text given.
+        text: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tokenizer on S3 that cannot be fetched.
+    #[error("tokenizer {url}: {reason}")]
+    Fetch {
+        /// Its URL.
+        url: String,
+        /// Why.
+        #[source]
+        reason: FetchError,
+    },
+    /// A tokenizer file that cannot be read.
+    #[error("tokenizer {path}: {source}")]
+    Unreadable {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A file that is not a tokenizer.
+    #[error("tokenizer {location}: not a Hugging Face tokenizer.json: {reason}")]
+    NotATokenizer {
+        /// The file.
+        location: String,
+        /// What the parser said.
+        reason: String,
+    },
+    /// None of the known end-of-text tokens.
+    #[error(
+        "tokenizer {location} has none of the end-of-text tokens trainerd knows ({tried}): name the token that ends \
+         each document with --eos-token"
+    )]
+    NoEos {
+        /// The file.
+        location: String,
+        /// The tokens tried.
+        tried: String,
+    },
+    /// An end-of-text token the tokenizer does not have.
+    #[error("--eos-token {token:?}: tokenizer {location} has no such token")]
+    UnknownEos {
+        /// The file.
+        location: String,
+        /// The token.
+        token: String,
+    },
+    /// The tokenizer failed on some text.
+    #[error("tokenizer {location} failed on data file {file}, row group {row_group}: {reason}")]
+    Encode {
+        /// The tokenizer.
+        location: String,
+        /// The data file.
+        file: String,
+        /// Its row group.
+        row_group: usize,
+        /// What it said.
+        reason: String,
+    },
+    /// Fewer tokens than one block.
+    #[error(
+        "the {split} split of {location} has {tokens} token(s) in {documents} document(s) (with their end-of-text \
+         tokens): fewer than one block of {length}; give the model a shorter length or the split more text"
+    )]
+    TooFew {
+        /// The split's name.
+        split: String,
+        /// The dataset.
+        location: String,
+        /// Its tokens.
+        tokens: u64,
+        /// Its non-empty documents.
+        documents: u64,
+        /// The block length.
+        length: u32,
+    },
+    /// A dataset opened without a cache, which token streams live in.
+    #[error("data location {location}: raw text is tokenized into the data cache, and none was given")]
+    NoCache {
+        /// The dataset.
+        location: String,
+    },
+    /// The token file cannot be written or read.
+    #[error("token cache {path}: {source}")]
+    Cache {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// Why a tokenizer on S3 could not be fetched.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FetchError {
+    /// No such object (or no such bucket).
+    #[error("no such object (check the bucket and the key)")]
+    NotFound,
+    /// The credentials may not read it.
+    #[error(
+        "no permission to read it (check the S3 credentials, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, and the \
+         bucket's policy): {0}"
+    )]
+    Denied(#[source] object_store::Error),
+    /// The store's error.
+    #[error("{0}")]
+    Store(#[source] object_store::Error),
+    /// The store kept failing past the retries' bound.
+    #[error("S3 kept failing for {:.0} s (last error: {last}); gave up after --data-timeout", waited.as_secs_f64())]
+    Unavailable {
+        /// How long it was retried.
+        waited: std::time::Duration,
+        /// The last error.
+        last: String,
+    },
+    /// Anything else (the S3 settings, the cache).
+    #[error("{0}")]
+    Read(#[source] Box<DataError>),
+}
+
+impl FetchError {
+    /// What a failed read of the tokenizer means for it.
+    pub(crate) fn of(e: DataError) -> FetchError {
+        use object_store::Error as E;
+        match e {
+            DataError::Source { source: source @ (E::PermissionDenied { .. } | E::Unauthenticated { .. }), .. } => {
+                FetchError::Denied(source)
+            }
+            // Gone between the head and the read.
+            DataError::Source { source: E::NotFound { .. }, .. } | DataError::Changed { .. } => FetchError::NotFound,
+            DataError::Source { source, .. } | DataError::Store { source, .. } => FetchError::Store(source),
+            DataError::Unavailable { waited, last, .. } => FetchError::Unavailable { waited, last },
+            e => FetchError::Read(Box::new(e)),
+        }
+    }
 }
 
 /// Why a dataset could not be written (`trainerd data convert`).

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use trainerd_storage::Location;
 
-use super::{TextError, TextOptions};
-use crate::error::DataError;
+use super::TextOptions;
+use crate::error::{DataError, FetchError, TextError};
 use crate::location::DataLocation;
 use crate::source::{Purpose, Source};
 use crate::Dataset;
@@ -123,52 +123,6 @@ impl std::fmt::Display for TokenizerLocation {
     }
 }
 
-/// Why a tokenizer on S3 could not be fetched.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum FetchError {
-    /// No such object (or no such bucket).
-    #[error("no such object (check the bucket and the key)")]
-    NotFound,
-    /// The credentials may not read it.
-    #[error(
-        "no permission to read it (check the S3 credentials, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, and the \
-         bucket's policy): {0}"
-    )]
-    Denied(#[source] object_store::Error),
-    /// The store's error.
-    #[error("{0}")]
-    Store(#[source] object_store::Error),
-    /// The store kept failing past the retries' bound.
-    #[error("S3 kept failing for {:.0} s (last error: {last}); gave up after --data-timeout", waited.as_secs_f64())]
-    Unavailable {
-        /// How long it was retried.
-        waited: std::time::Duration,
-        /// The last error.
-        last: String,
-    },
-    /// Anything else (the S3 settings, the cache).
-    #[error("{0}")]
-    Read(#[source] Box<DataError>),
-}
-
-impl FetchError {
-    /// What a failed read of the tokenizer means for it.
-    fn of(e: DataError) -> FetchError {
-        use object_store::Error as E;
-        match e {
-            DataError::Source { source: source @ (E::PermissionDenied { .. } | E::Unauthenticated { .. }), .. } => {
-                FetchError::Denied(source)
-            }
-            // Gone between the head and the read.
-            DataError::Source { source: E::NotFound { .. }, .. } | DataError::Changed { .. } => FetchError::NotFound,
-            DataError::Source { source, .. } | DataError::Store { source, .. } => FetchError::Store(source),
-            DataError::Unavailable { waited, last, .. } => FetchError::Unavailable { waited, last },
-            e => FetchError::Read(Box::new(e)),
-        }
-    }
-}
-
 impl Dataset {
     /// The tokenizer `options` name, or the one beside the dataset.
     pub fn tokenizer(&self, options: &TextOptions) -> Result<Tokenizer, DataError> {
@@ -211,6 +165,12 @@ impl Dataset {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dataset_without_a_tokenizer_is_told_the_file_it_looks_for() {
+        let e = TextError::NoTokenizer { location: "s3://b/d".into() };
+        assert!(e.to_string().contains(&format!("has no {FILE} beside its Parquet files")), "{e}");
+    }
 
     fn parse(text: &str) -> Result<TokenizerLocation, String> {
         text.parse().map_err(|e: TextError| e.to_string())
