@@ -7,6 +7,7 @@ use tch::Device;
 use trainerd_sdk::{LrSchedule, OptimizerConfig};
 use trainerd_storage::{Location, S3Options};
 
+use crate::cluster::member::Settings;
 use crate::cluster::{ClusterConfig, Network, Timeouts};
 use crate::collective::Backend;
 use crate::input::DataSource;
@@ -130,6 +131,13 @@ impl RunConfig {
             replica_check_every: REPLICA_CHECK_EVERY,
             gpus: Vec::new(),
         }
+    }
+}
+
+impl RunConfig {
+    /// How this worker takes part in its cluster.
+    pub(crate) fn member_settings(&self) -> Settings<'_> {
+        Settings { timeouts: self.timeouts, network: &self.network, state_dir: self.state_dir.as_deref() }
     }
 }
 

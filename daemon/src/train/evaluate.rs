@@ -15,6 +15,7 @@ use serde::Serialize;
 use trainerd_sdk::PluginInfo;
 
 use crate::cluster::coordinator::rules::FINAL_BARRIER;
+use crate::cluster::member::Settings;
 use crate::input::Data;
 use crate::ops::progress::Progress;
 use crate::plugin::Plugin;
@@ -96,7 +97,9 @@ pub(crate) fn load<'p>(
 ) -> Result<Loaded<'p>, TrainError> {
     let info = plugin.info();
     let identity = (plugin.identity(), agreement(job));
-    let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, None)?;
+    // An evaluation keeps no vote and records no position.
+    let settings = Settings { timeouts: cfg.timeouts, network: &cfg.network, state_dir: None };
+    let mut session = Session::open(cfg.cluster.as_ref(), identity, settings)?;
     let rank = session.rank();
     let model = plugin.create_model(crate::plugin::MODEL_PATH, cfg.device)?;
     let mut state = ModelState::new(model.split_variables(), info.metrics.len(), cfg.device, rank == 0);

@@ -11,9 +11,10 @@ use std::sync::atomic::AtomicBool;
 use super::error::TrainError;
 use crate::cluster::coordinator::rules::Report;
 use crate::cluster::finding::Finding;
+use crate::cluster::member::Settings;
 use crate::cluster::parts::Said;
 use crate::cluster::wire::{Formed, Identity};
-use crate::cluster::{BindError, ClusterConfig, ClusterError, ControlPlane, Network, Timeouts};
+use crate::cluster::{BindError, ClusterConfig, ClusterError, ControlPlane, Timeouts};
 use crate::collective::{Backend, Collective, CollectiveError, DataListener, Link, Ring, Slots, Traffic};
 use crate::state::{sha256_hex, Shareable};
 
@@ -151,15 +152,13 @@ impl Session {
     pub(crate) fn open(
         cluster: Option<&ClusterConfig>,
         (plugin, run_config_json): (String, String),
-        timeouts: Timeouts,
-        network: &Network,
-        state_dir: Option<&std::path::Path>,
+        settings: Settings<'_>,
     ) -> Result<Session, TrainError> {
         match cluster {
             None => Ok(Session::single()),
             Some(cluster) => {
                 let identity = Identity { cluster_json: cluster.cluster_json(), plugin, run_config_json };
-                Session::start(cluster, identity, timeouts, network, state_dir)
+                Session::start(cluster, identity, settings)
             }
         }
     }
@@ -169,11 +168,10 @@ impl Session {
     pub(crate) fn start(
         cluster: &ClusterConfig,
         identity: Identity,
-        timeouts: Timeouts,
-        network: &Network,
-        state_dir: Option<&std::path::Path>,
+        settings: Settings<'_>,
     ) -> Result<Session, TrainError> {
-        let plane = ControlPlane::start(cluster, identity, timeouts, network, state_dir)?;
+        let Settings { timeouts, network, state_dir } = settings;
+        let plane = ControlPlane::start(cluster, identity, settings)?;
         let me = cluster.me();
         let name = plane.names()[cluster.rank].clone();
         let listener = DataListener::bind((network.bind, 0).into(), network.key.clone()).map_err(|source| {

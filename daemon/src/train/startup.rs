@@ -31,8 +31,7 @@ pub(super) fn open_session(
     progress: &mut Progress,
 ) -> Result<Session, TrainError> {
     let identity = (plugin.identity(), run_config.to_string());
-    let mut session =
-        Session::open(cfg.cluster.as_ref(), identity, cfg.timeouts, &cfg.network, cfg.state_dir.as_deref())?;
+    let mut session = Session::open(cfg.cluster.as_ref(), identity, cfg.member_settings())?;
     session.set_slots_per_worker(cfg.devices.len() * cfg.accumulate, cfg.shard_optimizer);
     session.set_backend(cfg.collective);
     if let Some(listening) = session.listening() {

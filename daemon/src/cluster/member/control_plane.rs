@@ -124,18 +124,30 @@ async fn answered<T>(call: impl std::future::Future<Output = T>, gone: impl Fn()
     }
 }
 
+/// How this member takes part, whatever the cluster: its timeouts, where it listens and who may
+/// talk to it (`network`), and the directory that keeps its vote and its position record
+/// (`state_dir`; none: it takes no part in electing a coordinator when the chief is lost for
+/// good, and records no position).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settings<'a> {
+    /// The timeout hierarchy.
+    pub(crate) timeouts: Timeouts,
+    /// Where it listens, and the cluster secret.
+    pub(crate) network: &'a Network,
+    /// `--state-dir`.
+    pub(crate) state_dir: Option<&'a std::path::Path>,
+}
+
 impl ControlPlane {
     /// Serves the control plane on this member's TF_CONFIG port (the chief also coordinates,
-    /// or the member its kept vote says coordinates), bound and authenticated as `network`
-    /// says, and starts beating to the coordinator. `state_dir` keeps this member's vote (none:
-    /// it takes no part in electing a coordinator when the chief is lost for good).
+    /// or the member its kept vote says coordinates), bound and authenticated as `settings`
+    /// say, and starts beating to the coordinator.
     pub(crate) fn start(
         cluster: &ClusterConfig,
         identity: Identity,
-        timeouts: Timeouts,
-        network: &Network,
-        state_dir: Option<&std::path::Path>,
+        settings: Settings<'_>,
     ) -> Result<ControlPlane, ClusterError> {
+        let Settings { timeouts, network, state_dir } = settings;
         let names: Vec<String> = cluster.members.iter().map(|m| m.to_string()).collect();
         let runtime = control_runtime()?;
         let listener = bind(cluster, network, &names[cluster.rank])?;

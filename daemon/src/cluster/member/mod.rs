@@ -27,7 +27,7 @@ pub(crate) mod watch;
 use super::error::ClusterError;
 use super::service::Chair;
 use control_plane::Shared;
-pub(crate) use control_plane::{ControlPlane, FinishedProbe};
+pub(crate) use control_plane::{ControlPlane, FinishedProbe, Settings};
 pub(crate) use dial::resolve;
 use dial::Dial;
 

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::dial::Dial;
-use super::ControlPlane;
+use super::{ControlPlane, Settings};
 use crate::auth::ClusterKey;
 use crate::cluster::coordinator::rules::Report;
 use crate::cluster::network::Network;
@@ -36,7 +36,12 @@ const FAST: Timeouts = Timeouts {
 
 fn plane(ports: &[u16], rank: usize, t: Timeouts) -> ControlPlane {
     let c = cluster(ports, rank);
-    ControlPlane::start(&c, identity(&c, "{}"), t, &Network::loopback(), None).unwrap()
+    ControlPlane::start(
+        &c,
+        identity(&c, "{}"),
+        Settings { timeouts: t, network: &Network::loopback(), state_dir: None },
+    )
+    .unwrap()
 }
 
 fn report(generation: u64, step: u64, digest: &str) -> Report {
@@ -98,7 +103,12 @@ fn a_crashed_member_ends_the_generation_and_its_successor_gets_the_furthest_stat
 /// A plane that keeps its vote in `dir`.
 fn voting(ports: &[u16], rank: usize, t: Timeouts, dir: &std::path::Path) -> ControlPlane {
     let c = cluster(ports, rank);
-    ControlPlane::start(&c, identity(&c, "{}"), t, &Network::loopback(), Some(dir)).unwrap()
+    ControlPlane::start(
+        &c,
+        identity(&c, "{}"),
+        Settings { timeouts: t, network: &Network::loopback(), state_dir: Some(dir) },
+    )
+    .unwrap()
 }
 
 #[test]
@@ -250,13 +260,19 @@ fn a_generation_holds_a_bounded_number_of_barriers() {
 fn a_different_run_configuration_is_refused_with_both_values() {
     let ports = ports(2);
     let c0 = cluster(&ports, 0);
-    let _chief =
-        ControlPlane::start(&c0, identity(&c0, r#"{"batch_size":64,"seed":0}"#), FAST, &Network::loopback(), None)
-            .unwrap();
+    let _chief = ControlPlane::start(
+        &c0,
+        identity(&c0, r#"{"batch_size":64,"seed":0}"#),
+        Settings { timeouts: FAST, network: &Network::loopback(), state_dir: None },
+    )
+    .unwrap();
     let c1 = cluster(&ports, 1);
-    let mut worker =
-        ControlPlane::start(&c1, identity(&c1, r#"{"batch_size":32,"seed":0}"#), FAST, &Network::loopback(), None)
-            .unwrap();
+    let mut worker = ControlPlane::start(
+        &c1,
+        identity(&c1, r#"{"batch_size":32,"seed":0}"#),
+        Settings { timeouts: FAST, network: &Network::loopback(), state_dir: None },
+    )
+    .unwrap();
     let err = worker.join("127.0.0.1:1", &Report::default(), &AtomicBool::new(false)).unwrap_err().to_string();
     assert_eq!(
         err,
@@ -273,7 +289,14 @@ fn a_port_in_use_is_named() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
     let c = cluster(&[port, ports(1)[0]], 0);
-    let err = ControlPlane::start(&c, identity(&c, "{}"), FAST, &Network::loopback(), None).err().unwrap().to_string();
+    let err = ControlPlane::start(
+        &c,
+        identity(&c, "{}"),
+        Settings { timeouts: FAST, network: &Network::loopback(), state_dir: None },
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert_eq!(
         err,
         format!(
@@ -290,7 +313,8 @@ fn with_a_secret_only_members_that_know_it_are_served() {
     let secret = b"a-cluster-secret-0123456789";
     let start = |rank| {
         let c = cluster(&ports, rank);
-        ControlPlane::start(&c, identity(&c, "{}"), FAST, &key(secret), None).unwrap()
+        ControlPlane::start(&c, identity(&c, "{}"), Settings { timeouts: FAST, network: &key(secret), state_dir: None })
+            .unwrap()
     };
     let mut planes = vec![start(0), start(1)];
     let formed = join_all(&mut planes, &[report(0, 0, ""), report(0, 0, "")]);
