@@ -111,6 +111,27 @@ fn voting(ports: &[u16], rank: usize, t: Timeouts, dir: &std::path::Path) -> Con
     .unwrap()
 }
 
+/// Every plane joins, again until a generation holds all of them: rank 0 holding nothing, the
+/// others `theirs`.
+fn join_until_whole(planes: &mut [ControlPlane], theirs: &Report) -> Vec<Formed> {
+    let (stop, world) = (AtomicBool::new(false), planes.len());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = planes
+            .iter_mut()
+            .map(|p| {
+                let (stop, r) = (&stop, if p.rank() == 0 { Report::default() } else { theirs.clone() });
+                s.spawn(move || loop {
+                    let f = p.join("127.0.0.1:1", &r, stop).unwrap();
+                    if f.members.len() == world {
+                        return f;
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
 fn a_chief_lost_for_good_is_replaced_by_an_elected_coordinator_and_rejoins_as_a_member() {
     let ports = ports(3);
@@ -153,23 +174,7 @@ fn a_chief_lost_for_good_is_replaced_by_an_elected_coordinator_and_rejoins_as_a_
     // The chief comes back: it finds the new coordinator, joins as a member, takes its slot back.
     // (Workers 1 and 2 join again until a generation holds it, as the training loop does.)
     planes.insert(0, voting(&ports, 0, t, dir.path()));
-    let theirs = report(second[0].generation, 9, "s9");
-    let stop = AtomicBool::new(false);
-    let third: Vec<Formed> = std::thread::scope(|s| {
-        let handles: Vec<_> = planes
-            .iter_mut()
-            .map(|p| {
-                let (stop, r) = (&stop, if p.rank() == 0 { Report::default() } else { theirs.clone() });
-                s.spawn(move || loop {
-                    let f = p.join("127.0.0.1:1", &r, stop).unwrap();
-                    if f.members.len() == 3 {
-                        return f;
-                    }
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let third = join_until_whole(&mut planes, &report(second[0].generation, 9, "s9"));
     for f in &third {
         assert_eq!((f.coordinator, f.term, f.members.clone()), (elected, second[0].term, vec![0, 1, 2]), "{f:?}");
         assert_eq!((f.source, f.receivers.clone()), (1, vec![0]));

@@ -45,6 +45,9 @@ fn bytes(t: &Tensor) -> Vec<u32> {
     Vec::<f32>::try_from(t.detach().reshape(-1)).unwrap().into_iter().map(f32::to_bits).collect()
 }
 
+/// A named parameter.
+type Param = (String, Tensor);
+
 type Assembled = BTreeMap<(String, usize), Vec<(usize, Vec<u32>)>>;
 
 /// A member's differences found, its unsharded state (bits by name), and its sharded pieces:
@@ -97,39 +100,55 @@ fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, 
             )
             .unwrap();
             assert!(stepped.finite);
-            if stepped.extra != tail[..2] {
-                differences.push(format!("step {step}: tail {:?} vs {:?}", stepped.extra, tail));
-            }
-            if stepped.grad_norm != norm {
-                differences.push(format!("step {step}: norm {:?} vs {norm:?}", stepped.grad_norm));
-            }
-            for ((name, a), (_, b)) in plain.iter().zip(&sharded) {
-                if bytes(a) != bytes(b) {
-                    differences.push(format!("step {step}: {name} differs"));
-                }
-            }
+            differences.extend(step_differences(step, &stepped, (&tail, norm), (&plain, &sharded)));
         }
         // Gathered whole: the unsharded optimizer's state, named and ordered alike.
         let ranges = b_sharded.ranges(&sharded, v, 2);
-        let gathered = gather_state((&mut b_sharded, &ranges), ring, &sharded, (zero.as_ref().unwrap(), true)).unwrap();
+        let zero = zero.as_ref().unwrap();
+        let gathered = gather_state((&mut b_sharded, &ranges), ring, &sharded, (zero, true)).unwrap();
         let gathered: Vec<(String, Vec<u32>)> =
             gathered.iter().map(|t| (t.name.clone(), bytes(&host::to_tensor(t).unwrap()))).collect();
         let whole: Vec<(String, Vec<u32>)> = optimizer.state().into_iter().map(|(n, t)| (n, bytes(&t))).collect();
         if gathered != whole {
             differences.push("the gathered state is not the unsharded optimizer's".into());
         }
-        let state = whole.into_iter().collect();
-        let assemble = |buddies: bool| {
-            let mut pieces: Assembled = BTreeMap::new();
-            for (slot, piece, values) in zero.as_ref().unwrap().pieces(buddies) {
-                let name = format!("{}/{slot}", plain[piece.param].0);
-                let bits = values.iter().map(|x| x.to_bits()).collect();
-                pieces.entry((name, piece.param)).or_default().push((piece.offset, bits));
-            }
-            pieces
-        };
-        (differences, state, [assemble(false), assemble(true)])
+        (differences, whole.into_iter().collect(), [pieces_of(zero, &plain, false), pieces_of(zero, &plain, true)])
     })
+}
+
+/// How a sharded step's results differ from the unsharded step's: the tail's extra values,
+/// the gradient's norm, each parameter's bits.
+fn step_differences(
+    step: usize,
+    stepped: &Stepped,
+    (tail, norm): (&[f32], Option<f64>),
+    (plain, sharded): (&[Param], &[Param]),
+) -> Vec<String> {
+    let mut differences = Vec::new();
+    if stepped.extra != tail[..2] {
+        differences.push(format!("step {step}: tail {:?} vs {:?}", stepped.extra, tail));
+    }
+    if stepped.grad_norm != norm {
+        differences.push(format!("step {step}: norm {:?} vs {norm:?}", stepped.grad_norm));
+    }
+    for ((name, a), (_, b)) in plain.iter().zip(sharded) {
+        if bytes(a) != bytes(b) {
+            differences.push(format!("step {step}: {name} differs"));
+        }
+    }
+    differences
+}
+
+/// The pieces of the state `zero` holds (its buddy copies where `buddies`), by (the state's name
+/// for the parameter, the parameter), each at its offset.
+fn pieces_of(zero: &ShardedOptimizer, params: &[(String, Tensor)], buddies: bool) -> Assembled {
+    let mut pieces: Assembled = BTreeMap::new();
+    for (slot, piece, values) in zero.pieces(buddies) {
+        let name = format!("{}/{slot}", params[piece.param].0);
+        let bits = values.iter().map(|x| x.to_bits()).collect();
+        pieces.entry((name, piece.param)).or_default().push((piece.offset, bits));
+    }
+    pieces
 }
 
 /// The sharded update equals the unsharded one bit for bit, in the parameters after every
@@ -138,6 +157,52 @@ fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, 
 /// holding every slot; with a parameter no slot uses and one only slot 0 uses.
 #[test]
 fn the_sharded_update_is_bit_for_bit_the_unsharded_one() {
+    for ((world, v), config, clip) in cases() {
+        let out = both_modes((world, v), &config, clip, 6);
+        for (differences, state, _) in &out {
+            assert!(differences.is_empty(), "{config:?} {clip:?} on {world} worker(s), {v} slots: {differences:?}");
+            assert_eq!(state, &out[0].1, "every member's unsharded state is the same");
+        }
+        // The owned ranges put together are the unsharded state; so are the buddy copies
+        // (none alone).
+        for buddies in [false, true] {
+            let whole = assembled(&out, buddies);
+            if buddies && world == 1 {
+                assert!(whole.is_empty());
+                continue;
+            }
+            let what = if buddies { "the buddy copies" } else { "the state" };
+            assert_eq!(whole, out[0].1, "{config:?} {clip:?} on {world} worker(s), {v} slots: {what}");
+        }
+        assert!(clip.is_off() || out.iter().all(|o| o.0.is_empty()));
+    }
+}
+
+/// Every member's pieces (their buddy copies where `buddies`) put together, by name, each
+/// covered once and in order.
+fn assembled(out: &[Member], buddies: bool) -> BTreeMap<String, Vec<u32>> {
+    let mut assembled: Assembled = BTreeMap::new();
+    for (_, _, pieces) in out {
+        for (key, parts) in &pieces[usize::from(buddies)] {
+            assembled.entry(key.clone()).or_default().extend(parts.iter().cloned());
+        }
+    }
+    let mut whole = BTreeMap::new();
+    for ((name, _), mut parts) in assembled {
+        parts.sort();
+        let mut bits = Vec::new();
+        for (offset, values) in parts {
+            assert_eq!(offset, bits.len(), "{name}: the ranges cover it once, in order");
+            bits.extend(values);
+        }
+        whole.insert(name, bits);
+    }
+    whole
+}
+
+/// Every optimizer and clipping on one slot per worker, several slots per worker, and one
+/// worker holding every slot.
+fn cases() -> Vec<((usize, usize), OptimizerConfig, Clip)> {
     let sgd = |momentum, dampening, weight_decay, nesterov| OptimizerConfig::Sgd {
         lr: 0.05,
         momentum,
@@ -185,40 +250,7 @@ fn the_sharded_update_is_bit_for_bit_the_unsharded_one() {
         ((3, 3), keras_adamw, Clip::default()),
         ((2, 2), keras_rms, value),
     ];
-    for ((world, v), config, clip) in cases {
-        let out = both_modes((world, v), &config, clip, 6);
-        for (differences, state, _) in &out {
-            assert!(differences.is_empty(), "{config:?} {clip:?} on {world} worker(s), {v} slots: {differences:?}");
-            assert_eq!(state, &out[0].1, "every member's unsharded state is the same");
-        }
-        // The owned ranges put together are the unsharded state; so are the buddy copies
-        // (none alone).
-        for buddies in [false, true] {
-            let mut assembled: Assembled = BTreeMap::new();
-            for (_, _, pieces) in &out {
-                for (key, parts) in &pieces[usize::from(buddies)] {
-                    assembled.entry(key.clone()).or_default().extend(parts.iter().cloned());
-                }
-            }
-            if buddies && world == 1 {
-                assert!(assembled.is_empty());
-                continue;
-            }
-            let mut whole = BTreeMap::new();
-            for ((name, _), mut parts) in assembled {
-                parts.sort();
-                let mut bits = Vec::new();
-                for (offset, values) in parts {
-                    assert_eq!(offset, bits.len(), "{name}: the ranges cover it once, in order");
-                    bits.extend(values);
-                }
-                whole.insert(name, bits);
-            }
-            let what = if buddies { "the buddy copies" } else { "the state" };
-            assert_eq!(whole, out[0].1, "{config:?} {clip:?} on {world} worker(s), {v} slots: {what}");
-        }
-        assert!(clip.is_off() || out.iter().all(|o| o.0.is_empty()));
-    }
+    cases.into()
 }
 
 /// One member's view after a reshard: its owned and buddied ranges, steps, started flags, and

@@ -568,4 +568,6 @@ fn add_reach(reaches: &mut Option<(u64, u64, u64)>, report: &Report) {
 }
 
 #[cfg(test)]
+mod property_tests;
+#[cfg(test)]
 mod tests;
