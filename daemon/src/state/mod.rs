@@ -2,17 +2,17 @@
 //! running [`totals`]), the model's and the optimizer's tensors ([`replica`]), the same as bytes
 //! for a peer (a state transfer) or as blobs for storage ([`host`] moves tensors to and from host
 //! memory), a checkpoint's metadata ([`meta`]: what must match to continue from it), and one
-//! step's outputs as a catch-up carries them to a returner ([`step_outputs`]).
+//! step's outputs as a catch-up carries them to a returner ([`catch_up`]).
 //!
 //! It knows nothing of the cluster, the loop or storage's protocol: the training loop
 //! (`train`) changes a state, the session (`train::session`) carries it to peers, the
 //! checkpointer (`checkpoint`) hands it to storage.
 
+pub(crate) mod catch_up;
 pub(crate) mod host;
 pub(crate) mod meta;
 pub(crate) mod position;
 pub(crate) mod replica;
-pub(crate) mod step_outputs;
 pub(crate) mod totals;
 
 pub(crate) use meta::{

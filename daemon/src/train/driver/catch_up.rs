@@ -11,7 +11,7 @@ use bytes::Bytes;
 use super::Driver;
 use crate::cluster::catch_up::{fingerprint, Catching, Feed, Item};
 use crate::collective::slots;
-use crate::state::step_outputs::{self, Carried, StepOutputs};
+use crate::state::catch_up::{self, Carried, StepOutputs};
 use crate::state::{Optim, StateError, TrainState};
 use crate::train::kernels;
 use crate::train::report::Reporter;
@@ -166,7 +166,7 @@ impl Donor {
             Optim::Sharded(_) => Carried::Parameters,
             _ => Carried::Gradients,
         };
-        let bytes = match step_outputs::capture(&state.model, carried) {
+        let bytes = match catch_up::capture(&state.model, carried) {
             Ok(b) => b,
             Err(e) => return self.stop(&format!("a step's outputs could not be encoded: {e}"), report),
         };
