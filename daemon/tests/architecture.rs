@@ -259,18 +259,11 @@ fn named_paths(doc: &str) -> Vec<String> {
 /// (`storage/protocol`), a module written without its `.rs`.
 fn exists(path: &str) -> bool {
     let path = path.trim_end_matches('/');
-    let mut bases = vec![repo(), repo().join("daemon/src")];
+    let mut candidates = vec![repo().join(path), repo().join("daemon/src").join(path)];
     if let Some((krate, rest)) = path.split_once('/') {
-        bases.push(repo().join(krate).join("src").join(rest).parent().map(Path::to_path_buf).unwrap_or_default());
-        let in_src = repo().join(krate).join("src").join(rest);
-        if in_src.exists() || in_src.with_extension("rs").exists() {
-            return true;
-        }
+        candidates.push(repo().join(krate).join("src").join(rest));
     }
-    bases.iter().any(|b| {
-        let p = b.join(path);
-        p.exists() || p.with_extension("rs").exists()
-    })
+    candidates.iter().any(|p| p.exists() || p.with_extension("rs").exists())
 }
 
 #[test]
