@@ -197,16 +197,8 @@ impl Driver<'_> {
             self.open = None;
             return Ok(());
         }
-        let said = loop {
-            match session.parts_said(open.generation, &open.id) {
-                Some(said) => break said,
-                None if !wait => return Ok(()),
-                None => {
-                    session.ended()?;
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
-            }
-        };
+        let gone = || if wait { session.ended().map(|()| false) } else { Ok(true) };
+        let Some(said) = parts_said(session, open, gone)? else { return Ok(()) };
         let open = self.open.take().expect("open");
         self.record(session, open, said).map_err(Interrupt::Fatal)
     }
@@ -232,20 +224,34 @@ impl Driver<'_> {
     pub(super) fn finish_open(&mut self, session: &Session) -> Result<(), TrainError> {
         let Some(open) = self.open.take() else { return Ok(()) };
         let until = Instant::now() + self.cfg.timeouts.heartbeat_deadline * 10;
-        let said = loop {
-            if let Some(said) = session.parts_said(open.generation, &open.id) {
-                break said;
-            }
-            if Instant::now() >= until || self.stop.load(std::sync::atomic::Ordering::Relaxed) {
-                self.report.line(&format!(
-                    "trainerd: the commit of step {} was still being written as generation {} ended: left unfinished",
-                    open.position.global_step, open.generation
-                ));
-                return Ok(());
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
+        let stop = &self.stop;
+        let gone = || Ok::<_, TrainError>(Instant::now() >= until || stop.load(std::sync::atomic::Ordering::Relaxed));
+        let Some(said) = parts_said(session, &open, gone)? else {
+            self.report.line(&format!(
+                "trainerd: the commit of step {} was still being written as generation {} ended: left unfinished",
+                open.position.global_step, open.generation
+            ));
+            return Ok(());
         };
         self.record(session, open, said)
+    }
+}
+
+/// What every member said of `open`'s parts, asked every 5 ms until they all have (`Some`) or
+/// `gone` says it is no longer waited for (`None`), or fails.
+fn parts_said<E>(
+    session: &Session,
+    open: &Open,
+    mut gone: impl FnMut() -> Result<bool, E>,
+) -> Result<Option<BTreeMap<usize, Said>>, E> {
+    loop {
+        if let Some(said) = session.parts_said(open.generation, &open.id) {
+            return Ok(Some(said));
+        }
+        if gone()? {
+            return Ok(None);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
 
