@@ -70,7 +70,7 @@ def ensure_data():
 
 # ---- trainerd ----
 
-def trainerd(workers, batch, threads, epochs, seed, warmup):
+def trainerd(workers, batch, threads, epochs, seed, warmup, extra=()):
     """One trainerd run: its summary's rate, a steady rate from the metrics log's clock, and the
     per-step phases (ms, the summary's step_phases) of worker 0."""
     with tempfile.TemporaryDirectory() as d:
@@ -80,7 +80,7 @@ def trainerd(workers, batch, threads, epochs, seed, warmup):
         cmd = head + ["--plugin", os.path.join(TARGET, "libpython_model.so"), "--plugin-arg", f"module={MODULE}",
                       "--data", DATA, "--batch-size", str(batch), "--threads", str(threads), "--epochs", str(epochs),
                       "--optimizer", "adam", "--lr", str(LR), "--seed", str(seed), "--no-evaluation",
-                      "--summary", summary, "--metrics-log", metrics]
+                      "--summary", summary, "--metrics-log", metrics, *extra]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"trainerd failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
@@ -93,7 +93,8 @@ def trainerd(workers, batch, threads, epochs, seed, warmup):
         steady = (last["global_step"] - first["global_step"]) * s["global_batch_size"] / (last["time"] - first["time"])
     ph = s["step_phases"]
     return {"rate": s["examples_per_second"], "steady": steady, "steps": s["steps"], "seconds": s["train_seconds"],
-            "phases_ms": [ph["compute_ms"], ph["next_batch_ms"], ph["optimizer_ms"]]}
+            "phases_ms": [ph["compute_ms"], ph["next_batch_ms"], ph["optimizer_ms"]],
+            "exposed_ms": ph.get("exposed_communication_ms"), "fwd_bwd_ms": ph.get("forward_backward_ms")}
 
 
 # ---- the PyTorch peers ----
@@ -207,9 +208,15 @@ def compare(name, workers, a, epochs, goal):
     steps = train_rows(DATA) // (workers * a.batch) * epochs
     kind = "ddp" if workers > 1 else "eager"
     peer_name = "PyTorch DDP (gloo)" if workers > 1 else "PyTorch eager"
-    ours, theirs = [], []
+    ours, theirs, off = [], [], []
+    buckets = ["--bucket-mb", str(a.bucket_mb)] if a.bucket_mb else []
     for r in range(a.runs):
-        ours.append(trainerd(workers, a.batch, a.threads, epochs, a.seed, a.warmup))
+        ours.append(trainerd(workers, a.batch, a.threads, epochs, a.seed, a.warmup, buckets))
+        if workers > 1:
+            off.append(trainerd(workers, a.batch, a.threads, epochs, a.seed, a.warmup, [*buckets, "--overlap", "off"]))
+            print(f"  {name} run {r + 1}: exposed communication per step {ours[-1]['exposed_ms']:.2f} ms with "
+                  f"--overlap on, {off[-1]['exposed_ms']:.2f} ms off (forward+backward {ours[-1]['fwd_bwd_ms']:.1f} "
+                  f"and {off[-1]['fwd_bwd_ms']:.1f} ms; {off[-1]['rate'] * TOKENS:,.0f} tokens/s off)", flush=True)
         if ours[-1]["steps"] != steps:
             raise SystemExit(f"trainerd took {ours[-1]['steps']} steps, expected {steps}")
         theirs.append(peer(kind, a.batch, a.threads, steps, a.seed, a.warmup))
@@ -234,6 +241,11 @@ def compare(name, workers, a, epochs, goal):
           f"trainerd {o * TOKENS:,.0f} tokens/s ({o:,.0f} examples/s{steady}), {peer_name} "
           f"{t * TOKENS:,.0f} tokens/s ({t:,.0f} examples/s), ratio {o / t:.2f}x (goal >= {goal:.1f}x: "
           f"{'met' if o / t >= goal else 'NOT met'})", flush=True)
+    if off:
+        on_ms, off_ms = med([x["exposed_ms"] for x in ours]), med([x["exposed_ms"] for x in off])
+        print(f"{name}: exposed communication {on_ms:.2f} ms per step with --overlap on, {off_ms:.2f} ms off: "
+              f"{on_ms / off_ms:.2f}x (goal <= 0.25x: {'met' if on_ms <= 0.25 * off_ms else 'NOT met'}); "
+              f"--overlap off {med([x['rate'] for x in off]) * TOKENS:,.0f} tokens/s", flush=True)
     print(f"{name}: trainerd's step waits {wait:.2f} ms for its token batch ({100 * wait / step_ms:.1f}% of a "
           f"{step_ms:.1f} ms step; goal: none)", flush=True)
 
@@ -248,6 +260,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=THREADS, help="per worker process (default: $THREADS or 1)")
     ap.add_argument("--only", choices=["ddp", "eager"])
+    ap.add_argument("--bucket-mb", type=float, help="trainerd's --bucket-mb (default: its own, 25)")
     # The peer's own arguments (a subprocess of this script).
     ap.add_argument("--peer", choices=["ddp", "eager"], help=argparse.SUPPRESS)
     ap.add_argument("--module", default=MODULE, help=argparse.SUPPRESS)

@@ -1,10 +1,11 @@
 //! Generates the control plane's gRPC code (with a vendored protoc, so no system package is
-//! needed), compiles the autocast and CPU-capability shims (`csrc/`) against the libtorch that torch-sys
+//! needed), compiles the autocast, CPU-capability and gradient-hook shims (`csrc/`) against the libtorch that torch-sys
 //! links, and gives the daemon and its tests an rpath to that libtorch.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/control.proto");
     println!("cargo:rerun-if-changed=csrc/autocast.cpp");
     println!("cargo:rerun-if-changed=csrc/cpu.cpp");
+    println!("cargo:rerun-if-changed=csrc/grad_ready.cpp");
     println!("cargo:rerun-if-changed=../sdk/csrc/trainerd_shim.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib = std::path::PathBuf::from(std::env::var("DEP_TCH_LIBTORCH_LIB")?);
@@ -26,6 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ))
         .file("csrc/autocast.cpp")
         .file("csrc/cpu.cpp")
+        .file("csrc/grad_ready.cpp")
         .compile("trainerd_autocast");
     // SAFETY: a build script is single-threaded, so nothing reads the environment concurrently;
     // prost-build reads PROTOC.

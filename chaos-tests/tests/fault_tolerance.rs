@@ -26,17 +26,24 @@ struct Job {
     epochs: u32,
     steps: u64,
     workers: usize,
+    /// `--bucket-mb` in KiB (0: the default, 25 MB).
+    bucket_kib: u32,
 }
 
-const LINEAR: Job = Job { plugin: "linear", epochs: 2, steps: 300, workers: WORKERS };
-const CNN: Job = Job { plugin: "mnist-cnn", epochs: 2, steps: 60, workers: WORKERS };
+const LINEAR: Job = Job { plugin: "linear", epochs: 2, steps: 300, workers: WORKERS, bucket_kib: 0 };
+const CNN: Job = Job { plugin: "mnist-cnn", epochs: 2, steps: 60, workers: WORKERS, bucket_kib: 0 };
+/// The CNN in buckets of 20 KiB: three, the first two reduced during the backward pass.
+const CNN_BUCKETS: Job = Job { bucket_kib: 20, ..CNN };
 /// BatchNorm (running statistics as state) and dropout (masks from the generator), two workers.
-const BN: Job = Job { plugin: "mnist-bn", epochs: 2, steps: 60, workers: 2 };
+const BN: Job = Job { plugin: "mnist-bn", epochs: 2, steps: 60, workers: 2, bucket_kib: 0 };
 
 /// `trainerd run` arguments of `job`, each worker's summary in `dir`, checkpoints in `ckpt`.
 fn args(job: Job, dir: &Path, ckpt: &str) -> RunArgs {
-    RunArgs::new(job.plugin)
-        .epochs(job.epochs)
+    let args = match job.bucket_kib {
+        0 => RunArgs::new(job.plugin),
+        kib => RunArgs::new(job.plugin).set("--bucket-mb", f64::from(kib) / 1024.0),
+    };
+    args.epochs(job.epochs)
         .steps(job.steps)
         .threads(1)
         .seed(11)
@@ -329,6 +336,26 @@ fn sigkill_during_an_all_reduce_leaves_one_state_for_everyone() {
     assert_eq!(counts(&chief), (0, 0));
 }
 
+/// Worker 1 is stopped inside its backward pass of step 40, just after it handed a bucket's
+/// gradients to the reduction (which its peers join from their own backward passes), and
+/// SIGKILLed there: the others abandon step 40 and take it up again with nothing lost, and the
+/// run ends bitwise the failure-free run's.
+#[test]
+fn sigkill_inside_the_backward_pass_while_a_bucket_is_reduced_loses_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let storage = Storage::local(tmp.path());
+    let failpoint = vec![("TRAINERD_FAILPOINT".to_string(), "backward@step=40".to_string())];
+    let mut c = start(CNN_BUCKETS, tmp.path(), &storage, vec![vec![], failpoint]);
+    wait_for_text(&mut c, 1, "trainerd: failpoint backward reached");
+    c.signal(1, libc::SIGKILL);
+    let (_, gave_up) = c.wait_event(2, abandoned, DEADLINE);
+    let Event::Abandoned { step, .. } = &gave_up else { unreachable!("matched above") };
+    assert_eq!(*step, 40, "{gave_up:?}");
+    let chief = assert_finished_exactly(&mut c, CNN_BUCKETS, tmp.path());
+    assert_eq!(counts(&chief), (0, 0), "{}", c.transcript());
+    assert_eq!(counts(&summary(tmp.path(), 2)), (0, 0), "{}", c.transcript());
+}
+
 #[test]
 fn two_workers_at_once_then_every_worker() {
     let tmp = tempfile::tempdir().unwrap();
@@ -360,7 +387,7 @@ fn ten_random_kills_in_one_run() {
     let tmp = tempfile::tempdir().unwrap();
     let storage = Storage::s3();
     let sampler = storage.sampler();
-    let job = Job { plugin: "linear", epochs: 6, steps: 300, workers: WORKERS };
+    let job = Job { plugin: "linear", epochs: 6, steps: 300, workers: WORKERS, bucket_kib: 0 };
     let mut c = start(job, tmp.path(), &storage, vec![]);
     wait_for_step(&mut c, job, 1, 30);
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;

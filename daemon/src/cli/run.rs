@@ -12,7 +12,6 @@ use super::args::RunArgs;
 use super::data::bytes;
 use super::{data_options, device, seconds, set_threads, stop_flag};
 use crate::cluster::{ClusterConfig, Network, Timeouts};
-use crate::collective::buckets::DEFAULT_BUCKET_BYTES;
 use crate::events::{Event, Events};
 use crate::exit::Exit;
 use crate::input::{DataSource, Watch};
@@ -249,7 +248,8 @@ fn run_config(
         cluster,
         network,
         timeouts,
-        bucket_bytes: DEFAULT_BUCKET_BYTES,
+        bucket_bytes: bucket_bytes(args.bucket_mb)?,
+        overlap: args.overlap == "on",
         collective: crate::collective::Backend::Ring,
         metrics_log: args.metrics_log.clone(),
         tensorboard_dir: args.tensorboard_dir.clone(),
@@ -281,6 +281,15 @@ fn shardable(devices: &[tch::Device], uncommitted: bool) -> anyhow::Result<()> {
 /// The gradient clipping: the flags', or a Keras model's compile()'s `global_clipnorm` and
 /// `clipvalue` where the flags say nothing. Its per-variable `clipnorm` is the optimizer's, which
 /// a sharded optimizer state cannot run.
+/// `--bucket-mb` in bytes (MiB, as DDP's `bucket_cap_mb`).
+fn bucket_bytes(mb: f64) -> anyhow::Result<usize> {
+    let bytes = (mb * (1u64 << 20) as f64).round();
+    if !mb.is_finite() || bytes < 4.0 {
+        anyhow::bail!("--bucket-mb {mb}: expected a size in MB of at least one float32 (4 bytes), such as 25");
+    }
+    Ok(bytes as usize)
+}
+
 fn clip(args: &RunArgs, optimizer: &trainerd_sdk::OptimizerConfig) -> anyhow::Result<crate::optim::clip::Clip> {
     let keras = match optimizer {
         trainerd_sdk::OptimizerConfig::Keras(k) => Some(k),

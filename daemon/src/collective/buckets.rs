@@ -12,7 +12,10 @@ use tch::{Device, Kind, Tensor};
 use super::ring::chunk_of;
 use super::{host_slice, Collective, CollectiveError, Slots};
 
-/// Default bucket size, as PyTorch DDP's `bucket_cap_mb`.
+/// Default bucket size in MiB, as PyTorch DDP's `bucket_cap_mb`.
+pub(crate) const DEFAULT_BUCKET_MB: f64 = 25.0;
+/// The same in bytes.
+#[cfg(test)]
 pub(crate) const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 /// Which parameters go in which bucket, and each bucket's host buffer per slot held.
@@ -30,6 +33,9 @@ pub(crate) struct Buckets {
     on_device: bool,
     /// The parameters' device (the first replica's, when several stage into these buffers).
     home: Device,
+    /// Per bucket: reduced in this step already, while the backward pass ran
+    /// ([`super::overlap`]).
+    reduced: Vec<bool>,
 }
 
 /// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
@@ -69,7 +75,8 @@ impl Buckets {
             bytes += size;
         }
         let home = params.first().map_or(Device::Cpu, |(_, p)| p.device());
-        Buckets { groups, staging: Vec::new(), extras: Vec::new(), on_device: false, home }
+        let reduced = vec![false; groups.len()];
+        Buckets { groups, staging: Vec::new(), extras: Vec::new(), on_device: false, home, reduced }
     }
 
     /// Replaces every gradient with its mean over the ring's slots, and `extra` with its sum:
@@ -88,9 +95,11 @@ impl Buckets {
         Ok(())
     }
 
-    /// Stages on the parameters' CUDA device for NCCL (`true`), or in host memory for the ring:
-    /// as the generation's backend takes them. Changing it drops the buffers made for the other.
-    pub(crate) fn stage_on_device(&mut self, on_device: bool) {
+    /// A step begins: staged on the parameters' CUDA device for NCCL (`true`), or in host
+    /// memory for the ring, as the generation's backend takes them (changing it drops the buffers
+    /// made for the other), and no bucket reduced yet.
+    pub(crate) fn begin_step(&mut self, on_device: bool) {
+        self.reduced.iter_mut().for_each(|r| *r = false);
         if self.on_device != on_device {
             self.on_device = on_device;
             self.staging.clear();
@@ -103,20 +112,36 @@ impl Buckets {
     /// the device and cross in one copy; on the CPU each is copied into the buffer directly.
     /// `params` may be another replica's, on another device: the buffers stay where the first
     /// replica's parameters are.
+    #[cfg(test)]
     pub(crate) fn stage(&mut self, i: usize, params: &[(String, Tensor)], extra: &[f32]) {
+        let params: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
+        self.stage_buckets(i, &params, extra, 0..self.groups.len());
+    }
+
+    /// [`Buckets::stage`] of buckets `which` only: `extra` and the used-flags ride in the last
+    /// bucket, when `which` holds it.
+    pub(crate) fn stage_buckets(&mut self, i: usize, params: &[&Tensor], extra: &[f32], which: std::ops::Range<usize>) {
         let _no_grad = tch::no_grad_guard();
         self.slots_up_to(i + 1);
-        self.extras[i] = extra.len();
-        let used: Vec<bool> = params.iter().map(|(_, p)| p.grad().defined()).collect();
-        let mut tail: Vec<f32> = extra.to_vec();
-        tail.extend(used.iter().map(|&u| if u { 1.0 } else { 0.0 }));
         let last = self.groups.len() - 1;
-        for (b, group) in self.groups.iter().enumerate() {
+        let mut tail: Vec<f32> = Vec::new();
+        if which.contains(&last) {
+            self.extras[i] = extra.len();
+            tail.extend_from_slice(extra);
+            tail.extend(params.iter().map(|p| if p.grad().defined() { 1.0 } else { 0.0 }));
+        }
+        for b in which {
+            let group = &self.groups[b];
             let riding: &[f32] = if b == last { &tail } else { &[] };
-            let device = params[group[0]].1.device();
-            let grads: Vec<Option<Tensor>> =
-                group.iter().map(|&i| used[i].then(|| params[i].1.grad().detach().view(-1))).collect();
-            let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
+            let device = params[group[0]].device();
+            let grads: Vec<Option<Tensor>> = group
+                .iter()
+                .map(|&i| {
+                    let g = params[i].grad();
+                    g.defined().then(|| g.detach().view(-1))
+                })
+                .collect();
+            let numels: Vec<usize> = group.iter().map(|&i| params[i].numel()).collect();
             let grads_len: usize = numels.iter().sum();
             let (home, on_device) = (self.home, self.on_device);
             let buffer = buffer_of(&mut self.staging[i][b], grads_len + riding.len(), (home, on_device));
@@ -155,7 +180,9 @@ impl Buckets {
         let mut missing = Vec::new();
         for b in 0..self.groups.len() {
             let mut bufs = self.slot_buffers(b, held);
-            collective.all_reduce_buffers(&mut bufs)?;
+            if !std::mem::take(&mut self.reduced[b]) {
+                collective.all_reduce_buffers(&mut bufs)?;
+            }
             if self.on_device {
                 let riding = self.on_device_result(params, (b, &bufs[0]), scale, &mut missing);
                 if b == last {
@@ -283,7 +310,9 @@ impl Buckets {
         let held = collective.slots().len();
         for b in 0..self.groups.len() {
             let mut bufs = self.slot_buffers(b, held);
-            collective.reduce_scatter_buffers(&mut bufs)?;
+            if !std::mem::take(&mut self.reduced[b]) {
+                collective.reduce_scatter_buffers(&mut bufs)?;
+            }
         }
         Ok(())
     }
@@ -385,6 +414,57 @@ impl Buckets {
     /// The buffers of bucket `b` of the first `held` slots staged (shallow handles).
     fn slot_buffers(&self, b: usize, held: usize) -> Vec<Tensor> {
         self.staging[..held].iter().map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone()).collect()
+    }
+}
+
+impl Buckets {
+    /// The start-up line about them: how many, and whether their reductions overlap the
+    /// backward pass (`overlap`).
+    pub(crate) fn describe(&self, cap_bytes: usize, overlap: bool) -> String {
+        let n = self.groups.len();
+        let cap = (cap_bytes as f64 / f64::from(1 << 20) * 1e3).round() / 1e3;
+        let how = match (overlap, n) {
+            (false, _) => "each reduced after the backward pass (--overlap off, or not the ring on CPU parameters)",
+            (true, 1) => {
+                "one bucket, reduced after the backward pass (a smaller --bucket-mb lets reductions start during it)"
+            }
+            (true, _) => {
+                "each bucket but the last reduced during the backward pass, as soon as its gradients are final"
+            }
+        };
+        format!("gradients in {n} bucket(s) of at most {cap} MB: {how}")
+    }
+
+    /// The buckets, as parameter places in parameter order.
+    pub(crate) fn groups(&self) -> &[Vec<usize>] {
+        &self.groups
+    }
+
+    /// Host buffers of the `i`th slot held for buckets `which` (none of them the last, whose
+    /// length depends on the tail), made where missing, so that [`Buckets::stage_buckets`] fills
+    /// these very buffers; and handles on bucket `b`'s buffers of the first `held` slots, per
+    /// bucket of `which`, for a reduction on another thread.
+    pub(crate) fn prepare(
+        &mut self,
+        (i, held): (usize, usize),
+        params: &[&Tensor],
+        which: std::ops::Range<usize>,
+    ) -> Vec<Vec<Tensor>> {
+        assert!(!self.on_device && which.end < self.groups.len(), "host buffers of whole buckets only");
+        self.slots_up_to(held.max(i + 1));
+        let mut handles = Vec::with_capacity(which.len());
+        for b in which {
+            let len = self.groups[b].iter().map(|&p| params[p].numel()).sum();
+            buffer_of(&mut self.staging[i][b], len, (self.home, false));
+            handles.push(self.slot_buffers(b, held));
+        }
+        handles
+    }
+
+    /// Buckets `which` were reduced in this step already: [`Buckets::reduce`] and
+    /// [`Buckets::reduce_scatter_sums`] take their results as they are.
+    pub(crate) fn mark_reduced(&mut self, which: impl IntoIterator<Item = usize>) {
+        which.into_iter().for_each(|b| self.reduced[b] = true);
     }
 }
 

@@ -13,6 +13,7 @@
 pub(crate) mod abort;
 pub(crate) mod buckets;
 pub mod nccl;
+pub(crate) mod overlap;
 pub(crate) mod ring;
 pub(crate) mod slots;
 

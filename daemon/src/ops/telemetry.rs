@@ -40,6 +40,9 @@ struct Series {
     learning_rate: FloatGauge,
     allreduce_bytes: Counter,
     allreduce_seconds: Counter<f64, AtomicU64>,
+    forward_backward_seconds: Counter<f64, AtomicU64>,
+    exposed_seconds: Counter<f64, AtomicU64>,
+    update_seconds: Counter<f64, AtomicU64>,
     commits: Counter,
     commit_seconds: Histogram,
     commit_bytes: Counter,
@@ -69,6 +72,9 @@ impl Series {
             learning_rate: FloatGauge::default(),
             allreduce_bytes: Counter::default(),
             allreduce_seconds: Counter::default(),
+            forward_backward_seconds: Counter::default(),
+            exposed_seconds: Counter::default(),
+            update_seconds: Counter::default(),
             commits: Counter::default(),
             commit_seconds: Histogram::new(exponential_buckets(0.05, 2.0, 12)),
             commit_bytes: Counter::default(),
@@ -138,6 +144,17 @@ impl Series {
             "Seconds this worker spent in all-reduces",
             self.allreduce_seconds.clone(),
         );
+        r.register(
+            "trainerd_step_forward_backward_seconds",
+            "Seconds of the steps' forward and backward passes (divided by trainerd_steps: per step)",
+            self.forward_backward_seconds.clone(),
+        );
+        r.register(
+            "trainerd_step_exposed_communication_seconds",
+            "Seconds from the steps' backward passes' end to their last reduction's end: the communication not hidden",
+            self.exposed_seconds.clone(),
+        );
+        r.register("trainerd_step_update_seconds", "Seconds of the steps' updates", self.update_seconds.clone());
         r.register("trainerd_commits", "Checkpoints committed (chief)", self.commits.clone());
         r.register(
             "trainerd_commit_seconds",
@@ -386,6 +403,15 @@ impl Telemetry {
             st.loss = named.iter().find(|(n, _)| n == "loss").map(|(_, v)| *v);
         }
         self.progress();
+    }
+
+    /// A step's forward and backward passes took `compute`, its communication left `exposed`
+    /// after them, its update `update`.
+    pub(crate) fn step_times(&self, compute: Duration, exposed: Duration, update: Duration) {
+        let s = &self.series;
+        s.forward_backward_seconds.inc_by(compute.as_secs_f64());
+        s.exposed_seconds.inc_by(exposed.as_secs_f64());
+        s.update_seconds.inc_by(update.as_secs_f64());
     }
 
     /// The all-reduces have sent `bytes` and taken `seconds` so far (the session's totals).

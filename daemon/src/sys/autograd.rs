@@ -1,6 +1,21 @@
-//! What autograd owns: a parameter's `.grad`.
+//! What autograd owns: a parameter's `.grad`, and the moment it is final in a backward pass.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tch::{Kind, Tensor};
+
+unsafe extern "C" {
+    fn trainerd_grad_ready_hook(
+        tensor: *const c_void,
+        f: extern "C" fn(*mut c_void, usize),
+        ctx: *mut c_void,
+        index: usize,
+    ) -> *mut c_char;
+    fn trainerd_grad_ready_unhook(tensor: *const c_void) -> *mut c_char;
+    fn trainerd_autocast_free(s: *mut c_char);
+}
 
 /// Gives `p` a gradient of zeros where it has none. Autograd owns `.grad`, so it is made through
 /// a backward of zero rather than set. Used where a gradient arrives from elsewhere (the
@@ -8,5 +23,134 @@ use tch::{Kind, Tensor};
 pub(crate) fn ensure_grad(p: &Tensor) {
     if !p.grad().defined() {
         tch::with_grad(|| (p.sum(Kind::Float) * 0.0).backward());
+    }
+}
+
+/// What a hook calls, and a panic it caught (re-raised when the hooks are removed: a panic must
+/// not unwind through libtorch's C++ frames).
+struct Callback<'f> {
+    on_ready: RefCell<&'f mut dyn FnMut(usize)>,
+    panicked: RefCell<Option<Box<dyn std::any::Any + Send>>>,
+}
+
+extern "C" fn ready(ctx: *mut c_void, index: usize) {
+    // SAFETY: `ctx` is the `Callback` of the `GradReady` that installed this hook, which removes
+    // it before the callback is freed; a CPU backward pass runs its hooks on the calling thread,
+    // the one that holds the `GradReady`, so nothing else touches it meanwhile.
+    let callback = unsafe { &*(ctx as *const Callback<'_>) };
+    if callback.panicked.borrow().is_some() {
+        return;
+    }
+    let called = catch_unwind(AssertUnwindSafe(|| (callback.on_ready.borrow_mut())(index)));
+    if let Err(payload) = called {
+        *callback.panicked.borrow_mut() = Some(payload);
+    }
+}
+
+/// libtorch's post-accumulate-grad hooks on a list of parameters (as Python's
+/// `register_post_accumulate_grad_hook`): while it lives, `on_ready(i)` is called the moment
+/// parameter `i`'s gradient is final in a backward pass, every use of it accumulated. A
+/// parameter that gets no gradient (or never can: a frozen one) is never called for. CPU parameters only: there the autograd
+/// engine runs the hooks on the thread that called backward.
+pub(crate) struct GradReady<'f> {
+    /// Handles on the hooked parameters.
+    params: Vec<Tensor>,
+    /// Boxed, so that its address (the hooks' context) stays put.
+    callback: Box<Callback<'f>>,
+}
+
+impl<'f> GradReady<'f> {
+    /// Hooks every parameter of `params` (leaves that require grad).
+    pub(crate) fn install(params: Vec<Tensor>, on_ready: &'f mut dyn FnMut(usize)) -> Result<Self, tch::TchError> {
+        let callback = Box::new(Callback { on_ready: RefCell::new(on_ready), panicked: RefCell::new(None) });
+        let mut hooks = GradReady { params: Vec::with_capacity(params.len()), callback };
+        let ctx = std::ptr::from_ref(&*hooks.callback).cast_mut().cast::<c_void>();
+        for (i, p) in params.into_iter().enumerate() {
+            // SAFETY: `p` is a live tensor; the hook is removed (in `drop`) before `ctx` is freed.
+            check(unsafe { trainerd_grad_ready_hook(p.as_ptr().cast(), ready, ctx, i) })?;
+            hooks.params.push(p);
+        }
+        Ok(hooks)
+    }
+
+    /// Removes the hooks; a panic of `on_ready` is raised again here.
+    pub(crate) fn remove(mut self) {
+        self.unhook();
+        if let Some(payload) = self.callback.panicked.borrow_mut().take() {
+            std::panic::resume_unwind(payload);
+        }
+    }
+
+    fn unhook(&mut self) {
+        for p in self.params.drain(..) {
+            // SAFETY: a live tensor this value hooked. Removing a hook cannot fail but for a
+            // tensor without autograd metadata, which a hooked one has.
+            let _ = check(unsafe { trainerd_grad_ready_unhook(p.as_ptr().cast()) });
+        }
+    }
+}
+
+impl Drop for GradReady<'_> {
+    fn drop(&mut self) {
+        self.unhook();
+    }
+}
+
+fn check(status: *mut c_char) -> Result<(), tch::TchError> {
+    if status.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null status is a NUL-terminated string malloc'd by the shim.
+    let text = unsafe { CStr::from_ptr(status) }.to_string_lossy().into_owned();
+    // SAFETY: released once, by the shim's allocator (std::free).
+    unsafe { trainerd_autocast_free(status) };
+    Err(tch::TchError::Torch(text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn param(n: i64) -> Tensor {
+        Tensor::ones([n], (Kind::Float, Device::Cpu)).set_requires_grad(true)
+    }
+
+    #[test]
+    fn each_gradient_is_said_final_once_after_every_use_is_accumulated() {
+        let (a, b, unused) = (param(2), param(3), param(1));
+        let mut said = Vec::new();
+        let mut on_ready = |i: usize| said.push(i);
+        let hooks =
+            GradReady::install(vec![a.shallow_clone(), b.shallow_clone(), unused.shallow_clone()], &mut on_ready)
+                .unwrap();
+        // `a` is used twice, at both ends of the graph: said once, after both uses.
+        let loss = (&a * 2.0).sum(Kind::Float) + ((&b * &a.sum(Kind::Float)).sum(Kind::Float));
+        loss.backward();
+        hooks.remove();
+        assert_eq!(said.iter().filter(|&&i| i == 0).count(), 1, "{said:?}");
+        assert_eq!(said.iter().filter(|&&i| i == 1).count(), 1, "{said:?}");
+        assert!(!said.contains(&2), "a parameter with no gradient is never said: {said:?}");
+        assert_eq!(Vec::<f32>::try_from(a.grad()).unwrap(), vec![5.0, 5.0], "2 + the sum of b");
+    }
+
+    #[test]
+    fn removed_hooks_are_not_called_again() {
+        let p = param(2);
+        let mut count = 0;
+        let mut on_ready = |_: usize| count += 1;
+        GradReady::install(vec![p.shallow_clone()], &mut on_ready).unwrap().remove();
+        p.sum(Kind::Float).backward();
+        assert_eq!(count, 0);
+    }
+
+    #[test]
+    fn a_panic_in_the_callback_is_raised_when_the_hooks_are_removed() {
+        let p = param(2);
+        let mut on_ready = |_: usize| panic!("said");
+        let hooks = GradReady::install(vec![p.shallow_clone()], &mut on_ready).unwrap();
+        p.sum(Kind::Float).backward();
+        let raised = catch_unwind(AssertUnwindSafe(|| hooks.remove())).unwrap_err();
+        assert_eq!(raised.downcast_ref::<&str>(), Some(&"said"));
     }
 }

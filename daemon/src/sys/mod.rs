@@ -1,5 +1,5 @@
 //! The machine the daemon runs on: its accelerators ([`accel`]), its CPU's kernel set ([`cpu`]),
-//! files written atomically ([`atomic`]) and what autograd owns ([`autograd`]).
+//! files written atomically ([`atomic`]) and what autograd owns ([`autograd`]: a gradient, and the moment it is final).
 
 pub mod accel;
 pub(crate) mod atomic;

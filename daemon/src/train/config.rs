@@ -66,8 +66,11 @@ pub(crate) struct RunConfig {
     pub(crate) network: Network,
     /// Every deadline of the cluster.
     pub(crate) timeouts: Timeouts,
-    /// Gradient bucket size in bytes.
+    /// Gradient bucket size in bytes (`--bucket-mb`).
     pub(crate) bucket_bytes: usize,
+    /// Each bucket's reduction starts during the backward pass, once its gradients are final
+    /// (`--overlap`; the ring's, on CPU parameters).
+    pub(crate) overlap: bool,
     /// What carries the gradients' all-reduce.
     pub(crate) collective: Backend,
     /// Append one JSON line per step (time, global loss, metrics, learning rate) to this file.
@@ -121,6 +124,7 @@ impl RunConfig {
             network: Network::loopback(),
             timeouts: Timeouts::default(),
             bucket_bytes: crate::collective::buckets::DEFAULT_BUCKET_BYTES,
+            overlap: true,
             collective: Backend::Ring,
             metrics_log: None,
             checkpoint: None,

@@ -88,6 +88,12 @@ pub(crate) fn run(
     }
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
     let buckets = Buckets::new(&state.model.params, cfg.bucket_bytes);
+    if world > 1 {
+        report.line(&format!(
+            "trainerd: {}",
+            buckets.describe(cfg.bucket_bytes, driver::overlap(cfg, false, false).is_some())
+        ));
+    }
     let mut checkpointer = startup::checkpointer(cfg, &mut report)?;
     let resumed = match checkpointer.as_mut().filter(|_| reads_now) {
         Some(c) => {

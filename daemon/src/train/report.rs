@@ -54,6 +54,10 @@ struct Phases {
     /// Making the next batch and queueing its copy to the device.
     prefetch: Duration,
     optimizer: Duration,
+    /// Every slot's forward and backward pass.
+    forward_backward: Duration,
+    /// From the backward pass's end to the last reduction's end.
+    exposed: Duration,
 }
 
 impl Phases {
@@ -61,6 +65,8 @@ impl Phases {
         self.steps += other.steps;
         (self.step, self.prefetch, self.optimizer) =
             (self.step + other.step, self.prefetch + other.prefetch, self.optimizer + other.optimizer);
+        (self.forward_backward, self.exposed) =
+            (self.forward_backward + other.forward_backward, self.exposed + other.exposed);
     }
 
     /// Milliseconds per step of each phase, as the summary gives them.
@@ -71,6 +77,8 @@ impl Phases {
             compute_ms: per(self.step),
             next_batch_ms: per(self.prefetch),
             optimizer_ms: per(self.optimizer),
+            forward_backward_ms: per(self.forward_backward),
+            exposed_communication_ms: per(self.exposed),
         }
     }
 
@@ -135,6 +143,9 @@ pub(crate) struct StepDone<'t> {
     /// The whole step (forward, backward, all-reduce, the prefetch included, and the update), of
     /// which making the next batch, and of which the optimizer's update.
     pub(crate) timing: (Duration, Duration, Duration),
+    /// Of the step before its update: the forward and backward passes, and the exposed
+    /// communication.
+    pub(crate) times: super::step::StepTimes,
     /// This worker's example ids, when the data has them.
     pub(crate) ids: Option<&'t [crate::input::ExampleId]>,
     /// Bytes this worker's all-reduces have sent, and seconds they took, so far.
@@ -393,6 +404,9 @@ impl<'p> Reporter<'p> {
     pub(crate) fn step(&mut self, s: &StepDone<'_>) -> Result<(), TrainError> {
         let (c, (took, prefetch, optimizer)) = (&mut self.clock, s.timing);
         c.phases.steps += 1;
+        c.phases.forward_backward += s.times.compute;
+        c.phases.exposed += s.times.exposed;
+        self.telemetry.step_times(s.times.compute, s.times.exposed, optimizer);
         c.phases.step += took.saturating_sub(prefetch + optimizer);
         c.phases.prefetch += prefetch;
         c.phases.optimizer += optimizer;

@@ -11,12 +11,14 @@
 //! only.)
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
 use trainerd_sdk::{Batch, InputContext};
 
 use super::error::TrainError;
 use crate::collective::buckets::Buckets;
+use crate::collective::overlap::{overlapped, Reduction};
 use crate::collective::{Collective, ReduceOp};
 use crate::input::Data;
 use crate::optim::precision::Precision;
@@ -56,6 +58,20 @@ pub(crate) struct StepResult {
     pub(crate) returning: Vec<usize>,
     /// They caught up: every member joins with the lineage digest.
     pub(crate) caught_up: bool,
+    /// Where this worker's time in it went.
+    pub(crate) times: StepTimes,
+}
+
+/// Where a worker's time in a step went, up to the update.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct StepTimes {
+    /// Every slot's forward and backward pass (the reductions overlapped with the last one
+    /// included).
+    pub(crate) compute: Duration,
+    /// From the last backward pass's end to the last reduction's end (with the sharded step, to
+    /// its update's end): the communication the backward pass did not hide. The next batch made
+    /// meanwhile is not counted.
+    pub(crate) exposed: Duration,
 }
 
 /// What a worker raises in a step's tail: its stop flag, and the slots of the ranks that came
@@ -107,7 +123,7 @@ pub(crate) struct Replica<'s> {
 /// tail's extra values summed.
 pub(crate) fn train_step(
     replicas: &mut [Replica<'_>],
-    (buckets, reduce): (&mut Buckets, &mut Reduce<'_>),
+    (buckets, reduce, overlap): (&mut Buckets, &mut Reduce<'_>, Option<Reduction>),
     collective: &mut dyn Collective,
     (batches, start): (&[SlotBatch<'_>], &[Tensor]),
     raised: Raised<'_>,
@@ -115,36 +131,37 @@ pub(crate) fn train_step(
 ) -> Result<StepResult, TrainError> {
     let slots = collective.slots().clone();
     debug_assert_eq!(batches.len(), slots.len());
-    buckets.stage_on_device(collective.on_device());
+    let began = Instant::now();
+    buckets.begin_step(collective.on_device());
     let mut captured = Vec::with_capacity(batches.len());
-    let mut flags = 0;
+    let (mut flags, mut backward_end, mut aside) = (0, began, Duration::ZERO);
     let per_round = replicas.len();
+    // With one replica, the last slot's buckets are reduced during its backward pass.
+    let overlap = overlap.filter(|_| per_round == 1 && slots.count > 1);
+    let last_bucket = buckets.groups().len() - 1;
     for (round, group) in batches.chunks(per_round).enumerate() {
-        let mut outputs = Vec::with_capacity(group.len());
-        for (replica, batch) in replicas.iter_mut().zip(group) {
-            outputs.push(forward_backward(replica, batch, (round > 0).then_some(start))?);
-        }
-        if (round + 1) * per_round >= batches.len() {
+        let last_round = (round + 1) * per_round >= batches.len();
+        let mut then = || {
+            backward_end = Instant::now();
             meanwhile();
-        }
+            aside = backward_end.elapsed();
+        };
+        let on = (&mut *buckets, &mut *collective, overlap.filter(|_| last_round));
+        let outputs =
+            compute_round(replicas, on, (round, group, batches.len()), start, last_round.then_some(&mut then))?;
         for (r, (n, loss, metrics)) in outputs.into_iter().enumerate() {
             let totals = batch_totals(n, &loss, &metrics)?;
             if slots.count == 1 {
                 let stopping = if raised.stop { vec![0] } else { Vec::new() };
-                return Ok(StepResult { totals, stopping, returning: Vec::new(), caught_up: false });
+                let times = StepTimes { compute: backward_end - began, exposed: Duration::ZERO };
+                return Ok(StepResult { totals, stopping, returning: Vec::new(), caught_up: false, times });
             }
-            // The totals ride in the gradients' all-reduce (as float32), then one stop flag and
-            // one return flag per slot.
-            let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
-            flags = extra.len();
-            extra.extend((0..slots.count).map(|s| if slots.holds(s) && raised.stop { 1.0 } else { 0.0 }));
-            // Raised on one slot per worker, so that the reduced value is the raised one: 1 for a
-            // return, 2 for a caught-up return.
-            let first = round == 0 && r == 0;
-            let value = if raised.caught_up { 2.0 } else { 1.0 };
-            extra
-                .extend((0..slots.count).map(|s| if first && raised.back.get(s) == Some(&true) { value } else { 0.0 }));
-            buckets.stage(round * per_round + r, replicas[r].params, &extra);
+            flags = totals.flat().len();
+            let extra = tail_values(&totals, &slots, raised, round == 0 && r == 0);
+            let params: Vec<&Tensor> = replicas[r].params.iter().map(|(_, p)| p).collect();
+            // Overlapped, the buckets before the last are staged (and reduced) already.
+            let which = if overlap.is_some() && last_round { last_bucket } else { 0 };
+            buckets.stage_buckets(round * per_round + r, &params, &extra, which..last_bucket + 1);
             if !replicas[r].buffers.is_empty() {
                 captured.push(capture(replicas[r].buffers)?);
             }
@@ -153,6 +170,7 @@ pub(crate) fn train_step(
     let first = &mut replicas[0];
     let extra = reduce(buckets, collective, first.params, batches.len())?;
     sync_slot_buffers(collective, first.buffers, captured)?;
+    let times = StepTimes { compute: backward_end - began, exposed: backward_end.elapsed().saturating_sub(aside) };
     let reduced: Vec<f64> = extra[..flags].iter().map(|&x| f64::from(x)).collect();
     let back = flags + slots.count;
     Ok(StepResult {
@@ -160,7 +178,51 @@ pub(crate) fn train_step(
         stopping: (0..slots.count).filter(|&s| extra[flags + s] > 0.0).collect(),
         returning: (0..slots.count).filter(|&s| extra[back + s] > 0.0).collect(),
         caught_up: (0..slots.count).any(|s| extra[back + s] > 1.5),
+        times,
     })
+}
+
+/// What a slot's gradients carry in the last bucket: its `totals` (as float32), then one stop flag
+/// and one return flag per slot of the run. The return flags are raised on one slot per worker
+/// (`first`), so that the reduced value is the raised one: 1 for a return, 2 for a caught-up
+/// return.
+fn tail_values(totals: &Totals, slots: &crate::collective::Slots, raised: Raised<'_>, first: bool) -> Vec<f32> {
+    let mut extra: Vec<f32> = totals.flat().iter().map(|&x| x as f32).collect();
+    extra.extend((0..slots.count).map(|s| if slots.holds(s) && raised.stop { 1.0 } else { 0.0 }));
+    let value = if raised.caught_up { 2.0 } else { 1.0 };
+    extra.extend((0..slots.count).map(|s| if first && raised.back.get(s) == Some(&true) { value } else { 0.0 }));
+    extra
+}
+
+/// Forward, loss and backward of round `round`'s slots (`group`, of `held` held), one per
+/// replica, each from the buffers' values at the step's start (`start`) after the first round;
+/// `then` runs after the last backward pass. With `overlap` (one replica, the last round), the
+/// buckets before the last are staged and reduced during the backward pass ([`overlapped`]).
+fn compute_round<'c>(
+    replicas: &mut [Replica<'_>],
+    (buckets, collective, overlap): (&mut Buckets, &mut (dyn Collective + 'c), Option<Reduction>),
+    (round, group, held): (usize, &[SlotBatch<'_>], usize),
+    start: &[Tensor],
+    then: Option<&mut dyn FnMut()>,
+) -> Result<Vec<(i64, Tensor, Tensor)>, TrainError> {
+    let start = (round > 0).then_some(start);
+    let Some(how) = overlap else {
+        let mut outputs = Vec::with_capacity(group.len());
+        for (replica, batch) in replicas.iter_mut().zip(group) {
+            outputs.push(forward_backward(replica, batch, start)?);
+        }
+        then.into_iter().for_each(|then| then());
+        return Ok(outputs);
+    };
+    let replica = &mut replicas[0];
+    let params: Vec<Tensor> = replica.params.iter().map(|(_, p)| p.shallow_clone()).collect();
+    let params: Vec<&Tensor> = params.iter().collect();
+    let (out, _) = overlapped((buckets, collective), ((round, held), params.as_slice(), how), || {
+        let out = forward_backward(replica, &group[0], start)?;
+        then.into_iter().for_each(|then| then());
+        Ok::<_, TrainError>(out)
+    })?;
+    Ok(vec![out])
 }
 
 /// How a step's staged gradients are reduced: (buckets, collective, the first replica's

@@ -190,6 +190,12 @@ pub(crate) struct StepPhases {
     pub(crate) next_batch_ms: f64,
     /// The update.
     pub(crate) optimizer_ms: f64,
+    /// Every slot's forward and backward pass (with `--overlap on`, the reductions hidden
+    /// behind the last one run meanwhile).
+    pub(crate) forward_backward_ms: f64,
+    /// The communication the backward pass did not hide: from its end to the last reduction's
+    /// end (with `--shard-optimizer`, to the end of the reduction's update and all-gather).
+    pub(crate) exposed_communication_ms: f64,
 }
 
 /// This process's peak resident memory so far (`VmHWM` in `/proc/self/status`), in bytes.

@@ -246,6 +246,14 @@ pub(crate) struct RunArgs {
     /// are bit for bit W x N workers.
     #[arg(long, default_value_t = 1)]
     pub(crate) accumulate: u32,
+    /// Gradients travel in buckets of at most this many MB (float32), one reduction each, as
+    /// DDP's bucket_cap_mb. Every worker must use the same.
+    #[arg(long, default_value_t = crate::collective::buckets::DEFAULT_BUCKET_MB, value_name = "MB")]
+    pub(crate) bucket_mb: f64,
+    /// on: each bucket's reduction starts while the backward pass is still running, as soon as
+    /// its gradients are final (the same bits); off: after the backward pass, for comparison.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub(crate) overlap: String,
     /// What carries the gradients: ring (host-staged TCP ring), nccl (NCCL on the GPUs, the same
     /// bits) or auto (NCCL when every worker trains on CUDA with its own GPU).
     #[arg(long, default_value = "ring")]

@@ -323,7 +323,9 @@ impl<'a> Driver<'a> {
         let ids = ids.as_deref();
         let timing = (took, prefetch, optimizer);
         let traffic = session.traffic();
-        let done = StepDone { epoch, step, steps_per_epoch, position, totals, lr, grad_norm, timing, ids, traffic };
+        let times = result.times;
+        let done =
+            StepDone { epoch, step, steps_per_epoch, position, totals, lr, grad_norm, timing, times, ids, traffic };
         // Told before its comparison: a comparison cut short is finished, not undone, so the step
         // stays (a mismatch's repair tells the steps it trains again once more).
         self.report.step(&done).map_err(Interrupt::Fatal)?;
@@ -452,10 +454,11 @@ impl<'a> Driver<'a> {
             Ok(extra)
         };
         let reduce: &mut step::Reduce<'_> = if sharded { &mut apart } else { &mut whole };
+        let overlap = overlap(self.cfg, session.collective().on_device(), sharded);
         let result =
             self.replicas.of_step(self.model, (&mut model.params, &mut model.buffers), scale).and_then(|mut r| {
                 let collective = session.collective();
-                let buckets = (&mut self.buckets, reduce);
+                let buckets = (&mut self.buckets, reduce, overlap);
                 step::train_step(&mut r, buckets, collective, (batches, &saved), raised, &mut prefetch_next)
             });
         let result = result.map_err(|e| {
@@ -534,4 +537,18 @@ fn loss_scale(precision: crate::optim::precision::Precision, position: &mut crat
         position.loss_scale.get_or_insert_with(Default::default);
     }
     position.loss_scale.map_or(1.0, |s| s.scale)
+}
+
+/// The reduction each bucket of a step gets during the backward pass, or `None` where the
+/// buckets are reduced after it: `--overlap off`, or gradients that are not carried from CPU
+/// parameters through host memory (a backend on the device, or a model on CUDA: a reduction on
+/// its own stream is not yet built).
+pub(crate) fn overlap(
+    cfg: &RunConfig,
+    on_device: bool,
+    sharded: bool,
+) -> Option<crate::collective::overlap::Reduction> {
+    use crate::collective::overlap::Reduction;
+    let ring_on_cpu = !on_device && cfg.devices.iter().all(|d| *d == tch::Device::Cpu);
+    (cfg.overlap && ring_on_cpu).then_some(if sharded { Reduction::ReduceScatter } else { Reduction::AllReduce })
 }

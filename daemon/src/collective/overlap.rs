@@ -1,0 +1,247 @@
+//! Reductions hidden behind the backward pass, as DDP's (docs/architecture.md, "A step's
+//! communication"): while the last slot this worker holds computes its backward pass, each
+//! bucket whose gradients are all final is staged and handed to a reducing thread, which reduces
+//! it over the ring while the backward pass goes on. The buckets are reduced one at a time in a
+//! fixed order, the same on every member (the backward pass makes the last parameters' gradients
+//! final first: the buckets before the last, from the last of them down), each with exactly the
+//! arithmetic [`Buckets::reduce`] gives it, so the bits are those of a step that reduces after
+//! the backward pass. The last bucket carries the tail (the step's totals and flags, and the
+//! used-flags only the backward pass's end knows): it is reduced after it, as before.
+//!
+//! A parameter that gets no gradient in the step is staged when the backward pass ends, as DDP's
+//! `find_unused_parameters` marks it then, so a bucket never waits for it.
+
+use std::sync::mpsc;
+
+use tch::Tensor;
+
+use super::buckets::Buckets;
+use super::{Collective, CollectiveError};
+use crate::sys::autograd::GradReady;
+
+/// Which reduction a bucket gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reduction {
+    /// Every slot gets the sum (the whole step).
+    AllReduce,
+    /// Each slot gets the sum of its owned range (the sharded step).
+    ReduceScatter,
+}
+
+/// Runs `backward` (the `i`th slot held's backward pass, the last this worker computes in the
+/// step, with `params` its parameters; `held` slots held) while the buckets before the last are
+/// reduced as their gradients become final; they end staged and reduced (marked so in
+/// `buckets`), the last bucket neither. Returns `backward`'s value and how many buckets were
+/// handed over while it ran (the others had a parameter without a gradient). `backward`'s own
+/// error comes back as it is; a reduction that failed, as a [`CollectiveError`] once `backward`
+/// has returned.
+pub(crate) fn overlapped<T, E: From<CollectiveError>>(
+    (buckets, collective): (&mut Buckets, &mut dyn Collective),
+    ((i, held), params, how): ((usize, usize), &[&Tensor], Reduction),
+    backward: impl FnOnce() -> Result<T, E>,
+) -> Result<(T, usize), E> {
+    let early = buckets.groups().len() - 1;
+    if early == 0 {
+        return backward().map(|value| (value, 0));
+    }
+    let mut handles = buckets.prepare((i, held), params, 0..early);
+    let bucket_of: Vec<usize> = bucket_places(buckets.groups(), params.len());
+    let mut waiting: Vec<usize> = buckets.groups().iter().map(Vec::len).collect();
+    let (tx, rx) = mpsc::channel::<usize>();
+    std::thread::scope(|scope| {
+        let reducer = scope.spawn(move || reduce_in_order(collective, &mut handles, rx, how));
+        let mut staged = vec![false; early];
+        let mut stage = |b: usize, staged: &mut Vec<bool>| {
+            buckets.stage_buckets(i, params, &[], b..b + 1);
+            staged[b] = true;
+            // A member gone sends nothing more: the error comes from the reducer.
+            let _ = tx.send(b);
+            // Chaos tests stop a member here: inside its backward pass, a bucket's reduction in flight.
+            trainerd_failpoint::point("backward");
+        };
+        let result = {
+            let mut on_ready = |p: usize| {
+                let b = bucket_of[p];
+                if b < early {
+                    waiting[b] -= 1;
+                    if waiting[b] == 0 {
+                        stage(b, &mut staged);
+                    }
+                }
+            };
+            let handles: Vec<Tensor> = params.iter().map(|p| p.shallow_clone()).collect();
+            // Installing fails only where libtorch cannot allocate.
+            let hooks = GradReady::install(handles, &mut on_ready).expect("hooking the parameters' gradients");
+            let result = backward();
+            hooks.remove();
+            result
+        };
+        let during = staged.iter().filter(|&&s| s).count();
+        // The buckets with a parameter that got no gradient: staged now, zeros for it.
+        for b in 0..early {
+            if !staged[b] {
+                stage(b, &mut staged);
+            }
+        }
+        drop(tx);
+        let reduced = reducer.join().expect("the reducing thread does not panic");
+        let value = result?;
+        reduced?;
+        buckets.mark_reduced(0..early);
+        Ok((value, during))
+    })
+}
+
+/// Each parameter's bucket.
+fn bucket_places(groups: &[Vec<usize>], params: usize) -> Vec<usize> {
+    let mut out = vec![0; params];
+    for (b, group) in groups.iter().enumerate() {
+        group.iter().for_each(|&p| out[p] = b);
+    }
+    out
+}
+
+/// The reducing thread: the buckets of `handles` (each bucket's buffers, one per slot held),
+/// reduced from the last down to the first, each once it has arrived on `ready`.
+fn reduce_in_order(
+    collective: &mut dyn Collective,
+    handles: &mut [Vec<Tensor>],
+    ready: mpsc::Receiver<usize>,
+    how: Reduction,
+) -> Result<(), CollectiveError> {
+    let mut arrived = vec![false; handles.len()];
+    for b in (0..handles.len()).rev() {
+        while !arrived[b] {
+            match ready.recv() {
+                Ok(r) => arrived[r] = true,
+                // Every bucket is sent before the sender is dropped, unless the backward pass's
+                // thread is unwinding a panic.
+                Err(mpsc::RecvError) => return Ok(()),
+            }
+        }
+        match how {
+            Reduction::AllReduce => collective.all_reduce_buffers(&mut handles[b])?,
+            Reduction::ReduceScatter => collective.reduce_scatter_buffers(&mut handles[b])?,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::{Device, Kind};
+
+    use super::*;
+    use crate::collective::ring::tests::with_ring;
+    use crate::collective::slots::assign;
+    use crate::collective::Slots;
+
+    /// A small MLP's parameters, the same on every worker, and one that no step uses.
+    fn params() -> Vec<(String, Tensor)> {
+        let shapes: [&[i64]; 7] = [&[8, 6], &[8], &[8, 8], &[8], &[3, 8], &[3], &[4]];
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (format!("p{i}"), wave(s, 0.37 + i as f64).set_requires_grad(true)))
+            .collect()
+    }
+
+    /// Values of `shape` that differ everywhere, without the generator (which the ring's
+    /// threads would share).
+    fn wave(shape: &[i64], f: f64) -> Tensor {
+        let n: i64 = shape.iter().product();
+        (Tensor::arange(n, (Kind::Float, Device::Cpu)) * f).sin().view(shape)
+    }
+
+    /// Slot `slot`'s backward pass: its gradients in `params`.
+    fn backward(params: &[(String, Tensor)], slot: usize) {
+        for (_, p) in params {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        let x = wave(&[5, 6], 1.3 + slot as f64);
+        let p = |i: usize| &params[i].1;
+        let h = x.matmul(&p(0).tr()).g_add(p(1)).relu().matmul(&p(2).tr()).g_add(p(3)).tanh();
+        h.matmul(&p(4).tr()).g_add(p(5)).pow_tensor_scalar(2).sum(Kind::Float).backward();
+    }
+
+    /// Every slot held computed and reduced, the last with `overlap` (its buckets reduced during
+    /// its backward pass) or after it: each parameter's gradient bits (none: no gradient), and
+    /// every bucket's first staging buffer's bits.
+    fn step(ring: &mut dyn Collective, overlap: bool, how: Reduction) -> (Vec<Option<Vec<u32>>>, Vec<u32>) {
+        let mut params = params();
+        let mut buckets = Buckets::new(&params, 64);
+        buckets.begin_step(false);
+        let held: Vec<usize> = ring.slots().iter().collect();
+        let extra = [1.0f32];
+        for (i, &slot) in held.iter().enumerate() {
+            let handles: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
+            let last = buckets.groups().len() - 1;
+            if overlap && i + 1 == held.len() {
+                let on = ((i, held.len()), handles.as_slice(), how);
+                let during = overlapped::<_, CollectiveError>((&mut buckets, &mut *ring), on, || {
+                    backward(&params, slot);
+                    Ok(())
+                });
+                // Every bucket before the last (the 7th parameter, in the last, is never used).
+                assert_eq!(during.unwrap().1, last, "handed over during the backward pass");
+                buckets.stage_buckets(i, &handles, &extra, last..last + 1);
+            } else {
+                backward(&params, slot);
+                buckets.stage_buckets(i, &handles, &extra, 0..last + 1);
+            }
+        }
+        match how {
+            Reduction::AllReduce => _ = buckets.reduce(ring, &mut params, held.len()).unwrap(),
+            Reduction::ReduceScatter => buckets.reduce_scatter_sums(ring).unwrap(),
+        }
+        let bits = |t: &Tensor| Vec::<f32>::try_from(t.reshape(-1)).unwrap().iter().map(|x| x.to_bits()).collect();
+        let grads = params.iter().map(|(_, p)| p.grad().defined().then(|| bits(&p.grad()))).collect();
+        let staged = buckets.first_slot_views(&params).iter().flat_map(|(_, v)| bits(v)).collect();
+        (grads, staged)
+    }
+
+    #[test]
+    fn buckets_reduced_during_the_backward_pass_give_the_bits_of_buckets_reduced_after_it() {
+        for how in [Reduction::AllReduce, Reduction::ReduceScatter] {
+            // 3 workers of a slot each, and 3 slots on 2 workers (one holds two).
+            for (workers, count) in [(3, 3), (2, 3)] {
+                let out = with_ring(workers, |ring| {
+                    ring.set_slots(Slots::of(count, assign(count, &(0..workers).collect::<Vec<_>>()), ring.rank()));
+                    (step(ring, false, how), step(ring, true, how))
+                });
+                for (w, (off, on)) in out.iter().enumerate() {
+                    assert_eq!(on, off, "{how:?}, worker {w} of {workers} holding {count} slots");
+                    assert_eq!(on.0[6], None, "the parameter no slot used keeps no gradient");
+                    if how == Reduction::AllReduce {
+                        assert_eq!(on.0, out[0].1 .0, "the same averaged gradient on every worker");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_member_lost_while_a_bucket_is_reduced_fails_the_step_once_the_backward_pass_ends() {
+        let out =
+            crate::collective::ring::tests::with_ring_timeout(2, std::time::Duration::from_millis(500), |ring, _| {
+                let params = params();
+                let mut buckets = Buckets::new(&params, 64);
+                buckets.begin_step(false);
+                let handles: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
+                if ring.rank() == 1 {
+                    return None; // gone before its first bucket
+                }
+                let on = ((0, 1), handles.as_slice(), Reduction::AllReduce);
+                let result = overlapped::<_, CollectiveError>((&mut buckets, &mut *ring), on, || {
+                    backward(&params, 0);
+                    Ok("the backward pass ended")
+                });
+                Some(result.map_err(|e| e.to_string()))
+            });
+        let failed = out[0].clone().expect("worker 0 stepped").unwrap_err();
+        assert!(failed.contains("all-reduce"), "{failed}");
+    }
+}
