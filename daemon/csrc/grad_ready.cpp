@@ -52,6 +52,17 @@ char *trainerd_grad_ready_hook(const at::Tensor *tensor, ReadyFn fn, void *ctx, 
   });
 }
 
+// Makes `grad` (of `tensor`'s shape, dtype and device: a view of a bucket) `tensor`'s gradient, so
+// that the next backward pass accumulates into it in place (DDP's gradient_as_bucket_view).
+char *trainerd_set_grad(const at::Tensor *tensor, const at::Tensor *grad) {
+  return guarded([&] {
+    TORCH_CHECK(grad->sizes() == tensor->sizes() && grad->dtype() == tensor->dtype() &&
+                    grad->device() == tensor->device(),
+                "a gradient unlike its parameter");
+    const_cast<at::Tensor *>(tensor)->mutable_grad() = *grad;
+  });
+}
+
 // Removes the hook `trainerd_grad_ready_hook` put on `tensor`, putting back the one it found.
 char *trainerd_grad_ready_unhook(const at::Tensor *tensor) {
   return guarded([&] {

@@ -36,6 +36,10 @@ pub(crate) struct Buckets {
     /// Per bucket: reduced in this step already, while the backward pass ran
     /// ([`super::overlap`]).
     reduced: Vec<bool>,
+    /// The slot held whose buffers are its gradients' own memory (host buffers of CPU
+    /// parameters: the last slot this worker computes, whose gradients are views of them, as
+    /// DDP's `gradient_as_bucket_view`); the others' gradients are copied into theirs.
+    in_place: Option<usize>,
 }
 
 /// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
@@ -76,7 +80,7 @@ impl Buckets {
         }
         let home = params.first().map_or(Device::Cpu, |(_, p)| p.device());
         let reduced = vec![false; groups.len()];
-        Buckets { groups, staging: Vec::new(), extras: Vec::new(), on_device: false, home, reduced }
+        Buckets { groups, staging: Vec::new(), extras: Vec::new(), on_device: false, home, reduced, in_place: None }
     }
 
     /// Replaces every gradient with its mean over the ring's slots, and `extra` with its sum:
@@ -97,9 +101,21 @@ impl Buckets {
 
     /// A step begins: staged on the parameters' CUDA device for NCCL (`true`), or in host
     /// memory for the ring, as the generation's backend takes them (changing it drops the buffers
-    /// made for the other), and no bucket reduced yet.
-    pub(crate) fn begin_step(&mut self, on_device: bool) {
+    /// made for the other), and no bucket reduced yet. `last`: the last slot this worker computes,
+    /// when it computes them all on the first replica's parameters: with host buffers of CPU
+    /// parameters, its gradients become views of its buffers (their own memory), so that the
+    /// backward pass accumulates into them and nothing is copied.
+    pub(crate) fn begin_step(&mut self, on_device: bool, last: Option<usize>) {
         self.reduced.iter_mut().for_each(|r| *r = false);
+        let in_place = last.filter(|_| !on_device && self.home == Device::Cpu);
+        if in_place != self.in_place {
+            // The gradients are views of that slot's buffers: the slot gets buffers of its own,
+            // so that the next backward pass does not write over what another slot staged there.
+            if let Some(bufs) = self.in_place.and_then(|s| self.staging.get_mut(s)) {
+                bufs.iter_mut().for_each(|b| *b = None);
+            }
+            self.in_place = in_place;
+        }
         if self.on_device != on_device {
             self.on_device = on_device;
             self.staging.clear();
@@ -145,7 +161,10 @@ impl Buckets {
             let grads_len: usize = numels.iter().sum();
             let (home, on_device) = (self.home, self.on_device);
             let buffer = buffer_of(&mut self.staging[i][b], grads_len + riding.len(), (home, on_device));
-            stage_in(buffer, &grads, &numels, device);
+            match self.in_place == Some(i) {
+                true => stage_as_views(buffer, params, group),
+                false => stage_in(buffer, &grads, &numels, device),
+            }
             if self.on_device {
                 if !riding.is_empty() {
                     buffer.narrow(0, grads_len as i64, riding.len() as i64).copy_(&Tensor::from_slice(riding));
@@ -507,10 +526,36 @@ fn write_back(params: &[(String, Tensor)], group: &[usize], averaged: &Tensor, m
     for &i in group {
         let n = params[i].1.numel() as i64;
         let mut g = params[i].1.grad();
-        if g.defined() {
-            g.copy_(&averaged.narrow(0, at, n).view_as(&g));
+        let average = averaged.narrow(0, at, n);
+        if g.defined() && g.data_ptr() == average.data_ptr() {
+            // The gradient is a view of the bucket: averaged where it is.
+        } else if g.defined() {
+            g.copy_(&average.view_as(&g));
         } else {
             missing.push((i, averaged.narrow(0, at, n)));
+        }
+        at += n;
+    }
+}
+
+/// Stages a bucket's gradients (`group` of `params`) in the front of its host `buffer` where they
+/// are: a float32 gradient on the CPU that is not a view of its place in the buffer yet is copied
+/// there once and made that view, so that the next backward passes accumulate into it; a
+/// missing one is zeros there.
+fn stage_as_views(buffer: &Tensor, params: &[&Tensor], group: &[usize]) {
+    let mut at = 0;
+    for &i in group {
+        let p = params[i];
+        let n = p.numel() as i64;
+        let mut place = buffer.narrow(0, at, n);
+        let g = p.grad();
+        if !g.defined() {
+            let _ = place.fill_(0.0);
+        } else if g.data_ptr() != place.data_ptr() {
+            place.copy_(&g.reshape(-1).to_kind(Kind::Float));
+            if p.kind() == Kind::Float && p.device() == Device::Cpu {
+                crate::sys::autograd::set_grad(p, &place.view(p.size().as_slice())).expect("a view of its own shape");
+            }
         }
         at += n;
     }

@@ -153,54 +153,62 @@ mod tests {
         (Tensor::arange(n, (Kind::Float, Device::Cpu)) * f).sin().view(shape)
     }
 
-    /// Slot `slot`'s backward pass: its gradients in `params`.
-    fn backward(params: &[(String, Tensor)], slot: usize) {
-        for (_, p) in params {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.zero_();
-            }
-        }
-        let x = wave(&[5, 6], 1.3 + slot as f64);
+    /// Slot `slot`'s backward pass in step `step`: its gradients in `params`.
+    fn backward(params: &[(String, Tensor)], (step, slot): (usize, usize)) {
+        crate::sys::autograd::zero_grads(params);
+        let x = wave(&[5, 6], 1.3 + slot as f64 + 0.1 * step as f64);
         let p = |i: usize| &params[i].1;
         let h = x.matmul(&p(0).tr()).g_add(p(1)).relu().matmul(&p(2).tr()).g_add(p(3)).tanh();
         h.matmul(&p(4).tr()).g_add(p(5)).pow_tensor_scalar(2).sum(Kind::Float).backward();
     }
 
-    /// Every slot held computed and reduced, the last with `overlap` (its buckets reduced during
-    /// its backward pass) or after it: each parameter's gradient bits (none: no gradient), and
-    /// every bucket's first staging buffer's bits.
+    /// Two steps of every slot held computed and reduced, the last slot with `overlap` (its
+    /// buckets reduced during its backward pass, its gradients views of its buffers) or after it
+    /// (copied into them): each parameter's gradient bits (none: no gradient), and every bucket's
+    /// first staging buffer's bits.
     fn step(ring: &mut dyn Collective, overlap: bool, how: Reduction) -> (Vec<Option<Vec<u32>>>, Vec<u32>) {
         let mut params = params();
         let mut buckets = Buckets::new(&params, 64);
-        buckets.begin_step(false);
         let held: Vec<usize> = ring.slots().iter().collect();
+        for step in 0..2 {
+            buckets.begin_step(false, overlap.then_some(held.len() - 1));
+            slots_of_step(ring, (&mut buckets, &mut params), (step, &held), (overlap, how));
+        }
+        let bits = |t: &Tensor| Vec::<f32>::try_from(t.reshape(-1)).unwrap().iter().map(|x| x.to_bits()).collect();
+        let grads = params.iter().map(|(_, p)| p.grad().defined().then(|| bits(&p.grad()))).collect();
+        let staged = buckets.first_slot_views(&params).iter().flat_map(|(_, v)| bits(v)).collect();
+        (grads, staged)
+    }
+
+    /// Step `step` of the slots `held`: each computed and staged, then reduced.
+    fn slots_of_step(
+        ring: &mut dyn Collective,
+        (buckets, params): (&mut Buckets, &mut [(String, Tensor)]),
+        (step, held): (usize, &[usize]),
+        (overlap, how): (bool, Reduction),
+    ) {
         let extra = [1.0f32];
         for (i, &slot) in held.iter().enumerate() {
             let handles: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
             let last = buckets.groups().len() - 1;
             if overlap && i + 1 == held.len() {
                 let on = ((i, held.len()), handles.as_slice(), how);
-                let during = overlapped::<_, CollectiveError>((&mut buckets, &mut *ring), on, || {
-                    backward(&params, slot);
+                let during = overlapped::<_, CollectiveError>((&mut *buckets, &mut *ring), on, || {
+                    backward(params, (step, slot));
                     Ok(())
                 });
                 // Every bucket before the last (the 7th parameter, in the last, is never used).
                 assert_eq!(during.unwrap().1, last, "handed over during the backward pass");
                 buckets.stage_buckets(i, &handles, &extra, last..last + 1);
             } else {
-                backward(&params, slot);
+                backward(params, (step, slot));
                 buckets.stage_buckets(i, &handles, &extra, 0..last + 1);
             }
         }
         match how {
-            Reduction::AllReduce => _ = buckets.reduce(ring, &mut params, held.len()).unwrap(),
+            Reduction::AllReduce => _ = buckets.reduce(ring, params, held.len()).unwrap(),
             Reduction::ReduceScatter => buckets.reduce_scatter_sums(ring).unwrap(),
         }
-        let bits = |t: &Tensor| Vec::<f32>::try_from(t.reshape(-1)).unwrap().iter().map(|x| x.to_bits()).collect();
-        let grads = params.iter().map(|(_, p)| p.grad().defined().then(|| bits(&p.grad()))).collect();
-        let staged = buckets.first_slot_views(&params).iter().flat_map(|(_, v)| bits(v)).collect();
-        (grads, staged)
     }
 
     #[test]
@@ -213,13 +221,45 @@ mod tests {
                     (step(ring, false, how), step(ring, true, how))
                 });
                 for (w, (off, on)) in out.iter().enumerate() {
-                    assert_eq!(on, off, "{how:?}, worker {w} of {workers} holding {count} slots");
+                    let case = format!("{how:?}, worker {w} of {workers} holding {count} slots");
+                    assert_eq!(on.1, off.1, "{case}: the reduced buffers");
                     assert_eq!(on.0[6], None, "the parameter no slot used keeps no gradient");
+                    // The sharded step reads its ranges from the buffers; a gradient that is a
+                    // view of one holds what the reduce-scatter left there.
                     if how == Reduction::AllReduce {
+                        assert_eq!(on.0, off.0, "{case}: the averaged gradients");
                         assert_eq!(on.0, out[0].1 .0, "the same averaged gradient on every worker");
                     }
                 }
             }
+        }
+    }
+
+    /// Two steps of 3 slots on 2 workers, the slots moving between them (a worker lost, another
+    /// back): whose gradients are views of which slot's buffers changes with them.
+    fn steps_as_slots_move(ring: &mut crate::collective::Ring, in_place: bool) -> Vec<Option<Vec<u32>>> {
+        let mut params = params();
+        let mut buckets = Buckets::new(&params, 64);
+        let place = ring.rank();
+        for (step, layout) in [vec![0..2, 2..3], vec![0..1, 1..3]].into_iter().enumerate() {
+            let slots = Slots::of(3, layout, place);
+            let held: Vec<usize> = slots.iter().collect();
+            ring.set_slots(slots);
+            buckets.begin_step(false, in_place.then_some(held.len() - 1));
+            slots_of_step(ring, (&mut buckets, &mut params), (step, &held), (in_place, Reduction::AllReduce));
+        }
+        params.iter().map(|(_, p)| p.grad().defined().then(|| bits(&p.grad()))).collect()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        Vec::<f32>::try_from(t.reshape(-1)).unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn gradients_that_are_views_of_a_slots_buffers_follow_the_slots_as_they_move() {
+        let out = with_ring(2, |ring| (steps_as_slots_move(ring, false), steps_as_slots_move(ring, true)));
+        for (w, (copied, viewed)) in out.iter().enumerate() {
+            assert_eq!(viewed, copied, "worker {w}");
         }
     }
 
@@ -229,14 +269,14 @@ mod tests {
             crate::collective::ring::tests::with_ring_timeout(2, std::time::Duration::from_millis(500), |ring, _| {
                 let params = params();
                 let mut buckets = Buckets::new(&params, 64);
-                buckets.begin_step(false);
+                buckets.begin_step(false, Some(0));
                 let handles: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
                 if ring.rank() == 1 {
                     return None; // gone before its first bucket
                 }
                 let on = ((0, 1), handles.as_slice(), Reduction::AllReduce);
                 let result = overlapped::<_, CollectiveError>((&mut buckets, &mut *ring), on, || {
-                    backward(&params, 0);
+                    backward(&params, (0, 0));
                     Ok("the backward pass ended")
                 });
                 Some(result.map_err(|e| e.to_string()))

@@ -14,6 +14,7 @@ unsafe extern "C" {
         index: usize,
     ) -> *mut c_char;
     fn trainerd_grad_ready_unhook(tensor: *const c_void) -> *mut c_char;
+    fn trainerd_set_grad(tensor: *const c_void, grad: *const c_void) -> *mut c_char;
     fn trainerd_autocast_free(s: *mut c_char);
 }
 
@@ -23,6 +24,26 @@ unsafe extern "C" {
 pub(crate) fn ensure_grad(p: &Tensor) {
     if !p.grad().defined() {
         tch::with_grad(|| (p.sum(Kind::Float) * 0.0).backward());
+    }
+}
+
+/// Makes `grad` (a tensor of `p`'s shape, kind and device) `p`'s gradient, so that the next
+/// backward pass accumulates into its memory in place: the gradient is a view of a reduction's
+/// bucket, as DDP's `gradient_as_bucket_view`.
+pub(crate) fn set_grad(p: &Tensor, grad: &Tensor) -> Result<(), tch::TchError> {
+    // SAFETY: two live tensors; libtorch checks the gradient's shape, kind and device.
+    check(unsafe { trainerd_set_grad(p.as_ptr().cast(), grad.as_ptr().cast()) })
+}
+
+/// Zeroes every gradient `params` have in place, keeping its memory (`Tensor::zero_grad`
+/// detaches it in place first, which a gradient that is a view of a bucket refuses).
+pub(crate) fn zero_grads(params: &[(String, Tensor)]) {
+    let _no_grad = tch::no_grad_guard();
+    for (_, p) in params {
+        let mut g = p.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
     }
 }
 
@@ -132,6 +153,19 @@ mod tests {
         assert_eq!(said.iter().filter(|&&i| i == 1).count(), 1, "{said:?}");
         assert!(!said.contains(&2), "a parameter with no gradient is never said: {said:?}");
         assert_eq!(Vec::<f32>::try_from(a.grad()).unwrap(), vec![5.0, 5.0], "2 + the sum of b");
+    }
+
+    #[test]
+    fn a_gradient_set_to_a_view_is_accumulated_into_in_place() {
+        let p = param(3);
+        let bucket = Tensor::zeros([5], (Kind::Float, Device::Cpu));
+        set_grad(&p, &bucket.narrow(0, 1, 3)).unwrap();
+        (&p * 2.0).sum(Kind::Float).backward();
+        zero_grads(&[("p".into(), p.shallow_clone())]);
+        (&p * 3.0).sum(Kind::Float).backward();
+        assert_eq!(Vec::<f32>::try_from(&bucket).unwrap(), vec![0.0, 3.0, 3.0, 3.0, 0.0]);
+        let wrong = set_grad(&p, &bucket.narrow(0, 0, 2)).unwrap_err().to_string();
+        assert!(wrong.contains("a gradient unlike its parameter"), "{wrong}");
     }
 
     #[test]

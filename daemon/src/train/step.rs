@@ -132,7 +132,7 @@ pub(crate) fn train_step(
     let slots = collective.slots().clone();
     debug_assert_eq!(batches.len(), slots.len());
     let began = Instant::now();
-    buckets.begin_step(collective.on_device());
+    buckets.begin_step(collective.on_device(), (replicas.len() == 1).then(|| batches.len() - 1));
     let mut captured = Vec::with_capacity(batches.len());
     let (mut flags, mut backward_end, mut aside) = (0, began, Duration::ZERO);
     let per_round = replicas.len();
@@ -258,9 +258,7 @@ fn forward_backward(
         Kind::Half | Kind::BFloat16 => loss.f_to_kind(Kind::Float).map_err(torch("the loss in float32"))?,
         _ => loss,
     };
-    for (_, p) in replica.params.iter_mut() {
-        p.zero_grad();
-    }
+    crate::sys::autograd::zero_grads(replica.params);
     if replica.loss_scale == 1.0 {
         loss.f_backward().map_err(torch("backward"))?;
     } else {
