@@ -56,8 +56,6 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
             staged[b] = true;
             // A member gone sends nothing more: the error comes from the reducer.
             let _ = tx.send(b);
-            // Chaos tests stop a member here: inside its backward pass, a bucket's reduction in flight.
-            trainerd_failpoint::point("backward");
         };
         let result = {
             let mut on_ready = |p: usize| {
@@ -66,6 +64,9 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
                     waiting[b] -= 1;
                     if waiting[b] == 0 {
                         stage(b, &mut staged);
+                        // Chaos tests stop a member here: inside its backward pass, a bucket's
+                        // reduction in flight.
+                        trainerd_failpoint::point("backward");
                     }
                 }
             };
