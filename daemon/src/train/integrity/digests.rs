@@ -2,8 +2,7 @@
 //! (under sharding), each range's copy's, gathered from every member in one all-reduce, and what
 //! they say (the parameters alone differing, two copies of a range differing).
 
-use bytes::Bytes;
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use xxhash_rust::xxh3::Xxh3;
 
 use super::{verdict, Verdict};
 use crate::state::{Optim, Shareable, StateError, TrainState};
@@ -116,14 +115,11 @@ pub(crate) fn ranges_differ(session: &Session, when: &str, held: &[Vec<Option<u6
     Some((why, names))
 }
 
-/// A state's xxh3-64, and its bytes where they can be gone back to (a whole optimizer's state);
-/// a sharded one is hashed as it is written, without a copy.
-pub(super) fn digest(state: &TrainState) -> Result<(u64, Option<Bytes>), StateError> {
-    if state.optimizer.whole().is_some() {
-        let bytes = state.encode()?;
-        return Ok((xxh3_64(&bytes), Some(bytes.into())));
-    }
+/// A state's xxh3-64 (of its encoding), hashed as it is written, without a copy: a state found
+/// equal is encoded to be kept only once the comparison has said so, after the last agreed one
+/// is dropped, so that a worker never holds two encoded copies of its state.
+pub(super) fn digest(state: &TrainState) -> Result<u64, StateError> {
     let mut hasher = Xxh3::new();
     state.encoding()?.write(&mut |b| hasher.update(b))?;
-    Ok((hasher.digest(), None))
+    Ok(hasher.digest())
 }

@@ -262,6 +262,8 @@ impl Integrity {
         if !first || received || !state.live() || state.optimizer.whole().is_none() {
             return Ok(());
         }
+        // The last agreed state dropped first: one encoded copy at a time.
+        self.agreed = None;
         let bytes = state.encode().map_err(|e| Interrupt::Fatal(e.into()))?;
         self.agreed = Some(Agreed { step: state.position().global_step, digest: xxh3_64(&bytes), bytes: bytes.into() });
         Ok(())
@@ -280,7 +282,7 @@ impl Integrity {
         (coordinates, ranges): (bool, usize),
     ) -> Result<(), Interrupt> {
         let began = Instant::now();
-        let (digest, bytes) = digest(state).map_err(|e| Interrupt::Fatal(e.into()))?;
+        let digest = digest(state).map_err(|e| Interrupt::Fatal(e.into()))?;
         // Chaos tests hold a member here, so that its peers' comparison is cut short.
         trainerd_failpoint::point("replica-check");
         let mine = range_digests(state, ranges);
@@ -314,7 +316,11 @@ impl Integrity {
             }
             // A sharded optimizer's state is not in the bytes, so they could not be gone back to:
             // a mismatch sends every member back to the last commit instead, and nothing is kept.
-            self.agreed = bytes.map(|bytes| Agreed { step: state.position().global_step, digest, bytes });
+            self.agreed = None;
+            if state.optimizer.whole().is_some() {
+                let bytes = state.encode().map_err(|e| Interrupt::Fatal(e.into()))?;
+                self.agreed = Some(Agreed { step: state.position().global_step, digest, bytes: bytes.into() });
+            }
             self.equal_at = state.position().global_step;
             return Ok(());
         };
