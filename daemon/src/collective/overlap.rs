@@ -78,8 +78,10 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
             result
         };
         let during = staged.iter().filter(|&&s| s).count();
-        // The buckets with a parameter that got no gradient: staged now, zeros for it.
-        for b in 0..early {
+        // The buckets with a parameter that got no gradient: staged now, zeros for it (a
+        // backward pass that failed stages nothing more: the reducing thread ends at the first
+        // bucket that does not come).
+        for b in (0..early).filter(|_| result.is_ok()) {
             if !staged[b] {
                 stage(b, &mut staged);
             }

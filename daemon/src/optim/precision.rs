@@ -7,9 +7,10 @@
 //! (`csrc/autocast.cpp`, compiled against the libtorch tch links) switches it for the CPU too.
 //! Autocast is thread-local: [`Autocast`] enters it on the computing thread and leaves it on drop.
 
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int};
 
 use super::FlagError;
+use crate::sys::shim::status as check;
 
 use tch::Device;
 
@@ -19,7 +20,6 @@ unsafe extern "C" {
     fn trainerd_autocast_exit(cuda: c_int, was_enabled: c_int, was_dtype: c_int) -> *mut c_char;
     #[cfg(test)]
     fn trainerd_autocast_enabled(cuda: c_int) -> c_int;
-    fn trainerd_autocast_free(s: *mut c_char);
 }
 
 /// The precision of the forward pass.
@@ -167,17 +167,6 @@ pub(crate) fn unscale(params: &[(String, tch::Tensor)], scale: f64) -> Result<bo
 fn autocast_enabled(device: Device) -> bool {
     // SAFETY: the shim's function, with a plain integer.
     unsafe { trainerd_autocast_enabled(c_int::from(device.is_cuda())) != 0 }
-}
-
-fn check(status: *mut c_char) -> Result<(), tch::TchError> {
-    if status.is_null() {
-        return Ok(());
-    }
-    // SAFETY: a non-null status is a NUL-terminated string malloc'd by the shim.
-    let text = unsafe { CStr::from_ptr(status) }.to_string_lossy().into_owned();
-    // SAFETY: released once, by the shim's allocator.
-    unsafe { trainerd_autocast_free(status) };
-    Err(tch::TchError::Torch(text))
 }
 
 impl Precision {

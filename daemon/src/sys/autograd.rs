@@ -1,10 +1,12 @@
 //! What autograd owns: a parameter's `.grad`, and the moment it is final in a backward pass.
 
 use std::cell::RefCell;
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tch::{Kind, Tensor};
+
+use super::shim::status as check;
 
 unsafe extern "C" {
     fn trainerd_grad_ready_hook(
@@ -15,7 +17,6 @@ unsafe extern "C" {
     ) -> *mut c_char;
     fn trainerd_grad_ready_unhook(tensor: *const c_void) -> *mut c_char;
     fn trainerd_set_grad(tensor: *const c_void, grad: *const c_void) -> *mut c_char;
-    fn trainerd_autocast_free(s: *mut c_char);
 }
 
 /// Gives `p` a gradient of zeros where it has none. Autograd owns `.grad`, so it is made through
@@ -115,17 +116,6 @@ impl Drop for GradReady<'_> {
     fn drop(&mut self) {
         self.unhook();
     }
-}
-
-fn check(status: *mut c_char) -> Result<(), tch::TchError> {
-    if status.is_null() {
-        return Ok(());
-    }
-    // SAFETY: a non-null status is a NUL-terminated string malloc'd by the shim.
-    let text = unsafe { CStr::from_ptr(status) }.to_string_lossy().into_owned();
-    // SAFETY: released once, by the shim's allocator (std::free).
-    unsafe { trainerd_autocast_free(status) };
-    Err(tch::TchError::Torch(text))
 }
 
 #[cfg(test)]
