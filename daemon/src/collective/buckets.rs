@@ -149,21 +149,21 @@ impl Buckets {
         for b in which {
             let group = &self.groups[b];
             let riding: &[f32] = if b == last { &tail } else { &[] };
-            let device = params[group[0]].device();
-            let grads: Vec<Option<Tensor>> = group
-                .iter()
-                .map(|&i| {
-                    let g = params[i].grad();
-                    g.defined().then(|| g.detach().view(-1))
-                })
-                .collect();
             let numels: Vec<usize> = group.iter().map(|&i| params[i].numel()).collect();
             let grads_len: usize = numels.iter().sum();
             let (home, on_device) = (self.home, self.on_device);
             let buffer = buffer_of(&mut self.staging[i][b], grads_len + riding.len(), (home, on_device));
-            match self.in_place == Some(i) {
-                true => stage_as_views(buffer, params, group),
-                false => stage_in(buffer, &grads, &numels, device),
+            if self.in_place == Some(i) {
+                stage_as_views(buffer, params, group);
+            } else {
+                let grads: Vec<Option<Tensor>> = group
+                    .iter()
+                    .map(|&i| {
+                        let g = params[i].grad();
+                        g.defined().then(|| g.detach().view(-1))
+                    })
+                    .collect();
+                stage_in(buffer, &grads, &numels, params[group[0]].device());
             }
             if self.on_device {
                 if !riding.is_empty() {
