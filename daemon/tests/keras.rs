@@ -171,25 +171,7 @@ assert worst <= 1e-5, worst
 /// BatchNormalization (its moving statistics are state), an unseeded Dropout (drawn from torch's
 /// generator) and a seeded one (its seed generator's state drawn afresh from trainerd's per-step,
 /// per-slot seed).
-const BN_DROPOUT: &str = r#"import keras
-
-def model(args):
-    m = keras.Sequential([
-        keras.Input(shape=(28, 28, 1)),
-        keras.layers.Conv2D(8, 3),
-        keras.layers.BatchNormalization(),
-        keras.layers.ReLU(),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dropout(0.3),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dropout(0.2, seed=7),
-        keras.layers.Dense(10),
-    ])
-    m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-              optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"])
-    return m
-"#;
+const BN_DROPOUT: &str = include_str!("fixtures/keras_bn_dropout.py");
 
 #[test]
 fn batch_norm_and_dropout_on_two_workers_are_bitwise_one_worker_accumulating_two() {

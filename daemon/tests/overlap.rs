@@ -101,33 +101,14 @@ fn python_modules_end_with_the_same_bits_with_overlap_on_and_off() {
     }
 }
 
-/// A Keras model with BatchNormalization (its statistics averaged over the slots) and Dropout.
+/// A Keras model with BatchNormalization (its statistics averaged over the slots) and two
+/// Dropouts, one seeded.
 #[test]
 fn a_keras_model_ends_with_the_same_bits_with_overlap_on_and_off() {
     let tmp = tempfile::tempdir().unwrap();
     let module = tmp.path().join("bn.py");
-    std::fs::write(
-        &module,
-        r#"import keras
-
-def model(args):
-    m = keras.Sequential([
-        keras.Input(shape=(28, 28, 1)),
-        keras.layers.Conv2D(8, 3),
-        keras.layers.BatchNormalization(),
-        keras.layers.ReLU(),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dropout(0.3),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(10),
-    ])
-    m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-              optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"])
-    return m
-"#,
-    )
-    .unwrap();
+    // The model of keras.rs's BatchNorm and Dropout tests.
+    std::fs::write(&module, include_str!("fixtures/keras_bn_dropout.py")).unwrap();
     let args = RunArgs::new("python-model")
         .data(dataset())
         .plugin_arg(format!("module={}", module.display()))
