@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source scripts/env.sh
+# The linear plugin (--state-mb's wide table) is not among setup's plugins.
+cargo build --release -p trainerd -p mnist-cnn -p python-model -p linear
 exec python bench/recovery.py "$@"

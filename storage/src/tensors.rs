@@ -149,6 +149,76 @@ pub fn header(entries: &[(&str, Dtype, &[usize])]) -> Result<(Vec<u8>, Vec<usize
     Ok((head, order))
 }
 
+/// One tensor's place in a safetensors blob: name, type, shape, and its data's bytes, counted
+/// from the blob's start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Its bytes in the blob.
+    pub bytes: std::ops::Range<usize>,
+}
+
+#[derive(serde::Deserialize)]
+struct ReadEntry {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data_offsets: [usize; 2],
+}
+
+/// The largest header [`layout`] reads (the `safetensors` crate's own bound).
+const MAX_HEADER: usize = 100_000_000;
+
+/// Where each tensor of a safetensors blob of `len` bytes lies, read from its first bytes `head`
+/// alone: for a reader that puts each tensor's data in place as it arrives, never holding the
+/// blob. The tensors in data order, or `None` while `head` does not hold the whole header yet.
+/// The same checks as [`decode`]'s: the data tile the blob's rest, each as long as its shape.
+pub fn layout(head: &[u8], len: usize) -> Result<Option<Vec<Placed>>, TensorError> {
+    let bad = |what: String| Err(TensorError::Format(what));
+    let Some(n) = head.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize) else {
+        return Ok(None);
+    };
+    if n > MAX_HEADER || 8 + n > len {
+        return bad(format!("a header of {n} bytes in a blob of {len}"));
+    }
+    let Some(json) = head.get(8..8 + n) else { return Ok(None) };
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(json).map_err(|e| TensorError::Format(format!("the header: {e}")))?;
+    let mut placed = Vec::with_capacity(map.len());
+    for (name, value) in map.into_iter().filter(|(name, _)| name != "__metadata__") {
+        let e: ReadEntry =
+            serde_json::from_value(value).map_err(|e| TensorError::Format(format!("tensor {name}: {e}")))?;
+        let [from, to] = e.data_offsets;
+        let expected = e.shape.iter().product::<usize>() * e.dtype.size();
+        if to < from || to - from != expected {
+            return Err(TensorError::Size {
+                name,
+                bytes: to.saturating_sub(from),
+                shape: e.shape,
+                dtype: e.dtype,
+                expected,
+            });
+        }
+        placed.push(Placed { name, dtype: e.dtype, shape: e.shape, bytes: 8 + n + from..8 + n + to });
+    }
+    placed.sort_by_key(|p| p.bytes.start);
+    let mut at = 8 + n;
+    for p in &placed {
+        if p.bytes.start != at {
+            return bad(format!("tensor {}'s data starts at byte {}, expected {at}", p.name, p.bytes.start));
+        }
+        at = p.bytes.end;
+    }
+    if at != len {
+        return bad(format!("the tensors end at byte {at}, the blob at {len}"));
+    }
+    Ok(Some(placed))
+}
+
 /// Decodes a safetensors blob (validated by the `safetensors` crate), tensors sorted by name.
 pub fn decode(blob: &Bytes) -> Result<Vec<TensorData>, TensorError> {
     let st = safetensors::SafeTensors::deserialize(blob).map_err(|e| TensorError::Format(e.to_string()))?;
@@ -177,6 +247,29 @@ mod tests {
 
     fn concat(chunks: Vec<Bytes>) -> Bytes {
         Bytes::from(chunks.iter().flat_map(|c| c.iter().copied()).collect::<Vec<u8>>())
+    }
+
+    #[test]
+    fn a_blobs_layout_is_read_from_its_header_alone() {
+        let ts = vec![tensor("b", &[2, 3], 1), tensor("a", &[4], 2), tensor("scalar", &[], 3)];
+        let blob = concat(encode(&ts).unwrap());
+        let n = 8 + u64::from_le_bytes(blob[..8].try_into().unwrap()) as usize;
+        assert_eq!(layout(&blob[..n - 1], blob.len()).unwrap(), None, "the header not whole yet");
+        let placed = layout(&blob[..n], blob.len()).unwrap().expect("the header is whole");
+        let names: Vec<&str> = placed.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "scalar"]);
+        for (p, t) in placed.iter().zip(decode(&blob).unwrap()) {
+            assert_eq!((&p.shape, p.dtype, &blob[p.bytes.clone()]), (&t.shape, t.dtype, &t.data[..]));
+        }
+        let err = layout(&blob[..n], blob.len() + 4).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "not a valid safetensors blob: the tensors end at byte {}, the blob at {}",
+                blob.len(),
+                blob.len() + 4
+            )
+        );
     }
 
     #[test]

@@ -40,8 +40,15 @@ pub(crate) enum Item {
         /// The state's bytes (checked against the xxh3 the donor sent).
         bytes: Bytes,
     },
-    /// One step's outputs.
-    Step(Bytes),
+    /// One step's outputs: their first piece and their length. The rest is read piece by piece
+    /// ([`Catching::more`]), so that the returner puts each in place as it arrives, never holding
+    /// the whole.
+    Step {
+        /// Bytes in all.
+        total: usize,
+        /// The first piece.
+        first: Bytes,
+    },
     /// The position after a step or an epoch's end.
     Position(Bytes),
     /// The generation ends after `step`; join with the lineage digest when `lineage`.
@@ -266,19 +273,32 @@ impl Catching {
         }
     }
 
-    /// The next item, put back together; an error when the stream broke (the donor died).
+    /// The next piece of an item of `kind` and `total` bytes, of which `got` came already.
+    pub(crate) fn more(&mut self, kind: &str, (got, total): (usize, usize)) -> Result<Bytes, String> {
+        let more = self.part()?;
+        if more.kind != Kind::More as i32 || got + more.data.len() > total || more.data.is_empty() {
+            return Err(format!("a {kind} item cut short ({got} of {total} bytes)"));
+        }
+        Ok(more.data)
+    }
+
+    /// The next item, put back together (a step's outputs, only begun: [`Item::Step`]); an
+    /// error when the stream broke (the donor died).
     pub(crate) fn next(&mut self) -> Result<Item, String> {
         let first = self.part()?;
         let kind = Kind::try_from(first.kind).map_err(|_| format!("a part of unknown kind {}", first.kind))?;
         let total = usize::try_from(first.total).map_err(|_| "an item too large".to_string())?;
+        if kind == Kind::Step {
+            return match first.data.len() <= total {
+                true => Ok(Item::Step { total, first: first.data }),
+                false => Err(format!("a Step item's first piece holds {} of {total} bytes", first.data.len())),
+            };
+        }
         let mut bytes = BytesMut::with_capacity(total);
         bytes.extend_from_slice(&first.data);
         while bytes.len() < total {
-            let more = self.part()?;
-            if more.kind != Kind::More as i32 || bytes.len() + more.data.len() > total {
-                return Err(format!("a {kind:?} item cut short ({} of {total} bytes)", bytes.len()));
-            }
-            bytes.extend_from_slice(&more.data);
+            let more = self.more(&format!("{kind:?}"), (bytes.len(), total))?;
+            bytes.extend_from_slice(&more);
         }
         let bytes = bytes.freeze();
         Ok(match kind {
@@ -289,7 +309,7 @@ impl Catching {
                 }
                 Item::State { generation: first.generation, formation: first.formation_digest, bytes }
             }
-            Kind::Step => Item::Step(bytes),
+            Kind::Step => unreachable!("returned above"),
             Kind::Position => Item::Position(bytes),
             Kind::End => Item::End { step: first.step, lineage: first.lineage },
             Kind::Fallback => Item::Fallback(first.reason),

@@ -6,12 +6,14 @@
 //! outputs carry the parameters after the step instead (no member holds its averaged gradient
 //! whole, and the returner holds no range of the optimizer state to update with it).
 
-use bytes::Bytes;
+use std::ops::Range;
+
+use trainerd_storage::tensors::Placed;
 use trainerd_storage::TensorData;
 
 use super::host as checkpoint;
 use super::position::Position;
-use super::replica::{split, Encoding, ModelState};
+use super::replica::{Encoding, ModelState};
 use super::StateError;
 
 /// The magic of a step's outputs that carry its averaged gradients.
@@ -28,12 +30,10 @@ pub(crate) enum Carried {
     Parameters,
 }
 
-/// A step's outputs, taken apart.
-pub(crate) struct StepOutputs {
-    /// The position before the step.
-    pub(crate) before: Position,
+/// What [`Incoming`] kept of a step's outputs, taken at their end.
+struct StepOutputs {
     /// What `tensors` are.
-    pub(crate) carried: Carried,
+    carried: Carried,
     /// The gradients or the parameters after the step, by parameter name.
     tensors: Vec<TensorData>,
     /// The buffers after the step, by name.
@@ -66,27 +66,6 @@ pub(crate) fn capture(model: &ModelState, carried: Carried) -> Result<Vec<u8>, S
 }
 
 impl StepOutputs {
-    /// [`capture`]'s bytes, taken apart.
-    pub(crate) fn decode(bytes: &Bytes) -> Result<StepOutputs, StateError> {
-        let (magic, before, all) = split(bytes, &[MAGIC, PARAMS_MAGIC])?;
-        let (carried, prefix) =
-            if &magic == MAGIC { (Carried::Gradients, "grad/") } else { (Carried::Parameters, "param/") };
-        let (mut tensors, mut buffers) = (Vec::new(), Vec::new());
-        for t in all {
-            if let Some(name) = t.name.strip_prefix(prefix) {
-                tensors.push(TensorData { name: name.to_string(), ..t });
-            } else if let Some(name) = t.name.strip_prefix("buffer/") {
-                buffers.push(TensorData { name: name.to_string(), ..t });
-            } else {
-                return Err(StateError::Invalid(match carried {
-                    Carried::Gradients => "a step's outputs hold a tensor that is neither a gradient nor a buffer",
-                    Carried::Parameters => "a step's outputs hold a tensor that is neither a parameter nor a buffer",
-                }));
-            }
-        }
-        Ok(StepOutputs { before, carried, tensors, buffers })
-    }
-
     /// Takes the parameters after the step ([`Carried::Parameters`]), checked against the model
     /// (names, types, shapes).
     pub(crate) fn set_params(&self, model: &mut ModelState) -> Result<(), StateError> {
@@ -96,33 +75,16 @@ impl StepOutputs {
         checkpoint::copy_into(&mut model.params, &self.tensors, "a step's outputs")
     }
 
-    /// Puts each gradient in its parameter's `.grad` (made where the parameter has none yet); a
-    /// parameter without one in the outputs must have none here either (the update skips it).
-    pub(crate) fn set_grads(&self, model: &mut ModelState) -> Result<(), StateError> {
-        if self.carried != Carried::Gradients {
-            return Err(StateError::Invalid("a step's outputs carry the parameters after it, not its gradients"));
-        }
+    /// Puts each gradient it holds in its parameter's `.grad` (made where the parameter has none
+    /// yet): those [`Incoming`] kept, the others being in place already.
+    fn kept_grads(&self, model: &mut ModelState) -> Result<(), StateError> {
         let _no_grad = tch::no_grad_guard();
-        for (name, p) in &model.params {
-            let Some(g) = self.tensors.iter().find(|g| &g.name == name) else {
-                if p.grad().defined() {
-                    return Err(StateError::Missing {
-                        what: "a step's outputs".into(),
-                        name: format!("{name}'s gradient"),
-                    });
-                }
-                continue;
+        for g in &self.tensors {
+            let Some((_, p)) = model.params.iter().find(|(n, _)| n == &g.name) else {
+                return Err(StateError::Missing { what: "the model".into(), name: g.name.clone() });
             };
-            let shape: Vec<i64> = g.shape.iter().map(|&d| d as i64).collect();
-            if shape != p.size() {
-                let (found, expected) = (shape, p.size());
-                return Err(StateError::Shape { what: "a step's outputs".into(), name: name.clone(), found, expected });
-            }
             crate::sys::autograd::ensure_grad(p);
             checkpoint::copy_bytes(&mut p.grad(), g)?;
-        }
-        if let Some(extra) = self.tensors.iter().find(|g| !model.params.iter().any(|(n, _)| n == &g.name)) {
-            return Err(StateError::Missing { what: "the model".into(), name: extra.name.clone() });
         }
         Ok(())
     }
@@ -134,6 +96,215 @@ impl StepOutputs {
     }
 }
 
+/// A step's outputs taken in as their pieces arrive, never held whole: each float32 gradient of
+/// a float32 CPU parameter is written straight into its `.grad` (one copy, from the piece), and
+/// [`Incoming::take`] says which of its elements are complete, so that the update of those can
+/// run while the rest comes (docs/fault-tolerance.md, "By piece"). The rest (the buffers, a
+/// sharded step's parameters, a gradient of another kind) is kept and taken at the end
+/// ([`Incoming::finish`]).
+pub(crate) struct Incoming {
+    /// Bytes in all, and bytes taken so far.
+    total: usize,
+    got: usize,
+    /// The bytes before the tensors' data, until they are all here.
+    head: Vec<u8>,
+    read: Option<Read>,
+}
+
+/// What the head said, checked against the model.
+struct Read {
+    carried: Carried,
+    /// Each tensor, in data order, and where its bytes go.
+    tensors: Vec<(Placed, Dest)>,
+    /// The first tensor whose bytes are not all here.
+    cursor: usize,
+}
+
+/// Where a tensor's bytes go.
+enum Dest {
+    /// Straight into the gradient of parameter `usize`.
+    Grad(usize),
+    /// Kept, taken at the end.
+    Kept(Vec<u8>),
+}
+
+impl Incoming {
+    /// Outputs of `total` bytes about to arrive.
+    pub(crate) fn new(total: usize) -> Incoming {
+        Incoming { total, got: 0, head: Vec::new(), read: None }
+    }
+
+    /// Whether every byte came.
+    pub(crate) fn whole(&self) -> bool {
+        self.got == self.total
+    }
+
+    /// Bytes taken so far.
+    pub(crate) fn got(&self) -> usize {
+        self.got
+    }
+
+    /// Once the head is read: what the outputs carry, and per parameter of `model`, whether they
+    /// carry its gradient, every one of them written in place (what a ranged update needs).
+    pub(crate) fn grads_in_place(&self, model: &ModelState) -> Option<(Carried, Option<Vec<bool>>)> {
+        let read = self.read.as_ref()?;
+        let mut with = vec![false; model.params.len()];
+        for (_, into) in &read.tensors {
+            match into {
+                Dest::Grad(i) => with[*i] = true,
+                Dest::Kept(_) if read.carried == Carried::Gradients => return Some((read.carried, None)),
+                Dest::Kept(_) => {}
+            }
+        }
+        Some((read.carried, (read.carried == Carried::Gradients).then_some(with)))
+    }
+
+    /// The next piece, taken into `model` (at the step before the outputs: checked once the head
+    /// is read, before anything is written); each parameter whose gradient's elements became
+    /// complete, and which.
+    pub(crate) fn take(&mut self, model: &mut ModelState, piece: &[u8]) -> Result<Vec<(usize, Range<usize>)>, String> {
+        if piece.len() > self.total - self.got {
+            return Err(format!("a step's outputs longer than the {} bytes announced", self.total));
+        }
+        if self.read.is_some() {
+            return Ok(self.place(model, piece));
+        }
+        self.head.extend_from_slice(piece);
+        self.got += piece.len();
+        let Some(read) = read_head(&self.head, self.total, model)? else { return Ok(Vec::new()) };
+        let data = read.tensors.first().map_or(self.total, |(p, _)| p.bytes.start);
+        let rest = std::mem::take(&mut self.head).split_off(data.min(self.got));
+        self.got -= rest.len();
+        self.read = Some(read);
+        Ok(self.place(model, &rest))
+    }
+
+    /// Bytes of the data, from `self.got` on, put in place.
+    fn place(&mut self, model: &ModelState, mut bytes: &[u8]) -> Vec<(usize, Range<usize>)> {
+        let read = self.read.as_mut().expect("the head is read");
+        let mut complete = Vec::new();
+        while !bytes.is_empty() {
+            let (placed, into) = &mut read.tensors[read.cursor];
+            let (start, end) = (placed.bytes.start, placed.bytes.end);
+            let n = bytes.len().min(end - self.got);
+            let (these, rest) = bytes.split_at(n);
+            match into {
+                Dest::Grad(i) => {
+                    let grad = model.params[*i].1.grad();
+                    // SAFETY: a contiguous float32 CPU gradient of `end - start` bytes (checked
+                    // when the head was read, and made then), written from byte `got - start`
+                    // for `n` bytes within it, from a piece of another allocation.
+                    unsafe {
+                        let at = grad.data_ptr().cast::<u8>().add(self.got - start);
+                        std::ptr::copy_nonoverlapping(these.as_ptr(), at, n);
+                    }
+                    let (from, to) = ((self.got - start) / 4, (self.got + n - start) / 4);
+                    if to > from {
+                        complete.push((*i, from..to));
+                    }
+                }
+                Dest::Kept(kept) => kept.extend_from_slice(these),
+            }
+            self.got += n;
+            bytes = rest;
+            if self.got == end {
+                read.cursor += 1;
+            }
+        }
+        complete
+    }
+
+    /// Once every byte came: the kept tensors taken into `model` (the buffers after the step,
+    /// and a sharded step's parameters); what the outputs carried.
+    pub(crate) fn finish(self, model: &mut ModelState) -> Result<Carried, String> {
+        let Some(read) = self.read.filter(|_| self.got == self.total) else {
+            return Err(format!("a step's outputs cut short ({} of {} bytes)", self.got, self.total));
+        };
+        let (mut tensors, mut buffers) = (Vec::new(), Vec::new());
+        for (placed, into) in read.tensors {
+            let Dest::Kept(data) = into else { continue };
+            let (kind, name) = placed.name.split_once('/').expect("checked when the head was read");
+            let t = TensorData { name: name.to_string(), dtype: placed.dtype, shape: placed.shape, data: data.into() };
+            if kind == "buffer" {
+                buffers.push(t)
+            } else {
+                tensors.push(t)
+            }
+        }
+        let outputs = StepOutputs { carried: read.carried, tensors, buffers };
+        let taken = match outputs.carried {
+            Carried::Gradients => outputs.kept_grads(model),
+            Carried::Parameters => outputs.set_params(model),
+        };
+        taken.and_then(|()| outputs.set_buffers(model)).map_err(|e| e.to_string())?;
+        Ok(outputs.carried)
+    }
+}
+
+/// The head of a step's outputs of `total` bytes, once `head` holds it, checked against `model`
+/// (at the step before them): where each tensor goes, every gradient of a parameter written in
+/// place made there.
+fn read_head(head: &[u8], total: usize, model: &ModelState) -> Result<Option<Read>, String> {
+    let magic = match head.get(..8) {
+        None => return Ok(None),
+        Some(m) if m == MAGIC => Carried::Gradients,
+        Some(m) if m == PARAMS_MAGIC => Carried::Parameters,
+        Some(_) => return Err("a step's outputs with no header".into()),
+    };
+    let Some(len) = head.get(8..16).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize) else {
+        return Ok(None);
+    };
+    let Some(json) = head.get(16..16 + len) else { return Ok(None) };
+    let before: Position = serde_json::from_slice(json).map_err(|e| format!("a step's outputs: {e}"))?;
+    let at = model.position.global_step;
+    if before != model.position {
+        return Err(format!(
+            "the outputs of step {} follow another position than the replay's (step {at})",
+            before.global_step + 1
+        ));
+    }
+    let layout = trainerd_storage::tensors::layout(&head[16 + len..], total - 16 - len);
+    let Some(placed) = layout.map_err(|e| format!("a step's outputs: {e}"))? else { return Ok(None) };
+    let prefix = if magic == Carried::Gradients { "grad/" } else { "param/" };
+    let mut tensors = Vec::with_capacity(placed.len());
+    for mut p in placed {
+        p.bytes = p.bytes.start + 16 + len..p.bytes.end + 16 + len;
+        let into = match p.name.strip_prefix(prefix).filter(|_| magic == Carried::Gradients) {
+            Some(name) => grad_in_place(model, name, &p)?,
+            None if p.name.starts_with(prefix) || p.name.starts_with("buffer/") => None,
+            None => return Err(format!("a step's outputs hold {}, neither a {prefix} nor a buffer/", p.name)),
+        };
+        tensors.push((p, into.map_or(Dest::Kept(Vec::new()), Dest::Grad)));
+    }
+    if magic == Carried::Gradients {
+        let sent = |n: &str| tensors.iter().any(|(p, _)| p.name.strip_prefix("grad/") == Some(n));
+        if let Some((name, _)) = model.params.iter().find(|(n, p)| !sent(n) && p.grad().defined()) {
+            return Err(format!("a step's outputs hold no gradient of {name}, which has one here"));
+        }
+    }
+    Ok(Some(Read { carried: magic, tensors, cursor: 0 }))
+}
+
+/// Where the gradient of parameter `name` placed at `p` goes: straight into the parameter's own
+/// `.grad` (its index; made here if it has none) when both are plain float32 on the CPU, else
+/// kept (`None`).
+fn grad_in_place(model: &ModelState, name: &str, p: &Placed) -> Result<Option<usize>, String> {
+    let Some(i) = model.params.iter().position(|(n, _)| n == name) else {
+        return Err(format!("a step's outputs hold a gradient of {name}, which the model does not have"));
+    };
+    let param = &model.params[i].1;
+    let shape: Vec<i64> = p.shape.iter().map(|&d| d as i64).collect();
+    if shape != param.size() {
+        return Err(format!("a step's outputs: {name}'s gradient has shape {shape:?}, the model's {:?}", param.size()));
+    }
+    let plain = |t: &tch::Tensor| t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu && t.is_contiguous();
+    if p.dtype != trainerd_storage::Dtype::F32 || !plain(param) || p.bytes.is_empty() {
+        return Ok(None);
+    }
+    crate::sys::autograd::ensure_grad(param);
+    Ok(plain(&param.grad()).then_some(i))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,15 +313,20 @@ mod tests {
     use tch::{Device, Kind, Tensor};
     use trainerd_sdk::OptimizerConfig;
 
-    /// A state of two parameters (one used, one that never gets a gradient) and a buffer.
+    /// A state of two parameters (one used, one that never gets a gradient) and a buffer, with Adam.
     fn state(seed: i64) -> TrainState {
+        state_with(seed, OptimizerConfig::adam(1e-2))
+    }
+
+    /// The same with the optimizer `config`.
+    fn state_with(seed: i64, config: OptimizerConfig) -> TrainState {
         tch::manual_seed(seed);
         let params = vec![
             ("a".to_string(), Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true)),
             ("unused".to_string(), Tensor::randn([2], (Kind::Float, Device::Cpu)).set_requires_grad(true)),
         ];
         let buffers = vec![("count".to_string(), Tensor::from_slice(&[seed]))];
-        let optimizer = Optimizer::new(OptimizerConfig::adam(1e-2), &params);
+        let optimizer = Optimizer::new(config, &params);
         TrainState::new(ModelState::new((params, buffers), 1, Device::Cpu, true), optimizer)
     }
 
@@ -167,24 +343,58 @@ mod tests {
         bytes
     }
 
-    #[test]
-    fn a_steps_outputs_replayed_through_the_same_update_give_the_same_bits() {
-        let mut donor = state(1);
-        let snapshot = donor.encode().unwrap();
-        let outputs: Vec<Vec<u8>> = (1..=3).map(|k| step(&mut donor, k)).collect();
-        let mut returner = state(2);
-        returner.decode(snapshot.into()).unwrap();
-        for bytes in outputs {
-            let o = StepOutputs::decode(&bytes.into()).unwrap();
-            assert_eq!(o.before, *returner.position());
-            o.set_grads(&mut returner.model).unwrap();
-            assert!(!returner.model.params[1].1.grad().defined(), "a parameter without a gradient gets none");
-            let Optim::Whole(opt) = &mut returner.optimizer else { unreachable!("whole") };
-            opt.step(&mut returner.model.params, 0.1);
-            o.set_buffers(&mut returner.model).unwrap();
-            returner.model.position.global_step += 1;
+    /// `bytes` (a step's outputs) taken into `s` in pieces of `piece` bytes and the update made:
+    /// range by range as the gradient arrives (`by_range`), else once it is whole.
+    fn take_in(s: &mut TrainState, bytes: &[u8], piece: usize, by_range: bool) -> Result<(), String> {
+        let mut incoming = Incoming::new(bytes.len());
+        let mut rules = None;
+        for chunk in bytes.chunks(piece) {
+            let complete = incoming.take(&mut s.model, chunk)?;
+            let Optim::Whole(o) = &mut s.optimizer else { unreachable!("whole") };
+            if rules.is_none() && by_range {
+                if let Some((_, Some(with))) = incoming.grads_in_place(&s.model) {
+                    rules = Some(o.ranged(&s.model.params, &with, 0.1).expect("plain float32 on the CPU"));
+                }
+            }
+            for (i, range) in complete.into_iter().filter(|_| rules.is_some()) {
+                let p = &s.model.params[i].1;
+                o.update_range(i, rules.as_ref().unwrap()[i].unwrap(), (p, &p.grad()), range);
+            }
         }
-        assert_eq!(returner.digest().unwrap(), donor.digest().unwrap());
+        assert!(incoming.whole());
+        let carried = incoming.finish(&mut s.model)?;
+        if let (Carried::Gradients, None, Optim::Whole(o)) = (carried, &rules, &mut s.optimizer) {
+            o.step(&mut s.model.params, 0.1);
+        }
+        s.model.position.global_step += 1;
+        Ok(())
+    }
+
+    /// Every optimizer's update by range as the pieces come, whatever their size (a byte at a
+    /// time cuts every float, the head too), gives the bits of the update over the whole gradient.
+    #[test]
+    fn a_steps_outputs_taken_piece_by_piece_and_updated_by_range_give_the_same_bits() {
+        let mut momentum = OptimizerConfig::sgd(0.1);
+        if let OptimizerConfig::Sgd { momentum: m, weight_decay, .. } = &mut momentum {
+            (*m, *weight_decay) = (0.9, 0.01);
+        }
+        let configs =
+            [OptimizerConfig::adam(1e-2), OptimizerConfig::adamw(1e-2), momentum, OptimizerConfig::rmsprop(1e-2)];
+        for config in configs {
+            let mut donor = state_with(1, config.clone());
+            let snapshot = donor.encode().unwrap();
+            let outputs: Vec<Vec<u8>> = (1..=3).map(|k| step(&mut donor, k)).collect();
+            for (piece, by_range) in [(1, true), (7, true), (50, true), (1 << 20, true), (13, false)] {
+                let mut returner = state_with(2, config.clone());
+                returner.decode(snapshot.clone().into()).unwrap();
+                for bytes in &outputs {
+                    take_in(&mut returner, bytes, piece, by_range).unwrap();
+                    assert!(!returner.model.params[1].1.grad().defined(), "a parameter without a gradient gets none");
+                }
+                let what = format!("{config:?} in pieces of {piece} bytes, by range: {by_range}");
+                assert_eq!(returner.digest().unwrap(), donor.digest().unwrap(), "{what}");
+            }
+        }
     }
 
     /// A sharded step's outputs: the parameters and buffers after it, taken as they are.
@@ -198,27 +408,39 @@ mod tests {
         step(&mut donor, 1);
         donor.model.position = before;
         let bytes = capture(&donor.model, Carried::Parameters).unwrap();
-        let o = StepOutputs::decode(&bytes.into()).unwrap();
-        assert_eq!((o.carried, &o.before), (Carried::Parameters, returner.position()));
-        o.set_params(&mut returner.model).unwrap();
-        o.set_buffers(&mut returner.model).unwrap();
-        assert_eq!(returner.model.params_sha256(), donor.model.params_sha256());
-        let err = o.set_grads(&mut returner.model).unwrap_err();
+        let mut incoming = Incoming::new(bytes.len());
+        assert_eq!(incoming.take(&mut returner.model, &bytes).unwrap(), [], "nothing is put in place");
         assert_eq!(
-            err.to_string(),
-            "the state received is not valid: a step's outputs carry the parameters after it, not its gradients"
+            incoming.grads_in_place(&returner.model).map(|(c, w)| (c, w.is_none())),
+            Some((Carried::Parameters, true))
         );
+        assert_eq!(incoming.finish(&mut returner.model).unwrap(), Carried::Parameters);
+        assert_eq!(returner.model.params_sha256(), donor.model.params_sha256());
+        assert!(!returner.model.params[0].1.grad().defined(), "no gradient is made");
     }
 
     #[test]
-    fn outputs_that_leave_a_gradient_out_are_refused_by_name() {
+    fn outputs_that_do_not_follow_the_replay_are_refused_before_anything_is_written() {
         let mut donor = state(1);
-        let bytes = capture(&donor.model, Carried::Gradients).unwrap();
+        let stale = capture(&donor.model, Carried::Gradients).unwrap();
         step(&mut donor, 1);
-        let o = StepOutputs::decode(&bytes.into()).unwrap();
-        let err = o.set_grads(&mut donor.model).unwrap_err();
-        assert_eq!(err.to_string(), "a step's outputs has no tensor a's gradient");
-        let err = StepOutputs::decode(&donor.encode().unwrap().into()).err().expect("a state is not a step's outputs");
-        assert_eq!(err.to_string(), "the state received is not valid: no header");
+        let a = donor.model.params[0].1.copy();
+        let mut incoming = Incoming::new(stale.len());
+        let err = incoming.take(&mut donor.model, &stale).err().unwrap();
+        assert_eq!(err, "the outputs of step 1 follow another position than the replay's (step 1)");
+        // The donor's gradient of `a` is still there: outputs without it are refused by name.
+        let mut s = state(1);
+        tch::with_grad(|| (&s.model.params[0].1 * 2.0).sum(Kind::Float).backward());
+        let none = capture(&state(1).model, Carried::Gradients).unwrap();
+        let err = Incoming::new(none.len()).take(&mut s.model, &none).err().unwrap();
+        assert_eq!(err, "a step's outputs hold no gradient of a, which has one here");
+        assert_eq!(donor.model.params[0].1, a, "nothing was written");
+        let state_bytes = donor.encode().unwrap();
+        let err = Incoming::new(state_bytes.len()).take(&mut donor.model, &state_bytes).err().unwrap();
+        assert_eq!(err, "a step's outputs with no header");
+        let (mut short, mut s) = (Incoming::new(stale.len()), state(1));
+        short.take(&mut s.model, &stale[..stale.len() - 5]).unwrap();
+        let err = short.finish(&mut s.model).err().unwrap();
+        assert_eq!(err, format!("a step's outputs cut short ({} of {} bytes)", stale.len() - 5, stale.len()));
     }
 }

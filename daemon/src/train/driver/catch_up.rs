@@ -11,7 +11,8 @@ use bytes::Bytes;
 use super::Driver;
 use crate::cluster::catch_up::{fingerprint, Catching, Feed, Item};
 use crate::collective::slots;
-use crate::state::catch_up::{self, Carried, StepOutputs};
+use crate::optim::optimizer::RangedRules;
+use crate::state::catch_up::{self, Carried, Incoming};
 use crate::state::{Optim, StateError, TrainState};
 use crate::train::kernels;
 use crate::train::report::Reporter;
@@ -266,7 +267,9 @@ impl Driver<'_> {
                 return Err(Interrupt::Stopped);
             }
             let replay = match catching.next() {
-                Ok(Item::Step(bytes)) => self.replay(state, session, &bytes).map(|()| replayed += 1),
+                Ok(Item::Step { total, first }) => {
+                    self.replay(state, &mut catching, (total, first), session.slot_count()).map(|()| replayed += 1)
+                }
                 Ok(Item::Position(bytes)) => serde_json::from_slice(&bytes)
                     .map(|p: crate::state::Position| {
                         session.caught_up_to(p.global_step);
@@ -325,31 +328,74 @@ impl Driver<'_> {
         }
     }
 
-    /// One step's outputs applied to `state` (at the step before them): the gradients, the same
-    /// update at the rate of the same position (or a sharded step's parameters after it), the
-    /// buffers.
-    fn replay(&mut self, state: &mut TrainState, session: &Session, bytes: &Bytes) -> Result<(), String> {
-        let outputs = StepOutputs::decode(bytes).map_err(|e| format!("a step's outputs could not be read: {e}"))?;
+    /// One step's outputs, `total` bytes beginning with `first` and read piece by piece from
+    /// `catching`, applied to `state` (at the step before them): each gradient put in place as
+    /// it arrives and, where the update needs nothing global (no `--clip-norm`, no float16 loss
+    /// scale), the update of its complete elements run meanwhile, so that the returner's work
+    /// ends about when the last piece comes; else the same update once the gradient is whole.
+    /// A sharded step's parameters after it are taken instead. Then the buffers.
+    fn replay(
+        &mut self,
+        state: &mut TrainState,
+        catching: &mut Catching,
+        (total, first): (usize, Bytes),
+        slots: usize,
+    ) -> Result<(), String> {
         let at = state.position().global_step;
-        if outputs.before != *state.position() {
-            return Err(format!(
-                "the outputs of step {} follow another position than the replay's (step {at})",
-                outputs.before.global_step + 1
-            ));
+        let lr = self.lr(at, state.position());
+        let mut incoming = Incoming::new(total);
+        // Decided once the head is read: per parameter, its rule (None: no gradient).
+        let mut ranged: Option<Option<RangedRules>> = None;
+        let mut piece = first;
+        loop {
+            let complete = incoming.take(&mut state.model, &piece)?;
+            if ranged.is_none() {
+                ranged =
+                    incoming.grads_in_place(&state.model).map(|(carried, with)| self.ranged(state, carried, with, lr));
+            }
+            if let (Some(Some(rules)), Optim::Whole(optimizer)) = (&ranged, &mut state.optimizer) {
+                for (i, elements) in complete {
+                    let (p, rule) = (&state.model.params[i].1, rules[i].expect("a gradient in place has its rule"));
+                    optimizer.update_range(i, rule, (p, &p.grad()), elements);
+                }
+            }
+            if incoming.whole() {
+                break;
+            }
+            piece = catching.more("Step", (incoming.got(), total))?;
         }
-        match outputs.carried {
+        match incoming.finish(&mut state.model)? {
             Carried::Gradients if !matches!(state.optimizer, Optim::Whole(_)) => {
-                return Err("a step's gradients came for a state whose optimizer state is not whole".into())
+                Err("a step's gradients came for a state whose optimizer state is not whole".into())
             }
-            Carried::Gradients => {
-                outputs.set_grads(&mut state.model).map_err(|e| e.to_string())?;
-                let lr = self.lr(at, state.position());
-                self.update(state, (at + 1, lr), session.slot_count()).map_err(|e| format!("{e:?}"))?;
+            Carried::Gradients if matches!(ranged, Some(Some(_))) => {
+                self.flip_bit(state);
+                Ok(())
             }
+            Carried::Gradients => self.update(state, (at + 1, lr), slots).map(|_| ()).map_err(|e| format!("{e:?}")),
             // A sharded step: this process holds no range (the next formation moves its own to it).
-            Carried::Parameters => outputs.set_params(&mut state.model).map_err(|e| e.to_string())?,
+            Carried::Parameters => Ok(()),
         }
-        outputs.set_buffers(&mut state.model).map_err(|e| e.to_string())
+    }
+
+    /// The update of a step whose outputs carry `carried`, made ready for ranges of each
+    /// gradient as it arrives ([`crate::optim::optimizer::Optimizer::ranged`]), when every
+    /// gradient is written in place (`with`) and the update needs no factor over the whole
+    /// gradient: not clipped (`--clip-norm`), no float16 loss scale.
+    fn ranged(
+        &self,
+        state: &mut TrainState,
+        carried: Carried,
+        with: Option<Vec<bool>>,
+        lr: f64,
+    ) -> Option<RangedRules> {
+        let (Carried::Gradients, Some(with), Optim::Whole(o)) = (carried, with, &mut state.optimizer) else {
+            return None;
+        };
+        if !self.cfg.clip.is_off() || state.model.position.loss_scale.is_some() {
+            return None;
+        }
+        o.ranged(&state.model.params, &with, lr)
     }
 
     /// The catch-up was refused before any state came (`why`): it joins as before.
