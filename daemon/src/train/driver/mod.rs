@@ -136,7 +136,7 @@ impl<'a> Driver<'a> {
             committer,
             evaluated: (u64::MAX, BTreeMap::new()),
             coordinates: true,
-            integrity: Integrity::new(integrity::Schedule::of(cfg)),
+            integrity: Integrity::new(integrity::Schedule::of(cfg)).keeping_in(cfg.state_dir.as_deref()),
             clip_ranges: None,
             sharding: None,
             adopted_once: false,

@@ -14,11 +14,10 @@
 
 use std::time::Instant;
 
-use bytes::Bytes;
-
-use xxhash_rust::xxh3::xxh3_64;
-
+mod agreed;
 mod digests;
+
+use agreed::Agreed;
 
 pub(crate) use digests::ranges_differ;
 use digests::{digest, exchange, parameters, parameters_alone, range_digests, split_digests};
@@ -79,13 +78,6 @@ pub(crate) fn verdict(digests: &[u64], coordinator: usize) -> Option<Verdict> {
     Some(Verdict { right, odd })
 }
 
-/// The last state every member agreed on: its step, its digest, its bytes.
-struct Agreed {
-    step: u64,
-    digest: u64,
-    bytes: Bytes,
-}
-
 /// A member's comparisons.
 pub(crate) struct Integrity {
     schedule: Schedule,
@@ -93,7 +85,9 @@ pub(crate) struct Integrity {
     commits: Vec<u64>,
     /// This process has been in a formation.
     formed_once: bool,
+    /// The last agreed state, and where its file goes: the worker's state directory, else `$TMPDIR`.
     agreed: Option<Agreed>,
+    dir: std::path::PathBuf,
     /// The step of a comparison this member entered that did not complete: its state is still
     /// that step's, not yet compared.
     owed: Option<u64>,
@@ -137,6 +131,7 @@ impl Integrity {
             commits: vec![schedule.commits],
             formed_once: false,
             agreed: None,
+            dir: std::env::temp_dir(),
             owed: None,
             mismatch_at: None,
             equal_at: 0,
@@ -145,6 +140,11 @@ impl Integrity {
             ranges_kept: false,
             sent_back: false,
         }
+    }
+
+    /// The agreed state's file goes in `dir` (the worker's state directory).
+    pub(crate) fn keeping_in(self, dir: Option<&std::path::Path>) -> Integrity {
+        Integrity { dir: dir.map_or_else(std::env::temp_dir, |d| d.to_path_buf()), ..self }
     }
 
     /// Whether the last mismatch had this member drop its state but keep its ranges of the
@@ -262,10 +262,9 @@ impl Integrity {
         if !first || received || !state.live() || state.optimizer.whole().is_none() {
             return Ok(());
         }
-        // The last agreed state dropped first: one encoded copy at a time.
+        // The last agreed state dropped first: one kept at a time.
         self.agreed = None;
-        let bytes = state.encode().map_err(|e| Interrupt::Fatal(e.into()))?;
-        self.agreed = Some(Agreed { step: state.position().global_step, digest: xxh3_64(&bytes), bytes: bytes.into() });
+        self.agreed = Some(Agreed::keep(state, &self.dir).map_err(|e| Interrupt::Fatal(e.into()))?);
         Ok(())
     }
 
@@ -318,8 +317,7 @@ impl Integrity {
             // a mismatch sends every member back to the last commit instead, and nothing is kept.
             self.agreed = None;
             if state.optimizer.whole().is_some() {
-                let bytes = state.encode().map_err(|e| Interrupt::Fatal(e.into()))?;
-                self.agreed = Some(Agreed { step: state.position().global_step, digest, bytes: bytes.into() });
+                self.agreed = Some(Agreed::keep(state, &self.dir).map_err(|e| Interrupt::Fatal(e.into()))?);
             }
             self.equal_at = state.position().global_step;
             return Ok(());
@@ -516,8 +514,7 @@ impl Integrity {
     /// Puts `state` back to the agreed state, when there is one and its bytes are intact; its
     /// step. Otherwise the state is dropped (a peer's is taken at the next formation).
     fn back_to_agreed(&self, state: &mut TrainState) -> Option<u64> {
-        let agreed = self.agreed.as_ref().filter(|a| xxh3_64(&a.bytes) == a.digest);
-        let back_to = agreed.and_then(|a| state.decode(a.bytes.clone()).ok().map(|()| a.step));
+        let back_to = self.agreed.as_ref().and_then(|a| a.restore(state));
         if back_to.is_none() {
             state.model.live = false;
         }
