@@ -6,7 +6,7 @@
 //! and both sides say so. Every scenario ends with exactly the failure-free run's parameters on
 //! all workers.
 //!
-//! CI budget: about 6 minutes on 2 cores (the 100 MB scenarios and their reference runs dominate).
+//! CI budget: about 7 minutes on 2 cores (the 100 MB scenarios and their reference runs dominate).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -22,25 +22,30 @@ const RESTART_SEC: Duration = Duration::from_millis(200);
 /// state), and 100 MB of gradient in every step's outputs.
 const WIDE_100MB: u64 = 2_500_000;
 
-/// A job: the wide table's rows (0: none), the steps of its one epoch, and whether it trains with
-/// Adam (else plain SGD).
+/// A job: the wide table's rows (0: none), the steps of its one epoch, whether it trains with
+/// Adam (else plain SGD), and whether its gradient is clipped (`--clip-norm`).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Job {
     wide: u64,
     steps: u64,
     adam: bool,
+    clip: bool,
 }
 
-const WIDE: Job = Job { wide: WIDE_100MB, steps: 40, adam: false };
-const SMALL: Job = Job { wide: 0, steps: 150, adam: false };
+const WIDE: Job = Job { wide: WIDE_100MB, steps: 40, adam: false, clip: false };
+const SMALL: Job = Job { wide: 0, steps: 150, adam: false, clip: false };
 /// 100 MB of state with Adam: 33 MB of parameters and twice that of moments.
-const WIDE_ADAM: Job = Job { wide: WIDE_100MB / 3, steps: 40, adam: true };
+const WIDE_ADAM: Job = Job { wide: WIDE_100MB / 3, steps: 40, adam: true, clip: false };
+/// The small job with Adam and its gradient clipped: an update no range of the gradient can run
+/// before the whole has come (the clip's factor is over all of it).
+const SMALL_CLIPPED: Job = Job { wide: 0, steps: 150, adam: true, clip: true };
 
 /// `trainerd run` arguments of `job` on 3 workers, each worker's summary in `dir`, with `extra`.
 fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
     let run = RunArgs::new("linear").epochs(1).steps(job.steps).threads(1).seed(5).batch(32);
     let run = if job.wide > 0 { run.plugin_arg(format!("wide={}", job.wide)) } else { run };
     let run = if job.adam { run.optimizer("adam", 0.001) } else { run };
+    let run = if job.clip { run.set("--clip-norm", 0.05) } else { run };
     run.summary(dir.join("summary.{rank}.json")).extend(extra)
 }
 
@@ -170,6 +175,17 @@ fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ra
     assert!(moved.contains(" from its own copies and its neighbours' ("), "{moved}");
     let kept = summary(tmp.path(), 0)["fault_tolerance"]["catch_up_kept_bytes"].as_u64().unwrap();
     assert!(kept >= 33_000_000, "at least one step's 33 MB of parameters was kept: {kept}");
+}
+
+/// A return whose update needs the whole gradient (`--clip-norm`, Adam): the returner takes each
+/// step's outputs in piece by piece all the same, and updates once the gradient is whole rather
+/// than range by range as it arrives. It catches up, and the run is bitwise the failure-free one.
+#[test]
+fn a_clipped_run_catches_up_with_each_update_run_once_its_gradient_is_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(3, &args(SMALL_CLIPPED, tmp.path(), &[]), &[], vec![], RESTART_SEC);
+    let back = back_while_they_train(&mut c, 20, 5);
+    assert_caught_up_with_nothing_sent(&mut c, SMALL_CLIPPED, tmp.path(), back);
 }
 
 /// Worker 2, back after `back`, caught up and took its slots back with nothing sent at the
