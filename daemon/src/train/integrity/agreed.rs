@@ -34,16 +34,22 @@ pub(super) struct Agreed {
 }
 
 impl Agreed {
-    /// `state` kept as the agreed one: written to an unnamed file in `dir` as it is encoded,
-    /// hashed on the way; in memory where that fails. An error only when it cannot be encoded.
-    pub(super) fn keep(state: &TrainState, dir: &Path) -> Result<Agreed, StateError> {
+    /// `state` kept as the agreed one: written to an unnamed file in `dir` as it is encoded; in
+    /// memory where that fails. `digest`: the xxh3 of its encoding, when the comparison took it
+    /// already (else it is taken on the way). An error only when it cannot be encoded.
+    pub(super) fn keep(state: &TrainState, dir: &Path, digest: Option<u64>) -> Result<Agreed, StateError> {
         let step = state.position().global_step;
         let encoding = state.encoding()?;
-        if let Ok(Some((file, digest))) = tempfile::tempfile_in(dir).map(|f| write(&encoding, f)) {
-            return Ok(Agreed { step, digest, kept: Kept::File(file) });
+        if let Ok(Some((file, hashed))) = tempfile::tempfile_in(dir).map(|f| write(&encoding, f, digest.is_none())) {
+            return Ok(Agreed {
+                step,
+                digest: digest.or(hashed).expect("hashed unless given"),
+                kept: Kept::File(file),
+            });
         }
         let bytes = encoding.bytes()?;
-        Ok(Agreed { step, digest: xxh3_64(&bytes), kept: Kept::Memory(bytes.into()) })
+        let digest = digest.unwrap_or_else(|| xxh3_64(&bytes));
+        Ok(Agreed { step, digest, kept: Kept::Memory(bytes.into()) })
     }
 
     /// Whether it lies in a file rather than in memory.
@@ -74,15 +80,17 @@ impl Agreed {
     }
 }
 
-/// `encoding`'s bytes written to `file`, and their xxh3; `None` when a write failed.
-fn write(encoding: &crate::state::replica::Encoding, file: File) -> Option<(File, u64)> {
-    let (mut out, mut hasher, mut failed) = (BufWriter::with_capacity(BUFFER, file), Xxh3::new(), false);
+/// `encoding`'s bytes written to `file`, and (when `hash`) their xxh3; `None` when a write failed.
+fn write(encoding: &crate::state::replica::Encoding, file: File, hash: bool) -> Option<(File, Option<u64>)> {
+    let (mut out, mut hasher, mut failed) = (BufWriter::with_capacity(BUFFER, file), hash.then(Xxh3::new), false);
     let written = encoding.write(&mut |b| {
-        hasher.update(b);
+        if let Some(h) = hasher.as_mut() {
+            h.update(b);
+        }
         failed = failed || out.write_all(b).is_err();
     });
     let file = out.into_inner().ok()?;
-    (written.is_ok() && !failed).then(|| (file, hasher.digest()))
+    (written.is_ok() && !failed).then(|| (file, hasher.map(|h| h.digest())))
 }
 
 #[cfg(test)]
@@ -104,14 +112,18 @@ mod tests {
     #[test]
     fn the_agreed_state_lies_in_a_file_and_is_taken_back_bit_for_bit() {
         let dir = tempfile::tempdir().unwrap();
-        let agreed = Agreed::keep(&state(1), dir.path()).unwrap();
+        let agreed = Agreed::keep(&state(1), dir.path(), None).unwrap();
         assert!(agreed.in_file());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the file has no name");
         let mut other = state(2);
         assert_eq!(agreed.restore(&mut other), Some(0));
         assert_eq!(other.digest().unwrap(), state(1).digest().unwrap());
+        // The digest the comparison took is the file's.
+        let digest = xxh3_64(&state(1).encode().unwrap());
+        let agreed = Agreed::keep(&state(1), dir.path(), Some(digest)).unwrap();
+        assert_eq!((agreed.in_file(), agreed.digest), (true, digest));
         // A directory that cannot hold it: kept in memory, taken back the same.
-        let agreed = Agreed::keep(&state(1), &dir.path().join("missing")).unwrap();
+        let agreed = Agreed::keep(&state(1), &dir.path().join("missing"), None).unwrap();
         assert!(!agreed.in_file());
         let mut other = state(3);
         assert_eq!(agreed.restore(&mut other), Some(0));
@@ -121,7 +133,7 @@ mod tests {
     #[test]
     fn an_agreed_state_whose_bytes_changed_is_not_taken() {
         let dir = tempfile::tempdir().unwrap();
-        let agreed = Agreed::keep(&state(1), dir.path()).unwrap();
+        let agreed = Agreed::keep(&state(1), dir.path(), None).unwrap();
         let Kept::File(file) = &agreed.kept else { panic!("in a file") };
         let mut f = file.try_clone().unwrap();
         f.seek(SeekFrom::Start(100)).unwrap();

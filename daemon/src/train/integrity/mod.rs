@@ -264,7 +264,7 @@ impl Integrity {
         }
         // The last agreed state dropped first: one kept at a time.
         self.agreed = None;
-        self.agreed = Some(Agreed::keep(state, &self.dir).map_err(|e| Interrupt::Fatal(e.into()))?);
+        self.agreed = Some(Agreed::keep(state, &self.dir, None).map_err(|e| Interrupt::Fatal(e.into()))?);
         Ok(())
     }
 
@@ -317,7 +317,9 @@ impl Integrity {
             // a mismatch sends every member back to the last commit instead, and nothing is kept.
             self.agreed = None;
             if state.optimizer.whole().is_some() {
-                self.agreed = Some(Agreed::keep(state, &self.dir).map_err(|e| Interrupt::Fatal(e.into()))?);
+                // Its digest is the one just compared.
+                let kept = Agreed::keep(state, &self.dir, Some(digest));
+                self.agreed = Some(kept.map_err(|e| Interrupt::Fatal(e.into()))?);
             }
             self.equal_at = state.position().global_step;
             return Ok(());
