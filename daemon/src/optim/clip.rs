@@ -130,7 +130,7 @@ impl Clip {
 
 /// A contiguous float32 host tensor's elements (`None` for any other).
 fn host_f32(t: &Tensor) -> Option<&[f32]> {
-    let plain = t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu && t.is_contiguous();
+    let plain = super::elementwise::plain(t);
     // SAFETY: a contiguous float32 host tensor of `numel` elements, only read while `t` lives.
     plain.then(|| unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) })
 }

@@ -384,6 +384,12 @@ fn put(p: &mut [f32], out: &mut Option<&mut [f32]>, i: usize, value: f32) {
     }
 }
 
+/// Whether `t` is a contiguous float32 CPU tensor: what the one-pass loop reads and writes in
+/// place, as a slice of its memory.
+pub(crate) fn plain(t: &tch::Tensor) -> bool {
+    t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu && t.is_contiguous()
+}
+
 /// [`Rule::apply`] on tensors, in place, storing both: `p`, its gradient and its state tensors
 /// (one per [`Rule::state_len`]). False (nothing done) unless every one is a distinct
 /// contiguous float32 CPU tensor of `p`'s length; those take libtorch's kernels.
@@ -394,14 +400,9 @@ pub(crate) fn on_tensors(
     state: &mut [&mut tch::Tensor],
     first: bool,
 ) -> bool {
-    use tch::{Device, Kind};
     let n = p.numel();
     let all: Vec<&tch::Tensor> = [&*p, grad].into_iter().chain(state.iter().map(|s| &**s)).collect();
-    if state.len() != rule.state_len()
-        || !all
-            .iter()
-            .all(|t| t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous() && t.numel() == n)
-    {
+    if state.len() != rule.state_len() || !all.iter().all(|t| plain(t) && t.numel() == n) {
         return false;
     }
     let ptrs: Vec<usize> = all.iter().map(|t| t.data_ptr() as usize).collect();

@@ -6,6 +6,7 @@
 //! outputs carry the parameters after the step instead (no member holds its averaged gradient
 //! whole, and the returner holds no range of the optimizer state to update with it).
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use trainerd_storage::tensors::Placed;
@@ -266,38 +267,43 @@ fn read_head(head: &[u8], total: usize, model: &ModelState) -> Result<Option<Rea
     let layout = trainerd_storage::tensors::layout(&head[16 + len..], total - 16 - len);
     let Some(placed) = layout.map_err(|e| format!("a step's outputs: {e}"))? else { return Ok(None) };
     let prefix = if magic == Carried::Gradients { "grad/" } else { "param/" };
+    let index: HashMap<&str, usize> = model.params.iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
+    let mut sent = vec![false; model.params.len()];
     let mut tensors = Vec::with_capacity(placed.len());
     for mut p in placed {
         p.bytes = p.bytes.start + 16 + len..p.bytes.end + 16 + len;
         let into = match p.name.strip_prefix(prefix).filter(|_| magic == Carried::Gradients) {
-            Some(name) => grad_in_place(model, name, &p)?,
+            Some(name) => {
+                let Some(&i) = index.get(name) else {
+                    return Err(format!("a step's outputs hold a gradient of {name}, which the model does not have"));
+                };
+                sent[i] = true;
+                grad_in_place(model, i, &p)?
+            }
             None if p.name.starts_with(prefix) || p.name.starts_with("buffer/") => None,
             None => return Err(format!("a step's outputs hold {}, neither a {prefix} nor a buffer/", p.name)),
         };
         tensors.push((p, into.map_or(Dest::Kept(Vec::new()), Dest::Grad)));
     }
     if magic == Carried::Gradients {
-        let sent = |n: &str| tensors.iter().any(|(p, _)| p.name.strip_prefix("grad/") == Some(n));
-        if let Some((name, _)) = model.params.iter().find(|(n, p)| !sent(n) && p.grad().defined()) {
+        let unsent = model.params.iter().zip(&sent).find(|((_, p), &sent)| !sent && p.grad().defined());
+        if let Some(((name, _), _)) = unsent {
             return Err(format!("a step's outputs hold no gradient of {name}, which has one here"));
         }
     }
     Ok(Some(Read { carried: magic, tensors, cursor: 0 }))
 }
 
-/// Where the gradient of parameter `name` placed at `p` goes: straight into the parameter's own
-/// `.grad` (its index; made here if it has none) when both are plain float32 on the CPU, else
-/// kept (`None`).
-fn grad_in_place(model: &ModelState, name: &str, p: &Placed) -> Result<Option<usize>, String> {
-    let Some(i) = model.params.iter().position(|(n, _)| n == name) else {
-        return Err(format!("a step's outputs hold a gradient of {name}, which the model does not have"));
-    };
-    let param = &model.params[i].1;
+/// Where the gradient of parameter `i` placed at `p` goes: straight into the parameter's own
+/// `.grad` (`i`; made here if it has none) when both are plain float32 on the CPU, else kept
+/// (`None`).
+fn grad_in_place(model: &ModelState, i: usize, p: &Placed) -> Result<Option<usize>, String> {
+    let (name, param) = &model.params[i];
     let shape: Vec<i64> = p.shape.iter().map(|&d| d as i64).collect();
     if shape != param.size() {
         return Err(format!("a step's outputs: {name}'s gradient has shape {shape:?}, the model's {:?}", param.size()));
     }
-    let plain = |t: &tch::Tensor| t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu && t.is_contiguous();
+    let plain = crate::optim::elementwise::plain;
     if p.dtype != trainerd_storage::Dtype::F32 || !plain(param) || p.bytes.is_empty() {
         return Ok(None);
     }

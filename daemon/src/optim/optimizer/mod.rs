@@ -284,9 +284,7 @@ impl Optimizer {
         if let OptimizerConfig::Keras(KerasOptimizer { clipnorm: Some(_), .. }) = self.config {
             return None;
         }
-        let plain = |t: &Tensor, n: usize| {
-            t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu && t.is_contiguous() && t.numel() == n
-        };
+        let plain = |t: &Tensor, n: usize| elementwise::plain(t) && t.numel() == n;
         let decay = per_parameter(&self.groups, params.len());
         for (i, (_, p)) in params.iter().enumerate().filter(|&(i, _)| with_grad[i]) {
             // (SGD's momentum buffer not made yet is no tensor here.)
@@ -586,8 +584,7 @@ fn per_parameter(groups: &[Group], n: usize) -> Vec<f64> {
 /// `rule`'s update of `p` from `grad` with its state `slots`, in one pass (float32 on the CPU;
 /// SGD's momentum buffer made here at the first gradient); false (nothing done) for the others.
 fn fused(rule: &Rule, p: &mut Tensor, grad: &Tensor, slots: &mut Slots) -> bool {
-    let plain = |t: &Tensor| t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu && t.is_contiguous();
-    if !plain(p) || !plain(grad) {
+    if !elementwise::plain(p) || !elementwise::plain(grad) {
         return false;
     }
     match slots {

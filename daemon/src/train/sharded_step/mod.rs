@@ -562,7 +562,7 @@ pub(crate) fn param_values(p: &Tensor, piece: &Piece) -> Vec<f32> {
 
 /// A parameter's values as float32: borrowed from a contiguous float32 host tensor, else copied.
 fn host_values(p: &Tensor) -> Cow<'_, [f32]> {
-    if p.kind() == Kind::Float && p.device() == Device::Cpu && p.is_contiguous() {
+    if crate::optim::elementwise::plain(p) {
         // SAFETY: a contiguous float32 host tensor of `numel` elements, only read while `p` is
         // borrowed.
         return Cow::Borrowed(unsafe { std::slice::from_raw_parts(p.data_ptr() as *const f32, p.numel()) });
