@@ -374,9 +374,12 @@ fn a_range_found_different_while_the_last_commit_is_written_goes_back_to_that_co
     c.wait_line(0, prefix, 0, DEADLINE);
     assert!(c.lines_of(0, "checkpoint 1 committed to ").is_empty(), "{}", c.transcript());
     // Each member's held part, released one at a time (each process takes the file it finds).
-    for _ in 0..WORKERS {
+    for n in 1..=WORKERS {
         std::fs::write(&release, b"").unwrap();
+        let since = std::time::Instant::now();
         while release.exists() {
+            let waited = since.elapsed();
+            assert!(waited < DEADLINE, "release {n} of {WORKERS} not taken in {waited:?}: \n{}", c.transcript());
             std::thread::sleep(Duration::from_millis(10));
         }
     }

@@ -186,14 +186,16 @@ pub trait Collective: Send + std::fmt::Debug {
     }
     /// Sends `send` (host values) to the next worker of the generation's ring while receiving the
     /// previous worker's into `recv`, whose length both know: how an owner's ranges of a sharded
-    /// optimizer reach their buddy. Only with two workers or more.
-    fn shift_to_next(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CollectiveError> {
+    /// optimizer reach their buddy. Each side is a list of slices taken in order as one stream
+    /// (the values sent from where they lie, those received written where they belong). Only
+    /// with two workers or more.
+    fn shift_to_next(&mut self, send: &[&[f32]], recv: &mut [&mut [f32]]) -> Result<(), CollectiveError> {
         let _ = (send, recv);
         Err(CollectiveError::Unsupported { op: "shift" })
     }
     /// [`Collective::shift_to_next`] the other way round: `send` to the previous worker, the
     /// next worker's into `recv` (a sharded optimizer's range moving back to a neighbour).
-    fn shift_to_previous(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CollectiveError> {
+    fn shift_to_previous(&mut self, send: &[&[f32]], recv: &mut [&mut [f32]]) -> Result<(), CollectiveError> {
         let _ = (send, recv);
         Err(CollectiveError::Unsupported { op: "shift" })
     }

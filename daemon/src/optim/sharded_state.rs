@@ -256,6 +256,35 @@ impl ShardedOptimizer {
         &mut self.shards[shard].state[k]
     }
 
+    /// The state arrays of the held ranges at `shards` (places among
+    /// [`ShardedOptimizer::held`], each listed once), shard by shard and each one's arrays in
+    /// order: where a shift writes the ranges that move here.
+    pub(crate) fn arrays_mut(&mut self, shards: &[usize]) -> Vec<&mut [f32]> {
+        let mut places: Vec<Option<&mut Shard>> = self.shards.iter_mut().map(Some).collect();
+        shards
+            .iter()
+            .flat_map(|&j| places[j].take().expect("each shard listed once").state.iter_mut().map(Vec::as_mut_slice))
+            .collect()
+    }
+
+    /// The held range at `shard`'s state arrays, taken out (empty arrays left in their place):
+    /// how a range this member keeps through a reshard moves to its next optimizer uncopied.
+    pub(crate) fn take_arrays(&mut self, shard: usize) -> Vec<Vec<f32>> {
+        let left = vec![Vec::new(); self.slot_names.len()];
+        std::mem::replace(&mut self.shards[shard].state, left)
+    }
+
+    /// Puts `arrays` (another optimizer's [`ShardedOptimizer::take_arrays`] of the same range) as
+    /// the held range at `shard`'s state.
+    pub(crate) fn put_arrays(&mut self, shard: usize, arrays: Vec<Vec<f32>>) {
+        let state = &mut self.shards[shard].state;
+        assert!(
+            arrays.len() == state.len() && arrays.iter().zip(state.iter()).all(|(a, b)| a.len() == b.len()),
+            "the same range's arrays"
+        );
+        *state = arrays;
+    }
+
     /// What every member's optimizer has alike: the steps taken, and per parameter whether it
     /// has started (had a gradient).
     pub(crate) fn replicated(&self) -> (u64, &[bool]) {

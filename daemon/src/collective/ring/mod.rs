@@ -352,9 +352,11 @@ impl Ring {
     }
 
     /// Sends `send` to the next worker of the ring while receiving the previous worker's into
-    /// `recv` (its length known to both): how an owner's ranges reach their buddy. Its failpoint
-    /// is `buddy-shift`, reached before any byte moves.
-    pub(crate) fn shift<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<(), CollectiveError> {
+    /// `recv` (its length known to both): how an owner's ranges reach their buddy. Each side is a
+    /// list of slices taken in order, as one stream: what is sent comes from where it lies, and
+    /// what arrives goes straight where it belongs, with no gathered copy on either side. Its
+    /// failpoint is `buddy-shift`, reached before any byte moves.
+    pub(crate) fn shift<T: Element>(&mut self, send: &[&[T]], recv: &mut [&mut [T]]) -> Result<(), CollectiveError> {
         assert!(self.world > 1, "a shift needs a next worker");
         self.link.check()?;
         trainerd_failpoint::point("buddy-shift");
@@ -363,13 +365,22 @@ impl Ring {
 
     /// [`Ring::shift`] the other way round: `send` to the previous rank while the next rank's
     /// data arrives in `recv` (each TCP link carries both ways).
-    pub(crate) fn shift_back<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<(), CollectiveError> {
+    pub(crate) fn shift_back<T: Element>(
+        &mut self,
+        send: &[&[T]],
+        recv: &mut [&mut [T]],
+    ) -> Result<(), CollectiveError> {
         assert!(self.world > 1, "a shift needs a previous worker");
         self.link.check()?;
         self.shift_way(send, recv, false)
     }
 
-    fn shift_way<T: Element>(&mut self, send: &[T], recv: &mut [T], forward: bool) -> Result<(), CollectiveError> {
+    fn shift_way<T: Element>(
+        &mut self,
+        send: &[&[T]],
+        recv: &mut [&mut [T]],
+        forward: bool,
+    ) -> Result<(), CollectiveError> {
         let began = Instant::now();
         let link = &self.link;
         let (next, prev) = (self.next.as_mut().expect("ring"), self.prev.as_mut().expect("ring"));
@@ -379,13 +390,18 @@ impl Ring {
             false => ((prev, prev_peer), (next, next_peer), "shift to the previous worker"),
         };
         std::thread::scope(|s| {
-            let sender = s.spawn(move || write_full(to, bytemuck::cast_slice(send), op, to_peer, link));
-            let received = read_full(from, bytemuck::cast_slice_mut(recv), op, from_peer, link);
+            let sender = s.spawn(move || {
+                send.iter().try_for_each(|part| write_full(to, bytemuck::cast_slice(part), op, to_peer, link))
+            });
+            let received = recv
+                .iter_mut()
+                .try_for_each(|part| read_full(from, bytemuck::cast_slice_mut(part), op, from_peer, link));
             let sent = sender.join().expect("sender thread");
             // A failed receive is the cause; a send that failed after it is its echo.
             received.and(sent)
         })?;
-        self.link.traffic.count(std::mem::size_of_val(send) as u64, began.elapsed());
+        let bytes: usize = send.iter().map(|part| std::mem::size_of_val(*part)).sum();
+        self.link.traffic.count(bytes as u64, began.elapsed());
         Ok(())
     }
 
@@ -458,11 +474,11 @@ impl Collective for Ring {
         self.all_gather_slots(&mut views)
     }
 
-    fn shift_to_next(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CollectiveError> {
+    fn shift_to_next(&mut self, send: &[&[f32]], recv: &mut [&mut [f32]]) -> Result<(), CollectiveError> {
         self.shift(send, recv)
     }
 
-    fn shift_to_previous(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), CollectiveError> {
+    fn shift_to_previous(&mut self, send: &[&[f32]], recv: &mut [&mut [f32]]) -> Result<(), CollectiveError> {
         self.shift_back(send, recv)
     }
 

@@ -141,6 +141,42 @@ fn buffers_shorter_than_the_ring() {
     }
 }
 
+/// A shift takes each side's slices in order as one stream, however each side cuts it: the
+/// previous worker's values arrive whole and in order, both ways round.
+#[test]
+fn a_shift_carries_the_slices_in_order_however_each_side_cuts_them() {
+    let world = 3;
+    let sent = |rank: usize| -> Vec<f32> { (0..1000).map(|i| (rank * 10_000 + i) as f32).collect() };
+    let cuts: [&[usize]; 3] = [&[0, 7, 500, 1000], &[0, 0, 999, 1000], &[0, 1000]];
+    let results = with_ring(world, |ring| {
+        let rank = ring.rank();
+        let values = sent(rank);
+        let send: Vec<&[f32]> = cuts[rank].windows(2).map(|w| &values[w[0]..w[1]]).collect();
+        let mut ways = Vec::new();
+        for forward in [true, false] {
+            let mut got = vec![0.0f32; 1000];
+            let cut = cuts[(rank + 1) % world];
+            let mut rest = got.as_mut_slice();
+            let mut recv = Vec::new();
+            for w in cut.windows(2) {
+                let (part, tail) = rest.split_at_mut(w[1] - w[0]);
+                recv.push(part);
+                rest = tail;
+            }
+            match forward {
+                true => ring.shift(&send, &mut recv).unwrap(),
+                false => ring.shift_back(&send, &mut recv).unwrap(),
+            }
+            ways.push(got);
+        }
+        ways
+    });
+    for (rank, ways) in results.iter().enumerate() {
+        assert_eq!(ways[0], sent((rank + world - 1) % world), "from the previous worker, at {rank}");
+        assert_eq!(ways[1], sent((rank + 1) % world), "from the next worker, at {rank}");
+    }
+}
+
 #[test]
 fn disjoint_handles_empty_chunks() {
     let mut buf = [1, 2, 3];

@@ -106,19 +106,19 @@ fn complete(
     kept: Vec<Vec<f32>>,
     (current, used, lr): (Values, &[bool], f64),
 ) -> Result<(), CollectiveError> {
-    let lens: Vec<usize> = optimizer.buddied().iter().map(|&r| ranges[r].grads_len()).collect();
-    let mut theirs = vec![0.0f32; lens.iter().sum()];
-    let shifted = match lens.is_empty() {
+    // The predecessor's clipped gradients arrive straight in their own arrays.
+    let mut theirs: Vec<Vec<f32>> = optimizer.buddied().iter().map(|&r| vec![0.0f32; ranges[r].grads_len()]).collect();
+    let shifted = match theirs.is_empty() {
         true => Ok(()),
-        false => collective.shift_to_next(&kept.concat(), &mut theirs),
+        false => {
+            let send: Vec<&[f32]> = kept.iter().map(Vec::as_slice).collect();
+            let mut recv: Vec<&mut [f32]> = theirs.iter_mut().map(Vec::as_mut_slice).collect();
+            collective.shift_to_next(&send, &mut recv)
+        }
     };
     let (own, arrived) = (kept.len(), shifted.is_ok());
     let mut grads = kept;
-    let mut at = 0;
-    for len in lens {
-        grads.push(theirs[at..at + len].to_vec());
-        at += len;
-    }
+    grads.append(&mut theirs);
     if let Err(e) = shifted.and_then(|()| buckets.all_gather(collective)) {
         let grads = grads.into_iter().enumerate().map(|(i, g)| (i < own || arrived).then_some(g)).collect();
         optimizer.cut_short(grads, current, (used, lr));
@@ -365,7 +365,7 @@ fn plan(ranges: &[Range], slots: &Slots, has: &[Vec<bool>]) -> Option<Vec<Vec<(u
 /// the ranges its receiver takes from it, in the receiver's order.
 fn by_neighbours(
     collective: &mut dyn Collective,
-    (held, next): (&ShardedOptimizer, &mut ShardedOptimizer),
+    (held, next): (&mut ShardedOptimizer, &mut ShardedOptimizer),
     plan: &[Vec<(usize, Source)>],
 ) -> Result<Moves, CollectiveError> {
     let (world, place) = (collective.world(), collective.rank());
@@ -373,44 +373,31 @@ fn by_neighbours(
     // Each optimizer's held ranges, listed once: a range's place among them is its shard.
     let (was, now) = (held.held(), next.held());
     let shard_of = |list: &[usize], r: usize| list.iter().position(|&h| h == r).expect("held");
-    // Each held range's length in elements, over every state array.
-    let lens: Vec<usize> = (0..now.len()).map(|j| (0..arrays).map(|k| next.values(j, k).len()).sum()).collect();
-    for (shard, &(r, from)) in plan[place].iter().enumerate() {
-        if from == Source::Own {
-            let own = shard_of(&was, r);
-            (0..arrays).for_each(|k| next.values_mut(shard, k).copy_from_slice(held.values(own, k)));
-        }
-    }
     let mut received = 0;
+    // Each way, the ranges go from where they lie in this member's state to where they belong in
+    // the neighbour's next one: no gathered copy on either side.
     for (way, to) in [(Source::Previous, (place + 1) % world), (Source::Next, (place + world - 1) % world)] {
         if world < 2 || arrays == 0 || plan.iter().all(|p| p.iter().all(|&(_, f)| f != way)) {
             continue;
         }
-        let theirs: Vec<usize> = plan[to].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| r).collect();
-        let mine: Vec<usize> = plan[place].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| r).collect();
-        let send: Vec<f32> = theirs
-            .iter()
-            .flat_map(|&r| {
-                let shard = shard_of(&was, r);
-                (0..arrays).flat_map(move |k| held.values(shard, k).iter().copied())
-            })
-            .collect();
-        let mut recv = vec![0.0f32; mine.iter().map(|&r| lens[shard_of(&now, r)]).sum()];
+        let kept: &ShardedOptimizer = held;
+        let theirs = plan[to].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| shard_of(&was, r));
+        let send: Vec<&[f32]> = theirs.flat_map(|shard| (0..arrays).map(move |k| kept.values(shard, k))).collect();
+        let mine: Vec<usize> =
+            plan[place].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| shard_of(&now, r)).collect();
+        let mut recv = next.arrays_mut(&mine);
+        received += recv.iter().map(|part| std::mem::size_of_val(&**part) as u64).sum::<u64>();
         match way {
             Source::Previous => collective.shift_to_next(&send, &mut recv)?,
             _ => collective.shift_to_previous(&send, &mut recv)?,
         }
-        let mut at = 0;
-        for &r in &mine {
-            let shard = shard_of(&now, r);
-            for k in 0..arrays {
-                let values = next.values_mut(shard, k);
-                let n = values.len();
-                values.copy_from_slice(&recv[at..at + n]);
-                at += n;
-            }
+    }
+    // The ranges this member keeps move last (a failed shift above leaves its state whole, for
+    // the next formation to move from).
+    for &(r, from) in &plan[place] {
+        if from == Source::Own {
+            next.put_arrays(shard_of(&now, r), held.take_arrays(shard_of(&was, r)));
         }
-        received += std::mem::size_of_val(&recv[..]) as u64;
     }
     Ok(Moves { received, by_neighbours: true })
 }
@@ -466,17 +453,11 @@ fn to_buddy(
     (own, k): (usize, usize),
     ours: &[f32],
 ) -> Result<(), CollectiveError> {
-    let shards = own..next.held().len();
-    let mut theirs = vec![0.0f32; shards.clone().map(|j| next.values(j, k).len()).sum()];
-    collective.shift_to_next(ours, &mut theirs)?;
-    let mut at = 0;
-    for j in shards {
-        let values = next.values_mut(j, k);
-        let len = values.len();
-        values.copy_from_slice(&theirs[at..at + len]);
-        at += len;
-    }
-    Ok(())
+    let shards: Vec<usize> = (own..next.held().len()).collect();
+    // Each buddy copy's array `k` (of all its arrays, in order), written as it arrives.
+    let arrays = next.slot_names().len();
+    let mut recv: Vec<&mut [f32]> = next.arrays_mut(&shards).into_iter().skip(k).step_by(arrays).collect();
+    collective.shift_to_next(&[ours], &mut recv)
 }
 
 /// What a reshard needs to know of every member, per place: the ranges it holds (a flag per
