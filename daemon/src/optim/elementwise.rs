@@ -134,7 +134,7 @@ impl KerasClip {
 pub(crate) enum Write {
     /// The parameters and the state.
     Both,
-    /// The new parameters only (into `out`, or in place).
+    /// The new parameters only (where the update's [`Params`] puts them).
     Params,
     /// The state only.
     State,
@@ -166,11 +166,11 @@ impl Rule {
 
     /// Updates the elements of `p` from the gradient `g` and `state` (one slice per
     /// [`Rule::state_len`], each as long as `p`). `first`: the parameter's first gradient (SGD
-    /// makes its momentum buffer from it). The new parameters go into `out` when given (`p` is
-    /// then only read), else into `p`; what is stored follows `write`.
+    /// makes its momentum buffer from it). The new parameters go where `p` puts them (in place,
+    /// or into another slice: [`Into`]); what is stored follows `write`.
     pub(crate) fn apply(
         &self,
-        (p, out): (&mut [f32], Option<&mut [f32]>),
+        p: &mut (impl Params + ?Sized),
         g: &[f32],
         state: &mut [&mut [f32]],
         first: bool,
@@ -178,13 +178,12 @@ impl Rule {
     ) {
         let n = p.len();
         assert!(g.len() == n && state.len() == self.state_len(), "slices of one length, one per state tensor");
-        assert!(state.iter().all(|s| s.len() == n) && out.as_ref().is_none_or(|o| o.len() == n));
+        assert!(state.iter().all(|s| s.len() == n));
         let (wp, ws) = (write.params(), write.state());
-        let mut out = out;
         match *self {
             Rule::Sgd { wd, momentum, keep, nesterov, neg_lr } => {
                 for i in 0..n {
-                    let pi = p[i];
+                    let pi = p.read(i);
                     let mut d = if wd != 0.0 { g[i] + pi * wd } else { g[i] };
                     if momentum != 0.0 {
                         let buf = if first { d } else { state[0][i] * momentum + d * keep };
@@ -194,13 +193,13 @@ impl Rule {
                         d = if nesterov { d + buf * momentum } else { buf };
                     }
                     if wp {
-                        put(p, &mut out, i, pi + d * neg_lr);
+                        p.write(i, pi + d * neg_lr);
                     }
                 }
             }
             Rule::Adam { shrink, wd, betas: [b1, one_b1, b2, one_b2], eps, step_size, bias2_sqrt } => {
                 for i in 0..n {
-                    let mut pi = p[i];
+                    let mut pi = p.read(i);
                     if let Some(shrink) = shrink {
                         pi *= shrink;
                     }
@@ -212,32 +211,26 @@ impl Rule {
                     }
                     let denom = v.sqrt() / bias2_sqrt + eps;
                     if wp {
-                        put(p, &mut out, i, pi + m * step_size / denom);
+                        p.write(i, pi + m * step_size / denom);
                     }
                 }
             }
-            Rule::Rmsprop { .. } => self.rmsprop((p, &mut out), g, state, (wp, ws)),
+            Rule::Rmsprop { .. } => self.rmsprop(p, g, state, (wp, ws)),
             Rule::KerasSgd { .. } | Rule::KerasAdam { .. } | Rule::KerasRmsprop { .. } => {
-                self.keras((p, &mut out), g, state, (wp, ws))
+                self.keras(p, g, state, (wp, ws))
             }
         }
     }
 
     /// RMSprop's loop ([`Rule::apply`]'s, for this rule).
-    fn rmsprop(
-        &self,
-        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
-        g: &[f32],
-        state: &mut [&mut [f32]],
-        (wp, ws): (bool, bool),
-    ) {
+    fn rmsprop(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], (wp, ws): (bool, bool)) {
         let Rule::Rmsprop { wd, alpha: [alpha, one_alpha], eps, momentum, centered, neg_lr } = *self else {
             unreachable!("RMSprop's rule")
         };
         let n = p.len();
         let (buf_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
         for i in 0..n {
-            let pi = p[i];
+            let pi = p.read(i);
             let grad = if wd != 0.0 { g[i] + pi * wd } else { g[i] };
             let square = state[0][i] * alpha + grad * one_alpha * grad;
             let avg = if centered {
@@ -263,51 +256,39 @@ impl Rule {
                 None => pi + grad * neg_lr / avg,
             };
             if wp {
-                put(p, out, i, new);
+                p.write(i, new);
             }
         }
     }
 
     /// Keras's loops ([`Rule::apply`]'s, for these rules): each operation as Keras's PyTorch
     /// backend runs it, one float32 rounding each.
-    fn keras(
-        &self,
-        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
-        g: &[f32],
-        state: &mut [&mut [f32]],
-        (wp, ws): (bool, bool),
-    ) {
+    fn keras(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], (wp, ws): (bool, bool)) {
         match *self {
-            Rule::KerasSgd { .. } => self.keras_sgd((p, out), g, state, (wp, ws)),
+            Rule::KerasSgd { .. } => self.keras_sgd(p, g, state, (wp, ws)),
             Rule::KerasAdam { shrink, clip, betas: [b1, one_b1, b2, one_b2], eps, alpha } => {
                 for i in 0..p.len() {
-                    let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
+                    let (pi, grad) = (shrunk(shrink, p.read(i)), KerasClip::apply(clip, g[i]));
                     let m = state[0][i] * b1 + one_b1 * grad;
                     let v = state[1][i] * b2 + one_b2 * (grad * grad);
                     if ws {
                         (state[0][i], state[1][i]) = (m, v);
                     }
                     if wp {
-                        put(p, out, i, pi - (m * alpha) / (v.sqrt() + eps));
+                        p.write(i, pi - (m * alpha) / (v.sqrt() + eps));
                     }
                 }
             }
-            Rule::KerasRmsprop { .. } => self.keras_rmsprop((p, out), g, state, (wp, ws)),
+            Rule::KerasRmsprop { .. } => self.keras_rmsprop(p, g, state, (wp, ws)),
             _ => unreachable!("Keras's rules"),
         }
     }
 
     /// Keras's SGD loop.
-    fn keras_sgd(
-        &self,
-        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
-        g: &[f32],
-        state: &mut [&mut [f32]],
-        (wp, ws): (bool, bool),
-    ) {
+    fn keras_sgd(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], (wp, ws): (bool, bool)) {
         let Rule::KerasSgd { shrink, clip, momentum, nesterov, neg_lr } = *self else { unreachable!("Keras's SGD") };
         for i in 0..p.len() {
-            let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
+            let (pi, grad) = (shrunk(shrink, p.read(i)), KerasClip::apply(clip, g[i]));
             let new = if momentum != 0.0 {
                 let m = state[0][i] * momentum + neg_lr * grad;
                 if ws {
@@ -322,7 +303,7 @@ impl Rule {
                 pi + neg_lr * grad
             };
             if wp {
-                put(p, out, i, new);
+                p.write(i, new);
             }
         }
     }
@@ -330,7 +311,7 @@ impl Rule {
     /// Keras's RMSprop loop.
     fn keras_rmsprop(
         &self,
-        (p, out): (&mut [f32], &mut Option<&mut [f32]>),
+        p: &mut (impl Params + ?Sized),
         g: &[f32],
         state: &mut [&mut [f32]],
         (wp, ws): (bool, bool),
@@ -340,7 +321,7 @@ impl Rule {
         };
         let (mom_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
         for i in 0..p.len() {
-            let (pi, grad) = (shrunk(shrink, p[i]), KerasClip::apply(clip, g[i]));
+            let (pi, grad) = (shrunk(shrink, p.read(i)), KerasClip::apply(clip, g[i]));
             let v = state[0][i] * rho + one_rho * (grad * grad);
             let mut denom = v + eps;
             if centered {
@@ -365,7 +346,7 @@ impl Rule {
                 None => pi - increment,
             };
             if wp {
-                put(p, out, i, new);
+                p.write(i, new);
             }
         }
     }
@@ -376,11 +357,58 @@ fn shrunk(shrink: Option<f32>, p: f32) -> f32 {
     shrink.map_or(p, |s| p * s)
 }
 
-/// Stores a new parameter value: into `out` when given, else into `p`.
-fn put(p: &mut [f32], out: &mut Option<&mut [f32]>, i: usize, value: f32) {
-    match out {
-        Some(o) => o[i] = value,
-        None => p[i] = value,
+/// The parameter values an update reads, and where it puts the new ones: a slice, read and
+/// written in place, or [`Into`].
+pub(crate) trait Params {
+    /// How many values.
+    fn len(&self) -> usize;
+    /// Value `i` as the update reads it.
+    fn read(&self, i: usize) -> f32;
+    /// The new value `i`.
+    fn write(&mut self, i: usize, value: f32);
+}
+
+impl Params for [f32] {
+    fn len(&self) -> usize {
+        <[f32]>::len(self)
+    }
+
+    fn read(&self, i: usize) -> f32 {
+        self[i]
+    }
+
+    fn write(&mut self, i: usize, value: f32) {
+        self[i] = value;
+    }
+}
+
+/// Parameter values read from one slice, borrowed where they lie (a sharded update reads them
+/// from the parameter itself), with the new values written into another (the all-gather's
+/// buffer), or nowhere when the update stores its state alone ([`Write::State`]).
+pub(crate) struct Into<'a> {
+    from: &'a [f32],
+    to: Option<&'a mut [f32]>,
+}
+
+impl<'a> Into<'a> {
+    /// Reads `from`, writes into `to` (as long), if given.
+    pub(crate) fn new(from: &'a [f32], to: Option<&'a mut [f32]>) -> Self {
+        assert!(to.as_ref().is_none_or(|to| to.len() == from.len()), "as many new values as read");
+        Into { from, to }
+    }
+}
+
+impl Params for Into<'_> {
+    fn len(&self) -> usize {
+        self.from.len()
+    }
+
+    fn read(&self, i: usize) -> f32 {
+        self.from[i]
+    }
+
+    fn write(&mut self, i: usize, value: f32) {
+        self.to.as_deref_mut().expect("an update that writes parameters has a place for them")[i] = value;
     }
 }
 
@@ -419,6 +447,6 @@ pub(crate) fn on_tensors(
         // SAFETY: as above.
         .map(|s| unsafe { std::slice::from_raw_parts_mut(s.data_ptr() as *mut f32, n) })
         .collect();
-    rule.apply((p, None), g, &mut slices, first, Write::Both);
+    rule.apply(p, g, &mut slices, first, Write::Both);
     true
 }

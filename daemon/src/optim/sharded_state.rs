@@ -7,10 +7,12 @@
 //! ([`super::elementwise`]), so the owned ranges together end bit for bit where the whole
 //! model's update does.
 
+use std::borrow::Cow;
+
 use tch::Tensor;
 use trainerd_sdk::OptimizerConfig;
 
-use super::elementwise::{Rule, Write};
+use super::elementwise::{Into, Rule, Write};
 use super::optimizer::{self, Optimizer};
 
 /// A parameter's element span inside a range.
@@ -27,7 +29,8 @@ pub(crate) struct Piece {
 }
 
 /// Where a piece's current parameter values come from.
-pub(crate) type Values<'a> = &'a dyn Fn(&Piece) -> Vec<f32>;
+/// Borrowed where they lie (a float32 host parameter), else copied.
+pub(crate) type Values<'a, 'v> = &'a dyn Fn(&Piece) -> Cow<'v, [f32]>;
 
 /// One held range (owned, or a buddy copy): its pieces and its state.
 #[derive(Debug)]
@@ -308,14 +311,10 @@ impl ShardedOptimizer {
     /// it would need kept, should another member have completed it: each held range's clipped
     /// gradient (`grads`, in [`ShardedOptimizer::held`]'s order; `None` for a buddy copy whose
     /// shift failed) and each held piece's `param` values before the update.
-    pub(crate) fn cut_short(
-        &mut self,
-        grads: Vec<Option<Vec<f32>>>,
-        param: &dyn Fn(&Piece) -> Vec<f32>,
-        (used, lr): (&[bool], f64),
-    ) {
+    pub(crate) fn cut_short(&mut self, grads: Vec<Option<Vec<f32>>>, param: Values, (used, lr): (&[bool], f64)) {
         self.steps -= 1;
-        let params = self.shards.iter().flat_map(|s| &s.pieces).map(|p| ((p.param, p.offset), param(p))).collect();
+        let params =
+            self.shards.iter().flat_map(|s| &s.pieces).map(|p| ((p.param, p.offset), param(p).into_owned())).collect();
         self.pending = Some(Pending { grads, params, used: used.to_vec(), lr });
     }
 
@@ -331,7 +330,7 @@ impl ShardedOptimizer {
     pub(crate) fn go_forward(&mut self) {
         let Pending { grads, params, used, lr } = self.pending.take().expect("a step cut short");
         self.begin_step();
-        let current = |piece: &Piece| params[&(piece.param, piece.offset)].clone();
+        let current = |piece: &Piece| Cow::Borrowed(&params[&(piece.param, piece.offset)][..]);
         for (shard, grads) in grads.iter().enumerate() {
             let grads = grads.as_deref().expect("every held range's gradient");
             self.update(shard, (grads, None), &current, &used, (lr, Write::State));
@@ -356,7 +355,7 @@ impl ShardedOptimizer {
         &mut self,
         shard: usize,
         (grads, out): (&[f32], Option<&mut [f32]>),
-        param: &dyn Fn(&Piece) -> Vec<f32>,
+        param: Values,
         used: &[bool],
         (lr, write): (f64, Write),
     ) {
@@ -364,7 +363,7 @@ impl ShardedOptimizer {
         let mut out = out;
         for piece in &shard.pieces {
             let span = piece.at..piece.at + piece.len;
-            let mut values = param(piece);
+            let values = param(piece);
             if !used[piece.param] {
                 if let Some(out) = out.as_deref_mut() {
                     out[span].copy_from_slice(&values);
@@ -375,7 +374,7 @@ impl ShardedOptimizer {
             let first = !self.started[piece.param];
             let mut state: Vec<&mut [f32]> = shard.state.iter_mut().map(|a| &mut a[span.clone()]).collect();
             let target = out.as_deref_mut().map(|o| &mut o[span.clone()]);
-            rule.apply((&mut values, target), &grads[span.clone()], &mut state, first, write);
+            rule.apply(&mut Into::new(&values, target), &grads[span.clone()], &mut state, first, write);
         }
     }
 }
@@ -419,9 +418,9 @@ mod tests {
                 centered: true,
             },
         ];
-        let values = |p: &Piece| -> Vec<f32> {
+        let values = |p: &Piece| -> Cow<'static, [f32]> {
             let all = Vec::<f32>::try_from(&params[p.param].1).unwrap();
-            all[p.offset..p.offset + p.len].to_vec()
+            Cow::Owned(all[p.offset..p.offset + p.len].to_vec())
         };
         let used = [true, true];
         for config in configs {

@@ -536,9 +536,14 @@ pub(crate) fn pieces(range: &Range) -> Vec<Piece> {
     range.pieces.iter().map(|s| Piece { param: s.param, offset: s.offset, at: s.at, len: s.len }).collect()
 }
 
-/// A piece's current values in its parameter.
-pub(crate) fn param_values(p: &Tensor, piece: &Piece) -> Vec<f32> {
-    host_values(p)[piece.offset..piece.offset + piece.len].to_vec()
+/// A piece's current values in its parameter: borrowed where they lie (a contiguous float32 host
+/// parameter), else copied.
+pub(crate) fn param_values<'p>(p: &'p Tensor, piece: &Piece) -> Cow<'p, [f32]> {
+    let span = piece.offset..piece.offset + piece.len;
+    match host_values(p) {
+        Cow::Borrowed(all) => Cow::Borrowed(&all[span]),
+        Cow::Owned(all) => Cow::Owned(all[span].to_vec()),
+    }
 }
 
 /// A parameter's values as float32: borrowed from a contiguous float32 host tensor, else copied.
