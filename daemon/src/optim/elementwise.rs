@@ -198,22 +198,20 @@ impl Rule {
                 }
             }
             Rule::Adam { shrink, wd, betas: [b1, one_b1, b2, one_b2], eps, step_size, bias2_sqrt } => {
-                for i in 0..n {
-                    let mut pi = p.read(i);
-                    if let Some(shrink) = shrink {
-                        pi *= shrink;
-                    }
-                    let grad = if wd == 0.0 { g[i] } else { g[i] + pi * wd };
-                    let m = state[0][i] * b1 + grad * one_b1;
-                    let v = state[1][i] * b2 + grad * one_b2 * grad;
-                    if ws {
-                        (state[0][i], state[1][i]) = (m, v);
-                    }
+                let [m, v] = state else { unreachable!("Adam's two state slices") };
+                // One loop without branches or indexing, which the compiler vectorizes (the
+                // same operations on each element, in the same order: the same bits).
+                p.each2(Lanes2 { g, a: m, b: v }, write, |pi, gi, mi, vi| {
+                    let pi = match shrink {
+                        Some(shrink) => pi * shrink,
+                        None => pi,
+                    };
+                    let grad = if wd == 0.0 { gi } else { gi + pi * wd };
+                    let m = mi * b1 + grad * one_b1;
+                    let v = vi * b2 + grad * one_b2 * grad;
                     let denom = v.sqrt() / bias2_sqrt + eps;
-                    if wp {
-                        p.write(i, pi + m * step_size / denom);
-                    }
-                }
+                    (pi + m * step_size / denom, m, v)
+                });
             }
             Rule::Rmsprop { .. } => self.rmsprop(p, g, state, (wp, ws)),
             Rule::KerasSgd { .. } | Rule::KerasAdam { .. } | Rule::KerasRmsprop { .. } => {
@@ -366,6 +364,35 @@ pub(crate) trait Params {
     fn read(&self, i: usize) -> f32;
     /// The new value `i`.
     fn write(&mut self, i: usize, value: f32);
+    /// Runs `f` on every element, (parameter, gradient, its two state values) to (new parameter,
+    /// new state values), and stores what `write` says: one loop over the slices together, which
+    /// the compiler can vectorize (a rule of two state slices, Adam's).
+    fn each2(&mut self, lanes: Lanes2<'_>, write: Write, f: impl Fn(f32, f32, f32, f32) -> Step2);
+}
+
+/// A new parameter value and two new state values.
+pub(crate) type Step2 = (f32, f32, f32);
+
+/// The slices a rule of two state slices runs over: the gradient and the two state slices.
+pub(crate) struct Lanes2<'s> {
+    pub(crate) g: &'s [f32],
+    pub(crate) a: &'s mut [f32],
+    pub(crate) b: &'s mut [f32],
+}
+
+impl<'s> Lanes2<'s> {
+    /// The slices cut to `n` elements each (so that the loops over them check no index).
+    fn cut(self, n: usize) -> (&'s [f32], &'s mut [f32], &'s mut [f32]) {
+        (&self.g[..n], &mut self.a[..n], &mut self.b[..n])
+    }
+}
+
+/// [`Params::each2`] storing the state alone: the parameters `p` are only read.
+fn store2(p: &[f32], lanes: Lanes2<'_>, f: impl Fn(f32, f32, f32, f32) -> Step2) {
+    let (g, a, b) = lanes.cut(p.len());
+    for (((&p, &g), a), b) in p.iter().zip(g).zip(a.iter_mut()).zip(b.iter_mut()) {
+        (_, *a, *b) = f(p, g, *a, *b);
+    }
 }
 
 impl Params for [f32] {
@@ -379,6 +406,23 @@ impl Params for [f32] {
 
     fn write(&mut self, i: usize, value: f32) {
         self[i] = value;
+    }
+
+    fn each2(&mut self, lanes: Lanes2<'_>, write: Write, f: impl Fn(f32, f32, f32, f32) -> Step2) {
+        let (g, a, b) = lanes.cut(self.len());
+        match write {
+            Write::Both => {
+                for (((p, &g), a), b) in self.iter_mut().zip(g).zip(a.iter_mut()).zip(b.iter_mut()) {
+                    (*p, *a, *b) = f(*p, g, *a, *b);
+                }
+            }
+            Write::Params => {
+                for (((p, &g), &a), &b) in self.iter_mut().zip(g).zip(a.iter()).zip(b.iter()) {
+                    *p = f(*p, g, a, b).0;
+                }
+            }
+            Write::State => store2(self, Lanes2 { g, a, b }, f),
+        }
     }
 }
 
@@ -409,6 +453,27 @@ impl Params for Into<'_> {
 
     fn write(&mut self, i: usize, value: f32) {
         self.to.as_deref_mut().expect("an update that writes parameters has a place for them")[i] = value;
+    }
+
+    fn each2(&mut self, lanes: Lanes2<'_>, write: Write, f: impl Fn(f32, f32, f32, f32) -> Step2) {
+        if write == Write::State {
+            return store2(self.from, lanes, f);
+        }
+        let to = self.to.as_deref_mut().expect("an update that writes parameters has a place for them");
+        let (g, a, b) = lanes.cut(self.from.len());
+        let values = self.from.iter().zip(to.iter_mut()).zip(g);
+        match write {
+            Write::Params => {
+                for (((&p, to), &g), (&a, &b)) in values.zip(a.iter().zip(b.iter())) {
+                    *to = f(p, g, a, b).0;
+                }
+            }
+            _ => {
+                for (((&p, to), &g), (a, b)) in values.zip(a.iter_mut().zip(b.iter_mut())) {
+                    (*to, *a, *b) = f(p, g, *a, *b);
+                }
+            }
+        }
     }
 }
 
