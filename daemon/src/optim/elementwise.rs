@@ -167,7 +167,7 @@ impl Rule {
     /// Updates the elements of `p` from the gradient `g` and `state` (one slice per
     /// [`Rule::state_len`], each as long as `p`). `first`: the parameter's first gradient (SGD
     /// makes its momentum buffer from it). The new parameters go where `p` puts them (in place,
-    /// or into another slice: [`Into`]); what is stored follows `write`.
+    /// or into another slice: [`ReadInto`]); what is stored follows `write`.
     pub(crate) fn apply(
         &self,
         p: &mut (impl Params + ?Sized),
@@ -356,7 +356,7 @@ fn shrunk(shrink: Option<f32>, p: f32) -> f32 {
 }
 
 /// The parameter values an update reads, and where it puts the new ones: a slice, read and
-/// written in place, or [`Into`].
+/// written in place, or [`ReadInto`].
 pub(crate) trait Params {
     /// How many values.
     fn len(&self) -> usize;
@@ -429,20 +429,20 @@ impl Params for [f32] {
 /// Parameter values read from one slice, borrowed where they lie (a sharded update reads them
 /// from the parameter itself), with the new values written into another (the all-gather's
 /// buffer), or nowhere when the update stores its state alone ([`Write::State`]).
-pub(crate) struct Into<'a> {
+pub(crate) struct ReadInto<'a> {
     from: &'a [f32],
     to: Option<&'a mut [f32]>,
 }
 
-impl<'a> Into<'a> {
+impl<'a> ReadInto<'a> {
     /// Reads `from`, writes into `to` (as long), if given.
     pub(crate) fn new(from: &'a [f32], to: Option<&'a mut [f32]>) -> Self {
         assert!(to.as_ref().is_none_or(|to| to.len() == from.len()), "as many new values as read");
-        Into { from, to }
+        ReadInto { from, to }
     }
 }
 
-impl Params for Into<'_> {
+impl Params for ReadInto<'_> {
     fn len(&self) -> usize {
         self.from.len()
     }

@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use tch::Tensor;
 use trainerd_sdk::OptimizerConfig;
 
-use super::elementwise::{Into, Rule, Write};
+use super::elementwise::{ReadInto, Rule, Write};
 use super::optimizer::{self, Optimizer};
 
 /// A parameter's element span inside a range.
@@ -374,7 +374,7 @@ impl ShardedOptimizer {
             let first = !self.started[piece.param];
             let mut state: Vec<&mut [f32]> = shard.state.iter_mut().map(|a| &mut a[span.clone()]).collect();
             let target = out.as_deref_mut().map(|o| &mut o[span.clone()]);
-            rule.apply(&mut Into::new(&values, target), &grads[span.clone()], &mut state, first, write);
+            rule.apply(&mut ReadInto::new(&values, target), &grads[span.clone()], &mut state, first, write);
         }
     }
 }
