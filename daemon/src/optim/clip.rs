@@ -73,7 +73,7 @@ impl Clip {
             let mut host = Vec::new();
             for piece in range.iter().filter(|p| grads[p.param].defined()) {
                 let g = &grads[piece.param];
-                match host_f32(g) {
+                match super::elementwise::host_f32(g) {
                     Some(all) => host.push(&all[piece.offset..piece.offset + piece.len]),
                     None => on_device.push((
                         partials.len(),
@@ -126,13 +126,6 @@ impl Clip {
             xs.iter_mut().for_each(|x| *x = x.clamp(lo, hi));
         }
     }
-}
-
-/// A contiguous float32 host tensor's elements (`None` for any other).
-fn host_f32(t: &Tensor) -> Option<&[f32]> {
-    let plain = super::elementwise::plain(t);
-    // SAFETY: a contiguous float32 host tensor of `numel` elements, only read while `t` lives.
-    plain.then(|| unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) })
 }
 
 /// The sum of the squares of `xs`, in float64, in element order: a range's share of the

@@ -483,6 +483,13 @@ pub(crate) fn plain(t: &tch::Tensor) -> bool {
     t.kind() == tch::Kind::Float && t.device() == tch::Device::Cpu && t.is_contiguous()
 }
 
+/// A [`plain`] tensor's elements, borrowed where they lie (`None` for any other tensor).
+pub(crate) fn host_f32(t: &tch::Tensor) -> Option<&[f32]> {
+    // SAFETY: a contiguous float32 host tensor of `numel` elements, only read while `t` is
+    // borrowed.
+    plain(t).then(|| unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) })
+}
+
 /// [`Rule::apply`] on tensors, in place, storing both: `p`, its gradient and its state tensors
 /// (one per [`Rule::state_len`]). False (nothing done) unless every one is a distinct
 /// contiguous float32 CPU tensor of `p`'s length; those take libtorch's kernels.

@@ -12,7 +12,7 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::collective::buckets::{owned, Buckets, Range};
 use crate::collective::{Collective, CollectiveError, ReduceOp, Slots};
 use crate::optim::clip::{self, Clip};
-use crate::optim::elementwise::Write;
+use crate::optim::elementwise::{host_f32, Write};
 use crate::optim::sharded_state::{Piece, ShardedOptimizer, Values};
 use crate::state::host;
 
@@ -196,7 +196,7 @@ fn global_facts(
 pub(crate) fn params_digest(params: &[(String, Tensor)]) -> u64 {
     let mut hasher = Xxh3::new();
     for (_, p) in params {
-        hasher.update(bytemuck::cast_slice(&host_values(p)));
+        hasher.update(bytemuck::cast_slice(&host_values(p, 0..p.numel())));
     }
     hasher.digest()
 }
@@ -380,9 +380,9 @@ fn by_neighbours(
         if world < 2 || arrays == 0 || plan.iter().all(|p| p.iter().all(|&(_, f)| f != way)) {
             continue;
         }
-        let kept: &ShardedOptimizer = held;
+        let sending: &ShardedOptimizer = held;
         let theirs = plan[to].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| shard_of(&was, r));
-        let send: Vec<&[f32]> = theirs.flat_map(|shard| (0..arrays).map(move |k| kept.values(shard, k))).collect();
+        let send: Vec<&[f32]> = theirs.flat_map(|shard| (0..arrays).map(move |k| sending.values(shard, k))).collect();
         let mine: Vec<usize> =
             plan[place].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| shard_of(&now, r)).collect();
         let mut recv = next.arrays_mut(&mine);
@@ -536,25 +536,19 @@ pub(crate) fn pieces(range: &Range) -> Vec<Piece> {
     range.pieces.iter().map(|s| Piece { param: s.param, offset: s.offset, at: s.at, len: s.len }).collect()
 }
 
-/// A piece's current values in its parameter: borrowed where they lie (a contiguous float32 host
-/// parameter), else copied.
+/// A piece's current values in its parameter.
 pub(crate) fn param_values<'p>(p: &'p Tensor, piece: &Piece) -> Cow<'p, [f32]> {
-    let span = piece.offset..piece.offset + piece.len;
-    match host_values(p) {
-        Cow::Borrowed(all) => Cow::Borrowed(&all[span]),
-        Cow::Owned(all) => Cow::Owned(all[span].to_vec()),
-    }
+    host_values(p, piece.offset..piece.offset + piece.len)
 }
 
-/// A parameter's values as float32: borrowed from a contiguous float32 host tensor, else copied.
-fn host_values(p: &Tensor) -> Cow<'_, [f32]> {
-    if crate::optim::elementwise::plain(p) {
-        // SAFETY: a contiguous float32 host tensor of `numel` elements, only read while `p` is
-        // borrowed.
-        return Cow::Borrowed(unsafe { std::slice::from_raw_parts(p.data_ptr() as *const f32, p.numel()) });
+/// The elements `span` of a parameter (flattened) as float32: borrowed where they lie (a
+/// contiguous float32 host tensor), else that span alone converted on the host.
+fn host_values(p: &Tensor, span: std::ops::Range<usize>) -> Cow<'_, [f32]> {
+    if let Some(all) = host_f32(p) {
+        return Cow::Borrowed(&all[span]);
     }
-    let values = p.detach().reshape(-1).to_kind(Kind::Float).to_device(Device::Cpu);
-    Cow::Owned(Vec::<f32>::try_from(values).expect("float32 values"))
+    let values = p.detach().reshape(-1).narrow(0, span.start as i64, span.len() as i64);
+    Cow::Owned(Vec::<f32>::try_from(values.to_kind(Kind::Float).to_device(Device::Cpu)).expect("float32 values"))
 }
 
 #[cfg(test)]
