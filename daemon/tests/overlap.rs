@@ -24,7 +24,7 @@ fn on_and_off(args: &RunArgs, workers: usize, dir: &Path) -> [Vec<serde_json::Va
         assert!(out.status.success(), "--overlap {overlap}: {}", text(&out));
         // Several buckets, so that the overlap has something to hide.
         let said = match overlap {
-            "on" => "each bucket but the last reduced during the backward pass, as soon as its gradients are final",
+            "on" => "each bucket but the first reduced during the backward pass, as soon as its gradients are final",
             _ => "each reduced after the backward pass (--overlap off",
         };
         let line = text(&out).lines().find(|l| l.contains("trainerd: gradients in ")).map(str::to_string);

@@ -4,13 +4,19 @@
 //! too, as TensorFlow's RING does; the device for NCCL), one copy per slot this worker holds,
 //! averaged over the run's slots, and written back.
 //!
-//! A few extra values (the step's loss and metric sums) ride along in the last bucket, summed
+//! A few extra values (the step's loss and metric sums) ride along in the first bucket, summed
 //! rather than averaged, so that the progress line shows global figures at no extra cost.
 
 use tch::{Device, Kind, Tensor};
 
 use super::ring::chunk_of;
 use super::{host_slice, Collective, CollectiveError, Slots};
+
+/// The bucket the tail rides in (the step's extra values and one used-flag per parameter): the
+/// first, whose gradients the backward pass makes final last (the first parameters' come last),
+/// so that it is reduced after the backward pass anyway, and every other bucket can be reduced
+/// during it ([`super::overlap`]).
+pub(crate) const TAIL: usize = 0;
 
 /// Default bucket size in MiB, as PyTorch DDP's `bucket_cap_mb`.
 pub(crate) const DEFAULT_BUCKET_MB: f64 = 25.0;
@@ -124,7 +130,7 @@ impl Buckets {
 
     /// Copies the gradients of the `i`th slot held here (zeros for parameters without one) and
     /// its `extra` values into that slot's host buffers, as float32, with one used-flag per
-    /// parameter after `extra` in the last bucket. On CUDA each bucket's gradients are joined on
+    /// parameter after `extra` in the [`TAIL`] bucket. On CUDA each bucket's gradients are joined on
     /// the device and cross in one copy; on the CPU each is copied into the buffer directly.
     /// `params` may be another replica's, on another device: the buffers stay where the first
     /// replica's parameters are.
@@ -134,21 +140,20 @@ impl Buckets {
         self.stage_buckets(i, &params, extra, 0..self.groups.len());
     }
 
-    /// [`Buckets::stage`] of buckets `which` only: `extra` and the used-flags ride in the last
+    /// [`Buckets::stage`] of buckets `which` only: `extra` and the used-flags ride in the [`TAIL`]
     /// bucket, when `which` holds it.
     pub(crate) fn stage_buckets(&mut self, i: usize, params: &[&Tensor], extra: &[f32], which: std::ops::Range<usize>) {
         let _no_grad = tch::no_grad_guard();
         self.slots_up_to(i + 1);
-        let last = self.groups.len() - 1;
         let mut tail: Vec<f32> = Vec::new();
-        if which.contains(&last) {
+        if which.contains(&TAIL) {
             self.extras[i] = extra.len();
             tail.extend_from_slice(extra);
             tail.extend(params.iter().map(|p| if p.grad().defined() { 1.0 } else { 0.0 }));
         }
         for b in which {
             let group = &self.groups[b];
-            let riding: &[f32] = if b == last { &tail } else { &[] };
+            let riding: &[f32] = if b == TAIL { &tail } else { &[] };
             let numels: Vec<usize> = group.iter().map(|&i| params[i].numel()).collect();
             let grads_len: usize = numels.iter().sum();
             let (home, on_device) = (self.home, self.on_device);
@@ -193,7 +198,6 @@ impl Buckets {
         let _no_grad = tch::no_grad_guard();
         let scale = 1.0 / collective.slots().count as f32;
         let extra = self.extras[0];
-        let last = self.groups.len() - 1;
         let mut tail = Vec::new();
         // Parameters without a gradient here, with their average.
         let mut missing = Vec::new();
@@ -204,7 +208,7 @@ impl Buckets {
             }
             if self.on_device {
                 let riding = self.on_device_result(params, (b, &bufs[0]), scale, &mut missing);
-                if b == last {
+                if b == TAIL {
                     tail = riding;
                 }
                 continue;
@@ -214,7 +218,7 @@ impl Buckets {
             // SAFETY: the first slot's own staging buffer, reduced above, touched by nothing else.
             let flat = unsafe { host_slice(&mut bufs[0]) };
             flat[..grads_len].iter_mut().for_each(|x| *x *= scale);
-            if b == last {
+            if b == TAIL {
                 tail = flat[grads_len..].to_vec();
             }
             let buffer = self.staging[0][b].as_ref().expect("staged");
@@ -248,7 +252,7 @@ pub(crate) struct Range {
     pub(crate) span: std::ops::Range<usize>,
     /// The parameters' element spans in it (its gradient elements come first, in order).
     pub(crate) pieces: Vec<Span>,
-    /// The tail's elements in it (the values riding after the last bucket's gradients), as
+    /// The tail's elements in it (the values riding after the [`TAIL`] bucket's gradients), as
     /// places in the tail.
     pub(crate) tail: std::ops::Range<usize>,
 }
@@ -279,12 +283,11 @@ impl Buckets {
     /// the tail is the step's `extra_len` extra values and one used-flag per parameter.
     pub(crate) fn ranges(&self, params: &[(String, Tensor)], v: usize, extra_len: usize) -> Vec<Range> {
         let tail_len = extra_len + params.len();
-        let last = self.groups.len() - 1;
         let mut out = Vec::with_capacity(self.groups.len() * v);
         for (b, group) in self.groups.iter().enumerate() {
             let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
             let grads_len: usize = numels.iter().sum();
-            let len = grads_len + if b == last { tail_len } else { 0 };
+            let len = grads_len + if b == TAIL { tail_len } else { 0 };
             for c in 0..v {
                 let span = chunk_of(c, v, len);
                 let mut pieces = Vec::new();
@@ -355,7 +358,7 @@ impl Buckets {
     }
 
     /// Every bucket's host buffers of the first `held` slots, made where missing (as
-    /// [`Buckets::stage`] makes them, the last bucket with `extra_len` extra values and a
+    /// [`Buckets::stage`] makes them, the [`TAIL`] bucket with `extra_len` extra values and a
     /// used-flag per parameter) and filled with `value`: -0.0 leaves whatever a single slot
     /// writes over it unchanged by a sum over the slots.
     pub(crate) fn fill(&mut self, held: usize, params: &[(String, Tensor)], extra_len: usize, value: f32) {
@@ -370,11 +373,10 @@ impl Buckets {
     pub(crate) fn make(&mut self, held: usize, params: &[(String, Tensor)], extra_len: usize, value: Option<f32>) {
         assert!(!self.on_device, "host buffers only");
         self.slots_up_to(held);
-        let last = self.groups.len() - 1;
         for i in 0..held {
             self.extras[i] = extra_len;
             for (b, group) in self.groups.iter().enumerate() {
-                let tail = if b == last { extra_len + params.len() } else { 0 };
+                let tail = if b == TAIL { extra_len + params.len() } else { 0 };
                 let len = group.iter().map(|&p| params[p].1.numel()).sum::<usize>() + tail;
                 let buffer = buffer_of(&mut self.staging[i][b], len, (self.home, false));
                 if let Some(value) = value {
@@ -448,7 +450,7 @@ impl Buckets {
                 "one bucket, reduced after the backward pass (a smaller --bucket-mb lets reductions start during it)"
             }
             (true, _) => {
-                "each bucket but the last reduced during the backward pass, as soon as its gradients are final"
+                "each bucket but the first reduced during the backward pass, as soon as its gradients are final"
             }
         };
         format!("gradients in {n} bucket(s) of at most {cap} MB: {how}")
@@ -459,8 +461,8 @@ impl Buckets {
         &self.groups
     }
 
-    /// Host buffers of the `i`th slot held for buckets `which` (none of them the last, whose
-    /// length depends on the tail), made where missing, so that [`Buckets::stage_buckets`] fills
+    /// Host buffers of the `i`th slot held for buckets `which` (none of them the [`TAIL`] bucket,
+    /// whose length depends on the tail), made where missing, so that [`Buckets::stage_buckets`] fills
     /// these very buffers; and handles on bucket `b`'s buffers of the first `held` slots, per
     /// bucket of `which`, for a reduction on another thread.
     pub(crate) fn prepare(
@@ -469,7 +471,7 @@ impl Buckets {
         params: &[&Tensor],
         which: std::ops::Range<usize>,
     ) -> Vec<Vec<Tensor>> {
-        assert!(!self.on_device && which.end < self.groups.len(), "host buffers of whole buckets only");
+        assert!(!self.on_device && !which.contains(&TAIL), "host buffers of whole buckets only");
         self.slots_up_to(held.max(i + 1));
         let mut handles = Vec::with_capacity(which.len());
         for b in which {

@@ -3,10 +3,11 @@
 //! bucket whose gradients are all final is staged and handed to a reducing thread, which reduces
 //! it over the ring while the backward pass goes on. The buckets are reduced one at a time in a
 //! fixed order, the same on every member (the backward pass makes the last parameters' gradients
-//! final first: the buckets before the last, from the last of them down), each with exactly the
-//! arithmetic [`Buckets::reduce`] gives it, so the bits are those of a step that reduces after
-//! the backward pass. The last bucket carries the tail (the step's totals and flags, and the
-//! used-flags only the backward pass's end knows): it is reduced after it, as before.
+//! final first: from the last bucket down to the second), each with exactly the arithmetic
+//! [`Buckets::reduce`] gives it, so the bits are those of a step that reduces after the backward
+//! pass. The first bucket ([`TAIL`]), whose gradients the backward pass makes final last, carries
+//! the tail (the step's totals and flags, and the used-flags only the backward pass's end knows):
+//! it is reduced after it, as DDP's last bucket is.
 //!
 //! A parameter that gets no gradient in the step is staged when the backward pass ends, as DDP's
 //! `find_unused_parameters` marks it then, so a bucket never waits for it.
@@ -15,7 +16,7 @@ use std::sync::mpsc;
 
 use tch::Tensor;
 
-use super::buckets::Buckets;
+use super::buckets::{Buckets, TAIL};
 use super::{Collective, CollectiveError};
 use crate::sys::autograd::GradReady;
 
@@ -29,9 +30,9 @@ pub(crate) enum Reduction {
 }
 
 /// Runs `backward` (the `i`th slot held's backward pass, the last this worker computes in the
-/// step, with `params` its parameters; `held` slots held) while the buckets before the last are
+/// step, with `params` its parameters; `held` slots held) while the buckets after the first are
 /// reduced as their gradients become final; they end staged and reduced (marked so in
-/// `buckets`), the last bucket neither. Returns `backward`'s value and how many buckets were
+/// `buckets`), the first ([`TAIL`]) neither. Returns `backward`'s value and how many buckets were
 /// handed over while it ran (the others had a parameter without a gradient). `backward`'s own
 /// error comes back as it is; a reduction that failed, as a [`CollectiveError`] once `backward`
 /// has returned.
@@ -40,17 +41,18 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
     ((i, held), params, how): ((usize, usize), &[&Tensor], Reduction),
     backward: impl FnOnce() -> Result<T, E>,
 ) -> Result<(T, usize), E> {
-    let early = buckets.groups().len() - 1;
-    if early == 0 {
+    let n = buckets.groups().len();
+    if n == 1 {
         return backward().map(|value| (value, 0));
     }
-    let mut handles = buckets.prepare((i, held), params, 0..early);
+    let early = TAIL + 1..n; // The buckets after the tail's, the first.
+    let mut handles = buckets.prepare((i, held), params, early.clone());
     let bucket_of: Vec<usize> = bucket_places(buckets.groups(), params.len());
     let mut waiting: Vec<usize> = buckets.groups().iter().map(Vec::len).collect();
     let (tx, rx) = mpsc::channel::<usize>();
     std::thread::scope(|scope| {
-        let reducer = scope.spawn(move || reduce_in_order(collective, &mut handles, rx, how));
-        let mut staged = vec![false; early];
+        let reducer = scope.spawn(move || reduce_in_order(collective, (&mut handles, TAIL + 1), rx, how));
+        let mut staged = vec![false; n]; // Per bucket (the tail's never is here).
         let mut stage = |b: usize, staged: &mut Vec<bool>| {
             buckets.stage_buckets(i, params, &[], b..b + 1);
             staged[b] = true;
@@ -60,7 +62,7 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
         let result = {
             let mut on_ready = |p: usize| {
                 let b = bucket_of[p];
-                if b < early {
+                if b != TAIL {
                     waiting[b] -= 1;
                     if waiting[b] == 0 {
                         stage(b, &mut staged);
@@ -81,7 +83,7 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
         // The buckets with a parameter that got no gradient: staged now, zeros for it (a
         // backward pass that failed stages nothing more: the reducing thread ends at the first
         // bucket that does not come).
-        for b in (0..early).filter(|_| result.is_ok()) {
+        for b in early.clone().filter(|_| result.is_ok()) {
             if !staged[b] {
                 stage(b, &mut staged);
             }
@@ -90,7 +92,7 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
         let reduced = reducer.join().expect("the reducing thread does not panic");
         let value = result?;
         reduced?;
-        buckets.mark_reduced(0..early);
+        buckets.mark_reduced(early);
         Ok((value, during))
     })
 }
@@ -104,11 +106,12 @@ fn bucket_places(groups: &[Vec<usize>], params: usize) -> Vec<usize> {
     out
 }
 
-/// The reducing thread: the buckets of `handles` (each bucket's buffers, one per slot held),
-/// reduced from the last down to the first, each once it has arrived on `ready`.
+/// The reducing thread: the buckets of `handles` (each bucket's buffers, one per slot held; the
+/// first is bucket `first`), reduced from the last down to the first, each once its bucket has
+/// arrived on `ready`.
 fn reduce_in_order(
     collective: &mut dyn Collective,
-    handles: &mut [Vec<Tensor>],
+    (handles, first): (&mut [Vec<Tensor>], usize),
     ready: mpsc::Receiver<usize>,
     how: Reduction,
 ) -> Result<(), CollectiveError> {
@@ -116,7 +119,7 @@ fn reduce_in_order(
     for b in (0..handles.len()).rev() {
         while !arrived[b] {
             match ready.recv() {
-                Ok(r) => arrived[r] = true,
+                Ok(r) => arrived[r - first] = true,
                 // Every bucket is sent before the sender is dropped, unless the backward pass's
                 // thread is unwinding a panic.
                 Err(mpsc::RecvError) => return Ok(()),
@@ -193,19 +196,20 @@ mod tests {
         let extra = [1.0f32];
         for (i, &slot) in held.iter().enumerate() {
             let handles: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
-            let last = buckets.groups().len() - 1;
+            let n = buckets.groups().len();
             if overlap && i + 1 == held.len() {
                 let on = ((i, held.len()), handles.as_slice(), how);
                 let during = overlapped::<_, CollectiveError>((&mut *buckets, &mut *ring), on, || {
                     backward(params, (step, slot));
                     Ok(())
                 });
-                // Every bucket before the last (the 7th parameter, in the last, is never used).
-                assert_eq!(during.unwrap().1, last, "handed over during the backward pass");
-                buckets.stage_buckets(i, &handles, &extra, last..last + 1);
+                // Every bucket but the first (the tail's) and the last (its 7th parameter is
+                // never used: that bucket is staged when the backward pass ends).
+                assert_eq!(during.unwrap().1, n - 2, "handed over during the backward pass");
+                buckets.stage_buckets(i, &handles, &extra, TAIL..TAIL + 1);
             } else {
                 backward(params, (step, slot));
-                buckets.stage_buckets(i, &handles, &extra, 0..last + 1);
+                buckets.stage_buckets(i, &handles, &extra, 0..n);
             }
         }
         match how {

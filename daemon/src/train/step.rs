@@ -17,7 +17,7 @@ use tch::{Device, Kind, Tensor};
 use trainerd_sdk::{Batch, InputContext};
 
 use super::error::TrainError;
-use crate::collective::buckets::Buckets;
+use crate::collective::buckets::{Buckets, TAIL};
 use crate::collective::overlap::{overlapped, Reduction};
 use crate::collective::{Collective, ReduceOp};
 use crate::input::Data;
@@ -138,7 +138,7 @@ pub(crate) fn train_step(
     let per_round = replicas.len();
     // With one replica, the last slot's buckets are reduced during its backward pass.
     let overlap = overlap.filter(|_| per_round == 1 && slots.count > 1);
-    let last_bucket = buckets.groups().len() - 1;
+    let bucket_count = buckets.groups().len();
     for (round, group) in batches.chunks(per_round).enumerate() {
         let last_round = (round + 1) * per_round >= batches.len();
         let mut then = || {
@@ -159,9 +159,9 @@ pub(crate) fn train_step(
             flags = totals.flat().len();
             let extra = tail_values(&totals, &slots, raised, round == 0 && r == 0);
             let params: Vec<&Tensor> = replicas[r].params.iter().map(|(_, p)| p).collect();
-            // Overlapped, the buckets before the last are staged (and reduced) already.
-            let which = if overlap.is_some() && last_round { last_bucket } else { 0 };
-            buckets.stage_buckets(round * per_round + r, &params, &extra, which..last_bucket + 1);
+            // Overlapped, the buckets after the tail's are staged (and reduced) already.
+            let which = if overlap.is_some() && last_round { TAIL..TAIL + 1 } else { 0..bucket_count };
+            buckets.stage_buckets(round * per_round + r, &params, &extra, which);
             if !replicas[r].buffers.is_empty() {
                 captured.push(capture(replicas[r].buffers)?);
             }
@@ -182,7 +182,7 @@ pub(crate) fn train_step(
     })
 }
 
-/// What a slot's gradients carry in the last bucket: its `totals` (as float32), then one stop flag
+/// What a slot's gradients carry in the tail's bucket ([`TAIL`]): its `totals` (as float32), then one stop flag
 /// and one return flag per slot of the run. The return flags are raised on one slot per worker
 /// (`first`), so that the reduced value is the raised one: 1 for a return, 2 for a caught-up
 /// return.
@@ -197,7 +197,7 @@ fn tail_values(totals: &Totals, slots: &crate::collective::Slots, raised: Raised
 /// Forward, loss and backward of round `round`'s slots (`group`, of `held` held), one per
 /// replica, each from the buffers' values at the step's start (`start`) after the first round;
 /// `then` runs after the last backward pass. With `overlap` (one replica, the last round), the
-/// buckets before the last are staged and reduced during the backward pass ([`overlapped`]).
+/// buckets after the tail's are staged and reduced during the backward pass ([`overlapped`]).
 fn compute_round<'c>(
     replicas: &mut [Replica<'_>],
     (buckets, collective, overlap): (&mut Buckets, &mut (dyn Collective + 'c), Option<Reduction>),
