@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::super::catch_up::{Catching, Offer};
+use super::super::catch_up::{Catching, Offer, LARGEST_PART};
 use super::super::wire::proto;
 use super::ControlPlane;
 
@@ -35,8 +35,8 @@ impl ControlPlane {
         let deadline = self.timeouts.heartbeat_deadline;
         let stream = self.runtime.block_on(async {
             // One attempt: a coordinator not up yet (a cluster starting) has nothing to catch up with.
-            let mut client =
-                dial.connect(Instant::now() + Duration::from_millis(1)).await.map_err(|e| e.to_string())?;
+            let client = dial.connect(Instant::now() + Duration::from_millis(1)).await.map_err(|e| e.to_string())?;
+            let mut client = client.max_decoding_message_size(LARGEST_PART);
             let call = tokio::time::timeout(deadline, client.catch_up(request)).await;
             let reply =
                 call.map_err(|_| format!("{} did not answer in {:.1}s", self.names[rank], deadline.as_secs_f64()))?;

@@ -97,7 +97,11 @@ pub(super) fn serve(
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let (accepting, incoming) = authenticated(listener, network.key.clone());
     let serving = tokio::spawn(async move {
+        let (stream, connection, frame) = super::dial::HTTP2_WINDOWS;
         let served = tonic::transport::Server::builder()
+            .initial_stream_window_size(stream)
+            .initial_connection_window_size(connection)
+            .max_frame_size(frame)
             .add_service(ControlServer::new(service))
             .serve_with_incoming_shutdown(incoming, async {
                 let _ = shutdown.await;
