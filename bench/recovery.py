@@ -168,11 +168,15 @@ class Cluster:
         return statistics.median(gaps) if gaps else 0.0
 
     def stop(self):
-        # RECOVERY_LOG=FILE keeps the cluster's lines (each with its arrival time), for a look at
-        # what happened around an event.
+        # RECOVERY_LOG=FILE keeps the cluster's lines (each with its arrival time) and each
+        # worker's steps ("step W G": worker W ended global step G then), in time order, for a look
+        # at what happened around an event.
         if os.environ.get("RECOVERY_LOG"):
-            with open(os.environ["RECOVERY_LOG"], "a") as f, self.lock:
-                f.writelines(f"{t:.6f} {line}\n" for t, line in self.lines)
+            with self.lock:
+                lines = [(t, line) for t, line in self.lines]
+            lines += [(t, f"step {w} {g}") for w in range(self.world) for t, g in self.steps(w)]
+            with open(os.environ["RECOVERY_LOG"], "a") as f:
+                f.writelines(f"{t:.6f} {line}\n" for t, line in sorted(lines))
         try:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:
