@@ -182,19 +182,17 @@ impl Rule {
         let (wp, ws) = (write.params(), write.state());
         match *self {
             Rule::Sgd { wd, momentum, keep, nesterov, neg_lr } => {
-                for i in 0..n {
-                    let pi = p.read(i);
-                    let mut d = if wd != 0.0 { g[i] + pi * wd } else { g[i] };
-                    if momentum != 0.0 {
-                        let buf = if first { d } else { state[0][i] * momentum + d * keep };
-                        if ws {
-                            state[0][i] = buf;
-                        }
-                        d = if nesterov { d + buf * momentum } else { buf };
-                    }
-                    if wp {
-                        p.write(i, pi + d * neg_lr);
-                    }
+                // Loops without branches or indexing, as Adam's below (the same bits).
+                let decayed = move |pi: f32, gi: f32| if wd != 0.0 { gi + pi * wd } else { gi };
+                match state {
+                    [buf] => p.each1(g, buf, write, |pi, gi, bi| {
+                        let d = decayed(pi, gi);
+                        let buf = if first { d } else { bi * momentum + d * keep };
+                        let d = if nesterov { d + buf * momentum } else { buf };
+                        (pi + d * neg_lr, buf)
+                    }),
+                    _ if wp => p.each0(g, |pi, gi| pi + decayed(pi, gi) * neg_lr),
+                    _ => {}
                 }
             }
             Rule::Adam { shrink, wd, betas: [b1, one_b1, b2, one_b2], eps, step_size, bias2_sqrt } => {
@@ -215,7 +213,7 @@ impl Rule {
             }
             Rule::Rmsprop { .. } => self.rmsprop(p, g, state, (wp, ws)),
             Rule::KerasSgd { .. } | Rule::KerasAdam { .. } | Rule::KerasRmsprop { .. } => {
-                self.keras(p, g, state, (wp, ws))
+                self.keras(p, g, state, write)
             }
         }
     }
@@ -261,21 +259,19 @@ impl Rule {
 
     /// Keras's loops ([`Rule::apply`]'s, for these rules): each operation as Keras's PyTorch
     /// backend runs it, one float32 rounding each.
-    fn keras(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], (wp, ws): (bool, bool)) {
+    fn keras(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], write: Write) {
+        let (wp, ws) = (write.params(), write.state());
         match *self {
             Rule::KerasSgd { .. } => self.keras_sgd(p, g, state, (wp, ws)),
             Rule::KerasAdam { shrink, clip, betas: [b1, one_b1, b2, one_b2], eps, alpha } => {
-                for i in 0..p.len() {
-                    let (pi, grad) = (shrunk(shrink, p.read(i)), KerasClip::apply(clip, g[i]));
-                    let m = state[0][i] * b1 + one_b1 * grad;
-                    let v = state[1][i] * b2 + one_b2 * (grad * grad);
-                    if ws {
-                        (state[0][i], state[1][i]) = (m, v);
-                    }
-                    if wp {
-                        p.write(i, pi - (m * alpha) / (v.sqrt() + eps));
-                    }
-                }
+                let [m, v] = state else { unreachable!("Adam's two state slices") };
+                // One loop the compiler vectorizes, as Adam's (the same bits).
+                p.each2(Lanes2 { g, a: m, b: v }, write, |pi, gi, mi, vi| {
+                    let (pi, grad) = (shrunk(shrink, pi), KerasClip::apply(clip, gi));
+                    let m = mi * b1 + one_b1 * grad;
+                    let v = vi * b2 + one_b2 * (grad * grad);
+                    (pi - (m * alpha) / (v.sqrt() + eps), m, v)
+                });
             }
             Rule::KerasRmsprop { .. } => self.keras_rmsprop(p, g, state, (wp, ws)),
             _ => unreachable!("Keras's rules"),
@@ -368,6 +364,11 @@ pub(crate) trait Params {
     /// new state values), and stores what `write` says: one loop over the slices together, which
     /// the compiler can vectorize (a rule of two state slices, Adam's).
     fn each2(&mut self, lanes: Lanes2<'_>, write: Write, f: impl Fn(f32, f32, f32, f32) -> Step2);
+    /// The same for a rule of one state slice `a` (SGD's momentum): (parameter, gradient, state
+    /// value) to (new parameter, new state value).
+    fn each1(&mut self, g: &[f32], a: &mut [f32], write: Write, f: impl Fn(f32, f32, f32) -> (f32, f32));
+    /// The same for a rule without state: (parameter, gradient) to the new parameter, written.
+    fn each0(&mut self, g: &[f32], f: impl Fn(f32, f32) -> f32);
 }
 
 /// A new parameter value and two new state values.
@@ -392,6 +393,14 @@ fn store2(p: &[f32], lanes: Lanes2<'_>, f: impl Fn(f32, f32, f32, f32) -> Step2)
     let (g, a, b) = lanes.cut(p.len());
     for (((&p, &g), a), b) in p.iter().zip(g).zip(a.iter_mut()).zip(b.iter_mut()) {
         (_, *a, *b) = f(p, g, *a, *b);
+    }
+}
+
+/// [`Params::each1`] storing the state alone: the parameters `p` are only read.
+fn store1(p: &[f32], g: &[f32], a: &mut [f32], f: impl Fn(f32, f32, f32) -> (f32, f32)) {
+    let (g, a) = (&g[..p.len()], &mut a[..p.len()]);
+    for ((&p, &g), a) in p.iter().zip(g).zip(a.iter_mut()) {
+        *a = f(p, g, *a).1;
     }
 }
 
@@ -422,6 +431,30 @@ impl Params for [f32] {
                 }
             }
             Write::State => store2(self, Lanes2 { g, a, b }, f),
+        }
+    }
+
+    fn each1(&mut self, g: &[f32], a: &mut [f32], write: Write, f: impl Fn(f32, f32, f32) -> (f32, f32)) {
+        let (g, a) = (&g[..self.len()], &mut a[..self.len()]);
+        match write {
+            Write::Both => {
+                for ((p, &g), a) in self.iter_mut().zip(g).zip(a.iter_mut()) {
+                    (*p, *a) = f(*p, g, *a);
+                }
+            }
+            Write::Params => {
+                for ((p, &g), &a) in self.iter_mut().zip(g).zip(a.iter()) {
+                    *p = f(*p, g, a).0;
+                }
+            }
+            Write::State => store1(self, g, a, f),
+        }
+    }
+
+    fn each0(&mut self, g: &[f32], f: impl Fn(f32, f32) -> f32) {
+        let g = &g[..self.len()];
+        for (p, &g) in self.iter_mut().zip(g) {
+            *p = f(*p, g);
         }
     }
 }
@@ -473,6 +506,34 @@ impl Params for ReadInto<'_> {
                     (*to, *a, *b) = f(p, g, *a, *b);
                 }
             }
+        }
+    }
+
+    fn each1(&mut self, g: &[f32], a: &mut [f32], write: Write, f: impl Fn(f32, f32, f32) -> (f32, f32)) {
+        if write == Write::State {
+            return store1(self.from, g, a, f);
+        }
+        let to = self.to.as_deref_mut().expect("an update that writes parameters has a place for them");
+        let n = self.from.len();
+        let values = self.from.iter().zip(to.iter_mut()).zip(&g[..n]);
+        match write {
+            Write::Params => {
+                for (((&p, to), &g), &a) in values.zip(&a[..n]) {
+                    *to = f(p, g, a).0;
+                }
+            }
+            _ => {
+                for (((&p, to), &g), a) in values.zip(a[..n].iter_mut()) {
+                    (*to, *a) = f(p, g, *a);
+                }
+            }
+        }
+    }
+
+    fn each0(&mut self, g: &[f32], f: impl Fn(f32, f32) -> f32) {
+        let to = self.to.as_deref_mut().expect("an update that writes parameters has a place for them");
+        for ((&p, to), &g) in self.from.iter().zip(to.iter_mut()).zip(&g[..self.from.len()]) {
+            *to = f(p, g);
         }
     }
 }
