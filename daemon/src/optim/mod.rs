@@ -7,6 +7,8 @@ mod adam;
 pub(crate) mod callbacks;
 pub mod clip;
 pub(crate) mod elementwise;
+#[cfg(test)]
+mod elementwise_tests;
 pub(crate) mod flags;
 pub(crate) mod optimizer;
 pub(crate) mod precision;
