@@ -173,7 +173,7 @@ class Cluster:
         # at what happened around an event.
         if os.environ.get("RECOVERY_LOG"):
             with self.lock:
-                lines = [(t, line) for t, line in self.lines]
+                lines = list(self.lines)
             lines += [(t, f"step {w} {g}") for w in range(self.world) for t, g in self.steps(w)]
             with open(os.environ["RECOVERY_LOG"], "a") as f:
                 f.writelines(f"{t:.6f} {line}\n" for t, line in sorted(lines))

@@ -461,6 +461,12 @@ impl Buckets {
         &self.groups
     }
 
+    /// The buckets a reduction may take during the backward pass: every one after the [`TAIL`]
+    /// bucket, whose used-flags only the backward pass's end knows.
+    pub(crate) fn early(&self) -> std::ops::Range<usize> {
+        TAIL + 1..self.groups.len()
+    }
+
     /// Host buffers of the `i`th slot held for buckets `which` (none of them the [`TAIL`] bucket,
     /// whose length depends on the tail), made where missing, so that [`Buckets::stage_buckets`] fills
     /// these very buffers; and handles on bucket `b`'s buffers of the first `held` slots, per

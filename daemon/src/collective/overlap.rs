@@ -5,7 +5,7 @@
 //! fixed order, the same on every member (the backward pass makes the last parameters' gradients
 //! final first: from the last bucket down to the second), each with exactly the arithmetic
 //! [`Buckets::reduce`] gives it, so the bits are those of a step that reduces after the backward
-//! pass. The first bucket ([`TAIL`]), whose gradients the backward pass makes final last, carries
+//! pass. The first bucket ([`super::buckets::TAIL`]), whose gradients the backward pass makes final last, carries
 //! the tail (the step's totals and flags, and the used-flags only the backward pass's end knows):
 //! it is reduced after it, as DDP's last bucket is.
 //!
@@ -16,7 +16,7 @@ use std::sync::mpsc;
 
 use tch::Tensor;
 
-use super::buckets::{Buckets, TAIL};
+use super::buckets::Buckets;
 use super::{Collective, CollectiveError};
 use crate::sys::autograd::GradReady;
 
@@ -32,7 +32,7 @@ pub(crate) enum Reduction {
 /// Runs `backward` (the `i`th slot held's backward pass, the last this worker computes in the
 /// step, with `params` its parameters; `held` slots held) while the buckets after the first are
 /// reduced as their gradients become final; they end staged and reduced (marked so in
-/// `buckets`), the first ([`TAIL`]) neither. Returns `backward`'s value and how many buckets were
+/// `buckets`), the first ([`super::buckets::TAIL`]) neither. Returns `backward`'s value and how many buckets were
 /// handed over while it ran (the others had a parameter without a gradient). `backward`'s own
 /// error comes back as it is; a reduction that failed, as a [`CollectiveError`] once `backward`
 /// has returned.
@@ -41,18 +41,18 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
     ((i, held), params, how): ((usize, usize), &[&Tensor], Reduction),
     backward: impl FnOnce() -> Result<T, E>,
 ) -> Result<(T, usize), E> {
-    let n = buckets.groups().len();
-    if n == 1 {
+    let early = buckets.early();
+    if early.is_empty() {
         return backward().map(|value| (value, 0));
     }
-    let early = TAIL + 1..n; // The buckets after the tail's, the first.
     let mut handles = buckets.prepare((i, held), params, early.clone());
     let bucket_of: Vec<usize> = bucket_places(buckets.groups(), params.len());
     let mut waiting: Vec<usize> = buckets.groups().iter().map(Vec::len).collect();
     let (tx, rx) = mpsc::channel::<usize>();
     std::thread::scope(|scope| {
-        let reducer = scope.spawn(move || reduce_in_order(collective, (&mut handles, TAIL + 1), rx, how));
-        let mut staged = vec![false; n]; // Per bucket (the tail's never is here).
+        let first = early.start;
+        let reducer = scope.spawn(move || reduce_in_order(collective, (&mut handles, first), rx, how));
+        let mut staged = vec![false; early.end]; // Per bucket (the tail's never is here).
         let mut stage = |b: usize, staged: &mut Vec<bool>| {
             buckets.stage_buckets(i, params, &[], b..b + 1);
             staged[b] = true;
@@ -62,7 +62,7 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
         let result = {
             let mut on_ready = |p: usize| {
                 let b = bucket_of[p];
-                if b != TAIL {
+                if early.contains(&b) {
                     waiting[b] -= 1;
                     if waiting[b] == 0 {
                         stage(b, &mut staged);
@@ -138,6 +138,7 @@ mod tests {
     use tch::{Device, Kind};
 
     use super::*;
+    use crate::collective::buckets::TAIL;
     use crate::collective::ring::tests::with_ring;
     use crate::collective::slots::assign;
     use crate::collective::Slots;
