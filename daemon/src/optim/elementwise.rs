@@ -9,6 +9,8 @@
 //! alone (the state untouched), then the state alone (the parameters untouched). Both passes
 //! compute the same thing, so storing in two passes gives the bits of storing in one.
 
+use super::lanes::{Lanes2, Lanes3, Params, Step3, Write};
+
 /// One group's update rule at one step: the hyper-parameters, the learning rate and (for Adam)
 /// the bias corrections, as float32 where the kernels use them as float32.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -129,27 +131,6 @@ impl KerasClip {
     }
 }
 
-/// What an update stores.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Write {
-    /// The parameters and the state.
-    Both,
-    /// The new parameters only (where the update's [`Params`] puts them).
-    Params,
-    /// The state only.
-    State,
-}
-
-impl Write {
-    fn params(self) -> bool {
-        self != Write::State
-    }
-
-    fn state(self) -> bool {
-        self != Write::Params
-    }
-}
-
 impl Rule {
     /// How many state slices the rule takes.
     pub(crate) fn state_len(&self) -> usize {
@@ -167,7 +148,7 @@ impl Rule {
     /// Updates the elements of `p` from the gradient `g` and `state` (one slice per
     /// [`Rule::state_len`], each as long as `p`). `first`: the parameter's first gradient (SGD
     /// makes its momentum buffer from it). The new parameters go where `p` puts them (in place,
-    /// or into another slice: [`ReadInto`]); what is stored follows `write`.
+    /// or into another slice: [`ReadInto`](super::lanes::ReadInto)); what is stored follows `write`.
     pub(crate) fn apply(
         &self,
         p: &mut (impl Params + ?Sized),
@@ -179,7 +160,6 @@ impl Rule {
         let n = p.len();
         assert!(g.len() == n && state.len() == self.state_len(), "slices of one length, one per state tensor");
         assert!(state.iter().all(|s| s.len() == n));
-        let (wp, ws) = (write.params(), write.state());
         match *self {
             Rule::Sgd { wd, momentum, keep, nesterov, neg_lr } => {
                 // Loops without branches or indexing, as Adam's below (the same bits).
@@ -191,7 +171,7 @@ impl Rule {
                         let d = if nesterov { d + buf * momentum } else { buf };
                         (pi + d * neg_lr, buf)
                     }),
-                    _ if wp => p.each0(g, |pi, gi| pi + decayed(pi, gi) * neg_lr),
+                    _ if write != Write::State => p.each0(g, |pi, gi| pi + decayed(pi, gi) * neg_lr),
                     _ => {}
                 }
             }
@@ -211,7 +191,7 @@ impl Rule {
                     (pi + m * step_size / denom, m, v)
                 });
             }
-            Rule::Rmsprop { .. } => self.rmsprop(p, g, state, (wp, ws)),
+            Rule::Rmsprop { .. } => self.rmsprop(p, g, state, write),
             Rule::KerasSgd { .. } | Rule::KerasAdam { .. } | Rule::KerasRmsprop { .. } => {
                 self.keras(p, g, state, write)
             }
@@ -219,50 +199,40 @@ impl Rule {
     }
 
     /// RMSprop's loop ([`Rule::apply`]'s, for this rule).
-    fn rmsprop(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], (wp, ws): (bool, bool)) {
+    fn rmsprop(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], write: Write) {
         let Rule::Rmsprop { wd, alpha: [alpha, one_alpha], eps, momentum, centered, neg_lr } = *self else {
             unreachable!("RMSprop's rule")
         };
-        let n = p.len();
-        let (buf_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
-        for i in 0..n {
-            let pi = p.read(i);
-            let grad = if wd != 0.0 { g[i] + pi * wd } else { g[i] };
-            let square = state[0][i] * alpha + grad * one_alpha * grad;
-            let avg = if centered {
-                let grad_avg = state[avg_at][i] * alpha + grad * one_alpha;
-                if ws {
-                    state[avg_at][i] = grad_avg;
-                }
-                (square - grad_avg * grad_avg).sqrt() + eps
-            } else {
-                square.sqrt() + eps
-            };
-            if ws {
-                state[0][i] = square;
-            }
-            let new = match momentum {
+        each_of_three(p, g, state, write, momentum.is_some(), move |pi, gi, [square, buf, grad_avg]| {
+            let grad = if wd != 0.0 { gi + pi * wd } else { gi };
+            let square = square * alpha + grad * one_alpha * grad;
+            let grad_avg = grad_avg * alpha + grad * one_alpha;
+            let avg = if centered { (square - grad_avg * grad_avg).sqrt() + eps } else { square.sqrt() + eps };
+            match momentum {
                 Some(m) => {
-                    let buf = state[buf_at][i] * m + grad / avg;
-                    if ws {
-                        state[buf_at][i] = buf;
-                    }
-                    pi + buf * neg_lr
+                    let buf = buf * m + grad / avg;
+                    (pi + buf * neg_lr, [square, buf, grad_avg])
                 }
-                None => pi + grad * neg_lr / avg,
-            };
-            if wp {
-                p.write(i, new);
+                None => (pi + grad * neg_lr / avg, [square, buf, grad_avg]),
             }
-        }
+        });
     }
 
     /// Keras's loops ([`Rule::apply`]'s, for these rules): each operation as Keras's PyTorch
     /// backend runs it, one float32 rounding each.
     fn keras(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], write: Write) {
-        let (wp, ws) = (write.params(), write.state());
         match *self {
-            Rule::KerasSgd { .. } => self.keras_sgd(p, g, state, (wp, ws)),
+            Rule::KerasSgd { shrink, clip, momentum, nesterov, neg_lr } => match state {
+                [m] => p.each1(g, m, write, |pi, gi, mi| {
+                    let (pi, grad) = (shrunk(shrink, pi), KerasClip::apply(clip, gi));
+                    let m = mi * momentum + neg_lr * grad;
+                    (if nesterov { (pi + neg_lr * grad) + momentum * m } else { pi + m }, m)
+                }),
+                _ if write != Write::State => {
+                    p.each0(g, |pi, gi| shrunk(shrink, pi) + neg_lr * KerasClip::apply(clip, gi))
+                }
+                _ => {}
+            },
             Rule::KerasAdam { shrink, clip, betas: [b1, one_b1, b2, one_b2], eps, alpha } => {
                 let [m, v] = state else { unreachable!("Adam's two state slices") };
                 // One loop the compiler vectorizes, as Adam's (the same bits).
@@ -273,269 +243,66 @@ impl Rule {
                     (pi - (m * alpha) / (v.sqrt() + eps), m, v)
                 });
             }
-            Rule::KerasRmsprop { .. } => self.keras_rmsprop(p, g, state, (wp, ws)),
+            Rule::KerasRmsprop { .. } => self.keras_rmsprop(p, g, state, write),
             _ => unreachable!("Keras's rules"),
         }
     }
 
-    /// Keras's SGD loop.
-    fn keras_sgd(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], (wp, ws): (bool, bool)) {
-        let Rule::KerasSgd { shrink, clip, momentum, nesterov, neg_lr } = *self else { unreachable!("Keras's SGD") };
-        for i in 0..p.len() {
-            let (pi, grad) = (shrunk(shrink, p.read(i)), KerasClip::apply(clip, g[i]));
-            let new = if momentum != 0.0 {
-                let m = state[0][i] * momentum + neg_lr * grad;
-                if ws {
-                    state[0][i] = m;
-                }
-                if nesterov {
-                    (pi + neg_lr * grad) + momentum * m
-                } else {
-                    pi + m
-                }
-            } else {
-                pi + neg_lr * grad
-            };
-            if wp {
-                p.write(i, new);
-            }
-        }
-    }
-
     /// Keras's RMSprop loop.
-    fn keras_rmsprop(
-        &self,
-        p: &mut (impl Params + ?Sized),
-        g: &[f32],
-        state: &mut [&mut [f32]],
-        (wp, ws): (bool, bool),
-    ) {
+    fn keras_rmsprop(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], write: Write) {
         let Rule::KerasRmsprop { shrink, clip, rho: [rho, one_rho], eps, momentum, centered, lr } = *self else {
             unreachable!("Keras's RMSprop")
         };
-        let (mom_at, avg_at) = (1, 1 + usize::from(momentum.is_some()));
-        for i in 0..p.len() {
-            let (pi, grad) = (shrunk(shrink, p.read(i)), KerasClip::apply(clip, g[i]));
-            let v = state[0][i] * rho + one_rho * (grad * grad);
-            let mut denom = v + eps;
-            if centered {
-                let a = state[avg_at][i] * rho + one_rho * grad;
-                if ws {
-                    state[avg_at][i] = a;
-                }
-                denom -= a * a;
-            }
-            if ws {
-                state[0][i] = v;
-            }
+        each_of_three(p, g, state, write, momentum.is_some(), move |pi, gi, [v, o, a]| {
+            let (pi, grad) = (shrunk(shrink, pi), KerasClip::apply(clip, gi));
+            let v = v * rho + one_rho * (grad * grad);
+            let a = a * rho + one_rho * grad;
+            let denom = if centered { (v + eps) - a * a } else { v + eps };
             let increment = (grad * lr) / denom.sqrt();
-            let new = match momentum {
+            match momentum {
                 Some(mo) => {
-                    let o = state[mom_at][i] * mo + increment;
-                    if ws {
-                        state[mom_at][i] = o;
-                    }
-                    pi - o
+                    let o = o * mo + increment;
+                    (pi - o, [v, o, a])
                 }
-                None => pi - increment,
-            };
-            if wp {
-                p.write(i, new);
+                None => (pi - increment, [v, o, a]),
             }
-        }
+        });
+    }
+}
+
+/// Runs `f`, a rule of a first state value and up to two more (the second when `second`, the
+/// third when the state has one more slice: RMSprop's momentum buffer and average gradient), over
+/// the state slices the rule has, in one loop without branches or indexing (a value the rule has
+/// not reaches `f` as 0 and is dropped).
+fn each_of_three(
+    p: &mut (impl Params + ?Sized),
+    g: &[f32],
+    state: &mut [&mut [f32]],
+    write: Write,
+    second: bool,
+    f: impl Fn(f32, f32, [f32; 3]) -> Step3,
+) {
+    match state {
+        [a] => p.each1(g, a, write, |pi, gi, a| {
+            let (new, [a, ..]) = f(pi, gi, [a, 0.0, 0.0]);
+            (new, a)
+        }),
+        [a, b] if second => p.each2(Lanes2 { g, a, b }, write, |pi, gi, a, b| {
+            let (new, [a, b, _]) = f(pi, gi, [a, b, 0.0]);
+            (new, a, b)
+        }),
+        [a, c] => p.each2(Lanes2 { g, a, b: c }, write, |pi, gi, a, c| {
+            let (new, [a, _, c]) = f(pi, gi, [a, 0.0, c]);
+            (new, a, c)
+        }),
+        [a, b, c] => p.each3(Lanes3 { g, state: [a, b, c] }, write, f),
+        _ => unreachable!("one to three state slices"),
     }
 }
 
 /// `p` shrunk by Keras's decoupled weight decay, when it has one.
 fn shrunk(shrink: Option<f32>, p: f32) -> f32 {
     shrink.map_or(p, |s| p * s)
-}
-
-/// The parameter values an update reads, and where it puts the new ones: a slice, read and
-/// written in place, or [`ReadInto`].
-pub(crate) trait Params {
-    /// How many values.
-    fn len(&self) -> usize;
-    /// Value `i` as the update reads it.
-    fn read(&self, i: usize) -> f32;
-    /// The new value `i`.
-    fn write(&mut self, i: usize, value: f32);
-    /// Runs `f` on every element, (parameter, gradient, its two state values) to (new parameter,
-    /// new state values), and stores what `write` says: one loop over the slices together, which
-    /// the compiler can vectorize (a rule of two state slices, Adam's).
-    fn each2(&mut self, lanes: Lanes2<'_>, write: Write, f: impl Fn(f32, f32, f32, f32) -> Step2);
-    /// The same for a rule of one state slice `a` (SGD's momentum): (parameter, gradient, state
-    /// value) to (new parameter, new state value).
-    fn each1(&mut self, g: &[f32], a: &mut [f32], write: Write, f: impl Fn(f32, f32, f32) -> (f32, f32));
-    /// The same for a rule without state: (parameter, gradient) to the new parameter, written.
-    fn each0(&mut self, g: &[f32], f: impl Fn(f32, f32) -> f32);
-}
-
-/// A new parameter value and two new state values.
-pub(crate) type Step2 = (f32, f32, f32);
-
-/// The slices a rule of two state slices runs over: the gradient and the two state slices.
-pub(crate) struct Lanes2<'s> {
-    pub(crate) g: &'s [f32],
-    pub(crate) a: &'s mut [f32],
-    pub(crate) b: &'s mut [f32],
-}
-
-impl<'s> Lanes2<'s> {
-    /// The slices cut to `n` elements each (so that the loops over them check no index).
-    fn cut(self, n: usize) -> (&'s [f32], &'s mut [f32], &'s mut [f32]) {
-        (&self.g[..n], &mut self.a[..n], &mut self.b[..n])
-    }
-}
-
-/// [`Params::each2`] storing the state alone: the parameters `p` are only read.
-fn store2(p: &[f32], lanes: Lanes2<'_>, f: impl Fn(f32, f32, f32, f32) -> Step2) {
-    let (g, a, b) = lanes.cut(p.len());
-    for (((&p, &g), a), b) in p.iter().zip(g).zip(a.iter_mut()).zip(b.iter_mut()) {
-        (_, *a, *b) = f(p, g, *a, *b);
-    }
-}
-
-/// [`Params::each1`] storing the state alone: the parameters `p` are only read.
-fn store1(p: &[f32], g: &[f32], a: &mut [f32], f: impl Fn(f32, f32, f32) -> (f32, f32)) {
-    let (g, a) = (&g[..p.len()], &mut a[..p.len()]);
-    for ((&p, &g), a) in p.iter().zip(g).zip(a.iter_mut()) {
-        *a = f(p, g, *a).1;
-    }
-}
-
-impl Params for [f32] {
-    fn len(&self) -> usize {
-        <[f32]>::len(self)
-    }
-
-    fn read(&self, i: usize) -> f32 {
-        self[i]
-    }
-
-    fn write(&mut self, i: usize, value: f32) {
-        self[i] = value;
-    }
-
-    fn each2(&mut self, lanes: Lanes2<'_>, write: Write, f: impl Fn(f32, f32, f32, f32) -> Step2) {
-        let (g, a, b) = lanes.cut(self.len());
-        match write {
-            Write::Both => {
-                for (((p, &g), a), b) in self.iter_mut().zip(g).zip(a.iter_mut()).zip(b.iter_mut()) {
-                    (*p, *a, *b) = f(*p, g, *a, *b);
-                }
-            }
-            Write::Params => {
-                for (((p, &g), &a), &b) in self.iter_mut().zip(g).zip(a.iter()).zip(b.iter()) {
-                    *p = f(*p, g, a, b).0;
-                }
-            }
-            Write::State => store2(self, Lanes2 { g, a, b }, f),
-        }
-    }
-
-    fn each1(&mut self, g: &[f32], a: &mut [f32], write: Write, f: impl Fn(f32, f32, f32) -> (f32, f32)) {
-        let (g, a) = (&g[..self.len()], &mut a[..self.len()]);
-        match write {
-            Write::Both => {
-                for ((p, &g), a) in self.iter_mut().zip(g).zip(a.iter_mut()) {
-                    (*p, *a) = f(*p, g, *a);
-                }
-            }
-            Write::Params => {
-                for ((p, &g), &a) in self.iter_mut().zip(g).zip(a.iter()) {
-                    *p = f(*p, g, a).0;
-                }
-            }
-            Write::State => store1(self, g, a, f),
-        }
-    }
-
-    fn each0(&mut self, g: &[f32], f: impl Fn(f32, f32) -> f32) {
-        let g = &g[..self.len()];
-        for (p, &g) in self.iter_mut().zip(g) {
-            *p = f(*p, g);
-        }
-    }
-}
-
-/// Parameter values read from one slice, borrowed where they lie (a sharded update reads them
-/// from the parameter itself), with the new values written into another (the all-gather's
-/// buffer), or nowhere when the update stores its state alone ([`Write::State`]).
-pub(crate) struct ReadInto<'a> {
-    from: &'a [f32],
-    to: Option<&'a mut [f32]>,
-}
-
-impl<'a> ReadInto<'a> {
-    /// Reads `from`, writes into `to` (as long), if given.
-    pub(crate) fn new(from: &'a [f32], to: Option<&'a mut [f32]>) -> Self {
-        assert!(to.as_ref().is_none_or(|to| to.len() == from.len()), "as many new values as read");
-        ReadInto { from, to }
-    }
-}
-
-impl Params for ReadInto<'_> {
-    fn len(&self) -> usize {
-        self.from.len()
-    }
-
-    fn read(&self, i: usize) -> f32 {
-        self.from[i]
-    }
-
-    fn write(&mut self, i: usize, value: f32) {
-        self.to.as_deref_mut().expect("an update that writes parameters has a place for them")[i] = value;
-    }
-
-    fn each2(&mut self, lanes: Lanes2<'_>, write: Write, f: impl Fn(f32, f32, f32, f32) -> Step2) {
-        if write == Write::State {
-            return store2(self.from, lanes, f);
-        }
-        let to = self.to.as_deref_mut().expect("an update that writes parameters has a place for them");
-        let (g, a, b) = lanes.cut(self.from.len());
-        let values = self.from.iter().zip(to.iter_mut()).zip(g);
-        match write {
-            Write::Params => {
-                for (((&p, to), &g), (&a, &b)) in values.zip(a.iter().zip(b.iter())) {
-                    *to = f(p, g, a, b).0;
-                }
-            }
-            _ => {
-                for (((&p, to), &g), (a, b)) in values.zip(a.iter_mut().zip(b.iter_mut())) {
-                    (*to, *a, *b) = f(p, g, *a, *b);
-                }
-            }
-        }
-    }
-
-    fn each1(&mut self, g: &[f32], a: &mut [f32], write: Write, f: impl Fn(f32, f32, f32) -> (f32, f32)) {
-        if write == Write::State {
-            return store1(self.from, g, a, f);
-        }
-        let to = self.to.as_deref_mut().expect("an update that writes parameters has a place for them");
-        let n = self.from.len();
-        let values = self.from.iter().zip(to.iter_mut()).zip(&g[..n]);
-        match write {
-            Write::Params => {
-                for (((&p, to), &g), &a) in values.zip(&a[..n]) {
-                    *to = f(p, g, a).0;
-                }
-            }
-            _ => {
-                for (((&p, to), &g), a) in values.zip(a[..n].iter_mut()) {
-                    (*to, *a) = f(p, g, *a);
-                }
-            }
-        }
-    }
-
-    fn each0(&mut self, g: &[f32], f: impl Fn(f32, f32) -> f32) {
-        let to = self.to.as_deref_mut().expect("an update that writes parameters has a place for them");
-        for ((&p, to), &g) in self.from.iter().zip(to.iter_mut()).zip(&g[..self.from.len()]) {
-            *to = f(p, g);
-        }
-    }
 }
 
 /// Whether `t` is a contiguous float32 CPU tensor: what the one-pass loop reads and writes in

@@ -10,6 +10,7 @@ pub(crate) mod elementwise;
 #[cfg(test)]
 mod elementwise_tests;
 pub(crate) mod flags;
+pub(crate) mod lanes;
 pub(crate) mod optimizer;
 pub(crate) mod precision;
 pub(crate) mod schedule;

@@ -12,7 +12,8 @@ use std::borrow::Cow;
 use tch::Tensor;
 use trainerd_sdk::OptimizerConfig;
 
-use super::elementwise::{ReadInto, Rule, Write};
+use super::elementwise::Rule;
+use super::lanes::{ReadInto, Write};
 use super::optimizer::{self, Optimizer};
 
 /// A parameter's element span inside a range.

@@ -327,7 +327,7 @@ impl Optimizer {
         };
         let (p, g) = (slice(p), slice(grad));
         let mut state: Vec<&mut [f32]> = state.into_iter().map(slice).collect();
-        rule.apply(p, g, &mut state, first, elementwise::Write::Both);
+        rule.apply(p, g, &mut state, first, super::lanes::Write::Both);
     }
 
     /// Adam's hyper-parameters for a group of weight decay `weight_decay`; `None` for the other

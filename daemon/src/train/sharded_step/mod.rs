@@ -12,7 +12,8 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::collective::buckets::{owned, Buckets, Range};
 use crate::collective::{Collective, CollectiveError, ReduceOp, Slots};
 use crate::optim::clip::{self, Clip};
-use crate::optim::elementwise::{host_f32, Write};
+use crate::optim::elementwise::host_f32;
+use crate::optim::lanes::Write;
 use crate::optim::sharded_state::{Piece, ShardedOptimizer, Values};
 use crate::state::host;
 
