@@ -165,13 +165,13 @@ impl Rule {
                 // Loops without branches or indexing, as Adam's below (the same bits).
                 let decayed = move |pi: f32, gi: f32| if wd != 0.0 { gi + pi * wd } else { gi };
                 match state {
-                    [buf] => p.each1(g, buf, write, |pi, gi, bi| {
+                    [buf] => p.each1(g, buf, write, move |pi, gi, bi| {
                         let d = decayed(pi, gi);
                         let buf = if first { d } else { bi * momentum + d * keep };
                         let d = if nesterov { d + buf * momentum } else { buf };
                         (pi + d * neg_lr, buf)
                     }),
-                    _ if write != Write::State => p.each0(g, |pi, gi| pi + decayed(pi, gi) * neg_lr),
+                    _ if write != Write::State => p.each0(g, move |pi, gi| pi + decayed(pi, gi) * neg_lr),
                     _ => {}
                 }
             }
@@ -179,7 +179,7 @@ impl Rule {
                 let [m, v] = state else { unreachable!("Adam's two state slices") };
                 // One loop without branches or indexing, which the compiler vectorizes (the
                 // same operations on each element, in the same order: the same bits).
-                p.each2(Lanes2 { g, a: m, b: v }, write, |pi, gi, mi, vi| {
+                p.each2(Lanes2 { g, a: m, b: v }, write, move |pi, gi, mi, vi| {
                     let pi = match shrink {
                         Some(shrink) => pi * shrink,
                         None => pi,
@@ -223,20 +223,20 @@ impl Rule {
     fn keras(&self, p: &mut (impl Params + ?Sized), g: &[f32], state: &mut [&mut [f32]], write: Write) {
         match *self {
             Rule::KerasSgd { shrink, clip, momentum, nesterov, neg_lr } => match state {
-                [m] => p.each1(g, m, write, |pi, gi, mi| {
+                [m] => p.each1(g, m, write, move |pi, gi, mi| {
                     let (pi, grad) = (shrunk(shrink, pi), KerasClip::apply(clip, gi));
                     let m = mi * momentum + neg_lr * grad;
                     (if nesterov { (pi + neg_lr * grad) + momentum * m } else { pi + m }, m)
                 }),
                 _ if write != Write::State => {
-                    p.each0(g, |pi, gi| shrunk(shrink, pi) + neg_lr * KerasClip::apply(clip, gi))
+                    p.each0(g, move |pi, gi| shrunk(shrink, pi) + neg_lr * KerasClip::apply(clip, gi))
                 }
                 _ => {}
             },
             Rule::KerasAdam { shrink, clip, betas: [b1, one_b1, b2, one_b2], eps, alpha } => {
                 let [m, v] = state else { unreachable!("Adam's two state slices") };
                 // One loop the compiler vectorizes, as Adam's (the same bits).
-                p.each2(Lanes2 { g, a: m, b: v }, write, |pi, gi, mi, vi| {
+                p.each2(Lanes2 { g, a: m, b: v }, write, move |pi, gi, mi, vi| {
                     let (pi, grad) = (shrunk(shrink, pi), KerasClip::apply(clip, gi));
                     let m = mi * b1 + one_b1 * grad;
                     let v = vi * b2 + one_b2 * (grad * grad);
@@ -283,15 +283,15 @@ fn each_of_three(
     f: impl Fn(f32, f32, [f32; 3]) -> Step3,
 ) {
     match state {
-        [a] => p.each1(g, a, write, |pi, gi, a| {
+        [a] => p.each1(g, a, write, move |pi, gi, a| {
             let (new, [a, ..]) = f(pi, gi, [a, 0.0, 0.0]);
             (new, a)
         }),
-        [a, b] if second => p.each2(Lanes2 { g, a, b }, write, |pi, gi, a, b| {
+        [a, b] if second => p.each2(Lanes2 { g, a, b }, write, move |pi, gi, a, b| {
             let (new, [a, b, _]) = f(pi, gi, [a, b, 0.0]);
             (new, a, b)
         }),
-        [a, c] => p.each2(Lanes2 { g, a, b: c }, write, |pi, gi, a, c| {
+        [a, c] => p.each2(Lanes2 { g, a, b: c }, write, move |pi, gi, a, c| {
             let (new, [a, _, c]) = f(pi, gi, [a, 0.0, c]);
             (new, a, c)
         }),

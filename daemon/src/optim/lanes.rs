@@ -69,6 +69,7 @@ impl<'s> Lanes2<'s> {
 }
 
 /// [`Params::each2`] storing the state alone: the parameters `p` are only read.
+#[inline]
 fn store2(p: &[f32], lanes: Lanes2<'_>, f: impl Fn(f32, f32, f32, f32) -> Step2) {
     let (g, a, b) = lanes.cut(p.len());
     for (((&p, &g), a), b) in p.iter().zip(g).zip(a.iter_mut()).zip(b.iter_mut()) {
@@ -77,6 +78,7 @@ fn store2(p: &[f32], lanes: Lanes2<'_>, f: impl Fn(f32, f32, f32, f32) -> Step2)
 }
 
 /// [`Params::each3`] storing the state alone: the parameters `p` are only read.
+#[inline]
 fn store3<'s>(
     p: &[f32],
     g: &[f32],
@@ -89,6 +91,7 @@ fn store3<'s>(
 }
 
 /// [`Params::each1`] storing the state alone: the parameters `p` are only read.
+#[inline]
 fn store1(p: &[f32], g: &[f32], a: &mut [f32], f: impl Fn(f32, f32, f32) -> (f32, f32)) {
     let (g, a) = (&g[..p.len()], &mut a[..p.len()]);
     for ((&p, &g), a) in p.iter().zip(g).zip(a.iter_mut()) {
@@ -101,6 +104,7 @@ impl Params for [f32] {
         <[f32]>::len(self)
     }
 
+    #[inline]
     fn each2(&mut self, lanes: Lanes2<'_>, write: Write, f: impl Fn(f32, f32, f32, f32) -> Step2) {
         let (g, a, b) = lanes.cut(self.len());
         match write {
@@ -118,6 +122,7 @@ impl Params for [f32] {
         }
     }
 
+    #[inline]
     fn each3(&mut self, lanes: Lanes3<'_>, write: Write, f: impl Fn(f32, f32, [f32; 3]) -> Step3) {
         let (g, states) = lanes.cut(self.len());
         match write {
@@ -135,6 +140,7 @@ impl Params for [f32] {
         }
     }
 
+    #[inline]
     fn each1(&mut self, g: &[f32], a: &mut [f32], write: Write, f: impl Fn(f32, f32, f32) -> (f32, f32)) {
         let (g, a) = (&g[..self.len()], &mut a[..self.len()]);
         match write {
@@ -152,6 +158,7 @@ impl Params for [f32] {
         }
     }
 
+    #[inline]
     fn each0(&mut self, g: &[f32], f: impl Fn(f32, f32) -> f32) {
         let g = &g[..self.len()];
         for (p, &g) in self.iter_mut().zip(g) {
@@ -181,6 +188,7 @@ impl Params for ReadInto<'_> {
         self.from.len()
     }
 
+    #[inline]
     fn each2(&mut self, lanes: Lanes2<'_>, write: Write, f: impl Fn(f32, f32, f32, f32) -> Step2) {
         if write == Write::State {
             return store2(self.from, lanes, f);
@@ -202,6 +210,7 @@ impl Params for ReadInto<'_> {
         }
     }
 
+    #[inline]
     fn each3(&mut self, lanes: Lanes3<'_>, write: Write, f: impl Fn(f32, f32, [f32; 3]) -> Step3) {
         let (g, states) = lanes.cut(self.from.len());
         if write == Write::State {
@@ -223,6 +232,7 @@ impl Params for ReadInto<'_> {
         }
     }
 
+    #[inline]
     fn each1(&mut self, g: &[f32], a: &mut [f32], write: Write, f: impl Fn(f32, f32, f32) -> (f32, f32)) {
         if write == Write::State {
             return store1(self.from, g, a, f);
@@ -244,6 +254,7 @@ impl Params for ReadInto<'_> {
         }
     }
 
+    #[inline]
     fn each0(&mut self, g: &[f32], f: impl Fn(f32, f32) -> f32) {
         let to = self.to.as_deref_mut().expect("an update that writes parameters has a place for them");
         for ((&p, to), &g) in self.from.iter().zip(to.iter_mut()).zip(&g[..self.from.len()]) {
