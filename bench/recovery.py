@@ -40,11 +40,14 @@ a wide table (parameters and Adam's moments of that size), worker 1 or 2 killed 
 others train again; the survivors' longest gap around its return with catch-up (the default) beside
 `--catch-up-memory 0` (a pause and a state transfer, the rule before), the returner's time from its
 start until it steps, and the outputs the chief kept. Given alone: nothing else is run with it.
+--state-sharded shards the optimizer state in both modes; --state-clip-norm X clips the gradient
+to global norm X in both (a clip whose factor is over the whole gradient).
 
 Usage: bench/recovery.sh [--kills N] [--chief-kills N] [--freezes N] [--torchrun-trials N]
                          [--world N] [--ckpt-every N] [--gone] [--chief-gone] [--replace-after S]
                          [--pause-kills N] [--pause-freezes N] [--pause-sharded] [--pause-width W]
-                         [--state-mb MB ...] [--state-returns N]
+                         [--state-mb MB ...] [--state-returns N] [--state-sharded]
+                         [--state-clip-norm X]
 """
 import argparse, json, os, random, re, signal, statistics, subprocess, sys, tempfile, threading, time
 
@@ -402,6 +405,8 @@ def returns_by_size(args):
     results = {}
     # With --state-sharded, the optimizer state is sharded over the workers in both modes.
     shard = ("--shard-optimizer",) if args.state_sharded else ()
+    # With --state-clip-norm, the gradient is clipped to that global norm in both modes.
+    shard += ("--clip-norm", str(args.state_clip_norm)) if args.state_clip_norm else ()
     for mb in args.state_mb:
         rows = max(1, int(mb * 1e6 / 120))
         # The survivors must train again before the victim is back (re-forming hashes the state).
@@ -432,7 +437,8 @@ def returns_by_size(args):
                     c.stop()
             results[(mb, mode)] = rs
     print(f"\nA return by state size (3 workers, the linear plugin with a wide table, Adam"
-          f"{' sharded over the workers (--shard-optimizer)' if args.state_sharded else ''}, batch 32, 1 thread each; "
+          f"{' sharded over the workers (--shard-optimizer)' if args.state_sharded else ''}"
+          f"{f', --clip-norm {args.state_clip_norm}' if args.state_clip_norm else ''}, batch 32, 1 thread each; "
           f"{args.state_returns} returns per row, restarted once the others train; medians, max in brackets):")
     print("| state | step | goal: one step + 50 ms | survivors' longest gap: catch-up | survivors' longest gap: "
           "a pause (`--catch-up-memory 0`) | the switch's step: catch-up / pause | returner: start to stepping, "
@@ -493,6 +499,8 @@ def main():
     p.add_argument("--state-returns", type=int, default=3, help="returns per state size and mode")
     p.add_argument("--state-sharded", action="store_true",
                    help="--state-mb's table with the optimizer state sharded (--shard-optimizer) in both modes")
+    p.add_argument("--state-clip-norm", type=float,
+                   help="--state-mb's table with the gradient clipped to this global norm (--clip-norm) in both modes")
     p.add_argument("--pause-sharded", action="store_true",
                    help="never-pause table: the same events with --shard-optimizer, beside the unsharded ones")
     args = p.parse_args()

@@ -36,8 +36,8 @@ const WIDE: Job = Job { wide: WIDE_100MB, steps: 40, adam: false, clip: false };
 const SMALL: Job = Job { wide: 0, steps: 150, adam: false, clip: false };
 /// 100 MB of state with Adam: 33 MB of parameters and twice that of moments.
 const WIDE_ADAM: Job = Job { wide: WIDE_100MB / 3, steps: 40, adam: true, clip: false };
-/// The small job with Adam and its gradient clipped: an update no range of the gradient can run
-/// before the whole has come (the clip's factor is over all of it).
+/// The small job with Adam and its gradient clipped: a clip whose factor is over the whole
+/// gradient.
 const SMALL_CLIPPED: Job = Job { wide: 0, steps: 150, adam: true, clip: true };
 
 /// `trainerd run` arguments of `job` on 3 workers, each worker's summary in `dir`, with `extra`.
@@ -146,6 +146,7 @@ fn a_worker_back_while_the_others_train_catches_up_and_takes_its_slots_back_with
     let mut c = Cluster::start(3, &args(WIDE, tmp.path(), &[]), &[], vec![], RESTART_SEC);
     let back = back_while_they_train(&mut c, 5, 2);
     let replayed = assert_caught_up_with_nothing_sent(&mut c, WIDE, tmp.path(), back);
+    assert_eq!(updated_by_range(&mut c, back), replayed, "each update ran range by range as the gradient came");
     let returner = &summary(tmp.path(), 2)["fault_tolerance"];
     assert_eq!(returner["steps_replayed"].as_u64(), Some(replayed));
     assert!(returner["catch_up_seconds"].as_f64().is_some_and(|s| s > 0.0), "{returner}");
@@ -167,6 +168,7 @@ fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ra
     let mut c = Cluster::start(3, &args(WIDE_ADAM, tmp.path(), &sharded), &[], vec![], RESTART_SEC);
     let back = back_while_they_train(&mut c, 5, 2);
     let replayed = assert_caught_up_with_nothing_sent(&mut c, WIDE_ADAM, tmp.path(), back);
+    assert_eq!(updated_by_range(&mut c, back), 0, "a sharded step's parameters are taken, not updated");
     assert_eq!(summary(tmp.path(), 2)["fault_tolerance"]["steps_replayed"].as_u64(), Some(replayed));
     let (_, moved) = c.wait_line(2, "trainerd: the sharded optimizer state moved to generation ", back, DEADLINE);
     let received: f64 =
@@ -177,15 +179,28 @@ fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ra
     assert!(kept >= 33_000_000, "at least one step's 33 MB of parameters was kept: {kept}");
 }
 
-/// A return whose update needs the whole gradient (`--clip-norm`, Adam): the returner takes each
-/// step's outputs in piece by piece all the same, and updates once the gradient is whole rather
-/// than range by range as it arrives. It catches up, and the run is bitwise the failure-free one.
+/// A return in a run whose gradient is clipped (`--clip-norm`, Adam), whose clip's factor is over
+/// the whole gradient: the chief sends each step's gradient as its clipping left it, and the
+/// returner runs the optimizer's rule on it range by range as it arrives, as without clipping. It
+/// catches up, and the run is bitwise the failure-free one.
 #[test]
-fn a_clipped_run_catches_up_with_each_update_run_once_its_gradient_is_whole() {
+fn a_clipped_run_catches_up_updating_range_by_range_from_the_gradient_clipped_by_the_chief() {
     let tmp = tempfile::tempdir().unwrap();
     let mut c = Cluster::start(3, &args(SMALL_CLIPPED, tmp.path(), &[]), &[], vec![], RESTART_SEC);
     let back = back_while_they_train(&mut c, 20, 5);
-    assert_caught_up_with_nothing_sent(&mut c, SMALL_CLIPPED, tmp.path(), back);
+    let replayed = assert_caught_up_with_nothing_sent(&mut c, SMALL_CLIPPED, tmp.path(), back);
+    assert_eq!(updated_by_range(&mut c, back), replayed, "each update ran range by range as the gradient came");
+}
+
+/// How many of the steps worker 2 replayed in its catch-up after line `back` it updated range by
+/// range as their pieces came (its `caught up` line).
+fn updated_by_range(c: &mut Cluster, back: usize) -> u64 {
+    let (_, caught) = c.wait_line(2, "trainerd: caught up in ", back, DEADLINE);
+    let Some(head) = caught.split(" updated range by range as their pieces came").nth(1).map(|_| &caught) else {
+        return 0;
+    };
+    let count = head.split(" step(s) replayed (").nth(1).and_then(|r| r.split(' ').next());
+    count.and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("a count of steps updated by range in {caught:?}"))
 }
 
 /// Worker 2, back after `back`, caught up and took its slots back with nothing sent at the

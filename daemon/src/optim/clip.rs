@@ -5,6 +5,8 @@
 //! the same norm in the same order, so every worker clips identically, and the run stays bitwise
 //! reproducible and resumable.
 
+use std::ops::Range;
+
 use serde::Serialize;
 use tch::{TchError, Tensor};
 
@@ -49,11 +51,26 @@ impl Clip {
 
     /// Clips the gradients of `params` in place: to the global norm first (every gradient times
     /// min(1, norm / (total + 1e-6)), as `torch.nn.utils.clip_grad_norm_` computes it), then by
-    /// value. The global norm is taken over `ranges` (the gradient buckets' ranges, which the
-    /// sharded step clips by: [`range_sum_of_squares`] per range, added in order, as
-    /// [`global_norm`]), so sharded and unsharded runs clip alike. Returns the global 2-norm
-    /// before clipping, or `None` when nothing is clipped or no parameter has a gradient.
+    /// value. The global norm is taken over `ranges` ([`Clip::norm_over`]), so sharded and
+    /// unsharded runs clip alike. Returns the global 2-norm before clipping, or `None` when
+    /// nothing is clipped or no parameter has a gradient.
     pub(crate) fn apply_over(
+        &self,
+        params: &[(String, Tensor)],
+        ranges: &[Vec<Piece>],
+    ) -> Result<Option<f64>, TchError> {
+        let total = self.norm_over(params, ranges)?;
+        if let Some(total) = total {
+            self.apply_at(params, total)?;
+        }
+        Ok(total)
+    }
+
+    /// The global 2-norm of the gradients of `params` before clipping, over `ranges` (the
+    /// gradient buckets' ranges, which the sharded step clips by: [`range_sum_of_squares`] per
+    /// range, added in order, as [`global_norm`]); `None` when nothing is clipped or no parameter
+    /// has a gradient.
+    pub(crate) fn norm_over(
         &self,
         params: &[(String, Tensor)],
         ranges: &[Vec<Piece>],
@@ -62,7 +79,7 @@ impl Clip {
             return Ok(None);
         }
         let _no_grad = tch::no_grad_guard();
-        let mut grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
+        let grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
         if !grads.iter().any(Tensor::defined) {
             return Ok(None);
         }
@@ -94,17 +111,38 @@ impl Clip {
                 partials[*r] += s;
             }
         }
-        let total = global_norm(&partials);
-        let coefficient = self.coefficient(total);
-        for g in grads.iter_mut().filter(|g| g.defined()) {
-            if let Some(c) = coefficient {
-                _ = g.f_mul_scalar_(f64::from(c))?;
-            }
-            if let Some(value) = self.value {
-                _ = g.f_clamp_(-value, value)?;
-            }
+        Ok(Some(global_norm(&partials)))
+    }
+
+    /// Clips the gradients of `params` in place at global norm `total` ([`Clip::norm_over`]'s).
+    pub(crate) fn apply_at(&self, params: &[(String, Tensor)], total: f64) -> Result<(), TchError> {
+        let _no_grad = tch::no_grad_guard();
+        for (_, p) in params {
+            self.clip_elements(&p.grad(), None, total)?;
         }
-        Ok(Some(total))
+        Ok(())
+    }
+
+    /// Clips gradient `g` in place at global norm `total`, its elements `elements` alone (of it
+    /// flattened) or all of them: each element's arithmetic as every other's, so clipping a
+    /// gradient range by range as it arrives gives the bits of clipping it whole. An undefined
+    /// gradient is left as it is.
+    pub(crate) fn clip_elements(&self, g: &Tensor, elements: Option<Range<usize>>, total: f64) -> Result<(), TchError> {
+        if !g.defined() {
+            return Ok(());
+        }
+        let _no_grad = tch::no_grad_guard();
+        let mut g = match elements {
+            Some(r) => g.f_view(-1)?.f_narrow(0, r.start as i64, r.len() as i64)?,
+            None => g.shallow_clone(),
+        };
+        if let Some(c) = self.coefficient(total) {
+            _ = g.f_mul_scalar_(f64::from(c))?;
+        }
+        if let Some(value) = self.value {
+            _ = g.f_clamp_(-value, value)?;
+        }
+        Ok(())
     }
 
     /// What the gradients are multiplied by at global norm `total`: min(1, norm / (total +

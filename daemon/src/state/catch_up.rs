@@ -1,8 +1,11 @@
 //! One step's outputs as a catch-up carries them (docs/fault-tolerance.md, "A return that does
 //! not pause the survivors"): the position before the step, each parameter's averaged gradient
-//! as the update reads it (none where the parameter has none), and the buffers after the step.
-//! A returner that holds the state before the step puts the gradients in place, runs the same
-//! update, and takes the buffers: the state after the step, bit for bit. A sharded step's
+//! (none where the parameter has none), and the buffers after the step. A returner that holds
+//! the state before the step puts the gradients in place, runs the same update, and takes the
+//! buffers: the state after the step, bit for bit. With the gradient clipped (`--clip-norm`,
+//! `--clip-value`), the global norm the update clips at comes first: the returner clips each
+//! range of the gradient as it comes and updates it, where it would otherwise wait for the whole
+//! gradient (the clip's factor is over all of it). A sharded step's
 //! outputs carry the parameters after the step instead (no member holds its averaged gradient
 //! whole, and the returner holds no range of the optimizer state to update with it).
 
@@ -19,6 +22,9 @@ use super::StateError;
 
 /// The magic of a step's outputs that carry its averaged gradients.
 const MAGIC: &[u8; 8] = b"TRDSTEP1";
+/// The magic of a step's outputs that carry its averaged gradients and, first, the global norm
+/// its update clips them at.
+const CLIPPED_MAGIC: &[u8; 8] = b"TRDSTPC1";
 /// The magic of a step's outputs that carry the parameters after it.
 const PARAMS_MAGIC: &[u8; 8] = b"TRDSTPP1";
 
@@ -27,8 +33,30 @@ const PARAMS_MAGIC: &[u8; 8] = b"TRDSTPP1";
 pub(crate) enum Carried {
     /// Each parameter's averaged gradient, before the update: the returner runs the update.
     Gradients,
+    /// Each parameter's averaged gradient, before the update, and first the global norm the
+    /// update clips it at (`--clip-norm`, `--clip-value`; the tensor [`CLIP_NORM`]): the returner
+    /// clips each range as it comes and runs the update on it.
+    Clipped,
     /// The parameters after the step (a sharded step's, as its all-gather left them).
     Parameters,
+}
+
+/// The name of the global norm's tensor in [`Carried::Clipped`] outputs (one float64).
+const CLIP_NORM: &str = "clip/norm";
+
+impl Carried {
+    /// Whether the outputs carry gradients (clipped or not).
+    pub(crate) fn gradients(self) -> bool {
+        self != Carried::Parameters
+    }
+
+    fn magic(self) -> &'static [u8; 8] {
+        match self {
+            Carried::Gradients => MAGIC,
+            Carried::Clipped => CLIPPED_MAGIC,
+            Carried::Parameters => PARAMS_MAGIC,
+        }
+    }
 }
 
 /// What [`Incoming`] kept of a step's outputs, taken at their end.
@@ -42,28 +70,29 @@ struct StepOutputs {
 }
 
 /// The outputs of the step `model` has just reduced (its buffers made the same on every member,
-/// its position still the one before the step), as bytes, carrying `carried`: the averaged
-/// gradients (copied now, before the update changes them: clipping, unscaling), or the
-/// parameters after the step.
-pub(crate) fn capture(model: &ModelState, carried: Carried) -> Result<Vec<u8>, StateError> {
-    let (magic, tensors): (_, Vec<(String, tch::Tensor)>) = match carried {
-        Carried::Gradients => (
-            MAGIC,
-            model
-                .params
-                .iter()
-                .filter_map(|(n, p)| {
-                    let g = p.grad();
-                    g.defined().then(|| (format!("grad/{n}"), g))
-                })
-                .collect(),
-        ),
-        Carried::Parameters => {
-            (PARAMS_MAGIC, model.params.iter().map(|(n, p)| (format!("param/{n}"), p.detach())).collect())
-        }
+/// its position still the one before the step), as bytes: the averaged gradients (copied now,
+/// before the update changes them: unscaling, clipping), with `clip_norm`, the global norm the
+/// update clips them at, sent first ([`Carried::Clipped`]); or (`sharded`) the parameters after
+/// the step.
+pub(crate) fn capture(model: &ModelState, sharded: bool, clip_norm: Option<f64>) -> Result<Vec<u8>, StateError> {
+    let carried = match (sharded, clip_norm) {
+        (true, _) => Carried::Parameters,
+        (false, Some(_)) => Carried::Clipped,
+        (false, None) => Carried::Gradients,
+    };
+    let norm = clip_norm.filter(|_| !sharded).map(|n| (CLIP_NORM.to_string(), tch::Tensor::from_slice(&[n])));
+    let tensors: Vec<(String, tch::Tensor)> = match carried {
+        Carried::Gradients | Carried::Clipped => norm
+            .into_iter()
+            .chain(model.params.iter().filter_map(|(n, p)| {
+                let g = p.grad();
+                g.defined().then(|| (format!("grad/{n}"), g))
+            }))
+            .collect(),
+        Carried::Parameters => model.params.iter().map(|(n, p)| (format!("param/{n}"), p.detach())).collect(),
     };
     let buffers = model.buffers.iter().map(|(n, b)| (format!("buffer/{n}"), b.shallow_clone()));
-    Encoding::new(magic, &model.position, tensors.into_iter().chain(buffers).collect())?.bytes()
+    Encoding::new(carried.magic(), &model.position, tensors.into_iter().chain(buffers).collect())?.bytes()
 }
 
 impl StepOutputs {
@@ -110,6 +139,8 @@ pub(crate) struct Incoming {
     /// The bytes before the tensors' data, until they are all here.
     head: Vec<u8>,
     read: Option<Read>,
+    /// The global norm the update clips at, once it came ([`Carried::Clipped`]).
+    clip_norm: Option<f64>,
 }
 
 /// What the head said, checked against the model.
@@ -132,7 +163,7 @@ enum Dest {
 impl Incoming {
     /// Outputs of `total` bytes about to arrive.
     pub(crate) fn new(total: usize) -> Incoming {
-        Incoming { total, got: 0, head: Vec::new(), read: None }
+        Incoming { total, got: 0, head: Vec::new(), read: None, clip_norm: None }
     }
 
     /// Whether every byte came.
@@ -145,19 +176,24 @@ impl Incoming {
         self.got
     }
 
+    /// The global norm the update clips at, once it came ([`Carried::Clipped`] outputs).
+    pub(crate) fn clip_norm(&self) -> Option<f64> {
+        self.clip_norm
+    }
+
     /// Once the head is read: what the outputs carry, and per parameter of `model`, whether they
     /// carry its gradient, every one of them written in place (what a ranged update needs).
     pub(crate) fn grads_in_place(&self, model: &ModelState) -> Option<(Carried, Option<Vec<bool>>)> {
         let read = self.read.as_ref()?;
         let mut with = vec![false; model.params.len()];
-        for (_, into) in &read.tensors {
+        for (placed, into) in &read.tensors {
             match into {
                 Dest::Grad(i) => with[*i] = true,
-                Dest::Kept(_) if read.carried == Carried::Gradients => return Some((read.carried, None)),
+                Dest::Kept(_) if placed.name.starts_with("grad/") => return Some((read.carried, None)),
                 Dest::Kept(_) => {}
             }
         }
-        Some((read.carried, (read.carried == Carried::Gradients).then_some(with)))
+        Some((read.carried, read.carried.gradients().then_some(with)))
     }
 
     /// The next piece, taken into `model` (at the step before the outputs: checked once the head
@@ -210,6 +246,9 @@ impl Incoming {
             bytes = rest;
             if self.got == end {
                 read.cursor += 1;
+                if let (Dest::Kept(norm), true) = (into, placed.name == CLIP_NORM) {
+                    self.clip_norm = norm.as_slice().try_into().ok().map(f64::from_le_bytes);
+                }
             }
         }
         complete
@@ -224,6 +263,9 @@ impl Incoming {
         let (mut tensors, mut buffers) = (Vec::new(), Vec::new());
         for (placed, into) in read.tensors {
             let Dest::Kept(data) = into else { continue };
+            if placed.name == CLIP_NORM {
+                continue; // taken as it came
+            }
             let (kind, name) = placed.name.split_once('/').expect("checked when the head was read");
             let t = TensorData { name: name.to_string(), dtype: placed.dtype, shape: placed.shape, data: data.into() };
             if kind == "buffer" {
@@ -234,7 +276,7 @@ impl Incoming {
         }
         let outputs = StepOutputs { carried: read.carried, tensors, buffers };
         let taken = match outputs.carried {
-            Carried::Gradients => outputs.kept_grads(model),
+            Carried::Gradients | Carried::Clipped => outputs.kept_grads(model),
             Carried::Parameters => outputs.set_params(model),
         };
         taken.and_then(|()| outputs.set_buffers(model)).map_err(|e| e.to_string())?;
@@ -249,6 +291,7 @@ fn read_head(head: &[u8], total: usize, model: &ModelState) -> Result<Option<Rea
     let magic = match head.get(..8) {
         None => return Ok(None),
         Some(m) if m == MAGIC => Carried::Gradients,
+        Some(m) if m == CLIPPED_MAGIC => Carried::Clipped,
         Some(m) if m == PARAMS_MAGIC => Carried::Parameters,
         Some(_) => return Err("a step's outputs with no header".into()),
     };
@@ -266,13 +309,13 @@ fn read_head(head: &[u8], total: usize, model: &ModelState) -> Result<Option<Rea
     }
     let layout = trainerd_storage::tensors::layout(&head[16 + len..], total - 16 - len);
     let Some(placed) = layout.map_err(|e| format!("a step's outputs: {e}"))? else { return Ok(None) };
-    let prefix = if magic == Carried::Gradients { "grad/" } else { "param/" };
+    let prefix = if magic.gradients() { "grad/" } else { "param/" };
     let index: HashMap<&str, usize> = model.params.iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
     let mut sent = vec![false; model.params.len()];
     let mut tensors = Vec::with_capacity(placed.len());
     for mut p in placed {
         p.bytes = p.bytes.start + 16 + len..p.bytes.end + 16 + len;
-        let into = match p.name.strip_prefix(prefix).filter(|_| magic == Carried::Gradients) {
+        let into = match p.name.strip_prefix(prefix).filter(|_| magic.gradients()) {
             Some(name) => {
                 let Some(&i) = index.get(name) else {
                     return Err(format!("a step's outputs hold a gradient of {name}, which the model does not have"));
@@ -281,11 +324,17 @@ fn read_head(head: &[u8], total: usize, model: &ModelState) -> Result<Option<Rea
                 grad_in_place(model, i, &p)?
             }
             None if p.name.starts_with(prefix) || p.name.starts_with("buffer/") => None,
+            None if magic == Carried::Clipped && p.name == CLIP_NORM => {
+                if p.dtype != trainerd_storage::Dtype::F64 || p.bytes.len() != 8 {
+                    return Err(format!("a step's outputs hold {CLIP_NORM} of {:?}, not one float64", p.dtype));
+                }
+                None
+            }
             None => return Err(format!("a step's outputs hold {}, neither a {prefix} nor a buffer/", p.name)),
         };
         tensors.push((p, into.map_or(Dest::Kept(Vec::new()), Dest::Grad)));
     }
-    if magic == Carried::Gradients {
+    if magic.gradients() {
         let unsent = model.params.iter().zip(&sent).find(|((_, p), &sent)| !sent && p.grad().defined());
         if let Some(((name, _), _)) = unsent {
             return Err(format!("a step's outputs hold no gradient of {name}, which has one here"));
@@ -314,6 +363,7 @@ fn grad_in_place(model: &ModelState, i: usize, p: &Placed) -> Result<Option<usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::clip::Clip;
     use crate::optim::optimizer::Optimizer;
     use crate::state::{Optim, Shareable, TrainState};
     use tch::{Device, Kind, Tensor};
@@ -338,10 +388,21 @@ mod tests {
 
     /// A step on `s`: a gradient for `a`, the buffer moved on, the update; its outputs.
     fn step(s: &mut TrainState, k: i64) -> Vec<u8> {
+        clipped_step(s, k, &Clip::default())
+    }
+
+    /// The same with the gradient clipped by `clip` in the update, as the driver does with a
+    /// returner fed: the global norm found first and sent with the gradient, which is clipped at
+    /// it after ([`Carried::Clipped`]).
+    fn clipped_step(s: &mut TrainState, k: i64, clip: &Clip) -> Vec<u8> {
         let a = &s.model.params[0].1;
         tch::with_grad(|| (a * a * (k as f64)).sum(Kind::Float).backward());
         let _ = s.model.buffers[0].1.fill_(10 + k);
-        let bytes = capture(&s.model, Carried::Gradients).unwrap();
+        let norm = clip.norm_over(&s.model.params, &per_parameter(&s.model.params)).unwrap();
+        let bytes = capture(&s.model, false, norm).unwrap();
+        if let Some(norm) = norm {
+            clip.apply_at(&s.model.params, norm).unwrap();
+        }
         let Optim::Whole(o) = &mut s.optimizer else { unreachable!("whole") };
         o.step(&mut s.model.params, 0.1);
         s.model.params[0].1.zero_grad();
@@ -349,9 +410,18 @@ mod tests {
         bytes
     }
 
-    /// `bytes` (a step's outputs) taken into `s` in pieces of `piece` bytes and the update made:
-    /// range by range as the gradient arrives (`by_range`), else once it is whole.
-    fn take_in(s: &mut TrainState, bytes: &[u8], piece: usize, by_range: bool) -> Result<(), String> {
+    /// Each parameter a range of its own, as [`Clip::apply`] takes the norm.
+    fn per_parameter(params: &[(String, Tensor)]) -> Vec<Vec<crate::optim::sharded_state::Piece>> {
+        let piece = |(i, (_, p)): (usize, &(String, Tensor))| {
+            vec![crate::optim::sharded_state::Piece { param: i, offset: 0, at: 0, len: p.numel() }]
+        };
+        params.iter().enumerate().map(piece).collect()
+    }
+
+    /// `bytes` (a step's outputs) taken into `s` in pieces of `piece` bytes and the update made
+    /// (the gradient clipped by `clip`): range by range as the gradient arrives (`by_range`; each
+    /// range clipped first at the norm that came with it), else once it is whole.
+    fn take_in(s: &mut TrainState, bytes: &[u8], piece: usize, (by_range, clip): (bool, &Clip)) -> Result<(), String> {
         let mut incoming = Incoming::new(bytes.len());
         let mut rules = None;
         for chunk in bytes.chunks(piece) {
@@ -364,12 +434,17 @@ mod tests {
             }
             for (i, range) in complete.into_iter().filter(|_| rules.is_some()) {
                 let p = &s.model.params[i].1;
+                if let Some(norm) = incoming.clip_norm() {
+                    clip.clip_elements(&p.grad(), Some(range.clone()), norm).unwrap();
+                }
                 o.update_range(i, rules.as_ref().unwrap()[i].unwrap(), (p, &p.grad()), range);
             }
         }
         assert!(incoming.whole());
+        assert_eq!(rules.is_some(), by_range, "by range, where asked");
         let carried = incoming.finish(&mut s.model)?;
-        if let (Carried::Gradients, None, Optim::Whole(o)) = (carried, &rules, &mut s.optimizer) {
+        if let (true, None, Optim::Whole(o)) = (carried.gradients(), &rules, &mut s.optimizer) {
+            clip.apply(&s.model.params).unwrap();
             o.step(&mut s.model.params, 0.1);
         }
         s.model.position.global_step += 1;
@@ -377,7 +452,8 @@ mod tests {
     }
 
     /// Every optimizer's update by range as the pieces come, whatever their size (a byte at a
-    /// time cuts every float, the head too), gives the bits of the update over the whole gradient.
+    /// time cuts every float, the head too), gives the bits of the update over the whole gradient,
+    /// the gradient clipped by norm or by value on the donor included.
     #[test]
     fn a_steps_outputs_taken_piece_by_piece_and_updated_by_range_give_the_same_bits() {
         let mut momentum = OptimizerConfig::sgd(0.1);
@@ -386,18 +462,24 @@ mod tests {
         }
         let configs =
             [OptimizerConfig::adam(1e-2), OptimizerConfig::adamw(1e-2), momentum, OptimizerConfig::rmsprop(1e-2)];
-        for config in configs {
+        let clips = [Clip::default(), Clip { norm: Some(0.05), value: None }, Clip { norm: None, value: Some(0.01) }];
+        for (config, clip) in configs.iter().flat_map(|c| clips.iter().map(move |clip| (c, clip))) {
             let mut donor = state_with(1, config.clone());
             let snapshot = donor.encode().unwrap();
-            let outputs: Vec<Vec<u8>> = (1..=3).map(|k| step(&mut donor, k)).collect();
+            let outputs: Vec<Vec<u8>> = (1..=3).map(|k| clipped_step(&mut donor, k, clip)).collect();
+            if !clip.is_off() {
+                let mut unclipped = state_with(1, config.clone());
+                (1..=3).for_each(|k| _ = step(&mut unclipped, k));
+                assert_ne!(unclipped.digest().unwrap(), donor.digest().unwrap(), "{clip:?} clips these gradients");
+            }
             for (piece, by_range) in [(1, true), (7, true), (50, true), (1 << 20, true), (13, false)] {
                 let mut returner = state_with(2, config.clone());
                 returner.decode(snapshot.clone().into()).unwrap();
                 for bytes in &outputs {
-                    take_in(&mut returner, bytes, piece, by_range).unwrap();
+                    take_in(&mut returner, bytes, piece, (by_range, clip)).unwrap();
                     assert!(!returner.model.params[1].1.grad().defined(), "a parameter without a gradient gets none");
                 }
-                let what = format!("{config:?} in pieces of {piece} bytes, by range: {by_range}");
+                let what = format!("{config:?}, {clip:?}, in pieces of {piece} bytes, by range: {by_range}");
                 assert_eq!(returner.digest().unwrap(), donor.digest().unwrap(), "{what}");
             }
         }
@@ -413,7 +495,7 @@ mod tests {
         let before = donor.model.position.clone();
         step(&mut donor, 1);
         donor.model.position = before;
-        let bytes = capture(&donor.model, Carried::Parameters).unwrap();
+        let bytes = capture(&donor.model, true, None).unwrap();
         let mut incoming = Incoming::new(bytes.len());
         assert_eq!(incoming.take(&mut returner.model, &bytes).unwrap(), [], "nothing is put in place");
         assert_eq!(
@@ -428,7 +510,7 @@ mod tests {
     #[test]
     fn outputs_that_do_not_follow_the_replay_are_refused_before_anything_is_written() {
         let mut donor = state(1);
-        let stale = capture(&donor.model, Carried::Gradients).unwrap();
+        let stale = capture(&donor.model, false, None).unwrap();
         step(&mut donor, 1);
         let a = donor.model.params[0].1.copy();
         let mut incoming = Incoming::new(stale.len());
@@ -437,7 +519,7 @@ mod tests {
         // The donor's gradient of `a` is still there: outputs without it are refused by name.
         let mut s = state(1);
         tch::with_grad(|| (&s.model.params[0].1 * 2.0).sum(Kind::Float).backward());
-        let none = capture(&state(1).model, Carried::Gradients).unwrap();
+        let none = capture(&state(1).model, false, None).unwrap();
         let err = Incoming::new(none.len()).take(&mut s.model, &none).err().unwrap();
         assert_eq!(err, "a step's outputs hold no gradient of a, which has one here");
         assert_eq!(donor.model.params[0].1, a, "nothing was written");

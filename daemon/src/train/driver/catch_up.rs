@@ -61,6 +61,11 @@ impl Donor {
         Donor { memory, feeding: None }
     }
 
+    /// Whether a returner is being fed.
+    pub(super) fn feeding(&self) -> bool {
+        self.feeding.is_some()
+    }
+
     /// At a step's start: a returner's request waiting is taken (its state copied from here on,
     /// by a thread, while the step's forward and backward read it), and a returner that went away
     /// is let go. A request waits for the next step where this one changes the optimizer state's
@@ -148,8 +153,14 @@ impl Donor {
 
     /// After the step's reduction (`ok`: it went through): the snapshot's copy is complete (the
     /// update may write), its bytes queued, and this step's outputs queued behind them, within
-    /// the bound.
-    pub(super) fn reduced(&mut self, ok: bool, state: &TrainState, formation: &str, report: &mut Reporter<'_>) {
+    /// the bound; with `clip_norm`, the global norm the update clips the gradient at, sent first.
+    pub(super) fn reduced(
+        &mut self,
+        (ok, clip_norm): (bool, Option<f64>),
+        state: &TrainState,
+        formation: &str,
+        report: &mut Reporter<'_>,
+    ) {
         let Some(f) = self.feeding.as_mut() else { return };
         if let Some(copying) = f.copying.take() {
             match copying.join() {
@@ -163,11 +174,7 @@ impl Donor {
             return;
         }
         // A sharded step's update is done by now (in its reduction): its parameters are sent.
-        let carried = match state.optimizer {
-            Optim::Sharded(_) => Carried::Parameters,
-            _ => Carried::Gradients,
-        };
-        let bytes = match catch_up::capture(&state.model, carried) {
+        let bytes = match catch_up::capture(&state.model, state.optimizer.sharded(), clip_norm) {
             Ok(b) => b,
             Err(e) => return self.stop(&format!("a step's outputs could not be encoded: {e}"), report),
         };
@@ -261,15 +268,16 @@ impl Driver<'_> {
              the steps trained since",
             received.as_secs_f64()
         ));
-        let mut replayed = 0u64;
+        // Steps replayed, and of those, updated range by range as their pieces came.
+        let (mut replayed, mut by_range) = (0u64, 0u64);
         loop {
             if self.stop.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(Interrupt::Stopped);
             }
             let replay = match catching.next() {
-                Ok(Item::Step { total, first }) => {
-                    self.replay(state, &mut catching, (total, first), session.slot_count()).map(|()| replayed += 1)
-                }
+                Ok(Item::Step { total, first }) => self
+                    .replay(state, &mut catching, (total, first), session.slot_count())
+                    .map(|ranged| (replayed, by_range) = (replayed + 1, by_range + u64::from(ranged))),
                 Ok(Item::Position(bytes)) => serde_json::from_slice(&bytes)
                     .map(|p: crate::state::Position| {
                         session.caught_up_to(p.global_step);
@@ -286,12 +294,7 @@ impl Driver<'_> {
                         session.set_lineage(lineage(&formation, generation, step));
                     }
                     self.caught_up = true;
-                    self.report.line(&format!(
-                        "trainerd: caught up in {:.2}s: the state at step {from}, {replayed} step(s) replayed; takes its \
-                         slots back after step {step}",
-                        began.elapsed().as_secs_f64()
-                    ));
-                    self.report.caught_up(replayed, started.elapsed());
+                    self.say_caught_up((from, step), (replayed, by_range), (began, started));
                     return Ok(());
                 }
                 Ok(Item::Fallback(why)) => return self.caught_short(state, &why),
@@ -302,6 +305,23 @@ impl Driver<'_> {
                 return self.caught_short(state, &why);
             }
         }
+    }
+
+    /// Caught up, said and counted: from the state at step `from` to `step`, `replayed` steps
+    /// replayed (`by_range` of them updated range by range), since `began` (the state's request)
+    /// and `started` (this process's start).
+    fn say_caught_up(&mut self, (from, step): (u64, u64), (replayed, by_range): (u64, u64), times: (Instant, Instant)) {
+        let (began, started) = times;
+        let how = match by_range {
+            0 => String::new(),
+            n => format!(" ({n} updated range by range as their pieces came)"),
+        };
+        self.report.line(&format!(
+            "trainerd: caught up in {:.2}s: the state at step {from}, {replayed} step(s) replayed{how}; takes its slots \
+             back after step {step}",
+            began.elapsed().as_secs_f64()
+        ));
+        self.report.caught_up(replayed, started.elapsed());
     }
 
     /// The stream's first item, the donor's state, taken: its generation, that generation's
@@ -333,29 +353,42 @@ impl Driver<'_> {
     /// it arrives and, where the update needs nothing global (no `--clip-norm`, no float16 loss
     /// scale), the update of its complete elements run meanwhile, so that the returner's work
     /// ends about when the last piece comes; else the same update once the gradient is whole.
-    /// A sharded step's parameters after it are taken instead. Then the buffers.
+    /// A sharded step's parameters after it are taken instead. Then the buffers. Whether the
+    /// update ran range by range.
     fn replay(
         &mut self,
         state: &mut TrainState,
         catching: &mut Catching,
         (total, first): (usize, Bytes),
         slots: usize,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         let at = state.position().global_step;
         let lr = self.lr(at, state.position());
         let mut incoming = Incoming::new(total);
-        // Decided once the head is read: per parameter, its rule (None: no gradient).
-        let mut ranged: Option<Option<RangedRules>> = None;
+        // Decided once the head is read: what the outputs carry and, where the update runs by
+        // range, per parameter its rule (None: no gradient).
+        let mut ranged: Option<(Carried, Option<RangedRules>)> = None;
         let mut piece = first;
         loop {
             let complete = incoming.take(&mut state.model, &piece)?;
             if ranged.is_none() {
-                ranged =
-                    incoming.grads_in_place(&state.model).map(|(carried, with)| self.ranged(state, carried, with, lr));
+                ranged = incoming
+                    .grads_in_place(&state.model)
+                    .map(|(carried, with)| (carried, self.ranged(state, carried, with, lr)));
             }
-            if let (Some(Some(rules)), Optim::Whole(optimizer)) = (&ranged, &mut state.optimizer) {
+            if let (Some((carried, Some(rules))), Optim::Whole(optimizer)) = (&ranged, &mut state.optimizer) {
+                // Clipped outputs: each range clipped first at the norm that came before it, as
+                // the update clips the whole.
+                let norm = incoming.clip_norm().filter(|_| *carried == Carried::Clipped);
+                if *carried == Carried::Clipped && norm.is_none() && !complete.is_empty() {
+                    return Err("a step's outputs: a gradient came before the norm it is clipped at".into());
+                }
                 for (i, elements) in complete {
                     let (p, rule) = (&state.model.params[i].1, rules[i].expect("a gradient in place has its rule"));
+                    if let Some(norm) = norm {
+                        let clipped = self.cfg.clip.clip_elements(&p.grad(), Some(elements.clone()), norm);
+                        clipped.map_err(|e| format!("clipping a step's gradient: {e}"))?;
+                    }
                     optimizer.update_range(i, rule, (p, &p.grad()), elements);
                 }
             }
@@ -365,23 +398,27 @@ impl Driver<'_> {
             piece = catching.more("Step", (incoming.got(), total))?;
         }
         match incoming.finish(&mut state.model)? {
-            Carried::Gradients if !matches!(state.optimizer, Optim::Whole(_)) => {
+            carried if carried.gradients() && !matches!(state.optimizer, Optim::Whole(_)) => {
                 Err("a step's gradients came for a state whose optimizer state is not whole".into())
             }
-            Carried::Gradients if matches!(ranged, Some(Some(_))) => {
+            carried if carried.gradients() && matches!(ranged, Some((_, Some(_)))) => {
                 self.flip_bit(state);
-                Ok(())
+                Ok(true)
             }
-            Carried::Gradients => self.update(state, (at + 1, lr), slots).map(|_| ()).map_err(|e| format!("{e:?}")),
+            // The whole update, which finds the same norm in the same gradient.
+            Carried::Gradients | Carried::Clipped => {
+                self.update(state, (at + 1, lr, None), slots).map(|_| false).map_err(|e| format!("{e:?}"))
+            }
             // A sharded step: this process holds no range (the next formation moves its own to it).
-            Carried::Parameters => Ok(()),
+            Carried::Parameters => Ok(false),
         }
     }
 
     /// The update of a step whose outputs carry `carried`, made ready for ranges of each
     /// gradient as it arrives ([`crate::optim::optimizer::Optimizer::ranged`]), when every
     /// gradient is written in place (`with`) and the update needs no factor over the whole
-    /// gradient: not clipped (`--clip-norm`), no float16 loss scale.
+    /// gradient but the clip's, whose norm comes first ([`Carried::Clipped`]): no float16 loss
+    /// scale.
     fn ranged(
         &self,
         state: &mut TrainState,
@@ -389,10 +426,11 @@ impl Driver<'_> {
         with: Option<Vec<bool>>,
         lr: f64,
     ) -> Option<RangedRules> {
-        let (Carried::Gradients, Some(with), Optim::Whole(o)) = (carried, with, &mut state.optimizer) else {
+        let (true, Some(with), Optim::Whole(o)) = (carried.gradients(), with, &mut state.optimizer) else {
             return None;
         };
-        if !self.cfg.clip.is_off() || state.model.position.loss_scale.is_some() {
+        let norm_missing = carried != Carried::Clipped && !self.cfg.clip.is_off();
+        if norm_missing || state.model.position.loss_scale.is_some() {
             return None;
         }
         o.ranged(&state.model.params, &with, lr)

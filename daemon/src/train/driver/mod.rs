@@ -299,7 +299,7 @@ impl<'a> Driver<'a> {
             batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { columns: &b.columns, seed }).collect();
         let reduced = self.gradients(state, session, (&ctxs, step, lr), &slot_batches, raised);
         // Before the update writes the state: the snapshot's copy complete, the outputs kept.
-        self.donor.reduced(reduced.is_ok(), state, &self.formation, &mut self.report);
+        let clip_norm = self.outputs_kept(state, reduced.is_ok(), session.slot_count())?;
         let (result, prefetch, stepped) = reduced?;
         if let Some((what, took)) = session.collective().take_setup() {
             self.report.backend_ready(session.generation(), what, took);
@@ -310,7 +310,7 @@ impl<'a> Driver<'a> {
                 self.flip_bit(state);
                 (stepped.grad_norm, took)
             }
-            None => self.update(state, (global_step + 1, lr), session.slot_count())?,
+            None => self.update(state, (global_step + 1, lr, clip_norm), session.slot_count())?,
         };
         state.model.position.stepped(&result.totals);
         self.donor.moved(state, &mut self.report);
@@ -339,25 +339,52 @@ impl<'a> Driver<'a> {
         Ok(result)
     }
 
+    /// After the step's reduction (`ok`: it went through), a returner's feed told
+    /// ([`catch_up::Donor::reduced`]). With the gradient clipped (not sharded, no float16 loss
+    /// scale), the global norm the update will clip at is found first and returned, so that the
+    /// returner's outputs carry it before the gradient, which it clips range by range as it comes
+    /// ([`crate::state::catch_up::Carried::Clipped`]).
+    fn outputs_kept(&mut self, state: &TrainState, ok: bool, v: usize) -> Result<Option<f64>, Interrupt> {
+        let unscaled = state.model.position.loss_scale.is_none() && !state.optimizer.sharded();
+        let mut clip_norm = None;
+        if ok && unscaled && !self.cfg.clip.is_off() && self.donor.feeding() {
+            self.make_clip_ranges(&state.model.params, v);
+            let ranges = self.clip_ranges.as_ref().map_or(&[][..], |(_, r)| r.as_slice());
+            let norm = self.cfg.clip.norm_over(&state.model.params, ranges);
+            clip_norm = norm.map_err(|source| Interrupt::Fatal(TrainError::Torch { what: "clipping", source }))?;
+        }
+        self.donor.reduced((ok, clip_norm), state, &self.formation, &mut self.report);
+        Ok(clip_norm)
+    }
+
+    /// The ranges the global norm is taken over in a run of `v` slots (the buckets'), made once.
+    fn make_clip_ranges(&mut self, params: &[(String, tch::Tensor)], v: usize) {
+        if !self.cfg.clip.is_off() && self.clip_ranges.as_ref().is_none_or(|(of, _)| *of != v) {
+            let ranges = self.buckets.ranges(params, v, self.extra_len(v));
+            self.clip_ranges = Some((v, ranges.iter().map(sharded_step::pieces).collect()));
+        }
+    }
+
     /// The update of global step `global_step` (1-based) at rate `lr` from the averaged gradient
-    /// (clipped, over the buckets' ranges of a run of `v` slots, and unscaled under float16's
-    /// loss scaling); the gradient's norm before clipping, and the time it took.
+    /// (clipped, over the buckets' ranges of a run of `v` slots, or at the global norm found
+    /// already, `clip_norm`; and unscaled under float16's loss scaling); the gradient's norm
+    /// before clipping, and the time it took.
     fn update(
         &mut self,
         state: &mut TrainState,
-        (global_step, lr): (u64, f64),
+        (global_step, lr, clip_norm): (u64, f64, Option<f64>),
         v: usize,
     ) -> Result<(Option<f64>, Duration), Interrupt> {
         let began = Instant::now();
         let grad_norm = match self.unscaled(state, global_step).map_err(Interrupt::Fatal)? {
             true => {
-                if !self.cfg.clip.is_off() && self.clip_ranges.as_ref().is_none_or(|(of, _)| *of != v) {
-                    let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
-                    let ranges = ranges.iter().map(sharded_step::pieces).collect();
-                    self.clip_ranges = Some((v, ranges));
-                }
+                self.make_clip_ranges(&state.model.params, v);
                 let ranges = self.clip_ranges.as_ref().map_or(&[][..], |(_, r)| r.as_slice());
-                let clipped = self.cfg.clip.apply_over(&state.model.params, ranges);
+                let params = &state.model.params;
+                let clipped = match clip_norm {
+                    Some(norm) => self.cfg.clip.apply_at(params, norm).map(|()| Some(norm)),
+                    None => self.cfg.clip.apply_over(params, ranges),
+                };
                 let torch = |source| Interrupt::Fatal(TrainError::Torch { what: "clipping", source });
                 let grad_norm = clipped.map_err(torch)?;
                 match &mut state.optimizer {
