@@ -80,7 +80,7 @@ pub(crate) fn capture(model: &ModelState, sharded: bool, clip_norm: Option<f64>)
         (false, Some(_)) => Carried::Clipped,
         (false, None) => Carried::Gradients,
     };
-    let norm = clip_norm.filter(|_| !sharded).map(|n| (CLIP_NORM.to_string(), tch::Tensor::from_slice(&[n])));
+    let norm = clip_norm.map(|n| (CLIP_NORM.to_string(), tch::Tensor::from_slice(&[n])));
     let tensors: Vec<(String, tch::Tensor)> = match carried {
         Carried::Gradients | Carried::Clipped => norm
             .into_iter()

@@ -350,11 +350,11 @@ impl Driver<'_> {
 
     /// One step's outputs, `total` bytes beginning with `first` and read piece by piece from
     /// `catching`, applied to `state` (at the step before them): each gradient put in place as
-    /// it arrives and, where the update needs nothing global (no `--clip-norm`, no float16 loss
-    /// scale), the update of its complete elements run meanwhile, so that the returner's work
-    /// ends about when the last piece comes; else the same update once the gradient is whole.
-    /// A sharded step's parameters after it are taken instead. Then the buffers. Whether the
-    /// update ran range by range.
+    /// it arrives and, where the update needs nothing global but the clip's norm, which then
+    /// comes first (no float16 loss scale), the update of its complete elements run meanwhile, so
+    /// that the returner's work ends about when the last piece comes; else the same update once
+    /// the gradient is whole. A sharded step's parameters after it are taken instead. Then the
+    /// buffers. Whether the update ran range by range.
     fn replay(
         &mut self,
         state: &mut TrainState,
@@ -379,7 +379,7 @@ impl Driver<'_> {
             if let (Some((carried, Some(rules))), Optim::Whole(optimizer)) = (&ranged, &mut state.optimizer) {
                 // Clipped outputs: each range clipped first at the norm that came before it, as
                 // the update clips the whole.
-                let norm = incoming.clip_norm().filter(|_| *carried == Carried::Clipped);
+                let norm = incoming.clip_norm();
                 if *carried == Carried::Clipped && norm.is_none() && !complete.is_empty() {
                     return Err("a step's outputs: a gradient came before the norm it is clipped at".into());
                 }
