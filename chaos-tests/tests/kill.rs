@@ -103,6 +103,31 @@ fn a_killed_two_worker_cluster_resumes_with_the_uninterrupted_model() {
     assert_eq!(params_sha256(&summary(1)), params_sha256(&reference(0)));
 }
 
+/// A worker killed while the others finish the run without it (3 workers, a majority left), its
+/// restart delay longer than what is left of the run: the launcher does not start it again, which
+/// would wait for a cluster that is gone (no commit shows the run's end), says so, and exits 0
+/// with the others. Found on a GPU, where a short run outran the restart delay and the launcher
+/// then waited for its restarted worker forever.
+#[test]
+fn local_does_not_restart_a_worker_once_the_others_finished_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = linear_run(&tmp.path().join("s.json"), None);
+    let mut local = start("local", &["--workers", "3", "--restart-delay", "60"], &args);
+    let pid = local.wait_event(|r| r.worker == Some(2), WAIT).pid;
+    local.wait_event(|r| r.worker == Some(0) && stepped(1, 100)(r), WAIT);
+    // SAFETY: kill(2) on the launcher's worker, a process this test started through it.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+    let killed = std::time::Instant::now();
+    let said = local.wait_line(|l| l.contains("not restarted"), WAIT);
+    assert_eq!(
+        said,
+        "trainerd local: worker 2 not restarted: the run finished while it was down (every other worker exited 0)"
+    );
+    assert!(local.wait().success(), "the launcher exits 0: the run finished");
+    assert!(killed.elapsed() < Duration::from_secs(60), "it did not wait for the restart delay");
+    assert_eq!(params_sha256(&tmp.path().join("s.worker0.json")), params_sha256(&tmp.path().join("s.worker1.json")));
+}
+
 /// The pid of a launcher's worker 0, from its first record.
 fn worker_pid(launcher: &mut Worker) -> u32 {
     launcher.wait_event(|r| r.worker == Some(0), WAIT).pid

@@ -120,6 +120,8 @@ struct Slot {
     /// Its final exit status, once it has one.
     done: Option<i32>,
     restart_at: Option<Instant>,
+    /// The exit status of its last death (128 + the signal for a signal).
+    died_with: Option<i32>,
     /// Not to be restarted when it dies (a node gone for good).
     held: bool,
 }
@@ -152,6 +154,7 @@ impl Supervisor {
                 exited: None,
                 done: None,
                 restart_at: None,
+                died_with: None,
                 held: false,
             });
         }
@@ -249,6 +252,7 @@ impl Supervisor {
             slot.done = Some(code);
             return Some(Happening::Died { worker, how, at });
         }
+        slot.died_with = Some(code);
         slot.restart_at = Some(Instant::now() + self.options.restart_delay);
         Some(Happening::Died { worker, how, at })
     }
@@ -292,6 +296,25 @@ impl Supervisor {
     /// final, until [`Supervisor::bring_back`].
     pub fn hold(&mut self, worker: usize) {
         self.slots[worker].held = true;
+    }
+
+    /// Worker `worker`'s exit status once it has exited for good (a final status, or held), with
+    /// no process running and no restart pending.
+    pub fn exited_for_good(&self, worker: usize) -> Option<i32> {
+        let slot = &self.slots[worker];
+        slot.done.filter(|_| slot.child.is_none() && slot.restart_at.is_none())
+    }
+
+    /// Drops worker `worker`'s pending restart, if any, and holds it (a node gone for good): the
+    /// run it would come back to is over. Whether a restart was pending.
+    pub fn drop_restart(&mut self, worker: usize) -> bool {
+        let slot = &mut self.slots[worker];
+        if slot.child.is_some() || slot.restart_at.take().is_none() {
+            return false;
+        }
+        slot.held = true;
+        slot.done = Some(slot.died_with.unwrap_or(0));
+        true
     }
 
     /// Starts worker `worker` again after it exited with a final status (a preempted node

@@ -140,6 +140,7 @@ fn launch(
                 return Ok(code);
             }
         }
+        forgo_restarts_after_the_end(&mut supervisor);
         if let Some(codes) = supervisor.finished() {
             // A worker gone for good (not restarted, as asked) does not make the run fail.
             let kept = codes.into_iter().enumerate().filter(|&(w, _)| !supervisor.held(w));
@@ -175,6 +176,25 @@ fn worker_command(
             .env_remove("WATCHDOG_PID");
         cmd
     })
+}
+
+/// Drops the pending restart of a worker that died while the run finished without it: once
+/// every other worker exited 0 (the run's end, or each stopped), a new process would wait for a
+/// cluster that is gone (with no commit showing the run's end, as without `--checkpoint-dir`).
+/// Workers gone for good (`--no-restart`) do not count; a worker alone is always restarted. Seen
+/// on a GPU, where a short run outran `--restart-delay`. The launcher's exit status is then the
+/// others'.
+fn forgo_restarts_after_the_end(supervisor: &mut Supervisor) {
+    let workers = supervisor.workers();
+    for worker in 0..workers {
+        let mut others = (0..workers).filter(|&w| w != worker && !supervisor.held(w)).peekable();
+        let others_done = others.peek().is_some() && others.all(|w| supervisor.exited_for_good(w) == Some(0));
+        if others_done && supervisor.drop_restart(worker) {
+            say(&format!(
+                "worker {worker} not restarted: the run finished while it was down (every other worker exited 0)"
+            ));
+        }
+    }
 }
 
 /// What the launcher says and forwards.
