@@ -536,6 +536,36 @@ fn another_torch_is_refused_naming_both_versions() {
     );
 }
 
+/// The base Python can be taken from another prefix (`TRAINERD_PYTHON_HOME`: the same version
+/// installed elsewhere, as on the GPU machine the bundle is built for): one that holds no Python
+/// is refused naming it; the same Python reached through another path trains.
+#[test]
+fn the_base_python_is_taken_from_trainerd_python_home() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |home: &Path| {
+        RunArgs::new("python-model")
+            .data(tokens())
+            .plugin_arg(format!("module={}", python_examples().join("gpt.py").display()))
+            .threads(1)
+            .steps(2)
+            .epochs(1)
+            .batch(2)
+            .on("--no-evaluation")
+            .command("run")
+            .env("TRAINERD_PYTHON_HOME", home)
+            .output()
+            .unwrap()
+    };
+    let nowhere = tmp.path().join("no-python-here");
+    let told = error_of(&run(&nowhere));
+    assert!(told.contains("starting Python 3.") && told.contains(&format!(" from {}: ", nowhere.display())), "{told}");
+    let base = Command::new(python()).args(["-c", "import sys; print(sys.base_prefix)"]).output().unwrap();
+    let elsewhere = tmp.path().join("python-elsewhere");
+    std::os::unix::fs::symlink(String::from_utf8(base.stdout).unwrap().trim(), &elsewhere).unwrap();
+    let out = run(&elsewhere);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 /// Workers whose model files take other arguments are refused at admission, naming the argument
 /// and both values (the file's arguments, its sha256 and its packages' versions are the model's
 /// identity); a default given is the default left out.

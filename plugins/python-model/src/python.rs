@@ -16,7 +16,8 @@ unsafe extern "C" {
     fn tdp_unpack(o: *mut pyo3::ffi::PyObject) -> *mut C_tensor;
 }
 
-/// The virtualenv's base interpreter (its `sys.base_prefix`), as the build found it.
+/// The virtualenv's base interpreter (its `sys.base_prefix`), as the build found it;
+/// `TRAINERD_PYTHON_HOME` names another (the same Python version installed at another path).
 const HOME: &str = env!("TRAINERD_PYTHON_HOME");
 /// The virtualenv's site-packages, as the build found it; `TRAINERD_PYTHON_SITE` names another
 /// (a virtualenv of the same Python and the same torch at another path).
@@ -52,6 +53,20 @@ fn site() -> String {
     std::env::var("TRAINERD_PYTHON_SITE").unwrap_or_else(|_| SITE.to_string())
 }
 
+/// The base interpreter's prefix the interpreter starts from.
+fn home() -> String {
+    std::env::var("TRAINERD_PYTHON_HOME").unwrap_or_else(|_| HOME.to_string())
+}
+
+/// The interpreter's executable (what multiprocessing and the like start): the virtualenv's, or
+/// the base interpreter's of `TRAINERD_PYTHON_HOME`.
+fn executable() -> String {
+    match std::env::var("TRAINERD_PYTHON_HOME") {
+        Ok(home) => format!("{home}/bin/python{VERSION}"),
+        Err(_) => PYTHON.to_string(),
+    }
+}
+
 static RUNTIME_MODULE: OnceLock<Result<Py<PyModule>, String>> = OnceLock::new();
 
 /// Makes libpython's symbols global: the plugin was loaded with them local, and the extension
@@ -82,7 +97,8 @@ fn promote_libpython() -> Result<(), String> {
 fn initialize() -> Result<(), String> {
     use pyo3::ffi;
     let text = |s: &str| CString::new(s).map_err(|_| format!("{s:?} holds a NUL"));
-    let (home, program) = (text(HOME)?, text(&format!("{HOME}/bin/python{VERSION}"))?);
+    let base = home();
+    let (home, program) = (text(&base)?, text(&format!("{base}/bin/python{VERSION}"))?);
     // SAFETY: the documented PyConfig sequence (init, set, initialize, clear) on a config that
     // lives through it, once per process (under the OnceLock), before any other Python call.
     unsafe {
@@ -110,7 +126,7 @@ fn initialize() -> Result<(), String> {
             } else {
                 CStr::from_ptr(status.err_msg).to_string_lossy().into_owned()
             };
-            return Err(format!("starting Python {VERSION} from {HOME}: {why}"));
+            return Err(format!("starting Python {VERSION} from {base}: {why}"));
         }
         ffi::PyEval_SaveThread();
     }
@@ -127,7 +143,7 @@ fn runtime() -> Result<&'static Py<PyModule>, PluginError> {
             let prepared = (|| {
                 globals.set_item("SITE", site())?;
                 // Where the virtualenv's own interpreter is: what multiprocessing and the like start.
-                globals.set_item("PYTHON", PYTHON)?;
+                globals.set_item("PYTHON", executable())?;
                 globals.set_item("LIBTORCH", LIBTORCH_VERSION)?;
                 let code = CString::new(PREFLIGHT).expect("no NUL");
                 py.run(&code, Some(&globals), None)?;
@@ -138,7 +154,7 @@ fn runtime() -> Result<&'static Py<PyModule>, PluginError> {
                 Ok::<_, PyErr>(module.unbind())
             })();
             prepared.map_err(|e| {
-                format!("starting Python {VERSION} ({HOME}, packages from {}): {}", site(), message(py, &e))
+                format!("starting Python {VERSION} ({}, packages from {}): {}", home(), site(), message(py, &e))
             })
         })
     });
