@@ -108,9 +108,21 @@ def load_module(path):
     return mod
 
 
-def peer_rank(rank, world, a, port, out):
+def token_rows(data):
+    """The training split's token rows, one int64 tensor [rows, TOKENS]."""
     import numpy as np
     import pyarrow.parquet as pq
+    import torch
+
+    rows = []
+    for f in train_files(data):
+        rows.extend(pq.read_table(f, columns=["input_ids"]).column("input_ids").to_pylist())
+    ids = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+    assert ids.shape[1] == TOKENS, ids.shape
+    return ids
+
+
+def peer_rank(rank, world, a, port, out):
     import torch
     import torch.distributed as dist
 
@@ -126,11 +138,7 @@ def peer_rank(rank, world, a, port, out):
         net = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.Adam(net.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
     net.train()
-    rows = []
-    for f in train_files(a.data):
-        rows.extend(pq.read_table(f, columns=["input_ids"]).column("input_ids").to_pylist())
-    ids = torch.from_numpy(np.asarray(rows, dtype=np.int64))
-    assert ids.shape[1] == TOKENS, ids.shape
+    ids = token_rows(a.data)
     mask = torch.ones_like(ids)  # trainerd adds it for a tokens column: every row is full here
     per_epoch = ids.shape[0] // (world * a.batch)
     g = torch.Generator().manual_seed(a.seed)

@@ -24,6 +24,7 @@ BUNDLE=${GPU_CHECK_BUNDLE:-.gpu}
 GPU_TORCH=2.11.0
 # For a dry run of the checks' logic on a machine without a GPU: GPU_CHECK_DEVICE=cpu.
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
+COLLECTIVE=$([ "$DEVICE" = cpu ] && echo ring || echo nccl)
 
 prepare() {
     source scripts/env.sh
@@ -58,12 +59,62 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "allreduce" and m.get("executable"):
         print(m["executable"])')
-    rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin" "$BUNDLE/data"
-    for f in trainerd libmnist_cnn.so libmnist_cnn_big.so liblinear.so libtorchscript.so; do strip -o "$BUNDLE/bin/$f" "target/gpu/release/$f"; done
+    local python
+    python=$(python_for_gpu)
+    PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv" LIBTORCH_USE_PYTORCH=1 LIBTORCH_BYPASS_VERSION_CHECK=1 \
+        PYO3_PYTHON="$python/python3.12-probe" PYO3_CONFIG_FILE="$python/pyo3-config.txt" \
+        CARGO_TARGET_DIR=target/gpu cargo build --release -p python-model \
+        --config "patch.crates-io.torch-sys.path=\"$sys\""
+    rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin" "$BUNDLE/data" "$BUNDLE/pylib" "$BUNDLE/whl"
+    for f in trainerd libmnist_cnn.so libmnist_cnn_big.so liblinear.so libtorchscript.so libpython_model.so; do
+        strip -o "$BUNDLE/bin/$f" "target/gpu/release/$f"
+    done
     strip -o "$BUNDLE/bin/allreduce" "$bench"
+    # The largest files travel compressed (the bundle and the checkout must stay under 64 MiB).
+    xz -T2 -6 "$BUNDLE/bin/trainerd" "$BUNDLE/bin/allreduce"
+    xz -T2 -6 -c "$python/root/usr/lib/x86_64-linux-gnu/libpython3.12.so.1.0" > "$BUNDLE/pylib/libpython3.12.so.1.0.xz"
     scripts/setup.sh --no-build >/dev/null
     cp /usr/share/datasets/fashion-mnist/*.gz "$BUNDLE/data/"
+    # Keras (not on the GPU machine) and what it needs that is not there either, as wheels for its
+    # Python; the GPT example's token Parquet (tokenize.py's defaults).
+    "$TRAINERD_VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$BUNDLE/whl" \
+        "keras==$KERAS_VERSION" namex "optree==$("$TRAINERD_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("optree"))')"
+    "$TRAINERD_VENV/bin/python" plugins/python-model/examples/tokenize.py --out "$BUNDLE/lm-gpt" >/dev/null
     echo "gpu-check: $BUNDLE is ready ($(du -sh "$BUNDLE" | cut -f1)); on the GPU machine, with $BUNDLE carried: scripts/gpu-check.sh run"
+}
+
+# Python 3.12 as the GPU machine has it (/opt/torch/.venv is made from Ubuntu 24.04's), for the
+# Python model plugin, which embeds the interpreter: Ubuntu's libpython3.12 and its headers from
+# Ubuntu's archive (unpacked, not installed), a script that answers the plugin's build script as that
+# Python would (this machine's 3.11 cannot stand for it), and a pyo3 configuration in place of an
+# interpreter. At run time the plugin takes that machine's base Python and packages from
+# TRAINERD_PYTHON_HOME and TRAINERD_PYTHON_SITE. Prints the directory.
+python_for_gpu() {
+    local py="$TRAINERD_CACHE/python-3.12-ubuntu-noble"
+    if [ ! -e "$py/.trainerd-complete" ]; then
+        echo "gpu-check: fetching Python 3.12's libpython and headers from Ubuntu 24.04 into $py" >&2
+        rm -rf "$py" && mkdir -p "$py/debs"
+        local archive=http://archive.ubuntu.com/ubuntu index pkg file
+        index=$(curl -fsS "$archive/dists/noble-updates/main/binary-amd64/Packages.gz" | gunzip)
+        for pkg in libpython3.12t64 libpython3.12-dev; do
+            file=$(awk -v p="$pkg" '$1 == "Package:" { hit = ($2 == p) } hit && $1 == "Filename:" { print $2; exit }' <<< "$index")
+            curl -fsS -o "$py/debs/${file##*/}" "$archive/$file"
+            dpkg -x "$py/debs/${file##*/}" "$py/root"
+        done
+        # One include directory: Ubuntu's pyconfig.h only points at the architecture's own.
+        cp -r "$py/root/usr/include/python3.12" "$py/include"
+        cp "$py/root/usr/include/x86_64-linux-gnu/python3.12/pyconfig.h" "$py/include/pyconfig.h"
+        touch "$py/.trainerd-complete"
+    fi
+    local lib="$py/root/usr/lib/x86_64-linux-gnu"
+    printf '#!/bin/sh\n# What the GPU machine'"'"'s Python 3.12 would answer python-model'"'"'s build script.\nprintf "%%s\\n" /usr %s libpython3.12.so %s /opt/torch/.venv/lib/python3.12/site-packages 3.12 /opt/torch/.venv/bin/python3\n' \
+        "$lib" "$py/include" > "$py/python3.12-probe"
+    chmod +x "$py/python3.12-probe"
+    printf '%s\n' implementation=CPython version=3.12 shared=true abi3=false lib_name=python3.12 "lib_dir=$lib" \
+        executable=/opt/torch/.venv/bin/python3 pointer_width=64 build_flags= > "$py/pyo3-config.txt"
+    echo "$py"
 }
 
 # The value of KEY in a summary JSON.
@@ -76,8 +127,21 @@ run_checks() {
     "$PY" -c "import torch" 2>/dev/null || PY=/opt/torch/.venv/bin/python3
     local lib
     lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    local T="$BUNDLE/bin/trainerd" CNN="$BUNDLE/bin/libmnist_cnn.so" D="$BUNDLE/data"
+    local f
+    for f in "$BUNDLE"/bin/*.xz "$BUNDLE"/pylib/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
+    # The Python model plugin: this machine's base Python and packages, its libpython (the bundle's
+    # where it has none), and Keras from the bundle's wheels where it is not installed.
+    export TRAINERD_PYTHON_HOME TRAINERD_PYTHON_SITE
+    TRAINERD_PYTHON_HOME=$("$PY" -c 'import sys; print(sys.base_prefix)')
+    TRAINERD_PYTHON_SITE=$("$PY" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+    local pylib
+    pylib=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
+    export LD_LIBRARY_PATH="$lib:$pylib:$(realpath "$BUNDLE")/pylib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    if ! "$PY" -c "import keras" 2>/dev/null && compgen -G "$BUNDLE/whl/*.whl" > /dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/trainerd-site "$BUNDLE"/whl/*.whl
+        export PYTHONPATH="/tmp/trainerd-site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    local T="$BUNDLE/bin/trainerd" CNN="$BUNDLE/bin/libmnist_cnn.so" D="$BUNDLE/data" PYM="$BUNDLE/bin/libpython_model.so"
     local R="${OUT:-$BUNDLE/results}"
     local W="$R/gpu-check" report="$R/gpu-check.md" failed=0
     rm -rf "$W" && mkdir -p "$W"
@@ -111,6 +175,13 @@ run_checks() {
         first) correctness_checks; nccl_checks; devices_checks ;;
         second) precision_checks; torchscript_checks; throughput_checks; nccl_bench ;;
         untried) precision_checks; torchscript_checks ;;
+        # The checks that had not run on a GPU by 2026-11-30 (the GPT example in bf16 beside DDP,
+        # mnist-cnn-big beside DDP, catch-up, the replica check, sharding, Keras; about 7 minutes),
+        # then the first correctness checks.
+        new) gpt_checks; training_bench; recovery_checks; keras_checks; correctness_checks ;;
+        gpt) gpt_checks ;;
+        recovery) recovery_checks ;;
+        keras) keras_checks ;;
         *) correctness_checks; nccl_checks; devices_checks; precision_checks; torchscript_checks; throughput_checks; nccl_bench ;;
     esac
     say ""
@@ -170,15 +241,18 @@ correctness_checks() {
 
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# Worker RANK of a 2-worker cluster on ports $P0 $P1, over NCCL on the one GPU (its own
-# NCCL_HOSTID, NCCL's sockets on loopback), writing $W/NAME.workerRANK.{log,json}. Run it in the
-# background only: it becomes the trainerd process (so $! is the worker's pid).
+# Worker RANK of a cluster on the ports $PORTS (two by default: $P0 $P1), over NCCL on the one GPU
+# (its own NCCL_HOSTID, NCCL's sockets on loopback; the ring with GPU_CHECK_DEVICE=cpu), writing
+# $W/NAME.workerRANK.{log,json}. Run it in the background only: it becomes the trainerd process
+# (so $! is the worker's pid).
 nccl_worker() {
-    local r=$1 name=$2
+    local r=$1 name=$2 workers="" p
     shift 2
-    TF_CONFIG="{\"cluster\":{\"worker\":[\"127.0.0.1:$P0\",\"127.0.0.1:$P1\"]},\"task\":{\"type\":\"worker\",\"index\":$r}}" \
+    for p in ${PORTS:-$P0 $P1}; do workers+="${workers:+,}\"127.0.0.1:$p\""; done
+    TF_CONFIG="{\"cluster\":{\"worker\":[$workers]},\"task\":{\"type\":\"worker\",\"index\":$r}}" \
         NCCL_HOSTID="gpu-check-$r" NCCL_SOCKET_IFNAME=lo \
-        exec "$T" run ${PLACE:---device $DEVICE} --collective nccl --summary "$W/$name.worker$r.json" "$@" >> "$W/$name.worker$r.log" 2>&1
+        exec "$T" run ${PLACE:---device $DEVICE} --collective "$COLLECTIVE" --summary "$W/$name.worker$r.json" "$@" \
+        >> "$W/$name.worker$r.log" 2>&1
 }
 
 # Both workers of NAME, to the end.
@@ -295,6 +369,144 @@ survived() {
     lost=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['fault_tolerance']['steps_lost'])" "$W/$name.worker$survivor.json" || echo "?")
     check "$what" "${figure}${lost} steps lost; ${s0:0:16} / ${s1:0:16}" \
         "$([ "$s0" = "$a0" ] && [ "$s1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
+}
+
+# The GPT example (plugins/python-model/examples/gpt.py, 0.48 M parameters, Adam) through the
+# Python model plugin, 2 ranks over NCCL on the GPU, beside DDP over NCCL (bench/gpu_gpt.py: the
+# same module, weights, batch, steps; bf16 under torch.autocast): tokens/s, and the ranks identical.
+gpt_checks() {
+    local G=plugins/python-model/examples/gpt.py data="$BUNDLE/lm-gpt" rows spec p b epochs steps name
+    rows=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['blocks']['train'])" "$data/meta.json")
+    say ""
+    say "| the GPT example, 2 ranks on one GPU, each its batch of 128-token rows | trainerd over NCCL, tokens/s | ranks identical | DDP over NCCL, tokens/s | ratio |"
+    say "|---|---|---|---|---|"
+    for spec in "bf16 16 15" "bf16 64 60" "fp32 16 15"; do
+        read -r p b epochs <<< "$spec"
+        steps=$((rows / (2 * b) * epochs)) name=gpt-$p-$b
+        echo "gpu-check: the GPT example, $p, batch $b per rank, $steps steps, trainerd and DDP" >&2
+        nccl_pair "$name" --plugin "$PYM" --plugin-arg "module=$G" --data "$data" --batch-size "$b" --epochs "$epochs" \
+            --optimizer adam --lr 1e-3 --seed 0 --no-evaluation --threads 1 --precision "$p"
+        TORCH_THREADS=1 "$PY" bench/gpu_gpt.py "$data" "$b" $((steps - 10)) --warmup 10 --precision "$p" \
+            --device "${DEVICE/cuda/cuda:0}" --port "$(free_port)" > "$W/$name.ddp.log" 2>&1 || true
+        local ours s0 s1 ddp ratio="-"
+        ours=$("$PY" -c "import json, sys; print(round(json.load(open(sys.argv[1]))['examples_per_second'] * 128))" \
+            "$W/$name.worker0.json" 2>/dev/null || true)
+        s0=$(field "$W/$name.worker0.json" params_sha256 2>/dev/null || echo none)
+        s1=$(field "$W/$name.worker1.json" params_sha256 2>/dev/null || echo none)
+        ddp=$(grep -o "tokens_per_s=[0-9]*" "$W/$name.ddp.log" | cut -d= -f2 || true)
+        [ -n "$ours" ] && [ -n "$ddp" ] && ratio=$("$PY" -c "print(f'{$ours/$ddp:.2f}x')")
+        say "| $p, batch $b, $steps steps | ${ours:-failed} | $([ "$s0" = "$s1" ] && [ "$s0" != none ] && echo "yes" || echo "NO") | ${ddp:-failed} | $ratio |"
+        [ "$s0" = "$s1" ] && [ "$s0" != none ] || failed=1
+    done
+}
+
+# Three workers of mnist-cnn on the GPU (600 steps of batch 32 each: on an H200 a shorter run
+# ended before a worker started again was back), over NCCL: NAME's workers, with worker VICTIM
+# SIGKILLed at step 120 and started again 0.5 s later, while the two others train on (HOW=kill), or a bit of its parameters flipped after step 150 (HOW=flip),
+# or neither (HOW=none); to the end.
+trio() {
+    local name=$1 victim=$2 how=$3 r PORTS
+    local pids=()
+    shift 3
+    PORTS="$(free_port) $(free_port) $(free_port)"
+    for r in 0 1 2; do
+        if [ "$how" = flip ] && [ "$r" = "$victim" ]; then
+            TRAINERD_FAILPOINT=flip-bit@150 nccl_worker "$r" "$name" "$@" &
+        else
+            nccl_worker "$r" "$name" "$@" &
+        fi
+        pids[r]=$!
+    done
+    if [ "$how" = kill ]; then
+        # (Progress lines are right-aligned: " 120/600".)
+        until grep -q "^ *120/600" "$W/$name.worker0.log" 2>/dev/null; do sleep 0.05; kill -0 "${pids[0]}" 2>/dev/null || break; done
+        kill -9 "${pids[victim]}" 2>/dev/null || true
+        wait "${pids[victim]}" 2>/dev/null || true
+        sleep 0.5
+        # Not after the run's end: without commits to show it, a worker back then would wait on.
+        if kill -0 "${pids[0]}" 2>/dev/null; then
+            nccl_worker "$victim" "$name" "$@" &
+            pids[victim]=$!
+        fi
+    fi
+    for r in 0 1 2; do wait "${pids[r]}" || true; done
+}
+
+# Whether NAME's three workers all ended with params_sha256 $ref (1 or 0).
+all_equal() {
+    local r sha
+    for r in 0 1 2; do
+        sha=$(field "$W/$1.worker$r.json" params_sha256 2>/dev/null || echo none)
+        [ "$sha" = "$ref" ] || { echo 0; return; }
+    done
+    echo 1
+}
+
+# A return that catches up, and the replica check, on the GPU (never run there before
+# 2026-11-30): three ranks over NCCL, rank 2 killed and back while the two others train, a bit of
+# rank 1's parameters flipped; the same return over the host-staged ring (trainerd local); and
+# --shard-optimizer on CUDA refused, saying so.
+recovery_checks() {
+    local three=(--plugin "$CNN" --data "$D" --threads 1 --seed 7 --batch-size 32 --epochs 1 --steps-per-epoch 600)
+    echo "gpu-check: 3 ranks over NCCL: uninterrupted, rank 2 killed and back, a bit of rank 1 flipped" >&2
+    trio t3 0 none "${three[@]}"
+    local ref caught lost mism
+    ref=$(field "$W/t3.worker0.json" params_sha256 2>/dev/null || echo none)
+    trio t3k 2 kill "${three[@]}"
+    trio t3f 1 flip "${three[@]}" --replica-check-every 100
+    say ""
+    say "| catch-up and the replica check, 3 ranks of mnist-cnn on one GPU (600 steps of batch 32) | figure | result |"
+    say "|---|---|---|"
+    check "3 ranks over NCCL: identical params_sha256" "${ref:0:16}" "$(all_equal t3)"
+    caught=$(grep -h -m1 "caught up in" "$W/t3k.worker2.log" | cut -c11- || true)
+    lost=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['fault_tolerance']['steps_lost'])" "$W/t3k.worker0.json" 2>/dev/null || echo "?")
+    check "NCCL, rank 2 killed at step 120 and back 0.5 s later: it catches up, 0 steps lost, bitwise equal" \
+        "${caught:-no catch-up line}; $lost lost" "$([ -n "$caught" ] && [ "$lost" = 0 ] && all_equal t3k || echo 0)"
+    mism=$("$PY" -c "import json, sys; m = json.load(open(sys.argv[1]))['integrity']['mismatches']; print('; '.join(f\"step {x['step']}: {', '.join(x['members'])}\" for x in m) or 'none')" \
+        "$W/t3f.worker0.json" 2>/dev/null || echo "?")
+    check "NCCL, a bit of rank 1's parameters flipped after step 150: named, repaired, bitwise equal" \
+        "$(grep -h -m1 "failpoint flip-bit" "$W/t3f.worker1.log" | cut -c11-80 || true)...; mismatch at $mism" \
+        "$(echo "$mism" | grep -q "worker 1 (" && all_equal t3f || echo 0)"
+
+    echo "gpu-check: 3 workers over the host-staged ring (trainerd local), worker 2 killed and back" >&2
+    "$T" local --workers 3 --restart-delay 0.5 "${three[@]}" --device "$DEVICE" --summary "$W/lr.json" > "$W/lr.log" 2>&1 &
+    local lpid=$! wpid=""
+    until [ -n "$wpid" ]; do
+        sleep 0.1
+        wpid=$(grep -o "worker 2 (pid [0-9]*)" "$W/lr.log" | grep -o "[0-9]*)" | tr -d ')' || true)
+        kill -0 $lpid 2>/dev/null || break
+    done
+    until grep -q "^\[worker 0\]  *120/600" "$W/lr.log" 2>/dev/null; do sleep 0.05; kill -0 $lpid 2>/dev/null || break; done
+    kill -9 "$wpid" 2>/dev/null || true
+    wait $lpid || true
+    caught=$(grep -m1 "caught up in" "$W/lr.log" | sed 's/^\[worker 2\] trainerd: //' || true)
+    check "the ring, worker 2 killed at step 120 and back 0.5 s later: it catches up, bitwise the NCCL run" \
+        "${caught:-no catch-up line}" "$([ -n "$caught" ] && all_equal lr || echo 0)"
+
+    echo "gpu-check: --shard-optimizer on $DEVICE" >&2
+    local refused
+    refused=$("$T" run "${three[@]}" --device "$DEVICE" --shard-optimizer --steps-per-epoch 5 2>&1 | grep -m1 -o "\-\-shard-optimizer runs on the CPU so far.*" || true)
+    check "--shard-optimizer on CUDA: refused, saying why" "${refused:0:90}..." "$([ -n "$refused" ] && echo 1 || echo 0)"
+}
+
+# A Keras model (the custom-training-loop tutorial's CNN, Keras 3 on its torch backend) through the
+# Python model plugin on the GPU: 1 worker, 1 epoch, the test accuracy bar of the Rust CNN's; 2
+# ranks over NCCL identical.
+keras_checks() {
+    local K=(--plugin "$PYM" --plugin-arg module=plugins/python-model/examples/keras_custom_loop.py --data "$D" --threads 1 --seed 7)
+    echo "gpu-check: a Keras model, 1 worker for 1 epoch, then 2 ranks over NCCL" >&2
+    "$T" run "${K[@]}" --device "$DEVICE" --epochs 1 --summary "$W/keras.json" > "$W/keras.log" 2>&1 || true
+    nccl_pair kn "${K[@]}" --batch-size 32 --epochs 1 --steps-per-epoch 300
+    local acc k0 k1
+    acc=$(field "$W/keras.json" test_accuracy 2>/dev/null || echo 0)
+    k0=$(field "$W/kn.worker0.json" params_sha256 2>/dev/null || echo none); k1=$(field "$W/kn.worker1.json" params_sha256 2>/dev/null || echo none)
+    say ""
+    say "| a Keras model (keras_custom_loop.py) on the GPU | figure | result |"
+    say "|---|---|---|"
+    check "1 worker, 1 epoch: test accuracy >= 0.85" "$acc" \
+        "$("$PY" -c "print(int($acc >= 0.85))")"
+    check "2 ranks over NCCL, 300 steps: identical params_sha256" "${k0:0:16} / ${k1:0:16}" \
+        "$([ "$k0" = "$k1" ] && [ "$k0" != none ] && echo 1 || echo 0)"
 }
 
 # All-reduce on the GPU's buffers (trainerd's NCCL path, its host-staged ring, torch.distributed's
