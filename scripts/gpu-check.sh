@@ -181,6 +181,7 @@ run_checks() {
         new) gpt_checks; training_bench; recovery_checks; keras_checks; correctness_checks ;;
         gpt) gpt_checks ;;
         recovery) recovery_checks ;;
+        ring) ring_return_checks ;;
         keras) keras_checks ;;
         *) correctness_checks; nccl_checks; devices_checks; precision_checks; torchscript_checks; throughput_checks; nccl_bench ;;
     esac
@@ -467,7 +468,23 @@ recovery_checks() {
     check "NCCL, a bit of rank 1's parameters flipped after step 150: named, repaired, bitwise equal" \
         "$(grep -h -m1 "failpoint flip-bit" "$W/t3f.worker1.log" | cut -c11-80 || true)...; mismatch at $mism" \
         "$(echo "$mism" | grep -q "worker 1 (" && all_equal t3f || echo 0)"
+    ring_return_checks
+}
 
+# The same return over the host-staged ring (trainerd local), bitwise the NCCL run ($ref; without
+# one, an uninterrupted ring run's), and --shard-optimizer on CUDA refused, saying why.
+ring_return_checks() {
+    local three=(--plugin "$CNN" --data "$D" --threads 1 --seed 7 --batch-size 32 --epochs 1 --steps-per-epoch 600)
+    local caught
+    if [ -z "${ref:-}" ]; then
+        local ref
+        "$T" local --workers 3 "${three[@]}" --device "$DEVICE" --summary "$W/l3.json" > "$W/l3.log" 2>&1 || true
+        ref=$(field "$W/l3.worker0.json" params_sha256 2>/dev/null || echo none)
+        say ""
+        say "| a return over the ring, 3 workers of mnist-cnn on one GPU (600 steps of batch 32) | figure | result |"
+        say "|---|---|---|"
+        check "3 workers over the ring: identical params_sha256" "${ref:0:16}" "$(all_equal l3)"
+    fi
     echo "gpu-check: 3 workers over the host-staged ring (trainerd local), worker 2 killed and back" >&2
     "$T" local --workers 3 --restart-delay 0.5 "${three[@]}" --device "$DEVICE" --summary "$W/lr.json" > "$W/lr.log" 2>&1 &
     local lpid=$! wpid=""
@@ -480,12 +497,13 @@ recovery_checks() {
     kill -9 "$wpid" 2>/dev/null || true
     wait $lpid || true
     caught=$(grep -m1 "caught up in" "$W/lr.log" | sed 's/^\[worker 2\] trainerd: //' || true)
-    check "the ring, worker 2 killed at step 120 and back 0.5 s later: it catches up, bitwise the NCCL run" \
+    check "the ring, worker 2 killed at step 120 and back 0.5 s later: it catches up, bitwise the uninterrupted run" \
         "${caught:-no catch-up line}" "$([ -n "$caught" ] && all_equal lr || echo 0)"
 
     echo "gpu-check: --shard-optimizer on $DEVICE" >&2
     local refused
-    refused=$("$T" run "${three[@]}" --device "$DEVICE" --shard-optimizer --steps-per-epoch 5 2>&1 | grep -m1 -o "\-\-shard-optimizer runs on the CPU so far.*" || true)
+    refused=$("$T" run --plugin "$CNN" --data "$D" --threads 1 --epochs 1 --steps-per-epoch 5 --device "$DEVICE" --shard-optimizer 2>&1 |
+        grep -m1 -o "\-\-shard-optimizer runs on the CPU so far.*" || true)
     check "--shard-optimizer on CUDA: refused, saying why" "${refused:0:90}..." "$([ -n "$refused" ] && echo 1 || echo 0)"
 }
 
