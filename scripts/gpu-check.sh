@@ -399,6 +399,23 @@ gpt_checks() {
         say "| $p, batch $b, $steps steps | ${ours:-failed} | $([ "$s0" = "$s1" ] && [ "$s0" != none ] && echo "yes" || echo "NO") | ${ddp:-failed} | $ratio |"
         [ "$s0" = "$s1" ] && [ "$s0" != none ] || failed=1
     done
+    # Attention's backward pass on CUDA (flash or memory-efficient) is deterministic only with
+    # libtorch's deterministic algorithms strict (trainerd's default since 2026-11-30; before,
+    # warn-only, it ran the non-deterministic one and said so in a libtorch warning).
+    echo "gpu-check: the GPT example, bf16, batch 16 per rank, again" >&2
+    nccl_pair gpt-again --plugin "$PYM" --plugin-arg "module=$G" --data "$data" --batch-size 16 --epochs 15 \
+        --optimizer adam --lr 1e-3 --seed 0 --no-evaluation --threads 1 --precision bf16
+    local first again
+    first=$(field "$W/gpt-bf16-16.worker0.json" params_sha256 2>/dev/null || echo none)
+    again=$(field "$W/gpt-again.worker0.json" params_sha256 2>/dev/null || echo none)
+    say ""
+    say "| the GPT example on the GPU | figure | result |"
+    say "|---|---|---|"
+    check "bf16, batch 16, the same run twice: same params_sha256" "${first:0:16} / ${again:0:16}" \
+        "$([ "$first" = "$again" ] && [ "$first" != none ] && echo 1 || echo 0)"
+    check "no libtorch warning of a non-deterministic algorithm" \
+        "$(grep -h -m1 -o "Warning: [A-Za-z ]* defaults to a non-deterministic algorithm" "$W"/gpt-*.worker*.log || echo none)" \
+        "$(grep -q "non-deterministic algorithm" "$W"/gpt-*.worker*.log && echo 0 || echo 1)"
 }
 
 # Three workers of mnist-cnn on the GPU (600 steps of batch 32 each: on an H200 a shorter run

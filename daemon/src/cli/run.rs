@@ -53,7 +53,7 @@ fn train(args: RunArgs, cuda: CudaLibrary, log_format: LogFormat, events: &Event
     let devices = devices(&args, &facts)?;
     let device = devices[0];
     if device.is_cuda() {
-        for missing in accel::make_deterministic() {
+        for missing in accel::make_deterministic(!args.allow_nondeterministic_ops) {
             tracing::warn!(target: "trainerd", "this libtorch has no switch for {missing}; results on CUDA may not be reproducible");
         }
     }

@@ -143,7 +143,7 @@ impl Plugin {
         // SAFETY: `status` was just returned by this plugin's vtable.
         match unsafe { take_string(self.vtable, status) } {
             None => Ok(()),
-            Some(message) => Err(CallError { plugin: self.info.name.clone(), call, message }),
+            Some(message) => Err(CallError { plugin: self.info.name.clone(), call, message: with_hint(message) }),
         }
     }
 
@@ -342,5 +342,34 @@ impl Drop for InputPipeline<'_> {
     fn drop(&mut self) {
         // SAFETY: our handle, released once.
         unsafe { (self.plugin.vtable.pipeline_free)(self.handle) };
+    }
+}
+
+/// libtorch's refusal of an operation that has no deterministic algorithm (what trainerd asks for
+/// on CUDA), with what trainerd offers instead of libtorch's own advice (`warn_only=True`).
+fn with_hint(message: String) -> String {
+    if !message.contains(" does not have a deterministic implementation, but you set ") {
+        return message;
+    }
+    format!(
+        "{message} (trainerd runs every operation's deterministic algorithm, for bit-for-bit results and exact \
+         resumes: --allow-nondeterministic-ops lets such an operation run, without them)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_hint;
+
+    #[test]
+    fn an_operation_without_a_deterministic_algorithm_is_told_with_the_flag_that_lets_it_run() {
+        // libtorch 2.13's text (put_ on the CPU, or an adaptive pooling's backward pass on CUDA).
+        let refused = "put_ does not have a deterministic implementation, but you set \
+                       'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation, \
+                       or you can use the 'warn_only=True' option, if that's acceptable for your application.";
+        let told = with_hint(refused.to_string());
+        assert!(told.starts_with(refused), "{told}");
+        assert!(told.ends_with("--allow-nondeterministic-ops lets such an operation run, without them)"), "{told}");
+        assert_eq!(with_hint("loss raised ValueError".to_string()), "loss raised ValueError");
     }
 }

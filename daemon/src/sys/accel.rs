@@ -281,9 +281,11 @@ pub(crate) enum DeviceError {
 }
 
 /// Makes libtorch's CUDA results reproducible: deterministic cuDNN, no cuDNN benchmarking, and
-/// deterministic algorithms wherever libtorch has them (an operation without one warns once
-/// rather than failing). Returns what could not be set.
-pub(crate) fn make_deterministic() -> Vec<&'static str> {
+/// deterministic algorithms: `strict`, every operation's deterministic one, an operation without
+/// one failing (libtorch's `warn_only` off: only then do flash and memory-efficient attention run
+/// their deterministic backward passes); else an operation without one warns once and runs.
+/// Returns what could not be set.
+pub(crate) fn make_deterministic(strict: bool) -> Vec<&'static str> {
     type SetBool = unsafe extern "C" fn(*mut c_void, bool);
     type SetTwo = unsafe extern "C" fn(*mut c_void, bool, bool);
     type Global = unsafe extern "C" fn() -> *mut c_void;
@@ -299,20 +301,21 @@ pub(crate) fn make_deterministic() -> Vec<&'static str> {
     }
     match symbol("_ZN2at7Context26setDeterministicAlgorithmsEbb") {
         // SAFETY: at::Context::setDeterministicAlgorithms(bool enabled, bool warn_only).
-        Some(f) => unsafe { std::mem::transmute::<*mut c_void, SetTwo>(f)(context, true, true) },
+        Some(f) => unsafe { std::mem::transmute::<*mut c_void, SetTwo>(f)(context, true, !strict) },
         None => missing.push("deterministic algorithms"),
     }
     missing
 }
 
-/// Whether cuDNN is in deterministic mode (what [`make_deterministic`] set).
+/// A boolean of libtorch's global context, read by its const getter's mangled name (what
+/// [`make_deterministic`] set).
 #[cfg(test)]
-pub(crate) fn cudnn_deterministic() -> Option<bool> {
+fn context_flag(getter: &str) -> Option<bool> {
     type GetBool = unsafe extern "C" fn(*const c_void) -> bool;
     type Global = unsafe extern "C" fn() -> *mut c_void;
     let global = symbol("_ZN2at13globalContextEv")?;
-    let get = symbol("_ZNK2at7Context18deterministicCuDNNEv")?;
-    // SAFETY: as in make_deterministic; the getter is a const member.
+    let get = symbol(getter)?;
+    // SAFETY: as in make_deterministic; the getter is a const member taking nothing.
     Some(unsafe {
         let context = std::mem::transmute::<*mut c_void, Global>(global)();
         std::mem::transmute::<*mut c_void, GetBool>(get)(context)
@@ -333,8 +336,15 @@ mod tests {
     #[test]
     fn determinism_switches_are_found_and_take_effect() {
         assert!(libtorch_dir().is_some_and(|d| d.join("libtorch_cpu.so").exists()));
-        assert_eq!(make_deterministic(), Vec::<&str>::new());
-        assert_eq!(cudnn_deterministic(), Some(true));
+        let cudnn = || context_flag("_ZNK2at7Context18deterministicCuDNNEv");
+        let algorithms = || context_flag("_ZNK2at7Context23deterministicAlgorithmsEv");
+        let warn_only = || context_flag("_ZNK2at7Context31deterministicAlgorithmsWarnOnlyEv");
+        // --allow-nondeterministic-ops: an operation without a deterministic algorithm warns.
+        assert_eq!(make_deterministic(false), Vec::<&str>::new());
+        assert_eq!((cudnn(), algorithms(), warn_only()), (Some(true), Some(true), Some(true)));
+        // The default: every operation's deterministic algorithm, or the step fails.
+        assert_eq!(make_deterministic(true), Vec::<&str>::new());
+        assert_eq!((cudnn(), algorithms(), warn_only()), (Some(true), Some(true), Some(false)));
     }
 
     #[test]

@@ -402,9 +402,13 @@ class Runner:
         self.names = _metrics_of(path, module)
         self.first = True
         device = torch.device(device)
-        # As the daemon sets it: deterministic kernels wherever libtorch has them, and a warning
-        # (not an error) for an operation that has none.
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Deterministic kernels wherever libtorch has them. On CUDA the daemon has set them (the
+        # process's one libtorch) before loading the plugin, strictly unless
+        # --allow-nondeterministic-ops, and that setting stands: strict is what makes flash and
+        # memory-efficient attention run their deterministic backward passes. On the CPU, where
+        # the daemon sets nothing, an operation without one warns rather than failing.
+        if not torch.are_deterministic_algorithms_enabled():
+            torch.use_deterministic_algorithms(True, warn_only=True)
         if device.type == "cuda":
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False

@@ -254,6 +254,13 @@ pub(crate) struct RunArgs {
     /// its gradients are final (the same bits); off: after the backward pass, for comparison.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub(crate) overlap: String,
+    /// On CUDA, let operations that have no deterministic implementation run (libtorch warns once
+    /// for each) rather than failing the step: the run is then not bit for bit reproducible, nor
+    /// its resume exact. Without it every operation runs its deterministic algorithm (flash and
+    /// memory-efficient attention's backward passes too, which otherwise run their faster
+    /// non-deterministic ones), and one that has none fails the first step, naming it.
+    #[arg(long)]
+    pub(crate) allow_nondeterministic_ops: bool,
     /// What carries the gradients: ring (host-staged TCP ring), nccl (NCCL on the GPUs, the same
     /// bits) or auto (NCCL when every worker trains on CUDA with its own GPU).
     #[arg(long, default_value = "ring")]
