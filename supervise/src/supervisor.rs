@@ -274,7 +274,7 @@ impl Supervisor {
 
     /// Every worker's final exit status, once every worker has one.
     pub fn finished(&self) -> Option<Vec<i32>> {
-        self.slots.iter().map(|s| s.done.filter(|_| s.child.is_none() && s.restart_at.is_none())).collect()
+        (0..self.slots.len()).map(|w| self.exited_for_good(w)).collect()
     }
 
     /// Sends `signal` to worker `worker`'s running process.
