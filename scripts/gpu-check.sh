@@ -156,6 +156,9 @@ run_checks() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$report" || true
     say '```'
     local cnn=(--plugin "$CNN" --data "$D" --threads 1 --seed 7)
+    # Three workers' job of the return and replica checks (600 steps: on an H200 a 300-step run
+    # ended before a worker started again was back).
+    local three=("${cnn[@]}" --batch-size 32 --epochs 1 --steps-per-epoch 600)
     # GPU_CHECK_ONLY=throughput: the examples/s table alone; =nccl: the NCCL checks alone (the
     # ring's figures beside them are then taken too); =devices: the replica checks alone;
     # =precision: bf16 and fp16 beside PyTorch autocast; =torchscript: a PyTorch model through the
@@ -372,11 +375,17 @@ survived() {
         "$([ "$s0" = "$a0" ] && [ "$s1" = "$a0" ] && [ "$lost" = 0 ] && echo 1 || echo 0)"
 }
 
+# Two ranks over NCCL training the GPT example as NAME, in PRECISION, BATCH per rank, EPOCHS.
+gpt_pair() {
+    nccl_pair "$1" --plugin "$PYM" --plugin-arg "module=plugins/python-model/examples/gpt.py" --data "$BUNDLE/lm-gpt" \
+        --batch-size "$3" --epochs "$4" --optimizer adam --lr 1e-3 --seed 0 --no-evaluation --threads 1 --precision "$2"
+}
+
 # The GPT example (plugins/python-model/examples/gpt.py, 0.48 M parameters, Adam) through the
 # Python model plugin, 2 ranks over NCCL on the GPU, beside DDP over NCCL (bench/gpu_gpt.py: the
 # same module, weights, batch, steps; bf16 under torch.autocast): tokens/s, and the ranks identical.
 gpt_checks() {
-    local G=plugins/python-model/examples/gpt.py data="$BUNDLE/lm-gpt" rows spec p b epochs steps name
+    local data="$BUNDLE/lm-gpt" rows spec p b epochs steps name
     rows=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['blocks']['train'])" "$data/meta.json")
     say ""
     say "| the GPT example, 2 ranks on one GPU, each its batch of 128-token rows | trainerd over NCCL, tokens/s | ranks identical | DDP over NCCL, tokens/s | ratio |"
@@ -385,8 +394,7 @@ gpt_checks() {
         read -r p b epochs <<< "$spec"
         steps=$((rows / (2 * b) * epochs)) name=gpt-$p-$b
         echo "gpu-check: the GPT example, $p, batch $b per rank, $steps steps, trainerd and DDP" >&2
-        nccl_pair "$name" --plugin "$PYM" --plugin-arg "module=$G" --data "$data" --batch-size "$b" --epochs "$epochs" \
-            --optimizer adam --lr 1e-3 --seed 0 --no-evaluation --threads 1 --precision "$p"
+        gpt_pair "$name" "$p" "$b" "$epochs"
         TORCH_THREADS=1 "$PY" bench/gpu_gpt.py "$data" "$b" $((steps - 10)) --warmup 10 --precision "$p" \
             --device "${DEVICE/cuda/cuda:0}" --port "$(free_port)" > "$W/$name.ddp.log" 2>&1 || true
         local ours s0 s1 ddp ratio="-"
@@ -396,15 +404,14 @@ gpt_checks() {
         s1=$(field "$W/$name.worker1.json" params_sha256 2>/dev/null || echo none)
         ddp=$(grep -o "tokens_per_s=[0-9]*" "$W/$name.ddp.log" | cut -d= -f2 || true)
         [ -n "$ours" ] && [ -n "$ddp" ] && ratio=$("$PY" -c "print(f'{$ours/$ddp:.2f}x')")
-        say "| $p, batch $b, $steps steps | ${ours:-failed} | $([ "$s0" = "$s1" ] && [ "$s0" != none ] && echo "yes" || echo "NO") | ${ddp:-failed} | $ratio |"
-        [ "$s0" = "$s1" ] && [ "$s0" != none ] || failed=1
+        say "| $p, batch $b, $steps steps | ${ours:-failed} | $([ "$(same "$s0" "$s1")" = 1 ] && echo "yes" || echo "NO") | ${ddp:-failed} | $ratio |"
+        [ "$(same "$s0" "$s1")" = 1 ] || failed=1
     done
     # Attention's backward pass on CUDA (flash or memory-efficient) is deterministic only with
     # libtorch's deterministic algorithms strict (trainerd's default since 2026-11-30; before,
     # warn-only, it ran the non-deterministic one and said so in a libtorch warning).
     echo "gpu-check: the GPT example, bf16, batch 16 per rank, again" >&2
-    nccl_pair gpt-again --plugin "$PYM" --plugin-arg "module=$G" --data "$data" --batch-size 16 --epochs 15 \
-        --optimizer adam --lr 1e-3 --seed 0 --no-evaluation --threads 1 --precision bf16
+    gpt_pair gpt-again bf16 16 15
     local first again
     first=$(field "$W/gpt-bf16-16.worker0.json" params_sha256 2>/dev/null || echo none)
     again=$(field "$W/gpt-again.worker0.json" params_sha256 2>/dev/null || echo none)
@@ -412,16 +419,15 @@ gpt_checks() {
     say "| the GPT example on the GPU | figure | result |"
     say "|---|---|---|"
     check "bf16, batch 16, the same run twice: same params_sha256" "${first:0:16} / ${again:0:16}" \
-        "$([ "$first" = "$again" ] && [ "$first" != none ] && echo 1 || echo 0)"
+        "$(same "$first" "$again")"
     check "no libtorch warning of a non-deterministic algorithm" \
         "$(grep -h -m1 -o "Warning: [A-Za-z ]* defaults to a non-deterministic algorithm" "$W"/gpt-*.worker*.log || echo none)" \
         "$(grep -q "non-deterministic algorithm" "$W"/gpt-*.worker*.log && echo 0 || echo 1)"
 }
 
-# Three workers of mnist-cnn on the GPU (600 steps of batch 32 each: on an H200 a shorter run
-# ended before a worker started again was back), over NCCL: NAME's workers, with worker VICTIM
-# SIGKILLed at step 120 and started again 0.5 s later, while the two others train on (HOW=kill), or a bit of its parameters flipped after step 150 (HOW=flip),
-# or neither (HOW=none); to the end.
+# Three workers over NCCL (the job $three), as NAME: worker VICTIM SIGKILLed at step 120 and
+# started again 0.5 s later while the two others train on (HOW=kill), or a bit of its parameters
+# flipped after step 150 (HOW=flip), or neither (HOW=none); to the end.
 trio() {
     local name=$1 victim=$2 how=$3 r PORTS
     local pids=()
@@ -450,6 +456,9 @@ trio() {
     for r in 0 1 2; do wait "${pids[r]}" || true; done
 }
 
+# Whether two params_sha256 are the same and there (1 or 0).
+same() { [ "$1" = "$2" ] && [ "$1" != none ] && echo 1 || echo 0; }
+
 # Whether NAME's three workers all ended with params_sha256 $ref (1 or 0).
 all_equal() {
     local r sha
@@ -465,7 +474,6 @@ all_equal() {
 # rank 1's parameters flipped; the same return over the host-staged ring (trainerd local); and
 # --shard-optimizer on CUDA refused, saying so.
 recovery_checks() {
-    local three=(--plugin "$CNN" --data "$D" --threads 1 --seed 7 --batch-size 32 --epochs 1 --steps-per-epoch 600)
     echo "gpu-check: 3 ranks over NCCL: uninterrupted, rank 2 killed and back, a bit of rank 1 flipped" >&2
     trio t3 0 none "${three[@]}"
     local ref caught lost mism
@@ -491,7 +499,6 @@ recovery_checks() {
 # The same return over the host-staged ring (trainerd local), bitwise the NCCL run ($ref; without
 # one, an uninterrupted ring run's), and --shard-optimizer on CUDA refused, saying why.
 ring_return_checks() {
-    local three=(--plugin "$CNN" --data "$D" --threads 1 --seed 7 --batch-size 32 --epochs 1 --steps-per-epoch 600)
     local caught
     if [ -z "${ref:-}" ]; then
         local ref
@@ -541,7 +548,7 @@ keras_checks() {
     check "1 worker, 1 epoch: test accuracy >= 0.85" "$acc" \
         "$("$PY" -c "print(int($acc >= 0.85))")"
     check "2 ranks over NCCL, 300 steps: identical params_sha256" "${k0:0:16} / ${k1:0:16}" \
-        "$([ "$k0" = "$k1" ] && [ "$k0" != none ] && echo 1 || echo 0)"
+        "$(same "$k0" "$k1")"
 }
 
 # All-reduce on the GPU's buffers (trainerd's NCCL path, its host-staged ring, torch.distributed's
