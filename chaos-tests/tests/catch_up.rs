@@ -23,22 +23,27 @@ const RESTART_SEC: Duration = Duration::from_millis(200);
 const WIDE_100MB: u64 = 2_500_000;
 
 /// A job: the wide table's rows (0: none), the steps of its one epoch, whether it trains with
-/// Adam (else plain SGD), and whether its gradient is clipped (`--clip-norm`).
+/// Adam (else plain SGD), whether its gradient is clipped (`--clip-norm`), and whether each
+/// parameter is a bucket of its own (`--bucket-mb 0.001`: the bias's bucket is reduced during the
+/// backward pass, the weight's, which carries the step's tail, after it).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Job {
     wide: u64,
     steps: u64,
     adam: bool,
     clip: bool,
+    buckets: bool,
 }
 
-const WIDE: Job = Job { wide: WIDE_100MB, steps: 40, adam: false, clip: false };
-const SMALL: Job = Job { wide: 0, steps: 150, adam: false, clip: false };
+const WIDE: Job = Job { wide: WIDE_100MB, steps: 40, adam: false, clip: false, buckets: false };
+const SMALL: Job = Job { wide: 0, steps: 150, adam: false, clip: false, buckets: false };
 /// 100 MB of state with Adam: 33 MB of parameters and twice that of moments.
-const WIDE_ADAM: Job = Job { wide: WIDE_100MB / 3, steps: 40, adam: true, clip: false };
-/// The small job with Adam and its gradient clipped: a clip whose factor is over the whole
-/// gradient.
-const SMALL_CLIPPED: Job = Job { wide: 0, steps: 150, adam: true, clip: true };
+const WIDE_ADAM: Job = Job { wide: WIDE_100MB / 3, steps: 40, adam: true, clip: false, buckets: false };
+/// The small job with Adam and its gradient clipped, a parameter a bucket: a clip whose factor is
+/// over the whole gradient, whose buckets come before the norm.
+const SMALL_CLIPPED: Job = Job { wide: 0, steps: 150, adam: true, clip: true, buckets: true };
+/// The small job with Adam, a parameter a bucket.
+const SMALL_BUCKETS: Job = Job { wide: 0, steps: 150, adam: true, clip: false, buckets: true };
 
 /// `trainerd run` arguments of `job` on 3 workers, each worker's summary in `dir`, with `extra`.
 fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
@@ -46,6 +51,7 @@ fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
     let run = if job.wide > 0 { run.plugin_arg(format!("wide={}", job.wide)) } else { run };
     let run = if job.adam { run.optimizer("adam", 0.001) } else { run };
     let run = if job.clip { run.set("--clip-norm", 0.05) } else { run };
+    let run = if job.buckets { run.set("--bucket-mb", 0.001) } else { run };
     run.summary(dir.join("summary.{rank}.json")).extend(extra)
 }
 
@@ -181,15 +187,70 @@ fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ra
 
 /// A return in a run whose gradient is clipped (`--clip-norm`, Adam), whose clip's factor is over
 /// the whole gradient: the chief sends each step's gradient as its clipping left it, and the
-/// returner runs the optimizer's rule on it range by range as it arrives, as without clipping. It
-/// catches up, and the run is bitwise the failure-free one.
+/// returner runs the optimizer's rule on it range by range as it arrives, as without clipping;
+/// the bucket that came before the norm (the chief's backward pass reduced it) is held, then
+/// clipped and updated once the norm comes. It catches up, and the run is bitwise the
+/// failure-free one.
 #[test]
 fn a_clipped_run_catches_up_updating_range_by_range_from_the_gradient_clipped_by_the_chief() {
+    assert_each_bucket_sent_first(SMALL_CLIPPED);
+}
+
+/// A return in a run of several buckets (`--bucket-mb`): the chief sends the returner each bucket
+/// as its reducing thread ends it during the backward pass, before the step's other outputs, and
+/// the returner updates that bucket's parameters as it comes. It catches up, and the run is
+/// bitwise the failure-free one.
+#[test]
+fn a_return_in_a_run_of_several_buckets_takes_each_as_the_chiefs_backward_pass_reduces_it() {
+    assert_each_bucket_sent_first(SMALL_BUCKETS);
+}
+
+/// Worker 2 back while the others train `job` (a parameter a bucket): it catches up, each step's
+/// update run range by range as its gradient came, and every step after the state's bucket sent
+/// before the step's outputs; the run ends bitwise the failure-free one.
+fn assert_each_bucket_sent_first(job: Job) {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = Cluster::start(3, &args(SMALL_CLIPPED, tmp.path(), &[]), &[], vec![], RESTART_SEC);
+    let mut c = Cluster::start(3, &args(job, tmp.path(), &[]), &[], vec![], RESTART_SEC);
     let back = back_while_they_train(&mut c, 20, 5);
-    let replayed = assert_caught_up_with_nothing_sent(&mut c, SMALL_CLIPPED, tmp.path(), back);
+    let replayed = assert_caught_up_with_nothing_sent(&mut c, job, tmp.path(), back);
     assert_eq!(updated_by_range(&mut c, back), replayed, "each update ran range by range as the gradient came");
+    assert_eq!(buckets_sent(&mut c, back), replayed - 1, "every step after the state's sent its bucket first");
+}
+
+/// Worker 1 killed while the chief, feeding a returner, has sent it the first bucket of a step
+/// and goes on with that step (the chief is held just after sending it): the chief's step fails,
+/// its generation ends and the catch-up with it; the returner, holding a step half taken, drops
+/// its state and joins as before, receiving one. Nothing is lost, and the run ends bitwise the
+/// failure-free one.
+#[test]
+fn a_member_lost_after_a_bucket_went_to_a_returner_stops_its_catch_up_and_loses_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let release = tmp.path().join("release");
+    let held = vec![
+        ("TRAINERD_FAILPOINT".to_string(), "bucket-sent@1".to_string()),
+        ("TRAINERD_FAILPOINT_RELEASE".to_string(), release.to_str().unwrap().to_string()),
+    ];
+    let mut c = Cluster::start(3, &args(SMALL_BUCKETS, tmp.path(), &[]), &[], vec![held], RESTART_SEC);
+    let back = back_while_they_train(&mut c, 20, 5);
+    c.wait_line(0, "trainerd: failpoint bucket-sent reached", back, DEADLINE);
+    c.signal(1, libc::SIGKILL);
+    std::fs::write(&release, b"").unwrap();
+    let (_, said) = c.wait_line(2, "trainerd: the catch-up stopped: ", back, DEADLINE);
+    assert!(said.ends_with(" half taken: its first buckets came); joining with a pause"), "{said}");
+    assert_bitwise(&mut c, SMALL_BUCKETS, tmp.path());
+    let stopped = c.lines_of(0, "trainerd: worker 2 (");
+    assert!(stopped.iter().any(|l| l.contains("'s catch-up stopped: generation ")), "{stopped:?}");
+    println!("the returner: {said}\nthe chief: {}", stopped.join("\n"));
+    let joined = joined_after(&c, back);
+    let returner = joined.iter().find(|(rank, _)| *rank == 2);
+    assert!(matches!(returner, Some((_, Event::Joined { source: Some(0 | 1), steps_lost: 0, .. }))), "{joined:?}");
+}
+
+/// How many buckets worker 2's catch-up after line `back` took as the chief's backward pass
+/// reduced them (its `caught up` line).
+fn buckets_sent(c: &mut Cluster, back: usize) -> u64 {
+    let (_, caught) = c.wait_line(2, "trainerd: caught up in ", back, DEADLINE);
+    number_before(&caught, " bucket(s) sent as the donor's backward pass reduced them")
 }
 
 /// How many of the steps worker 2 replayed in its catch-up after line `back` it updated range by

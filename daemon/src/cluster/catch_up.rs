@@ -55,6 +55,14 @@ pub(crate) enum Item {
         /// The first piece.
         first: Bytes,
     },
+    /// One bucket's averaged gradients in the step the donor computes, before that step's
+    /// outputs (which leave them out); read as a [`Item::Step`] is.
+    Bucket {
+        /// Bytes in all.
+        total: usize,
+        /// The first piece.
+        first: Bytes,
+    },
     /// The position after a step or an epoch's end.
     Position(Bytes),
     /// The generation ends after `step`; join with the lineage digest when `lineage`.
@@ -85,7 +93,9 @@ struct Queued {
     state: bool,
 }
 
-/// The sending side of one returner's catch-up stream.
+/// The sending side of one returner's catch-up stream; a clone sends on the same stream (the
+/// reducing thread's buckets, [`Feed::bucket`]).
+#[derive(Clone)]
 pub(crate) struct Feed {
     tx: mpsc::UnboundedSender<Queued>,
     counts: Arc<Counts>,
@@ -130,6 +140,11 @@ impl Feed {
     /// Queues one step's outputs.
     pub(crate) fn step(&self, bytes: &Bytes) -> bool {
         self.item(Kind::Step, bytes, |_| {})
+    }
+
+    /// Queues one bucket's averaged gradients, before the rest of their step's outputs.
+    pub(crate) fn bucket(&self, bytes: &Bytes) -> bool {
+        self.item(Kind::Bucket, bytes, |_| {})
     }
 
     /// Queues the position after a step or an epoch's end.
@@ -294,11 +309,14 @@ impl Catching {
         let first = self.part()?;
         let kind = Kind::try_from(first.kind).map_err(|_| format!("a part of unknown kind {}", first.kind))?;
         let total = usize::try_from(first.total).map_err(|_| "an item too large".to_string())?;
-        if kind == Kind::Step {
-            return match first.data.len() <= total {
-                true => Ok(Item::Step { total, first: first.data }),
-                false => Err(format!("a Step item's first piece holds {} of {total} bytes", first.data.len())),
-            };
+        if kind == Kind::Step || kind == Kind::Bucket {
+            if first.data.len() > total {
+                return Err(format!("a {kind:?} item's first piece holds {} of {total} bytes", first.data.len()));
+            }
+            return Ok(match kind {
+                Kind::Step => Item::Step { total, first: first.data },
+                _ => Item::Bucket { total, first: first.data },
+            });
         }
         let mut bytes = BytesMut::with_capacity(total);
         bytes.extend_from_slice(&first.data);
@@ -315,7 +333,7 @@ impl Catching {
                 }
                 Item::State { generation: first.generation, formation: first.formation_digest, bytes }
             }
-            Kind::Step => unreachable!("returned above"),
+            Kind::Step | Kind::Bucket => unreachable!("returned above"),
             Kind::Position => Item::Position(bytes),
             Kind::End => Item::End { step: first.step, lineage: first.lineage },
             Kind::Fallback => Item::Fallback(first.reason),

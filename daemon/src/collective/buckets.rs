@@ -432,6 +432,12 @@ impl Buckets {
         out
     }
 
+    /// Bucket `b`'s buffer of the first slot (a shallow handle).
+    #[cfg(test)]
+    pub(crate) fn first_slot_buffer(&self, b: usize) -> Tensor {
+        self.slot_buffers(b, 1).remove(0)
+    }
+
     /// The buffers of bucket `b` of the first `held` slots staged (shallow handles).
     fn slot_buffers(&self, b: usize, held: usize) -> Vec<Tensor> {
         self.staging[..held].iter().map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone()).collect()

@@ -20,6 +20,21 @@ use super::buckets::Buckets;
 use super::{Collective, CollectiveError};
 use crate::sys::autograd::GradReady;
 
+/// Told on the reducing thread of each bucket reduced whose gradients all came during the
+/// backward pass: its index and its first slot's buffer, which holds the bucket's sum over the
+/// slots (a returner's catch-up sends its average on: docs/fault-tolerance.md, "By bucket").
+pub(crate) type OnReduced<'a> = &'a (dyn Fn(usize, &Tensor) + Sync);
+
+/// A step's reductions behind the last backward pass: which reduction, and who is told of each
+/// bucket reduced.
+#[derive(Clone, Copy)]
+pub(crate) struct Overlap<'a> {
+    /// The reduction each bucket gets.
+    pub(crate) how: Reduction,
+    /// Told of each bucket reduced, if anyone.
+    pub(crate) told: Option<OnReduced<'a>>,
+}
+
 /// Which reduction a bucket gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Reduction {
@@ -32,13 +47,14 @@ pub(crate) enum Reduction {
 /// Runs `backward` (the `i`th slot held's backward pass, the last this worker computes in the
 /// step, with `params` its parameters; `held` slots held) while the buckets after the first are
 /// reduced as their gradients become final; they end staged and reduced (marked so in
-/// `buckets`), the first ([`super::buckets::TAIL`]) neither. Returns `backward`'s value and how many buckets were
-/// handed over while it ran (the others had a parameter without a gradient). `backward`'s own
-/// error comes back as it is; a reduction that failed, as a [`CollectiveError`] once `backward`
-/// has returned.
+/// `buckets`), the first ([`super::buckets::TAIL`]) neither; `overlap.told` hears of each of
+/// those handed over while `backward` ran, once reduced. Returns `backward`'s value and how many
+/// buckets were handed over while it ran (the others had a parameter without a gradient).
+/// `backward`'s own error comes back as it is; a reduction that failed, as a [`CollectiveError`]
+/// once `backward` has returned.
 pub(crate) fn overlapped<T, E: From<CollectiveError>>(
     (buckets, collective): (&mut Buckets, &mut dyn Collective),
-    ((i, held), params, how): ((usize, usize), &[&Tensor], Reduction),
+    ((i, held), params, overlap): ((usize, usize), &[&Tensor], Overlap<'_>),
     backward: impl FnOnce() -> Result<T, E>,
 ) -> Result<(T, usize), E> {
     let early = buckets.early();
@@ -48,16 +64,16 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
     let mut handles = buckets.prepare((i, held), params, early.clone());
     let bucket_of: Vec<usize> = bucket_places(buckets.groups(), params.len());
     let mut waiting: Vec<usize> = buckets.groups().iter().map(Vec::len).collect();
-    let (tx, rx) = mpsc::channel::<usize>();
+    let (tx, rx) = mpsc::channel::<(usize, bool)>();
     std::thread::scope(|scope| {
         let first = early.start;
-        let reducer = scope.spawn(move || reduce_in_order(collective, (&mut handles, first), rx, how));
+        let reducer = scope.spawn(move || reduce_in_order(collective, (&mut handles, first), rx, overlap));
         let mut staged = vec![false; early.end]; // Per bucket (the tail's never is here).
-        let mut stage = |b: usize, staged: &mut Vec<bool>| {
+        let mut stage = |b: usize, staged: &mut Vec<bool>, during: bool| {
             buckets.stage_buckets(i, params, &[], b..b + 1);
             staged[b] = true;
             // A member gone sends nothing more: the error comes from the reducer.
-            let _ = tx.send(b);
+            let _ = tx.send((b, during));
         };
         let result = {
             let mut on_ready = |p: usize| {
@@ -65,7 +81,7 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
                 if early.contains(&b) {
                     waiting[b] -= 1;
                     if waiting[b] == 0 {
-                        stage(b, &mut staged);
+                        stage(b, &mut staged, true);
                         // Chaos tests stop a member here: inside its backward pass, a bucket's
                         // reduction in flight.
                         trainerd_failpoint::point("backward");
@@ -85,7 +101,7 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
         // bucket that does not come).
         for b in early.clone().filter(|_| result.is_ok()) {
             if !staged[b] {
-                stage(b, &mut staged);
+                stage(b, &mut staged, false);
             }
         }
         drop(tx);
@@ -108,26 +124,30 @@ fn bucket_places(groups: &[Vec<usize>], params: usize) -> Vec<usize> {
 
 /// The reducing thread: the buckets of `handles` (each bucket's buffers, one per slot held; the
 /// first is bucket `first`), reduced from the last down to the first, each once its bucket has
-/// arrived on `ready`.
+/// arrived on `ready` (with whether it came during the backward pass: then `overlap.told` hears
+/// of it once reduced).
 fn reduce_in_order(
     collective: &mut dyn Collective,
     (handles, first): (&mut [Vec<Tensor>], usize),
-    ready: mpsc::Receiver<usize>,
-    how: Reduction,
+    ready: mpsc::Receiver<(usize, bool)>,
+    overlap: Overlap<'_>,
 ) -> Result<(), CollectiveError> {
-    let mut arrived = vec![false; handles.len()];
+    let mut arrived = vec![None; handles.len()];
     for b in (0..handles.len()).rev() {
-        while !arrived[b] {
+        while arrived[b].is_none() {
             match ready.recv() {
-                Ok(r) => arrived[r - first] = true,
+                Ok((r, during)) => arrived[r - first] = Some(during),
                 // Every bucket is sent before the sender is dropped, unless the backward pass's
                 // thread is unwinding a panic.
                 Err(mpsc::RecvError) => return Ok(()),
             }
         }
-        match how {
+        match overlap.how {
             Reduction::AllReduce => collective.all_reduce_buffers(&mut handles[b])?,
             Reduction::ReduceScatter => collective.reduce_scatter_buffers(&mut handles[b])?,
+        }
+        if let (Some(told), Some(true)) = (overlap.told, arrived[b]) {
+            told(first + b, &handles[b][0]);
         }
     }
     Ok(())
@@ -199,7 +219,10 @@ mod tests {
             let handles: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
             let n = buckets.groups().len();
             if overlap && i + 1 == held.len() {
-                let on = ((i, held.len()), handles.as_slice(), how);
+                // Each bucket told of, with its sum's bits as the reducing thread saw them.
+                let told_of = std::sync::Mutex::new(Vec::new());
+                let told = |b: usize, sum: &Tensor| told_of.lock().unwrap().push((b, bits(sum)));
+                let on = ((i, held.len()), handles.as_slice(), Overlap { how, told: Some(&told) });
                 let during = overlapped::<_, CollectiveError>((&mut *buckets, &mut *ring), on, || {
                     backward(params, (step, slot));
                     Ok(())
@@ -207,6 +230,13 @@ mod tests {
                 // Every bucket but the first (the tail's) and the last (its 7th parameter is
                 // never used: that bucket is staged when the backward pass ends).
                 assert_eq!(during.unwrap().1, n - 2, "handed over during the backward pass");
+                // Told of those, once each, from the last down, as reduced (the sums the
+                // reduction after the backward pass reads).
+                let told_of = told_of.into_inner().unwrap();
+                assert_eq!(told_of.iter().map(|(b, _)| *b).collect::<Vec<_>>(), (1..n - 1).rev().collect::<Vec<_>>());
+                for (b, sum) in told_of {
+                    assert_eq!(sum, bits(&buckets.first_slot_buffer(b)), "bucket {b}'s sum");
+                }
                 buckets.stage_buckets(i, &handles, &extra, TAIL..TAIL + 1);
             } else {
                 backward(params, (step, slot));
@@ -282,7 +312,7 @@ mod tests {
                 if ring.rank() == 1 {
                     return None; // gone before its first bucket
                 }
-                let on = ((0, 1), handles.as_slice(), Reduction::AllReduce);
+                let on = ((0, 1), handles.as_slice(), Overlap { how: Reduction::AllReduce, told: None });
                 let result = overlapped::<_, CollectiveError>((&mut buckets, &mut *ring), on, || {
                     backward(&params, (0, 0));
                     Ok("the backward pass ended")

@@ -7,7 +7,10 @@
 //! range of the gradient as it comes and updates it, where it would otherwise wait for the whole
 //! gradient (the clip's factor is over all of it). A sharded step's
 //! outputs carry the parameters after the step instead (no member holds its averaged gradient
-//! whole, and the returner holds no range of the optimizer state to update with it).
+//! whole, and the returner holds no range of the optimizer state to update with it). A bucket's
+//! averaged gradients may come before the step's outputs, as the donor's reduction ends that
+//! bucket during its backward pass ([`capture_bucket`]; docs/fault-tolerance.md, "By bucket"):
+//! the step's outputs then leave those gradients out.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -27,6 +30,8 @@ const MAGIC: &[u8; 8] = b"TRDSTEP1";
 const CLIPPED_MAGIC: &[u8; 8] = b"TRDSTPC1";
 /// The magic of a step's outputs that carry the parameters after it.
 const PARAMS_MAGIC: &[u8; 8] = b"TRDSTPP1";
+/// The magic of one bucket's averaged gradients, sent before the rest of their step's outputs.
+const BUCKET_MAGIC: &[u8; 8] = b"TRDBCKT1";
 
 /// What a step's outputs carry of the parameters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +44,10 @@ pub(crate) enum Carried {
     Clipped,
     /// The parameters after the step (a sharded step's, as its all-gather left them).
     Parameters,
+    /// Some of the step's averaged gradients, before the update: one bucket's, sent as the
+    /// donor's reduction ended it during the backward pass; the step's own outputs follow, without
+    /// them.
+    Bucket,
 }
 
 /// The name of the global norm's tensor in [`Carried::Clipped`] outputs (one float64).
@@ -55,6 +64,7 @@ impl Carried {
             Carried::Gradients => MAGIC,
             Carried::Clipped => CLIPPED_MAGIC,
             Carried::Parameters => PARAMS_MAGIC,
+            Carried::Bucket => BUCKET_MAGIC,
         }
     }
 }
@@ -71,10 +81,15 @@ struct StepOutputs {
 
 /// The outputs of the step `model` has just reduced (its buffers made the same on every member,
 /// its position still the one before the step), as bytes: the averaged gradients (copied now,
-/// before the update changes them: unscaling, clipping), with `clip_norm`, the global norm the
-/// update clips them at, sent first ([`Carried::Clipped`]); or (`sharded`) the parameters after
-/// the step.
-pub(crate) fn capture(model: &ModelState, sharded: bool, clip_norm: Option<f64>) -> Result<Vec<u8>, StateError> {
+/// before the update changes them: unscaling, clipping), but those of the parameters `sent`
+/// before in a bucket ([`capture_bucket`]), with `clip_norm`, the global norm the update clips
+/// them at, sent first ([`Carried::Clipped`]); or (`sharded`) the parameters after the step.
+pub(crate) fn capture(
+    model: &ModelState,
+    sharded: bool,
+    clip_norm: Option<f64>,
+    sent: &[bool],
+) -> Result<Vec<u8>, StateError> {
     let carried = match (sharded, clip_norm) {
         (true, _) => Carried::Parameters,
         (false, Some(_)) => Carried::Clipped,
@@ -82,17 +97,44 @@ pub(crate) fn capture(model: &ModelState, sharded: bool, clip_norm: Option<f64>)
     };
     let norm = clip_norm.map(|n| (CLIP_NORM.to_string(), tch::Tensor::from_slice(&[n])));
     let tensors: Vec<(String, tch::Tensor)> = match carried {
-        Carried::Gradients | Carried::Clipped => norm
+        Carried::Gradients | Carried::Clipped | Carried::Bucket => norm
             .into_iter()
-            .chain(model.params.iter().filter_map(|(n, p)| {
+            .chain(model.params.iter().enumerate().filter_map(|(i, (n, p))| {
                 let g = p.grad();
-                g.defined().then(|| (format!("grad/{n}"), g))
+                (g.defined() && !sent.get(i).copied().unwrap_or(false)).then(|| (format!("grad/{n}"), g))
             }))
             .collect(),
         Carried::Parameters => model.params.iter().map(|(n, p)| (format!("param/{n}"), p.detach())).collect(),
     };
     let buffers = model.buffers.iter().map(|(n, b)| (format!("buffer/{n}"), b.shallow_clone()));
     Encoding::new(carried.magic(), &model.position, tensors.into_iter().chain(buffers).collect())?.bytes()
+}
+
+/// One bucket's averaged gradients in the step that follows `position`, as bytes
+/// ([`Carried::Bucket`]), from `sums` (each parameter's name and its gradient's float32 sum over
+/// the run's slots) times `scale` (1/V): each value multiplied as it is copied, the float32 product
+/// the update's gradient holds.
+pub(crate) fn capture_bucket(
+    position: &Position,
+    sums: Vec<(String, tch::Tensor)>,
+    scale: f32,
+) -> Result<Vec<u8>, StateError> {
+    if let Some((name, t)) = sums.iter().find(|(_, t)| t.kind() != tch::Kind::Float) {
+        return Err(StateError::Kind { name: name.clone(), kind: t.kind() });
+    }
+    let tensors = sums.into_iter().map(|(n, g)| (format!("grad/{n}"), g)).collect();
+    let encoding = Encoding::new(BUCKET_MAGIC, position, tensors)?;
+    let (mut out, mut head, mut scaled) = (Vec::new(), true, Vec::<f32>::new());
+    encoding.write(&mut |piece| {
+        if std::mem::take(&mut head) {
+            return out.extend_from_slice(piece);
+        }
+        // Every tensor is float32 and comes in whole values, a piece at a time.
+        scaled.clear();
+        scaled.extend(piece.chunks_exact(4).map(|v| f32::from_le_bytes(v.try_into().expect("4 bytes")) * scale));
+        out.extend_from_slice(bytemuck::cast_slice(&scaled));
+    })?;
+    Ok(out)
 }
 
 impl StepOutputs {
@@ -141,6 +183,8 @@ pub(crate) struct Incoming {
     read: Option<Read>,
     /// The global norm the update clips at, once it came ([`Carried::Clipped`]).
     clip_norm: Option<f64>,
+    /// Per parameter, whether its gradient in this step came in a bucket before these outputs.
+    earlier: Vec<bool>,
 }
 
 /// What the head said, checked against the model.
@@ -148,6 +192,8 @@ struct Read {
     carried: Carried,
     /// Each tensor, in data order, and where its bytes go.
     tensors: Vec<(Placed, Dest)>,
+    /// Per parameter, whether these outputs hold its gradient.
+    sent: Vec<bool>,
     /// The first tensor whose bytes are not all here.
     cursor: usize,
 }
@@ -163,7 +209,19 @@ enum Dest {
 impl Incoming {
     /// Outputs of `total` bytes about to arrive.
     pub(crate) fn new(total: usize) -> Incoming {
-        Incoming { total, got: 0, head: Vec::new(), read: None, clip_norm: None }
+        Incoming { total, got: 0, head: Vec::new(), read: None, clip_norm: None, earlier: Vec::new() }
+    }
+
+    /// The same, in a step whose gradients of the parameters `earlier` came before in buckets
+    /// ([`Carried::Bucket`]): these outputs may not hold them again.
+    pub(crate) fn after(mut self, earlier: &[bool]) -> Incoming {
+        self.earlier = earlier.to_vec();
+        self
+    }
+
+    /// Once the head is read: per parameter, whether these outputs hold its gradient.
+    pub(crate) fn carries(&self) -> Option<&[bool]> {
+        self.read.as_ref().map(|r| r.sent.as_slice())
     }
 
     /// Whether every byte came.
@@ -208,7 +266,7 @@ impl Incoming {
         }
         self.head.extend_from_slice(piece);
         self.got += piece.len();
-        let Some(read) = read_head(&self.head, self.total, model)? else { return Ok(Vec::new()) };
+        let Some(read) = read_head(&self.head, (self.total, &self.earlier), model)? else { return Ok(Vec::new()) };
         let data = read.tensors.first().map_or(self.total, |(p, _)| p.bytes.start);
         let rest = std::mem::take(&mut self.head).split_off(data.min(self.got));
         self.got -= rest.len();
@@ -276,23 +334,26 @@ impl Incoming {
         }
         let outputs = StepOutputs { carried: read.carried, tensors, buffers };
         let taken = match outputs.carried {
-            Carried::Gradients | Carried::Clipped => outputs.kept_grads(model),
+            Carried::Gradients | Carried::Clipped | Carried::Bucket => outputs.kept_grads(model),
             Carried::Parameters => outputs.set_params(model),
         };
-        taken.and_then(|()| outputs.set_buffers(model)).map_err(|e| e.to_string())?;
+        // A bucket carries gradients alone: the buffers come with the step's outputs.
+        let buffers = outputs.carried != Carried::Bucket;
+        taken.and_then(|()| if buffers { outputs.set_buffers(model) } else { Ok(()) }).map_err(|e| e.to_string())?;
         Ok(outputs.carried)
     }
 }
 
 /// The head of a step's outputs of `total` bytes, once `head` holds it, checked against `model`
-/// (at the step before them): where each tensor goes, every gradient of a parameter written in
-/// place made there.
-fn read_head(head: &[u8], total: usize, model: &ModelState) -> Result<Option<Read>, String> {
+/// (at the step before them) and the gradients of the step that came `earlier` in buckets: where
+/// each tensor goes, every gradient of a parameter written in place made there.
+fn read_head(head: &[u8], (total, earlier): (usize, &[bool]), model: &ModelState) -> Result<Option<Read>, String> {
     let magic = match head.get(..8) {
         None => return Ok(None),
         Some(m) if m == MAGIC => Carried::Gradients,
         Some(m) if m == CLIPPED_MAGIC => Carried::Clipped,
         Some(m) if m == PARAMS_MAGIC => Carried::Parameters,
+        Some(m) if m == BUCKET_MAGIC => Carried::Bucket,
         Some(_) => return Err("a step's outputs with no header".into()),
     };
     let Some(len) = head.get(8..16).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize) else {
@@ -320,10 +381,13 @@ fn read_head(head: &[u8], total: usize, model: &ModelState) -> Result<Option<Rea
                 let Some(&i) = index.get(name) else {
                     return Err(format!("a step's outputs hold a gradient of {name}, which the model does not have"));
                 };
+                if sent[i] || earlier.get(i).copied().unwrap_or(false) {
+                    return Err(format!("a step's outputs hold {name}'s gradient a second time"));
+                }
                 sent[i] = true;
                 grad_in_place(model, i, &p)?
             }
-            None if p.name.starts_with(prefix) || p.name.starts_with("buffer/") => None,
+            None if p.name.starts_with(prefix) || (p.name.starts_with("buffer/") && magic != Carried::Bucket) => None,
             None if magic == Carried::Clipped && p.name == CLIP_NORM => {
                 if p.dtype != trainerd_storage::Dtype::F64 || p.bytes.len() != 8 {
                     return Err(format!("a step's outputs hold {CLIP_NORM} of {:?}, not one float64", p.dtype));
@@ -334,13 +398,14 @@ fn read_head(head: &[u8], total: usize, model: &ModelState) -> Result<Option<Rea
         };
         tensors.push((p, into.map_or(Dest::Kept(Vec::new()), Dest::Grad)));
     }
-    if magic.gradients() {
-        let unsent = model.params.iter().zip(&sent).find(|((_, p), &sent)| !sent && p.grad().defined());
-        if let Some(((name, _), _)) = unsent {
+    if magic.gradients() && magic != Carried::Bucket {
+        let came = |i: usize| sent[i] || earlier.get(i).copied().unwrap_or(false);
+        let unsent = model.params.iter().enumerate().find(|(i, (_, p))| !came(*i) && p.grad().defined());
+        if let Some((_, (name, _))) = unsent {
             return Err(format!("a step's outputs hold no gradient of {name}, which has one here"));
         }
     }
-    Ok(Some(Read { carried: magic, tensors, cursor: 0 }))
+    Ok(Some(Read { carried: magic, tensors, sent, cursor: 0 }))
 }
 
 /// Where the gradient of parameter `i` placed at `p` goes: straight into the parameter's own
@@ -399,7 +464,7 @@ mod tests {
         tch::with_grad(|| (a * a * (k as f64)).sum(Kind::Float).backward());
         let _ = s.model.buffers[0].1.fill_(10 + k);
         let norm = clip.norm_over(&s.model.params, &per_parameter(&s.model.params)).unwrap();
-        let bytes = capture(&s.model, false, norm).unwrap();
+        let bytes = capture(&s.model, false, norm, &[]).unwrap();
         if let Some(norm) = norm {
             clip.apply_at(&s.model.params, norm).unwrap();
         }
@@ -485,6 +550,104 @@ mod tests {
         }
     }
 
+    /// Three parameters, `a` and `b` used, `unused` never, with the optimizer `config`.
+    fn three_params(seed: i64, config: OptimizerConfig) -> TrainState {
+        let mut s = state_with(seed, config.clone());
+        tch::manual_seed(seed + 100);
+        s.model.params.push(("b".to_string(), Tensor::randn([5], (Kind::Float, Device::Cpu)).set_requires_grad(true)));
+        s.optimizer = Optim::Whole(Optimizer::new(config, &s.model.params));
+        s
+    }
+
+    /// A step on `s` whose gradient of `b` is sent in a bucket before the rest of its outputs,
+    /// as the donor's reducing thread sends it: (the bucket, the outputs).
+    fn bucketed_step(s: &mut TrainState, k: i64) -> (Vec<u8>, Vec<u8>) {
+        let (a, b) = (&s.model.params[0].1, &s.model.params[2].1);
+        tch::with_grad(|| ((a * a * (k as f64)).sum(Kind::Float) + (b * b * b).sum(Kind::Float)).backward());
+        let _ = s.model.buffers[0].1.fill_(10 + k);
+        // The bucket's sum over 2 slots, as the reduction leaves it, and its average.
+        let sum = s.model.params[2].1.grad() * 2.0;
+        let bucket = capture_bucket(&s.model.position, vec![("b".into(), sum)], 0.5).unwrap();
+        let outputs = capture(&s.model, false, None, &[false, false, true]).unwrap();
+        let Optim::Whole(o) = &mut s.optimizer else { unreachable!("whole") };
+        o.step(&mut s.model.params, 0.1);
+        s.model.params.iter().for_each(|(_, p)| _ = p.grad().defined().then(|| p.grad().zero_()));
+        s.model.position.global_step += 1;
+        (bucket, outputs)
+    }
+
+    /// `bytes` taken into `s` in pieces of `piece` bytes (after the gradients of the step that
+    /// came `earlier`), each complete range updated by `rules` as it comes, the rules of the
+    /// gradients these bytes carry made first (`ranged`: the step's first item, which counts the
+    /// step; else joined to it); what they carried.
+    fn take_ranged(
+        s: &mut TrainState,
+        (bytes, piece, earlier): (&[u8], usize, &[bool]),
+        rules: &mut Option<crate::optim::optimizer::RangedRules>,
+    ) -> Result<Vec<bool>, String> {
+        let mut incoming = Incoming::new(bytes.len()).after(earlier);
+        let mut joined = false;
+        for chunk in bytes.chunks(piece) {
+            let complete = incoming.take(&mut s.model, chunk)?;
+            let Optim::Whole(o) = &mut s.optimizer else { unreachable!("whole") };
+            if let (false, Some((_, Some(with)))) = (joined, incoming.grads_in_place(&s.model)) {
+                joined = true;
+                match rules.as_mut() {
+                    None => *rules = Some(o.ranged(&s.model.params, &with, 0.1).expect("plain")),
+                    Some(r) => {
+                        let more = o.more_ranged(&s.model.params, &with, 0.1);
+                        r.iter_mut().zip(more).filter(|(_, m)| m.is_some()).for_each(|(r, m)| *r = m);
+                    }
+                }
+            }
+            for (i, range) in complete {
+                let p = &s.model.params[i].1;
+                o.update_range(i, rules.as_ref().unwrap()[i].unwrap(), (p, &p.grad()), range);
+            }
+        }
+        let carried = incoming.carries().expect("the head came").to_vec();
+        incoming.finish(&mut s.model)?;
+        Ok(carried)
+    }
+
+    /// A step's gradients sent partly in a bucket before its outputs (docs/fault-tolerance.md,
+    /// "By bucket"): the returner updates the bucket's parameters range by range as they come,
+    /// then the outputs' (which leave the bucket's out), with the step counted once: the donor's
+    /// bits, for every optimizer and piece size. Outputs that repeat a gradient the bucket
+    /// carried, or taken as if no bucket had come, are refused before anything is written.
+    #[test]
+    fn a_steps_gradients_in_a_bucket_before_its_outputs_give_the_same_bits() {
+        let mut momentum = OptimizerConfig::sgd(0.1);
+        if let OptimizerConfig::Sgd { momentum: m, .. } = &mut momentum {
+            *m = 0.9;
+        }
+        for config in [OptimizerConfig::adam(1e-2), momentum, OptimizerConfig::rmsprop(1e-2)] {
+            for piece in [1, 9, 1 << 20] {
+                let mut donor = three_params(1, config.clone());
+                let mut returner = three_params(2, config.clone());
+                returner.decode(donor.encode().unwrap().into()).unwrap();
+                for k in 1..=3 {
+                    let (bucket, outputs) = bucketed_step(&mut donor, k);
+                    let mut rules = None;
+                    let earlier = take_ranged(&mut returner, (&bucket, piece, &[]), &mut rules).unwrap();
+                    assert_eq!(earlier, [false, false, true], "the bucket carries b's gradient");
+                    if k == 1 {
+                        let err = take_ranged(&mut returner, (&bucket, piece, &earlier), &mut None);
+                        assert_eq!(err.unwrap_err(), "a step's outputs hold b's gradient a second time");
+                        let err = Incoming::new(outputs.len()).take(&mut returner.model, &outputs).err();
+                        assert_eq!(err.unwrap(), "a step's outputs hold no gradient of b, which has one here");
+                    }
+                    let carried = take_ranged(&mut returner, (&outputs, piece, &earlier), &mut rules).unwrap();
+                    assert_eq!(carried, [true, false, false], "the outputs carry a's gradient alone");
+                    returner.model.position.global_step += 1;
+                }
+                let what = format!("{config:?} in pieces of {piece} bytes");
+                assert_eq!(returner.digest().unwrap(), donor.digest().unwrap(), "{what}");
+                assert!(!returner.model.params[1].1.grad().defined(), "{what}: no gradient made for unused");
+            }
+        }
+    }
+
     /// A sharded step's outputs: the parameters and buffers after it, taken as they are.
     #[test]
     fn a_sharded_steps_outputs_carry_the_parameters_after_it() {
@@ -495,7 +658,7 @@ mod tests {
         let before = donor.model.position.clone();
         step(&mut donor, 1);
         donor.model.position = before;
-        let bytes = capture(&donor.model, true, None).unwrap();
+        let bytes = capture(&donor.model, true, None, &[]).unwrap();
         let mut incoming = Incoming::new(bytes.len());
         assert_eq!(incoming.take(&mut returner.model, &bytes).unwrap(), [], "nothing is put in place");
         assert_eq!(
@@ -510,7 +673,7 @@ mod tests {
     #[test]
     fn outputs_that_do_not_follow_the_replay_are_refused_before_anything_is_written() {
         let mut donor = state(1);
-        let stale = capture(&donor.model, false, None).unwrap();
+        let stale = capture(&donor.model, false, None, &[]).unwrap();
         step(&mut donor, 1);
         let a = donor.model.params[0].1.copy();
         let mut incoming = Incoming::new(stale.len());
@@ -519,7 +682,7 @@ mod tests {
         // The donor's gradient of `a` is still there: outputs without it are refused by name.
         let mut s = state(1);
         tch::with_grad(|| (&s.model.params[0].1 * 2.0).sum(Kind::Float).backward());
-        let none = capture(&state(1).model, false, None).unwrap();
+        let none = capture(&state(1).model, false, None, &[]).unwrap();
         let err = Incoming::new(none.len()).take(&mut s.model, &none).err().unwrap();
         assert_eq!(err, "a step's outputs hold no gradient of a, which has one here");
         assert_eq!(donor.model.params[0].1, a, "nothing was written");

@@ -91,7 +91,7 @@ pub(crate) fn run(
     if world > 1 {
         report.line(&format!(
             "trainerd: {}",
-            buckets.describe(cfg.bucket_bytes, driver::overlap(cfg, false, false).is_some())
+            buckets.describe(cfg.bucket_bytes, driver::overlap(cfg, false, false, None).is_some())
         ));
     }
     let mut checkpointer = startup::checkpointer(cfg, &mut report)?;

@@ -18,7 +18,7 @@ use trainerd_sdk::{Batch, InputContext};
 
 use super::error::TrainError;
 use crate::collective::buckets::{Buckets, TAIL};
-use crate::collective::overlap::{overlapped, Reduction};
+use crate::collective::overlap::{overlapped, Overlap};
 use crate::collective::{Collective, ReduceOp};
 use crate::input::Data;
 use crate::optim::precision::Precision;
@@ -123,7 +123,7 @@ pub(crate) struct Replica<'s> {
 /// tail's extra values summed.
 pub(crate) fn train_step(
     replicas: &mut [Replica<'_>],
-    (buckets, reduce, overlap): (&mut Buckets, &mut Reduce<'_>, Option<Reduction>),
+    (buckets, reduce, overlap): (&mut Buckets, &mut Reduce<'_>, Option<Overlap<'_>>),
     collective: &mut dyn Collective,
     (batches, start): (&[SlotBatch<'_>], &[Tensor]),
     raised: Raised<'_>,
@@ -200,13 +200,13 @@ fn tail_values(totals: &Totals, slots: &crate::collective::Slots, raised: Raised
 /// buckets after the tail's are staged and reduced during the backward pass ([`overlapped`]).
 fn compute_round<'c>(
     replicas: &mut [Replica<'_>],
-    (buckets, collective, overlap): (&mut Buckets, &mut (dyn Collective + 'c), Option<Reduction>),
+    (buckets, collective, overlap): (&mut Buckets, &mut (dyn Collective + 'c), Option<Overlap<'_>>),
     (round, group, held): (usize, &[SlotBatch<'_>], usize),
     start: &[Tensor],
     then: Option<&mut dyn FnMut()>,
 ) -> Result<Vec<(i64, Tensor, Tensor)>, TrainError> {
     let start = (round > 0).then_some(start);
-    let Some(how) = overlap else {
+    let Some(overlap) = overlap else {
         let mut outputs = Vec::with_capacity(group.len());
         for (replica, batch) in replicas.iter_mut().zip(group) {
             outputs.push(forward_backward(replica, batch, start)?);
@@ -217,7 +217,7 @@ fn compute_round<'c>(
     let replica = &mut replicas[0];
     let params: Vec<Tensor> = replica.params.iter().map(|(_, p)| p.shallow_clone()).collect();
     let params: Vec<&Tensor> = params.iter().collect();
-    let (out, _) = overlapped((buckets, collective), ((round, held), params.as_slice(), how), || {
+    let (out, _) = overlapped((buckets, collective), ((round, held), params.as_slice(), overlap), || {
         let out = forward_backward(replica, &group[0], start)?;
         then.into_iter().for_each(|then| then());
         Ok::<_, TrainError>(out)

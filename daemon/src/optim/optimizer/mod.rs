@@ -275,61 +275,6 @@ impl Optimizer {
         }
     }
 
-    /// The next update at rate `lr` made ready to run a range of elements at a time, as a
-    /// returner's replay takes a step's gradient in ([`Optimizer::update_range`]): every rule is
-    /// element-wise, so each range's update is the whole's, the same bits. `None`, and nothing
-    /// changed, where a rule needs the whole gradient (Keras's `clipnorm`) or a tensor is not plain
-    /// float32 on the CPU: [`Optimizer::step`] then runs once the gradient is whole.
-    pub(crate) fn ranged(&mut self, params: &[(String, Tensor)], with_grad: &[bool], lr: f64) -> Option<RangedRules> {
-        if let OptimizerConfig::Keras(KerasOptimizer { clipnorm: Some(_), .. }) = self.config {
-            return None;
-        }
-        let plain = |t: &Tensor, n: usize| elementwise::plain(t) && t.numel() == n;
-        let decay = per_parameter(&self.groups, params.len());
-        for (i, (_, p)) in params.iter().enumerate().filter(|&(i, _)| with_grad[i]) {
-            // (SGD's momentum buffer not made yet is no tensor here.)
-            if !plain(p, p.numel()) || !self.slots[i].named().iter().all(|(_, t)| plain(t, p.numel())) {
-                return None;
-            }
-        }
-        self.steps += 1;
-        let _no_grad = tch::no_grad_guard();
-        let rules = params.iter().enumerate().map(|(i, (_, p))| {
-            with_grad[i].then(|| {
-                let first = matches!(self.slots[i], Slots::Sgd { momentum_buffer: None });
-                let r = self.rule(decay[i], lr);
-                if let (true, Slots::Sgd { momentum_buffer }) = (first && r.state_len() == 1, &mut self.slots[i]) {
-                    *momentum_buffer = Some(p.zeros_like());
-                }
-                (r, first)
-            })
-        });
-        Some(rules.collect())
-    }
-
-    /// Elements `range` of parameter `i` (`p`) updated from its gradient `grad` by `(rule, first)`
-    /// of [`Optimizer::ranged`].
-    pub(crate) fn update_range(
-        &mut self,
-        i: usize,
-        (rule, first): (Rule, bool),
-        (p, grad): (&Tensor, &Tensor),
-        range: std::ops::Range<usize>,
-    ) {
-        let state: Vec<&Tensor> = self.slots[i].named().into_iter().map(|(_, t)| t).collect();
-        let n = p.numel();
-        assert!(range.end <= n && grad.numel() == n && state.len() == rule.state_len(), "checked by ranged");
-        let slice = |t: &Tensor| {
-            // SAFETY: contiguous float32 CPU tensors of `n` elements each ([`Optimizer::ranged`]
-            // checked them), distinct (a parameter, its gradient and its own state tensors), and
-            // `range` within them; the slices live only in this call.
-            unsafe { std::slice::from_raw_parts_mut((t.data_ptr() as *mut f32).add(range.start), range.len()) }
-        };
-        let (p, g) = (slice(p), slice(grad));
-        let mut state: Vec<&mut [f32]> = state.into_iter().map(slice).collect();
-        rule.apply(p, g, &mut state, first, super::lanes::Write::Both);
-    }
-
     /// Adam's hyper-parameters for a group of weight decay `weight_decay`; `None` for the other
     /// optimizers.
     fn hyper(&self, weight_decay: f64) -> Option<Hyper> {
@@ -627,6 +572,8 @@ fn sgd(
     }
     let _ = p.g_add_(&(d_p * -lr));
 }
+
+mod ranged;
 
 #[cfg(test)]
 mod keras_tests;

@@ -26,6 +26,7 @@ use super::step::{self, Raised, SlotBatch, StepResult};
 use super::summary::Outcome;
 use crate::cluster::ClusterError;
 use crate::collective::buckets::{Buckets, Range};
+use crate::collective::overlap::{OnReduced, Overlap, Reduction};
 use crate::collective::slots;
 use crate::collective::Collective;
 use crate::input::Data as Input;
@@ -290,16 +291,16 @@ impl<'a> Driver<'a> {
         let batches = batches.map_err(Interrupt::Fatal)?;
         let seeds: Vec<i64> = held.iter().map(|slot| p.step_seed(self.cfg.seed, slot)).collect();
         let lr = self.lr(global_step, p);
-        let (back, caught_up) = self.back(state, session);
+        let (back, caught_up, buckets) = self.back(state, session);
         let raised = Raised { stop: self.stop.load(Ordering::Relaxed), back: &back, caught_up };
         // Chaos tests hang a step here (as a stuck kernel would) to see the watchdog stop.
         trainerd_failpoint::point("train-step");
         let began = Instant::now();
         let slot_batches: Vec<SlotBatch<'_>> =
             batches.iter().zip(&seeds).map(|(b, &seed)| SlotBatch { columns: &b.columns, seed }).collect();
-        let reduced = self.gradients(state, session, (&ctxs, step, lr), &slot_batches, raised);
+        let reduced = self.gradients(state, session, (&ctxs, step, lr), (&slot_batches, buckets.as_ref()), raised);
         // Before the update writes the state: the snapshot's copy complete, the outputs kept.
-        let clip_norm = self.outputs_kept(state, reduced.is_ok(), session.slot_count())?;
+        let clip_norm = self.outputs_kept(state, (reduced.is_ok(), buckets), session.slot_count())?;
         let (result, prefetch, stepped) = reduced?;
         if let Some((what, took)) = session.collective().take_setup() {
             self.report.backend_ready(session.generation(), what, took);
@@ -344,7 +345,12 @@ impl<'a> Driver<'a> {
     /// scale), the global norm the update will clip at is found first and returned, so that the
     /// returner's outputs carry it before the gradient, which it clips range by range as it comes
     /// ([`crate::state::catch_up::Carried::Clipped`]).
-    fn outputs_kept(&mut self, state: &TrainState, ok: bool, v: usize) -> Result<Option<f64>, Interrupt> {
+    fn outputs_kept(
+        &mut self,
+        state: &TrainState,
+        (ok, buckets): (bool, Option<catch_up::BucketFeed>),
+        v: usize,
+    ) -> Result<Option<f64>, Interrupt> {
         let unscaled = state.model.position.loss_scale.is_none() && !state.optimizer.sharded();
         let mut clip_norm = None;
         if ok && unscaled && !self.cfg.clip.is_off() && self.donor.feeding() {
@@ -353,7 +359,8 @@ impl<'a> Driver<'a> {
             let norm = self.cfg.clip.norm_over(&state.model.params, ranges);
             clip_norm = norm.map_err(|source| Interrupt::Fatal(TrainError::Torch { what: "clipping", source }))?;
         }
-        self.donor.reduced((ok, clip_norm), state, &self.formation, &mut self.report);
+        let sent = buckets.map(catch_up::BucketFeed::sent).unwrap_or_default();
+        self.donor.reduced((ok, clip_norm), (state, sent), &self.formation, &mut self.report);
         Ok(clip_norm)
     }
 
@@ -445,23 +452,14 @@ impl<'a> Driver<'a> {
         state: &mut TrainState,
         session: &mut Session,
         (ctxs, step, lr): (&[InputContext], u64, f64),
-        batches: &[SlotBatch<'_>],
+        (batches, feed): (&[SlotBatch<'_>], Option<&catch_up::BucketFeed>),
         raised: Raised<'_>,
     ) -> Result<(StepResult, Duration, Option<Applied>), Interrupt> {
         let sharded = self.shard(state, session);
         let extra_len = self.extra_len(session.slot_count());
         let saved = if session.collective().slots().count > 1 { state.model.save_buffers() } else { Vec::new() };
-        let (mut prefetch, next, spe) = (Duration::ZERO, &mut self.batches, self.steps_per_epoch);
-        // An error making the next batch shows when that step asks for it.
-        let mut prefetch_next = || {
-            let began = Instant::now();
-            if step < spe {
-                for ctx in ctxs {
-                    let _ = next.get(ctx, step);
-                }
-            }
-            prefetch += began.elapsed();
-        };
+        let mut prefetch = Duration::ZERO;
+        let mut prefetch_next = next_batches(&mut self.batches, ctxs, (step, self.steps_per_epoch), &mut prefetch);
         let model = &mut state.model;
         let scale = loss_scale(self.cfg.precision, &mut model.position);
         let (clip, optimizer, ranges) = (self.cfg.clip, &mut state.optimizer, self.sharding.as_ref().map(|(_, r)| r));
@@ -481,7 +479,9 @@ impl<'a> Driver<'a> {
             Ok(extra)
         };
         let reduce: &mut step::Reduce<'_> = if sharded { &mut apart } else { &mut whole };
-        let overlap = overlap(self.cfg, session.collective().on_device(), sharded);
+        // A returner fed from here takes each bucket's average as the reducing thread ends it.
+        let told = |b: usize, sum: &tch::Tensor| feed.expect("told only with a feed").told(b, sum);
+        let overlap = overlap(self.cfg, session.collective().on_device(), sharded, feed.map(|_| &told as _));
         let result =
             self.replicas.of_step(self.model, (&mut model.params, &mut model.buffers), scale).and_then(|mut r| {
                 let collective = session.collective();
@@ -492,6 +492,7 @@ impl<'a> Driver<'a> {
             model.restore_buffers(&saved);
             session.interrupt(e)
         })?;
+        drop(prefetch_next);
         if let Some(read) = stepped.as_mut().and_then(|(s, _)| s.differed.take()) {
             // Nothing was updated: the step is trained again.
             model.restore_buffers(&saved);
@@ -566,16 +567,38 @@ fn loss_scale(precision: crate::optim::precision::Precision, position: &mut crat
     position.loss_scale.map_or(1.0, |s| s.scale)
 }
 
-/// The reduction each bucket of a step gets during the backward pass, or `None` where the
-/// buckets are reduced after it: `--overlap off`, or gradients that are not carried from CPU
-/// parameters through host memory (a backend on the device, or a model on CUDA: a reduction on
-/// its own stream is not yet built).
-pub(crate) fn overlap(
+/// The reduction each bucket of a step gets during the backward pass, and who is `told` of each
+/// bucket reduced, or `None` where the buckets are reduced after it: `--overlap off`, or gradients
+/// that are not carried from CPU parameters through host memory (a backend on the device, or a
+/// model on CUDA: a reduction on its own stream is not yet built).
+pub(crate) fn overlap<'t>(
     cfg: &RunConfig,
     on_device: bool,
     sharded: bool,
-) -> Option<crate::collective::overlap::Reduction> {
-    use crate::collective::overlap::Reduction;
+    told: Option<OnReduced<'t>>,
+) -> Option<Overlap<'t>> {
     let ring_on_cpu = !on_device && cfg.devices.iter().all(|d| *d == tch::Device::Cpu);
-    (cfg.overlap && ring_on_cpu).then_some(if sharded { Reduction::ReduceScatter } else { Reduction::AllReduce })
+    // A sharded step's reduce-scatter leaves no member a bucket's whole sum to tell of.
+    let (how, told) = if sharded { (Reduction::ReduceScatter, None) } else { (Reduction::AllReduce, told) };
+    (cfg.overlap && ring_on_cpu).then_some(Overlap { how, told })
+}
+
+/// What makes the next step's batches (of `ctxs`, step `step` of an epoch of `spe`) while the
+/// devices compute, adding the time it took to `spent`. An error making one shows when that step
+/// asks for it.
+fn next_batches<'a, 'b>(
+    next: &'a mut Batches<'b>,
+    ctxs: &'a [InputContext],
+    (step, spe): (u64, u64),
+    spent: &'a mut Duration,
+) -> impl FnMut() + use<'a, 'b> {
+    move || {
+        let began = Instant::now();
+        if step < spe {
+            for ctx in ctxs {
+                let _ = next.get(ctx, step);
+            }
+        }
+        *spent += began.elapsed();
+    }
 }

@@ -1,22 +1,28 @@
 //! A return that does not pause the survivors (docs/fault-tolerance.md): the donor's side, where
 //! the coordinator's process sends a returner its state at a step boundary and then every step's
-//! outputs ([`Donor`], bounded by `--catch-up-memory`), and the returner's, which replays them
-//! through the same update and joins with the lineage digest ([`Driver::catch_up`]).
+//! outputs ([`Donor`], bounded by `--catch-up-memory`; a bucket's averaged gradients as soon as
+//! the reducing thread ends it, [`BucketFeed`]), and the returner's, which replays them through
+//! the same update and joins with the lineage digest ([`Driver::catch_up`]).
 
+use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use bytes::Bytes;
+use tch::Tensor;
 
 use super::Driver;
+
+mod replay;
 use crate::cluster::catch_up::{fingerprint, Catching, Feed, Item};
 use crate::collective::slots;
-use crate::optim::optimizer::RangedRules;
-use crate::state::catch_up::{self, Carried, Incoming};
-use crate::state::{Optim, StateError, TrainState};
+use crate::state::catch_up;
+use crate::state::{Optim, Position, StateError, TrainState};
 use crate::train::kernels;
 use crate::train::report::Reporter;
 use crate::train::session::{lineage, Interrupt, Session};
+
+use replay::{Replayed, Taking};
 
 /// A size for lines: `512 B`, `31.4 KB`, `100.0 MB`, `1.2 GB` (powers of 1000).
 fn size(bytes: u64) -> String {
@@ -54,6 +60,63 @@ struct Feeding {
     behind: Option<(u64, u32)>,
     /// The step the state was taken at, and when.
     from: (u64, Instant),
+}
+
+/// A step's buckets sent to a returner as the reducing thread ends each during the backward pass
+/// (docs/fault-tolerance.md, "By bucket"): each bucket's sum times 1/V (the float32 product
+/// [`crate::collective::buckets::Buckets::reduce`] writes back), in the step after `position`,
+/// encoded straight from the reduced buffer.
+pub(super) struct BucketFeed {
+    feed: Feed,
+    /// `--catch-up-memory`: a bucket that would take the kept outputs past it is left to the
+    /// step's outputs.
+    memory: u64,
+    position: Position,
+    /// 1/V.
+    scale: f32,
+    /// Per bucket, its parameters: place, name and shape.
+    groups: Vec<Vec<(usize, String, Vec<i64>)>>,
+    sent: Mutex<Sent>,
+}
+
+/// What a [`BucketFeed`] sent in a step.
+#[derive(Default)]
+pub(super) struct Sent {
+    /// Per parameter, whether its gradient went in a bucket.
+    pub(super) params: Vec<bool>,
+    /// Bytes queued.
+    pub(super) bytes: u64,
+}
+
+impl BucketFeed {
+    /// Bucket `b`, whose sum over the slots is the front of `sum`, sent (on the reducing thread).
+    pub(super) fn told(&self, b: usize, sum: &Tensor) {
+        let group = &self.groups[b];
+        let mut at = 0;
+        let mut sums = Vec::with_capacity(group.len());
+        for (_, name, shape) in group {
+            let n: i64 = shape.iter().product();
+            sums.push((name.clone(), sum.narrow(0, at, n).view(shape.as_slice())));
+            at += n;
+        }
+        // A bucket that cannot be sent now is left to the step's outputs.
+        let Ok(bytes) = catch_up::capture_bucket(&self.position, sums, self.scale) else { return };
+        let len = bytes.len() as u64;
+        if self.feed.kept() + len > self.memory || !self.feed.bucket(&Bytes::from(bytes)) {
+            return;
+        }
+        let mut sent = self.sent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        group.iter().for_each(|(i, _, _)| sent.params[*i] = true);
+        sent.bytes += len;
+        drop(sent);
+        // Chaos tests stop the donor here: a bucket queued, its step's backward pass going on.
+        trainerd_failpoint::point("bucket-sent");
+    }
+
+    /// What was sent.
+    pub(super) fn sent(self) -> Sent {
+        self.sent.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 impl Donor {
@@ -151,13 +214,36 @@ impl Donor {
         f.switching.then_some(f.rank)
     }
 
+    /// At a step's start, once [`Donor::begin`] and [`Donor::switch`] ran: the feed of the step's
+    /// buckets, when a returner is fed with its state queued, the step's update is the whole
+    /// optimizer's (not sharded), and every parameter is plain float32 on the CPU; `groups` are the
+    /// buckets' parameters, `v` the run's slots.
+    pub(super) fn bucket_feed(&self, state: &TrainState, groups: &[Vec<usize>], v: usize) -> Option<BucketFeed> {
+        let f = self.feeding.as_ref().filter(|f| f.state_queued && f.copying.is_none())?;
+        let params = &state.model.params;
+        let plain = params.iter().all(|(_, p)| crate::optim::elementwise::plain(p));
+        if !matches!(state.optimizer, Optim::Whole(_)) || !plain {
+            return None;
+        }
+        let of = |&i: &usize| (i, params[i].0.clone(), params[i].1.size());
+        Some(BucketFeed {
+            feed: f.feed.clone(),
+            memory: self.memory,
+            position: state.position().clone(),
+            scale: 1.0 / v as f32,
+            groups: groups.iter().map(|g| g.iter().map(of).collect()).collect(),
+            sent: Mutex::new(Sent { params: vec![false; params.len()], bytes: 0 }),
+        })
+    }
+
     /// After the step's reduction (`ok`: it went through): the snapshot's copy is complete (the
     /// update may write), its bytes queued, and this step's outputs queued behind them, within
-    /// the bound; with `clip_norm`, the global norm the update clips the gradient at, sent first.
+    /// the bound, without the gradients `sent` already in buckets; with `clip_norm`, the global
+    /// norm the update clips the gradient at, sent first.
     pub(super) fn reduced(
         &mut self,
         (ok, clip_norm): (bool, Option<f64>),
-        state: &TrainState,
+        (state, sent): (&TrainState, Sent),
         formation: &str,
         report: &mut Reporter<'_>,
     ) {
@@ -174,7 +260,7 @@ impl Donor {
             return;
         }
         // A sharded step's update is done by now (in its reduction): its parameters are sent.
-        let bytes = match catch_up::capture(&state.model, state.optimizer.sharded(), clip_norm) {
+        let bytes = match catch_up::capture(&state.model, state.optimizer.sharded(), clip_norm, &sent.params) {
             Ok(b) => b,
             Err(e) => return self.stop(&format!("a step's outputs could not be encoded: {e}"), report),
         };
@@ -187,7 +273,7 @@ impl Donor {
             );
             return self.stop(&why, report);
         }
-        f.step_bytes = len;
+        f.step_bytes = len + sent.bytes;
         f.feed.step(&Bytes::from(bytes));
     }
 
@@ -237,8 +323,9 @@ impl Donor {
 impl Driver<'_> {
     /// At a step's start: the slots of the ranks that came back (known to the coordinator's
     /// process only), among them a returner fed from here that is level enough to take them back
-    /// after this step (then true: it caught up).
-    pub(super) fn back(&mut self, state: &TrainState, session: &mut Session) -> (Vec<bool>, bool) {
+    /// after this step (then true: it caught up); and the feed of this step's buckets to a
+    /// returner fed from here ([`Donor::bucket_feed`]).
+    pub(super) fn back(&mut self, state: &TrainState, session: &mut Session) -> (Vec<bool>, bool, Option<BucketFeed>) {
         let mut back = session.returning();
         let sharding = self.cfg.shard_optimizer && session.collective().world() >= 2 && session.slot_count() >= 2;
         self.donor.begin(state, session, sharding, &mut self.report);
@@ -246,7 +333,8 @@ impl Driver<'_> {
         back.extend(switching);
         let flags =
             if back.is_empty() { Vec::new() } else { slots::of_ranks(session.slot_count(), session.world(), &back) };
-        (flags, switching.is_some())
+        let buckets = self.donor.bucket_feed(state, self.buckets.groups(), session.slot_count());
+        (flags, switching.is_some(), buckets)
     }
 
     /// A returner's catch-up from `catching`: the donor's state decoded, every step's outputs
@@ -260,30 +348,31 @@ impl Driver<'_> {
         (mut catching, started): (Catching, Instant),
     ) -> Result<(), Interrupt> {
         let began = Instant::now();
-        let Some((generation, formation, from)) = self.take_state(state, &mut catching)? else { return Ok(()) };
-        let received = began.elapsed();
-        session.caught_up_to(from);
-        self.report.line(&format!(
-            "trainerd: catching up: the state at step {from} of generation {generation} came in {:.2}s; replaying \
-             the steps trained since",
-            received.as_secs_f64()
-        ));
-        // Steps replayed, and of those, updated range by range as their pieces came.
-        let (mut replayed, mut by_range) = (0u64, 0u64);
+        let Some((generation, formation, from)) = self.take_state(state, session, &mut catching)? else {
+            return Ok(());
+        };
+        let mut counted = Replayed::default();
+        // A step whose buckets came before its outputs.
+        let mut taking: Option<Taking> = None;
         loop {
             if self.stop.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(Interrupt::Stopped);
             }
-            let replay = match catching.next() {
-                Ok(Item::Step { total, first }) => self
-                    .replay(state, &mut catching, (total, first), session.slot_count())
-                    .map(|ranged| (replayed, by_range) = (replayed + 1, by_range + u64::from(ranged))),
-                Ok(Item::Position(bytes)) => serde_json::from_slice(&bytes)
-                    .map(|p: crate::state::Position| {
-                        session.caught_up_to(p.global_step);
-                        state.model.position = p;
-                    })
-                    .map_err(|e| format!("a position could not be read: {e}")),
+            let item = catching.next();
+            if let (Some(_), Ok(Item::Position(_) | Item::End { .. } | Item::State { .. })) = (&taking, &item) {
+                return self.caught_short(state, "a step's buckets came, and then no outputs of that step");
+            }
+            let replay = match item {
+                Ok(Item::Bucket { total, first }) => {
+                    let t = taking.get_or_insert_with(|| self.taking(state));
+                    counted.buckets += 1;
+                    self.take_bucket(state, &mut catching, t, (total, first))
+                }
+                Ok(Item::Step { total, first }) => {
+                    let t = taking.take().unwrap_or_else(|| self.taking(state));
+                    self.replay(state, &mut catching, t, (total, first), session.slot_count()).map(|r| counted.step(r))
+                }
+                Ok(Item::Position(bytes)) => Self::take_position(state, session, &bytes),
                 Ok(Item::End { step, lineage: with_lineage }) => {
                     if state.position().global_step != step {
                         let at = state.position().global_step;
@@ -294,10 +383,12 @@ impl Driver<'_> {
                         session.set_lineage(lineage(&formation, generation, step));
                     }
                     self.caught_up = true;
-                    self.say_caught_up((from, step), (replayed, by_range), (began, started));
+                    self.say_caught_up((from, step), &counted, (began, started));
                     return Ok(());
                 }
-                Ok(Item::Fallback(why)) => return self.caught_short(state, &why),
+                Ok(Item::Fallback(why)) => {
+                    return self.caught_short(state, &format!("{why}{}", Self::half_taken(&taking, state)))
+                }
                 Ok(Item::State { .. }) => Err("a second state".to_string()),
                 Err(why) => return self.caught_short(state, &why),
             };
@@ -307,30 +398,37 @@ impl Driver<'_> {
         }
     }
 
-    /// Caught up, said and counted: from the state at step `from` to `step`, `replayed` steps
-    /// replayed (`by_range` of them updated range by range), since `began` (the state's request)
-    /// and `started` (this process's start).
-    fn say_caught_up(&mut self, (from, step): (u64, u64), (replayed, by_range): (u64, u64), times: (Instant, Instant)) {
+    /// Caught up, said and counted: from the state at step `from` to `step`, what was replayed,
+    /// since `began` (the state's request) and `started` (this process's start).
+    fn say_caught_up(&mut self, (from, step): (u64, u64), counted: &Replayed, times: (Instant, Instant)) {
         let (began, started) = times;
-        let how = match by_range {
-            0 => String::new(),
-            n => format!(" ({n} updated range by range as their pieces came)"),
-        };
+        let replayed = counted.steps;
+        let mut how = Vec::new();
+        if counted.by_range > 0 {
+            how.push(format!("{} updated range by range as their pieces came", counted.by_range));
+        }
+        if counted.buckets > 0 {
+            how.push(format!("{} bucket(s) sent as the donor's backward pass reduced them", counted.buckets));
+        }
+        let how = if how.is_empty() { String::new() } else { format!(" ({})", how.join("; ")) };
         self.report.line(&format!(
             "trainerd: caught up in {:.2}s: the state at step {from}, {replayed} step(s) replayed{how}; takes its slots \
              back after step {step}",
             began.elapsed().as_secs_f64()
         ));
-        self.report.caught_up(replayed, started.elapsed());
+        self.report.caught_up(counted.steps, started.elapsed());
     }
 
-    /// The stream's first item, the donor's state, taken: its generation, that generation's
-    /// formation digest, and its step; `None` when the catch-up was refused or stopped (said).
+    /// The stream's first item, the donor's state, taken (said, and told to the donor): its
+    /// generation, that generation's formation digest, and its step; `None` when the catch-up was
+    /// refused or stopped (said).
     fn take_state(
         &mut self,
         state: &mut TrainState,
+        session: &Session,
         catching: &mut Catching,
     ) -> Result<Option<(u64, String, u64)>, Interrupt> {
+        let began = Instant::now();
         match catching.next() {
             Ok(Item::State { generation, formation, bytes }) => {
                 if let Err(e) = state.decode(bytes) {
@@ -340,7 +438,14 @@ impl Driver<'_> {
                 }
                 kernels::restored(&mut state.model.position, "the run", &mut self.report).map_err(Interrupt::Fatal)?;
                 state.model.live = true;
-                Ok(Some((generation, formation, state.position().global_step)))
+                let from = state.position().global_step;
+                session.caught_up_to(from);
+                self.report.line(&format!(
+                    "trainerd: catching up: the state at step {from} of generation {generation} came in {:.2}s; \
+                     replaying the steps trained since",
+                    began.elapsed().as_secs_f64()
+                ));
+                Ok(Some((generation, formation, from)))
             }
             // Refused before anything was taken: this process keeps what it restored.
             Ok(Item::Fallback(why)) | Err(why) => self.refused(&why).map(|()| None),
@@ -348,92 +453,18 @@ impl Driver<'_> {
         }
     }
 
-    /// One step's outputs, `total` bytes beginning with `first` and read piece by piece from
-    /// `catching`, applied to `state` (at the step before them): each gradient put in place as
-    /// it arrives and, where the update needs nothing global but the clip's norm, which then
-    /// comes first (no float16 loss scale), the update of its complete elements run meanwhile, so
-    /// that the returner's work ends about when the last piece comes; else the same update once
-    /// the gradient is whole. A sharded step's parameters after it are taken instead. Then the
-    /// buffers. Whether the update ran range by range.
-    fn replay(
-        &mut self,
-        state: &mut TrainState,
-        catching: &mut Catching,
-        (total, first): (usize, Bytes),
-        slots: usize,
-    ) -> Result<bool, String> {
-        let at = state.position().global_step;
-        let lr = self.lr(at, state.position());
-        let mut incoming = Incoming::new(total);
-        // Decided once the head is read: what the outputs carry and, where the update runs by
-        // range, per parameter its rule (None: no gradient).
-        let mut ranged: Option<(Carried, Option<RangedRules>)> = None;
-        let mut piece = first;
-        loop {
-            let complete = incoming.take(&mut state.model, &piece)?;
-            if ranged.is_none() {
-                ranged = incoming
-                    .grads_in_place(&state.model)
-                    .map(|(carried, with)| (carried, self.ranged(state, carried, with, lr)));
-            }
-            if let (Some((carried, Some(rules))), Optim::Whole(optimizer)) = (&ranged, &mut state.optimizer) {
-                // Clipped outputs: each range clipped first at the norm that came before it, as
-                // the update clips the whole.
-                let norm = incoming.clip_norm();
-                if *carried == Carried::Clipped && norm.is_none() && !complete.is_empty() {
-                    return Err("a step's outputs: a gradient came before the norm it is clipped at".into());
-                }
-                for (i, elements) in complete {
-                    let (p, rule) = (&state.model.params[i].1, rules[i].expect("a gradient in place has its rule"));
-                    if let Some(norm) = norm {
-                        let clipped = self.cfg.clip.clip_elements(&p.grad(), Some(elements.clone()), norm);
-                        clipped.map_err(|e| format!("clipping a step's gradient: {e}"))?;
-                    }
-                    optimizer.update_range(i, rule, (p, &p.grad()), elements);
-                }
-            }
-            if incoming.whole() {
-                break;
-            }
-            piece = catching.more("Step", (incoming.got(), total))?;
-        }
-        match incoming.finish(&mut state.model)? {
-            carried if carried.gradients() && !matches!(state.optimizer, Optim::Whole(_)) => {
-                Err("a step's gradients came for a state whose optimizer state is not whole".into())
-            }
-            carried if carried.gradients() && matches!(ranged, Some((_, Some(_)))) => {
-                self.flip_bit(state);
-                Ok(true)
-            }
-            // The whole update, which finds the same norm in the same gradient.
-            Carried::Gradients | Carried::Clipped => {
-                self.update(state, (at + 1, lr, None), slots).map(|_| false).map_err(|e| format!("{e:?}"))
-            }
-            // A sharded step: this process holds no range (the next formation moves its own to it).
-            Carried::Parameters => Ok(false),
-        }
+    /// The position after a step or an epoch's end taken (`bytes`), and told to the donor.
+    fn take_position(state: &mut TrainState, session: &Session, bytes: &[u8]) -> Result<(), String> {
+        let p: Position = serde_json::from_slice(bytes).map_err(|e| format!("a position could not be read: {e}"))?;
+        session.caught_up_to(p.global_step);
+        state.model.position = p;
+        Ok(())
     }
 
-    /// The update of a step whose outputs carry `carried`, made ready for ranges of each
-    /// gradient as it arrives ([`crate::optim::optimizer::Optimizer::ranged`]), when every
-    /// gradient is written in place (`with`) and the update needs no factor over the whole
-    /// gradient but the clip's, whose norm comes first ([`Carried::Clipped`]): no float16 loss
-    /// scale.
-    fn ranged(
-        &self,
-        state: &mut TrainState,
-        carried: Carried,
-        with: Option<Vec<bool>>,
-        lr: f64,
-    ) -> Option<RangedRules> {
-        let (true, Some(with), Optim::Whole(o)) = (carried.gradients(), with, &mut state.optimizer) else {
-            return None;
-        };
-        let norm_missing = carried != Carried::Clipped && !self.cfg.clip.is_off();
-        if norm_missing || state.model.position.loss_scale.is_some() {
-            return None;
-        }
-        o.ranged(&state.model.params, &with, lr)
+    /// What a catch-up stopped with a step `taking` in says of it.
+    fn half_taken(taking: &Option<Taking>, state: &TrainState) -> String {
+        let next = state.position().global_step + 1;
+        taking.as_ref().map(|_| format!(" (step {next} half taken: its first buckets came)")).unwrap_or_default()
     }
 
     /// The catch-up was refused before any state came (`why`): it joins as before.
