@@ -80,11 +80,11 @@ impl Driver<'_> {
             let complete = incoming.take(&mut state.model, &piece)?;
             if carries.is_none() {
                 if let Some(with) = incoming.carries().map(<[bool]>::to_vec) {
-                    match incoming.grads_in_place(&state.model) {
-                        Some((Carried::Bucket, _)) => {}
+                    let in_place = match incoming.grads_in_place(&state.model) {
+                        Some((Carried::Bucket, in_place)) => in_place.is_some(),
                         _ => return Err("a bucket's item holds a step's outputs".into()),
-                    }
-                    self.rules_for_bucket(state, t, &with);
+                    };
+                    self.rules_for_bucket(state, t, (&with, in_place))?;
                     carries = Some(with);
                 }
             }
@@ -104,19 +104,31 @@ impl Driver<'_> {
         Ok(())
     }
 
-    /// At a bucket's head (its gradients `with`): the step's first decides how its update runs
-    /// (by range where it can, every parameter plain, else held), the next join it.
-    fn rules_for_bucket(&self, state: &mut TrainState, t: &mut Taking, with: &[bool]) {
+    /// At a bucket's head (its gradients `with`, each written in place as it comes: `in_place`):
+    /// the step's first decides how its update runs (by range where it can, every parameter
+    /// plain and every gradient in place, else held), the next join it; a bucket that could not
+    /// follow an update by range is refused.
+    fn rules_for_bucket(
+        &self,
+        state: &mut TrainState,
+        t: &mut Taking,
+        (with, in_place): (&[bool], bool),
+    ) -> Result<(), String> {
         if t.decided {
-            return t.join(state, with);
+            if t.rules.is_some() && !in_place {
+                return Err("a bucket's gradients that cannot be updated by range after buckets that were".into());
+            }
+            t.join(state, with);
+            return Ok(());
         }
         t.decided = true;
-        let Optim::Whole(o) = &mut state.optimizer else { return };
+        let Optim::Whole(o) = &mut state.optimizer else { return Ok(()) };
         let everyone = vec![true; state.model.params.len()];
         let global = !self.cfg.clip.is_off() || state.model.position.loss_scale.is_some();
-        if !global && o.rangeable(&state.model.params, &everyone) {
+        if in_place && !global && o.rangeable(&state.model.params, &everyone) {
             t.rules = o.ranged(&state.model.params, with, t.lr);
         }
+        Ok(())
     }
 
     /// One step's outputs, `total` bytes beginning with `first` and read piece by piece from
