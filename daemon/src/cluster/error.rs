@@ -156,9 +156,6 @@ pub(crate) enum DialError {
         /// The last attempt's failure.
         source: tonic::transport::Error,
     },
-    /// The deadline passed before the first attempt.
-    #[error("deadline passed before the first attempt")]
-    NoAttempt,
 }
 
 /// An error and its causes, `: `-separated (tonic's own text says only "transport error").

@@ -161,19 +161,20 @@ impl Dial {
         }
     }
 
-    /// A client, retrying until `deadline` (the peer may not be up yet).
+    /// A client, retrying until `deadline` (the peer may not be up yet). The first attempt is
+    /// always made: a deadline that passed while this thread waited for a core (a returner's
+    /// single attempt to catch up is 1 ms long) is no reason not to try.
     pub(super) async fn connect(&self, deadline: Instant) -> Result<ControlClient<Channel>, DialError> {
         let endpoint = self.endpoint()?;
-        let mut last = DialError::NoAttempt;
-        while Instant::now() < deadline {
-            match endpoint.connect_with_connector(self.connector()).await {
+        loop {
+            let source = match endpoint.connect_with_connector(self.connector()).await {
                 Ok(channel) => return Ok(ControlClient::new(channel)),
-                Err(source) => {
-                    last = DialError::Connect { address: self.address.clone(), source };
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
+                Err(source) => source,
+            };
+            if Instant::now() >= deadline {
+                return Err(DialError::Connect { address: self.address.clone(), source });
             }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        Err(last)
     }
 }
