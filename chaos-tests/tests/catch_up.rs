@@ -44,6 +44,9 @@ const WIDE_ADAM: Job = Job { wide: WIDE_100MB / 3, steps: 40, adam: true, clip: 
 const SMALL_CLIPPED: Job = Job { wide: 0, steps: 150, adam: true, clip: true, buckets: true };
 /// The small job with Adam, a parameter a bucket.
 const SMALL_BUCKETS: Job = Job { wide: 0, steps: 150, adam: true, clip: false, buckets: true };
+/// The same, long enough that a worker killed after the return is back before the run ends (one
+/// back after the end of a run that commits nothing would wait for a cluster that is gone).
+const LONG_BUCKETS: Job = Job { steps: 600, ..SMALL_BUCKETS };
 
 /// `trainerd run` arguments of `job` on 3 workers, each worker's summary in `dir`, with `extra`.
 fn args(job: Job, dir: &Path, extra: &[&str]) -> RunArgs {
@@ -230,14 +233,14 @@ fn a_member_lost_after_a_bucket_went_to_a_returner_stops_its_catch_up_and_loses_
         ("TRAINERD_FAILPOINT".to_string(), "bucket-sent@1".to_string()),
         ("TRAINERD_FAILPOINT_RELEASE".to_string(), release.to_str().unwrap().to_string()),
     ];
-    let mut c = Cluster::start(3, &args(SMALL_BUCKETS, tmp.path(), &[]), &[], vec![held], RESTART_SEC);
+    let mut c = Cluster::start(3, &args(LONG_BUCKETS, tmp.path(), &[]), &[], vec![held], RESTART_SEC);
     let back = back_while_they_train(&mut c, 20, 5);
     c.wait_line(0, "trainerd: failpoint bucket-sent reached", back, DEADLINE);
     c.signal(1, libc::SIGKILL);
     std::fs::write(&release, b"").unwrap();
     let (_, said) = c.wait_line(2, "trainerd: the catch-up stopped: ", back, DEADLINE);
     assert!(said.ends_with(" half taken: its first buckets came); joining with a pause"), "{said}");
-    assert_bitwise(&mut c, SMALL_BUCKETS, tmp.path());
+    assert_bitwise(&mut c, LONG_BUCKETS, tmp.path());
     let stopped = c.lines_of(0, "trainerd: worker 2 (");
     assert!(stopped.iter().any(|l| l.contains("'s catch-up stopped: generation ")), "{stopped:?}");
     println!("the returner: {said}\nthe chief: {}", stopped.join("\n"));
