@@ -387,7 +387,10 @@ fn read_head(head: &[u8], (total, earlier): (usize, &[bool]), model: &ModelState
                 sent[i] = true;
                 grad_in_place(model, i, &p)?
             }
-            None if p.name.starts_with(prefix) || (p.name.starts_with("buffer/") && magic != Carried::Bucket) => None,
+            None if magic == Carried::Bucket => {
+                return Err(format!("a bucket of a step's gradients holds {}, which is no gradient", p.name))
+            }
+            None if p.name.starts_with(prefix) || p.name.starts_with("buffer/") => None,
             None if magic == Carried::Clipped && p.name == CLIP_NORM => {
                 if p.dtype != trainerd_storage::Dtype::F64 || p.bytes.len() != 8 {
                     return Err(format!("a step's outputs hold {CLIP_NORM} of {:?}, not one float64", p.dtype));
@@ -636,6 +639,14 @@ mod tests {
                         assert_eq!(err.unwrap_err(), "a step's outputs hold b's gradient a second time");
                         let err = Incoming::new(outputs.len()).take(&mut returner.model, &outputs).err();
                         assert_eq!(err.unwrap(), "a step's outputs hold no gradient of b, which has one here");
+                        let buffer = vec![("buffer/count".to_string(), Tensor::from_slice(&[1i64]))];
+                        let odd =
+                            Encoding::new(BUCKET_MAGIC, &returner.model.position, buffer).unwrap().bytes().unwrap();
+                        let err = Incoming::new(odd.len()).take(&mut returner.model, &odd).err();
+                        assert_eq!(
+                            err.unwrap(),
+                            "a bucket of a step's gradients holds buffer/count, which is no gradient"
+                        );
                     }
                     let carried = take_ranged(&mut returner, (&outputs, piece, &earlier), &mut rules).unwrap();
                     assert_eq!(carried, [true, false, false], "the outputs carry a's gradient alone");
