@@ -402,13 +402,20 @@ fn read_head(head: &[u8], (total, earlier): (usize, &[bool]), model: &ModelState
         tensors.push((p, into.map_or(Dest::Kept(Vec::new()), Dest::Grad)));
     }
     if magic.gradients() && magic != Carried::Bucket {
-        let came = |i: usize| sent[i] || earlier.get(i).copied().unwrap_or(false);
-        let unsent = model.params.iter().enumerate().find(|(i, (_, p))| !came(*i) && p.grad().defined());
-        if let Some((_, (name, _))) = unsent {
-            return Err(format!("a step's outputs hold no gradient of {name}, which has one here"));
-        }
+        every_gradient_came(model, &sent, earlier)?;
     }
     Ok(Some(Read { carried: magic, tensors, sent, cursor: 0 }))
+}
+
+/// Whether a step's outputs, with its buckets that came `earlier`, `sent` the gradient of every
+/// parameter of `model` that has one (a returner whose parameter has a gradient gets one each
+/// step): the first that did not, by name.
+fn every_gradient_came(model: &ModelState, sent: &[bool], earlier: &[bool]) -> Result<(), String> {
+    let came = |i: usize| sent[i] || earlier.get(i).copied().unwrap_or(false);
+    match model.params.iter().enumerate().find(|(i, (_, p))| !came(*i) && p.grad().defined()) {
+        Some((_, (name, _))) => Err(format!("a step's outputs hold no gradient of {name}, which has one here")),
+        None => Ok(()),
+    }
 }
 
 /// Where the gradient of parameter `i` placed at `p` goes: straight into the parameter's own
