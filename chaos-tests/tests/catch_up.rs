@@ -249,6 +249,60 @@ fn a_member_lost_after_a_bucket_went_to_a_returner_stops_its_catch_up_and_loses_
     assert!(matches!(returner, Some((_, Event::Joined { source: Some(0 | 1), steps_lost: 0, .. }))), "{joined:?}");
 }
 
+/// The run finishing while worker 2, back, catches up, in a run that commits nothing (no commit
+/// can show it the end): the chief tells it the run finished, and it exits 0 at once saying so,
+/// instead of joining a cluster that is gone and waiting for it. Once with its request still
+/// waiting at the last step (the survivors held before it), once with its replay under way (held
+/// before the step before: the chief's snapshot is taken at the last step, whose outputs follow).
+/// The survivors end bitwise the failure-free run.
+#[test]
+fn a_returner_the_run_finishes_without_is_told_so_and_exits_0() {
+    for (held_before, replaying) in [(SMALL.steps, false), (SMALL.steps - 1, true)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let release = |rank: usize| tmp.path().join(format!("release.{rank}"));
+        let env = |rank: usize| {
+            vec![
+                ("TRAINERD_FAILPOINT".to_string(), format!("train-step@step={held_before}")),
+                ("TRAINERD_FAILPOINT_RELEASE".to_string(), release(rank).to_str().unwrap().to_string()),
+                ("TRAINERD_LOG".to_string(), "warn,trainerd::cluster::service=info".to_string()),
+            ]
+        };
+        let mut c = Cluster::start(3, &args(SMALL, tmp.path(), &[]), &[], (0..3).map(env).collect(), RESTART_SEC);
+        c.hold(2);
+        c.wait_step(0, 20, DEADLINE);
+        c.signal(2, libc::SIGKILL);
+        c.wait_for(|e| e.worker == 2 && matches!(e.what, What::Died(_)), DEADLINE);
+        for rank in [0, 1] {
+            c.wait_line(rank, "trainerd: failpoint train-step reached", 0, DEADLINE);
+        }
+        let back = c.mark();
+        c.bring_back(2);
+        let asks = |l: &str| l.contains("worker 2 (") && l.contains(") asks to catch up with generation ");
+        c.wait_for(|e| e.worker == 0 && e.line().is_some_and(asks), DEADLINE);
+        [0, 1].into_iter().for_each(|rank| std::fs::write(release(rank), b"").unwrap());
+        let codes = c.wait_finished(DEADLINE);
+        let transcript = c.transcript();
+        assert_eq!(codes, vec![0; 3], "{transcript}");
+        assert!(!transcript.contains("panicked at"), "{transcript}");
+        let told = c.lines_of(0, "trainerd: worker 2 (");
+        let last = SMALL.steps;
+        assert!(told
+            .iter()
+            .any(|l| l.ends_with(&format!(") is told the run finished at step {last}, as it catches up"))));
+        let (_, said) = c.wait_line(2, "trainerd: the run finished at step ", back, DEADLINE);
+        let how = match replaying {
+            true => format!("while this worker caught up (the coordinator said so; its replay reached step {last})"),
+            false => "as this worker came back (the coordinator said so)".to_string(),
+        };
+        assert_eq!(said, format!("trainerd: the run finished at step {last} {how}; nothing left to do"));
+        assert_eq!(c.lines_of(2, "trainerd: catching up: the state at step ").len(), usize::from(replaying));
+        for rank in [0, 1] {
+            assert_eq!(summary(tmp.path(), rank)["params_sha256"], reference(SMALL).as_str(), "worker {rank}");
+        }
+        println!("held before step {held_before}: the chief: {}\nthe returner: {said}", told.join("\n"));
+    }
+}
+
 /// How many buckets worker 2's catch-up after line `back` took as the chief's backward pass
 /// reduced them (its `caught up` line).
 fn buckets_sent(c: &mut Cluster, back: usize) -> u64 {

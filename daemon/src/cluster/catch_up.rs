@@ -74,6 +74,11 @@ pub(crate) enum Item {
     },
     /// The catch-up stopped: why.
     Fallback(String),
+    /// The run finished after `step`: nothing is left to catch up with.
+    Finished {
+        /// The run's last step.
+        step: u64,
+    },
 }
 
 /// What the stream has queued and not yet sent, in bytes: the state's and the outputs'; the
@@ -160,6 +165,11 @@ impl Feed {
     /// The catch-up stops (`reason`): the last item.
     pub(crate) fn fallback(self, reason: &str) {
         self.item(Kind::Fallback, &Bytes::new(), |p| p.reason = reason.to_string());
+    }
+
+    /// The run finished after `step`: the last item (false when the returner's stream is gone).
+    pub(crate) fn finished(&self, step: u64) -> bool {
+        self.item(Kind::Finished, &Bytes::new(), |p| p.step = step)
     }
 
     /// Bytes of outputs queued and not yet taken by the stream.
@@ -337,6 +347,7 @@ impl Catching {
             Kind::Position => Item::Position(bytes),
             Kind::End => Item::End { step: first.step, lineage: first.lineage },
             Kind::Fallback => Item::Fallback(first.reason),
+            Kind::Finished => Item::Finished { step: first.step },
             Kind::More => return Err("a piece with no item before it".into()),
         })
     }
@@ -385,6 +396,21 @@ mod tests {
         assert_eq!(kinds, [&[s, m, m][..], &tail[..]].concat());
         assert_eq!(parts[0].total as usize, state.len());
         assert_eq!((parts[5].step, parts[5].lineage), (41, true));
+    }
+
+    #[test]
+    fn the_runs_end_is_the_last_item_and_names_the_last_step() {
+        let rt = runtime();
+        let hub = Hub::default();
+        let stream = hub.offer(2, "worker 2", 7).unwrap();
+        let feed = hub.take().unwrap().feed;
+        assert!(feed.position(&Bytes::from_static(b"{}")));
+        assert!(feed.finished(150));
+        drop(feed);
+        let parts = drain(&rt, stream);
+        let kinds: Vec<i32> = parts.iter().map(|p| p.kind).collect();
+        assert_eq!(kinds, [Kind::Position as i32, Kind::Finished as i32]);
+        assert_eq!((parts[1].step, parts[1].total), (150, 0));
     }
 
     #[test]

@@ -189,7 +189,7 @@ impl<'a> Driver<'a> {
                 Ok(Next::Rejoin(why)) | Err(Interrupt::Abandoned(why)) => {
                     self.donor.stop(&format!("generation {generation} ended: {why}"), &mut self.report)
                 }
-                Ok(Next::Complete) => self.donor.stop("the run finished", &mut self.report),
+                Ok(Next::Complete) => self.donor.finish(state.position().global_step, &session, &mut self.report),
                 // Before any generation: nothing is fed.
                 Err(Interrupt::ReadFirst) => {}
                 _ => self.donor.stop("this worker exits", &mut self.report),

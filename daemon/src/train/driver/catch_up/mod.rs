@@ -6,7 +6,7 @@
 
 use std::sync::Mutex;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tch::Tensor;
@@ -15,9 +15,11 @@ use super::Driver;
 
 mod replay;
 use crate::cluster::catch_up::{fingerprint, Catching, Feed, Item};
+use crate::cluster::ClusterError;
 use crate::collective::slots;
 use crate::state::catch_up;
 use crate::state::{Optim, Position, StateError, TrainState};
+use crate::train::error::TrainError;
 use crate::train::kernels;
 use crate::train::report::Reporter;
 use crate::train::session::{lineage, Interrupt, Session};
@@ -33,6 +35,10 @@ fn size(bytes: u64) -> String {
         _ => format!("{:.1} GB", bytes as f64 / 1e9),
     }
 }
+
+/// How long a returner told the run finished may go without its replay moving before this
+/// process exits anyway (it then finds the run's end in a commit, or waits for its cluster).
+const FINISH_PATIENCE: Duration = Duration::from_secs(5);
 
 /// The donor's side: at most one returner fed at a time.
 pub(super) struct Donor {
@@ -318,6 +324,44 @@ impl Donor {
         report.served_catch_up(f.feed.peak());
         f.feed.fallback(why);
     }
+
+    /// The run finished after `step`: a returner fed from here, or one whose request waits, is
+    /// told so (`FINISHED`: it exits 0, where otherwise it would join a cluster that is gone and,
+    /// with no commit showing the end, wait for it), and this process waits for it to read that:
+    /// until its stream closes, or [`FINISH_PATIENCE`] passes without its replay moving.
+    pub(super) fn finish(&mut self, step: u64, session: &Session, report: &mut Reporter<'_>) {
+        let (name, feed) = match self.feeding.take() {
+            Some(mut f) => {
+                if let Some(copying) = f.copying.take() {
+                    let _ = copying.join();
+                }
+                report.served_catch_up(f.feed.peak());
+                (f.name, f.feed)
+            }
+            None => match session.catch_up_offer() {
+                Some(offer) => (session.name(offer.rank), offer.feed),
+                None => return,
+            },
+        };
+        if !feed.finished(step) {
+            return;
+        }
+        report.line(&format!("trainerd: {name} is told the run finished at step {step}, as it catches up"));
+        let mut moved = (feed.replayed(), Instant::now());
+        while !feed.gone() {
+            if feed.replayed() != moved.0 {
+                moved = (feed.replayed(), Instant::now());
+            }
+            if moved.1.elapsed() >= FINISH_PATIENCE {
+                report.line(&format!(
+                    "trainerd: {name} did not read to the run's end in {}s; this process exits without it",
+                    FINISH_PATIENCE.as_secs()
+                ));
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 impl Driver<'_> {
@@ -389,6 +433,7 @@ impl Driver<'_> {
                 Ok(Item::Fallback(why)) => {
                     return self.caught_short(state, &format!("{why}{}", Self::half_taken(&taking, state)))
                 }
+                Ok(Item::Finished { step }) => return Err(Self::finished(step, Some(state.position().global_step))),
                 Ok(Item::State { .. }) => Err("a second state".to_string()),
                 Err(why) => return self.caught_short(state, &why),
             };
@@ -449,6 +494,7 @@ impl Driver<'_> {
             }
             // Refused before anything was taken: this process keeps what it restored.
             Ok(Item::Fallback(why)) | Err(why) => self.refused(&why).map(|()| None),
+            Ok(Item::Finished { step }) => Err(Self::finished(step, None)),
             Ok(other) => self.refused(&format!("the stream began with {other:?}")).map(|()| None),
         }
     }
@@ -465,6 +511,19 @@ impl Driver<'_> {
     fn half_taken(taking: &Option<Taking>, state: &TrainState) -> String {
         let next = state.position().global_step + 1;
         taking.as_ref().map(|_| format!(" (step {next} half taken: its first buckets came)")).unwrap_or_default()
+    }
+
+    /// The run finished after `step` while this process came back, the donor says: it exits 0
+    /// (nothing is left to do), saying where its replay reached (`replayed`), if it began one.
+    fn finished(step: u64, replayed: Option<u64>) -> Interrupt {
+        let said = match replayed {
+            Some(at) => format!(
+                "the run finished at step {step} while this worker caught up (the coordinator said so; its replay \
+                 reached step {at})"
+            ),
+            None => format!("the run finished at step {step} as this worker came back (the coordinator said so)"),
+        };
+        Interrupt::Fatal(TrainError::Cluster(ClusterError::Finished(said)))
     }
 
     /// The catch-up was refused before any state came (`why`): it joins as before.
