@@ -165,10 +165,13 @@ fn a_worker_back_while_the_others_train_catches_up_and_takes_its_slots_back_with
 
 /// The same return with the optimizer state sharded (`--shard-optimizer`, Adam, 100 MB of state):
 /// the chief sends the parameters and buffers at a step, then the parameters after every step
-/// (no member holds a step's averaged gradient whole), and the returner takes them; at the
-/// switch nobody receives a model, and only the returner's ranges of the optimizer state (its
-/// own and its buddy copies) move to it from its neighbours. Bitwise the failure-free run,
-/// unsharded.
+/// (no member holds a step's averaged gradient whole), and the returner takes them; the member
+/// that owns the ranges the returner will hold streams their state, then each step's clipped
+/// gradient of them, and the returner stores each step as a buddy does (docs/fault-tolerance.md,
+/// "Ranges streamed"). At the switch nobody receives a model and nothing of the optimizer state
+/// moves: the reshard finds the returner holding its ranges at the others' step (their digests
+/// equal to the owners' copies, or the formation would have sent everyone back). Bitwise the
+/// failure-free run, unsharded.
 #[test]
 fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ranges() {
     let tmp = tempfile::tempdir().unwrap();
@@ -179,13 +182,43 @@ fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ra
     let replayed = assert_caught_up_with_nothing_sent(&mut c, WIDE_ADAM, tmp.path(), back);
     assert_eq!(updated_by_range(&mut c, back), 0, "a sharded step's parameters are taken, not updated");
     assert_eq!(summary(tmp.path(), 2)["fault_tolerance"]["steps_replayed"].as_u64(), Some(replayed));
-    let (_, moved) = c.wait_line(2, "trainerd: the sharded optimizer state moved to generation ", back, DEADLINE);
-    let received: f64 =
-        moved.split("; it received ").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
-    assert!(received > 0.0 && !moved.contains("holds 0 range(s)"), "its ranges moved to it: {moved}");
-    assert!(moved.contains(" from its own copies and its neighbours' ("), "{moved}");
+    let (_, caught) = c.wait_line(2, "trainerd: caught up in ", back, DEADLINE);
+    let switch: u64 = caught.rsplit(' ').next().unwrap().parse().unwrap_or_else(|e| panic!("{caught}: {e}"));
+    let streamed = c.lines_of(2, "trainerd: catching up: 4 range(s) of the optimizer state it will hold came from ");
+    let at = format!(" member(s) and are at step {switch} (44.5 MB)");
+    assert!(streamed.len() == 1 && streamed[0].ends_with(&at), "{streamed:?} (the switch after step {switch})");
+    for rank in 0..3 {
+        let (_, moved) =
+            c.wait_line(rank, "trainerd: the sharded optimizer state moved to generation ", back, DEADLINE);
+        assert!(moved.contains("; it received 0.0 MB from its own copies and its neighbours' ("), "{moved}");
+        assert!(moved.contains("holds 2 range(s) and a buddy copy of 2, 44.5 MB"), "{moved}");
+    }
     let kept = summary(tmp.path(), 0)["fault_tolerance"]["catch_up_kept_bytes"].as_u64().unwrap();
     assert!(kept >= 33_000_000, "at least one step's 33 MB of parameters was kept: {kept}");
+}
+
+/// The member that streams a sharded returner's ranges (worker 1: it holds the returner's slot
+/// meanwhile, the chief streams the model) killed during the catch-up: the generation ends, the
+/// chief stops the catch-up, and the returner drops its state and its ranges and joins as before.
+/// Every range survives in a buddy copy, so 0 steps are lost, and the run ends bitwise the
+/// failure-free one.
+#[test]
+fn a_sharded_returners_range_donor_lost_mid_stream_stops_its_catch_up_and_loses_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let sharded = ["--shard-optimizer", "--checkpoint-dir", ckpt.to_str().unwrap()];
+    let log = vec![("TRAINERD_LOG".to_string(), "warn,trainerd::cluster::service=info".to_string())];
+    let mut c = Cluster::start(3, &args(WIDE_ADAM, tmp.path(), &sharded), &[], vec![vec![], log], RESTART_SEC);
+    let back = back_while_they_train(&mut c, 5, 2);
+    let asks = |l: &str| l.contains("worker 2 (") && l.ends_with(") asks for the ranges it will hold");
+    c.wait_for(|e| e.worker == 1 && e.line().is_some_and(asks), DEADLINE);
+    c.signal(1, libc::SIGKILL);
+    let (_, said) = c.wait_line(2, "trainerd: the catch-up stopped: ", back, DEADLINE);
+    assert_bitwise(&mut c, WIDE_ADAM, tmp.path());
+    let joined = joined_after(&c, back);
+    let returner = joined.iter().find(|(rank, _)| *rank == 2);
+    assert!(matches!(returner, Some((_, Event::Joined { steps_lost: 0, .. }))), "{joined:?}");
+    println!("the returner: {said}");
 }
 
 /// A return in a run whose gradient is clipped (`--clip-norm`, Adam), whose clip's factor is over

@@ -6,7 +6,7 @@
 //! item's pieces back together. What the items hold is the training loop's (`train::driver::catch_up`).
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -45,6 +45,8 @@ pub(crate) enum Item {
         formation: String,
         /// The state's bytes (checked against the xxh3 the donor sent).
         bytes: Bytes,
+        /// With the optimizer state sharded: the members that own ranges the returner will hold.
+        donors: Vec<usize>,
     },
     /// One step's outputs: their first piece and their length. The rest is read piece by piece
     /// ([`Catching::more`]), so that the returner puts each in place as it arrives, never holding
@@ -74,6 +76,10 @@ pub(crate) enum Item {
     },
     /// The catch-up stopped: why.
     Fallback(String),
+    /// On a range stream: the state of its ranges after a step (`RANGES`), its float32 arrays.
+    Ranges(RangeHead, Bytes),
+    /// On a range stream: a step's clipped gradient of its ranges (`RANGE_GRADS`), float32.
+    RangeGrads(RangeHead, Bytes),
     /// The run finished after `step`: nothing is left to catch up with.
     Finished {
         /// The run's last step.
@@ -81,15 +87,57 @@ pub(crate) enum Item {
     },
 }
 
+/// What a range stream's items carry besides their values (docs/fault-tolerance.md, "Ranges
+/// streamed").
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct RangeHead {
+    /// `RANGES`: the step the state is after; `RANGE_GRADS`: the step whose gradient it is.
+    pub(crate) step: u64,
+    /// `RANGES`: the ranges (indices among the run's), in the order their values follow.
+    pub(crate) ranges: Vec<usize>,
+    /// `RANGES`: the optimizer's count of steps.
+    pub(crate) optimizer_steps: u64,
+    /// Per parameter: `RANGES`, whether it has started; `RANGE_GRADS`, whether any slot had a
+    /// gradient for it.
+    pub(crate) flags: Vec<bool>,
+    /// `RANGE_GRADS`: the step's rate.
+    pub(crate) lr: f64,
+    /// `RANGE_GRADS`: the step updated nothing (no values follow).
+    pub(crate) skipped: bool,
+}
+
+impl RangeHead {
+    fn write(&self, p: &mut proto::CatchUpPart) {
+        p.step = self.step;
+        p.ranges = self.ranges.iter().map(|&r| r as u32).collect();
+        p.optimizer_steps = self.optimizer_steps;
+        p.flags = self.flags.iter().map(|&f| u8::from(f)).collect();
+        (p.lr, p.skipped) = (self.lr, self.skipped);
+    }
+
+    fn read(p: &proto::CatchUpPart) -> RangeHead {
+        RangeHead {
+            step: p.step,
+            ranges: p.ranges.iter().map(|&r| r as usize).collect(),
+            optimizer_steps: p.optimizer_steps,
+            flags: p.flags.iter().map(|&f| f != 0).collect(),
+            lr: p.lr,
+            skipped: p.skipped,
+        }
+    }
+}
+
 /// What the stream has queued and not yet sent, in bytes: the state's and the outputs'; the
-/// most outputs ever queued at once; and the step the returner says its replay has reached, plus
-/// one (0: it has said nothing yet).
+/// most outputs ever queued at once; the step the returner says its replay has reached, plus one
+/// (0: it has said nothing yet), and whether it waits for ranges streamed.
 #[derive(Debug, Default)]
 struct Counts {
     state: AtomicU64,
     outputs: AtomicU64,
     peak: AtomicU64,
     replayed: AtomicU64,
+    /// The returner said, last, that streams of its ranges have not all begun.
+    ranges_pending: AtomicBool,
 }
 
 /// A part on its way to the stream, and whether it counts as state or as kept outputs.
@@ -135,11 +183,25 @@ impl Feed {
     }
 
     /// Queues the donor's state (`bytes`, whose [`fingerprint`] is `xxh3`) in `generation`, whose
-    /// formation's digest is `formation`.
-    pub(crate) fn state(&self, generation: u64, formation: &str, (bytes, xxh3): (&Bytes, u64)) -> bool {
+    /// formation's digest is `formation`; with the optimizer state sharded, `donors` own the
+    /// ranges the returner will hold.
+    pub(crate) fn state(
+        &self,
+        (generation, formation): (u64, &str),
+        (bytes, xxh3): (&Bytes, u64),
+        donors: &[usize],
+    ) -> bool {
         self.item(Kind::State, bytes, |p| {
             (p.generation, p.formation_digest, p.xxh3) = (generation, formation.to_string(), xxh3);
+            p.range_donors = donors.iter().map(|&r| r as u32).collect();
         })
+    }
+
+    /// Queues a range stream's state of its ranges (`RANGES`), or a step's gradient of them
+    /// (`RANGE_GRADS`, `grads`).
+    pub(crate) fn ranges(&self, grads: bool, head: &RangeHead, values: &Bytes) -> bool {
+        let kind = if grads { Kind::RangeGrads } else { Kind::Ranges };
+        self.item(kind, values, |p| head.write(p))
     }
 
     /// Queues one step's outputs.
@@ -192,6 +254,12 @@ impl Feed {
         self.counts.replayed.load(Ordering::SeqCst).checked_sub(1)
     }
 
+    /// Whether the returner said, last, that the streams of its ranges have not all begun (the
+    /// switch waits for them).
+    pub(crate) fn ranges_pending(&self) -> bool {
+        self.counts.ranges_pending.load(Ordering::SeqCst)
+    }
+
     /// Whether the returner's stream is gone (it died, or gave up).
     pub(crate) fn gone(&self) -> bool {
         self.tx.is_closed()
@@ -225,6 +293,14 @@ struct Slot {
     /// The counts of the stream being fed (alive while its feed or its stream is), and its
     /// returner's rank.
     running: (Weak<Counts>, usize),
+}
+
+/// Where returners' requests wait on a member: to catch up (when it coordinates), and for the
+/// ranges of the optimizer state it owns ("Ranges streamed").
+#[derive(Default)]
+pub(crate) struct Hubs {
+    pub(crate) catch_up: Hub,
+    pub(crate) ranges: Hub,
 }
 
 impl Hub {
@@ -265,12 +341,14 @@ impl Hub {
         Some(offer)
     }
 
-    /// The returner of rank `rank` says its replay reached `step`: kept for the feed, if that
-    /// returner is being fed; whether it is.
-    pub(crate) fn progress(&self, rank: usize, step: u64) -> bool {
+    /// The returner of rank `rank` says its replay reached `step` (and, `pending`, that the
+    /// streams of its ranges have not all begun): kept for the feed, if that returner is being
+    /// fed; whether it is.
+    pub(crate) fn progress(&self, rank: usize, step: u64, pending: bool) -> bool {
         let slot = self.lock();
         let Some(counts) = slot.running.0.upgrade().filter(|_| slot.running.1 == rank) else { return false };
         counts.replayed.fetch_max(step + 1, Ordering::SeqCst);
+        counts.ranges_pending.store(pending, Ordering::SeqCst);
         true
     }
 }
@@ -292,9 +370,10 @@ impl Catching {
         Catching { stream, runtime, patience }
     }
 
-    /// The next part, or why none came.
-    fn part(&mut self) -> Result<proto::CatchUpPart, String> {
-        let (stream, patience) = (&mut self.stream, self.patience);
+    /// The next part, or why none came (within `patience`: zero polls once).
+    fn part_within(&mut self, patience: Duration) -> Result<proto::CatchUpPart, String> {
+        let stream = &mut self.stream;
+        // `message` is cancel safe: a part not whole yet stays buffered for the next call.
         let next = self.runtime.block_on(async { tokio::time::timeout(patience, stream.message()).await });
         match next {
             Err(_) => Err(format!("nothing came for {:.1}s", patience.as_secs_f64())),
@@ -302,6 +381,21 @@ impl Catching {
             Ok(Ok(None)) => Err("the stream ended early".into()),
             Ok(Ok(Some(part))) => Ok(part),
         }
+    }
+
+    /// The next part, or why none came.
+    fn part(&mut self) -> Result<proto::CatchUpPart, String> {
+        self.part_within(self.patience)
+    }
+
+    /// The next item if its first part has come, without waiting for that part (the rest is
+    /// waited for as [`Catching::next`] does); `None` when it has not.
+    pub(crate) fn ready(&mut self) -> Option<Result<Item, String>> {
+        let first = self.part_within(Duration::ZERO);
+        if first.as_ref().is_err_and(|e| e.starts_with("nothing came")) {
+            return None;
+        }
+        Some(first.and_then(|first| self.item(first)))
     }
 
     /// The next piece of an item of `kind` and `total` bytes, of which `got` came already.
@@ -317,6 +411,11 @@ impl Catching {
     /// error when the stream broke (the donor died).
     pub(crate) fn next(&mut self) -> Result<Item, String> {
         let first = self.part()?;
+        self.item(first)
+    }
+
+    /// The item whose first part is `first`, put back together.
+    fn item(&mut self, first: proto::CatchUpPart) -> Result<Item, String> {
         let kind = Kind::try_from(first.kind).map_err(|_| format!("a part of unknown kind {}", first.kind))?;
         let total = usize::try_from(first.total).map_err(|_| "an item too large".to_string())?;
         if kind == Kind::Step || kind == Kind::Bucket {
@@ -341,13 +440,16 @@ impl Catching {
                 if found != first.xxh3 {
                     return Err(format!("the state's xxh3 is {found:016x}, the donor sent {:016x}", first.xxh3));
                 }
-                Item::State { generation: first.generation, formation: first.formation_digest, bytes }
+                let donors = first.range_donors.iter().map(|&r| r as usize).collect();
+                Item::State { generation: first.generation, formation: first.formation_digest, bytes, donors }
             }
             Kind::Step | Kind::Bucket => unreachable!("returned above"),
             Kind::Position => Item::Position(bytes),
             Kind::End => Item::End { step: first.step, lineage: first.lineage },
             Kind::Fallback => Item::Fallback(first.reason),
             Kind::Finished => Item::Finished { step: first.step },
+            Kind::Ranges => Item::Ranges(RangeHead::read(&first), bytes),
+            Kind::RangeGrads => Item::RangeGrads(RangeHead::read(&first), bytes),
             Kind::More => return Err("a piece with no item before it".into()),
         })
     }
@@ -381,7 +483,7 @@ mod tests {
         assert_eq!((offer.rank, offer.generation), (2, 7));
         let feed = offer.feed;
         let state = Bytes::from(vec![1u8; PIECE * 2 + 5]);
-        assert!(feed.state(7, "abc", (&state, fingerprint(&state))));
+        assert!(feed.state((7, "abc"), (&state, fingerprint(&state)), &[]));
         assert!(!feed.state_taken());
         assert!(feed.step(&Bytes::from(vec![2u8; 10])));
         assert!(feed.position(&Bytes::from_static(b"{}")));
@@ -419,14 +521,15 @@ mod tests {
         let stream = hub.offer(1, "worker 1", 3).unwrap();
         let err = hub.offer(2, "worker 2", 3).err().expect("busy");
         assert!(err.message().contains("another worker's catch-up (rank 1) is starting"), "{}", err.message());
-        assert!(!hub.progress(1, 7), "not taken yet: nobody to tell");
+        assert!(!hub.progress(1, 7, false), "not taken yet: nobody to tell");
         let offer = hub.take().unwrap();
         let err = hub.offer(2, "worker 2", 3).err().expect("busy");
         assert_eq!(err.message(), "another catch-up is running; worker 2 joins as before");
         // The returner's word of its replay reaches its feed, the highest kept.
         assert_eq!(offer.feed.replayed(), None);
-        assert!(hub.progress(1, 7) && hub.progress(1, 6) && !hub.progress(2, 9));
+        assert!(hub.progress(1, 7, false) && hub.progress(1, 6, true) && !hub.progress(2, 9, false));
         assert_eq!(offer.feed.replayed(), Some(7));
+        assert!(offer.feed.ranges_pending(), "the last word on the ranges is kept");
         drop(stream);
         assert!(offer.feed.gone());
         drop(offer);

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::catch_up::{Hub, PartStream};
+use super::catch_up::{Hubs, PartStream};
 use super::coordinator::Coordinator;
 use super::election::{Ballot, Elections};
 use super::finding::{Finding, Findings};
@@ -41,8 +41,9 @@ pub(crate) struct Service {
     pub(crate) elections: Arc<Elections>,
     /// This member's collectives, for pushed aborts.
     pub(crate) abort: AbortSignal,
-    /// Where a returner's request to catch up waits for this process's training thread.
-    pub(crate) hub: Arc<Hub>,
+    /// Where a returner's request to catch up, or for the ranges this member owns, waits for this
+    /// process's training thread.
+    pub(crate) hub: Arc<Hubs>,
     /// What peers found at comparisons of the replicas, for this process's training thread.
     pub(crate) findings: Arc<Findings>,
     /// What members said of their parts of sharded commits, for this process's training thread.
@@ -203,8 +204,25 @@ impl Control for Service {
         let req = request.into_inner();
         let c = self.coordinator(req.term)?;
         let (rank, name, generation) = c.may_catch_up(&req)?;
-        let stream = self.hub.offer(rank, &name, generation)?;
+        let stream = self.hub.catch_up.offer(rank, &name, generation)?;
         tracing::info!("{name} asks to catch up with generation {generation}");
+        Ok(Response::new(stream))
+    }
+
+    type CatchUpRangesStream = PartStream;
+
+    async fn catch_up_ranges(&self, request: Request<proto::CatchUpRequest>) -> Result<Response<PartStream>, Status> {
+        let req = request.into_inner();
+        let rank = req.rank as usize;
+        let Some(name) = self.names.get(rank).filter(|_| rank != self.rank) else {
+            return Err(Status::invalid_argument(format!(
+                "rank {rank} cannot ask {} for ranges",
+                self.names[self.rank]
+            )));
+        };
+        // The generation is checked where the training thread takes the request.
+        let stream = self.hub.ranges.offer(rank, name, req.generation)?;
+        tracing::info!("{name} asks for the ranges it will hold");
         Ok(Response::new(stream))
     }
 
@@ -213,7 +231,7 @@ impl Control for Service {
         request: Request<proto::CatchUpProgressRequest>,
     ) -> Result<Response<proto::Empty>, Status> {
         let req = request.into_inner();
-        if !self.hub.progress(req.rank as usize, req.step) {
+        if !self.hub.catch_up.progress(req.rank as usize, req.step, req.ranges_pending) {
             return Err(Status::failed_precondition(format!("no catch-up of rank {} is running here", req.rank)));
         }
         Ok(Response::new(proto::Empty {}))

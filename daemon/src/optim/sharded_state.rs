@@ -83,7 +83,7 @@ struct Pending {
 }
 
 /// The state names of `config`'s rule, in the rule's order (as [`Optimizer::state`] names them).
-fn slot_names(config: &OptimizerConfig) -> Vec<&'static str> {
+pub(crate) fn slot_names(config: &OptimizerConfig) -> Vec<&'static str> {
     use trainerd_sdk::KerasRule;
     let (momentum, centered) = match *config {
         OptimizerConfig::Sgd { momentum, .. } => return sgd_slots(momentum),
@@ -330,13 +330,62 @@ impl ShardedOptimizer {
     /// (so the same bits).
     pub(crate) fn go_forward(&mut self) {
         let Pending { grads, params, used, lr } = self.pending.take().expect("a step cut short");
-        self.begin_step();
         let current = |piece: &Piece| Cow::Borrowed(&params[&(piece.param, piece.offset)][..]);
+        let grads: Vec<&[f32]> = grads.iter().map(|g| g.as_deref().expect("every held range's gradient")).collect();
+        self.store_step(&grads, &current, &used, lr);
+    }
+
+    /// One step of every held range stored from its clipped gradient (`grads`, in
+    /// [`ShardedOptimizer::held`]'s order), `param` the parameters before the step, `used` and
+    /// `lr` the step's: what the step's second pass stores on its owner and its buddy, the same
+    /// arithmetic (a step gone forward, a returner's streamed ranges).
+    pub(crate) fn store_step(&mut self, grads: &[&[f32]], param: Values, used: &[bool], lr: f64) {
+        self.begin_step();
         for (shard, grads) in grads.iter().enumerate() {
-            let grads = grads.as_deref().expect("every held range's gradient");
-            self.update(shard, (grads, None), &current, &used, (lr, Write::State));
+            self.update(shard, (grads, None), param, used, (lr, Write::State));
         }
-        self.end_step(&used);
+        self.end_step(used);
+    }
+
+    /// A returner's copy of ranges it will hold (docs/fault-tolerance.md, "Ranges streamed"):
+    /// `held`, each with its state `arrays` (the rule's, in order) as its owner had them after
+    /// `steps` steps, and the parameters' `started` flags; why not, when they do not fit.
+    pub(crate) fn streamed(
+        config: OptimizerConfig,
+        params: &[(String, Tensor)],
+        held: &[(usize, Vec<Piece>)],
+        (arrays, steps, started): (Vec<Vec<Vec<f32>>>, u64, &[bool]),
+    ) -> Result<Self, String> {
+        let mut o = ShardedOptimizer::new(config, params, (held, &[]));
+        if arrays.len() != held.len() || started.len() != params.len() {
+            return Err(format!(
+                "{} range(s) and {} started flag(s) came for {} range(s) and {} parameter(s)",
+                arrays.len(),
+                started.len(),
+                held.len(),
+                params.len()
+            ));
+        }
+        for (shard, (index, a)) in o.shards.iter_mut().zip(held.iter().map(|(i, _)| i).zip(arrays)) {
+            if a.len() != shard.state.len() || a.iter().zip(&shard.state).any(|(x, y)| x.len() != y.len()) {
+                return Err(format!("range {index}'s state does not fit it"));
+            }
+            shard.state = a;
+        }
+        o.set_replicated(steps, started);
+        Ok(o)
+    }
+
+    /// `other`'s owned ranges added to this optimizer's, as its own: ranges streamed from several
+    /// members, made one optimizer once each is at the same step; why not.
+    pub(crate) fn absorb(&mut self, other: ShardedOptimizer) -> Result<(), String> {
+        if other.steps != self.steps || other.started != self.started {
+            return Err(format!("ranges at optimizer step {} and at {}", self.steps, other.steps));
+        }
+        let added = other.own;
+        self.shards.splice(self.own..self.own, other.shards.into_iter().take(added));
+        self.own += added;
+        Ok(())
     }
 
     /// After both passes of every held range: the parameters that had a gradient (`used`) have

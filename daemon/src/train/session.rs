@@ -338,22 +338,33 @@ impl Session {
         self.lineage = Some(digest);
     }
 
-    /// A returner's request to catch up, when this process coordinates.
-    pub(crate) fn catch_up_offer(&self) -> Option<crate::cluster::catch_up::Offer> {
-        self.cluster.as_ref().and_then(|m| m.plane.catch_up_offer())
+    /// A returner's request to catch up, when this process coordinates; with `ranges`, its
+    /// request for the ranges this member owns.
+    pub(crate) fn catch_up_offer(&self, ranges: bool) -> Option<crate::cluster::catch_up::Offer> {
+        let plane = &self.cluster.as_ref()?.plane;
+        if ranges {
+            plane.range_offer()
+        } else {
+            plane.catch_up_offer()
+        }
     }
 
     /// Asks the coordinator to catch up with the generation it trains (see
     /// [`crate::cluster::ControlPlane::catch_up`]); why not, alone or coordinating.
-    pub(crate) fn catch_up(&self) -> Result<crate::cluster::catch_up::Catching, String> {
+    /// With `ranges`, asks that member for the ranges it owns in that generation.
+    pub(crate) fn catch_up(&self, ranges: Option<(usize, u64)>) -> Result<crate::cluster::catch_up::Catching, String> {
         let Some(m) = self.cluster.as_ref() else { return Err("a worker alone".into()) };
-        m.plane.catch_up(m.timeouts.collective)
+        match ranges {
+            Some((donor, generation)) => m.plane.catch_up_ranges(donor, generation, m.timeouts.collective),
+            None => m.plane.catch_up(m.timeouts.collective),
+        }
     }
 
-    /// Tells the coordinator this returner's catch-up reached `step`.
-    pub(crate) fn caught_up_to(&self, step: u64) {
+    /// Tells the coordinator this returner's catch-up reached `step` (`pending`: the streams of
+    /// its ranges have not all begun).
+    pub(crate) fn caught_up_to(&self, step: u64, pending: bool) {
         if let Some(m) = self.cluster.as_ref() {
-            m.plane.caught_up_to(step);
+            m.plane.caught_up_to(step, pending);
         }
     }
 

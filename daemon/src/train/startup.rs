@@ -222,7 +222,7 @@ pub(super) fn join_in_background(
             // A worker that starts while the others train catches up first: it replays their
             // steps instead of pausing them (refused at once when nothing trains yet).
             if catch_up && session.clustered() && !session.coordinates() {
-                match session.catch_up() {
+                match session.catch_up(None) {
                     Ok(catching) => return (session, state, First::CatchUp(catching)),
                     Err(why) => tracing::debug!("no catch-up: {why}"),
                 }

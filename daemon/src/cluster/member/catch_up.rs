@@ -12,7 +12,39 @@ impl ControlPlane {
     /// A returner's request to catch up, left here while this process coordinates (its next
     /// step boundary takes the snapshot).
     pub(crate) fn catch_up_offer(&self) -> Option<Offer> {
-        self.hub.take()
+        self.hub.catch_up.take()
+    }
+
+    /// A returner's request for the ranges of the optimizer state this member owns, if one waits
+    /// (docs/fault-tolerance.md, "Ranges streamed"; its generation is the offer's).
+    pub(crate) fn range_offer(&self) -> Option<Offer> {
+        self.hub.ranges.take()
+    }
+
+    /// Asks member `donor` for the ranges this returner will hold that it owns in `generation`
+    /// (docs/fault-tolerance.md, "Ranges streamed"): the stream, or why not. `patience` bounds the
+    /// wait for each part.
+    pub(crate) fn catch_up_ranges(
+        &self,
+        donor: usize,
+        generation: u64,
+        patience: Duration,
+    ) -> Result<Catching, String> {
+        let request = proto::CatchUpRequest {
+            rank: self.rank as u32,
+            incarnation: self.incarnation,
+            generation,
+            ..Default::default()
+        };
+        let (dial, deadline, name) = (&self.dials[donor], self.timeouts.heartbeat_deadline, &self.names[donor]);
+        let stream = self.runtime.block_on(async {
+            let client = dial.connect(Instant::now() + deadline).await.map_err(|e| e.to_string())?;
+            let mut client = client.max_decoding_message_size(LARGEST_PART);
+            let call = tokio::time::timeout(deadline, client.catch_up_ranges(request)).await;
+            let reply = call.map_err(|_| format!("{name} did not answer in {:.1}s", deadline.as_secs_f64()))?;
+            reply.map(tonic::Response::into_inner).map_err(|status| status.message().to_string())
+        })?;
+        Ok(Catching::new(stream, self.runtime.handle().clone(), patience))
     }
 
     /// Asks the coordinator this member follows to catch up with the generation it trains
@@ -31,6 +63,7 @@ impl ControlPlane {
             plugin_identity: self.identity.plugin.clone(),
             run_config_json: self.identity.run_config_json.clone(),
             term: self.shared.elections.vote().term.max(term),
+            generation: 0,
         };
         let deadline = self.timeouts.heartbeat_deadline;
         let stream = self.runtime.block_on(async {
@@ -45,11 +78,13 @@ impl ControlPlane {
         Ok(Catching::new(stream, self.runtime.handle().clone(), patience))
     }
 
-    /// Tells the coordinator this returner's replay reached `step` (sent in the background; one
-    /// lost is made up for by the next).
-    pub(crate) fn caught_up_to(&self, step: u64) {
+    /// Tells the coordinator this returner's replay reached `step`, and whether the streams of
+    /// its ranges have not all begun (`pending`; sent in the background; one lost is made up for
+    /// by the next).
+    pub(crate) fn caught_up_to(&self, step: u64, pending: bool) {
         let Some((_, _, dial)) = self.coordinator() else { return };
-        let (dial, request) = (dial.clone(), proto::CatchUpProgressRequest { rank: self.rank as u32, step });
+        let request = proto::CatchUpProgressRequest { rank: self.rank as u32, step, ranges_pending: pending };
+        let dial = dial.clone();
         self.runtime.spawn(async move {
             if let Ok(mut client) = dial.connect(Instant::now() + Duration::from_secs(1)).await {
                 let _ = tokio::time::timeout(Duration::from_secs(1), client.catch_up_progress(request)).await;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
-use super::super::catch_up::Hub;
+use super::super::catch_up::Hubs;
 use super::super::coordinator::rules::Report;
 use super::super::coordinator::Coordinator;
 use super::super::election::Elections;
@@ -99,8 +99,9 @@ pub(crate) struct ControlPlane {
     /// Whether the run has finished (from the checkpoint location), asked while a join gets no
     /// answer from the coordinator: `Some(what to say)`.
     pub(super) finished: Option<FinishedProbe>,
-    /// Where the service leaves a returner's request to catch up, when this process coordinates.
-    pub(super) hub: Arc<Hub>,
+    /// Where the service leaves a returner's request to catch up (when this process coordinates)
+    /// or for the ranges it owns.
+    pub(super) hub: Arc<Hubs>,
     /// Where the service leaves what peers found at comparisons of the replicas.
     pub(super) findings: Arc<Findings>,
     /// This process's position record (with a state directory), and what the process before it
@@ -155,7 +156,7 @@ impl ControlPlane {
         let abort = AbortSignal::new();
         let (elections, chair) = seat(cluster, &identity, timeouts, state_dir)?;
         let position = PositionRecord::kept(state_dir, cluster.rank, &run_identity(&identity))?;
-        let (hub, findings, parts): (Arc<Hub>, Arc<Findings>, Arc<Reports>) = Default::default();
+        let (hub, findings, parts): (Arc<Hubs>, Arc<Findings>, Arc<Reports>) = Default::default();
         let service = Service {
             rank: cluster.rank,
             names: names.clone(),

@@ -102,8 +102,9 @@ pub(super) struct Driver<'a> {
     reach: commits::Reach,
     /// The current generation's formation digest (the root of its lineage digests).
     formation: String,
-    /// A returner's catch-up fed from here (this process coordinates).
+    /// A returner's catch-up fed from here (this process coordinates), and its ranges.
     donor: catch_up::Donor,
+    range_donor: catch_up::RangeDonor,
     /// This process caught up: its state came from a peer.
     caught_up: bool,
     /// The state this process brought to its first formation is a commit it resumed, not the
@@ -146,6 +147,7 @@ impl<'a> Driver<'a> {
             reach: commits::Reach::default(),
             formation: String::new(),
             donor: catch_up::Donor::new(cfg.catch_up_memory),
+            range_donor: catch_up::RangeDonor::default(),
             caught_up: false,
             resumed: false,
             open: None,
@@ -465,7 +467,7 @@ impl<'a> Driver<'a> {
         let (clip, optimizer, ranges) = (self.cfg.clip, &mut state.optimizer, self.sharding.as_ref().map(|(_, r)| r));
         // The members compare the parameters each step read (a corrupted one would be
         // overwritten by the all-gather, or spread by its owner, before the next comparison).
-        let check = Some(self.coordinates);
+        let (check, send) = (Some(self.coordinates), self.range_donor.wanted());
         let mut stepped = None;
         let mut whole = |b: &mut Buckets, c: &mut dyn Collective, p: &mut [(String, tch::Tensor)], held: usize| {
             b.reduce(c, p, held)
@@ -473,7 +475,8 @@ impl<'a> Driver<'a> {
         let mut apart = |b: &mut Buckets, c: &mut dyn Collective, p: &mut [(String, tch::Tensor)], _: usize| {
             let (Optim::Sharded(o), Some(ranges)) = (&mut *optimizer, ranges) else { unreachable!("sharded above") };
             let began = Instant::now();
-            let s = sharded_step::reduce_and_update((b, ranges), c, p, o, (&clip, lr, None), (extra_len, check))?;
+            let s =
+                sharded_step::reduce_and_update((b, ranges), c, p, o, (&clip, lr, None), (extra_len, check, &send))?;
             let extra = s.extra.clone();
             stepped = Some((s, began.elapsed()));
             Ok(extra)
@@ -498,6 +501,7 @@ impl<'a> Driver<'a> {
             model.restore_buffers(&saved);
             return Err(self.integrity.read_differed(state, session, &mut self.report, &read));
         }
+        self.ranges_stepped(stepped.as_ref().map(|(s, _)| s), (state.position().global_step + 1, lr));
         Ok((result, prefetch, stepped))
     }
 

@@ -30,6 +30,11 @@ pub(crate) struct Stepped {
     /// The members' parameters differed as the step read them (the per-step check): nothing was
     /// updated, and every member got the same digests.
     pub(crate) differed: Option<Read>,
+    /// Per parameter, whether any slot had a gradient for it.
+    pub(crate) used: Vec<bool>,
+    /// The clipped gradient of each range asked for (owned here), in that order: what a returner
+    /// that will hold them replays (docs/fault-tolerance.md, "Ranges streamed").
+    pub(crate) sent: Vec<Vec<f32>>,
 }
 
 /// The per-step check of the parameters under sharding (docs/fault-tolerance.md, "The replica
@@ -48,13 +53,14 @@ pub(crate) struct Read {
 /// `loss_scale`: float16's, by which the gradients are divided (a step with a gradient that is
 /// not finite is then skipped everywhere). `check`: whether this member coordinates, when the
 /// members compare the parameters their step read before anything is updated ([`Read`]).
+/// `send`: owned ranges whose clipped gradient comes back ([`Stepped::sent`]).
 pub(crate) fn reduce_and_update(
     (buckets, ranges): (&mut Buckets, &[Range]),
     collective: &mut dyn Collective,
     params: &mut [(String, Tensor)],
     optimizer: &mut ShardedOptimizer,
     (clip, lr, loss_scale): (&Clip, f64, Option<f64>),
-    (extra_len, check): (usize, Option<bool>),
+    (extra_len, check, send): (usize, Option<bool>, &[usize]),
 ) -> Result<Stepped, CollectiveError> {
     let slots = collective.slots().clone();
     buckets.reduce_scatter(collective, ranges)?;
@@ -69,7 +75,7 @@ pub(crate) fn reduce_and_update(
     let used: Vec<bool> = tail[extra_len..].iter().map(|&u| u > 0.0).collect();
     let extra = tail[..extra_len].to_vec();
     if differed.is_some() || (loss_scale.is_some() && not_finite) {
-        return Ok(Stepped { extra, grad_norm: None, finite: false, differed });
+        return Ok(Stepped { extra, grad_norm: None, finite: false, differed, used, sent: Vec::new() });
     }
     let clipping = !clip.is_off();
     let grad_norm =
@@ -89,9 +95,11 @@ pub(crate) fn reduce_and_update(
         optimizer.update(shard, (&grads, Some(values)), &current, &used, (lr, Write::Params));
         kept.push(grads);
     }
-    complete((buckets, ranges), collective, optimizer, kept, (&current, &used, lr))?;
+    let grads = complete((buckets, ranges), collective, optimizer, kept, (&current, &used, lr))?;
+    let of = |r: &usize| grads[mine.iter().position(|m| m == r).expect("an owned range")].clone();
+    let sent = send.iter().map(of).collect();
     buckets.write_params(params);
-    Ok(Stepped { extra, grad_norm, finite: true, differed: None })
+    Ok(Stepped { extra, grad_norm, finite: true, differed: None, used, sent })
 }
 
 /// The step's second half on this member: its owned ranges' clipped gradients (`kept`) shifted
@@ -99,14 +107,14 @@ pub(crate) fn reduce_and_update(
 /// so that a member that completes the all-gather has them), the new parameters all-gathered,
 /// and only then every held range's state stored. A failure stores nothing and keeps what
 /// completing the step needs ([`ShardedOptimizer::cut_short`]), should another member have
-/// completed it.
+/// completed it. Every held range's clipped gradient, owned ones first.
 fn complete(
     (buckets, ranges): (&mut Buckets, &[Range]),
     collective: &mut dyn Collective,
     optimizer: &mut ShardedOptimizer,
     kept: Vec<Vec<f32>>,
     (current, used, lr): (Values, &[bool], f64),
-) -> Result<(), CollectiveError> {
+) -> Result<Vec<Vec<f32>>, CollectiveError> {
     // The predecessor's clipped gradients arrive straight in their own arrays.
     let mut theirs: Vec<Vec<f32>> = optimizer.buddied().iter().map(|&r| vec![0.0f32; ranges[r].grads_len()]).collect();
     let shifted = match theirs.is_empty() {
@@ -129,7 +137,7 @@ fn complete(
         optimizer.update(shard, (g, None), current, used, (lr, Write::State));
     }
     optimizer.end_step(used);
-    Ok(())
+    Ok(grads)
 }
 
 /// The small all-reduce after the reduce-scatter: the tail, each range's sum of squares, with

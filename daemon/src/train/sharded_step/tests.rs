@@ -66,7 +66,7 @@ fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, 
         let cap = 64; // bytes: several buckets, and ranges that cut parameters
         let (mut b_plain, mut b_sharded) = (Buckets::new(&plain, cap), Buckets::new(&sharded, cap));
         let mut optimizer = Optimizer::new(config.clone(), &plain);
-        let mut zero: Option<ShardedOptimizer> = None;
+        let (mut zero, mut follower): (Option<ShardedOptimizer>, Option<ShardedOptimizer>) = (None, None);
         let mut differences = Vec::new();
         for step in 0..steps {
             let lr = 0.05 / (1.0 + step as f64);
@@ -90,16 +90,18 @@ fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, 
                 let held = (&with_pieces(&ranges, &mine)[..], &with_pieces(&ranges, &buddied)[..]);
                 ShardedOptimizer::new(config.clone(), &sharded, held)
             });
+            let (send, before) = (zero.owned(), values_of(&sharded));
             let stepped = reduce_and_update(
                 (&mut b_sharded, &ranges),
                 ring,
                 &mut sharded,
                 zero,
                 (&clip, lr, None),
-                (2, Some(coordinates)),
+                (2, Some(coordinates), &send),
             )
             .unwrap();
             assert!(stepped.finite);
+            differences.extend(follow(&mut follower, (zero, &ranges, &send), (&stepped, &before, lr), (config, step)));
             differences.extend(step_differences(step, &stepped, (&tail, norm), (&plain, &sharded)));
         }
         // Gathered whole: the unsharded optimizer's state, named and ordered alike.
@@ -114,6 +116,46 @@ fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, 
         }
         (differences, whole.into_iter().collect(), [pieces_of(zero, &plain, false), pieces_of(zero, &plain, true)])
     })
+}
+
+/// Every parameter's values (flattened).
+fn values_of(params: &[Param]) -> Vec<Vec<f32>> {
+    params.iter().map(|(_, p)| Vec::<f32>::try_from(p.detach().reshape(-1)).unwrap()).collect()
+}
+
+/// A returner's copy of the ranges an owner holds (docs/fault-tolerance.md, "Ranges streamed"):
+/// taken from the owner's state after step 1 as `RANGES` carries it, then each step stored from
+/// the clipped gradient the step handed back (`stepped.sent`, for the ranges `send`), reading the
+/// parameters before the step (`before`): how it differs from the owner's.
+fn follow(
+    follower: &mut Option<ShardedOptimizer>,
+    (owner, ranges, send): (&ShardedOptimizer, &[Range], &[usize]),
+    (stepped, before, lr): (&Stepped, &[Vec<f32>], f64),
+    (config, step): (&OptimizerConfig, usize),
+) -> Vec<String> {
+    let Some(f) = follower.as_mut() else {
+        if step == 1 {
+            let k = owner.slot_names().len();
+            let arrays = (0..send.len()).map(|s| (0..k).map(|k| owner.values(s, k).to_vec()).collect()).collect();
+            let (steps, started) = owner.replicated();
+            let copy = ShardedOptimizer::streamed(
+                config.clone(),
+                &params(),
+                &with_pieces(ranges, send),
+                (arrays, steps, started),
+            );
+            *follower = Some(copy.unwrap());
+        }
+        return Vec::new();
+    };
+    let current = |p: &Piece| Cow::Owned(before[p.param][p.offset..p.offset + p.len].to_vec());
+    let grads: Vec<&[f32]> = stepped.sent.iter().map(Vec::as_slice).collect();
+    f.store_step(&grads, &current, &stepped.used, lr);
+    let own = f.held().len();
+    if f.digests() != owner.digests()[..own] || f.replicated() != owner.replicated() {
+        return vec![format!("step {step}: the ranges streamed differ from their owner's")];
+    }
+    Vec::new()
 }
 
 /// How a sharded step's results differ from the unsharded step's: the tail's extra values,
@@ -154,7 +196,9 @@ fn pieces_of(zero: &ShardedOptimizer, params: &[(String, Tensor)], buddies: bool
 /// The sharded update equals the unsharded one bit for bit, in the parameters after every
 /// step and in the optimizer state put together from every member's ranges, for every
 /// optimizer and clipping, on one slot per worker, several slots per worker, and one worker
-/// holding every slot; with a parameter no slot uses and one only slot 0 uses.
+/// holding every slot; with a parameter no slot uses and one only slot 0 uses. A returner's copy
+/// of each member's owned ranges, taken after step 1 and then stored from the clipped gradients
+/// each step hands back (ranges streamed), stays bit for bit its owner's.
 #[test]
 fn the_sharded_update_is_bit_for_bit_the_unsharded_one() {
     for ((world, v), config, clip) in cases() {
@@ -533,7 +577,7 @@ fn the_per_step_check_finds_a_flipped_parameter_before_any_update() {
                 &mut params,
                 &mut optimizer,
                 (&clip, 0.01, None),
-                check,
+                (check.0, check.1, &[]),
             )
             .unwrap();
             let after: Vec<Vec<u32>> = params.iter().map(|(_, p)| bytes(p)).collect();

@@ -13,9 +13,11 @@ use tch::Tensor;
 
 use super::Driver;
 
+mod ranges;
 mod replay;
 use crate::cluster::catch_up::{fingerprint, Catching, Feed, Item};
 use crate::cluster::ClusterError;
+use crate::collective::buckets::Range;
 use crate::collective::slots;
 use crate::state::catch_up;
 use crate::state::{Optim, Position, StateError, TrainState};
@@ -24,6 +26,8 @@ use crate::train::kernels;
 use crate::train::report::Reporter;
 use crate::train::session::{lineage, Interrupt, Session};
 
+use ranges::pending;
+pub(super) use ranges::RangeDonor;
 use replay::{Replayed, Taking};
 
 /// A size for lines: `512 B`, `31.4 KB`, `100.0 MB`, `1.2 GB` (powers of 1000).
@@ -39,6 +43,10 @@ fn size(bytes: u64) -> String {
 /// How long a returner told the run finished may go without its replay moving before this
 /// process exits anyway (it then finds the run's end in a commit, or waits for its cluster).
 const FINISH_PATIENCE: Duration = Duration::from_secs(5);
+
+/// A returner's state taken: its generation, that generation's formation digest, its step, and
+/// the members that own ranges it will hold (sharded).
+type Taken = (u64, String, u64, Vec<usize>);
 
 /// The donor's side: at most one returner fed at a time.
 pub(super) struct Donor {
@@ -66,6 +74,8 @@ struct Feeding {
     behind: Option<(u64, u32)>,
     /// The step the state was taken at, and when.
     from: (u64, Instant),
+    /// With the optimizer state sharded: the members that own ranges the returner will hold.
+    donors: Vec<usize>,
 }
 
 /// A step's buckets sent to a returner as the reducing thread ends each during the backward pass
@@ -140,7 +150,14 @@ impl Donor {
     /// is let go. A request waits for the next step where this one changes the optimizer state's
     /// kind (`sharding`: this step shards it, at a sharded run's first step or a generation's
     /// first after a whole state was restored).
-    pub(super) fn begin(&mut self, state: &TrainState, session: &Session, sharding: bool, report: &mut Reporter<'_>) {
+    /// `ranges`: this generation's, with the optimizer state sharded.
+    pub(super) fn begin(
+        &mut self,
+        state: &TrainState,
+        session: &Session,
+        (sharding, ranges): (bool, Option<&[Range]>),
+        report: &mut Reporter<'_>,
+    ) {
         if let Some(f) = &self.feeding {
             if f.feed.gone() {
                 report.line(&format!("trainerd: {}'s catch-up ended: its stream is gone", f.name));
@@ -151,7 +168,7 @@ impl Donor {
         if matches!(state.optimizer, Optim::Fresh(_)) || (sharding && !state.optimizer.sharded()) {
             return;
         }
-        let Some(offer) = session.catch_up_offer() else { return };
+        let Some(offer) = session.catch_up_offer(false) else { return };
         let name = session.name(offer.rank);
         let why_not = if self.memory == 0 {
             Some("--catch-up-memory is 0 on the coordinator".to_string())
@@ -176,6 +193,8 @@ impl Donor {
         });
         let Ok(copying) = copying else { return offer.feed.fallback("no thread for the snapshot") };
         let step = state.position().global_step;
+        let sharded = ranges.filter(|_| state.optimizer.sharded());
+        let donors = sharded.map(|r| ranges::range_donors(session, r, offer.rank)).unwrap_or_default();
         report.line(&format!("trainerd: {name} catches up: sending the state at step {step} while training goes on"));
         self.feeding = Some(Feeding {
             rank: offer.rank,
@@ -188,6 +207,7 @@ impl Donor {
             switching: false,
             behind: None,
             from: (step, Instant::now()),
+            donors,
         });
     }
 
@@ -202,9 +222,10 @@ impl Donor {
     /// the generation, and with it this catch-up (the returner joins as before).
     pub(super) fn switch(&mut self, others: bool, at: u64) -> Option<usize> {
         let f = self.feeding.as_mut()?;
-        // Until the returner has said where its replay is, the stream's queue alone decides.
+        // Until the returner has said where its replay is, the stream's queue alone decides (with
+        // ranges streamed, it waits for the returner's word that their streams began).
         let close = match f.feed.replayed() {
-            None => true,
+            None => f.donors.is_empty(),
             Some(r) => {
                 let lag = at.saturating_sub(r);
                 let (least, since) = match f.behind {
@@ -212,7 +233,8 @@ impl Donor {
                     _ => (lag, 0),
                 };
                 f.behind = Some((least, since));
-                lag <= 1 || since >= 3
+                // The streams of the returner's ranges begin first ("Ranges streamed").
+                (lag <= 1 && !f.feed.ranges_pending()) || since >= 3
             }
         };
         let level = f.state_queued && f.feed.state_taken() && f.feed.kept() <= f.step_bytes && close;
@@ -256,7 +278,9 @@ impl Donor {
         let Some(f) = self.feeding.as_mut() else { return };
         if let Some(copying) = f.copying.take() {
             match copying.join() {
-                Ok(Ok((bytes, xxh3))) if ok => f.state_queued = f.feed.state(f.generation, formation, (&bytes, xxh3)),
+                Ok(Ok((bytes, xxh3))) if ok => {
+                    f.state_queued = f.feed.state((f.generation, formation), (&bytes, xxh3), &f.donors)
+                }
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => return self.stop(&format!("its state could not be encoded: {e}"), report),
                 Err(_) => return self.stop("the snapshot's thread panicked", report),
@@ -338,7 +362,7 @@ impl Donor {
                 report.served_catch_up(f.feed.peak());
                 (f.name, f.feed)
             }
-            None => match session.catch_up_offer() {
+            None => match session.catch_up_offer(false) {
                 Some(offer) => (session.name(offer.rank), offer.feed),
                 None => return,
             },
@@ -372,7 +396,10 @@ impl Driver<'_> {
     pub(super) fn back(&mut self, state: &TrainState, session: &mut Session) -> (Vec<bool>, bool, Option<BucketFeed>) {
         let mut back = session.returning();
         let sharding = self.cfg.shard_optimizer && session.collective().world() >= 2 && session.slot_count() >= 2;
-        self.donor.begin(state, session, sharding, &mut self.report);
+        let generation = session.generation();
+        let ranges = self.sharding.as_ref().filter(|(g, _)| *g == generation).map(|(_, r)| r.as_slice());
+        self.donor.begin(state, session, (sharding, ranges), &mut self.report);
+        self.range_donor.begin(state, session, ranges, self.cfg.catch_up_memory);
         let switching = self.donor.switch(!back.is_empty(), state.position().global_step);
         back.extend(switching);
         let flags =
@@ -392,9 +419,10 @@ impl Driver<'_> {
         (mut catching, started): (Catching, Instant),
     ) -> Result<(), Interrupt> {
         let began = Instant::now();
-        let Some((generation, formation, from)) = self.take_state(state, session, &mut catching)? else {
+        let Some((generation, formation, from, donors)) = self.take_state(state, session, &mut catching)? else {
             return Ok(());
         };
+        let mut streamed = self.open_ranges(state, session, (generation, &donors));
         let mut counted = Replayed::default();
         // A step whose buckets came before its outputs.
         let mut taking: Option<Taking> = None;
@@ -413,28 +441,29 @@ impl Driver<'_> {
                     self.take_bucket(state, &mut catching, t, (total, first))
                 }
                 Ok(Item::Step { total, first }) => {
+                    self.ranges_before(state, &mut streamed, state.position().global_step + 1);
                     let t = taking.take().unwrap_or_else(|| self.taking(state));
                     self.replay(state, &mut catching, t, (total, first), session.slot_count()).map(|r| counted.step(r))
                 }
-                Ok(Item::Position(bytes)) => Self::take_position(state, session, &bytes),
-                Ok(Item::End { step, lineage: with_lineage }) => {
-                    if state.position().global_step != step {
-                        let at = state.position().global_step;
-                        return self
-                            .caught_short(state, &format!("the end came at step {step}, the replay is at {at}"));
-                    }
+                Ok(Item::Position(bytes)) => Self::take_position(state, session, (&bytes, pending(&streamed))),
+                Ok(Item::End { step, lineage: with_lineage }) if state.position().global_step == step => {
                     if with_lineage {
                         session.set_lineage(lineage(&formation, generation, step));
                     }
+                    self.ranges_at_switch(state, streamed.take(), step);
                     self.caught_up = true;
                     self.say_caught_up((from, step), &counted, (began, started));
                     return Ok(());
+                }
+                Ok(Item::End { step, .. }) => {
+                    Err(format!("the end came at step {step}, the replay is at {}", state.position().global_step))
                 }
                 Ok(Item::Fallback(why)) => {
                     return self.caught_short(state, &format!("{why}{}", Self::half_taken(&taking, state)))
                 }
                 Ok(Item::Finished { step }) => return Err(Self::finished(step, Some(state.position().global_step))),
                 Ok(Item::State { .. }) => Err("a second state".to_string()),
+                Ok(Item::Ranges(..) | Item::RangeGrads(..)) => Err("a range stream's item".to_string()),
                 Err(why) => return self.caught_short(state, &why),
             };
             if let Err(why) = replay {
@@ -472,10 +501,10 @@ impl Driver<'_> {
         state: &mut TrainState,
         session: &Session,
         catching: &mut Catching,
-    ) -> Result<Option<(u64, String, u64)>, Interrupt> {
+    ) -> Result<Option<Taken>, Interrupt> {
         let began = Instant::now();
         match catching.next() {
-            Ok(Item::State { generation, formation, bytes }) => {
+            Ok(Item::State { generation, formation, bytes, donors }) => {
                 if let Err(e) = state.decode(bytes) {
                     // Nothing of it was taken, or part: either way this process's state is not one.
                     self.caught_short(state, &format!("the state received could not be taken: {e}"))?;
@@ -484,13 +513,13 @@ impl Driver<'_> {
                 kernels::restored(&mut state.model.position, "the run", &mut self.report).map_err(Interrupt::Fatal)?;
                 state.model.live = true;
                 let from = state.position().global_step;
-                session.caught_up_to(from);
+                session.caught_up_to(from, !donors.is_empty());
                 self.report.line(&format!(
                     "trainerd: catching up: the state at step {from} of generation {generation} came in {:.2}s; \
                      replaying the steps trained since",
                     began.elapsed().as_secs_f64()
                 ));
-                Ok(Some((generation, formation, from)))
+                Ok(Some((generation, formation, from, donors)))
             }
             // Refused before anything was taken: this process keeps what it restored.
             Ok(Item::Fallback(why)) | Err(why) => self.refused(&why).map(|()| None),
@@ -500,9 +529,9 @@ impl Driver<'_> {
     }
 
     /// The position after a step or an epoch's end taken (`bytes`), and told to the donor.
-    fn take_position(state: &mut TrainState, session: &Session, bytes: &[u8]) -> Result<(), String> {
+    fn take_position(state: &mut TrainState, session: &Session, (bytes, pending): (&[u8], bool)) -> Result<(), String> {
         let p: Position = serde_json::from_slice(bytes).map_err(|e| format!("a position could not be read: {e}"))?;
-        session.caught_up_to(p.global_step);
+        session.caught_up_to(p.global_step, pending);
         state.model.position = p;
         Ok(())
     }
