@@ -501,7 +501,7 @@ impl<'a> Driver<'a> {
             model.restore_buffers(&saved);
             return Err(self.integrity.read_differed(state, session, &mut self.report, &read));
         }
-        self.ranges_stepped(stepped.as_ref().map(|(s, _)| s), (state.position().global_step + 1, lr));
+        self.ranges_stepped(stepped.as_mut().map(|(s, _)| s), (state.position().global_step + 1, lr));
         Ok((result, prefetch, stepped))
     }
 

@@ -32,9 +32,10 @@ pub(crate) struct Stepped {
     pub(crate) differed: Option<Read>,
     /// Per parameter, whether any slot had a gradient for it.
     pub(crate) used: Vec<bool>,
-    /// The clipped gradient of each range asked for (owned here), in that order: what a returner
-    /// that will hold them replays (docs/fault-tolerance.md, "Ranges streamed").
-    pub(crate) sent: Vec<Vec<f32>>,
+    /// The clipped gradient of each range asked for (owned here), one after the other in that
+    /// order: what a returner that will hold them replays (docs/fault-tolerance.md, "Ranges
+    /// streamed").
+    pub(crate) sent: Vec<f32>,
 }
 
 /// The per-step check of the parameters under sharding (docs/fault-tolerance.md, "The replica
@@ -96,8 +97,8 @@ pub(crate) fn reduce_and_update(
         kept.push(grads);
     }
     let grads = complete((buckets, ranges), collective, optimizer, kept, (&current, &used, lr))?;
-    let of = |r: &usize| grads[mine.iter().position(|m| m == r).expect("an owned range")].clone();
-    let sent = send.iter().map(of).collect();
+    let of = |r: &usize| grads[mine.iter().position(|m| m == r).expect("an owned range")].as_slice();
+    let sent = send.iter().map(of).collect::<Vec<_>>().concat();
     buckets.write_params(params);
     Ok(Stepped { extra, grad_norm, finite: true, differed: None, used, sent })
 }

@@ -149,7 +149,13 @@ fn follow(
         return Vec::new();
     };
     let current = |p: &Piece| Cow::Owned(before[p.param][p.offset..p.offset + p.len].to_vec());
-    let grads: Vec<&[f32]> = stepped.sent.iter().map(Vec::as_slice).collect();
+    let mut at = 0;
+    let grads: Vec<&[f32]> = (f.held().into_iter().map(|r| ranges[r].grads_len()))
+        .map(|n| {
+            at += n;
+            &stepped.sent[at - n..at]
+        })
+        .collect();
     f.store_step(&grads, &current, &stepped.used, lr);
     let own = f.held().len();
     if f.digests() != owner.digests()[..own] || f.replicated() != owner.replicated() {

@@ -26,8 +26,8 @@ use crate::train::kernels;
 use crate::train::report::Reporter;
 use crate::train::session::{lineage, Interrupt, Session};
 
-use ranges::pending;
 pub(super) use ranges::RangeDonor;
+use ranges::Ranging;
 use replay::{Replayed, Taking};
 
 /// A size for lines: `512 B`, `31.4 KB`, `100.0 MB`, `1.2 GB` (powers of 1000).
@@ -422,7 +422,7 @@ impl Driver<'_> {
         let Some((generation, formation, from, donors)) = self.take_state(state, session, &mut catching)? else {
             return Ok(());
         };
-        let mut streamed = self.open_ranges(state, session, (generation, &donors));
+        let mut ranging = Ranging::new(generation, donors);
         let mut counted = Replayed::default();
         // A step whose buckets came before its outputs.
         let mut taking: Option<Taking> = None;
@@ -430,7 +430,7 @@ impl Driver<'_> {
             if self.stop.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(Interrupt::Stopped);
             }
-            let item = catching.next();
+            let item = self.next_item((state, session), &mut catching, &mut ranging);
             if let (Some(_), Ok(Item::Position(_) | Item::End { .. } | Item::State { .. })) = (&taking, &item) {
                 return self.caught_short(state, "a step's buckets came, and then no outputs of that step");
             }
@@ -441,16 +441,16 @@ impl Driver<'_> {
                     self.take_bucket(state, &mut catching, t, (total, first))
                 }
                 Ok(Item::Step { total, first }) => {
-                    self.ranges_before(state, &mut streamed, state.position().global_step + 1);
+                    self.ranges_before(state, &mut ranging, state.position().global_step + 1);
                     let t = taking.take().unwrap_or_else(|| self.taking(state));
                     self.replay(state, &mut catching, t, (total, first), session.slot_count()).map(|r| counted.step(r))
                 }
-                Ok(Item::Position(bytes)) => Self::take_position(state, session, (&bytes, pending(&streamed))),
+                Ok(Item::Position(bytes)) => Self::take_position(state, session, (&bytes, ranging.pending())),
                 Ok(Item::End { step, lineage: with_lineage }) if state.position().global_step == step => {
                     if with_lineage {
                         session.set_lineage(lineage(&formation, generation, step));
                     }
-                    self.ranges_at_switch(state, streamed.take(), step);
+                    self.ranges_at_switch(state, std::mem::replace(&mut ranging, Ranging::Off), step);
                     self.caught_up = true;
                     self.say_caught_up((from, step), &counted, (began, started));
                     return Ok(());

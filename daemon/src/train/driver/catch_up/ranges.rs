@@ -46,34 +46,71 @@ pub(super) fn range_donors(session: &Session, ranges: &[Range], rank: usize) -> 
     donors
 }
 
-/// Float32 values as the stream carries them (little-endian).
-fn to_bytes<'a>(values: impl Iterator<Item = &'a [f32]>) -> Bytes {
-    let mut out = Vec::new();
-    values.for_each(|v| v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())));
-    Bytes::from(out)
-}
+/// Float32 values as a stream carries them: their bytes where they lie (little-endian, as on
+/// every platform trainerd builds for), without a copy.
+struct Floats(Vec<f32>);
 
-/// The stream's float32 values cut into arrays of `lens`; why not, when the sizes differ.
-fn arrays(bytes: &[u8], lens: impl Iterator<Item = usize>) -> Result<Vec<Vec<f32>>, String> {
-    let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-    let mut at = 0;
-    let cut: Vec<Vec<f32>> = lens
-        .map(|n| {
-            let a = values.get(at..at + n).map(<[f32]>::to_vec).unwrap_or_default();
-            at += n;
-            a
-        })
-        .collect();
-    if at * 4 != bytes.len() {
-        return Err(format!("{} bytes came for {at} value(s)", bytes.len()));
+impl AsRef<[u8]> for Floats {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
     }
-    Ok(cut)
 }
 
-/// Whether some stream of `streamed` has not begun (its ranges' state has not come): what the
-/// returner's word to the coordinator says, which the switch waits for.
-pub(super) fn pending(streamed: &Option<Streamed>) -> bool {
-    streamed.as_ref().is_some_and(|s| s.streams.iter().any(|s| s.at.is_none()))
+/// The stream's float32 values cut into arrays of `lens` (one copy each); why not, when the sizes
+/// differ.
+fn arrays(bytes: &[u8], lens: impl Iterator<Item = usize>) -> Result<Vec<Vec<f32>>, String> {
+    let lens: Vec<usize> = lens.collect();
+    let count: usize = lens.iter().sum();
+    if count * 4 != bytes.len() {
+        return Err(format!("{} bytes came for {count} value(s)", bytes.len()));
+    }
+    let copied: Vec<f32>;
+    let values: &[f32] = match bytemuck::try_cast_slice(bytes) {
+        Ok(v) => v,
+        Err(_) => {
+            copied = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            &copied
+        }
+    };
+    let mut at = 0;
+    Ok(lens
+        .into_iter()
+        .map(|n| {
+            at += n;
+            values[at - n..at].to_vec()
+        })
+        .collect())
+}
+
+/// A returner's streams of the ranges it will hold.
+pub(super) enum Ranging {
+    /// None: the optimizer state is not sharded, or they stopped.
+    Off,
+    /// To open once the replay is level with the donor: `generation`, the range donors.
+    ToOpen(u64, Vec<usize>),
+    Open(Streamed),
+}
+
+impl Ranging {
+    /// With the optimizer state sharded, `donors` (ranks) own in `generation` the ranges the
+    /// returner will hold.
+    pub(super) fn new(generation: u64, donors: Vec<usize>) -> Ranging {
+        if donors.is_empty() {
+            Ranging::Off
+        } else {
+            Ranging::ToOpen(generation, donors)
+        }
+    }
+
+    /// Whether some stream is not open or has not begun (its ranges' state has not come): what
+    /// the returner's word to the coordinator says, which the switch waits for.
+    pub(super) fn pending(&self) -> bool {
+        match self {
+            Ranging::Off => false,
+            Ranging::ToOpen(..) => true,
+            Ranging::Open(s) => s.streams.iter().any(|s| s.at.is_none()),
+        }
+    }
 }
 
 /// A member's side: at most one returner's ranges streamed at a time.
@@ -113,8 +150,11 @@ impl RangeDonor {
             returners_ranges(session, ranges, offer.rank).into_iter().filter(|r| mine.contains(r)).collect();
         let shard = |r: &usize| held.iter().position(|h| h == r).expect("owned");
         let k = o.slot_names().len();
-        let values =
-            to_bytes(theirs.iter().flat_map(|r| (0..k).map(move |k| (shard(r), k))).map(|(s, k)| o.values(s, k)));
+        let mut values = Vec::with_capacity(theirs.iter().map(|&r| ranges[r].grads_len() * k).sum());
+        theirs.iter().flat_map(|r| (0..k).map(move |k| (shard(r), k))).for_each(|(s, k)| {
+            values.extend_from_slice(o.values(s, k));
+        });
+        let values = Bytes::from_owner(Floats(values));
         if values.len() as u64 > memory {
             return offer
                 .feed
@@ -143,7 +183,7 @@ impl RangeDonor {
     /// its gradient of the returner's ranges queued, within `memory`.
     pub(super) fn stepped(
         &mut self,
-        stepped: &Stepped,
+        stepped: &mut Stepped,
         (step, lr): (u64, f64),
         memory: u64,
         report: &mut Reporter<'_>,
@@ -151,7 +191,7 @@ impl RangeDonor {
         let Some(f) = &self.feeding else { return };
         let skipped = !stepped.finite;
         let head = RangeHead { step, flags: stepped.used.clone(), lr, skipped, ..Default::default() };
-        let values = if skipped { Bytes::new() } else { to_bytes(stepped.sent.iter().map(Vec::as_slice)) };
+        let values = Bytes::from_owner(Floats(std::mem::take(&mut stepped.sent)));
         let queued = f.feed.kept() + values.len() as u64;
         if queued > memory || !f.feed.ranges(true, &head, &values) {
             let f = self.feeding.take().expect("feeding");
@@ -278,42 +318,57 @@ impl Streamed {
 impl Driver<'_> {
     /// After a sharded step `step` at rate `lr` (`stepped`): its gradient of the ranges streamed
     /// from here to a returner queued.
-    pub(in crate::train::driver) fn ranges_stepped(&mut self, stepped: Option<&Stepped>, at: (u64, f64)) {
+    pub(in crate::train::driver) fn ranges_stepped(&mut self, stepped: Option<&mut Stepped>, at: (u64, f64)) {
         if let Some(s) = stepped {
             self.range_donor.stepped(s, at, self.cfg.catch_up_memory, &mut self.report);
         }
     }
 
-    /// On a returner whose donor's state named `donors` in `generation`: the streams of the
-    /// ranges it will hold, opened; none when the state named none (not sharded) or one could not
-    /// be opened (said: the switch moves them as before).
-    pub(super) fn open_ranges(
+    /// The catch-up stream's next item. Once the replay has taken everything the donor sent (the
+    /// next item not there yet), the streams of the ranges it will hold are opened first: they
+    /// then carry the few steps left rather than the whole catch-up (none when one could not be
+    /// opened, said: the switch moves them as before).
+    pub(super) fn next_item(
         &mut self,
-        state: &TrainState,
-        session: &Session,
-        (generation, donors): (u64, &[usize]),
-    ) -> Option<Streamed> {
-        if donors.is_empty() {
-            return None;
+        (state, session): (&TrainState, &Session),
+        catching: &mut Catching,
+        ranging: &mut Ranging,
+    ) -> Result<Item, String> {
+        if let Ranging::ToOpen(generation, donors) = ranging {
+            if let Some(item) = catching.ready() {
+                return item;
+            }
+            let v = session.slot_count();
+            let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
+            *ranging = match Streamed::open(session, *generation, donors, ranges) {
+                Ok(s) => Ranging::Open(s),
+                Err(why) => {
+                    self.ranges_dropped(&why);
+                    Ranging::Off
+                }
+            };
         }
-        let v = session.slot_count();
-        let ranges = self.buckets.ranges(&state.model.params, v, self.extra_len(v));
-        Streamed::open(session, generation, donors, ranges).map_err(|why| self.ranges_dropped(&why)).ok()
+        catching.next()
     }
 
     /// Before the replay takes step `step`'s outputs: the streamed ranges brought to it, or let
     /// go (said) when they cannot be.
-    pub(super) fn ranges_before(&mut self, state: &TrainState, streamed: &mut Option<Streamed>, step: u64) {
-        if let Some(Err(why)) = streamed.as_mut().map(|s| s.before_step(state, step)) {
-            *streamed = None;
+    pub(super) fn ranges_before(&mut self, state: &TrainState, ranging: &mut Ranging, step: u64) {
+        let Ranging::Open(streamed) = ranging else { return };
+        if let Err(why) = streamed.before_step(state, step) {
+            *ranging = Ranging::Off;
             self.ranges_dropped(&why);
         }
     }
 
     /// At the switch after step `step`: the streamed ranges, at that step, made this returner's
     /// optimizer state (said), or let go (said).
-    pub(super) fn ranges_at_switch(&mut self, state: &mut TrainState, streamed: Option<Streamed>, step: u64) {
-        let Some(streamed) = streamed else { return };
+    pub(super) fn ranges_at_switch(&mut self, state: &mut TrainState, ranging: Ranging, step: u64) {
+        let streamed = match ranging {
+            Ranging::Off => return,
+            Ranging::ToOpen(..) => return self.ranges_dropped("the replay was never level with the donor"),
+            Ranging::Open(s) => s,
+        };
         match streamed.finish(step) {
             Ok((o, donors)) => {
                 self.report.line(&format!(
