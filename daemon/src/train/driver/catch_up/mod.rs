@@ -399,7 +399,7 @@ impl Driver<'_> {
         let generation = session.generation();
         let ranges = self.sharding.as_ref().filter(|(g, _)| *g == generation).map(|(_, r)| r.as_slice());
         self.donor.begin(state, session, (sharding, ranges), &mut self.report);
-        self.range_donor.begin(state, session, ranges, self.cfg.catch_up_memory);
+        self.range_donor.begin((state, session), ranges, self.cfg.catch_up_memory, &mut self.report);
         let switching = self.donor.switch(!back.is_empty(), state.position().global_step);
         back.extend(switching);
         let flags =

@@ -132,7 +132,13 @@ impl RangeDonor {
     /// optimizer state is sharded (`ranges`, its ranges), a returner's request taken, and the
     /// state of its ranges this member owns queued (after the step just trained). `memory` bounds
     /// what is queued.
-    pub(super) fn begin(&mut self, state: &TrainState, session: &Session, ranges: Option<&[Range]>, memory: u64) {
+    pub(super) fn begin(
+        &mut self,
+        (state, session): (&TrainState, &Session),
+        ranges: Option<&[Range]>,
+        memory: u64,
+        report: &mut Reporter<'_>,
+    ) {
         if let Some(f) = &self.feeding {
             if f.feed.gone() || f.generation != session.generation() {
                 let f = self.feeding.take().expect("feeding");
@@ -155,10 +161,12 @@ impl RangeDonor {
             values.extend_from_slice(o.values(s, k));
         });
         let values = Bytes::from_owner(Floats(values));
+        let name = session.name(offer.rank);
         if values.len() as u64 > memory {
-            return offer
-                .feed
-                .fallback(&format!("their state takes {}, above --catch-up-memory", size(values.len() as u64)));
+            let why =
+                format!("their state takes {}, above --catch-up-memory {}", size(values.len() as u64), size(memory));
+            report.line(&format!("trainerd: {name} cannot take its ranges from this worker: {why}"));
+            return offer.feed.fallback(&why);
         }
         let (steps, started) = o.replicated();
         let head = RangeHead {
@@ -169,7 +177,13 @@ impl RangeDonor {
             ..Default::default()
         };
         if offer.feed.ranges(false, &head, &values) {
-            let name = session.name(offer.rank);
+            report.line(&format!(
+                "trainerd: {name} takes the {} range(s) of the optimizer state it will hold that this worker owns \
+                 ({}, after step {}), then each step's gradient of them",
+                theirs.len(),
+                size(values.len() as u64),
+                head.step
+            ));
             self.feeding = Some(RangeFeeding { name, generation: offer.generation, feed: offer.feed, ranges: theirs });
         }
     }
@@ -193,12 +207,14 @@ impl RangeDonor {
         let head = RangeHead { step, flags: stepped.used.clone(), lr, skipped, ..Default::default() };
         let values = Bytes::from_owner(Floats(std::mem::take(&mut stepped.sent)));
         let queued = f.feed.kept() + values.len() as u64;
-        if queued > memory || !f.feed.ranges(true, &head, &values) {
-            let f = self.feeding.take().expect("feeding");
-            let why = format!("its queue would take {}, above --catch-up-memory", size(queued));
-            report.line(&format!("trainerd: the ranges streamed to {} stopped: {why}", f.name));
-            f.feed.fallback(&why);
-        }
+        let why = match queued > memory {
+            true => format!("its queue would take {}, above --catch-up-memory {}", size(queued), size(memory)),
+            false if !f.feed.ranges(true, &head, &values) => "its stream is gone".to_string(),
+            false => return,
+        };
+        let f = self.feeding.take().expect("feeding");
+        report.line(&format!("trainerd: the ranges streamed to {} stopped: {why}", f.name));
+        f.feed.fallback(&why);
     }
 }
 
