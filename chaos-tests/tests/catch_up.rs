@@ -188,7 +188,8 @@ fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ra
     let at = format!(" member(s) and are at step {switch} (44.5 MB)");
     assert!(streamed.len() == 1 && streamed[0].ends_with(&at), "{streamed:?} (the switch after step {switch})");
     let sent = c.lines_of(1, "trainerd: worker 2 (");
-    let takes = ") takes the 4 range(s) of the optimizer state it will hold that this worker owns (44.5 MB, after step ";
+    let takes =
+        ") takes the 4 range(s) of the optimizer state it will hold that this worker owns (44.5 MB, after step ";
     assert!(sent.iter().any(|l| l.contains(takes) && l.ends_with("), then each step's gradient of them")), "{sent:?}");
     for rank in 0..3 {
         let (_, moved) =

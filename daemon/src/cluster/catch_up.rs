@@ -2,8 +2,10 @@
 //! not pause the survivors"). On the donor (the coordinator's process), the service leaves a
 //! returner's request in the [`Hub`] and the training thread takes it as a [`Feed`]: the sending
 //! side of the stream, which counts what is queued and not yet taken by the stream (the kept
-//! outputs, which the donor bounds). On the returner, [`Catching`] reads the stream and puts each
-//! item's pieces back together. What the items hold is the training loop's (`train::driver::catch_up`).
+//! outputs, which the donor bounds). With the optimizer state sharded, every member's service also
+//! leaves a returner's request for the ranges it will hold ([`Hubs::ranges`]), fed the same way. On
+//! the returner, [`Catching`] reads a stream and puts each item's pieces back together. What the
+//! items hold is the training loop's (`train::driver::catch_up`).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
