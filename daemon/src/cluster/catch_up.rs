@@ -372,31 +372,30 @@ impl Catching {
         Catching { stream, runtime, patience }
     }
 
-    /// The next part, or why none came (within `patience`: zero polls once).
-    fn part_within(&mut self, patience: Duration) -> Result<proto::CatchUpPart, String> {
+    /// The next part within `patience` (zero polls once): `None` when none came in that time; why
+    /// not when the stream broke or ended.
+    fn part_within(&mut self, patience: Duration) -> Result<Option<proto::CatchUpPart>, String> {
         let stream = &mut self.stream;
         // `message` is cancel safe: a part not whole yet stays buffered for the next call.
         let next = self.runtime.block_on(async { tokio::time::timeout(patience, stream.message()).await });
         match next {
-            Err(_) => Err(format!("nothing came for {:.1}s", patience.as_secs_f64())),
+            Err(_) => Ok(None),
             Ok(Err(status)) => Err(status.message().to_string()),
             Ok(Ok(None)) => Err("the stream ended early".into()),
-            Ok(Ok(Some(part))) => Ok(part),
+            Ok(Ok(Some(part))) => Ok(Some(part)),
         }
     }
 
     /// The next part, or why none came.
     fn part(&mut self) -> Result<proto::CatchUpPart, String> {
-        self.part_within(self.patience)
+        let patience = self.patience;
+        self.part_within(patience)?.ok_or_else(|| format!("nothing came for {:.1}s", patience.as_secs_f64()))
     }
 
     /// The next item if its first part has come, without waiting for that part (the rest is
     /// waited for as [`Catching::next`] does); `None` when it has not.
     pub(crate) fn ready(&mut self) -> Option<Result<Item, String>> {
-        let first = self.part_within(Duration::ZERO);
-        if first.as_ref().is_err_and(|e| e.starts_with("nothing came")) {
-            return None;
-        }
+        let first = self.part_within(Duration::ZERO).transpose()?;
         Some(first.and_then(|first| self.item(first)))
     }
 
