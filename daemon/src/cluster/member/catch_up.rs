@@ -36,15 +36,7 @@ impl ControlPlane {
             generation,
             ..Default::default()
         };
-        let (dial, deadline, name) = (&self.dials[donor], self.timeouts.heartbeat_deadline, &self.names[donor]);
-        let stream = self.runtime.block_on(async {
-            let client = dial.connect(Instant::now() + deadline).await.map_err(|e| e.to_string())?;
-            let mut client = client.max_decoding_message_size(LARGEST_PART);
-            let call = tokio::time::timeout(deadline, client.catch_up_ranges(request)).await;
-            let reply = call.map_err(|_| format!("{name} did not answer in {:.1}s", deadline.as_secs_f64()))?;
-            reply.map(tonic::Response::into_inner).map_err(|status| status.message().to_string())
-        })?;
-        Ok(Catching::new(stream, self.runtime.handle().clone(), patience))
+        self.open((donor, true), request, (self.timeouts.heartbeat_deadline, patience))
     }
 
     /// Asks the coordinator this member follows to catch up with the generation it trains
@@ -52,7 +44,7 @@ impl ControlPlane {
     /// its first part is on its way, or why not (the caller joins as before). `patience` bounds
     /// the wait for each part.
     pub(crate) fn catch_up(&self, patience: Duration) -> Result<Catching, String> {
-        let Some((term, rank, dial)) = self.coordinator() else { return Err("no coordinator is known".into()) };
+        let Some((term, rank, _)) = self.coordinator() else { return Err("no coordinator is known".into()) };
         if rank == self.rank {
             return Err("this process coordinates".into());
         }
@@ -65,14 +57,31 @@ impl ControlPlane {
             term: self.shared.elections.vote().term.max(term),
             generation: 0,
         };
-        let deadline = self.timeouts.heartbeat_deadline;
+        // One attempt: a coordinator not up yet (a cluster starting) has nothing to catch up with.
+        self.open((rank, false), request, (Duration::from_millis(1), patience))
+    }
+
+    /// A catch-up stream from member `rank` (`ranges`: its `CatchUpRanges`, else `CatchUp`) for
+    /// `request`, connecting for `connect` and answered within a heartbeat deadline; each part
+    /// waited for `patience`.
+    fn open(
+        &self,
+        (rank, ranges): (usize, bool),
+        request: proto::CatchUpRequest,
+        (connect, patience): (Duration, Duration),
+    ) -> Result<Catching, String> {
+        let (dial, deadline, name) = (&self.dials[rank], self.timeouts.heartbeat_deadline, &self.names[rank]);
         let stream = self.runtime.block_on(async {
-            // One attempt: a coordinator not up yet (a cluster starting) has nothing to catch up with.
-            let client = dial.connect(Instant::now() + Duration::from_millis(1)).await.map_err(|e| e.to_string())?;
+            let client = dial.connect(Instant::now() + connect).await.map_err(|e| e.to_string())?;
             let mut client = client.max_decoding_message_size(LARGEST_PART);
-            let call = tokio::time::timeout(deadline, client.catch_up(request)).await;
-            let reply =
-                call.map_err(|_| format!("{} did not answer in {:.1}s", self.names[rank], deadline.as_secs_f64()))?;
+            let answer = async {
+                match ranges {
+                    true => client.catch_up_ranges(request).await,
+                    false => client.catch_up(request).await,
+                }
+            };
+            let call = tokio::time::timeout(deadline, answer).await;
+            let reply = call.map_err(|_| format!("{name} did not answer in {:.1}s", deadline.as_secs_f64()))?;
             reply.map(tonic::Response::into_inner).map_err(|status| status.message().to_string())
         })?;
         Ok(Catching::new(stream, self.runtime.handle().clone(), patience))
