@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Sharded optimizer state (ZeRO stage 1) on 4 CPU workers, in one session:
   - trainerd, unsharded (`trainerd local --workers 4`);
-  - trainerd --shard-optimizer;
+  - trainerd --shard optimizer (ZeRO stage 1), and --shard gradients (stage 2: the gradients let
+    go once reduce-scattered, only each worker's ranges kept);
   - PyTorch DDP (gloo) with torch.distributed.optim.ZeroRedundancyOptimizer(Adam);
   - plain PyTorch DDP (gloo) with Adam;
 each training bench/wide_mlp.py (25.8 M parameters) on Fashion-MNIST, Adam lr 1e-3, batch B per
@@ -29,6 +30,8 @@ TARGET = os.environ.get("TARGET", os.path.join(ROOT, "target", "release"))
 DATA = os.environ.get("DATA", "/usr/share/datasets/fashion-mnist")
 WORKERS = 4
 LR = 1e-3
+# bench/wide_mlp.py's gradients, float32: 25.8 M parameters.
+GRADIENT_MB = 25.8e6 * 4 / 1e6
 
 
 def free_port():
@@ -88,9 +91,9 @@ class S3:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def trainerd(steps, batch, sharded, s3=None):
-    """One trainerd run of 1 epoch of `steps` steps, committed at its end (on local disk, or to
-    `s3`): per-worker figures."""
+def trainerd(steps, batch, shard, s3=None):
+    """One trainerd run of 1 epoch of `steps` steps, `--shard shard` (None: unsharded), committed
+    at its end (on local disk, or to `s3`): per-worker figures."""
     with tempfile.TemporaryDirectory() as d:
         summary = os.path.join(d, "s.json")
         location = f"s3://ckpt/bench-{uuid.uuid4()}" if s3 else os.path.join(d, "ckpt")
@@ -99,8 +102,8 @@ def trainerd(steps, batch, sharded, s3=None):
                "--data", DATA, "--epochs", "1", "--steps-per-epoch", str(steps), "--batch-size", str(batch),
                "--threads", "1", "--optimizer", "adam", "--lr", str(LR), "--no-evaluation",
                "--checkpoint-dir", location, "--summary", summary]
-        if sharded:
-            cmd.append("--shard-optimizer")
+        if shard:
+            cmd += ["--shard", shard]
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(s3.env() if s3 else {})})
         if out.returncode != 0:
             sys.exit(f"trainerd failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
@@ -214,19 +217,20 @@ def main():
     a = ap.parse_args()
     if a.peer:
         return peer(a.peer, a.rank, a.port, a.steps, a.batch, a.warmup, a.out)
-    runs = {"trainerd": [], "trainerd --shard-optimizer": [], "DDP + ZeroRedundancyOptimizer": [], "DDP": []}
-    s3_commits = {"trainerd": [], "trainerd --shard-optimizer": []}
+    levels = {"trainerd": None, "trainerd --shard optimizer": "optimizer", "trainerd --shard gradients": "gradients"}
+    runs = {**{name: [] for name in levels}, "DDP + ZeroRedundancyOptimizer": [], "DDP": []}
+    s3_commits = {"trainerd": [], "trainerd --shard optimizer": []}
     s3 = S3()
     try:
         for i in range(a.runs):
             print(f"run {i + 1}/{a.runs}", flush=True)
-            runs["trainerd"].append(trainerd(a.steps, a.batch, False))
-            runs["trainerd --shard-optimizer"].append(trainerd(a.steps, a.batch, True))
+            for name, shard in levels.items():
+                runs[name].append(trainerd(a.steps, a.batch, shard))
             runs["DDP + ZeroRedundancyOptimizer"].append(pytorch("zero", a.steps, a.batch, a.warmup))
             runs["DDP"].append(pytorch("ddp", a.steps, a.batch, a.warmup))
             # The same commit to the S3 test server (a short run: only its commit is read).
-            for name, sharded in (("trainerd", False), ("trainerd --shard-optimizer", True)):
-                s3_commits[name].append(trainerd(min(a.steps, 5), a.batch, sharded, s3)["commit"])
+            for name in s3_commits:
+                s3_commits[name].append(trainerd(min(a.steps, 5), a.batch, levels[name], s3)["commit"])
     finally:
         s3.stop()
     mb = lambda b: f"{b / 1e6:,.0f}"
@@ -247,12 +251,15 @@ def main():
         figures[name] = (state, rss, rate, commit)
         on_s3 = f"{statistics.median(s3_commits[name]):.2f}" if name in s3_commits else "-"
         print(f"| {name:30} | {mb(state)} | {mb(rss)} | {mb(others)} | {rate:,.0f} | {commit:.2f} | {on_s3} |")
-    (s0, r0, e0, c0), (s1, r1, e1, c1) = figures["trainerd"], figures["trainerd --shard-optimizer"]
+    (s0, r0, e0, c0), (s1, r1, e1, c1) = figures["trainerd"], figures["trainerd --shard optimizer"]
+    _, r2, e2, _ = figures["trainerd --shard gradients"]
     _, rz, ez, _ = figures["DDP + ZeroRedundancyOptimizer"]
     print(f"\nsharded / unsharded trainerd: optimizer state {s1 / s0:.2f}x (goal at most 0.55x), "
           f"examples/s {e1 / e0:.2f}x (goal at least 1.0x), commit {c1 / c0:.2f}x")
     print(f"sharded trainerd / ZeroRedundancyOptimizer: peak RSS {r1 / rz:.2f}x (goal at most 1.0x), "
           f"examples/s {e1 / ez:.2f}x (goal at least 1.3x)")
+    print(f"--shard gradients / --shard optimizer: peak RSS {r2 / r1:.2f}x ({(r1 - r2) / 1e6:,.0f} MB less; the "
+          f"gradients are {GRADIENT_MB:,.0f} MB), examples/s {e2 / e1:.2f}x")
 
 
 if __name__ == "__main__":

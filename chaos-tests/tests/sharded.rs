@@ -188,6 +188,43 @@ fn a_kill_inside_the_all_gather_completes_the_step_and_loses_nothing() {
     assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
 }
 
+/// `--shard gradients` with buckets of 0.25 MB (mnist-cnn's gradients in several): a worker stopped
+/// in step 30 right after it wrote the first bucket of its parameters as the all-gather brought
+/// it, then SIGKILLed. Every survivor's all-gather fails at a later bucket, so no member completes
+/// the step and some hold torn parameters: the reshard puts the first bucket back on every member
+/// from its ranges' holders (the lost worker's from their buddies), the step is trained again,
+/// and the run ends bit for bit the failure-free one (unsharded, the same buckets), no step lost.
+#[test]
+fn parameters_torn_by_a_kill_inside_the_all_gather_are_put_back_and_nothing_is_lost() {
+    let tmp = tempfile::tempdir().unwrap();
+    let with = |run: RunArgs| run.set("--bucket-mb", 0.25);
+    let straight = tmp.path().join("straight");
+    let mut c =
+        Cluster::start(WORKERS, &with(args(&straight, &straight.join("ckpt"), false)), &[], vec![], RESTART_SEC);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    let expected = summary(&straight, 0)["params_sha256"].clone();
+    let run = with(args(tmp.path(), &tmp.path().join("ckpt"), false)).set("--shard", "gradients");
+    let mut c = start_armed(&run, 1, "sharded-wrote-bucket@step=30");
+    c.wait_line(1, "trainerd: failpoint sharded-wrote-bucket reached", 0, DEADLINE);
+    std::thread::sleep(Duration::from_millis(300));
+    let mark = c.mark();
+    c.signal(1, libc::SIGKILL);
+    let (_, put_back) = c.wait_line(2, "trainerd: the failed step's all-gather had written ", mark, DEADLINE);
+    // The survivors' all-gathers of the second bucket need the lost worker: none wrote more.
+    let said = "trainerd: the failed step's all-gather had written 1 bucket(s) of the parameters on some member \
+                (--shard gradients writes each as it is gathered): every member put them back to step 29 from \
+                their ranges' holders";
+    assert!(put_back.ends_with(said), "{put_back}");
+    assert_moved(&mut c, 2, mark);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    for rank in 0..WORKERS {
+        let s = summary(tmp.path(), rank);
+        assert_eq!(s["params_sha256"], expected, "worker {rank}\n{}", c.transcript());
+        assert_eq!(steps_lost(&s), 0, "worker {rank}\n{}", c.transcript());
+    }
+    assert!(!c.transcript().contains("goes back to checkpoint"), "{}", c.transcript());
+}
+
 /// A worker killed inside the buddy shift of step 30 (its clipped ranges on their way to the
 /// next worker): the step completes nowhere, and nothing is lost.
 #[test]

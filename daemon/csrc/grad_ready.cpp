@@ -63,6 +63,13 @@ char *trainerd_set_grad(const at::Tensor *tensor, const at::Tensor *grad) {
   });
 }
 
+// Lets `tensor`'s gradient go (Python's `p.grad = None`): its memory is freed once nothing else
+// holds it, and the next backward pass makes a new one. Allowed inside a post-accumulate-grad hook,
+// as PyTorch's optimizer-in-backward does.
+char *trainerd_release_grad(const at::Tensor *tensor) {
+  return guarded([&] { const_cast<at::Tensor *>(tensor)->mutable_grad().reset(); });
+}
+
 // Removes the hook `trainerd_grad_ready_hook` put on `tensor`, putting back the one it found.
 char *trainerd_grad_ready_unhook(const at::Tensor *tensor) {
   return guarded([&] {

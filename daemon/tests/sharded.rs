@@ -1,7 +1,7 @@
-//! `--shard-optimizer` (ZeRO stage 1) with real daemons on loopback: bit for bit the unsharded
-//! run, in the parameters and in the committed optimizer state, for every optimizer and control
-//! the CPU runs; a commit of either mode resumes in the other; what each worker holds; and the
-//! refusals.
+//! `--shard optimizer` (ZeRO stage 1, or `--shard-optimizer`) and `--shard gradients` (ZeRO stage
+//! 2) with real daemons on loopback: bit for bit the unsharded run, in the parameters and in the
+//! committed optimizer state, for every optimizer and control the CPU runs; a commit of each level
+//! resumes at the others; what each worker holds; and the refusals.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -111,9 +111,27 @@ fn a_sharded_run_is_the_unsharded_run_bit_for_bit() {
     ];
     for (what, args, workers) in cases {
         let tmp = tempfile::tempdir().unwrap();
-        let (a, b) = (tmp.path().join("whole"), tmp.path().join("sharded"));
-        let whole = run(&args, workers, &a);
-        let sharded = run(&args.clone().on("--shard-optimizer"), workers, &b);
+        let whole = run(&args, workers, &tmp.path().join("whole"));
+        for level in ["optimizer", "gradients"] {
+            let sharded = run(&args.clone().set("--shard", level), workers, &tmp.path().join(level));
+            let what = format!("--shard {level}, {what}");
+            same_as_unsharded(&what, (&whole, &sharded), workers);
+            let line =
+                "trainerd: gradients sharded too (ZeRO stage 2): each gradient is let go once its bucket is staged";
+            assert_eq!(sharded.output.contains(line), level == "gradients", "{what}");
+        }
+        // --shard-optimizer is --shard optimizer.
+        if workers == 4 {
+            let alias = run(&args.clone().on("--shard-optimizer"), workers, &tmp.path().join("alias"));
+            assert_eq!(alias.params, whole.params, "--shard-optimizer, {what}");
+        }
+    }
+}
+
+/// A sharded run ended where the unsharded one did (`whole`), each of its `workers` holding its
+/// share of the optimizer state, its commits written in parts.
+fn same_as_unsharded(what: &str, (whole, sharded): (&Ended, &Ended), workers: usize) {
+    {
         for w in 0..workers {
             assert_eq!(whole.params[w], whole.params[0], "{what}: the unsharded workers agree");
             assert_eq!(sharded.params[w], whole.params[0], "{what}: worker {w}'s parameters");
@@ -132,28 +150,30 @@ fn a_sharded_run_is_the_unsharded_run_bit_for_bit() {
     }
 }
 
-/// A commit made sharded resumes unsharded, and one made unsharded resumes sharded, each ending
-/// where an uninterrupted run does: the run is taken back to its commit at step 10 (the newer
-/// records removed) and trained on in the other mode.
+/// A commit made at each level of sharding resumes at another (none, optimizer, gradients), each
+/// ending where an uninterrupted run does: the run is taken back to its commit at step 10 (the
+/// newer records removed) and trained on at the other level.
 #[test]
-fn a_commit_of_either_mode_resumes_in_the_other_bit_for_bit() {
+fn a_commit_of_each_level_resumes_at_the_others_bit_for_bit() {
     let tmp = tempfile::tempdir().unwrap();
     let args = cnn("mnist-cnn").optimizer("adam", 1e-3).set("--keep-checkpoints", 10);
     let straight = run(&args, 2, &tmp.path().join("straight"));
-    for first_sharded in [true, false] {
-        let dir = tmp.path().join(format!("first-sharded-{first_sharded}"));
-        let mode = |sharded: bool| if sharded { args.clone().on("--shard-optimizer") } else { args.clone() };
-        run(&mode(first_sharded), 2, &dir);
+    let mode = |level: &str| if level == "none" { args.clone() } else { args.clone().set("--shard", level) };
+    for (first, then) in
+        [("optimizer", "none"), ("none", "optimizer"), ("gradients", "optimizer"), ("none", "gradients")]
+    {
+        let dir = tmp.path().join(format!("{first}-then-{then}"));
+        run(&mode(first), 2, &dir);
         let commits = dir.join("ckpt/commits");
         let mut records: Vec<_> = std::fs::read_dir(&commits).unwrap().map(|e| e.unwrap().path()).collect();
         records.sort();
         assert_eq!(json(&records[0])["global_step"], 10);
         records[1..].iter().for_each(|r| std::fs::remove_file(r).unwrap());
-        let resumed = run(&mode(!first_sharded), 2, &dir);
+        let resumed = run(&mode(then), 2, &dir);
         assert!(resumed.output.contains("resumed from checkpoint 1 in "), "{}", resumed.output);
         assert!(resumed.output.contains("at epoch 1, step 10 (global step 10)"), "{}", resumed.output);
-        assert_eq!(resumed.params, straight.params, "sharded first: {first_sharded}");
-        assert_eq!(resumed.optimizer_blob, straight.optimizer_blob, "sharded first: {first_sharded}");
+        assert_eq!(resumed.params, straight.params, "--shard {first}, then {then}");
+        assert_eq!(resumed.optimizer_blob, straight.optimizer_blob, "--shard {first}, then {then}");
     }
 }
 

@@ -219,9 +219,7 @@ fn run_config(
     for &device in &devices {
         args.job.precision.check(device)?;
     }
-    if args.shard_optimizer {
-        shardable(&devices, cluster.is_some() && checkpoint.is_none())?;
-    }
+    let (shard_optimizer, shard_gradients) = sharding(args, &devices, cluster.is_some() && checkpoint.is_none())?;
     let clip = clip(args, &optimizer)?;
     Ok(RunConfig {
         data,
@@ -240,7 +238,8 @@ fn run_config(
         devices,
         accumulate: args.accumulate as usize,
         clip,
-        shard_optimizer: args.shard_optimizer,
+        shard_optimizer,
+        shard_gradients,
         catch_up_memory: args.catch_up_memory,
         callbacks: callbacks(args, plugin)?,
         steps_per_epoch: args.steps_per_epoch,
@@ -260,19 +259,27 @@ fn run_config(
     })
 }
 
-/// Whether `--shard-optimizer` can run on `devices` (`uncommitted`: a cluster without
+/// What `--shard` shards (the optimizer state; the gradients too), where it can run on `devices`
+/// (`uncommitted`: a cluster without checkpoints).
+fn sharding(args: &RunArgs, devices: &[tch::Device], uncommitted: bool) -> anyhow::Result<(bool, bool)> {
+    let Some(level) = args.shard() else { return Ok((false, false)) };
+    shardable(args.shard_flag(), devices, uncommitted)?;
+    Ok((true, level == crate::cli::args::Shard::Gradients))
+}
+
+/// Whether sharding (`flag`, as given) can run on `devices` (`uncommitted`: a cluster without
 /// checkpoints).
-fn shardable(devices: &[tch::Device], uncommitted: bool) -> anyhow::Result<()> {
+fn shardable(flag: &str, devices: &[tch::Device], uncommitted: bool) -> anyhow::Result<()> {
     if let Some(cuda) = devices.iter().find(|d| d.is_cuda()) {
         anyhow::bail!(
-            "--shard-optimizer runs on the CPU so far (its update is proven element by element on the CPU's float32 \
-             loops, not yet on {cuda:?}): train on --device cpu, or without --shard-optimizer"
+            "{flag} runs on the CPU so far (its update is proven element by element on the CPU's float32 loops, not \
+             yet on {cuda:?}): train on --device cpu, or without {flag}"
         );
     }
     if uncommitted {
         anyhow::bail!(
-            "--shard-optimizer needs --checkpoint-dir: a worker lost together with its buddy (the next worker) takes \
-             their ranges of the optimizer state with them, and the cluster goes back to the last commit"
+            "{flag} needs --checkpoint-dir: a worker lost together with its buddy (the next worker) takes their \
+             ranges of the optimizer state with them, and the cluster goes back to the last commit"
         );
     }
     Ok(())
@@ -295,11 +302,12 @@ fn clip(args: &RunArgs, optimizer: &trainerd_sdk::OptimizerConfig) -> anyhow::Re
         trainerd_sdk::OptimizerConfig::Keras(k) => Some(k),
         _ => None,
     };
-    if args.shard_optimizer && keras.is_some_and(|k| k.clipnorm.is_some()) {
+    if args.shard().is_some() && keras.is_some_and(|k| k.clipnorm.is_some()) {
+        let flag = args.shard_flag();
         anyhow::bail!(
-            "--shard-optimizer with the Keras optimizer's clipnorm: clipnorm scales each variable's gradient by its \
-             own norm, which no worker holds whole when the state is sharded; use global_clipnorm in compile() (or \
-             --clip-norm), or train without --shard-optimizer"
+            "{flag} with the Keras optimizer's clipnorm: clipnorm scales each variable's gradient by its own norm, \
+             which no worker holds whole when the state is sharded; use global_clipnorm in compile() (or \
+             --clip-norm), or train without {flag}"
         );
     }
     Ok(crate::optim::clip::Clip {
@@ -323,6 +331,26 @@ fn keras_line(cfg: &RunConfig, flags: &OptimizerFlags) -> Option<String> {
 fn gpus(devices: &[tch::Device], facts: &Facts) -> Vec<String> {
     let name = |i: usize| facts.gpus.get(i).cloned().unwrap_or_else(|| format!("cuda:{i}"));
     devices.iter().filter_map(|d| if let tch::Device::Cuda(i) = d { Some(name(*i)) } else { None }).collect()
+}
+
+/// What the start says of `--shard` (in a cluster of several workers).
+fn sharding_lines(cfg: &RunConfig) -> Vec<&'static str> {
+    let mut lines = Vec::new();
+    if cfg.shard_optimizer && cfg.cluster.as_ref().is_some_and(|c| c.world_size() > 1) {
+        lines.push(
+            "trainerd: optimizer state sharded over the workers (ZeRO stage 1): each keeps the state of the gradient \
+             ranges it reduces and a buddy copy of the previous worker's, so that a worker lost costs no step (a \
+             worker lost with its buddy sends the cluster back to the last commit)",
+        );
+        if cfg.shard_gradients {
+            lines.push(
+                "trainerd: gradients sharded too (ZeRO stage 2): each gradient is let go once its bucket is staged, \
+                 and each bucket once reduce-scattered, keeping only the ranges this worker owns; the parameters are \
+                 written a bucket at a time as they are gathered",
+            );
+        }
+    }
+    lines
 }
 
 /// The run's first lines: what trains where, which libtorch, and (in a cluster) what carries the
@@ -370,13 +398,7 @@ fn announce(
     if let Some(line) = cfg.precision.start_line() {
         progress.line(line);
     }
-    if cfg.shard_optimizer && cfg.cluster.as_ref().is_some_and(|c| c.world_size() > 1) {
-        progress.line(
-            "trainerd: optimizer state sharded over the workers (ZeRO stage 1): each keeps the state of the gradient \
-             ranges it reduces and a buddy copy of the previous worker's, so that a worker lost costs no step (a \
-             worker lost with its buddy sends the cluster back to the last commit)",
-        );
-    }
+    sharding_lines(cfg).into_iter().for_each(|line| progress.line(line));
     if cfg.cluster.is_some() {
         let why = not_nccl.map(|w| format!(" (--collective auto: not NCCL, {w})")).unwrap_or_default();
         progress.line(&format!("trainerd: gradients over the {}{why}", cfg.collective.describe()));

@@ -16,7 +16,7 @@ use std::sync::mpsc;
 
 use tch::Tensor;
 
-use super::buckets::Buckets;
+use super::buckets::{owned_of, Buckets};
 use super::{Collective, CollectiveError};
 use crate::sys::autograd::GradReady;
 
@@ -61,19 +61,20 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
     if early.is_empty() {
         return backward().map(|value| (value, 0));
     }
-    let mut handles = buckets.prepare((i, held), params, early.clone());
+    let compact = buckets.compact();
     let bucket_of: Vec<usize> = bucket_places(buckets.groups(), params.len());
     let mut waiting: Vec<usize> = buckets.groups().iter().map(Vec::len).collect();
-    let (tx, rx) = mpsc::channel::<(usize, bool)>();
+    let (tx, rx) = mpsc::channel::<Arrived>();
     std::thread::scope(|scope| {
-        let first = early.start;
-        let reducer = scope.spawn(move || reduce_in_order(collective, (&mut handles, first), rx, overlap));
+        let (first, count) = (early.start, early.len());
+        let reducer = scope.spawn(move || reduce_in_order(collective, (first, count, compact), rx, overlap));
         let mut staged = vec![false; early.end]; // Per bucket (the tail's never is here).
         let mut stage = |b: usize, staged: &mut Vec<bool>, during: bool| {
             buckets.stage_buckets(i, params, &[], b..b + 1);
+            let handles = buckets.hand_over(b, held);
             staged[b] = true;
             // A member gone sends nothing more: the error comes from the reducer.
-            let _ = tx.send((b, during));
+            let _ = tx.send(Arrived { bucket: b, during, handles });
         };
         let result = {
             let mut on_ready = |p: usize| {
@@ -88,12 +89,7 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
                     }
                 }
             };
-            let handles: Vec<Tensor> = params.iter().map(|p| p.shallow_clone()).collect();
-            // Installing fails only where libtorch cannot allocate.
-            let hooks = GradReady::install(handles, &mut on_ready).expect("hooking the parameters' gradients");
-            let result = backward();
-            hooks.remove();
-            result
+            hooked(params, &mut on_ready, backward)
         };
         let during = staged.iter().filter(|&&s| s).count();
         // The buckets with a parameter that got no gradient: staged now, zeros for it (a
@@ -107,10 +103,33 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
         drop(tx);
         let reduced = reducer.join().expect("the reducing thread does not panic");
         let value = result?;
-        reduced?;
+        for (b, kept) in reduced? {
+            buckets.put_kept(b, kept);
+        }
         buckets.mark_reduced(early);
         Ok((value, during))
     })
+}
+
+/// `backward` run with `on_ready` told of each of `params` whose gradient is final.
+fn hooked<R>(params: &[&Tensor], on_ready: &mut dyn FnMut(usize), backward: impl FnOnce() -> R) -> R {
+    let handles: Vec<Tensor> = params.iter().map(|p| p.shallow_clone()).collect();
+    // Installing fails only where libtorch cannot allocate.
+    let hooks = GradReady::install(handles, on_ready).expect("hooking the parameters' gradients");
+    let result = backward();
+    hooks.remove();
+    result
+}
+
+/// Per bucket reduced (compact), the ranges owned here, one per slot held.
+type Kept = Vec<(usize, Vec<Vec<f32>>)>;
+
+/// A bucket staged for the reducing thread: its index, whether it came during the backward pass,
+/// and its buffers, one per slot held.
+struct Arrived {
+    bucket: usize,
+    during: bool,
+    handles: Vec<Tensor>,
 }
 
 /// Each parameter's bucket.
@@ -122,35 +141,43 @@ fn bucket_places(groups: &[Vec<usize>], params: usize) -> Vec<usize> {
     out
 }
 
-/// The reducing thread: the buckets of `handles` (each bucket's buffers, one per slot held; the
-/// first is bucket `first`), reduced from the last down to the first, each once its bucket has
-/// arrived on `ready` (with whether it came during the backward pass: then `overlap.told` hears
-/// of it once reduced).
+/// The reducing thread: the `count` buckets from bucket `first` on, reduced from the last down
+/// to the first, each once it has arrived on `ready` (when it came during the backward pass,
+/// `overlap.told` hears of it once reduced). `compact`: each bucket's ranges owned here are kept
+/// ([`owned_of`]) and its buffers let go; returns those, by bucket.
 fn reduce_in_order(
     collective: &mut dyn Collective,
-    (handles, first): (&mut [Vec<Tensor>], usize),
-    ready: mpsc::Receiver<(usize, bool)>,
+    (first, count, compact): (usize, usize, bool),
+    ready: mpsc::Receiver<Arrived>,
     overlap: Overlap<'_>,
-) -> Result<(), CollectiveError> {
-    let mut arrived = vec![None; handles.len()];
-    for b in (0..handles.len()).rev() {
+) -> Result<Kept, CollectiveError> {
+    let mut arrived: Vec<Option<Arrived>> = (0..count).map(|_| None).collect();
+    let mut kept = Vec::new();
+    for b in (0..count).rev() {
         while arrived[b].is_none() {
             match ready.recv() {
-                Ok((r, during)) => arrived[r - first] = Some(during),
+                Ok(a) => {
+                    let at = a.bucket - first;
+                    arrived[at] = Some(a);
+                }
                 // Every bucket is sent before the sender is dropped, unless the backward pass's
                 // thread is unwinding a panic.
-                Err(mpsc::RecvError) => return Ok(()),
+                Err(mpsc::RecvError) => return Ok(kept),
             }
         }
+        let Arrived { bucket, during, mut handles } = arrived[b].take().expect("arrived");
         match overlap.how {
-            Reduction::AllReduce => collective.all_reduce_buffers(&mut handles[b])?,
-            Reduction::ReduceScatter => collective.reduce_scatter_buffers(&mut handles[b])?,
+            Reduction::AllReduce => collective.all_reduce_buffers(&mut handles)?,
+            Reduction::ReduceScatter => collective.reduce_scatter_buffers(&mut handles)?,
         }
-        if let (Some(told), Some(true)) = (overlap.told, arrived[b]) {
-            told(first + b, &handles[b][0]);
+        if let (Some(told), true) = (overlap.told, during) {
+            told(bucket, &handles[0]);
+        }
+        if compact {
+            kept.push((bucket, owned_of(&handles, collective.slots())));
         }
     }
-    Ok(())
+    Ok(kept)
 }
 
 #[cfg(test)]
@@ -234,7 +261,8 @@ mod tests {
                 // reduction after the backward pass reads).
                 let told_of = told_of.into_inner().unwrap();
                 assert_eq!(told_of.iter().map(|(b, _)| *b).collect::<Vec<_>>(), (1..n - 1).rev().collect::<Vec<_>>());
-                for (b, sum) in told_of {
+                // (Compact buckets have let their buffers go.)
+                for (b, sum) in told_of.into_iter().filter(|_| !buckets.compact()) {
                     assert_eq!(sum, bits(&buckets.first_slot_buffer(b)), "bucket {b}'s sum");
                 }
                 buckets.stage_buckets(i, &handles, &extra, TAIL..TAIL + 1);
@@ -298,6 +326,47 @@ mod tests {
         let out = with_ring(2, |ring| (steps_as_slots_move(ring, false), steps_as_slots_move(ring, true)));
         for (w, (copied, viewed)) in out.iter().enumerate() {
             assert_eq!(viewed, copied, "worker {w}");
+        }
+    }
+
+    /// Two steps of the slots held reduce-scattered, the buckets `compact` or not, reduced during
+    /// the last backward pass (`overlap`) or after it: the bits of the ranges this worker owns,
+    /// and the bytes the buckets hold then.
+    fn owned_after(ring: &mut dyn Collective, compact: bool, overlap: bool) -> (Vec<Vec<u32>>, u64) {
+        let mut params = params();
+        let mut buckets = Buckets::new(&params, 64);
+        buckets.set_compact(compact);
+        let held: Vec<usize> = ring.slots().iter().collect();
+        for step in 0..2 {
+            buckets.begin_step(false, overlap.then_some(held.len() - 1));
+            slots_of_step(ring, (&mut buckets, &mut params), (step, &held), (overlap, Reduction::ReduceScatter));
+        }
+        if compact {
+            assert!(params.iter().all(|(_, p)| !p.grad().defined()), "every gradient let go");
+        }
+        let slots = ring.slots().clone();
+        let ranges = buckets.ranges(&params, slots.count, 1);
+        let owned = crate::collective::buckets::owned(&ranges, &slots);
+        let bits = owned.iter().map(|&r| buckets.owned_mut(&slots, &ranges[r]).iter().map(|x| x.to_bits()).collect());
+        (bits.collect(), buckets.bytes())
+    }
+
+    #[test]
+    fn compact_buckets_keep_only_the_ranges_owned_here_with_the_bits_of_whole_ones() {
+        for (workers, count) in [(3, 3), (2, 3)] {
+            let out = with_ring(workers, |ring| {
+                ring.set_slots(Slots::of(count, assign(count, &(0..workers).collect::<Vec<_>>()), ring.rank()));
+                [owned_after(ring, false, true), owned_after(ring, true, true), owned_after(ring, true, false)]
+            });
+            for (w, [whole, during, after]) in out.iter().enumerate() {
+                let case = format!("worker {w} of {workers} holding {count} slots");
+                assert_eq!(during.0, whole.0, "{case}: reduced during the backward pass");
+                assert_eq!(after.0, whole.0, "{case}: reduced after it");
+                // The ranges owned here alone: about (slots held)/V of the buckets' elements.
+                let owned: usize = whole.0.iter().map(Vec::len).sum();
+                assert_eq!((during.1, after.1), (owned as u64 * 4, owned as u64 * 4), "{case}");
+                assert!(whole.1 >= during.1 * (count / out.len()) as u64 * 2, "{case}: whole buckets held {}", whole.1);
+            }
         }
     }
 

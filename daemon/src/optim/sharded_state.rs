@@ -80,7 +80,13 @@ struct Pending {
     /// Per parameter, whether any slot had a gradient for it.
     used: Vec<bool>,
     lr: f64,
+    /// Buckets of the parameters written with the step's values before the failure (`--shard
+    /// gradients` writes each as it is gathered): they are torn until put back.
+    written: usize,
 }
+
+/// Each held piece's parameter values before a step, by (parameter, offset).
+pub(crate) type Before = std::collections::HashMap<(usize, usize), Vec<f32>>;
 
 /// The state names of `config`'s rule, in the rule's order (as [`Optimizer::state`] names them).
 pub(crate) fn slot_names(config: &OptimizerConfig) -> Vec<&'static str> {
@@ -314,9 +320,24 @@ impl ShardedOptimizer {
     /// shift failed) and each held piece's `param` values before the update.
     pub(crate) fn cut_short(&mut self, grads: Vec<Option<Vec<f32>>>, param: Values, (used, lr): (&[bool], f64)) {
         self.steps -= 1;
-        let params =
-            self.shards.iter().flat_map(|s| &s.pieces).map(|p| ((p.param, p.offset), param(p).into_owned())).collect();
-        self.pending = Some(Pending { grads, params, used: used.to_vec(), lr });
+        let params = self.params_before(param);
+        self.pending = Some(Pending { grads, params, used: used.to_vec(), lr, written: 0 });
+    }
+
+    /// A copy of each held piece's values in `param`.
+    pub(crate) fn params_before(&self, param: Values) -> Before {
+        self.shards.iter().flat_map(|s| &s.pieces).map(|p| ((p.param, p.offset), param(p).into_owned())).collect()
+    }
+
+    /// The step cut short had written `buckets` buckets of the parameters when it failed.
+    pub(crate) fn torn(&mut self, buckets: usize) {
+        self.pending.as_mut().expect("a step cut short").written = buckets;
+    }
+
+    /// How many buckets of the parameters the step cut short here had written (0: none, or no
+    /// step cut short), and the held pieces' values before it.
+    pub(crate) fn written(&self) -> (usize, Option<&Before>) {
+        self.pending.as_ref().map_or((0, None), |p| (p.written, Some(&p.params)))
     }
 
     /// Whether the step after this state's was cut short here with every held range's gradient
@@ -329,7 +350,7 @@ impl ShardedOptimizer {
     /// state stored from its kept gradient and parameters, the same arithmetic as the step's
     /// (so the same bits).
     pub(crate) fn go_forward(&mut self) {
-        let Pending { grads, params, used, lr } = self.pending.take().expect("a step cut short");
+        let Pending { grads, params, used, lr, .. } = self.pending.take().expect("a step cut short");
         let current = |piece: &Piece| Cow::Borrowed(&params[&(piece.param, piece.offset)][..]);
         let grads: Vec<&[f32]> = grads.iter().map(|g| g.as_deref().expect("every held range's gradient")).collect();
         self.store_step(&grads, &current, &used, lr);

@@ -17,6 +17,7 @@ unsafe extern "C" {
     ) -> *mut c_char;
     fn trainerd_grad_ready_unhook(tensor: *const c_void) -> *mut c_char;
     fn trainerd_set_grad(tensor: *const c_void, grad: *const c_void) -> *mut c_char;
+    fn trainerd_release_grad(tensor: *const c_void) -> *mut c_char;
 }
 
 /// Gives `p` a gradient of zeros where it has none. Autograd owns `.grad`, so it is made through
@@ -34,6 +35,13 @@ pub(crate) fn ensure_grad(p: &Tensor) {
 pub(crate) fn set_grad(p: &Tensor, grad: &Tensor) -> Result<(), tch::TchError> {
     // SAFETY: two live tensors; libtorch checks the gradient's shape, kind and device.
     check(unsafe { trainerd_set_grad(p.as_ptr().cast(), grad.as_ptr().cast()) })
+}
+
+/// Lets `p`'s gradient go (Python's `p.grad = None`): its memory is freed once nothing else holds
+/// it, and the next backward pass makes a new one (`--shard gradients`, once a bucket holds it).
+pub(crate) fn release_grad(p: &Tensor) {
+    // SAFETY: a live tensor; resetting its gradient cannot fail.
+    let _ = check(unsafe { trainerd_release_grad(p.as_ptr().cast()) });
 }
 
 /// Zeroes every gradient `params` have in place, keeping its memory (`Tensor::zero_grad`

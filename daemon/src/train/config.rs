@@ -51,6 +51,10 @@ pub(crate) struct RunConfig {
     pub(crate) clip: crate::optim::clip::Clip,
     /// The optimizer state sharded over the workers (`--shard-optimizer`).
     pub(crate) shard_optimizer: bool,
+    /// The gradients sharded too (`--shard gradients`): buckets let go once reduced
+    /// ([`crate::collective::buckets::Buckets::compact`]). A worker's memory alone: the bits and
+    /// the collectives are the same, so workers need not agree on it.
+    pub(crate) shard_gradients: bool,
     /// What a returner's catch-up may keep queued on the coordinator (`--catch-up-memory`; 0:
     /// no catch-up, a return pauses the others).
     pub(crate) catch_up_memory: u64,
@@ -116,6 +120,7 @@ impl RunConfig {
             accumulate: 1,
             clip: Default::default(),
             shard_optimizer: false,
+            shard_gradients: false,
             catch_up_memory: 1 << 30,
             callbacks: Default::default(),
             steps_per_epoch: None,

@@ -219,11 +219,16 @@ pub(crate) struct RunArgs {
     /// clipvalue, PyTorch's clip_grad_value_), after --clip-norm when both are given.
     #[arg(long, value_parser = |t: &str| crate::optim::clip::Clip::parse("--clip-value", t))]
     pub(crate) clip_value: Option<f64>,
-    /// Shard the optimizer state over the workers (ZeRO stage 1): each keeps and updates the state
-    /// of the gradient ranges it reduces, and the parameters are gathered after the update; bit
-    /// for bit the unsharded run. A lost worker sends the cluster back to the last commit (CPU and
-    /// the ring only, so far).
-    #[arg(long)]
+    /// Shard the training state over the workers, bit for bit the unsharded run: `optimizer`
+    /// (ZeRO stage 1: each keeps and updates the optimizer state of the gradient ranges it
+    /// reduces, with a buddy copy of the previous worker's, and the parameters are gathered after
+    /// the update) or `gradients` (ZeRO stage 2: also each gradient let go once its bucket is
+    /// reduced, only the ranges it owns kept). A lost worker costs no step; a worker lost with
+    /// its buddy sends the cluster back to the last commit (CPU and the ring only, so far).
+    #[arg(long, value_enum, value_name = "LEVEL")]
+    pub(crate) shard: Option<Shard>,
+    /// The same as --shard optimizer.
+    #[arg(long, conflicts_with = "shard")]
     pub(crate) shard_optimizer: bool,
     /// Stop when an epoch-end figure (val_loss, val_accuracy, loss, ...) has not improved by more
     /// than MIN_DELTA for PATIENCE epochs, as Keras's EarlyStopping: METRIC:PATIENCE[:MIN_DELTA].
@@ -534,4 +539,29 @@ fn cluster(flag: Option<&str>) -> anyhow::Result<Option<ClusterConfig>> {
         None => (std::env::var("TF_CONFIG").unwrap_or_default(), "TF_CONFIG".to_string()),
     };
     Ok(tf_config::parse(&text, &source)?)
+}
+
+/// What `--shard` shards (docs/fault-tolerance.md, "Sharded gradients and parameters").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Shard {
+    /// The optimizer state (ZeRO stage 1).
+    Optimizer,
+    /// The optimizer state and the gradients (ZeRO stage 2).
+    Gradients,
+}
+
+impl RunArgs {
+    /// The sharding asked for (`--shard`, or `--shard-optimizer`).
+    pub(crate) fn shard(&self) -> Option<Shard> {
+        self.shard.or(self.shard_optimizer.then_some(Shard::Optimizer))
+    }
+
+    /// The flag as it was given, for messages: `--shard-optimizer` or `--shard LEVEL`.
+    pub(crate) fn shard_flag(&self) -> &'static str {
+        match self.shard {
+            Some(Shard::Gradients) => "--shard gradients",
+            Some(Shard::Optimizer) => "--shard optimizer",
+            None => "--shard-optimizer",
+        }
+    }
 }

@@ -458,6 +458,7 @@ impl<'a> Driver<'a> {
         raised: Raised<'_>,
     ) -> Result<(StepResult, Duration, Option<Applied>), Interrupt> {
         let sharded = self.shard(state, session);
+        self.buckets.set_compact(sharded && self.cfg.shard_gradients);
         let extra_len = self.extra_len(session.slot_count());
         let saved = if session.collective().slots().count > 1 { state.model.save_buffers() } else { Vec::new() };
         let mut prefetch = Duration::ZERO;

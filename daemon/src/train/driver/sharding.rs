@@ -78,6 +78,34 @@ impl Driver<'_> {
                 unmoved.step
             ))
         })?;
+        self.tell_moved(&next, (forward, moves), (generation, began));
+        state.optimizer = Optim::Sharded(next);
+        self.sharding = Some((generation, ranges));
+        if session.collective().world() < 2 {
+            // Alone, it holds every range: whole again (a gather among one), as an unsharded
+            // step needs.
+            self.make_whole(state, session)?;
+        }
+        Ok(())
+    }
+
+    /// What a reshard did to `next` (this member's state now): the parameters put back, the step
+    /// gone forward, and what moved, told.
+    fn tell_moved(
+        &mut self,
+        next: &ShardedOptimizer,
+        (forward, moves): (bool, sharded_step::Moves),
+        (generation, began): (u64, std::time::Instant),
+    ) {
+        if moves.repaired > 0 {
+            self.report.line(&format!(
+                "trainerd: the failed step's all-gather had written {} bucket(s) of the parameters on some member \
+                 (--shard gradients writes each as it is gathered): every member put them back to step {} from their \
+                 ranges' holders",
+                moves.repaired,
+                next.steps()
+            ));
+        }
         if forward {
             self.report.line(&format!(
                 "trainerd: step {} completed on another member before the failure: this worker stored it from the \
@@ -98,14 +126,6 @@ impl Driver<'_> {
             moves.received as f64 / 1e6,
             began.elapsed().as_secs_f64()
         ));
-        state.optimizer = Optim::Sharded(next);
-        self.sharding = Some((generation, ranges));
-        if session.collective().world() < 2 {
-            // Alone, it holds every range: whole again (a gather among one), as an unsharded
-            // step needs.
-            self.make_whole(state, session)?;
-        }
-        Ok(())
     }
 
     /// A sharded optimizer's whole state, gathered from every member (kept where `keep`).

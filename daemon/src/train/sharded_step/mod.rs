@@ -9,8 +9,8 @@ use tch::{Device, Kind, Tensor};
 use trainerd_storage::TensorData;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::collective::buckets::{owned, Buckets, Range};
-use crate::collective::{Collective, CollectiveError, ReduceOp, Slots};
+use crate::collective::buckets::{bucket_views, owned, write_group, Buckets, Range};
+use crate::collective::{Collective, CollectiveError, ReduceOp};
 use crate::optim::clip::{self, Clip};
 use crate::optim::elementwise::host_f32;
 use crate::optim::lanes::Write;
@@ -96,10 +96,12 @@ pub(crate) fn reduce_and_update(
         optimizer.update(shard, (&grads, Some(values)), &current, &used, (lr, Write::Params));
         kept.push(grads);
     }
-    let grads = complete((buckets, ranges), collective, optimizer, kept, (&current, &used, lr))?;
+    let grads = complete((buckets, ranges, params), collective, optimizer, kept, (&current, &used, lr))?;
     let of = |r: &usize| grads[mine.iter().position(|m| m == r).expect("an owned range")].as_slice();
     let sent = send.iter().map(of).collect::<Vec<_>>().concat();
-    buckets.write_params(params);
+    if !buckets.compact() {
+        buckets.write_params(params);
+    }
     Ok(Stepped { extra, grad_norm, finite: true, differed: None, used, sent })
 }
 
@@ -108,9 +110,12 @@ pub(crate) fn reduce_and_update(
 /// so that a member that completes the all-gather has them), the new parameters all-gathered,
 /// and only then every held range's state stored. A failure stores nothing and keeps what
 /// completing the step needs ([`ShardedOptimizer::cut_short`]), should another member have
-/// completed it. Every held range's clipped gradient, owned ones first.
+/// completed it. Every held range's clipped gradient, owned ones first. Compact buckets
+/// (`--shard gradients`) write each bucket into `params` as it is gathered: the state's pass
+/// then reads the held pieces' values before the step from a copy of them, and a failure notes
+/// how many buckets it had written ([`ShardedOptimizer::torn`]).
 fn complete(
-    (buckets, ranges): (&mut Buckets, &[Range]),
+    (buckets, ranges, params): (&mut Buckets, &[Range], &[(String, Tensor)]),
     collective: &mut dyn Collective,
     optimizer: &mut ShardedOptimizer,
     kept: Vec<Vec<f32>>,
@@ -129,16 +134,44 @@ fn complete(
     let (own, arrived) = (kept.len(), shifted.is_ok());
     let mut grads = kept;
     grads.append(&mut theirs);
-    if let Err(e) = shifted.and_then(|()| buckets.all_gather(collective)) {
+    let compact = buckets.compact();
+    let before = compact.then(|| optimizer.params_before(current));
+    let from_before = |piece: &Piece| {
+        let values = &before.as_ref().expect("compact")[&(piece.param, piece.offset)];
+        Cow::Borrowed(values.as_slice())
+    };
+    let mut written = 0;
+    let mut write = |group: &[usize], buffer: &Tensor| {
+        if compact {
+            write_group(group, buffer, params);
+            written += 1;
+            // Chaos tests stop a member here: its parameters torn, this bucket of them written.
+            trainerd_failpoint::point("sharded-wrote-bucket");
+        }
+    };
+    if let Err(e) = shifted.and_then(|()| buckets.all_gather_each(collective, &mut write)) {
         let grads = grads.into_iter().enumerate().map(|(i, g)| (i < own || arrived).then_some(g)).collect();
-        optimizer.cut_short(grads, current, (used, lr));
+        match compact {
+            true => optimizer.cut_short(grads, &from_before, (used, lr)),
+            false => optimizer.cut_short(grads, current, (used, lr)),
+        }
+        optimizer.torn(written);
         return Err(e);
     }
+    match compact {
+        true => store(optimizer, &grads, &from_before, (used, lr)),
+        false => store(optimizer, &grads, current, (used, lr)),
+    }
+    Ok(grads)
+}
+
+/// Every held range's state stored from its clipped gradient (`grads`), `current` the held
+/// pieces' values before the step, and the step ended.
+fn store(optimizer: &mut ShardedOptimizer, grads: &[Vec<f32>], current: Values, (used, lr): (&[bool], f64)) {
     for (shard, g) in grads.iter().enumerate() {
         optimizer.update(shard, (g, None), current, used, (lr, Write::State));
     }
     optimizer.end_step(used);
-    Ok(grads)
 }
 
 /// The small all-reduce after the reduce-scatter: the tail, each range's sum of squares, with
@@ -231,16 +264,18 @@ pub(crate) fn gather_state(
             let values = optimizer.values(shard, k);
             buckets.owned_mut(&slots, range)[..values.len()].copy_from_slice(values);
         }
-        buckets.all_gather(collective)?;
-        if keep {
-            // Straight from the buffers to host bytes: one copy, what a commit writes.
-            let mut these: Vec<Option<TensorData>> = params.iter().map(|_| None).collect();
-            for (i, values) in buckets.first_slot_views(params) {
+        // Straight from the buffers to host bytes, a bucket at a time: one copy, what a commit
+        // writes.
+        let mut these: Vec<Option<TensorData>> = params.iter().map(|_| None).collect();
+        buckets.all_gather_each(collective, &mut |group, buffer| {
+            for (i, values) in bucket_views(group, buffer, params).into_iter().filter(|_| keep) {
                 if optimizer.has(i, slot) {
                     let name = format!("{}/{slot}", params[i].0);
                     these[i] = Some(host::host_copy(&name, &values).expect("float32 host values"));
                 }
             }
+        })?;
+        if keep {
             per_slot.push(these);
         }
     }
@@ -249,280 +284,6 @@ pub(crate) fn gather_state(
         out.extend(per_slot.iter_mut().filter_map(|these| these[i].take()));
     }
     Ok(out)
-}
-
-/// Why a sharded optimizer's state could not move to a generation's owners: these ranges
-/// (indices among the run's ranges) are held by no member at the furthest step, `step` (their
-/// owner and buddy were both lost); or (`copies`, per place, per range: the digest of its copy
-/// at that step) two copies of a range at that step differ.
-#[derive(Debug, PartialEq)]
-pub(crate) struct Unmoved {
-    pub(crate) ranges: Vec<usize>,
-    pub(crate) step: u64,
-    pub(crate) copies: Option<Vec<Vec<Option<u64>>>>,
-}
-
-/// A sharded optimizer's state moved to a generation's owners and their buddies (a return, or a
-/// failure that the buddy copies outlive: the ranges follow the new generation's slots). One
-/// small all-reduce tells every member who holds which range and at which step. The furthest
-/// step is the state's (the formation took the furthest replicated state); a member a step
-/// behind that kept what completing that step needs completes it first (a failure inside the
-/// all-gather: [`ShardedOptimizer::cut_short`]), and the ranges of members further behind (one
-/// that was frozen or cut off while the others went on) are stale and not used. What every
-/// member has alike (the steps, SGD's started flags) comes from the first member at the furthest
-/// step. Each range then comes from this member's own copy, or from a neighbour in the ring
-/// ([`by_neighbours`]: with home slots a worker lost or back moves only its own ranges, and
-/// they sit next to it), or else through one reduce-scatter per state array
-/// ([`by_reduce_scatter`]). `held` is this member's optimizer (a member without ranges holds
-/// none). Returns the state moved, whether this member went forward, and what moved.
-pub(crate) fn reshard(
-    (buckets, ranges, extra_len): (&mut Buckets, &[Range], usize),
-    collective: &mut dyn Collective,
-    params: &[(String, Tensor)],
-    held: &mut ShardedOptimizer,
-) -> Result<Result<(ShardedOptimizer, bool, Moves), Unmoved>, CollectiveError> {
-    let (world, place) = (collective.world(), collective.rank());
-    let Survey { holders, steps, forward, started, digests } = survey(collective, held, (ranges.len(), params.len()))?;
-    let furthest = steps.iter().flatten().copied().max().unwrap_or(0);
-    let current = |q: usize| match steps[q] {
-        Some(s) => s == furthest || (s + 1 == furthest && forward[q]),
-        None => false,
-    };
-    let has: Vec<Vec<bool>> = (0..world).map(|q| holders[q].iter().map(|&h| h && current(q)).collect()).collect();
-    let missing: Vec<usize> = (0..ranges.len()).filter(|&r| (0..world).all(|q| !has[q][r])).collect();
-    // A rule without state (plain SGD) loses nothing with its ranges.
-    if !missing.is_empty() && !held.slot_names().is_empty() {
-        return Ok(Err(Unmoved { ranges: missing, step: furthest, copies: None }));
-    }
-    // The copies at the furthest step (an owner's and its buddy's) are equal bit for bit, unless
-    // one was corrupted since the last comparison: then neither is known right.
-    let copies: Vec<Vec<Option<u64>>> =
-        (0..world).map(|q| digests[q].iter().map(|&d| d.filter(|_| steps[q] == Some(furthest))).collect()).collect();
-    if differ(&copies) {
-        return Ok(Err(Unmoved { ranges: Vec::new(), step: furthest, copies: Some(copies) }));
-    }
-    let went_forward = current(place) && steps[place] != Some(furthest);
-    if went_forward {
-        held.go_forward();
-    }
-    let (mine, buddied) = holding(ranges, collective);
-    let mut next = ShardedOptimizer::new(
-        held.config().clone(),
-        params,
-        (&with_pieces(ranges, &mine)[..], &with_pieces(ranges, &buddied)[..]),
-    );
-    let mine_started = held.replicated().1.to_vec();
-    let first = (0..world).find(|&q| steps[q] == Some(furthest));
-    next.set_replicated(furthest, first.map_or(&mine_started, |q| &started[q]));
-    let moves = match plan(ranges, collective.slots(), &has) {
-        Some(plan) => by_neighbours(collective, (held, &mut next), &plan)?,
-        None => by_reduce_scatter((buckets, ranges, extra_len), collective, params, (held, &mut next), &has)?,
-    };
-    Ok(Ok((next, went_forward, moves)))
-}
-
-/// Whether two copies of a range differ (per place, per range: its copy's digest, if it holds one).
-pub(crate) fn differ(copies: &[Vec<Option<u64>>]) -> bool {
-    let ranges = copies.first().map_or(0, Vec::len);
-    (0..ranges).any(|r| {
-        let mut found = copies.iter().filter_map(|h| h[r]);
-        found.next().is_some_and(|first| found.any(|d| d != first))
-    })
-}
-
-/// What a reshard moved to this member: the bytes of optimizer state it received, and whether
-/// every range came from its own copy or a neighbour's (otherwise through reduce-scatters).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Moves {
-    pub(crate) received: u64,
-    pub(crate) by_neighbours: bool,
-}
-
-/// Where a range a member needs in the new generation comes from.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Source {
-    Own,
-    Previous,
-    Next,
-}
-
-/// Per place, the ranges it holds in the new generation (owned, then its buddy copies: the
-/// order of [`holding`]) and where each comes from: its own current copy, else the previous
-/// worker's, else the next's. `None` when some range is at none of them (several workers lost
-/// or back next to each other). `has`: per place, per range, whether it holds it current.
-fn plan(ranges: &[Range], slots: &Slots, has: &[Vec<bool>]) -> Option<Vec<Vec<(usize, Source)>>> {
-    let world = slots.layout.len();
-    (0..world)
-        .map(|q| {
-            let at = Slots::of(slots.count, slots.layout.clone(), q);
-            let needed =
-                owned(ranges, &at).into_iter().chain(if world > 1 { owned(ranges, &at.before()) } else { vec![] });
-            let (previous, next) = ((q + world - 1) % world, (q + 1) % world);
-            needed
-                .map(|r| match () {
-                    _ if has[q][r] => Some((r, Source::Own)),
-                    _ if world > 1 && has[previous][r] => Some((r, Source::Previous)),
-                    _ if world > 1 && has[next][r] => Some((r, Source::Next)),
-                    _ => None,
-                })
-                .collect()
-        })
-        .collect()
-}
-
-/// Every range from its own copy or a neighbour's: one shift to the next worker and one to the
-/// previous (each skipped when no member sends that way), each carrying every state array of
-/// the ranges its receiver takes from it, in the receiver's order.
-fn by_neighbours(
-    collective: &mut dyn Collective,
-    (held, next): (&mut ShardedOptimizer, &mut ShardedOptimizer),
-    plan: &[Vec<(usize, Source)>],
-) -> Result<Moves, CollectiveError> {
-    let (world, place) = (collective.world(), collective.rank());
-    let arrays = held.slot_names().len();
-    // Each optimizer's held ranges, listed once: a range's place among them is its shard.
-    let (was, now) = (held.held(), next.held());
-    let shard_of = |list: &[usize], r: usize| list.iter().position(|&h| h == r).expect("held");
-    let mut received = 0;
-    // Each way, the ranges go from where they lie in this member's state to where they belong in
-    // the neighbour's next one: no gathered copy on either side.
-    for (way, to) in [(Source::Previous, (place + 1) % world), (Source::Next, (place + world - 1) % world)] {
-        if world < 2 || arrays == 0 || plan.iter().all(|p| p.iter().all(|&(_, f)| f != way)) {
-            continue;
-        }
-        let sending: &ShardedOptimizer = held;
-        let theirs = plan[to].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| shard_of(&was, r));
-        let send: Vec<&[f32]> = theirs.flat_map(|shard| (0..arrays).map(move |k| sending.values(shard, k))).collect();
-        let mine: Vec<usize> =
-            plan[place].iter().filter(|&&(_, f)| f == way).map(|&(r, _)| shard_of(&now, r)).collect();
-        let mut recv = next.arrays_mut(&mine);
-        received += recv.iter().map(|part| std::mem::size_of_val(&**part) as u64).sum::<u64>();
-        match way {
-            Source::Previous => collective.shift_to_next(&send, &mut recv)?,
-            _ => collective.shift_to_previous(&send, &mut recv)?,
-        }
-    }
-    // The ranges this member keeps move last (a failed shift above leaves its state whole, for
-    // the next formation to move from).
-    for &(r, from) in &plan[place] {
-        if from == Source::Own {
-            next.put_arrays(shard_of(&now, r), held.take_arrays(shard_of(&was, r)));
-        }
-    }
-    Ok(Moves { received, by_neighbours: true })
-}
-
-/// Every range through the buckets' buffers: per state array every member fills its buffers with
-/// -0.0, each range's writer (the lowest place holding it current, `has`) writes its values over
-/// them, and one reduce-scatter leaves every range summed, so copied bit for bit, at its new
-/// owner, which shifts its ranges on to its buddy (the next worker).
-fn by_reduce_scatter(
-    (buckets, ranges, extra_len): (&mut Buckets, &[Range], usize),
-    collective: &mut dyn Collective,
-    params: &[(String, Tensor)],
-    (held, next): (&ShardedOptimizer, &mut ShardedOptimizer),
-    has: &[Vec<bool>],
-) -> Result<Moves, CollectiveError> {
-    let slots = collective.slots().clone();
-    let place = collective.rank();
-    let writer = |r: usize| (0..has.len()).find(|&q| has[q][r]);
-    let (mine, buddied) = (next.owned(), next.buddied());
-    let mut received = 0;
-    for k in 0..held.slot_names().len() {
-        buckets.fill(slots.len(), params, extra_len, -0.0);
-        for (shard, &r) in held.held().iter().enumerate() {
-            if writer(r) == Some(place) {
-                let values = held.values(shard, k);
-                buckets.range_mut(0, &ranges[r])[..values.len()].copy_from_slice(values);
-            }
-        }
-        buckets.reduce_scatter_sums(collective)?;
-        let mut ours = Vec::new();
-        for (shard, &r) in mine.iter().enumerate() {
-            let moved = &buckets.owned_mut(&slots, &ranges[r])[..];
-            let values = next.values_mut(shard, k);
-            let len = values.len();
-            values.copy_from_slice(&moved[..len]);
-            ours.extend_from_slice(values);
-        }
-        // What this member's link received in the reduce-scatter: (W - 1)/W of the buffers.
-        let world = has.len() as u64;
-        received += ranges.iter().map(Range::grads_len).sum::<usize>() as u64 * 4 * (world - 1) / world.max(1);
-        if !buddied.is_empty() {
-            to_buddy(collective, next, (mine.len(), k), &ours)?;
-        }
-    }
-    Ok(Moves { received, by_neighbours: false })
-}
-
-/// State array `k` of this member's owned ranges (`ours`) shifted to its buddy while its
-/// predecessor's arrive, into `next`'s buddy copies (its shards from `own` on).
-fn to_buddy(
-    collective: &mut dyn Collective,
-    next: &mut ShardedOptimizer,
-    (own, k): (usize, usize),
-    ours: &[f32],
-) -> Result<(), CollectiveError> {
-    let shards: Vec<usize> = (own..next.held().len()).collect();
-    // Each buddy copy's array `k` (of all its arrays, in order), written as it arrives.
-    let arrays = next.slot_names().len();
-    let mut recv: Vec<&mut [f32]> = next.arrays_mut(&shards).into_iter().skip(k).step_by(arrays).collect();
-    collective.shift_to_next(&[ours], &mut recv)
-}
-
-/// What a reshard needs to know of every member, per place: the ranges it holds (a flag per
-/// range), its optimizer's steps (none: it holds no range), whether it can complete the step
-/// after them, its started flags, and its held ranges' digests (xxh3-64 of their state).
-struct Survey {
-    holders: Vec<Vec<bool>>,
-    steps: Vec<Option<u64>>,
-    forward: Vec<bool>,
-    started: Vec<Vec<bool>>,
-    digests: Vec<Vec<Option<u64>>>,
-}
-
-/// One small all-reduce over the workers for a [`Survey`] of `n` ranges and `p` parameters: each
-/// place writes its own row (a flag per range held, 1 + its steps (0: holds none), whether it
-/// can go forward, its started flags, each held range's digest in two exact 32-bit halves),
-/// zeros elsewhere, so the sum is every row.
-fn survey(
-    collective: &mut dyn Collective,
-    held: &ShardedOptimizer,
-    (n, p): (usize, usize),
-) -> Result<Survey, CollectiveError> {
-    let (world, place) = (collective.world(), collective.rank());
-    let (steps_at, forward_at, started_at, digests_at) = (n, n + 1, n + 2, n + 2 + p);
-    let row = digests_at + 2 * n;
-    let mut facts = vec![0.0f64; world * row];
-    let mine = &mut facts[place * row..(place + 1) * row];
-    let holds = held.held();
-    holds.iter().for_each(|&r| mine[r] = 1.0);
-    if !holds.is_empty() {
-        let (steps, started) = held.replicated();
-        mine[steps_at] = steps as f64 + 1.0;
-        mine[forward_at] = if held.can_go_forward() { 1.0 } else { 0.0 };
-        started.iter().enumerate().for_each(|(i, &s)| mine[started_at + i] = if s { 1.0 } else { 0.0 });
-    }
-    for (r, d) in held.digests() {
-        mine[digests_at + 2 * r..digests_at + 2 * r + 2].copy_from_slice(&[(d >> 32) as f64, d as u32 as f64]);
-    }
-    collective.all_reduce_workers(&mut facts, ReduceOp::Sum)?;
-    let rows: Vec<&[f64]> = facts.chunks(row).collect();
-    let flags = |values: &[f64]| values.iter().map(|&x| x > 0.5).collect::<Vec<bool>>();
-    Ok(Survey {
-        holders: rows.iter().map(|r| flags(&r[..n])).collect(),
-        steps: rows.iter().map(|r| (r[steps_at] > 0.5).then(|| r[steps_at] as u64 - 1)).collect(),
-        forward: rows.iter().map(|r| r[forward_at] > 0.5).collect(),
-        started: rows.iter().map(|r| flags(&r[started_at..digests_at])).collect(),
-        digests: rows
-            .iter()
-            .map(|row| {
-                let held = |r: usize| row[r] > 0.5;
-                let digest = |r: usize| ((row[digests_at + 2 * r] as u64) << 32) | row[digests_at + 2 * r + 1] as u64;
-                (0..n).map(|r| held(r).then(|| digest(r))).collect()
-            })
-            .collect(),
-    })
 }
 
 /// The ranges this member owns in the collective's generation (those its slots finish), and
@@ -561,5 +322,13 @@ fn host_values(p: &Tensor, span: std::ops::Range<usize>) -> Cow<'_, [f32]> {
     Cow::Owned(Vec::<f32>::try_from(values.to_kind(Kind::Float).to_device(Device::Cpu)).expect("float32 values"))
 }
 
+mod reshard;
+
+#[cfg(test)]
+use reshard::{differ, Unmoved};
+pub(crate) use reshard::{reshard, Moves};
+
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod torn_tests;

@@ -10,7 +10,7 @@ use crate::optim::optimizer::Optimizer;
 
 /// Parameters of several shapes (a matrix, vectors, a scalar), one that no slot uses and one
 /// that only slot 0 uses; the same values on every member.
-fn params() -> Vec<(String, Tensor)> {
+pub(super) fn params() -> Vec<(String, Tensor)> {
     [vec![7i64, 5], vec![5], vec![13], vec![3, 3], vec![1], vec![4], vec![6]]
         .into_iter()
         .enumerate()
@@ -28,7 +28,7 @@ const ONLY_SLOT_0: usize = 6;
 
 /// Slot `slot`'s gradients at step `step`: those of `0.5·Σ w·p²` (so they follow the
 /// parameters), with `w` a function of (parameter, slot, step).
-fn backward(params: &mut [(String, Tensor)], slot: usize, step: usize) {
+pub(super) fn backward(params: &mut [(String, Tensor)], slot: usize, step: usize) {
     for (i, (_, p)) in params.iter_mut().enumerate() {
         p.zero_grad();
         if i == UNUSED || (i == ONLY_SLOT_0 && slot != 0) {
@@ -41,7 +41,7 @@ fn backward(params: &mut [(String, Tensor)], slot: usize, step: usize) {
     }
 }
 
-fn bytes(t: &Tensor) -> Vec<u32> {
+pub(super) fn bytes(t: &Tensor) -> Vec<u32> {
     Vec::<f32>::try_from(t.detach().reshape(-1)).unwrap().into_iter().map(f32::to_bits).collect()
 }
 
@@ -57,14 +57,19 @@ type Member = (Vec<String>, BTreeMap<String, Vec<u32>>, [Assembled; 2]);
 /// Both modes on a ring of `world` workers over `v` slots, for `steps` steps; per member:
 /// whether every step's parameters, tail and norm were equal, the unsharded state (bits by
 /// name), and the sharded state's pieces (by (state name, parameter): offset and bits).
-fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, steps: usize) -> Vec<Member> {
+fn both_modes(
+    (world, v): (usize, usize),
+    config: &OptimizerConfig,
+    clip: Clip,
+    (steps, compact): (usize, bool),
+) -> Vec<Member> {
     with_ring(world, |ring| {
         let all: Vec<usize> = (0..world).collect();
         ring.set_slots(Slots::of(v, assign(v, &all), ring.rank()));
         let (held, coordinates) = (ring.slots().clone(), ring.rank() == 0);
         let (mut plain, mut sharded) = (params(), params());
         let cap = 64; // bytes: several buckets, and ranges that cut parameters
-        let (mut b_plain, mut b_sharded) = (Buckets::new(&plain, cap), Buckets::new(&sharded, cap));
+        let (mut b_plain, mut b_sharded) = (Buckets::new(&plain, cap), Buckets::new(&sharded, cap).compact_if(compact));
         let mut optimizer = Optimizer::new(config.clone(), &plain);
         let (mut zero, mut follower): (Option<ShardedOptimizer>, Option<ShardedOptimizer>) = (None, None);
         let mut differences = Vec::new();
@@ -77,12 +82,7 @@ fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, 
                 backward(&mut sharded, slot, step);
                 b_sharded.stage(i, &sharded, &extra(slot));
             }
-            // Unsharded: the all-reduce, the clip over the ranges, the whole update.
-            let tail = b_plain.reduce(ring, &mut plain, held.len()).unwrap();
-            let ranges = b_plain.ranges(&plain, v, 2);
-            let spans: Vec<Vec<Piece>> = ranges.iter().map(pieces).collect();
-            let norm = clip.apply_over(&plain, &spans).unwrap();
-            optimizer.step(&mut plain, lr);
+            let (tail, norm) = unsharded_step(ring, (&mut b_plain, &mut plain), (&mut optimizer, clip, lr));
             // Sharded.
             let ranges = b_sharded.ranges(&sharded, v, 2);
             let zero = zero.get_or_insert_with(|| {
@@ -118,8 +118,23 @@ fn both_modes((world, v): (usize, usize), config: &OptimizerConfig, clip: Clip, 
     })
 }
 
+/// The unsharded step on what `buckets` staged: the all-reduce, the clip over the ranges, the
+/// whole update. The tail, and the norm.
+fn unsharded_step(
+    ring: &mut dyn Collective,
+    (buckets, params): (&mut Buckets, &mut [(String, Tensor)]),
+    (optimizer, clip, lr): (&mut Optimizer, Clip, f64),
+) -> (Vec<f32>, Option<f64>) {
+    let slots = ring.slots().clone();
+    let tail = buckets.reduce(ring, params, slots.len()).unwrap();
+    let spans: Vec<Vec<Piece>> = buckets.ranges(params, slots.count, 2).iter().map(pieces).collect();
+    let norm = clip.apply_over(params, &spans).unwrap();
+    optimizer.step(params, lr);
+    (tail, norm)
+}
+
 /// Every parameter's values (flattened).
-fn values_of(params: &[Param]) -> Vec<Vec<f32>> {
+pub(super) fn values_of(params: &[Param]) -> Vec<Vec<f32>> {
     params.iter().map(|(_, p)| Vec::<f32>::try_from(p.detach().reshape(-1)).unwrap()).collect()
 }
 
@@ -207,10 +222,14 @@ fn pieces_of(zero: &ShardedOptimizer, params: &[(String, Tensor)], buddies: bool
 /// each step hands back (ranges streamed), stays bit for bit its owner's.
 #[test]
 fn the_sharded_update_is_bit_for_bit_the_unsharded_one() {
-    for ((world, v), config, clip) in cases() {
-        let out = both_modes((world, v), &config, clip, 6);
+    for (((world, v), config, clip), compact) in cases().into_iter().flat_map(|c| [(c.clone(), false), (c, true)]) {
+        let out = both_modes((world, v), &config, clip, (6, compact));
         for (differences, state, _) in &out {
-            assert!(differences.is_empty(), "{config:?} {clip:?} on {world} worker(s), {v} slots: {differences:?}");
+            let how = if compact { "--shard gradients" } else { "--shard optimizer" };
+            assert!(
+                differences.is_empty(),
+                "{how} {config:?} {clip:?} on {world} worker(s), {v} slots: {differences:?}"
+            );
             assert_eq!(state, &out[0].1, "every member's unsharded state is the same");
         }
         // The owned ranges put together are the unsharded state; so are the buddy copies

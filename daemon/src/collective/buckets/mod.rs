@@ -9,8 +9,11 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::ring::chunk_of;
-use super::{host_slice, Collective, CollectiveError, Slots};
+use super::{host_slice, Collective, CollectiveError};
+
+mod ranges;
+
+pub(crate) use ranges::{bucket_views, owned, owned_of, write_group, Range};
 
 /// The bucket the tail rides in (the step's extra values and one used-flag per parameter): the
 /// first, whose gradients the backward pass makes final last (the first parameters' come last),
@@ -46,6 +49,21 @@ pub(crate) struct Buckets {
     /// parameters: the last slot this worker computes, whose gradients are views of them, as
     /// DDP's `gradient_as_bucket_view`); the others' gradients are copied into theirs.
     in_place: Option<usize>,
+    /// `--shard gradients`: no gradient is a view of a bucket, each is let go once staged, and a
+    /// bucket's buffers are let go once reduce-scattered, only the ranges this worker owns kept
+    /// (`kept`; docs/fault-tolerance.md, "Sharded gradients and parameters").
+    compact: bool,
+    /// Per slot held, per bucket (compact): the range that slot owns, as its reduce-scatter left
+    /// it (empty: none yet).
+    kept: Vec<Vec<Vec<f32>>>,
+    /// Per bucket: its buffer's length (its gradients, and the tail in the [`TAIL`] bucket), as
+    /// last made.
+    lens: Vec<usize>,
+    /// Per slot staged, per parameter: whether it had a gradient when its bucket was staged (the
+    /// tail's used-flags; compact, the gradient is gone by the time the tail is staged).
+    defined: Vec<Vec<bool>>,
+    /// Per parameter: a gradient of it was staged before in this process.
+    seen: Vec<bool>,
 }
 
 /// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
@@ -85,8 +103,56 @@ impl Buckets {
             bytes += size;
         }
         let home = params.first().map_or(Device::Cpu, |(_, p)| p.device());
-        let reduced = vec![false; groups.len()];
-        Buckets { groups, staging: Vec::new(), extras: Vec::new(), on_device: false, home, reduced, in_place: None }
+        let (reduced, lens) = (vec![false; groups.len()], vec![0; groups.len()]);
+        let seen = vec![false; params.len()];
+        let (staging, extras, kept, defined) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let compact = false;
+        Buckets {
+            groups,
+            staging,
+            extras,
+            on_device: false,
+            home,
+            reduced,
+            in_place: None,
+            compact,
+            kept,
+            lens,
+            defined,
+            seen,
+        }
+    }
+
+    /// `--shard gradients` on or off for the steps that follow (changing it lets every buffer
+    /// and kept range go): see [`Buckets::compact`].
+    pub(crate) fn set_compact(&mut self, on: bool) {
+        if on != self.compact {
+            self.compact = on;
+            self.staging.clear();
+            self.kept.clear();
+            // Gradients that were views of the buffers keep that memory until staged and let go.
+            self.in_place = None;
+        }
+    }
+
+    /// These buckets, compact if `on` ([`Buckets::set_compact`]).
+    #[cfg(test)]
+    pub(crate) fn compact_if(mut self, on: bool) -> Self {
+        self.set_compact(on);
+        self
+    }
+
+    /// Whether the buffers are let go once reduced (`--shard gradients`).
+    pub(crate) fn compact(&self) -> bool {
+        self.compact
+    }
+
+    /// The bytes the buckets hold now: their buffers, and the ranges kept of them.
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> u64 {
+        let buffers: usize = self.staging.iter().flatten().flatten().map(|t| t.numel() * 4).sum();
+        let kept: usize = self.kept.iter().flatten().map(|k| k.len() * 4).sum();
+        (buffers + kept) as u64
     }
 
     /// Replaces every gradient with its mean over the ring's slots, and `extra` with its sum:
@@ -113,7 +179,7 @@ impl Buckets {
     /// backward pass accumulates into them and nothing is copied.
     pub(crate) fn begin_step(&mut self, on_device: bool, last: Option<usize>) {
         self.reduced.iter_mut().for_each(|r| *r = false);
-        let in_place = last.filter(|_| !on_device && self.home == Device::Cpu);
+        let in_place = last.filter(|_| !on_device && self.home == Device::Cpu && !self.compact);
         if in_place != self.in_place {
             // The gradients are views of that slot's buffers: the slot gets buffers of its own,
             // so that the next backward pass does not write over what another slot staged there.
@@ -145,11 +211,15 @@ impl Buckets {
     pub(crate) fn stage_buckets(&mut self, i: usize, params: &[&Tensor], extra: &[f32], which: std::ops::Range<usize>) {
         let _no_grad = tch::no_grad_guard();
         self.slots_up_to(i + 1);
+        self.defined[i].resize(params.len(), false);
+        for b in which.clone() {
+            self.groups[b].iter().for_each(|&p| self.defined[i][p] = params[p].grad().defined());
+        }
         let mut tail: Vec<f32> = Vec::new();
         if which.contains(&TAIL) {
             self.extras[i] = extra.len();
             tail.extend_from_slice(extra);
-            tail.extend(params.iter().map(|p| if p.grad().defined() { 1.0 } else { 0.0 }));
+            tail.extend(self.defined[i].iter().map(|&d| if d { 1.0 } else { 0.0 }));
         }
         for b in which {
             let group = &self.groups[b];
@@ -157,6 +227,7 @@ impl Buckets {
             let numels: Vec<usize> = group.iter().map(|&i| params[i].numel()).collect();
             let grads_len: usize = numels.iter().sum();
             let (home, on_device) = (self.home, self.on_device);
+            self.lens[b] = grads_len + riding.len();
             let buffer = buffer_of(&mut self.staging[i][b], grads_len + riding.len(), (home, on_device));
             if self.in_place == Some(i) {
                 stage_as_views(buffer, params, group);
@@ -180,7 +251,36 @@ impl Buckets {
             // (copy_ waits), and nothing else touches it.
             let flat = unsafe { host_slice(buffer) };
             flat[grads_len..].copy_from_slice(riding);
+            if self.compact {
+                let_go(flat, (params, group), &mut self.seen);
+            }
+            group.iter().filter(|&&p| self.defined[i][p]).for_each(|&p| self.seen[p] = true);
         }
+    }
+
+    /// Handles on bucket `b`'s buffers of the first `held` slots, staged, for a reduction on
+    /// another thread; compact, the buckets keep none, so that the buffers are freed once that
+    /// reduction lets them go ([`Buckets::put_kept`] takes what it kept of them).
+    pub(crate) fn hand_over(&mut self, b: usize, held: usize) -> Vec<Tensor> {
+        assert!(!self.on_device && b != TAIL, "host buffers of whole buckets only");
+        match self.compact {
+            true => self.staging[..held].iter_mut().map(|per_slot| per_slot[b].take().expect("staged")).collect(),
+            false => self.slot_buffers(b, held),
+        }
+    }
+
+    /// Room for the buffers of `n` slots.
+    fn slots_up_to(&mut self, n: usize) {
+        while self.staging.len() < n {
+            self.staging.push(self.groups.iter().map(|_| None).collect());
+            self.extras.push(0);
+            self.defined.push(Vec::new());
+        }
+    }
+
+    /// The buffers of bucket `b` of the first `held` slots staged (shallow handles).
+    fn slot_buffers(&self, b: usize, held: usize) -> Vec<Tensor> {
+        self.staging[..held].iter().map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone()).collect()
     }
 
     /// Reduces what the first `held` slots staged over every slot of the ring (the gradients
@@ -240,210 +340,6 @@ impl Buckets {
     }
 }
 
-/// A range of the gradient buckets (docs/fault-tolerance.md, "Sharded optimizer state"): range
-/// `chunk` of V of bucket `bucket`'s buffer, the elements the ring finishes on one slot.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Range {
-    /// The bucket.
-    pub(crate) bucket: usize,
-    /// Which of the bucket's V ranges.
-    pub(crate) chunk: usize,
-    /// Its elements in the bucket's buffer.
-    pub(crate) span: std::ops::Range<usize>,
-    /// The parameters' element spans in it (its gradient elements come first, in order).
-    pub(crate) pieces: Vec<Span>,
-    /// The tail's elements in it (the values riding after the [`TAIL`] bucket's gradients), as
-    /// places in the tail.
-    pub(crate) tail: std::ops::Range<usize>,
-}
-
-/// A parameter's element span inside a [`Range`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Span {
-    /// The parameter's place in the list the buckets were made of.
-    pub(crate) param: usize,
-    /// The span's first element within the parameter (flattened).
-    pub(crate) offset: usize,
-    /// Its first element within the range.
-    pub(crate) at: usize,
-    /// Its length.
-    pub(crate) len: usize,
-}
-
-impl Range {
-    /// Its gradient elements.
-    pub(crate) fn grads_len(&self) -> usize {
-        self.pieces.iter().map(|p| p.len).sum()
-    }
-}
-
-impl Buckets {
-    /// Every range of the buckets over a run of `v` slots, in (bucket, range) order: the order in
-    /// which the global clip norm adds them. `params` are the parameters staged (their sizes);
-    /// the tail is the step's `extra_len` extra values and one used-flag per parameter.
-    pub(crate) fn ranges(&self, params: &[(String, Tensor)], v: usize, extra_len: usize) -> Vec<Range> {
-        let tail_len = extra_len + params.len();
-        let mut out = Vec::with_capacity(self.groups.len() * v);
-        for (b, group) in self.groups.iter().enumerate() {
-            let numels: Vec<usize> = group.iter().map(|&i| params[i].1.numel()).collect();
-            let grads_len: usize = numels.iter().sum();
-            let len = grads_len + if b == TAIL { tail_len } else { 0 };
-            for c in 0..v {
-                let span = chunk_of(c, v, len);
-                let mut pieces = Vec::new();
-                let mut start = 0;
-                for (&i, &n) in group.iter().zip(&numels) {
-                    let (lo, hi) = (span.start.max(start), span.end.min(start + n));
-                    if lo < hi {
-                        pieces.push(Span { param: i, offset: lo - start, at: lo - span.start, len: hi - lo });
-                    }
-                    start += n;
-                }
-                let tail = span.start.max(grads_len) - grads_len..span.end.max(grads_len) - grads_len;
-                out.push(Range { bucket: b, chunk: c, span, pieces, tail });
-            }
-        }
-        out
-    }
-
-    /// The sharded step's first half: every bucket of what the slots held here staged is
-    /// reduce-scattered, and the gradient elements of each range this worker owns (range u + 1
-    /// of each slot u it holds) averaged over the run's slots, as [`Buckets::reduce`] averages
-    /// them. Host buffers only.
-    pub(crate) fn reduce_scatter(
-        &mut self,
-        collective: &mut dyn Collective,
-        ranges: &[Range],
-    ) -> Result<(), CollectiveError> {
-        let slots = collective.slots().clone();
-        let scale = 1.0 / slots.count as f32;
-        self.reduce_scatter_sums(collective)?;
-        for r in owned(ranges, &slots) {
-            let range = &ranges[r];
-            let grads = range.grads_len();
-            self.owned_mut(&slots, range)[..grads].iter_mut().for_each(|x| *x *= scale);
-        }
-        Ok(())
-    }
-
-    /// Every bucket of what the slots held here staged reduce-scattered: each held slot u's
-    /// buffer then holds range u + 1 summed over the run's slots. Host buffers only.
-    pub(crate) fn reduce_scatter_sums(&mut self, collective: &mut dyn Collective) -> Result<(), CollectiveError> {
-        let held = collective.slots().len();
-        for b in 0..self.groups.len() {
-            let mut bufs = self.slot_buffers(b, held);
-            if !std::mem::take(&mut self.reduced[b]) {
-                collective.reduce_scatter_buffers(&mut bufs)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The elements of `range`, owned here, in the host buffer where the reduce-scatter left it.
-    pub(crate) fn owned_mut(&mut self, slots: &Slots, range: &Range) -> &mut [f32] {
-        let v = slots.count;
-        let u = (range.chunk + v - 1) % v;
-        let i = slots.index(u);
-        let i = i.unwrap_or_else(|| panic!("range {} of bucket {} is not owned here", range.chunk, range.bucket));
-        self.range_mut(i, range)
-    }
-
-    /// The elements of `range` in the host buffer of the `i`th slot held here.
-    pub(crate) fn range_mut(&mut self, i: usize, range: &Range) -> &mut [f32] {
-        let buffer = self.staging[i][range.bucket].as_mut().expect("staged");
-        // SAFETY: our own contiguous float32 host buffer, touched by nothing else while the
-        // returned slice (which borrows `self`) lives.
-        let flat = unsafe { host_slice(buffer) };
-        &mut flat[range.span.clone()]
-    }
-
-    /// Every bucket's host buffers of the first `held` slots, made where missing (as
-    /// [`Buckets::stage`] makes them, the [`TAIL`] bucket with `extra_len` extra values and a
-    /// used-flag per parameter) and filled with `value`: -0.0 leaves whatever a single slot
-    /// writes over it unchanged by a sum over the slots.
-    pub(crate) fn fill(&mut self, held: usize, params: &[(String, Tensor)], extra_len: usize, value: f32) {
-        self.make(held, params, extra_len, Some(value));
-    }
-
-    /// Every bucket's host buffers of the first `held` slots, made where missing (zeros) as
-    /// [`Buckets::fill`] makes them, and filled with `value` if given. A member that staged no
-    /// step in this generation (a returner whose first operation is a commit, or a survivor that
-    /// now holds more slots) lacks some, and a gather of the sharded state passes through them
-    /// (the chief restarted during a sharded run's last steps panicked here, 2026-11-28).
-    pub(crate) fn make(&mut self, held: usize, params: &[(String, Tensor)], extra_len: usize, value: Option<f32>) {
-        assert!(!self.on_device, "host buffers only");
-        self.slots_up_to(held);
-        for i in 0..held {
-            self.extras[i] = extra_len;
-            for (b, group) in self.groups.iter().enumerate() {
-                let tail = if b == TAIL { extra_len + params.len() } else { 0 };
-                let len = group.iter().map(|&p| params[p].1.numel()).sum::<usize>() + tail;
-                let buffer = buffer_of(&mut self.staging[i][b], len, (self.home, false));
-                if let Some(value) = value {
-                    // SAFETY: as in `range_mut`.
-                    unsafe { host_slice(buffer) }.fill(value);
-                }
-            }
-        }
-    }
-
-    /// Room for the buffers of `n` slots.
-    fn slots_up_to(&mut self, n: usize) {
-        while self.staging.len() < n {
-            self.staging.push(self.groups.iter().map(|_| None).collect());
-            self.extras.push(0);
-        }
-    }
-
-    /// The sharded step's second half: every bucket's owned ranges (now holding the updated
-    /// parameters) gathered into the first slot's buffers on every worker.
-    pub(crate) fn all_gather(&mut self, collective: &mut dyn Collective) -> Result<(), CollectiveError> {
-        let held = collective.slots().len();
-        for b in 0..self.groups.len() {
-            let mut bufs = self.slot_buffers(b, held);
-            collective.all_gather_buffers(&mut bufs)?;
-        }
-        Ok(())
-    }
-
-    /// After [`Buckets::all_gather`]: every bucket's gathered values copied into `params`.
-    pub(crate) fn write_params(&self, params: &mut [(String, Tensor)]) {
-        let _no_grad = tch::no_grad_guard();
-        for (i, values) in self.first_slot_views(params) {
-            let p = &mut params[i].1;
-            p.copy_(&if p.device().is_cuda() { values.to_device(p.device()) } else { values });
-        }
-    }
-
-    /// Each parameter's place and its values in the first slot's buffers, shaped as it is (views
-    /// of the buffers: after [`Buckets::all_gather`], the gathered values).
-    pub(crate) fn first_slot_views(&self, params: &[(String, Tensor)]) -> Vec<(usize, Tensor)> {
-        let mut out = Vec::with_capacity(params.len());
-        for (b, group) in self.groups.iter().enumerate() {
-            let buffer = self.staging[0][b].as_ref().expect("staged");
-            let mut at = 0;
-            for &i in group {
-                let p = &params[i].1;
-                let n = p.numel() as i64;
-                out.push((i, buffer.narrow(0, at, n).view(p.size().as_slice())));
-                at += n;
-            }
-        }
-        out
-    }
-
-    /// Bucket `b`'s buffer of the first slot (a shallow handle).
-    #[cfg(test)]
-    pub(crate) fn first_slot_buffer(&self, b: usize) -> Tensor {
-        self.slot_buffers(b, 1).remove(0)
-    }
-
-    /// The buffers of bucket `b` of the first `held` slots staged (shallow handles).
-    fn slot_buffers(&self, b: usize, held: usize) -> Vec<Tensor> {
-        self.staging[..held].iter().map(|per_slot| per_slot[b].as_ref().expect("staged").shallow_clone()).collect()
-    }
-}
-
 impl Buckets {
     /// The start-up line about them: how many, and whether their reductions overlap the
     /// backward pass (`overlap`).
@@ -473,39 +369,11 @@ impl Buckets {
         TAIL + 1..self.groups.len()
     }
 
-    /// Host buffers of the `i`th slot held for buckets `which` (none of them the [`TAIL`] bucket,
-    /// whose length depends on the tail), made where missing, so that [`Buckets::stage_buckets`] fills
-    /// these very buffers; and handles on bucket `b`'s buffers of the first `held` slots, per
-    /// bucket of `which`, for a reduction on another thread.
-    pub(crate) fn prepare(
-        &mut self,
-        (i, held): (usize, usize),
-        params: &[&Tensor],
-        which: std::ops::Range<usize>,
-    ) -> Vec<Vec<Tensor>> {
-        assert!(!self.on_device && !which.contains(&TAIL), "host buffers of whole buckets only");
-        self.slots_up_to(held.max(i + 1));
-        let mut handles = Vec::with_capacity(which.len());
-        for b in which {
-            let len = self.groups[b].iter().map(|&p| params[p].numel()).sum();
-            buffer_of(&mut self.staging[i][b], len, (self.home, false));
-            handles.push(self.slot_buffers(b, held));
-        }
-        handles
-    }
-
     /// Buckets `which` were reduced in this step already: [`Buckets::reduce`] and
     /// [`Buckets::reduce_scatter_sums`] take their results as they are.
     pub(crate) fn mark_reduced(&mut self, which: impl IntoIterator<Item = usize>) {
         which.into_iter().for_each(|b| self.reduced[b] = true);
     }
-}
-
-/// The places in `ranges` of those owned by a worker holding `slots`: range u + 1 of every
-/// bucket, for each slot u held.
-pub(crate) fn owned(ranges: &[Range], slots: &Slots) -> Vec<usize> {
-    let v = slots.count;
-    (0..ranges.len()).filter(|&r| slots.holds((ranges[r].chunk + v - 1) % v)).collect()
 }
 
 impl Buckets {
@@ -599,6 +467,23 @@ fn stage_in(buffer: &mut Tensor, grads: &[Option<Tensor>], numels: &[usize], dev
             None => _ = slot.fill_(0.0),
         }
         at += n as i64;
+    }
+}
+
+/// A compact bucket's gradients (`group` of `params`), staged in `flat`, let go (`.grad` reset).
+/// Those `seen` before are where a kept gradient would have been zeroed and added to, which turns
+/// a -0.0 into +0.0: adding +0.0 here does the same, so that the bits are the whole gradients'.
+fn let_go(flat: &mut [f32], (params, group): (&[&Tensor], &[usize]), seen: &mut [bool]) {
+    let mut at = 0;
+    for &p in group {
+        let n = params[p].numel();
+        if params[p].grad().defined() {
+            if seen[p] {
+                flat[at..at + n].iter_mut().for_each(|x| *x += 0.0);
+            }
+            crate::sys::autograd::release_grad(params[p]);
+        }
+        at += n;
     }
 }
 
