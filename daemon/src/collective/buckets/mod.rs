@@ -228,6 +228,10 @@ impl Buckets {
             let grads_len: usize = numels.iter().sum();
             let (home, on_device) = (self.home, self.on_device);
             self.lens[b] = grads_len + riding.len();
+            if self.compact && b != TAIL {
+                // A bucket of one gradient is staged in that gradient's own memory, not copied.
+                self.staging[i][b] = own_memory(params, group).or(self.staging[i][b].take());
+            }
             let buffer = buffer_of(&mut self.staging[i][b], grads_len + riding.len(), (home, on_device));
             if self.in_place == Some(i) {
                 stage_as_views(buffer, params, group);
@@ -468,6 +472,15 @@ fn stage_in(buffer: &mut Tensor, grads: &[Option<Tensor>], numels: &[usize], dev
         }
         at += n as i64;
     }
+}
+
+/// The gradient of a bucket of one parameter (`group` of `params`), flattened, where it can be the
+/// bucket's buffer itself: a contiguous float32 host tensor.
+fn own_memory(params: &[&Tensor], group: &[usize]) -> Option<Tensor> {
+    let [p] = group else { return None };
+    let g = params[*p].grad();
+    let fits = g.defined() && g.kind() == Kind::Float && g.device() == Device::Cpu && g.is_contiguous();
+    fits.then(|| g.detach().view(-1))
 }
 
 /// A compact bucket's gradients (`group` of `params`), staged in `flat`, let go (`.grad` reset).

@@ -197,17 +197,20 @@ impl Buckets {
 
     /// The sharded step's second half: every bucket's owned ranges (now holding the updated
     /// parameters) gathered into the first slot's buffer on every worker, one bucket after the
-    /// other, `each` told of each (its parameters' places and that buffer) once gathered. Compact, a bucket's
-    /// buffers are made for its gather from the ranges kept, and let go after `each`.
+    /// other, `each` told of each (its parameters' places and that buffer) once gathered.
+    /// Compact, a bucket's buffers are made for its gather from the ranges kept, and let go after
+    /// `each`; a bucket of one parameter of `into` is gathered straight into that parameter's
+    /// memory ([`Buckets::gathers_in_place`]).
     pub(crate) fn all_gather_each(
         &mut self,
         collective: &mut dyn Collective,
+        into: Option<&[(String, Tensor)]>,
         each: &mut dyn FnMut(&[usize], &Tensor),
     ) -> Result<(), CollectiveError> {
         let slots = collective.slots().clone();
         for b in 0..self.groups.len() {
             let mut bufs = match self.compact {
-                true => self.gathering(b, &slots),
+                true => self.gathering(b, &slots, into.and_then(|params| self.gathers_in_place(b, params))),
                 false => self.slot_buffers(b, slots.len()),
             };
             collective.all_gather_buffers(&mut bufs)?;
@@ -216,13 +219,25 @@ impl Buckets {
         Ok(())
     }
 
+    /// Compact: the memory of bucket `b`'s one parameter of `params`, flattened, where the
+    /// bucket's all-gather can write into it: a contiguous float32 host tensor, and no tail. A
+    /// failure inside that all-gather leaves it torn.
+    pub(crate) fn gathers_in_place(&self, b: usize, params: &[(String, Tensor)]) -> Option<Tensor> {
+        let [p] = self.groups[b][..] else { return None };
+        let p = &params[p].1;
+        let fits = p.kind() == tch::Kind::Float && p.device() == tch::Device::Cpu && p.is_contiguous();
+        (self.compact && b != TAIL && fits).then(|| p.detach().view(-1))
+    }
+
     /// Compact: bucket `b`'s buffers for its all-gather, one per slot held, each with the range
-    /// that slot owns in its place (the gather writes every other element).
-    fn gathering(&mut self, b: usize, slots: &Slots) -> Vec<Tensor> {
+    /// that slot owns in its place (the gather writes every other element); the first is `first`
+    /// where given (a parameter's own memory).
+    fn gathering(&mut self, b: usize, slots: &Slots, mut first: Option<Tensor>) -> Vec<Tensor> {
         let len = self.lens[b];
         (0..slots.len())
             .map(|i| {
-                let mut buffer = Tensor::empty([len as i64], (tch::Kind::Float, tch::Device::Cpu));
+                let made = || Tensor::empty([len as i64], (tch::Kind::Float, tch::Device::Cpu));
+                let mut buffer = first.take().filter(|_| i == 0).unwrap_or_else(made);
                 // SAFETY: a buffer just made, ours alone.
                 let flat = unsafe { host_slice(&mut buffer) };
                 let span = owned_span(slots, i, len);
@@ -261,6 +276,9 @@ pub(crate) fn write_group(group: &[usize], buffer: &Tensor, params: &[(String, T
     let _no_grad = tch::no_grad_guard();
     for (i, values) in bucket_views(group, buffer, params) {
         let mut p = params[i].1.shallow_clone();
+        if p.data_ptr() == values.data_ptr() {
+            continue; // gathered in place
+        }
         p.copy_(&if p.device().is_cuda() { values.to_device(p.device()) } else { values });
     }
 }

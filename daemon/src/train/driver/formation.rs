@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::Driver;
 use crate::cluster::wire::Formed;
-use crate::state::{Shareable, TrainState};
+use crate::state::{Optim, Shareable, TrainState};
 use crate::train::commit::Moment;
 use crate::train::error::TrainError;
 use crate::train::kernels;
@@ -23,7 +23,8 @@ const MISMATCH: usize = 4;
 const OWES: usize = 5;
 const SHARDED: usize = 6;
 const KNOWS: usize = 7;
-const N: usize = 8;
+const TORN: usize = 8;
+const N: usize = 9;
 
 impl Driver<'_> {
     /// Takes the state a formation settled on, is admitted, and says what happened; then, when a
@@ -131,7 +132,8 @@ impl Driver<'_> {
     /// (its own, or told by a peer: [`crate::train::integrity::Flags`]; `holds`: it holds the
     /// formation's state), and whether its optimizer state is sharded (all
     /// members' or none: see [`Driver::reshard`]), and whether it knows every member to reach the
-    /// checkpoint location (when none does, every member probes: [`Driver::probe_reach`]). Every
+    /// checkpoint location (when none does, every member probes: [`Driver::probe_reach`]), and
+    /// whether a failed all-gather tore its parameters (`--shard gradients`). Every
     /// member sees the same values, so every
     /// member decides alike; whether a comparison is owed.
     fn agree(
@@ -153,6 +155,7 @@ impl Driver<'_> {
             flag(flags.owes),
             flag(state.optimizer.sharded()),
             flag(self.reach.knows(session.members())),
+            flag(matches!(&state.optimizer, Optim::Sharded(o) if o.written().0 > 0)),
         ])?;
         let column = |i: usize| -> Vec<f64> { values.iter().copied().skip(i).step_by(N).collect() };
         let counts = column(STEPS);
@@ -168,7 +171,9 @@ impl Driver<'_> {
         self.integrity.set_commits(column(COMMITS).into_iter().map(|c| c as u64).collect());
         let raised = |i: usize| -> Vec<usize> { (0..present).filter(|&p| values[N * p + i] > 0.5).collect() };
         let odd = raised(DIFFERED);
-        if !odd.is_empty() {
+        // Parameters a failed all-gather tore differ at the same step, and the reshard puts them
+        // back (docs/fault-tolerance.md, "Sharded gradients and parameters"): no corruption.
+        if !odd.is_empty() && raised(TORN).is_empty() {
             return Err(self.integrity.differed_at_formation(state, session, &mut self.report, (&odd, source)));
         }
         self.one_kind_of_state(session, &raised(SHARDED))?;

@@ -99,7 +99,7 @@ impl Driver<'_> {
     ) {
         if moves.repaired > 0 {
             self.report.line(&format!(
-                "trainerd: the failed step's all-gather had written {} bucket(s) of the parameters on some member \
+                "trainerd: the failed step's all-gather had written into {} bucket(s) of the parameters on some member \
                  (--shard gradients writes each as it is gathered): every member put them back to step {} from their \
                  ranges' holders",
                 moves.repaired,

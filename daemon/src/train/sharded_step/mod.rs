@@ -149,13 +149,16 @@ fn complete(
             trainerd_failpoint::point("sharded-wrote-bucket");
         }
     };
-    if let Err(e) = shifted.and_then(|()| buckets.all_gather_each(collective, &mut write)) {
+    let into = compact.then_some(params);
+    if let Err(e) = shifted.and_then(|()| buckets.all_gather_each(collective, into, &mut write)) {
         let grads = grads.into_iter().enumerate().map(|(i, g)| (i < own || arrived).then_some(g)).collect();
         match compact {
             true => optimizer.cut_short(grads, &from_before, (used, lr)),
             false => optimizer.cut_short(grads, current, (used, lr)),
         }
-        optimizer.torn(written);
+        // The bucket whose all-gather failed is torn too where it was gathered in place.
+        let partly = arrived && written < buckets.groups().len() && buckets.gathers_in_place(written, params).is_some();
+        optimizer.torn(written + usize::from(partly));
         return Err(e);
     }
     match compact {
@@ -267,7 +270,7 @@ pub(crate) fn gather_state(
         // Straight from the buffers to host bytes, a bucket at a time: one copy, what a commit
         // writes.
         let mut these: Vec<Option<TensorData>> = params.iter().map(|_| None).collect();
-        buckets.all_gather_each(collective, &mut |group, buffer| {
+        buckets.all_gather_each(collective, None, &mut |group, buffer| {
             for (i, values) in bucket_views(group, buffer, params).into_iter().filter(|_| keep) {
                 if optimizer.has(i, slot) {
                     let name = format!("{}/{slot}", params[i].0);
