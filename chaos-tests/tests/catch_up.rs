@@ -163,7 +163,9 @@ fn a_worker_back_while_the_others_train_catches_up_and_takes_its_slots_back_with
     assert!(kept >= 100_000_000, "at least one step's 100 MB of gradient was kept: {kept}");
 }
 
-/// The same return with the optimizer state sharded (`--shard-optimizer`, Adam, 100 MB of state):
+/// The same return with the optimizer state and the gradients sharded (`--shard gradients`, Adam,
+/// 100 MB of state: the gradients let go once reduce-scattered, the 100 MB matrix's staged and
+/// gathered in its own memory):
 /// the chief sends the parameters and buffers at a step, then the parameters after every step
 /// (no member holds a step's averaged gradient whole), and the returner takes them; the member
 /// that owns the ranges the returner will hold streams their state, then each step's clipped
@@ -176,7 +178,7 @@ fn a_worker_back_while_the_others_train_catches_up_and_takes_its_slots_back_with
 fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ranges() {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");
-    let sharded = ["--shard-optimizer", "--checkpoint-dir", ckpt.to_str().unwrap()];
+    let sharded = ["--shard", "gradients", "--checkpoint-dir", ckpt.to_str().unwrap()];
     let mut c = Cluster::start(3, &args(WIDE_ADAM, tmp.path(), &sharded), &[], vec![], RESTART_SEC);
     let back = back_while_they_train(&mut c, 5, 2);
     let replayed = assert_caught_up_with_nothing_sent(&mut c, WIDE_ADAM, tmp.path(), back);

@@ -125,6 +125,12 @@ impl Buckets {
         }
     }
 
+    /// Compact: the ranges kept let go, once the step's all-gather has written them into the
+    /// parameters (the next reduce-scatter, or a gather of the state, makes them again).
+    pub(crate) fn let_kept_go(&mut self) {
+        self.kept.clear();
+    }
+
     /// Compact: the kept range of bucket `b` owned by the `i`th slot held, made where missing.
     fn kept_slot(&mut self, i: usize, b: usize) -> &mut Vec<f32> {
         while self.kept.len() <= i {

@@ -99,8 +99,10 @@ pub(crate) fn reduce_and_update(
     let grads = complete((buckets, ranges, params), collective, optimizer, kept, (&current, &used, lr))?;
     let of = |r: &usize| grads[mine.iter().position(|m| m == r).expect("an owned range")].as_slice();
     let sent = send.iter().map(of).collect::<Vec<_>>().concat();
-    if !buckets.compact() {
-        buckets.write_params(params);
+    match buckets.compact() {
+        // What the ranges kept held is in the parameters now.
+        true => buckets.let_kept_go(),
+        false => buckets.write_params(params),
     }
     Ok(Stepped { extra, grad_norm, finite: true, differed: None, used, sent })
 }
