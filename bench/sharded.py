@@ -16,7 +16,7 @@ loopback, started here; a run of 5 steps each) (trainerd: its commit line at the
 ZeroRedundancyOptimizer: consolidate_state_dict(to=0) then torch.save of the model's and the
 optimizer's state dicts with fsync; DDP: the torch.save alone).
 
-Usage: bench/sharded.sh [--steps S] [--batch B] [--runs N]
+Usage: bench/sharded.sh [--steps S] [--batch B] [--runs N] [--model-args "depth=25 width=1000"]
 Environment: DATA (an MNIST-format directory; default /usr/share/datasets/fashion-mnist),
 TARGET (trainerd and libpython_model.so; default target/release).
 
@@ -30,8 +30,9 @@ TARGET = os.environ.get("TARGET", os.path.join(ROOT, "target", "release"))
 DATA = os.environ.get("DATA", "/usr/share/datasets/fashion-mnist")
 WORKERS = 4
 LR = 1e-3
-# bench/wide_mlp.py's gradients, float32: 25.8 M parameters.
-GRADIENT_MB = 25.8e6 * 4 / 1e6
+# bench/wide_mlp.py's arguments (--model-args "depth=25 width=1000"; none: its defaults), read
+# from the environment so that the peers' processes build the same model.
+MODEL_ARGS = dict(kv.split("=", 1) for kv in os.environ.get("SHARDED_MODEL_ARGS", "").split())
 
 
 def free_port():
@@ -99,12 +100,13 @@ def trainerd(steps, batch, shard, s3=None):
         location = f"s3://ckpt/bench-{uuid.uuid4()}" if s3 else os.path.join(d, "ckpt")
         cmd = [os.path.join(TARGET, "trainerd"), "local", "--workers", str(WORKERS), "--restart-delay", "0",
                "--plugin", os.path.join(TARGET, "libpython_model.so"), "--plugin-arg", f"module={MODULE}",
-               "--data", DATA, "--epochs", "1", "--steps-per-epoch", str(steps), "--batch-size", str(batch),
+               *[a for k, v in MODEL_ARGS.items() for a in ("--plugin-arg", f"{k}={v}")], "--data", DATA, "--epochs", "1", "--steps-per-epoch", str(steps), "--batch-size", str(batch),
                "--threads", "1", "--optimizer", "adam", "--lr", str(LR), "--no-evaluation",
                "--checkpoint-dir", location, "--summary", summary]
         if shard:
             cmd += ["--shard", shard]
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(s3.env() if s3 else {})})
+        env = {**os.environ, **(s3.env() if s3 else {})}
+        out, mid = sampled(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
         if out.returncode != 0:
             sys.exit(f"trainerd failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         commits = re.findall(r"checkpoint \d+ committed to .* \(step \d+, [\d.]+ MB, ([\d.]+)s\)", out.stdout)
@@ -114,7 +116,33 @@ def trainerd(steps, batch, shard, s3=None):
             "rss": [w["peak_rss_bytes"] for w in workers],
             "rate": workers[0]["examples_per_second"],
             "commit": float(commits[-1]) if commits else None,
+            "mid": mid,
         }
+
+
+def sampled(p):
+    """`trainerd local` (`p`) run to its end while its workers' resident memory (VmRSS) is read
+    every 50 ms: its output, and the most any worker held in the middle of the run (from 35% to
+    85% of its time: training, past the start's state transfer and before the last commit)."""
+    import threading
+    got = {}
+    readers = [threading.Thread(target=lambda k=k, f=f: got.__setitem__(k, f.read())) for k, f in
+               (("stdout", p.stdout), ("stderr", p.stderr))]
+    [r.start() for r in readers]
+    t0, samples = time.time(), []
+    while p.poll() is None:
+        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        for k in kids:
+            try:
+                status = open(f"/proc/{k}/status").read()
+                samples.append((time.time() - t0, int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) * 1024))
+            except (OSError, AttributeError):
+                pass
+        time.sleep(0.05)
+    [r.join() for r in readers]
+    end = time.time() - t0
+    mid = [rss for t, rss in samples if 0.35 * end <= t <= 0.85 * end]
+    return subprocess.CompletedProcess(p.args, p.returncode, got["stdout"], got["stderr"]), max(mid, default=0)
 
 
 def load_images():
@@ -139,7 +167,7 @@ def peer(kind, rank, port, steps, batch, warmup, out_dir):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.manual_seed(0)
-    net = DDP(module.model({}))
+    net = DDP(module.model(MODEL_ARGS))
     if kind == "zero":
         opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
     else:
@@ -204,17 +232,31 @@ def pytorch(kind, steps, batch, warmup):
     }
 
 
+def parameter_count():
+    """bench/wide_mlp.py's parameters with MODEL_ARGS."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("wide_mlp", MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return sum(p.numel() for p in module.model(MODEL_ARGS).parameters())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--model-args", help='bench/wide_mlp.py\'s arguments, such as "depth=25 width=1000"')
     ap.add_argument("--peer")
     ap.add_argument("--rank", type=int)
     ap.add_argument("--port", type=int)
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.model_args:
+        # The peers' processes read them from the environment too.
+        os.environ["SHARDED_MODEL_ARGS"] = a.model_args
+        MODEL_ARGS.update(kv.split("=", 1) for kv in a.model_args.split())
     if a.peer:
         return peer(a.peer, a.rank, a.port, a.steps, a.batch, a.warmup, a.out)
     levels = {"trainerd": None, "trainerd --shard optimizer": "optimizer", "trainerd --shard gradients": "gradients"}
@@ -234,12 +276,14 @@ def main():
     finally:
         s3.stop()
     mb = lambda b: f"{b / 1e6:,.0f}"
-    print(f"\n{WORKERS} workers, bench/wide_mlp.py (25.8 M parameters), Adam, batch {a.batch} per worker, "
+    params = parameter_count()
+    print(f"\n{WORKERS} workers, bench/wide_mlp.py {MODEL_ARGS or ''} ({params / 1e6:.1f} M parameters), Adam, "
+          f"batch {a.batch} per worker, "
           f"{a.steps} steps, 1 thread each; medians of {a.runs} run(s)")
     print(f"| {'':30} | optimizer state MB per worker (max) | peak RSS MB per worker (max) | "
-          f"peak RSS MB of the others than the committer (max) | examples/s | commit s (local disk) | "
-          f"commit s (S3 test server) |")
-    print(f"|{'-' * 32}|---|---|---|---|---|---|")
+          f"peak RSS MB of the others than the committer (max) | RSS MB mid-run (trainerd; max) | examples/s | "
+          f"commit s (local disk) | commit s (S3 test server) |")
+    print(f"|{'-' * 32}|---|---|---|---|---|---|---|")
     figures = {}
     for name, rs in runs.items():
         state = statistics.median(max(r["state"]) for r in rs)
@@ -250,16 +294,19 @@ def main():
         commit = statistics.median(r["commit"] for r in rs if r["commit"] is not None)
         figures[name] = (state, rss, rate, commit)
         on_s3 = f"{statistics.median(s3_commits[name]):.2f}" if name in s3_commits else "-"
-        print(f"| {name:30} | {mb(state)} | {mb(rss)} | {mb(others)} | {rate:,.0f} | {commit:.2f} | {on_s3} |")
-    (s0, r0, e0, c0), (s1, r1, e1, c1) = figures["trainerd"], figures["trainerd --shard optimizer"]
-    _, r2, e2, _ = figures["trainerd --shard gradients"]
-    _, rz, ez, _ = figures["DDP + ZeroRedundancyOptimizer"]
+        mid = mb(statistics.median(r["mid"] for r in rs)) if "mid" in rs[0] else "-"
+        print(f"| {name:30} | {mb(state)} | {mb(rss)} | {mb(others)} | {mid} | {rate:,.0f} | {commit:.2f} | {on_s3} |")
+        if "mid" in rs[0]:
+            figures[name] += (statistics.median(r["mid"] for r in rs),)
+    (s0, r0, e0, c0, _), (s1, r1, e1, c1, m1) = figures["trainerd"], figures["trainerd --shard optimizer"]
+    _, r2, e2, _, m2 = figures["trainerd --shard gradients"]
+    _, rz, ez, _ = figures["DDP + ZeroRedundancyOptimizer"][:4]
     print(f"\nsharded / unsharded trainerd: optimizer state {s1 / s0:.2f}x (goal at most 0.55x), "
           f"examples/s {e1 / e0:.2f}x (goal at least 1.0x), commit {c1 / c0:.2f}x")
     print(f"sharded trainerd / ZeroRedundancyOptimizer: peak RSS {r1 / rz:.2f}x (goal at most 1.0x), "
           f"examples/s {e1 / ez:.2f}x (goal at least 1.3x)")
-    print(f"--shard gradients / --shard optimizer: peak RSS {r2 / r1:.2f}x ({(r1 - r2) / 1e6:,.0f} MB less; the "
-          f"gradients are {GRADIENT_MB:,.0f} MB), examples/s {e2 / e1:.2f}x")
+    print(f"--shard gradients / --shard optimizer: peak RSS {r2 / r1:.2f}x, RSS mid-run {m2 / m1:.2f}x "
+          f"({(m2 - m1) / 1e6:+,.0f} MB; the gradients are {params * 4 / 1e6:,.0f} MB), examples/s {e2 / e1:.2f}x")
 
 
 if __name__ == "__main__":
