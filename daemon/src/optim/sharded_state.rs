@@ -317,21 +317,22 @@ impl ShardedOptimizer {
     /// state was stored: uncounted (every held range stays at the step before), and what storing
     /// it would need kept, should another member have completed it: each held range's clipped
     /// gradient (`grads`, in [`ShardedOptimizer::held`]'s order; `None` for a buddy copy whose
-    /// shift failed) and each held piece's `param` values before the update.
-    pub(crate) fn cut_short(&mut self, grads: Vec<Option<Vec<f32>>>, param: Values, (used, lr): (&[bool], f64)) {
+    /// shift failed), each held piece's values before the update (`params`, as
+    /// [`ShardedOptimizer::params_before`] copies them), and how many buckets of the parameters
+    /// the step had `written` when it failed (`--shard gradients`: they are torn).
+    pub(crate) fn cut_short(
+        &mut self,
+        (grads, params): (Vec<Option<Vec<f32>>>, Before),
+        (used, lr): (&[bool], f64),
+        written: usize,
+    ) {
         self.steps -= 1;
-        let params = self.params_before(param);
-        self.pending = Some(Pending { grads, params, used: used.to_vec(), lr, written: 0 });
+        self.pending = Some(Pending { grads, params, used: used.to_vec(), lr, written });
     }
 
     /// A copy of each held piece's values in `param`.
     pub(crate) fn params_before(&self, param: Values) -> Before {
         self.shards.iter().flat_map(|s| &s.pieces).map(|p| ((p.param, p.offset), param(p).into_owned())).collect()
-    }
-
-    /// The step cut short had written `buckets` buckets of the parameters when it failed.
-    pub(crate) fn torn(&mut self, buckets: usize) {
-        self.pending.as_mut().expect("a step cut short").written = buckets;
     }
 
     /// How many buckets of the parameters the step cut short here had written (0: none, or no
@@ -508,7 +509,7 @@ mod tests {
                 cut.begin_step();
                 let mut out = vec![0.0f32; 5];
                 cut.update(0, (&grads[0], Some(&mut out)), &values, &used, (0.1, Write::Params));
-                cut.cut_short(grads.iter().cloned().map(Some).collect(), &values, (&used, 0.1));
+                cut.cut_short((grads.iter().cloned().map(Some).collect(), cut.params_before(&values)), (&used, 0.1), 0);
                 assert_eq!(cut.steps(), step as u64, "{config:?}: uncounted until it goes forward");
                 assert!(cut.can_go_forward());
                 cut.go_forward();
@@ -516,7 +517,7 @@ mod tests {
                 assert_eq!(bits(&cut), bits(&straight), "{config:?}, step {step}");
             }
             cut.begin_step();
-            cut.cut_short(vec![Some(vec![0.0; 5]), None], &values, (&used, 0.1));
+            cut.cut_short((vec![Some(vec![0.0; 5]), None], cut.params_before(&values)), (&used, 0.1), 0);
             assert!(!cut.can_go_forward(), "the buddy copy's gradient is missing");
         }
     }

@@ -115,7 +115,7 @@ pub(crate) fn reduce_and_update(
 /// completed it. Every held range's clipped gradient, owned ones first. Compact buckets
 /// (`--shard gradients`) write each bucket into `params` as it is gathered: the state's pass
 /// then reads the held pieces' values before the step from a copy of them, and a failure notes
-/// how many buckets it had written ([`ShardedOptimizer::torn`]).
+/// how many buckets it had written ([`ShardedOptimizer::cut_short`]).
 fn complete(
     (buckets, ranges, params): (&mut Buckets, &[Range], &[(String, Tensor)]),
     collective: &mut dyn Collective,
@@ -154,13 +154,10 @@ fn complete(
     let into = compact.then_some(params);
     if let Err(e) = shifted.and_then(|()| buckets.all_gather_each(collective, into, &mut write)) {
         let grads = grads.into_iter().enumerate().map(|(i, g)| (i < own || arrived).then_some(g)).collect();
-        match compact {
-            true => optimizer.cut_short(grads, &from_before, (used, lr)),
-            false => optimizer.cut_short(grads, current, (used, lr)),
-        }
         // The bucket whose all-gather failed is torn too where it was gathered in place.
         let partly = arrived && written < buckets.groups().len() && buckets.gathers_in_place(written, params).is_some();
-        optimizer.torn(written + usize::from(partly));
+        let before = before.unwrap_or_else(|| optimizer.params_before(current));
+        optimizer.cut_short((grads, before), (used, lr), written + usize::from(partly));
         return Err(e);
     }
     match compact {
@@ -273,7 +270,10 @@ pub(crate) fn gather_state(
         // writes.
         let mut these: Vec<Option<TensorData>> = params.iter().map(|_| None).collect();
         buckets.all_gather_each(collective, None, &mut |group, buffer| {
-            for (i, values) in bucket_views(group, buffer, params).into_iter().filter(|_| keep) {
+            if !keep {
+                return;
+            }
+            for (i, values) in bucket_views(group, buffer, params) {
                 if optimizer.has(i, slot) {
                     let name = format!("{}/{slot}", params[i].0);
                     these[i] = Some(host::host_copy(&name, &values).expect("float32 host values"));
