@@ -103,6 +103,10 @@ pub(super) struct FlatAdam {
     pub(super) grads: Option<Tensor>,
     /// Each parameter's element count, in order.
     numels: Vec<i64>,
+    /// On the CPU: the gradients were made views of another buffer after they were this one's
+    /// (the gradient buckets', whose last slot's gradients are views of its buffers): they are
+    /// left there, and the update goes parameter by parameter ([`FlatAdam::takes`]).
+    elsewhere: bool,
 }
 
 impl FlatAdam {
@@ -118,7 +122,8 @@ impl FlatAdam {
             })
             .collect::<Option<Vec<i64>>>()?;
         let zeros = || Tensor::zeros([numels.iter().sum::<i64>()], (first.kind(), first.device()));
-        let mut flat = FlatAdam { exp_avg: zeros(), exp_avg_sq: zeros(), params: Tensor::new(), grads: None, numels };
+        let (exp_avg, exp_avg_sq, none) = (zeros(), zeros(), Tensor::new());
+        let mut flat = FlatAdam { exp_avg, exp_avg_sq, params: none, grads: None, numels, elsewhere: false };
         flat.params = flat.alias(None, params);
         Some(flat)
     }
@@ -156,6 +161,29 @@ impl FlatAdam {
             t.shallow_clone().set_data(&view);
         }
         flat
+    }
+
+    /// Whether this step's update runs over the flat buffers with `grads` made views of the flat
+    /// gradient buffer. Not on the CPU once the gradients it had were made views of another
+    /// buffer: taking them back every step would copy every gradient twice a step and hold two
+    /// of each (the buckets' and this one's); the update parameter by parameter reads them where
+    /// they lie, with the same arithmetic (the same bits), and this buffer is let go.
+    pub(super) fn takes(&mut self, grads: &[Tensor]) -> bool {
+        if self.elsewhere {
+            return false;
+        }
+        let moved = self.grads.as_ref().is_some_and(|g| g.device() == tch::Device::Cpu && !self.aliases(g, grads));
+        if moved {
+            self.leave_grads();
+        }
+        !moved
+    }
+
+    /// The gradients are another buffer's views (the buckets' in-place staging): the update
+    /// leaves them there from now on ([`FlatAdam::takes`]).
+    pub(super) fn leave_grads(&mut self) {
+        self.elsewhere = true;
+        self.grads = None;
     }
 
     /// One update of the group from the gradients `grads` (every one defined, of the

@@ -217,7 +217,20 @@ impl ShardedOptimizer {
 
     /// Bytes of optimizer state this member holds, buddy copies included.
     pub(crate) fn state_bytes(&self) -> u64 {
-        self.shards.iter().flat_map(|s| &s.state).map(|a| a.len() as u64 * 4).sum()
+        let (own, buddy) = self.state_bytes_apart();
+        own + buddy
+    }
+
+    /// Bytes of optimizer state this member holds: of the ranges it owns, and its buddy copies.
+    pub(crate) fn state_bytes_apart(&self) -> (u64, u64) {
+        let bytes = |shards: &[Shard]| shards.iter().flat_map(|s| &s.state).map(|a| a.len() as u64 * 4).sum();
+        (bytes(&self.shards[..self.own]), bytes(&self.shards[self.own..]))
+    }
+
+    /// Bytes of the held pieces' parameters, as float32 (what [`ShardedOptimizer::params_before`]
+    /// copies).
+    pub(crate) fn held_param_bytes(&self) -> u64 {
+        self.shards.iter().flat_map(|s| &s.pieces).map(|p| p.len as u64 * 4).sum()
     }
 
     /// The pieces of the ranges this member owns, in range order.

@@ -266,6 +266,13 @@ impl Optimizer {
         Ok(())
     }
 
+    /// The gradients are views of the buckets' buffers (their in-place staging, on the CPU): the
+    /// flat update leaves them there rather than making them views of its own buffer, which the
+    /// next step's staging would undo (two copies of every gradient a step, and two of each held).
+    pub(crate) fn leave_grads(&mut self) {
+        self.groups.iter_mut().filter_map(|g| g.flat.as_mut()).for_each(FlatAdam::leave_grads);
+    }
+
     /// One update of every parameter that has a gradient, at learning rate `lr`.
     pub(crate) fn step(&mut self, params: &mut [(String, Tensor)], lr: f64) {
         let _no_grad = tch::no_grad_guard();
@@ -294,6 +301,14 @@ impl Optimizer {
             })
         };
         if self.groups.is_empty() || !self.groups.iter().all(ready) {
+            return false;
+        }
+        let mut takes = true;
+        for group in &mut self.groups {
+            let gs: Vec<Tensor> = group.members.iter().map(|&i| grads[i].shallow_clone()).collect();
+            takes &= group.flat.as_mut().expect("ready").takes(&gs);
+        }
+        if !takes {
             return false;
         }
         let hypers: Vec<Hyper> = self.groups.iter().filter_map(|g| self.hyper(g.weight_decay)).collect();

@@ -397,7 +397,12 @@ impl<'a> Driver<'a> {
                 let torch = |source| Interrupt::Fatal(TrainError::Torch { what: "clipping", source });
                 let grad_norm = clipped.map_err(torch)?;
                 match &mut state.optimizer {
-                    Optim::Whole(optimizer) => optimizer.step(&mut state.model.params, lr),
+                    Optim::Whole(optimizer) => {
+                        if self.buckets.grads_are_views() {
+                            optimizer.leave_grads();
+                        }
+                        optimizer.step(&mut state.model.params, lr)
+                    }
                     Optim::Sharded(_) => unreachable!("a sharded optimizer updates in the step's reduction"),
                     Optim::Fresh(_) => unreachable!("made whole or sharded at the step's start"),
                 }
