@@ -117,6 +117,7 @@ def trainerd(steps, batch, shard, s3=None):
             "rate": workers[0]["examples_per_second"],
             "commit": float(commits[-1]) if commits else None,
             "mid": mid,
+            "memory": [w["memory"] for w in workers],
         }
 
 
@@ -307,6 +308,18 @@ def main():
           f"examples/s {e1 / ez:.2f}x (goal at least 1.3x)")
     print(f"--shard gradients / --shard optimizer: peak RSS {r2 / r1:.2f}x, RSS mid-run {m2 / m1:.2f}x "
           f"({(m2 - m1) / 1e6:+,.0f} MB; the gradients are {params * 4 / 1e6:,.0f} MB), examples/s {e2 / e1:.2f}x")
+    # What trainerd's summary measured of each worker's model state, at each kind's peak.
+    kinds = ["parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "buddy_state_bytes"]
+    print(f"\n| trainerd's summary, MB per worker (max) | parameters | gradients | optimizer state | buddy copies | "
+          f"model state | model state / unsharded |")
+    print(f"|{'-' * 41}|---|---|---|---|---|---|")
+    whole = None
+    for name, rs in runs.items():
+        if "memory" not in rs[0]:
+            continue
+        each = [statistics.median(max(m[k] for m in r["memory"]) for r in rs) for k in kinds]
+        whole = whole or sum(each)
+        print(f"| {name:39} | {' | '.join(mb(b) for b in each)} | {mb(sum(each))} | {sum(each) / whole:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ struct Ended {
     parts: usize,
     /// What the workers printed.
     output: String,
+    /// Each worker's summary's `memory`.
+    memory: Vec<serde_json::Value>,
 }
 
 /// The sha256 of the safetensors encoding of blob `name` of the newest commit in the local
@@ -59,6 +61,7 @@ fn run(args: &RunArgs, workers: usize, dir: &Path) -> Ended {
         optimizer_blob: blob_sha256(&ckpt, "optimizer.safetensors"),
         parts: parts_in_newest(&ckpt),
         output: text(&out),
+        memory: summaries.iter().map(|s| s["memory"].clone()).collect(),
     }
 }
 
@@ -148,6 +151,68 @@ fn same_as_unsharded(what: &str, (whole, sharded): (&Ended, &Ended), workers: us
         assert!(sharded.output.contains(line), "{what}: {}", sharded.output);
         assert_eq!((whole.parts, sharded.parts), (0, 2 * workers), "{what}");
     }
+}
+
+/// A deep MLP (bench/wide_mlp.py: 24 layers, 1.7 M parameters, 6.9 MB in float32) in buckets of
+/// about a layer, Adam, 4 workers: the start says what each worker holds at each level, and the
+/// summary measures it. `--shard optimizer` holds a quarter of the state and a buddy quarter;
+/// `--shard gradients` also holds less gradient than one whole copy of it.
+#[test]
+fn each_worker_says_what_it_holds_and_the_summary_measures_it() {
+    let mlp = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/wide_mlp.py");
+    let args = RunArgs::new("python-model")
+        .data(trainerd_testkit::paths::dataset())
+        .plugin_arg(format!("module={}", mlp.display()))
+        .plugin_arg("width=256")
+        .plugin_arg("depth=24")
+        .epochs(1)
+        .steps(6)
+        .batch(16)
+        .seed(3)
+        .threads(1)
+        .optimizer("adam", 1e-3)
+        .set("--bucket-mb", 0.3);
+    let tmp = tempfile::tempdir().unwrap();
+    let whole = run(&args, 4, &tmp.path().join("whole"));
+    let optimizer = run(&args.clone().set("--shard", "optimizer"), 4, &tmp.path().join("optimizer"));
+    let gradients = run(&args.clone().set("--shard", "gradients"), 4, &tmp.path().join("gradients"));
+    let bytes = |run: &Ended, w: usize, what: &str| run.memory[w][what].as_u64().unwrap();
+    let p = bytes(&whole, 0, "parameter_bytes");
+    assert_eq!(p, 1_716_746 * 4, "the MLP's float32 parameters");
+    let said = |run: &Ended, line: &str| assert!(run.output.contains(line), "{line}\n{}", run.output);
+    said(&whole, "trainerd: each worker holds the parameters whole (6.9 MB), their gradients whole (6.9 MB), and the optimizer state whole (13.7 MB, 2 value(s) a parameter)");
+    said(&optimizer, "the optimizer state of its ranges and a buddy copy of its predecessor's (3.4 MB and 3.4 MB)");
+    said(&gradients, "the gradients of its ranges and its predecessor's (3.4 MB), and while a step reduces or gathers them at most 3 buckets whole (at most 0.9 MB)");
+    for w in 0..4 {
+        let (state, buddy) = (bytes(&whole, w, "optimizer_state_bytes"), bytes(&whole, w, "buddy_state_bytes"));
+        assert_eq!((state, buddy), (2 * p, 0), "worker {w}: Adam's two moments, whole");
+        // Whole gradients, held once: the buckets are their memory (no optimizer buffer takes
+        // them back each step); sharded, a copy of each held range's clipped gradient too (its
+        // own and its predecessor's, 2/4) while the step completes.
+        let about = |run: &Ended, whole: u64, what: &str| {
+            let held = bytes(run, w, "gradient_bytes");
+            assert!(held.abs_diff(whole) < p / 50, "worker {w}: {held} bytes of gradients ({what}), of {p}");
+        };
+        about(&whole, p, "whole");
+        for sharded in [&optimizer, &gradients] {
+            let (own, buddy) = (bytes(sharded, w, "optimizer_state_bytes"), bytes(sharded, w, "buddy_state_bytes"));
+            assert_eq!(own + buddy, sharded.state_bytes[w], "worker {w}: the two parts add up");
+            for part in [own, buddy] {
+                assert!(part.abs_diff(state / 4) <= state / 40, "worker {w}: {part} bytes of state, of {state}");
+            }
+        }
+        assert_eq!(bytes(&optimizer, w, "parameter_bytes"), p, "worker {w}");
+        about(&optimizer, p + p / 2, "whole, and the held ranges' clipped");
+        // The parameters, and during the all-gather a copy of the held ranges' (about 2/4).
+        let params = bytes(&gradients, w, "parameter_bytes");
+        assert!(params > p + p / 3 && params < p + p * 2 / 3, "worker {w}: {params} bytes of parameters");
+        // The quarter kept (carrying the new parameters into the all-gather) and the held
+        // ranges' clipped gradients: 3/4, half the optimizer level's. In the backward pass, less:
+        // the ranges kept so far, at most 2 buckets in flight and the first bucket's copy (the
+        // first layer, 784 x 256).
+        about(&gradients, p * 3 / 4, "the ranges kept, and the held ranges' clipped");
+    }
+    assert_eq!(gradients.params, whole.params, "the same bits");
 }
 
 /// A commit made at each level of sharding resumes at another (none, optimizer, gradients), each

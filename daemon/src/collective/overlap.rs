@@ -12,11 +12,11 @@
 //! A parameter that gets no gradient in the step is staged when the backward pass ends, as DDP's
 //! `find_unused_parameters` marks it then, so a bucket never waits for it.
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Condvar, Mutex};
 
 use tch::Tensor;
 
-use super::buckets::{owned_of, Buckets};
+use super::buckets::{bytes_of, owned_of, Buckets, Gauge};
 use super::{Collective, CollectiveError};
 use crate::sys::autograd::GradReady;
 
@@ -65,16 +65,20 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
     let bucket_of: Vec<usize> = bucket_places(buckets.groups(), params.len());
     let mut waiting: Vec<usize> = buckets.groups().iter().map(Vec::len).collect();
     let (tx, rx) = mpsc::channel::<Arrived>();
+    let (flight, gauge) = (Flight::new(compact.then_some(IN_FLIGHT), early.end - 1), buckets.gauge());
     std::thread::scope(|scope| {
-        let (first, count) = (early.start, early.len());
-        let reducer = scope.spawn(move || reduce_in_order(collective, (first, count, compact), rx, overlap));
+        let (first, count, flight, gauge) = (early.start, early.len(), &flight, &*gauge);
+        let reducer =
+            scope.spawn(move || reduce_in_order(collective, (first, count, compact), rx, (overlap, flight, gauge)));
         let mut staged = vec![false; early.end]; // Per bucket (the tail's never is here).
         let mut stage = |b: usize, staged: &mut Vec<bool>, during: bool| {
             buckets.stage_buckets(i, params, &[], b..b + 1);
             let handles = buckets.hand_over(b, held);
             staged[b] = true;
+            flight.handed();
             // A member gone sends nothing more: the error comes from the reducer.
             let _ = tx.send(Arrived { bucket: b, during, handles });
+            flight.wait_for_room(staged);
         };
         let result = {
             let mut on_ready = |p: usize| {
@@ -103,12 +107,19 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
         drop(tx);
         let reduced = reducer.join().expect("the reducing thread does not panic");
         let value = result?;
-        for (b, kept) in reduced? {
-            buckets.put_kept(b, kept);
-        }
-        buckets.mark_reduced(early);
+        take_back(buckets, reduced?, early);
         Ok((value, during))
     })
+}
+
+/// The buckets `early`, reduced: each one's ranges `kept` (compact) back in the buckets' sight.
+fn take_back(buckets: &mut Buckets, kept: Kept, early: std::ops::Range<usize>) {
+    let gauge = buckets.gauge();
+    for (b, kept) in kept {
+        gauge.back(kept.iter().map(|k| k.len() as u64 * 4).sum());
+        buckets.put_kept(b, kept);
+    }
+    buckets.mark_reduced(early);
 }
 
 /// `backward` run with `on_ready` told of each of `params` whose gradient is final.
@@ -141,19 +152,95 @@ fn bucket_places(groups: &[Vec<usize>], params: usize) -> Vec<usize> {
     out
 }
 
+/// With `--shard gradients`, how many buckets may be handed to the reducing thread and not yet
+/// let go before the backward pass waits for it: the one it reduces and the next (FSDP's
+/// `limit_all_gathers` bounds its gathers in flight the same way). Without the bound, where the
+/// reductions fall behind the backward pass, every bucket waits whole at once.
+const IN_FLIGHT: usize = 2;
+
+/// The buckets handed to the reducing thread and not yet let go, and the bucket it awaits next;
+/// the backward pass waits for room where a bound is set ([`IN_FLIGHT`]: compact buckets, whose
+/// buffers are memory the gradients did not otherwise need).
+///
+/// The backward pass waits only while the bucket the reducing thread awaits has been handed to
+/// it: that thread is then reducing or about to, and lets a bucket go once its peers have staged
+/// theirs. Where it awaits a bucket not yet staged (the backward pass made a later bucket's
+/// gradients final first), the backward pass goes on, as it must for that bucket to come: so no
+/// member waits on a reduction that waits on it, and every member's reducing thread takes the
+/// buckets in the same order.
+struct Flight {
+    bound: Option<usize>,
+    /// (buckets handed and not let go, the bucket awaited: `None` once the thread has ended).
+    now: Mutex<(usize, Option<usize>)>,
+    room: Condvar,
+}
+
+impl Flight {
+    /// Nothing in flight yet, the reducing thread's first bucket (`first`) awaited (whether or
+    /// not that thread has begun).
+    fn new(bound: Option<usize>, first: usize) -> Flight {
+        Flight { bound, now: Mutex::new((0, Some(first))), room: Condvar::new() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, Option<usize>)> {
+        // Nothing panics while holding it.
+        self.now.lock().expect("the flight's lock is not poisoned")
+    }
+
+    /// A bucket handed to the reducing thread.
+    fn handed(&self) {
+        self.lock().0 += 1;
+    }
+
+    /// The backward pass's thread, after handing a bucket over: waits while more than the bound
+    /// are in flight and the bucket awaited is among those `staged`.
+    fn wait_for_room(&self, staged: &[bool]) {
+        let Some(bound) = self.bound else { return };
+        let mut now = self.lock();
+        while now.0 > bound && now.1.is_some_and(|b| staged[b]) {
+            now = self.room.wait(now).expect("the flight's lock is not poisoned");
+        }
+    }
+
+    /// The reducing thread awaits bucket `b` next (`None`: it has ended).
+    fn awaiting(&self, b: Option<usize>) {
+        self.lock().1 = b;
+        self.room.notify_all();
+    }
+
+    /// The reducing thread let a bucket go.
+    fn let_go(&self) {
+        self.lock().0 -= 1;
+        self.room.notify_all();
+    }
+}
+
+/// The reducing thread has ended, however it ended (an error, or a panic unwinding): the
+/// backward pass no longer waits for it.
+struct Ends<'a>(&'a Flight);
+
+impl Drop for Ends<'_> {
+    fn drop(&mut self) {
+        self.0.awaiting(None);
+    }
+}
+
 /// The reducing thread: the `count` buckets from bucket `first` on, reduced from the last down
 /// to the first, each once it has arrived on `ready` (when it came during the backward pass,
-/// `overlap.told` hears of it once reduced). `compact`: each bucket's ranges owned here are kept
-/// ([`owned_of`]) and its buffers let go; returns those, by bucket.
+/// `overlap.told` hears of it once reduced), `flight` told of each awaited and let go.
+/// `compact`: each bucket's ranges owned here are kept ([`owned_of`]) and its buffers let go
+/// (`gauge` counts both); returns those, by bucket.
 fn reduce_in_order(
     collective: &mut dyn Collective,
     (first, count, compact): (usize, usize, bool),
     ready: mpsc::Receiver<Arrived>,
-    overlap: Overlap<'_>,
+    (overlap, flight, gauge): (Overlap<'_>, &Flight, &Gauge),
 ) -> Result<Kept, CollectiveError> {
+    let _ends = Ends(flight);
     let mut arrived: Vec<Option<Arrived>> = (0..count).map(|_| None).collect();
     let mut kept = Vec::new();
     for b in (0..count).rev() {
+        flight.awaiting(Some(first + b));
         while arrived[b].is_none() {
             match ready.recv() {
                 Ok(a) => {
@@ -174,8 +261,13 @@ fn reduce_in_order(
             told(bucket, &handles[0]);
         }
         if compact {
-            kept.push((bucket, owned_of(&handles, collective.slots())));
+            let owned = owned_of(&handles, collective.slots());
+            gauge.away(owned.iter().map(|k| k.len() as u64 * 4).sum());
+            gauge.back(handles.iter().map(bytes_of).sum());
+            drop(handles);
+            kept.push((bucket, owned));
         }
+        flight.let_go();
     }
     Ok(kept)
 }
@@ -344,11 +436,7 @@ mod tests {
         if compact {
             assert!(params.iter().all(|(_, p)| !p.grad().defined()), "every gradient let go");
         }
-        let slots = ring.slots().clone();
-        let ranges = buckets.ranges(&params, slots.count, 1);
-        let owned = crate::collective::buckets::owned(&ranges, &slots);
-        let bits = owned.iter().map(|&r| buckets.owned_mut(&slots, &ranges[r]).iter().map(|x| x.to_bits()).collect());
-        (bits.collect(), buckets.bytes())
+        (owned_bits(&mut buckets, ring, &params), buckets.bytes())
     }
 
     #[test]
@@ -368,6 +456,69 @@ mod tests {
                 // Whole buckets: every slot's of every element, V times the ranges owned.
                 assert!(whole.1 >= during.1 * (count as u64 - 1), "{case}: whole buckets held {}", whole.1);
             }
+        }
+    }
+
+    /// A chain of `layers` 32x32 float32 matrices, each a bucket of its own at `cap` = 4096 bytes.
+    fn chain(layers: usize) -> Vec<(String, Tensor)> {
+        (0..layers).map(|i| (format!("w{i}"), wave(&[32, 32], 0.11 + i as f64).set_requires_grad(true))).collect()
+    }
+
+    /// One compact step of `chain` on a ring whose reductions fall behind the backward pass (each
+    /// takes 10 ms more): the most its gradients and buckets held, and the ranges kept at the end.
+    fn compact_peak(ring: &mut dyn Collective, layers: usize) -> (u64, Vec<Vec<u32>>) {
+        let params = chain(layers);
+        let mut buckets = Buckets::new(&params, 4096).compact_if(true);
+        buckets.begin_step(false, Some(0));
+        let handles: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
+        let slow = |_: usize, _: &Tensor| std::thread::sleep(std::time::Duration::from_millis(10));
+        let on = ((0, 1), handles.as_slice(), Overlap { how: Reduction::ReduceScatter, told: Some(&slow) });
+        let x = wave(&[4, 32], 1.7 + ring.rank() as f64);
+        overlapped::<_, CollectiveError>((&mut buckets, &mut *ring), on, || {
+            params.iter().fold(x, |h, (_, w)| h.matmul(w).tanh()).sum(Kind::Float).backward();
+            Ok(())
+        })
+        .unwrap();
+        buckets.stage_buckets(0, &handles, &[1.0], TAIL..TAIL + 1);
+        buckets.reduce_scatter_sums(ring).unwrap();
+        (buckets.gauge().peak(), owned_bits(&mut buckets, ring, &params))
+    }
+
+    /// The bits of the ranges owned here, as the buckets kept them.
+    fn owned_bits(buckets: &mut Buckets, ring: &dyn Collective, params: &[(String, Tensor)]) -> Vec<Vec<u32>> {
+        let slots = ring.slots().clone();
+        let ranges = buckets.ranges(params, slots.count, 1);
+        let owned = crate::collective::buckets::owned(&ranges, &slots);
+        owned.iter().map(|&r| buckets.owned_mut(&slots, &ranges[r]).iter().map(|x| x.to_bits()).collect()).collect()
+    }
+
+    #[test]
+    fn compact_buckets_in_flight_are_bounded_where_the_reductions_fall_behind() {
+        let layers = 24;
+        let out = with_ring(2, |ring| compact_peak(ring, layers));
+        let bucket = 32 * 32 * 4;
+        // Kept: each bucket's half owned here (the tail's a value and a flag more).
+        let kept_all = (layers * bucket / 2 + 8) as u64;
+        // The bound's buckets, the one autograd is making, and the tail's gradient (final last).
+        let most = kept_all + ((IN_FLIGHT + 2) * bucket) as u64;
+        for (w, (peak, _)) in out.iter().enumerate() {
+            assert!(*peak <= most, "worker {w}: the buckets held {peak} bytes at their peak, more than {most}");
+            assert!(*peak >= (IN_FLIGHT * bucket) as u64, "worker {w}: {peak} bytes: a reading missed");
+        }
+        // The same ranges as buckets reduced after the backward pass.
+        let after = with_ring(2, |ring| {
+            let params = chain(layers);
+            let mut buckets = Buckets::new(&params, 4096).compact_if(true);
+            buckets.begin_step(false, None);
+            let x = wave(&[4, 32], 1.7 + ring.rank() as f64);
+            params.iter().fold(x, |h, (_, w)| h.matmul(w).tanh()).sum(Kind::Float).backward();
+            let handles: Vec<&Tensor> = params.iter().map(|(_, p)| p).collect();
+            buckets.stage_buckets(0, &handles, &[1.0], 0..layers);
+            buckets.reduce_scatter_sums(ring).unwrap();
+            owned_bits(&mut buckets, ring, &params)
+        });
+        for (w, ((_, during), after)) in out.iter().zip(&after).enumerate() {
+            assert_eq!(during, after, "worker {w}: the ranges kept");
         }
     }
 

@@ -34,6 +34,7 @@ pub(crate) mod evaluate;
 pub(crate) mod integrity;
 pub(crate) mod jobs;
 pub(crate) mod kernels;
+pub(crate) mod memory;
 pub(crate) mod parts;
 pub(crate) mod predict;
 pub(crate) mod replicas;
@@ -93,6 +94,7 @@ pub(crate) fn run(
             "trainerd: {}",
             buckets.describe(cfg.bucket_bytes, driver::overlap(cfg, false, false, None).is_some())
         ));
+        report.line(&memory::plan(cfg, &state.model.params, session.world()));
     }
     let mut checkpointer = startup::checkpointer(cfg, &mut report)?;
     let resumed = match checkpointer.as_mut().filter(|_| reads_now) {

@@ -173,8 +173,10 @@ pub(crate) struct Summary {
     /// This process's peak resident memory (VmHWM), in bytes, where the kernel tells it.
     pub(crate) peak_rss_bytes: Option<u64>,
     /// Bytes of optimizer state this member held at the end: all of it, or with
-    /// `--shard-optimizer` its ranges.
+    /// `--shard-optimizer` its ranges and buddy copies.
     pub(crate) optimizer_state_bytes: u64,
+    /// What this worker's model state held, by kind, at its peak.
+    pub(crate) memory: crate::train::memory::Memory,
 }
 
 /// Where a training step's time goes, in milliseconds per step: the forward and backward passes

@@ -7,12 +7,16 @@
 //! A few extra values (the step's loss and metric sums) ride along in the first bucket, summed
 //! rather than averaged, so that the progress line shows global figures at no extra cost.
 
+use std::sync::Arc;
+
 use tch::{Device, Kind, Tensor};
 
 use super::{host_slice, Collective, CollectiveError};
 
+mod held;
 mod ranges;
 
+pub(crate) use held::{bytes_of, Gauge};
 pub(crate) use ranges::{bucket_views, owned, owned_of, write_group, Range};
 
 /// The bucket the tail rides in (the step's extra values and one used-flag per parameter): the
@@ -64,6 +68,8 @@ pub(crate) struct Buckets {
     defined: Vec<Vec<bool>>,
     /// Per parameter: a gradient of it was staged before in this process.
     seen: Vec<bool>,
+    /// What the gradients and buckets hold, at its peak (shared with the reducing thread).
+    gauge: Arc<Gauge>,
 }
 
 /// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
@@ -88,13 +94,13 @@ fn host_buffer(len: usize, device: Device) -> Tensor {
 }
 
 impl Buckets {
-    /// Groups `params` (in order) into buckets of at most `cap_bytes` of float32 each (a larger
-    /// tensor gets a bucket of its own).
+    /// Groups `params` into buckets of at most `cap_bytes` of float32 each (a larger tensor gets
+    /// a bucket of its own), in their names' natural order ([`natural_order`]).
     pub(crate) fn new(params: &[(String, Tensor)], cap_bytes: usize) -> Buckets {
         let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
         let mut bytes = 0;
-        for (i, (_, p)) in params.iter().enumerate() {
-            let size = p.numel() * 4;
+        for i in natural_order(params) {
+            let size = params[i].1.numel() * 4;
             if bytes + size > cap_bytes && !groups.last().expect("one group").is_empty() {
                 groups.push(Vec::new());
                 bytes = 0;
@@ -120,6 +126,7 @@ impl Buckets {
             lens,
             defined,
             seen,
+            gauge: Arc::default(),
         }
     }
 
@@ -142,17 +149,21 @@ impl Buckets {
         self
     }
 
+    /// Whether a slot's gradients are views of its buffers (this step's in-place staging).
+    pub(crate) fn grads_are_views(&self) -> bool {
+        self.in_place.is_some()
+    }
+
     /// Whether the buffers are let go once reduced (`--shard gradients`).
     pub(crate) fn compact(&self) -> bool {
         self.compact
     }
 
     /// The bytes the buckets hold now: their buffers, and the ranges kept of them.
-    #[cfg(test)]
     pub(crate) fn bytes(&self) -> u64 {
-        let buffers: usize = self.staging.iter().flatten().flatten().map(|t| t.numel() * 4).sum();
+        let buffers: u64 = self.staging.iter().flatten().flatten().map(held::bytes_of).sum();
         let kept: usize = self.kept.iter().flatten().map(|k| k.len() * 4).sum();
-        (buffers + kept) as u64
+        buffers + kept as u64
     }
 
     /// Replaces every gradient with its mean over the ring's slots, and `extra` with its sum:
@@ -179,6 +190,7 @@ impl Buckets {
     /// backward pass accumulates into them and nothing is copied.
     pub(crate) fn begin_step(&mut self, on_device: bool, last: Option<usize>) {
         self.reduced.iter_mut().for_each(|r| *r = false);
+        self.gauge.settle();
         let in_place = last.filter(|_| !on_device && self.home == Device::Cpu && !self.compact);
         if in_place != self.in_place {
             // The gradients are views of that slot's buffers: the slot gets buffers of its own,
@@ -245,6 +257,10 @@ impl Buckets {
                     .collect();
                 stage_in(buffer, &grads, &numels, params[group[0]].device());
             }
+            // The most the gradients and buckets hold: this buffer made, its gradients not yet
+            // let go.
+            self.gauge.read(self.held_here(params));
+            let buffer = self.staging[i][b].as_mut().expect("made above");
             if self.on_device {
                 if !riding.is_empty() {
                     buffer.narrow(0, grads_len as i64, riding.len() as i64).copy_(&Tensor::from_slice(riding));
@@ -264,13 +280,31 @@ impl Buckets {
 
     /// Handles on bucket `b`'s buffers of the first `held` slots, staged, for a reduction on
     /// another thread; compact, the buckets keep none, so that the buffers are freed once that
-    /// reduction lets them go ([`Buckets::put_kept`] takes what it kept of them).
+    /// reduction lets them go ([`Buckets::put_kept`] takes what it kept of them), and they are
+    /// away in the [`Buckets::gauge`] until then.
     pub(crate) fn hand_over(&mut self, b: usize, held: usize) -> Vec<Tensor> {
         assert!(!self.on_device && b != TAIL, "host buffers of whole buckets only");
-        match self.compact {
-            true => self.staging[..held].iter_mut().map(|per_slot| per_slot[b].take().expect("staged")).collect(),
-            false => self.slot_buffers(b, held),
+        if !self.compact {
+            return self.slot_buffers(b, held);
         }
+        let taken: Vec<Tensor> =
+            self.staging[..held].iter_mut().map(|per_slot| per_slot[b].take().expect("staged")).collect();
+        self.gauge.away(taken.iter().map(held::bytes_of).sum());
+        taken
+    }
+
+    /// What the gradients and buckets hold, at its peak, shared with the reducing thread (which
+    /// counts the buffers handed to it, and the ranges it keeps, until it lets them go or hands
+    /// them back).
+    pub(crate) fn gauge(&self) -> Arc<Gauge> {
+        Arc::clone(&self.gauge)
+    }
+
+    /// The bytes held here now: every buffer, the ranges kept, and the gradients of `params`
+    /// (the replica staged) that are no buffer's memory.
+    fn held_here(&self, params: &[&Tensor]) -> u64 {
+        let buffers: Vec<&Tensor> = self.staging.iter().flatten().flatten().collect();
+        self.bytes() + held::gradients_apart(params, &buffers)
     }
 
     /// Room for the buffers of `n` slots.
@@ -342,6 +376,40 @@ impl Buckets {
         tail.truncate(extra);
         Ok(tail)
     }
+}
+
+/// The places of `params` in their names' natural order: a run of digits compares as the number
+/// it spells, so that layer 2 comes before layer 10 (`h.2.` before `h.10.`, `dense_2` before
+/// `dense_10`), as the model makes them, while the names' plain order (the parameters' order
+/// everywhere else) puts 10 before 2. The backward pass makes the last layers' gradients final
+/// first: buckets in this order are complete in turn, from the last down, as DDP's (in the
+/// modules' order) are, and the reducing thread takes them as they come. Every member has the
+/// same names, so the same buckets.
+fn natural_order(params: &[(String, Tensor)]) -> Vec<usize> {
+    #[derive(PartialEq, Eq, PartialOrd, Ord)]
+    enum Run<'a> {
+        Number(u128, usize),
+        Text(&'a str),
+    }
+    fn key(name: &str) -> Vec<Run<'_>> {
+        let mut runs = Vec::new();
+        let mut rest = name;
+        while let Some(c) = rest.chars().next() {
+            let digit = c.is_ascii_digit();
+            let end = rest.find(|c: char| c.is_ascii_digit() != digit).unwrap_or(rest.len());
+            let (run, tail) = rest.split_at(end);
+            // The run's length too: "01" and "1" stay apart, in a fixed order.
+            runs.push(match run.parse() {
+                Ok(n) if digit => Run::Number(n, run.len()),
+                _ => Run::Text(run),
+            });
+            rest = tail;
+        }
+        runs
+    }
+    let mut order: Vec<usize> = (0..params.len()).collect();
+    order.sort_by(|&a, &b| key(&params[a].0).cmp(&key(&params[b].0)).then(a.cmp(&b)));
+    order
 }
 
 impl Buckets {
@@ -535,6 +603,26 @@ mod tests {
             .enumerate()
             .map(|(i, &n)| (format!("p{i}"), Tensor::zeros([n], (Kind::Float, Device::Cpu)).set_requires_grad(true)))
             .collect()
+    }
+
+    #[test]
+    fn buckets_follow_the_layers_in_their_names_natural_order() {
+        let named = |names: &[&str]| -> Vec<(String, Tensor)> {
+            names.iter().map(|n| (n.to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))).collect()
+        };
+        // A Sequential of 12 layers, as the model lists its names (plain order: 10 before 2).
+        let mut names: Vec<String> = (0..12).flat_map(|l| [format!("{l}.bias"), format!("{l}.weight")]).collect();
+        names.sort();
+        let params = named(&names.iter().map(String::as_str).collect::<Vec<_>>());
+        let b = Buckets::new(&params, 32);
+        let grouped: Vec<Vec<&str>> =
+            b.groups.iter().map(|g| g.iter().map(|&i| params[i].0.as_str()).collect()).collect();
+        let layers: Vec<Vec<String>> = (0..12).map(|l| vec![format!("{l}.bias"), format!("{l}.weight")]).collect();
+        assert_eq!(grouped, layers);
+        // Keras's names, and numbers that are not layers.
+        let params = named(&["dense_10/kernel", "dense/kernel", "dense_2/kernel", "h.01.w", "h.1.w"]);
+        let order: Vec<&str> = natural_order(&params).iter().map(|&i| params[i].0.as_str()).collect();
+        assert_eq!(order, ["dense/kernel", "dense_2/kernel", "dense_10/kernel", "h.1.w", "h.01.w"]);
     }
 
     #[test]

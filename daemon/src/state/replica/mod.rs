@@ -189,10 +189,19 @@ impl Optim {
 
     /// Bytes of optimizer state this member holds.
     pub(crate) fn state_bytes(&self) -> u64 {
+        let (own, buddy) = self.state_bytes_apart();
+        own + buddy
+    }
+
+    /// Bytes of optimizer state this member holds: its own (all of it, unsharded), and its buddy
+    /// copies (sharded).
+    pub(crate) fn state_bytes_apart(&self) -> (u64, u64) {
         match self {
-            Optim::Whole(o) => o.state().iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum(),
-            Optim::Sharded(s) => s.state_bytes(),
-            Optim::Fresh(_) => 0,
+            Optim::Whole(o) => {
+                (o.state().iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum(), 0)
+            }
+            Optim::Sharded(s) => s.state_bytes_apart(),
+            Optim::Fresh(_) => (0, 0),
         }
     }
 }

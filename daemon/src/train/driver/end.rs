@@ -10,6 +10,7 @@ use crate::cluster::coordinator::rules::{CAME_BACK, FINAL_BARRIER};
 use crate::state::{Totals, TrainState};
 use crate::train::commit::{Committer, Moment};
 use crate::train::error::TrainError;
+use crate::train::memory::Memory;
 use crate::train::session::{Interrupt, Session};
 use crate::train::summary::Outcome;
 use crate::train::summary::{device_name, Summary};
@@ -130,6 +131,7 @@ impl Driver<'_> {
             data: cfg.data.figures(),
             peak_rss_bytes: crate::train::summary::peak_rss_bytes(),
             optimizer_state_bytes: state.optimizer.state_bytes(),
+            memory: Memory::of(state, &self.buckets, cfg.shard_gradients),
         }
     }
 }

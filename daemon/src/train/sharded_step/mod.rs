@@ -136,6 +136,9 @@ fn complete(
     let (own, arrived) = (kept.len(), shifted.is_ok());
     let mut grads = kept;
     grads.append(&mut theirs);
+    // What the gradients hold in the step's second half: the buckets (compact, the ranges kept),
+    // and every held range's clipped gradient.
+    buckets.gauge().read(buckets.bytes() + grads.iter().map(|g| g.len() as u64 * 4).sum::<u64>());
     let compact = buckets.compact();
     let before = compact.then(|| optimizer.params_before(current));
     let from_before = |piece: &Piece| {
