@@ -182,9 +182,10 @@ impl Flight {
         Flight { bound, now: Mutex::new((0, Some(first))), room: Condvar::new() }
     }
 
+    /// Its counts, whatever a thread that held them did (they are plain numbers, and
+    /// [`Ends`] takes the lock while a panic unwinds).
     fn lock(&self) -> std::sync::MutexGuard<'_, (usize, Option<usize>)> {
-        // Nothing panics while holding it.
-        self.now.lock().expect("the flight's lock is not poisoned")
+        self.now.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A bucket handed to the reducing thread.
@@ -198,7 +199,7 @@ impl Flight {
         let Some(bound) = self.bound else { return };
         let mut now = self.lock();
         while now.0 > bound && now.1.is_some_and(|b| staged[b]) {
-            now = self.room.wait(now).expect("the flight's lock is not poisoned");
+            now = self.room.wait(now).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
     }
 
