@@ -16,7 +16,7 @@ use std::sync::{mpsc, Condvar, Mutex};
 
 use tch::Tensor;
 
-use super::buckets::{bytes_of, owned_of, Buckets, Gauge};
+use super::buckets::{bytes_of, owned_of, values_bytes, Buckets, Gauge};
 use super::{Collective, CollectiveError};
 use crate::sys::autograd::GradReady;
 
@@ -116,7 +116,7 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
 fn take_back(buckets: &mut Buckets, kept: Kept, early: std::ops::Range<usize>) {
     let gauge = buckets.gauge();
     for (b, kept) in kept {
-        gauge.back(kept.iter().map(|k| k.len() as u64 * 4).sum());
+        gauge.back(values_bytes(&kept));
         buckets.put_kept(b, kept);
     }
     buckets.mark_reduced(early);
@@ -263,7 +263,7 @@ fn reduce_in_order(
         }
         if compact {
             let owned = owned_of(&handles, collective.slots());
-            gauge.away(owned.iter().map(|k| k.len() as u64 * 4).sum());
+            gauge.away(values_bytes(&owned));
             gauge.back(handles.iter().map(bytes_of).sum());
             drop(handles);
             kept.push((bucket, owned));

@@ -50,6 +50,11 @@ pub(crate) fn bytes_of(t: &Tensor) -> u64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as u64
 }
 
+/// The bytes of float32 `arrays` (ranges kept, clipped gradients).
+pub(crate) fn values_bytes(arrays: &[Vec<f32>]) -> u64 {
+    arrays.iter().map(|a| a.len() as u64 * 4).sum()
+}
+
 /// The bytes of the gradients of `params` that are not in the memory of any of `buffers` (a
 /// gradient that is a view of its bucket, or a bucket staged in a gradient's own memory, counts
 /// once).

@@ -16,7 +16,7 @@ use super::{host_slice, Collective, CollectiveError};
 mod held;
 mod ranges;
 
-pub(crate) use held::{bytes_of, Gauge};
+pub(crate) use held::{bytes_of, values_bytes, Gauge};
 pub(crate) use ranges::{bucket_views, owned, owned_of, write_group, Range};
 
 /// The bucket the tail rides in (the step's extra values and one used-flag per parameter): the
@@ -162,8 +162,7 @@ impl Buckets {
     /// The bytes the buckets hold now: their buffers, and the ranges kept of them.
     pub(crate) fn bytes(&self) -> u64 {
         let buffers: u64 = self.staging.iter().flatten().flatten().map(held::bytes_of).sum();
-        let kept: usize = self.kept.iter().flatten().map(|k| k.len() * 4).sum();
-        buffers + kept as u64
+        buffers + self.kept.iter().map(|per_slot| values_bytes(per_slot)).sum::<u64>()
     }
 
     /// Replaces every gradient with its mean over the ring's slots, and `extra` with its sum:

@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 use trainerd_storage::TensorData;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::collective::buckets::{bucket_views, owned, write_group, Buckets, Range};
+use crate::collective::buckets::{bucket_views, owned, values_bytes, write_group, Buckets, Range};
 use crate::collective::{Collective, CollectiveError, ReduceOp};
 use crate::optim::clip::{self, Clip};
 use crate::optim::elementwise::host_f32;
@@ -138,7 +138,7 @@ fn complete(
     grads.append(&mut theirs);
     // What the gradients hold in the step's second half: the buckets (compact, the ranges kept),
     // and every held range's clipped gradient.
-    buckets.gauge().read(buckets.bytes() + grads.iter().map(|g| g.len() as u64 * 4).sum::<u64>());
+    buckets.gauge().read(buckets.bytes() + values_bytes(&grads));
     let compact = buckets.compact();
     let before = compact.then(|| optimizer.params_before(current));
     let from_before = |piece: &Piece| {
