@@ -142,22 +142,25 @@ pub fn hit(name: &str) -> bool {
 
 /// Marks the failpoint `name`: pauses here if it is armed and this is the visit it names, for
 /// good, or until the file named by [`RELEASE`] exists. The file is taken (removed) as it
-/// releases the point, so that a test releases each of a process's pauses with a file of its
-/// own making (each process its own file).
+/// releases the point, so that a test releases each pause with a file of its own making: where
+/// several processes pause on one file, each file made releases exactly one of them.
 pub fn point(name: &str) {
     if !hit(name) {
         return;
     }
-    let release = std::env::var_os(RELEASE).map(std::path::PathBuf::from);
-    loop {
-        match &release {
-            Some(file) if file.exists() => {
-                let _ = std::fs::remove_file(file);
-                return;
-            }
-            Some(_) => std::thread::sleep(Duration::from_millis(5)),
-            None => std::thread::sleep(Duration::from_secs(3600)),
-        }
+    match std::env::var_os(RELEASE) {
+        Some(file) => released_by(std::path::Path::new(&file)),
+        None => loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        },
+    }
+}
+
+/// Returns once this caller has taken `file`: removed it, which one caller alone does of those
+/// waiting on it (checking that it exists first let two see it and both go on, 2026-11-30).
+fn released_by(file: &std::path::Path) {
+    while std::fs::remove_file(file).is_err() {
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -182,6 +185,30 @@ mod tests {
         let armed = parse_all("flip-bit@30, replica-mismatch@1,bad");
         let names: Vec<(&str, &When)> = armed.iter().map(|a| (a.name.as_str(), &a.when)).collect();
         assert_eq!(names, vec![("flip-bit", &When::Visit(30)), ("replica-mismatch", &When::Visit(1))]);
+    }
+
+    #[test]
+    fn each_release_file_made_releases_exactly_one_of_those_waiting_on_it() {
+        let dir = std::env::temp_dir().join(format!("trainerd-failpoint-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("release");
+        let released = std::sync::Arc::new(AtomicU64::new(0));
+        for _ in 0..8 {
+            let (file, released) = (file.clone(), released.clone());
+            std::thread::spawn(move || {
+                released_by(&file);
+                released.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+        for made in 1..=5 {
+            std::fs::write(&file, b"").unwrap();
+            while file.exists() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            assert_eq!(released.load(Ordering::SeqCst), made, "after {made} file(s)");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
