@@ -5,10 +5,9 @@
 //! summary says where a step's time went.
 
 use std::path::Path;
-use std::process::Command;
 
 use trainerd_testkit::output::{json, text};
-use trainerd_testkit::{dataset, python, python_examples, RunArgs};
+use trainerd_testkit::{dataset, python_examples, tokens, RunArgs};
 
 /// Small buckets, so that a model of these tests has several.
 const BUCKET_MB: &str = "0.02";
@@ -78,16 +77,9 @@ fn a_rust_plugin_ends_with_the_same_bits_with_overlap_on_and_off() {
 /// groups) and transformers' GPT-2.
 #[test]
 fn python_modules_end_with_the_same_bits_with_overlap_on_and_off() {
-    let tokens = tempfile::tempdir().unwrap();
-    let out = Command::new(python())
-        .arg(python_examples().join("tokenize.py"))
-        .args(["--out", tokens.path().to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
     for example in ["gpt.py", "hf_gpt2.py"] {
         let args = RunArgs::new("python-model")
-            .data(tokens.path())
+            .data(tokens())
             .plugin_arg(format!("module={}", python_examples().join(example).display()))
             .epochs(1)
             .steps(6)

@@ -7,11 +7,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use trainerd_testkit::output::{error_line, error_of, json, params_sha256, step_losses, text};
-use trainerd_testkit::{plugin, python, python_examples, trainerd_cmd, Event, RunArgs, Worker};
+use trainerd_testkit::{plugin, python, python_examples, tokens, trainerd_cmd, Event, RunArgs, Worker};
 
 const SEED: u64 = 5;
 /// Per-worker batch of every run here.
@@ -22,22 +21,6 @@ const WAIT: Duration = Duration::from_secs(240);
 
 fn path(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-/// The token dataset (tokenize.py's defaults over /usr/share/common-licenses), made once.
-fn tokens() -> &'static Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
-        let out = Command::new(python())
-            .arg(python_examples().join("tokenize.py"))
-            .args(["--out", path(dir.path())])
-            .output();
-        let out = out.unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-        dir
-    })
-    .path()
 }
 
 /// A model of the examples, and how it trains here.

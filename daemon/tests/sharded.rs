@@ -1,7 +1,8 @@
 //! `--shard optimizer` (ZeRO stage 1, or `--shard-optimizer`) and `--shard gradients` (ZeRO stage
 //! 2) with real daemons on loopback: bit for bit the unsharded run, in the parameters and in the
-//! committed optimizer state, for every optimizer and control the CPU runs; a commit of each level
-//! resumes at the others; what each worker holds; and the refusals.
+//! committed optimizer state, for every optimizer and control the CPU runs, and for the GPT example,
+//! transformers' Llama and a Keras model; a commit of each level resumes at the others; what each
+//! worker holds; and the refusals.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use trainerd_storage::CheckpointStore;
 use trainerd_testkit::output::{error_line, json, text};
-use trainerd_testkit::{free_ports, tf_config, RunArgs};
+use trainerd_testkit::{dataset, free_ports, python_examples, tf_config, tokens, RunArgs};
 
 /// A run's end, per worker: `params_sha256` and `optimizer_state_bytes`; and the sha256 of the
 /// last commit's optimizer blob.
@@ -128,6 +129,50 @@ fn a_sharded_run_is_the_unsharded_run_bit_for_bit() {
             let alias = run(&args.clone().on("--shard-optimizer"), workers, &tmp.path().join("alias"));
             assert_eq!(alias.params, whole.params, "--shard-optimizer, {what}");
         }
+    }
+}
+
+/// The models language-model and Keras users bring, on 4 workers with `--shard gradients` (which
+/// shards the optimizer state too), bit for bit the unsharded run: the small GPT example (its head tied to the embedding, AdamW with its decay
+/// groups, a cosine schedule with warmup) and transformers' Llama (rotary embeddings, grouped-query
+/// attention, its own head), each in several buckets with `--accumulate 2` and `--clip-norm`; and
+/// a Keras model with BatchNormalization and two Dropouts.
+#[test]
+fn python_modules_sharded_are_the_unsharded_run_bit_for_bit() {
+    let module = |file: &Path| {
+        RunArgs::new("python-model").plugin_arg(format!("module={}", file.display())).epochs(1).steps(8).threads(1)
+    };
+    let language_model = |file: &str| {
+        module(&python_examples().join(file))
+            .data(tokens())
+            .batch(2)
+            .seed(5)
+            .optimizer("adamw", 1e-3)
+            .set("--weight-decay", 0.1)
+            .set("--lr-schedule", "cosine")
+            .set("--warmup-steps", 3)
+            .set("--accumulate", 2)
+            .set("--clip-norm", 0.5)
+            .set("--bucket-mb", 0.2)
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let keras = tmp.path().join("bn_dropout.py");
+    std::fs::write(&keras, include_str!("fixtures/keras_bn_dropout.py")).unwrap();
+    let cases = [
+        ("the GPT example", language_model("gpt.py")),
+        ("transformers' Llama", language_model("hf_llama.py")),
+        (
+            "Keras, BatchNormalization and Dropout",
+            module(&keras).data(dataset()).batch(16).seed(3).set("--bucket-mb", 0.1),
+        ),
+    ];
+    for (what, args) in cases {
+        let dir = tmp.path().join(what.replace(' ', "-"));
+        let whole = run(&args, 4, &dir.join("whole"));
+        let sharded = run(&args.clone().set("--shard", "gradients"), 4, &dir.join("gradients"));
+        same_as_unsharded(&format!("--shard gradients, {what}"), (&whole, &sharded), 4);
+        // Several buckets: reduced during the backward pass, each let go once scattered.
+        assert!(!sharded.output.contains("trainerd: gradients in 1 bucket(s)"), "{what}: {}", sharded.output);
     }
 }
 

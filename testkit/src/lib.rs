@@ -26,7 +26,7 @@ pub mod s3;
 
 pub use cluster::{Cluster, Entry, What, Worker};
 pub use netns::Netns;
-pub use paths::{copy_tree, dataset, parquet_dataset, plugin, python, python_examples, trainerd, trainerd_cmd};
+pub use paths::{copy_tree, dataset, parquet_dataset, plugin, python, python_examples, tokens, trainerd, trainerd_cmd};
 pub use ports::{free_ports, tf_config};
 pub use run::RunArgs;
 pub use trainerd_supervise::events::{self, Event};

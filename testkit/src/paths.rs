@@ -47,6 +47,24 @@ pub fn dataset() -> PathBuf {
     dir
 }
 
+/// Token rows for the language-model examples: `tokenize.py`'s defaults (a 512-id byte-level BPE
+/// over /usr/share/common-licenses, rows of 128 tokens), made once per test binary.
+pub fn tokens() -> &'static Path {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let out = std::process::Command::new(python())
+            .arg(python_examples().join("tokenize.py"))
+            .arg("--out")
+            .arg(dir.path())
+            .output()
+            .expect("tokenize.py");
+        assert!(out.status.success(), "tokenize.py: {}", crate::output::text(&out));
+        dir
+    })
+    .path()
+}
+
 /// Fashion-MNIST as Parquet in Hugging Face's layout, as `trainerd data convert` writes it: made
 /// once per build of `trainerd` (its modification time names the copy) and kept beside the build.
 pub fn parquet_dataset() -> PathBuf {
