@@ -1,6 +1,7 @@
 //! Failures with the optimizer state sharded (`--shard-optimizer`) over 4 workers, under a
 //! supervisor with systemd's semantics (a killed worker restarts after 2 s): a worker or the
-//! chief killed, a kill inside the all-gather of the new parameters or the buddy shift, the chief
+//! chief killed, a kill inside the all-gather of the new parameters or the buddy shift (and, with
+//! the gradients sharded too, inside the all-gather or a backward reduce-scatter), the chief
 //! killed in the middle of a commit or a worker in the middle of its part of one, a worker gone
 //! for good, a worker frozen and thawed, a bit of a parameter flipped, a stop and a return lose
 //! no step (the lost worker's ranges come from their buddies); a worker lost together with its buddy, or every
@@ -44,15 +45,33 @@ fn summary(dir: &Path, rank: usize) -> serde_json::Value {
 /// The failure-free run's `params_sha256`, unsharded.
 fn reference() -> String {
     static CACHE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    CACHE
-        .get_or_init(|| {
-            let tmp = tempfile::tempdir().unwrap();
-            let run = args(tmp.path(), &tmp.path().join("ckpt"), false);
-            let mut c = Cluster::start(WORKERS, &run, &[], vec![], RESTART_SEC);
-            assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
-            summary(tmp.path(), 0)["params_sha256"].as_str().unwrap().to_string()
-        })
-        .clone()
+    CACHE.get_or_init(|| failure_free(|dir| args(dir, &dir.join("ckpt"), false))).clone()
+}
+
+/// `--shard gradients` (or unsharded, not `sharded`) in buckets of 0.25 MB: mnist-cnn's gradients
+/// in several, reduced during the backward pass and each let go once scattered.
+fn in_buckets(dir: &Path, sharded: bool) -> RunArgs {
+    let run = args(dir, &dir.join("ckpt"), false).set("--bucket-mb", 0.25);
+    if sharded {
+        run.set("--shard", "gradients")
+    } else {
+        run
+    }
+}
+
+/// The failure-free run's `params_sha256` in buckets of 0.25 MB, unsharded (a bucket's layout
+/// decides the ring's order of addition, so these are other bits than [`reference`]'s).
+fn reference_in_buckets() -> String {
+    static CACHE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    CACHE.get_or_init(|| failure_free(|dir| in_buckets(dir, false))).clone()
+}
+
+/// The `params_sha256` of the run `run` makes for a directory, on 4 workers, failure-free.
+fn failure_free(run: impl Fn(&Path) -> RunArgs) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(WORKERS, &run(tmp.path()), &[], vec![], RESTART_SEC);
+    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    summary(tmp.path(), 0)["params_sha256"].as_str().unwrap().to_string()
 }
 
 fn start(dir: &Path) -> Cluster {
@@ -62,7 +81,11 @@ fn start(dir: &Path) -> Cluster {
 /// The sharded cluster in `dir`, once the commit of step 25 is written and the chief is at step
 /// 28: where a failure has survivors' ranges to move and a commit to go back to.
 fn past_the_first_commit(dir: &Path) -> Cluster {
-    let mut c = start(dir);
+    past_the_first_commit_of(start(dir))
+}
+
+/// The cluster `c` once the commit of step 25 is written and the chief is at step 28.
+fn past_the_first_commit_of(mut c: Cluster) -> Cluster {
     c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
     c.wait_step(0, 28, DEADLINE);
     c
@@ -83,14 +106,19 @@ fn assert_finished_exactly(c: &mut Cluster, dir: &Path) -> serde_json::Value {
 /// Workers `ranks` exited 0 with the failure-free run's parameters, the others were killed for
 /// good; the chief's summary.
 fn assert_finished_exactly_on(c: &mut Cluster, dir: &Path, ranks: &[usize]) -> serde_json::Value {
+    assert_finished_as(c, dir, ranks, &reference())
+}
+
+/// Workers `ranks` exited 0 with the parameters `expected`, the others were killed for good; the
+/// chief's summary.
+fn assert_finished_as(c: &mut Cluster, dir: &Path, ranks: &[usize], expected: &str) -> serde_json::Value {
     let codes = c.wait_finished(DEADLINE);
     for (rank, &code) in codes.iter().enumerate() {
         let expected = if ranks.contains(&rank) { 0 } else { 128 + libc::SIGKILL };
         assert_eq!(code, expected, "worker {rank}\n{}", c.transcript());
     }
-    let expected = reference();
     for &rank in ranks {
-        assert_eq!(summary(dir, rank)["params_sha256"], expected.as_str(), "worker {rank}\n{}", c.transcript());
+        assert_eq!(summary(dir, rank)["params_sha256"], expected, "worker {rank}\n{}", c.transcript());
     }
     summary(dir, 0)
 }
@@ -126,7 +154,12 @@ fn assert_moved(c: &mut Cluster, rank: usize, mark: usize) -> String {
 /// The run ended exactly, no worker lost or trained again a step, and no member went back to a
 /// commit.
 fn assert_nothing_lost(c: &mut Cluster, dir: &Path, ranks: &[usize]) -> serde_json::Value {
-    let chief = assert_finished_exactly_on(c, dir, ranks);
+    assert_nothing_lost_as(c, dir, ranks, &reference())
+}
+
+/// [`assert_nothing_lost`], ending with the parameters `expected`.
+fn assert_nothing_lost_as(c: &mut Cluster, dir: &Path, ranks: &[usize], expected: &str) -> serde_json::Value {
+    let chief = assert_finished_as(c, dir, ranks, expected);
     for &rank in ranks {
         let s = summary(dir, rank);
         assert_eq!(steps_lost(&s), 0, "worker {rank}\n{}", c.transcript());
@@ -139,9 +172,14 @@ fn assert_nothing_lost(c: &mut Cluster, dir: &Path, ranks: &[usize]) -> serde_js
 /// A worker SIGKILLed a few steps after the commit of step 25: its ranges come from their
 /// buddies as the survivors form the next generation at once, it returns after 2 s and takes
 /// ranges back, and the run ends bit for bit the failure-free one without a step lost.
-fn killed_mid_epoch(rank: usize) {
+/// With `gradients`, at `--shard gradients` in buckets of 0.25 MB.
+fn killed_mid_epoch(rank: usize, gradients: bool) {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = past_the_first_commit(tmp.path());
+    let (run, expected) = match gradients {
+        true => (in_buckets(tmp.path(), true), reference_in_buckets()),
+        false => (args(tmp.path(), &tmp.path().join("ckpt"), true), reference()),
+    };
+    let mut c = past_the_first_commit_of(Cluster::start(WORKERS, &run, &[], vec![], RESTART_SEC));
     let mark = c.mark();
     c.signal(rank, libc::SIGKILL);
     let survivor = (rank + 1) % WORKERS;
@@ -149,7 +187,7 @@ fn killed_mid_epoch(rank: usize) {
     // Two places from the lost worker: its slots and ranges stay, and nothing moves to it.
     let apart = assert_moved(&mut c, (rank + 2) % WORKERS, mark);
     assert!(apart.contains("; it received 0.0 MB from its own copies"), "{apart}");
-    let chief = assert_nothing_lost(&mut c, tmp.path(), &[0, 1, 2, 3]);
+    let chief = assert_nothing_lost_as(&mut c, tmp.path(), &[0, 1, 2, 3], &expected);
     assert!(c.starts(rank) >= 2);
     // Its own quarter and a buddy copy of another: about half the state.
     let held = chief["optimizer_state_bytes"].as_u64().unwrap();
@@ -158,12 +196,17 @@ fn killed_mid_epoch(rank: usize) {
 
 #[test]
 fn a_worker_killed_loses_no_step_and_the_run_ends_exactly() {
-    killed_mid_epoch(1);
+    killed_mid_epoch(1, false);
 }
 
 #[test]
 fn the_chief_killed_loses_no_step_and_the_run_ends_exactly() {
-    killed_mid_epoch(0);
+    killed_mid_epoch(0, false);
+}
+
+#[test]
+fn the_chief_killed_at_the_gradients_level_loses_no_step_and_the_run_ends_exactly() {
+    killed_mid_epoch(0, true);
 }
 
 /// A worker stopped inside step 30's all-gather of the new parameters, after its first hop, then
@@ -197,14 +240,7 @@ fn a_kill_inside_the_all_gather_completes_the_step_and_loses_nothing() {
 #[test]
 fn parameters_torn_by_a_kill_inside_the_all_gather_are_put_back_and_nothing_is_lost() {
     let tmp = tempfile::tempdir().unwrap();
-    let with = |run: RunArgs| run.set("--bucket-mb", 0.25);
-    let straight = tmp.path().join("straight");
-    let mut c =
-        Cluster::start(WORKERS, &with(args(&straight, &straight.join("ckpt"), false)), &[], vec![], RESTART_SEC);
-    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
-    let expected = summary(&straight, 0)["params_sha256"].clone();
-    let run = with(args(tmp.path(), &tmp.path().join("ckpt"), false)).set("--shard", "gradients");
-    let mut c = start_armed(&run, 1, "sharded-wrote-bucket@step=30");
+    let mut c = start_armed(&in_buckets(tmp.path(), true), 1, "sharded-wrote-bucket@step=30");
     c.wait_line(1, "trainerd: failpoint sharded-wrote-bucket reached", 0, DEADLINE);
     std::thread::sleep(Duration::from_millis(300));
     let mark = c.mark();
@@ -217,13 +253,49 @@ fn parameters_torn_by_a_kill_inside_the_all_gather_are_put_back_and_nothing_is_l
     let into = |n: usize| format!("trainerd: the failed step's all-gather had written into {n}{said}");
     assert!(put_back.ends_with(&into(1)) || put_back.ends_with(&into(2)), "{put_back}");
     assert_moved(&mut c, 2, mark);
-    assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
+    assert_finished_as(&mut c, tmp.path(), &[0, 1, 2, 3], &reference_in_buckets());
     for rank in 0..WORKERS {
-        let s = summary(tmp.path(), rank);
-        assert_eq!(s["params_sha256"], expected, "worker {rank}\n{}", c.transcript());
-        assert_eq!(steps_lost(&s), 0, "worker {rank}\n{}", c.transcript());
+        assert_eq!(steps_lost(&summary(tmp.path(), rank)), 0, "worker {rank}\n{}", c.transcript());
     }
     assert!(!c.transcript().contains("goes back to checkpoint"), "{}", c.transcript());
+}
+
+/// `--shard gradients` in buckets of 0.25 MB: worker 1 stopped inside its backward pass of step
+/// 30, just after it handed a bucket's gradients to their reduce-scatter (which its peers join
+/// from their own backward passes), and SIGKILLed there. The survivors abandon step 30, its
+/// ranges come from their buddies, and they take the step up again: no step lost or trained
+/// again, and the run ends bit for bit the failure-free one (unsharded, the same buckets).
+#[test]
+fn a_kill_inside_a_backward_reduce_scatter_loses_nothing_at_the_gradients_level() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = start_armed(&in_buckets(tmp.path(), true), 1, "backward@step=30");
+    c.wait_line(1, "trainerd: failpoint backward reached", 0, DEADLINE);
+    let mark = c.mark();
+    c.signal(1, libc::SIGKILL);
+    let (_, gave_up) = c.wait_event(2, |e| matches!(e, Event::Abandoned { .. }), DEADLINE);
+    assert!(matches!(gave_up, Event::Abandoned { step: 30, .. }), "{gave_up:?}");
+    assert_moved(&mut c, 2, mark);
+    assert_nothing_lost_as(&mut c, tmp.path(), &[0, 1, 2, 3], &reference_in_buckets());
+}
+
+/// `--shard gradients` in buckets of 0.25 MB: a worker and its buddy killed together after the
+/// commit of step 25 (the gradients' ranges as well as the state's held by no one): every member
+/// says which ranges and goes back to that commit, counting the steps lost, and the run ends bit
+/// for bit the failure-free one.
+#[test]
+fn a_worker_lost_with_its_buddy_at_the_gradients_level_goes_back_to_the_last_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c =
+        past_the_first_commit_of(Cluster::start(WORKERS, &in_buckets(tmp.path(), true), &[], vec![], RESTART_SEC));
+    let mark = c.mark();
+    c.signal(2, libc::SIGKILL);
+    c.signal(3, libc::SIGKILL);
+    let (_, back) = c.wait_line(0, "trainerd: the optimizer state was sharded over generation ", mark, DEADLINE);
+    let lost = " range(s) of the sharded optimizer state were lost with both their owner and their buddy (ranges ";
+    assert!(back.contains(lost), "{back}");
+    assert!(back.contains("every member goes back to checkpoint 1 at step 25 ("), "{back}\n{}", c.transcript());
+    let chief = assert_finished_as(&mut c, tmp.path(), &[0, 1, 2, 3], &reference_in_buckets());
+    assert!(steps_lost(&chief) >= 3, "steps 26 to 28 at least are lost, and counted\n{}", c.transcript());
 }
 
 /// A worker killed inside the buddy shift of step 30 (its clipped ranges on their way to the
