@@ -96,10 +96,17 @@ fn host_buffer(len: usize, device: Device) -> Tensor {
 impl Buckets {
     /// Groups `params` into buckets of at most `cap_bytes` of float32 each (a larger tensor gets
     /// a bucket of its own), in their names' natural order ([`natural_order`]).
+    #[cfg(test)]
     pub(crate) fn new(params: &[(String, Tensor)], cap_bytes: usize) -> Buckets {
+        Buckets::in_modules_order(params, cap_bytes, &[])
+    }
+
+    /// [`Buckets::new`], in the order the model registers its parameters where the plugin gives
+    /// it (`modules`: their names, a tied one where it comes first; [`modules_order`]).
+    pub(crate) fn in_modules_order(params: &[(String, Tensor)], cap_bytes: usize, modules: &[String]) -> Buckets {
         let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
         let mut bytes = 0;
-        for i in natural_order(params) {
+        for i in modules_order(params, modules) {
             let size = params[i].1.numel() * 4;
             if bytes + size > cap_bytes && !groups.last().expect("one group").is_empty() {
                 groups.push(Vec::new());
@@ -377,6 +384,25 @@ impl Buckets {
     }
 }
 
+/// The places of `params` in the order the model registers them (`modules`, a Python module's
+/// `state_dict()` order: a tied weight where it comes first, with the token embedding), those it
+/// does not name after them in their names' natural order ([`natural_order`]). The backward pass
+/// makes gradients final in about the reverse of that order, the token embedding's (used first,
+/// and by a tied head last) at its very end: so the bucket that holds it is the first, reduced
+/// after the backward pass, and every other is complete in turn from the last down while the
+/// backward pass goes on. By names alone, `tok.weight` or `transformer.wte.weight` would sort
+/// after the blocks, into the bucket the reducing thread awaits first, and no bucket could be
+/// reduced or let go before the backward pass ended (bench/fsdp.sh's GPT, 2026-11-30). Every
+/// member has the same plugin file and arguments, so the same order.
+fn modules_order(params: &[(String, Tensor)], modules: &[String]) -> Vec<usize> {
+    let place: std::collections::HashMap<&str, usize> =
+        modules.iter().enumerate().rev().map(|(at, name)| (name.as_str(), at)).collect();
+    let mut order = natural_order(params);
+    // Stable: those not named keep their natural order, after the named ones.
+    order.sort_by_key(|&i| place.get(params[i].0.as_str()).copied().unwrap_or(usize::MAX));
+    order
+}
+
 /// The places of `params` in their names' natural order: a run of digits compares as the number
 /// it spells, so that layer 2 comes before layer 10 (`h.2.` before `h.10.`, `dense_2` before
 /// `dense_10`), as the model makes them, while the names' plain order (the parameters' order
@@ -622,6 +648,30 @@ mod tests {
         let params = named(&["dense_10/kernel", "dense/kernel", "dense_2/kernel", "h.01.w", "h.1.w"]);
         let order: Vec<&str> = natural_order(&params).iter().map(|&i| params[i].0.as_str()).collect();
         assert_eq!(order, ["dense/kernel", "dense_2/kernel", "dense_10/kernel", "h.1.w", "h.01.w"]);
+    }
+
+    #[test]
+    fn buckets_follow_the_modules_order_where_the_plugin_gives_it() {
+        let named = |names: &[&str]| -> Vec<(String, Tensor)> {
+            names.iter().map(|n| (n.to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))).collect()
+        };
+        // The GPT example's names as the daemon lists them, and its state_dict()'s order.
+        let params = named(&["blocks.0.w", "blocks.1.w", "ln_f.w", "pos.w", "spare", "tok.w"]);
+        let modules: Vec<String> =
+            ["tok.w", "pos.w", "blocks.0.w", "blocks.1.w", "ln_f.w", "tok.w"].iter().map(|n| n.to_string()).collect();
+        let b = Buckets::in_modules_order(&params, 32, &modules);
+        let grouped: Vec<Vec<&str>> =
+            b.groups.iter().map(|g| g.iter().map(|&i| params[i].0.as_str()).collect()).collect();
+        // The embeddings in the first bucket (reduced after the backward pass); one the plugin
+        // does not name, last.
+        assert_eq!(grouped, [vec!["tok.w", "pos.w"], vec!["blocks.0.w", "blocks.1.w"], vec!["ln_f.w", "spare"]]);
+        // Without the plugin's order: the names' natural order, the embeddings last.
+        let b = Buckets::in_modules_order(&params, 32, &[]);
+        assert_eq!(b.groups, Buckets::new(&params, 32).groups);
+        assert_eq!(
+            b.groups.last().unwrap().iter().map(|&i| params[i].0.as_str()).collect::<Vec<_>>(),
+            ["spare", "tok.w"]
+        );
     }
 
     #[test]
