@@ -17,7 +17,8 @@ Per worker it prints:
     local shards of the parameters, of their gradients and of Adam's state after the last step
     (what it keeps between steps: the blocks it all-gathers for a forward or backward pass are
     freed after it, and show in the peak RSS);
-  - the peak RSS (the largest over the workers: trainerd's peak_rss_bytes, FSDP2's ru_maxrss);
+  - the peak RSS (the largest over the workers, and over those but worker 0, which writes the
+    unsharded run's commits alone: trainerd's peak_rss_bytes, FSDP2's ru_maxrss);
   - tokens/s over every worker, from the step clock after --warmup steps (trainerd's metrics log,
     FSDP2's timer);
   - the largest difference of the first 20 step losses from FSDP2's (FSDP2's: the mean of its
@@ -70,10 +71,13 @@ def trainerd(level, a, d):
     first, last = lines[a.warmup], lines[-1]
     tokens = (last["global_step"] - first["global_step"]) * WORKERS * a.batch * TOKENS
     memory = [s["memory"] for s in summaries]
+    kinds = {k: max(m[k] for m in memory) for k in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")}
     return {
         "state": max(m["parameter_bytes"] + m["gradient_bytes"] + m["optimizer_state_bytes"] for m in memory),
+        "kinds": [kinds["parameter_bytes"], kinds["gradient_bytes"], kinds["optimizer_state_bytes"]],
         "buddy": max(m["buddy_state_bytes"] for m in memory),
         "rss": max(s["peak_rss_bytes"] for s in summaries),
+        "rss_others": max(s["peak_rss_bytes"] for s in summaries[1:]),
         "rate": tokens / (last["time"] - first["time"]),
         "losses": [l["loss"] for l in lines[:LOSSES]],
         "params": summaries[0]["params_sha256"],
@@ -128,12 +132,12 @@ def peer_rank(a):
     def local_bytes(t):
         return t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
 
-    state = sum(local_bytes(p) for p in net.parameters())
-    state += sum(local_bytes(p.grad) for p in net.parameters() if p.grad is not None)
-    state += sum(local_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    kinds = [sum(local_bytes(p) for p in net.parameters()),
+             sum(local_bytes(p.grad) for p in net.parameters() if p.grad is not None),
+             sum(local_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(f"{a.out}.{a.peer}", "w") as f:
-        json.dump({"state": state, "rss": rss, "losses": losses[:LOSSES],
+        json.dump({"state": sum(kinds), "kinds": kinds, "rss": rss, "losses": losses[:LOSSES],
                    "rate": (len(order) - a.warmup) * WORKERS * a.batch * TOKENS / seconds}, f)
     dist.destroy_process_group()
 
@@ -152,7 +156,8 @@ def fsdp2(a, order, d):
         if p.returncode != 0:
             raise SystemExit(f"FSDP2 rank {r} failed ({p.returncode}):\n{err[-3000:]}")
     ranks = [json.load(open(f"{out}.{r}")) for r in range(WORKERS)]
-    return {"state": max(r["state"] for r in ranks), "buddy": 0, "rss": max(r["rss"] for r in ranks),
+    return {"state": max(r["state"] for r in ranks), "kinds": [max(r["kinds"][k] for r in ranks) for k in range(3)],
+            "buddy": 0, "rss": max(r["rss"] for r in ranks), "rss_others": max(r["rss"] for r in ranks[1:]),
             "rate": ranks[0]["rate"], "losses": ranks[0]["losses"]}
 
 
@@ -191,13 +196,14 @@ def main():
         print("  FSDP2: done", flush=True)
     peer = rows["FSDP2 (gloo)"]
     whole = rows["trainerd"]
-    print(f"\n| per worker | model state MB | buddy copies MB | peak RSS MB | tokens/s | "
-          f"first {LOSSES} losses, max diff from FSDP2 |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| per worker | parameters MB | gradients MB | optimizer state MB | model state MB | buddy copies MB "
+          f"| peak RSS MB (all, others) | tokens/s | first {LOSSES} losses, max diff from FSDP2 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         diff = max(abs(x - y) for x, y in zip(r["losses"], peer["losses"]))
-        print(f"| {name} | {r['state'] / 1e6:,.0f} | {r['buddy'] / 1e6:,.0f} | {r['rss'] / 1e6:,.0f} | "
-              f"{r['rate']:,.0f} | {diff:.2e} |")
+        kinds = " | ".join(f"{k / 1e6:,.0f}" for k in r["kinds"])
+        print(f"| {name} | {kinds} | {r['state'] / 1e6:,.0f} | {r['buddy'] / 1e6:,.0f} | "
+              f"{r['rss'] / 1e6:,.0f}, {r['rss_others'] / 1e6:,.0f} | {r['rate']:,.0f} | {diff:.2e} |")
     for name in ("--shard optimizer", "--shard gradients"):
         r = rows[name]
         same = "the same bits" if r["params"] == whole["params"] else "OTHER BITS"
