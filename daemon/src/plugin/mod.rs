@@ -31,7 +31,7 @@ pub(crate) const MODEL_PATH: &str = "model";
 /// The model's variables in the order the model registers them, where the plugin gives it (a
 /// Python module's `state_dict()` keys, [`PluginInfo::export_names`]: a tied weight under each of
 /// its keys), each as the daemon names it (`model.NAME`); empty where it gives none.
-pub(crate) fn modules_order(info: &PluginInfo) -> Vec<String> {
+pub(crate) fn registered_names(info: &PluginInfo) -> Vec<String> {
     info.export_names.iter().map(|(_, variable)| format!("{MODEL_PATH}.{variable}")).collect()
 }
 

@@ -51,7 +51,7 @@ use std::time::Instant;
 
 use crate::collective::buckets::Buckets;
 use crate::optim::optimizer::Optimizer;
-use crate::plugin::{modules_order, Plugin};
+use crate::plugin::{registered_names, Plugin};
 pub(crate) use config::{CheckpointConfig, RunConfig};
 use driver::Driver;
 pub(crate) use error::TrainError;
@@ -88,7 +88,7 @@ pub(crate) fn run(
         report.line(&format!("trainerd: {groups}"));
     }
     let replicas = Replicas::build(plugin, &cfg.devices, cfg.precision)?;
-    let buckets = Buckets::in_modules_order(&state.model.params, cfg.bucket_bytes, &modules_order(&info));
+    let buckets = Buckets::in_modules_order(&state.model.params, cfg.bucket_bytes, &registered_names(&info));
     if world > 1 {
         report.line(&format!(
             "trainerd: {}",

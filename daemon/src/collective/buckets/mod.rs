@@ -102,7 +102,8 @@ impl Buckets {
     }
 
     /// [`Buckets::new`], in the order the model registers its parameters where the plugin gives
-    /// it (`modules`: their names, a tied one where it comes first; [`modules_order`]).
+    /// it (`modules`: their names, a tied one where it comes first, as [`crate::plugin::registered_names`]
+    /// gives them; [`modules_order`]).
     pub(crate) fn in_modules_order(params: &[(String, Tensor)], cap_bytes: usize, modules: &[String]) -> Buckets {
         let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
         let mut bytes = 0;
