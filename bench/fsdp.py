@@ -105,11 +105,12 @@ def peer_rank(a):
     fully_shard(net)
     opt = torch.optim.Adam(net.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8)
     net.train()
+    import pyarrow.parquet as pq
+
     ids = token_rows(DATA)
+    # trainerd's ids are (file, row): each file's first row in token_rows' concatenation.
     offsets = [0]
     for f in train_files(DATA)[:-1]:
-        import pyarrow.parquet as pq
-
         offsets.append(offsets[-1] + pq.ParquetFile(f).metadata.num_rows)
     order = json.load(open(a.order))[a.peer]
     losses, began = [], None

@@ -69,13 +69,18 @@ fn reference_in_buckets() -> String {
 /// The `params_sha256` of the run `run` makes for a directory, on 4 workers, failure-free.
 fn failure_free(run: impl Fn(&Path) -> RunArgs) -> String {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = Cluster::start(WORKERS, &run(tmp.path()), &[], vec![], RESTART_SEC);
+    let mut c = start_run(&run(tmp.path()));
     assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
     summary(tmp.path(), 0)["params_sha256"].as_str().unwrap().to_string()
 }
 
 fn start(dir: &Path) -> Cluster {
-    Cluster::start(WORKERS, &args(dir, &dir.join("ckpt"), true), &[], vec![], RESTART_SEC)
+    start_run(&args(dir, &dir.join("ckpt"), true))
+}
+
+/// `run` on 4 workers, nothing armed.
+fn start_run(run: &RunArgs) -> Cluster {
+    Cluster::start(WORKERS, run, &[], vec![], RESTART_SEC)
 }
 
 /// The sharded cluster in `dir`, once the commit of step 25 is written and the chief is at step
@@ -179,7 +184,7 @@ fn killed_mid_epoch(rank: usize, gradients: bool) {
         true => (in_buckets(tmp.path(), true), reference_in_buckets()),
         false => (args(tmp.path(), &tmp.path().join("ckpt"), true), reference()),
     };
-    let mut c = past_the_first_commit_of(Cluster::start(WORKERS, &run, &[], vec![], RESTART_SEC));
+    let mut c = past_the_first_commit_of(start_run(&run));
     let mark = c.mark();
     c.signal(rank, libc::SIGKILL);
     let survivor = (rank + 1) % WORKERS;
@@ -285,8 +290,7 @@ fn a_kill_inside_a_backward_reduce_scatter_loses_nothing_at_the_gradients_level(
 #[test]
 fn a_worker_lost_with_its_buddy_at_the_gradients_level_goes_back_to_the_last_commit() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c =
-        past_the_first_commit_of(Cluster::start(WORKERS, &in_buckets(tmp.path(), true), &[], vec![], RESTART_SEC));
+    let mut c = past_the_first_commit_of(start_run(&in_buckets(tmp.path(), true)));
     let mark = c.mark();
     c.signal(2, libc::SIGKILL);
     c.signal(3, libc::SIGKILL);
@@ -578,7 +582,7 @@ fn a_parameter_flipped_before_a_comparison_is_repaired_without_going_back() {
 fn a_resume_on_fewer_workers_ends_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let run = args(tmp.path(), &tmp.path().join("ckpt"), true).set("--rendezvous-timeout", 4);
-    let mut c = Cluster::start(WORKERS, &run, &[], vec![], RESTART_SEC);
+    let mut c = start_run(&run);
     c.wait_line(0, "checkpoint 1 committed to ", 0, DEADLINE);
     c.wait_step(0, 28, DEADLINE);
     c.hold(2);
