@@ -105,20 +105,6 @@ fn back_while_they_train(c: &mut Cluster, step: u64, then: u64) -> usize {
     back
 }
 
-/// The first formation every worker joined after `mark`: (rank, its event), by rank.
-fn joined_after(c: &Cluster, mark: usize) -> Vec<(usize, Event)> {
-    let mut joined: Vec<(usize, Event)> = Vec::new();
-    for e in &c.seen()[mark..] {
-        if let What::Event(j @ Event::Joined { .. }) = &e.what {
-            if !joined.iter().any(|(r, _)| *r == e.worker) {
-                joined.push((e.worker, j.clone()));
-            }
-        }
-    }
-    joined.sort_by_key(|(r, _)| *r);
-    joined
-}
-
 /// The number before `after` in `line` (`12 step(s) replayed` with `after` = " step(s) replayed").
 fn number_before(line: &str, after: &str) -> u64 {
     let head = &line[..line.find(after).unwrap_or_else(|| panic!("{after:?} in {line:?}"))];
@@ -221,7 +207,7 @@ fn a_sharded_returners_range_donor_lost_mid_stream_stops_its_catch_up_and_loses_
     c.signal(1, libc::SIGKILL);
     let (_, said) = c.wait_line(2, "trainerd: the catch-up stopped: ", back, DEADLINE);
     assert_bitwise(&mut c, WIDE_ADAM, tmp.path());
-    let joined = joined_after(&c, back);
+    let joined = c.joined_after(back);
     let returner = joined.iter().find(|(rank, _)| *rank == 2);
     assert!(matches!(returner, Some((_, Event::Joined { steps_lost: 0, .. }))), "{joined:?}");
     println!("the returner: {said}");
@@ -283,7 +269,7 @@ fn a_member_lost_after_a_bucket_went_to_a_returner_stops_its_catch_up_and_loses_
     let stopped = c.lines_of(0, "trainerd: worker 2 (");
     assert!(stopped.iter().any(|l| l.contains("'s catch-up stopped: generation ")), "{stopped:?}");
     println!("the returner: {said}\nthe chief: {}", stopped.join("\n"));
-    let joined = joined_after(&c, back);
+    let joined = c.joined_after(back);
     let returner = joined.iter().find(|(rank, _)| *rank == 2);
     assert!(matches!(returner, Some((_, Event::Joined { source: Some(0 | 1), steps_lost: 0, .. }))), "{joined:?}");
 }
@@ -368,7 +354,7 @@ fn assert_caught_up_with_nothing_sent(c: &mut Cluster, job: Job, dir: &Path, bac
     assert!(replayed >= 1, "{caught}");
     assert_bitwise(c, job, dir);
     // The generation formed with it: nobody received a state (every join said the same lineage).
-    let joined = joined_after(c, back);
+    let joined = c.joined_after(back);
     assert_eq!(joined.iter().map(|(rank, _)| *rank).collect::<Vec<_>>(), [0, 1, 2], "{joined:?}");
     for (rank, joined) in &joined {
         assert!(matches!(joined, Event::Joined { source: None, steps_lost: 0, .. }), "worker {rank}: {joined:?}");
@@ -392,9 +378,13 @@ fn a_return_past_the_memory_bound_pauses_the_others_and_says_so() {
     let tmp = tempfile::tempdir().unwrap();
     let mut c = Cluster::start(3, &args(SMALL, tmp.path(), &["--catch-up-memory", "1K"]), &[], vec![], RESTART_SEC);
     let back = back_while_they_train(&mut c, 20, 5);
+    // Its formation's line follows the catch-up's end, or a refusal of it (said, and not expected).
+    c.wait_line(2, "trainerd: generation ", back, DEADLINE);
+    let refused = c.lines_of(2, "trainerd: no catch-up: ");
+    assert!(refused.is_empty(), "{refused:?}");
     c.wait_line(2, "trainerd: the catch-up stopped: ", back, DEADLINE);
     assert_bitwise(&mut c, SMALL, tmp.path());
-    let joined = joined_after(&c, back);
+    let joined = c.joined_after(back);
     let returner = joined.iter().find(|(rank, _)| *rank == 2);
     assert!(matches!(returner, Some((_, Event::Joined { source: Some(0 | 1), present: None, .. }))), "{joined:?}");
     let said = c.lines_of(0, "trainerd: worker 2 (");

@@ -273,6 +273,21 @@ impl Cluster {
         self.seen.len()
     }
 
+    /// The first formation every worker joined at or after `mark` (seen so far): (rank, its
+    /// `Joined` event), by rank.
+    pub fn joined_after(&self, mark: usize) -> Vec<(usize, Event)> {
+        let mut joined: Vec<(usize, Event)> = Vec::new();
+        for e in &self.seen[mark..] {
+            if let What::Event(j @ Event::Joined { .. }) = &e.what {
+                if !joined.iter().any(|(r, _)| *r == e.worker) {
+                    joined.push((e.worker, j.clone()));
+                }
+            }
+        }
+        joined.sort_by_key(|(r, _)| *r);
+        joined
+    }
+
     /// The first line of worker `rank` at or after `mark` that starts with `prefix`, waiting for
     /// it when it has not arrived yet (after the event that says it was printed, its line can
     /// still be on its way); when it arrived, and the line.

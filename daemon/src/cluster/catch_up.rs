@@ -268,6 +268,21 @@ impl Feed {
     }
 }
 
+/// What the coordinator answers a returner's request while no generation trains (a cluster
+/// starting, or forming one): the returner joins, and there is nothing to say.
+pub(crate) const NOTHING_TRAINS: &str = "no generation is training";
+
+/// Why a returner does not catch up, and joins with a pause instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum NoCatchUp {
+    /// Nothing trains to catch up with: no coordinator is known or reached, this process
+    /// coordinates, or the coordinator trains no generation (every process of a cluster that
+    /// starts asks, and is told so).
+    NothingTrains(String),
+    /// The coordinator refused it, or did not answer: the returner says why.
+    Refused(String),
+}
+
 /// A returner's request, as the service leaves it for the training thread.
 pub(crate) struct Offer {
     /// The returner's rank.

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicBool;
 
 use super::error::TrainError;
+use crate::cluster::catch_up::{Catching, NoCatchUp};
 use crate::cluster::coordinator::rules::Report;
 use crate::cluster::finding::Finding;
 use crate::cluster::member::Settings;
@@ -62,11 +63,12 @@ pub(crate) struct Joined {
 /// How a worker begins: joined (or not) in the background, or with a catch-up stream to replay
 /// first.
 pub(crate) enum First {
-    /// The first join's result.
-    Joined(Result<Joined, Interrupt>),
+    /// The first join's result, and why this process did not catch up instead, where the
+    /// coordinator refused it while a generation trained (it joins with a pause).
+    Joined(Result<Joined, Interrupt>, Option<String>),
     /// The coordinator feeds this returner (docs/fault-tolerance.md, "A return that does not
     /// pause the survivors").
-    CatchUp(crate::cluster::catch_up::Catching),
+    CatchUp(Catching),
 }
 
 /// A member of a cluster (or a worker alone).
@@ -351,13 +353,15 @@ impl Session {
 
     /// Asks the coordinator to catch up with the generation it trains (see
     /// [`crate::cluster::ControlPlane::catch_up`]); why not, alone or coordinating.
-    /// With `ranges`, asks that member for the ranges it owns in that generation.
-    pub(crate) fn catch_up(&self, ranges: Option<(usize, u64)>) -> Result<crate::cluster::catch_up::Catching, String> {
+    pub(crate) fn catch_up(&self) -> Result<Catching, NoCatchUp> {
+        let Some(m) = self.cluster.as_ref() else { return Err(NoCatchUp::NothingTrains("a worker alone".into())) };
+        m.plane.catch_up(m.timeouts.collective)
+    }
+
+    /// Asks member `donor` for the ranges it owns in `generation`; why not.
+    pub(crate) fn catch_up_ranges(&self, donor: usize, generation: u64) -> Result<Catching, String> {
         let Some(m) = self.cluster.as_ref() else { return Err("a worker alone".into()) };
-        match ranges {
-            Some((donor, generation)) => m.plane.catch_up_ranges(donor, generation, m.timeouts.collective),
-            None => m.plane.catch_up(m.timeouts.collective),
-        }
+        m.plane.catch_up_ranges(donor, generation, m.timeouts.collective)
     }
 
     /// Tells the coordinator this returner's catch-up reached `step` (`pending`: the streams of

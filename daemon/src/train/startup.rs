@@ -17,6 +17,7 @@ use super::error::TrainError;
 use super::report::Reporter;
 use super::session::{First, Session};
 use crate::checkpoint::Checkpointer;
+use crate::cluster::catch_up::NoCatchUp;
 use crate::input::Data as Input;
 use crate::ops::progress::Progress;
 use crate::optim::optimizer::Optimizer;
@@ -221,14 +222,16 @@ pub(super) fn join_in_background(
         .spawn(move || {
             // A worker that starts while the others train catches up first: it replays their
             // steps instead of pausing them (refused at once when nothing trains yet).
+            let mut refused = None;
             if catch_up && session.clustered() && !session.coordinates() {
-                match session.catch_up(None) {
+                match session.catch_up() {
                     Ok(catching) => return (session, state, First::CatchUp(catching)),
-                    Err(why) => tracing::debug!("no catch-up: {why}"),
+                    Err(NoCatchUp::NothingTrains(why)) => tracing::debug!("no catch-up: {why}"),
+                    Err(NoCatchUp::Refused(why)) => refused = Some(why),
                 }
             }
             let joined = session.join(Some(&state as &dyn Shareable), &stop);
-            (session, state, First::Joined(joined))
+            (session, state, First::Joined(joined, refused))
         })
         .map_err(|source| TrainError::Start { what: "the joining thread", source })
 }

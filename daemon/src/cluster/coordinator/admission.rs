@@ -4,6 +4,7 @@
 
 use tonic::Status;
 
+use super::super::catch_up::NOTHING_TRAINS;
 use super::super::difference;
 use super::super::wire::{check_rank, proto};
 use super::rules::in_final_barrier;
@@ -54,7 +55,7 @@ impl Coordinator {
         let m = &c.state.members[rank];
         let not_now = |why: String| Err(Status::failed_precondition(why));
         if !c.state.formed || c.state.finished || in_final_barrier(&c.state) {
-            return not_now("no generation is training".into());
+            return not_now(NOTHING_TRAINS.into());
         }
         if m.active || m.joined.is_some() {
             return not_now(format!("{name} is in generation {} or has joined it", c.state.generation));

@@ -4,9 +4,27 @@
 
 use std::time::{Duration, Instant};
 
-use super::super::catch_up::{Catching, Offer, LARGEST_PART};
+use super::super::catch_up::{Catching, NoCatchUp, Offer, LARGEST_PART, NOTHING_TRAINS};
 use super::super::wire::proto;
 use super::ControlPlane;
+
+/// Why a catch-up stream did not open.
+enum Opening {
+    /// The member could not be connected to.
+    Unreached(String),
+    /// It did not answer the request in time.
+    Unanswered(String),
+    /// It refused the request.
+    Refused(String),
+}
+
+impl Opening {
+    fn why(self) -> String {
+        match self {
+            Opening::Unreached(why) | Opening::Unanswered(why) | Opening::Refused(why) => why,
+        }
+    }
+}
 
 impl ControlPlane {
     /// A returner's request to catch up, left here while this process coordinates (its next
@@ -36,17 +54,19 @@ impl ControlPlane {
             generation,
             ..Default::default()
         };
-        self.open((donor, true), request, (self.timeouts.heartbeat_deadline, patience))
+        self.open((donor, true), request, (self.timeouts.heartbeat_deadline, patience)).map_err(Opening::why)
     }
 
     /// Asks the coordinator this member follows to catch up with the generation it trains
     /// (docs/fault-tolerance.md, "A return that does not pause the survivors"): the stream, once
     /// its first part is on its way, or why not (the caller joins as before). `patience` bounds
     /// the wait for each part.
-    pub(crate) fn catch_up(&self, patience: Duration) -> Result<Catching, String> {
-        let Some((term, rank, _)) = self.coordinator() else { return Err("no coordinator is known".into()) };
+    pub(crate) fn catch_up(&self, patience: Duration) -> Result<Catching, NoCatchUp> {
+        let Some((term, rank, _)) = self.coordinator() else {
+            return Err(NoCatchUp::NothingTrains("no coordinator is known".into()));
+        };
         if rank == self.rank {
-            return Err("this process coordinates".into());
+            return Err(NoCatchUp::NothingTrains("this process coordinates".into()));
         }
         let request = proto::CatchUpRequest {
             rank: self.rank as u32,
@@ -58,7 +78,11 @@ impl ControlPlane {
             generation: 0,
         };
         // One attempt: a coordinator not up yet (a cluster starting) has nothing to catch up with.
-        self.open((rank, false), request, (Duration::from_millis(1), patience))
+        self.open((rank, false), request, (Duration::from_millis(1), patience)).map_err(|e| match e {
+            Opening::Unreached(why) => NoCatchUp::NothingTrains(why),
+            Opening::Refused(why) if why == NOTHING_TRAINS => NoCatchUp::NothingTrains(why),
+            Opening::Refused(why) | Opening::Unanswered(why) => NoCatchUp::Refused(why),
+        })
     }
 
     /// A catch-up stream from member `rank` (`ranges`: its `CatchUpRanges`, else `CatchUp`) for
@@ -69,10 +93,10 @@ impl ControlPlane {
         (rank, ranges): (usize, bool),
         request: proto::CatchUpRequest,
         (connect, patience): (Duration, Duration),
-    ) -> Result<Catching, String> {
+    ) -> Result<Catching, Opening> {
         let (dial, deadline, name) = (&self.dials[rank], self.timeouts.heartbeat_deadline, &self.names[rank]);
         let stream = self.runtime.block_on(async {
-            let client = dial.connect(Instant::now() + connect).await.map_err(|e| e.to_string())?;
+            let client = dial.connect(Instant::now() + connect).await.map_err(|e| Opening::Unreached(e.to_string()))?;
             let mut client = client.max_decoding_message_size(LARGEST_PART);
             let answer = async {
                 match ranges {
@@ -81,8 +105,9 @@ impl ControlPlane {
                 }
             };
             let call = tokio::time::timeout(deadline, answer).await;
-            let reply = call.map_err(|_| format!("{name} did not answer in {:.1}s", deadline.as_secs_f64()))?;
-            reply.map(tonic::Response::into_inner).map_err(|status| status.message().to_string())
+            let reply = call
+                .map_err(|_| Opening::Unanswered(format!("{name} did not answer in {:.1}s", deadline.as_secs_f64())))?;
+            reply.map(tonic::Response::into_inner).map_err(|status| Opening::Refused(status.message().to_string()))
         })?;
         Ok(Catching::new(stream, self.runtime.handle().clone(), patience))
     }

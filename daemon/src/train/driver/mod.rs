@@ -176,7 +176,12 @@ impl<'a> Driver<'a> {
                 return Err(TrainError::Cluster(ClusterError::Replaced(why)));
             }
             let joined = match first.take() {
-                Some(First::Joined(joined)) => joined,
+                Some(First::Joined(joined, refused)) => {
+                    if let Some(why) = refused {
+                        self.report.line(&format!("trainerd: no catch-up: {why}; joining with a pause"));
+                    }
+                    joined
+                }
                 Some(First::CatchUp(catching)) => self
                     .catch_up(&mut state, &mut session, (catching, started))
                     .and_then(|()| session.join(Some(&state as &dyn Shareable), &self.stop)),

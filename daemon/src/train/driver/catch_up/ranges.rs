@@ -242,7 +242,7 @@ impl Streamed {
         ranges: Vec<Range>,
     ) -> Result<Self, String> {
         let open = |&d: &usize| {
-            let catching = session.catch_up(Some((d, generation))).map_err(|e| format!("{}: {e}", session.name(d)))?;
+            let catching = session.catch_up_ranges(d, generation).map_err(|e| format!("{}: {e}", session.name(d)))?;
             Ok(RangeStream { donor: session.name(d), catching, at: None })
         };
         Ok(Streamed { streams: donors.iter().map(open).collect::<Result<_, String>>()?, ranges })
