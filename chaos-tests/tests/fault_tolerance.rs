@@ -239,6 +239,11 @@ fn a_batchnorm_model_killed_mid_epoch_then_stopped_and_resumed_is_bitwise_the_un
     // A worker killed mid-epoch: it comes back and takes the survivor's parameters, buffers
     // (BatchNorm statistics) and position; the survivor's abandoned step put its buffers back.
     wait_for_step(&mut c, BN, 1, 20);
+    c.wait_step(1, 20, DEADLINE);
+    // A fresh start: every worker built the chief's start state from the seed, and nothing was sent.
+    let first = c.joined_after(0);
+    assert_eq!(first.len(), BN.workers, "{first:?}");
+    assert!(first.iter().all(|(_, j)| matches!(j, Event::Joined { generation: 1, source: None, .. })), "{first:?}");
     c.signal(1, libc::SIGKILL);
     c.wait_event(1, recovered, DEADLINE);
     // Then the whole job stopped and started again: it resumes from the checkpoint.
@@ -250,6 +255,13 @@ fn a_batchnorm_model_killed_mid_epoch_then_stopped_and_resumed_is_bitwise_the_un
     drop(c);
     let mut c = start(BN, tmp.path(), &storage, vec![]);
     c.wait_event(0, resumed, DEADLINE);
+    // A resume: the chief's state is the commit it restored, and the others receive it.
+    for rank in 0..BN.workers {
+        c.wait_step(rank, BN.steps + 1, DEADLINE);
+    }
+    let first = c.joined_after(0);
+    assert_eq!(first.len(), BN.workers, "{first:?}");
+    assert!(first.iter().all(|(_, j)| matches!(j, Event::Joined { source: Some(0), .. })), "{first:?}");
     let chief = assert_finished_exactly(&mut c, BN, tmp.path());
     assert_eq!(recovery(&chief, "steps_lost"), 0);
     storage.assert_no_orphans();

@@ -452,8 +452,11 @@ impl Session {
         let (generation, progress, repaired, members) =
             (self.generation, s.progress(), self.repaired, self.members.clone());
         let reached = self.reached.max(progress.0);
-        let report =
-            Report { generation, progress, digest, reached, repaired, members, unread: self.unread, recorded: None };
+        // A fresh process's start state: at a fresh start every member built the coordinator's.
+        let start =
+            if by_lineage { String::new() } else { s.start_digest().map_err(|e| Interrupt::Fatal(e.into()))? };
+        let unread = self.unread;
+        let report = Report { generation, progress, digest, reached, repaired, members, unread, recorded: None, start };
         Ok((report, by_lineage))
     }
 

@@ -37,6 +37,7 @@ fn report_of(r: Option<proto::StateReport>) -> Report {
         members: r.members.into_iter().map(|r| r as usize).collect(),
         recorded: r.recorded.map(|p| (p.generation, p.step)),
         unread: r.unread,
+        start: r.start_sha256,
     }
 }
 

@@ -336,6 +336,7 @@ impl ControlPlane {
                 repaired: report.repaired,
                 members: report.members.iter().map(|&r| r as u32).collect(),
                 unread: report.unread,
+                start_sha256: report.start.clone(),
                 // Until this process is in a generation: what the process before it recorded.
                 recorded: self
                     .position

@@ -53,6 +53,21 @@ pub(crate) trait Shareable {
         if !self.live() {
             return Ok(String::new());
         }
+        self.sha256()
+    }
+
+    /// The sha256 of the start state this process built from the run's seed, where it holds that
+    /// and no state of the run (a fresh process that does not coordinate): a formation whose
+    /// source holds the same sends it nothing. Empty otherwise.
+    fn start_digest(&self) -> Result<String, StateError> {
+        if self.live() || self.progress() != (0, 0) {
+            return Ok(String::new());
+        }
+        self.sha256()
+    }
+
+    /// The sha256 of [`Shareable::encode`], whatever the state.
+    fn sha256(&self) -> Result<String, StateError> {
         let mut hasher = Sha256::new();
         self.encoding()?.write(&mut |b| hasher.update(b))?;
         Ok(hex(&hasher.finalize()))

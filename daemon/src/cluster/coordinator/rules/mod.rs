@@ -39,12 +39,24 @@ pub(crate) struct Report {
     /// It holds no state yet and has not read its checkpoint location (a process that coordinates
     /// at its start joins first): asked to ([`Decision::Read`]), it reads it and joins again.
     pub(crate) unread: bool,
+    /// sha256 of the start state it built from the run's seed and has not trained, when it holds
+    /// no state of the run (a fresh process other than the coordinator): no source, but it needs
+    /// nothing sent where the source's state is that one. Empty otherwise.
+    pub(crate) start: String,
 }
 
 impl Report {
     /// Whether the member holds a state.
     pub(crate) fn has_state(&self) -> bool {
         !self.digest.is_empty()
+    }
+
+    /// Whether it lacks the state `chosen` reports: its own differs, and the start state it built
+    /// (if any) is another.
+    fn lacks(&self, chosen: &Report) -> bool {
+        let held = (self.progress, &self.digest) == (chosen.progress, &chosen.digest);
+        let built = !self.start.is_empty() && self.start == chosen.digest;
+        !held && !built
     }
 
     /// The newest generation the report names: the member's last, or its predecessor's recorded.
@@ -513,11 +525,9 @@ fn form(state: &State, members: Vec<usize>) -> Formation {
         })
         .unwrap_or(members[0]);
     let chosen = report(source);
-    let receivers = members
-        .iter()
-        .copied()
-        .filter(|&r| report(r).progress != chosen.progress || report(r).digest != chosen.digest)
-        .collect();
+    // A member whose start state, built from the seed, is the source's (a fresh start: every
+    // member built the same) receives nothing.
+    let receivers = members.iter().copied().filter(|&r| report(r).lacks(chosen)).collect();
     let (reached, repaired) = reached(state, &members);
     let step = chosen.progress.0;
     Formation {

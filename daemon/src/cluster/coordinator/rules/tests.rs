@@ -326,6 +326,28 @@ fn a_formation_counts_the_steps_its_members_went_back_from_and_a_repair_loses_no
     assert_eq!((f.progress.0, f.steps_trained_again, f.steps_lost), (30, 1, 1));
 }
 
+/// At a fresh start only the coordinator holds a state of the run; the others report the start
+/// state each built from the seed. Where it is the source's, nothing is sent; where a member built
+/// another (another plugin build, a seed that did not fix everything), it receives the source's.
+/// A start state is never a source, and counts for nothing once the run has moved on.
+#[test]
+fn a_start_state_equal_to_the_sources_is_sent_nothing_and_is_no_source() {
+    let t0 = Instant::now();
+    let built = |start: &str| Report { start: start.into(), ..Report::default() };
+    let chief = report(0, 0, "seed");
+    let s = gathering(t0, [Some(chief.clone()), Some(built("seed")), Some(built("other"))]);
+    let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
+    assert_eq!((f.source, f.digest.as_str(), f.receivers.clone()), (0, "seed", vec![2]));
+    // The coordinator's start state at a later step, restored from a commit: every member receives.
+    let s = gathering(t0, [Some(report(0, 40, "c40")), Some(built("seed")), Some(built("seed"))]);
+    let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
+    assert_eq!((f.source, f.receivers.clone()), (0, vec![1, 2]));
+    // The state of the run is held by worker 2 alone: it is the source, not a start state's builder.
+    let s = gathering(t0, [Some(built("seed")), Some(built("seed")), Some(chief)]);
+    let Some(Decision::Form(f)) = decide(&s, t0, &OPTS) else { panic!() };
+    assert_eq!((f.source, f.receivers.clone()), (2, vec![]));
+}
+
 #[test]
 fn a_give_up_closes_the_cluster_and_remembers_whom_to_answer() {
     let t0 = Instant::now();
