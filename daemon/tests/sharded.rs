@@ -410,7 +410,29 @@ fn held_at(point: &str, pauses: usize, (every, check_every): (u64, Option<u64>))
     }
     let mut cmd = args.checkpoints(&ckpt, every).summary(tmp.path().join("s.json")).local(3);
     cmd.env("TRAINERD_FAILPOINT", point).env("TRAINERD_FAILPOINT_RELEASE", &release);
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    // The hold counts from the point's first arrival, not from the start (a loaded machine can
+    // take longer than the hold to get there, and would then hold nothing).
+    let (reached, arrived) = std::sync::mpsc::channel();
+    let read = |pipe: Box<dyn std::io::Read + Send>, reached: std::sync::mpsc::Sender<()>| {
+        std::thread::spawn(move || {
+            let mut all = String::new();
+            for line in std::io::BufRead::lines(std::io::BufReader::new(pipe)).map_while(Result::ok) {
+                if line.contains("trainerd: failpoint ") && line.ends_with(" reached") {
+                    let _ = reached.send(());
+                }
+                all.push_str(&line);
+                all.push('\n');
+            }
+            all
+        })
+    };
+    let stdout = read(Box::new(child.stdout.take().unwrap()), reached.clone());
+    let stderr = read(Box::new(child.stderr.take().unwrap()), reached);
     let releasing = std::thread::spawn(move || {
+        if arrived.recv_timeout(std::time::Duration::from_secs(300)).is_err() {
+            return;
+        }
         std::thread::sleep(std::time::Duration::from_secs(3));
         for _ in 0..pauses {
             std::fs::write(&release, b"").unwrap();
@@ -420,10 +442,10 @@ fn held_at(point: &str, pauses: usize, (every, check_every): (u64, Option<u64>))
             }
         }
     });
-    let out = cmd.output().unwrap();
+    let status = child.wait().unwrap();
+    let log = format!("stdout:\n{}\nstderr:\n{}", stdout.join().unwrap(), stderr.join().unwrap());
     releasing.join().unwrap();
-    let log = text(&out);
-    assert!(out.status.success(), "{log}");
+    assert!(status.success(), "{log}");
     let raw = trainerd_storage::location::local_store(&ckpt).unwrap();
     let store = CheckpointStore::new(Arc::new(raw), object_store::path::Path::default(), "ckpt");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
