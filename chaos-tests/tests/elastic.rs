@@ -427,9 +427,26 @@ fn a_worker_gone_for_good_while_a_generation_forms() {
     killed_for_good_at("formed", 1, 2);
 }
 
+/// A fresh start sends nothing (every member built the chief's start state), so the state moves
+/// here at a return: worker 1 killed and back, joining as before (no catch-up), receives it; worker
+/// 2 stops as it moves (the `state-transfer` point, reached by every member of a formation with a
+/// receiver) and is killed for good: the others form without it, and the run is the full run's.
 #[test]
-fn a_worker_gone_for_good_while_it_receives_the_state() {
-    killed_for_good_at("state-transfer", 1, 2);
+fn a_worker_gone_for_good_while_the_state_moves() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = voting(tmp.path());
+    let mut extra: Vec<&str> = state.iter().map(String::as_str).collect();
+    extra.extend(["--catch-up-memory", "0"]);
+    let mut failpoint = vec![vec![]; LINEAR.workers];
+    failpoint[2] = vec![("TRAINERD_FAILPOINT".to_string(), "state-transfer@1".to_string())];
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], failpoint, RESTART_SEC);
+    c.hold(2);
+    c.wait_step(1, 10, DEADLINE);
+    c.signal(1, libc::SIGKILL);
+    c.wait_for(|e| e.worker == 2 && e.line() == Some("trainerd: failpoint state-transfer reached"), DEADLINE);
+    c.signal(2, libc::SIGKILL);
+    c.wait_event(0, formed_with(2, 3), DEADLINE);
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1]);
 }
 
 /// The chief killed for good in the middle of a commit (its data written, its record not): the
