@@ -13,13 +13,13 @@ N=${N:-10}
 out=${1:-/tmp/trainerd-repeat}
 mkdir -p "$out/build/deps"
 : > "$out/tally"
-cargo build --workspace >/dev/null 2>&1 || { echo "repeat-chaos: cargo build --workspace failed" >&2; exit 1; }
-cp target/debug/trainerd target/debug/*.so "$out/build/"
+cargo build --release --workspace >/dev/null 2>&1 || { echo "repeat-chaos: cargo build --release --workspace failed" >&2; exit 1; }
+cp target/release/trainerd target/release/*.so "$out/build/"
 declare -A exe
 while IFS=' ' read -r name path; do
     cp "$path" "$out/build/deps/$name"
     exe[$name]="$out/build/deps/$name"
-done < <(cargo test --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
+done < <(cargo test --workspace --release --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 want = {"fault_tolerance", "elastic", "integrity", "kill", "kernels", "data", "soak", "models", "operations",
         "python_model", "torchscript", "partition", "sharded", "catch_up", "returns", "keras"}

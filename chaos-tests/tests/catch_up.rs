@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use trainerd_testkit::{Cluster, Event, RunArgs, What};
+use trainerd_testkit::{Cluster, Event, Return, RunArgs, What};
 
 const DEADLINE: Duration = Duration::from_secs(300);
 const RESTART_SEC: Duration = Duration::from_millis(200);
@@ -87,22 +87,32 @@ fn assert_bitwise(c: &mut Cluster, job: Job, dir: &Path) {
     }
 }
 
-/// Worker 2 killed after step `step` and held down until the two others have formed a
-/// generation without it and trained `then` steps in it; then it comes back. The mark before it
-/// came back.
-fn back_while_they_train(c: &mut Cluster, step: u64, then: u64) -> usize {
+/// `job` on 3 workers with `extra` flags and the failpoints `also` (a worker's, released by its
+/// [`Return::release_file`]), staged for a return: worker 2 stops at the start of step `step`
+/// and is killed there, the two others form a generation without it, train `then` steps in it,
+/// and wait there until the chief hears it ask to catch up, whatever the build's speed (a release
+/// build trains the small jobs' remaining steps before a restarted worker has loaded libtorch).
+fn start_for_a_return(
+    job: Job,
+    dir: &Path,
+    extra: &[&str],
+    (step, then): (u64, u64),
+    also: &[(usize, &str)],
+) -> (Cluster, Return) {
+    let staged = Return::new(dir, 2, step, &[0, 1], step + then);
+    let c = Cluster::start(3, &args(job, dir, extra), &[], staged.env(3, also), RESTART_SEC);
+    (c, staged)
+}
+
+/// Worker 2 killed where `staged` stops it and held down until the two others have formed a
+/// generation without it and reached their hold; then it comes back, and they go on once the
+/// chief hears it ask to catch up. The mark before it came back.
+fn back_while_they_train(c: &mut Cluster, staged: &Return) -> usize {
     c.hold(2);
-    c.wait_step(0, step, DEADLINE);
+    staged.stop_leaver(c, DEADLINE);
     c.signal(2, libc::SIGKILL);
     c.wait_event(0, |e| matches!(e, Event::Joined { present: Some(2), .. }), DEADLINE);
-    let from = match c.wait_event(0, |e| matches!(e, Event::Step { .. }), DEADLINE).1 {
-        Event::Step { global_step, .. } => global_step,
-        _ => unreachable!("a step"),
-    };
-    c.wait_step(0, from + then, DEADLINE);
-    let back = c.mark();
-    c.bring_back(2);
-    back
+    staged.bring_back(c, 0, DEADLINE)
 }
 
 /// The number before `after` in `line` (`12 step(s) replayed` with `after` = " step(s) replayed").
@@ -138,8 +148,8 @@ fn gaps(c: &Cluster, rank: usize, mark: usize) -> (Duration, Duration) {
 #[test]
 fn a_worker_back_while_the_others_train_catches_up_and_takes_its_slots_back_with_nothing_sent() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = Cluster::start(3, &args(WIDE, tmp.path(), &[]), &[], vec![], RESTART_SEC);
-    let back = back_while_they_train(&mut c, 5, 2);
+    let (mut c, staged) = start_for_a_return(WIDE, tmp.path(), &[], (5, 2), &[]);
+    let back = back_while_they_train(&mut c, &staged);
     let replayed = assert_caught_up_with_nothing_sent(&mut c, WIDE, tmp.path(), back);
     assert_eq!(updated_by_range(&mut c, back), replayed, "each update ran range by range as the gradient came");
     let returner = &summary(tmp.path(), 2)["fault_tolerance"];
@@ -165,8 +175,8 @@ fn a_sharded_worker_back_while_the_others_train_catches_up_and_takes_only_its_ra
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");
     let sharded = ["--shard", "gradients", "--checkpoint-dir", ckpt.to_str().unwrap()];
-    let mut c = Cluster::start(3, &args(WIDE_ADAM, tmp.path(), &sharded), &[], vec![], RESTART_SEC);
-    let back = back_while_they_train(&mut c, 5, 2);
+    let (mut c, staged) = start_for_a_return(WIDE_ADAM, tmp.path(), &sharded, (5, 2), &[]);
+    let back = back_while_they_train(&mut c, &staged);
     let replayed = assert_caught_up_with_nothing_sent(&mut c, WIDE_ADAM, tmp.path(), back);
     assert_eq!(updated_by_range(&mut c, back), 0, "a sharded step's parameters are taken, not updated");
     assert_eq!(summary(tmp.path(), 2)["fault_tolerance"]["steps_replayed"].as_u64(), Some(replayed));
@@ -199,9 +209,8 @@ fn a_sharded_returners_range_donor_lost_mid_stream_stops_its_catch_up_and_loses_
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");
     let sharded = ["--shard-optimizer", "--checkpoint-dir", ckpt.to_str().unwrap()];
-    let log = vec![("TRAINERD_LOG".to_string(), "warn,trainerd::cluster::service=info".to_string())];
-    let mut c = Cluster::start(3, &args(WIDE_ADAM, tmp.path(), &sharded), &[], vec![vec![], log], RESTART_SEC);
-    let back = back_while_they_train(&mut c, 5, 2);
+    let (mut c, staged) = start_for_a_return(WIDE_ADAM, tmp.path(), &sharded, (5, 2), &[]);
+    let back = back_while_they_train(&mut c, &staged);
     let asks = |l: &str| l.contains("worker 2 (") && l.ends_with(") asks for the ranges it will hold");
     c.wait_for(|e| e.worker == 1 && e.line().is_some_and(asks), DEADLINE);
     c.signal(1, libc::SIGKILL);
@@ -238,8 +247,8 @@ fn a_return_in_a_run_of_several_buckets_takes_each_as_the_chiefs_backward_pass_r
 /// before the step's outputs; the run ends bitwise the failure-free one.
 fn assert_each_bucket_sent_first(job: Job) {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = Cluster::start(3, &args(job, tmp.path(), &[]), &[], vec![], RESTART_SEC);
-    let back = back_while_they_train(&mut c, 20, 5);
+    let (mut c, staged) = start_for_a_return(job, tmp.path(), &[], (20, 5), &[]);
+    let back = back_while_they_train(&mut c, &staged);
     let replayed = assert_caught_up_with_nothing_sent(&mut c, job, tmp.path(), back);
     assert_eq!(updated_by_range(&mut c, back), replayed, "each update ran range by range as the gradient came");
     assert_eq!(buckets_sent(&mut c, back), replayed - 1, "every step after the state's sent its bucket first");
@@ -253,16 +262,11 @@ fn assert_each_bucket_sent_first(job: Job) {
 #[test]
 fn a_member_lost_after_a_bucket_went_to_a_returner_stops_its_catch_up_and_loses_nothing() {
     let tmp = tempfile::tempdir().unwrap();
-    let release = tmp.path().join("release");
-    let held = vec![
-        ("TRAINERD_FAILPOINT".to_string(), "bucket-sent@1".to_string()),
-        ("TRAINERD_FAILPOINT_RELEASE".to_string(), release.to_str().unwrap().to_string()),
-    ];
-    let mut c = Cluster::start(3, &args(LONG_BUCKETS, tmp.path(), &[]), &[], vec![held], RESTART_SEC);
-    let back = back_while_they_train(&mut c, 20, 5);
+    let (mut c, staged) = start_for_a_return(LONG_BUCKETS, tmp.path(), &[], (20, 5), &[(0, "bucket-sent@1")]);
+    let back = back_while_they_train(&mut c, &staged);
     c.wait_line(0, "trainerd: failpoint bucket-sent reached", back, DEADLINE);
     c.signal(1, libc::SIGKILL);
-    std::fs::write(&release, b"").unwrap();
+    std::fs::write(staged.release_file(0), b"").unwrap();
     let (_, said) = c.wait_line(2, "trainerd: the catch-up stopped: ", back, DEADLINE);
     assert!(said.ends_with(" half taken: its first buckets came); joining with a pause"), "{said}");
     assert_bitwise(&mut c, LONG_BUCKETS, tmp.path());
@@ -376,8 +380,8 @@ fn assert_caught_up_with_nothing_sent(c: &mut Cluster, job: Job, dir: &Path, bac
 #[test]
 fn a_return_past_the_memory_bound_pauses_the_others_and_says_so() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = Cluster::start(3, &args(SMALL, tmp.path(), &["--catch-up-memory", "1K"]), &[], vec![], RESTART_SEC);
-    let back = back_while_they_train(&mut c, 20, 5);
+    let (mut c, staged) = start_for_a_return(SMALL, tmp.path(), &["--catch-up-memory", "1K"], (20, 5), &[]);
+    let back = back_while_they_train(&mut c, &staged);
     // Its formation's line follows the catch-up's end, or a refusal of it (said, and not expected).
     c.wait_line(2, "trainerd: generation ", back, DEADLINE);
     let refused = c.lines_of(2, "trainerd: no catch-up: ");

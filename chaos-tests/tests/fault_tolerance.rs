@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use trainerd_storage::{CheckpointStore, Location, S3Options};
 use trainerd_testkit::s3::S3Server;
-use trainerd_testkit::{Cluster, Event, RunArgs, What};
+use trainerd_testkit::{Cluster, Event, Return, RunArgs, What};
 
 /// Every scenario's outer deadline: a hang fails the test.
 const DEADLINE: Duration = Duration::from_secs(240);
@@ -433,19 +433,22 @@ fn ten_random_kills_in_one_run() {
 fn sigterm_preempts_one_worker_and_its_return_loses_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let storage = Storage::local(tmp.path());
-    let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
-    wait_for_step(&mut c, LINEAR, 1, 150);
+    // Stopped at step 150's start, so that the others train on without it from there, and held
+    // at step 200 until it is back (a release build would otherwise end the run first).
+    let staged = Return::new(tmp.path(), 2, 150, &[0, 1], 200);
+    let mut c = start(LINEAR, tmp.path(), &storage, staged.env(WORKERS, &[]));
+    staged.stop_leaver(&mut c, DEADLINE);
     let (sent, mark) = (Instant::now(), c.mark());
     c.signal(2, libc::SIGTERM);
+    staged.release_leaver();
     let (at, exiting) = c.wait_event(2, |e| matches!(e, Event::Exiting { .. }), DEADLINE);
     assert_eq!(exiting, Event::Exiting { status: 0 });
     assert_eq!(c.wait_exit(2, DEADLINE).1, 0);
     assert!(at - sent < Duration::from_secs(10), "it took {:?} to stop", at - sent);
     let (_, stopped) = c.wait_line(2, "trainerd: stopped by signal at global step ", mark, DEADLINE);
     assert!(stopped.contains("committed as checkpoint") || stopped.contains("held by the coordinator"), "{stopped}");
-    // The others wait for it; the node comes back.
-    std::thread::sleep(Duration::from_secs(1));
-    c.bring_back(2);
+    // The others train on without it; the node comes back.
+    staged.bring_back(&mut c, 0, DEADLINE);
     let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
     assert_eq!(recovery(&chief, "steps_lost"), 0);
     storage.assert_no_orphans();

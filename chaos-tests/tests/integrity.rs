@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use trainerd_testkit::{Cluster, Event, RunArgs};
+use trainerd_testkit::{Cluster, Event, Return, RunArgs};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 const RESTART_SEC: Duration = Duration::from_millis(200);
@@ -385,10 +385,14 @@ fn a_comparison_cut_short_by_a_kill_is_finished_in_the_next_generation_and_costs
 fn a_comparison_cut_short_at_an_epochs_end_is_finished_once_by_the_epochs_end() {
     let expected = reference();
     let tmp = tempfile::tempdir().unwrap();
-    let first_env = vec![vec![], failpoint("replica-check@step=120")];
-    let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], first_env, RESTART_SEC);
-    c.wait_line(1, "trainerd: failpoint replica-check reached", 0, DEADLINE);
+    // The survivors wait at step 130 until worker 1 is back (a release build would otherwise end
+    // the run first).
+    let staged = Return::at_point(tmp.path(), 1, "replica-check@step=120", &[0, 2], 130);
+    let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], staged.env(WORKERS, &[]), RESTART_SEC);
+    staged.stop_leaver(&mut c, DEADLINE);
+    let mark = c.mark();
     c.signal(1, libc::SIGKILL);
+    staged.release_when_back(&mut c, 0, mark, DEADLINE);
     assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
     let transcript = c.transcript();
     let owed = c.lines_of(0, "trainerd: the replicas' comparison at step 120 did not complete (");

@@ -236,6 +236,15 @@ impl Cluster {
         panic!("nothing matching within {timeout:?}; saw:\n{}", self.transcript())
     }
 
+    /// The first entry at or after `mark` that satisfies `pred`, waiting for it when none has
+    /// arrived yet; panics with the transcript after `timeout`.
+    pub fn wait_after(&mut self, mark: usize, pred: impl Fn(&Entry) -> bool, timeout: Duration) -> Entry {
+        match self.seen.iter().skip(mark).find(|e| pred(e)) {
+            Some(e) => e.clone(),
+            None => self.wait_for(pred, timeout),
+        }
+    }
+
     /// Waits until worker `rank` emits an event satisfying `pred`; when it arrived, and the event.
     pub fn wait_event(&mut self, rank: usize, pred: impl Fn(&Event) -> bool, timeout: Duration) -> (Instant, Event) {
         let e = self.wait_for(|e| e.worker == rank && e.event().is_some_and(&pred), timeout);

@@ -8,6 +8,7 @@
 //! - [`run`]: the flags of a `trainerd run`, built in one place for every test;
 //! - [`cluster`]: real `trainerd run` processes under the daemon's own supervisor (systemd's
 //!   semantics), what they print and the events they emit, and one process watched alone;
+//! - [`held`]: a return staged at fixed steps, whatever the build's speed;
 //! - [`output`]: reading what a finished command printed and wrote.
 //!
 //! What the product shares with the tests (the supervisor, the events, the exit statuses) lives
@@ -15,6 +16,7 @@
 
 pub mod cluster;
 pub mod fault;
+pub mod held;
 pub mod netns;
 pub mod notify;
 pub mod output;
@@ -25,6 +27,7 @@ pub mod run;
 pub mod s3;
 
 pub use cluster::{Cluster, Entry, What, Worker};
+pub use held::Return;
 pub use netns::Netns;
 pub use paths::{copy_tree, dataset, parquet_dataset, plugin, python, python_examples, tokens, trainerd, trainerd_cmd};
 pub use ports::{free_ports, tf_config};
