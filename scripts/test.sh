@@ -12,6 +12,9 @@ python3 scripts/rust_sizes.py 60 600 daemon/src storage/src sdk/src data/src
 scripts/setup.sh --tests --workspace
 source scripts/env.sh
 cargo clippy --workspace --all-targets -- -D warnings
+# What the main command builds (its own feature set): the README test runs the quick start's
+# blocks as written, and their build step then finds it done rather than compiling during a test.
+cargo build --release -p trainerd -p mnist-cnn -p python-model
 # The tests run what users run: the release build (the README test's quick-start blocks then find
 # their build done). The daemon's own Rust (the ring's additions, encoding, hashing) unoptimised
 # was half of a training step's time, and the suite had outgrown CI's 90 minutes in the debug build.
