@@ -77,7 +77,11 @@ impl Return {
 
     /// Lets the leaver go on from its failpoint (after a SIGTERM, to stop at the step's end).
     pub fn release_leaver(&self) {
-        std::fs::write(self.release_file(self.leaver), b"").expect("a release file");
+        self.release(self.leaver);
+    }
+
+    fn release(&self, rank: usize) {
+        std::fs::write(self.release_file(rank), b"").expect("a release file");
     }
 
     /// For a leaver held down: waits for the held workers to stop at their step, brings the
@@ -87,7 +91,7 @@ impl Return {
         self.wait_held(c, timeout);
         let back = c.mark();
         c.bring_back(self.leaver);
-        self.release_when_back(c, coordinator, back, timeout);
+        self.release_once_back(c, coordinator, back, timeout);
         back
     }
 
@@ -96,6 +100,11 @@ impl Return {
     /// generation, or it says it joins with a pause; then lets the held workers go on.
     pub fn release_when_back(&self, c: &mut Cluster, coordinator: usize, mark: usize, timeout: Duration) {
         self.wait_held(c, timeout);
+        self.release_once_back(c, coordinator, mark, timeout);
+    }
+
+    /// Lets the held workers go on once the leaver's new process, after `mark`, is back.
+    fn release_once_back(&self, c: &mut Cluster, coordinator: usize, mark: usize, timeout: Duration) {
         // A log line (time, level, target, then the message).
         let asks = format!(" worker {} (", self.leaver);
         let asked = |l: &str| l.contains(&asks) && l.contains(") asks to catch up with generation ");
@@ -110,9 +119,7 @@ impl Return {
             },
             timeout,
         );
-        for &rank in &self.held {
-            std::fs::write(self.release_file(rank), b"").expect("a release file");
-        }
+        self.held.iter().for_each(|&rank| self.release(rank));
     }
 
     fn wait_held(&self, c: &mut Cluster, timeout: Duration) {
