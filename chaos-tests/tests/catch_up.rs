@@ -112,7 +112,7 @@ fn back_while_they_train(c: &mut Cluster, staged: &Return) -> usize {
     staged.stop_leaver(c, DEADLINE);
     c.signal(2, libc::SIGKILL);
     c.wait_event(0, |e| matches!(e, Event::Joined { present: Some(2), .. }), DEADLINE);
-    staged.bring_back(c, 0, DEADLINE)
+    staged.bring_back(c, DEADLINE)
 }
 
 /// The number before `after` in `line` (`12 step(s) replayed` with `after` = " step(s) replayed").

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use trainerd_testkit::{Cluster, Entry, Event, RunArgs, What};
+use trainerd_testkit::{Cluster, Entry, Event, Return, RunArgs, What};
 
 const DEADLINE: Duration = Duration::from_secs(240);
 const RESTART_SEC: Duration = Duration::from_millis(200);
@@ -29,8 +29,8 @@ struct Job {
 
 const LINEAR: Job = Job { plugin: "linear", epochs: 2, steps: 120, workers: 3, batch: None };
 const LINEAR4: Job = Job { plugin: "linear", epochs: 2, steps: 150, workers: 4, batch: None };
-/// Long enough (1,200 steps) that the survivors cannot finish before a returning chief is back,
-/// even on a loaded machine.
+/// Long enough (1,200 steps) that the survivors cannot finish before a chief frozen until they
+/// have replaced it is back, even on a loaded machine.
 const LONGER: Job = Job { plugin: "linear", epochs: 2, steps: 600, workers: 3, batch: Some(32) };
 /// BatchNorm (running statistics, one copy per slot) and dropout (masks drawn per slot).
 const BN: Job = Job { plugin: "mnist-bn", epochs: 1, steps: 40, workers: 3, batch: None };
@@ -144,14 +144,16 @@ fn a_replaced_worker_that_comes_back_takes_its_slot_back() {
     let tmp = tempfile::tempdir().unwrap();
     // Without a catch-up (tests/catch_up.rs has it), the return pauses the others for a state
     // transfer, as before.
+    // Killed at the start of step 30, back while the two others wait at step 100 (a release
+    // build trains the rest faster than a restarted worker loads libtorch).
     let run = args(LINEAR, tmp.path(), &["--catch-up-memory", "0"]);
-    let mut c = Cluster::start(LINEAR.workers, &run, &[], vec![], RESTART_SEC);
+    let staged = Return::new(tmp.path(), 2, 30, &[0, 1], 100);
+    let mut c = Cluster::start(LINEAR.workers, &run, &[], staged.env(LINEAR.workers, &[]), RESTART_SEC);
     c.hold(2);
-    wait_for_step(&mut c, LINEAR, 1, 30);
+    staged.stop_leaver(&mut c, DEADLINE);
     c.signal(2, libc::SIGKILL);
     c.wait_event(0, formed_with(2, 3), DEADLINE);
-    wait_for_step(&mut c, LINEAR, 1, 100);
-    c.bring_back(2);
+    staged.bring_back(&mut c, DEADLINE);
     // It receives the state from a live peer and the run is back to full size.
     let (_, joined) = c.wait_event(2, |e| matches!(e, Event::Joined { .. }), DEADLINE);
     assert!(matches!(joined, Event::Joined { present: None, source: Some(0 | 1), .. }), "{joined:?}");
@@ -178,14 +180,19 @@ fn elected_after(c: &mut Cluster, mark: usize) -> usize {
     rank
 }
 
-/// Three voting workers; the chief SIGKILLed for good after `step` of epoch 1: a survivor is
-/// elected and forms a generation of the two.
-fn chief_killed_for_good(job: Job, dir: &Path, step: u64) -> Cluster {
+/// Three voting workers, `first_env` added to their first processes; the chief SIGKILLed for
+/// good once `stopped` returns: a survivor is elected and forms a generation of the two.
+fn chief_killed_for_good(
+    job: Job,
+    dir: &Path,
+    first_env: Vec<Vec<(String, String)>>,
+    stopped: impl FnOnce(&mut Cluster),
+) -> Cluster {
     let state = voting(dir);
     let extra: Vec<&str> = state.iter().map(String::as_str).collect();
-    let mut c = Cluster::start(job.workers, &args(job, dir, &extra), &[], vec![], RESTART_SEC);
+    let mut c = Cluster::start(job.workers, &args(job, dir, &extra), &[], first_env, RESTART_SEC);
     c.hold(0);
-    wait_for_step(&mut c, job, 1, step);
+    stopped(&mut c);
     let killed = c.mark();
     c.signal(0, libc::SIGKILL);
     elected_after(&mut c, killed);
@@ -199,7 +206,7 @@ fn chief_killed_for_good(job: Job, dir: &Path, step: u64) -> Cluster {
 #[test]
 fn the_chief_killed_for_good_is_replaced_by_an_elected_coordinator() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = chief_killed_for_good(LINEAR, tmp.path(), 40);
+    let mut c = chief_killed_for_good(LINEAR, tmp.path(), vec![], |c| wait_for_step(c, LINEAR, 1, 40));
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[1, 2]);
     // The new coordinator committed the final state, in a generation above the chief's.
     let s = summary(tmp.path(), 1);
@@ -223,13 +230,15 @@ fn the_chief_killed_for_good_is_replaced_by_an_elected_coordinator() {
 /// The chief comes back while its successor coordinates: it hears of the newer term, joins as a
 /// member saying so, takes its slot back, and the run is still bitwise the three-worker run's.
 /// It receives the state at its join, or (repeated runs under load, 2026-11-29: 2 of 2) catches
-/// up from a peer's first and joins holding the state every member holds.
+/// up from a peer's first and joins holding the state every member holds. The chief is killed at
+/// the start of step 30, and the survivors wait at step 60 until it is back.
 #[test]
 fn a_chief_that_returns_while_its_successor_coordinates_joins_as_a_member() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = chief_killed_for_good(LONGER, tmp.path(), 30);
-    let back = c.mark();
-    c.bring_back(0);
+    let staged = Return::new(tmp.path(), 0, 30, &[1, 2], 60);
+    let env = staged.env(LINEAR.workers, &[]);
+    let mut c = chief_killed_for_good(LINEAR, tmp.path(), env, |c| staged.stop_leaver(c, DEADLINE));
+    let back = staged.bring_back(&mut c, DEADLINE);
     let (_, line) = c.wait_line(0, "trainerd: worker 0 ", back, DEADLINE);
     assert!(line.contains(" coordinates (term ") && line.contains("joining as a member"), "{line}");
     let (_, joined) = c.wait_event(0, |e| matches!(e, Event::Joined { .. }), DEADLINE);
@@ -237,7 +246,7 @@ fn a_chief_that_returns_while_its_successor_coordinates_joins_as_a_member() {
     let received = matches!(joined, Event::Joined { present: None, source: Some(1 | 2), .. });
     let held = matches!(joined, Event::Joined { present: None, source: None, .. }) && caught_up;
     assert!(received || held, "{joined:?}\n{}", c.transcript());
-    assert_finished_exactly(&mut c, LONGER, tmp.path(), &[0, 1, 2]);
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
     assert_eq!(summary(tmp.path(), 0)["slots"], serde_json::json!([0]));
 }
 
@@ -368,18 +377,21 @@ fn a_daemon_of_two_replicas_gone_for_good_leaves_its_slots_to_the_survivors_repl
 fn four_workers_lose_two_one_after_the_other_and_both_come_back() {
     let tmp = tempfile::tempdir().unwrap();
     let extra = ["--min-workers", "2", "--allow-even-split"];
-    let mut c = Cluster::start(LINEAR4.workers, &args(LINEAR4, tmp.path(), &extra), &[], vec![], RESTART_SEC);
+    // Worker 3 killed at the start of step 30, worker 1 at step 60's; the two others wait at step
+    // 100 until both are back (a release build trains the rest faster than a restart loads).
+    let staged = Return::new(tmp.path(), 3, 30, &[0, 2], 100);
+    let env = staged.env(LINEAR4.workers, &[(1, "train-step@step=60")]);
+    let mut c = Cluster::start(LINEAR4.workers, &args(LINEAR4, tmp.path(), &extra), &[], env, RESTART_SEC);
     c.hold(1);
     c.hold(3);
-    wait_for_step(&mut c, LINEAR4, 1, 30);
+    staged.stop_leaver(&mut c, DEADLINE);
     c.signal(3, libc::SIGKILL);
     c.wait_event(0, formed_with(3, 4), DEADLINE);
-    wait_for_step(&mut c, LINEAR4, 1, 60);
+    c.wait_line(1, "trainerd: failpoint train-step reached", 0, DEADLINE);
     c.signal(1, libc::SIGKILL);
     c.wait_event(0, formed_with(2, 4), DEADLINE);
-    wait_for_step(&mut c, LINEAR4, 1, 100);
-    c.bring_back(1);
-    c.bring_back(3);
+    staged.bring_back_also(&mut c, 1, DEADLINE);
+    staged.bring_back(&mut c, DEADLINE);
     c.wait_event(0, formed_with(4, 4), DEADLINE);
     assert_finished_exactly(&mut c, LINEAR4, tmp.path(), &[0, 1, 2, 3]);
 }
@@ -388,13 +400,15 @@ fn four_workers_lose_two_one_after_the_other_and_both_come_back() {
 fn a_job_starts_with_two_of_three_workers_and_the_third_joins_mid_epoch() {
     let tmp = tempfile::tempdir().unwrap();
     let extra = ["--rendezvous-timeout", "4"];
-    // Worker 2's node is down at the start: its first process dies at once and is not restarted.
-    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], vec![], RESTART_SEC);
+    // Worker 2's node is down at the start: its first process dies at once and is not restarted;
+    // the two others wait at step 50 until it is back.
+    let staged = Return::held_for(tmp.path(), 2, &[0, 1], 50);
+    let env = staged.env(LINEAR.workers, &[]);
+    let mut c = Cluster::start(LINEAR.workers, &args(LINEAR, tmp.path(), &extra), &[], env, RESTART_SEC);
     c.hold(2);
     c.signal(2, libc::SIGKILL);
     c.wait_event(0, formed_with(2, 3), DEADLINE);
-    wait_for_step(&mut c, LINEAR, 1, 50);
-    c.bring_back(2);
+    staged.bring_back(&mut c, DEADLINE);
     c.wait_event(0, formed_with(3, 3), DEADLINE);
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
 }
@@ -543,17 +557,21 @@ fn short_formation_or_restart(coordinators: &[usize], victim: usize) -> impl Fn(
 #[test]
 fn a_killed_worker_is_not_waited_for_and_takes_its_slot_back_when_it_returns() {
     let tmp = tempfile::tempdir().unwrap();
-    let (run, env) = at_once(LONGER, tmp.path());
-    let mut c = Cluster::start(LONGER.workers, &run, &env, vec![], UNIT_RESTART);
-    wait_for_step(&mut c, LONGER, 1, 30);
+    let (run, env) = at_once(LINEAR, tmp.path());
+    // Killed at the start of step 30; the others wait at step 60 until its restart is back.
+    let staged = Return::new(tmp.path(), 2, 30, &[0, 1], 60);
+    let mut c = Cluster::start(LINEAR.workers, &run, &env, staged.env(LINEAR.workers, &[]), UNIT_RESTART);
+    staged.stop_leaver(&mut c, DEADLINE);
+    let killed = c.mark();
     c.signal(2, libc::SIGKILL);
     let first = c.wait_for(short_formation_or_restart(&[0], 2), DEADLINE);
     assert_eq!(first.worker, 0, "the survivors waited for the restart:\n{}", c.transcript());
+    staged.release_when_back(&mut c, killed, DEADLINE);
     // Back while the others train, it catches up and nobody receives anything (source none); back
     // while they still re-form (a loaded machine), it receives the state from one of them.
     let (_, joined) = c.wait_event(2, |e| matches!(e, Event::Joined { .. }), DEADLINE);
     assert!(matches!(joined, Event::Joined { present: None, source: None | Some(0 | 1), .. }), "{joined:?}");
-    assert_finished_exactly(&mut c, LONGER, tmp.path(), &[0, 1, 2]);
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
     assert_eq!(summary(tmp.path(), 0)["fault_tolerance"]["steps_lost"].as_u64(), Some(0));
     let replayed = summary(tmp.path(), 2)["fault_tolerance"]["steps_replayed"].as_u64().unwrap();
     assert_eq!(replayed > 0, matches!(joined, Event::Joined { source: None, .. }), "{joined:?}, {replayed} replayed");
@@ -566,31 +584,38 @@ fn a_killed_worker_is_not_waited_for_and_takes_its_slot_back_when_it_returns() {
 #[test]
 fn a_killed_chief_is_replaced_at_once_and_returns_as_a_member() {
     let tmp = tempfile::tempdir().unwrap();
-    let (run, env) = at_once(LONGER, tmp.path());
-    let mut c = Cluster::start(LONGER.workers, &run, &env, vec![], UNIT_RESTART);
-    wait_for_step(&mut c, LONGER, 1, 30);
+    let (run, env) = at_once(LINEAR, tmp.path());
+    // Killed at the start of step 30; the others wait at step 60 until its restart is back.
+    let staged = Return::new(tmp.path(), 0, 30, &[1, 2], 60);
+    let mut c = Cluster::start(LINEAR.workers, &run, &env, staged.env(LINEAR.workers, &[]), UNIT_RESTART);
+    staged.stop_leaver(&mut c, DEADLINE);
     let killed = c.mark();
     c.signal(0, libc::SIGKILL);
     let first = c.wait_for(short_formation_or_restart(&[1, 2], 0), DEADLINE);
     assert_ne!(first.worker, 0, "the survivors waited for the chief's restart:\n{}", c.transcript());
     elected_after(&mut c, killed);
+    staged.release_when_back(&mut c, killed, DEADLINE);
     let (_, line) = c.wait_line(0, "trainerd: worker 0 ", killed, DEADLINE);
     assert!(line.contains(" coordinates (term ") && line.contains("joining as a member"), "{line}");
-    assert_finished_exactly(&mut c, LONGER, tmp.path(), &[0, 1, 2]);
+    assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
     let state = std::fs::read_dir(tmp.path().join("state/trainerd")).unwrap().count();
     assert_eq!(state, 1, "one default state directory for the job");
 }
 
 /// Four workers with the defaults a user gets, worker 3 killed and held down after step 20: the
-/// other three have formed without it.
-fn four_training_while_worker_3_is_held_down(dir: &Path) -> Cluster {
-    let (run, env) = at_once(LINEAR4, dir);
-    let mut c = Cluster::start(LINEAR4.workers, &run, &env, vec![], RESTART_SEC);
+/// other three have formed without it. Workers 1 and 2 wait at step 200 until it is back (where
+/// they are restarted, [`Return::arm_held`] arms their new processes to wait there too).
+fn four_training_while_worker_3_is_held_down(dir: &Path) -> (Cluster, Return) {
+    let (run, mut env) = at_once(LINEAR4, dir);
+    // The chief is restarted before the return: its new process logs the request to catch up.
+    env.push(Return::log_env());
+    let staged = Return::held_for(dir, 3, &[1, 2], 200);
+    let mut c = Cluster::start(LINEAR4.workers, &run, &env, staged.env(LINEAR4.workers, &[]), RESTART_SEC);
     c.hold(3);
     wait_for_step(&mut c, LINEAR4, 1, 20);
     c.signal(3, libc::SIGKILL);
     c.wait_event(0, formed_with(3, 4), DEADLINE);
-    c
+    (c, staged)
 }
 
 /// Found by the randomized soak: the chief killed while another worker is held down. The two
@@ -602,7 +627,7 @@ fn four_training_while_worker_3_is_held_down(dir: &Path) -> Cluster {
 #[test]
 fn a_restarted_chief_forms_at_once_with_the_survivors_while_another_worker_is_held_down() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = four_training_while_worker_3_is_held_down(tmp.path());
+    let (mut c, staged) = four_training_while_worker_3_is_held_down(tmp.path());
     c.signal(0, libc::SIGKILL);
     let restarted = c.wait_for(|e| e.worker == 0 && e.what == What::Restarted, DEADLINE);
     let (formed, joined) = c.wait_event(1, formed_with(3, 4), DEADLINE);
@@ -611,7 +636,7 @@ fn a_restarted_chief_forms_at_once_with_the_survivors_while_another_worker_is_he
         "elastic: the chief's restart to the formation with worker 3 held down: {:.2} s",
         formed.saturating_duration_since(restarted.at).as_secs_f64()
     );
-    c.bring_back(3);
+    staged.bring_back(&mut c, DEADLINE);
     assert_finished_exactly(&mut c, LINEAR4, tmp.path(), &[0, 1, 2, 3]);
 }
 
@@ -623,8 +648,9 @@ fn a_restarted_chief_forms_at_once_with_the_survivors_while_another_worker_is_he
 #[test]
 fn every_process_restarted_while_a_worker_is_held_down_forms_without_it_at_once() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = four_training_while_worker_3_is_held_down(tmp.path());
+    let (mut c, staged) = four_training_while_worker_3_is_held_down(tmp.path());
     c.wait_event(0, |e| matches!(e, Event::Committed { .. }), DEADLINE);
+    staged.arm_held(&c);
     for rank in 0..3 {
         c.signal(rank, libc::SIGKILL);
     }
@@ -633,7 +659,7 @@ fn every_process_restarted_while_a_worker_is_held_down_forms_without_it_at_once(
     let (formed, _) = c.wait_event(0, formed_with(3, 4), DEADLINE);
     let waited = formed.saturating_duration_since(restarted.at);
     assert!(waited < Duration::from_secs(30), "waited {waited:?} for a worker gone before the commit");
-    c.bring_back(3);
+    staged.bring_back(&mut c, DEADLINE);
     assert_finished_exactly(&mut c, LINEAR4, tmp.path(), &[0, 1, 2, 3]);
 }
 

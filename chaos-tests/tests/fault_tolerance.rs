@@ -448,7 +448,7 @@ fn sigterm_preempts_one_worker_and_its_return_loses_nothing() {
     let (_, stopped) = c.wait_line(2, "trainerd: stopped by signal at global step ", mark, DEADLINE);
     assert!(stopped.contains("committed as checkpoint") || stopped.contains("held by the coordinator"), "{stopped}");
     // The others train on without it; the node comes back.
-    staged.bring_back(&mut c, 0, DEADLINE);
+    staged.bring_back(&mut c, DEADLINE);
     let chief = assert_finished_exactly(&mut c, LINEAR, tmp.path());
     assert_eq!(recovery(&chief, "steps_lost"), 0);
     storage.assert_no_orphans();

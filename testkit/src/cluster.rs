@@ -385,8 +385,11 @@ impl Drop for Cluster {
             let _ = h.join();
         }
         // A failing test keeps the whole transcript (its message may show only part of it, and a
-        // test binary run in a loop overwrites its output).
-        if std::thread::panicking() {
+        // test binary run in a loop overwrites its output); every test does with
+        // TRAINERD_KEEP_TRANSCRIPTS=1 (to read how close a passing run came to a deadline or the
+        // run's end).
+        let every = std::env::var_os("TRAINERD_KEEP_TRANSCRIPTS").is_some_and(|v| v == "1");
+        if std::thread::panicking() || every {
             while self.take(Duration::from_millis(10)).is_some() {}
             keep_transcript(&self.transcript());
         }
