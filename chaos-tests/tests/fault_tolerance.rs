@@ -272,10 +272,14 @@ fn sigkill_of_the_chief_mid_epoch_on_s3_loses_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let storage = Storage::s3();
     let sampler = storage.sampler();
-    let mut c = start(LINEAR, tmp.path(), &storage, vec![]);
-    wait_for_step(&mut c, LINEAR, 2, 60);
+    // Killed at the start of step 360 (the second epoch's 60th); the others wait at step 420
+    // until it is back (99 steps to spare before, 2026-12-01).
+    let staged = Return::new(tmp.path(), 0, LINEAR.steps + 60, &[1, 2], LINEAR.steps + 120);
+    let mut c = start(LINEAR, tmp.path(), &storage, staged.env(WORKERS, &[]));
+    staged.stop_leaver(&mut c, DEADLINE);
     let killed = c.mark();
     c.signal(0, libc::SIGKILL);
+    staged.release_when_back(&mut c, killed, DEADLINE);
     // The restarted chief takes the state from a survivor, not from its older commit: it catches
     // up from the elected coordinator while the others train (nobody receives anything at the
     // switch), or, back while they still re-form, it receives the state from one of them.

@@ -149,16 +149,16 @@ fn drifts(victim: usize) {
 
 /// The flip on `victim` after step 30, and worker `held` stopped inside the exchange of the
 /// comparison at step 40 (at `hop`: `all-gather` or `all-gather-second`) until the file `release`
-/// exists, with `also` armed besides on the victim.
+/// exists.
 fn held_inside_the_exchange(
     workers: usize,
-    (victim, also): (usize, &str),
+    victim: usize,
     (held, hop): (usize, &str),
     release: &Path,
 ) -> Vec<Vec<(String, String)>> {
     let mut first_env = vec![vec![]; workers];
-    let flip = format!("flip-bit@30{also}");
-    first_env[victim] = failpoint(&flip);
+    let flip = "flip-bit@30";
+    first_env[victim] = failpoint(flip);
     let point = format!("replica-check/{hop}@step=40");
     let armed = if held == victim { format!("{flip},{point}") } else { point };
     first_env[held] = failpoint(&armed);
@@ -273,7 +273,7 @@ fn a_drifted_worker_whose_comparison_alone_completes_still_sends_every_member_ba
     let expected = reference();
     let tmp = tempfile::tempdir().unwrap();
     let release = tmp.path().join("release");
-    let first_env = held_inside_the_exchange(WORKERS, (2, ""), (0, "all-gather"), &release);
+    let first_env = held_inside_the_exchange(WORKERS, 2, (0, "all-gather"), &release);
     let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], first_env, RESTART_SEC);
     c.wait_line(0, "trainerd: failpoint replica-check/all-gather reached", 0, DEADLINE);
     c.wait_line(2, &found_line(2), 0, DEADLINE);
@@ -297,7 +297,7 @@ fn a_right_worker_whose_comparison_alone_completes_sends_every_member_back() {
     let expected = reference();
     let tmp = tempfile::tempdir().unwrap();
     let release = tmp.path().join("release");
-    let first_env = held_inside_the_exchange(WORKERS, (2, ""), (2, "all-gather"), &release);
+    let first_env = held_inside_the_exchange(WORKERS, 2, (2, "all-gather"), &release);
     let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], first_env, RESTART_SEC);
     c.wait_line(2, "trainerd: failpoint replica-check/all-gather reached", 0, DEADLINE);
     c.wait_line(1, &found_line(2), 0, DEADLINE);
@@ -320,14 +320,18 @@ fn a_right_worker_whose_comparison_alone_completes_sends_every_member_back() {
 fn a_finder_killed_before_it_rejoins_still_sends_every_member_back() {
     let expected = reference();
     let tmp = tempfile::tempdir().unwrap();
-    let release = tmp.path().join("release");
-    let first_env = held_inside_the_exchange(WORKERS, (2, ",replica-mismatch@1"), (0, "all-gather"), &release);
+    // Worker 0 held inside the exchange (released by its file), and workers 0 and 1 waiting at
+    // step 60 until worker 2 is back.
+    let staged = Return::at_point(tmp.path(), 2, "replica-mismatch@1", &[0, 1], 60);
+    let first_env = staged.env(WORKERS, &[(2, "flip-bit@30"), (0, "replica-check/all-gather@step=40")]);
     let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], first_env, RESTART_SEC);
     c.wait_line(0, "trainerd: failpoint replica-check/all-gather reached", 0, DEADLINE);
-    c.wait_line(2, "trainerd: failpoint replica-mismatch reached", 0, DEADLINE);
+    staged.stop_leaver(&mut c, DEADLINE);
+    let killed = c.mark();
     c.signal(2, libc::SIGKILL);
     c.wait_line(1, CUT_SHORT, 0, DEADLINE);
-    std::fs::write(&release, b"").unwrap();
+    std::fs::write(staged.release_file(0), b"").unwrap();
+    staged.release_when_back(&mut c, killed, DEADLINE);
     assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
     let transcript = c.transcript();
     let summaries: Vec<_> = (0..WORKERS).map(|r| summary(tmp.path(), r)).collect();
@@ -344,7 +348,7 @@ fn two_finders_of_one_drift_send_every_member_back_once() {
     let expected = reference_of_four();
     let tmp = tempfile::tempdir().unwrap();
     let release = tmp.path().join("release");
-    let first_env = held_inside_the_exchange(4, (3, ""), (0, "all-gather-second"), &release);
+    let first_env = held_inside_the_exchange(4, 3, (0, "all-gather-second"), &release);
     let mut c = Cluster::start(4, &args(tmp.path()), &[], first_env, RESTART_SEC);
     c.wait_line(0, "trainerd: failpoint replica-check/all-gather-second reached", 0, DEADLINE);
     c.wait_line(3, &found_line(3), 0, DEADLINE);
@@ -368,10 +372,13 @@ fn two_finders_of_one_drift_send_every_member_back_once() {
 fn a_comparison_cut_short_by_a_kill_is_finished_in_the_next_generation_and_costs_no_step() {
     let expected = reference();
     let tmp = tempfile::tempdir().unwrap();
-    let mut c =
-        Cluster::start(WORKERS, &args(tmp.path()), &[], vec![vec![], failpoint("replica-check@step=40")], RESTART_SEC);
-    c.wait_line(1, "trainerd: failpoint replica-check reached", 0, DEADLINE);
+    // The survivors wait at step 60 until worker 1 is back.
+    let staged = Return::at_point(tmp.path(), 1, "replica-check@step=40", &[0, 2], 60);
+    let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], staged.env(WORKERS, &[]), RESTART_SEC);
+    staged.stop_leaver(&mut c, DEADLINE);
+    let killed = c.mark();
     c.signal(1, libc::SIGKILL);
+    staged.release_when_back(&mut c, killed, DEADLINE);
     assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
     let transcript = c.transcript();
     let said = "trainerd: the replicas' comparison at step 40 did not complete (";
@@ -479,10 +486,15 @@ fn a_return_inside_a_comparison_waits_for_the_step_boundary_and_costs_no_step() 
 fn a_corrupted_replica_whose_comparison_a_kill_cuts_short_is_still_named_and_repaired() {
     let expected = reference();
     let tmp = tempfile::tempdir().unwrap();
-    let first_env = vec![vec![], failpoint("replica-check@step=40"), failpoint("flip-bit@30")];
+    // The survivors wait at step 60 until worker 1 is back (a release build would otherwise end
+    // the run first: 17 steps to spare, 2026-12-01).
+    let staged = Return::at_point(tmp.path(), 1, "replica-check@step=40", &[0, 2], 60);
+    let first_env = staged.env(WORKERS, &[(2, "flip-bit@30")]);
     let mut c = Cluster::start(WORKERS, &args(tmp.path()), &[], first_env, RESTART_SEC);
-    c.wait_line(1, "trainerd: failpoint replica-check reached", 0, DEADLINE);
+    staged.stop_leaver(&mut c, DEADLINE);
+    let killed = c.mark();
     c.signal(1, libc::SIGKILL);
+    staged.release_when_back(&mut c, killed, DEADLINE);
     assert_eq!(c.wait_finished(DEADLINE), vec![0; WORKERS], "{}", c.transcript());
     let transcript = c.transcript();
     let named = |l: &&str| l.contains("trainerd: replica check at step 40: the state of worker 2 (");
