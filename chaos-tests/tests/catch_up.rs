@@ -90,8 +90,10 @@ fn assert_bitwise(c: &mut Cluster, job: Job, dir: &Path) {
 /// `job` on 3 workers with `extra` flags and the failpoints `also` (a worker's, released by its
 /// [`Return::release_file`]), staged for a return: worker 2 stops at the start of step `step`
 /// and is killed there, the two others form a generation without it, train `then` steps in it,
-/// and wait there until the chief hears it ask to catch up, whatever the build's speed (a release
-/// build trains the small jobs' remaining steps before a restarted worker has loaded libtorch).
+/// and wait there until the chief says it came back to catch up, whatever the build's speed (a
+/// release build trains the small jobs' remaining steps before a restarted worker has loaded
+/// libtorch). Every process logs its service's requests (a donor's line that a returner asks for
+/// its ranges).
 fn start_for_a_return(
     job: Job,
     dir: &Path,
@@ -100,13 +102,14 @@ fn start_for_a_return(
     also: &[(usize, &str)],
 ) -> (Cluster, Return) {
     let staged = Return::new(dir, 2, step, &[0, 1], step + then);
-    let c = Cluster::start(3, &args(job, dir, extra), &[], staged.env(3, also), RESTART_SEC);
+    let log = [("TRAINERD_LOG".to_string(), "warn,trainerd::cluster::service=info".to_string())];
+    let c = Cluster::start(3, &args(job, dir, extra), &log, staged.env(3, also), RESTART_SEC);
     (c, staged)
 }
 
 /// Worker 2 killed where `staged` stops it and held down until the two others have formed a
 /// generation without it and reached their hold; then it comes back, and they go on once the
-/// chief hears it ask to catch up. The mark before it came back.
+/// chief says it came back to catch up. The mark before it came back.
 fn back_while_they_train(c: &mut Cluster, staged: &Return) -> usize {
     c.hold(2);
     staged.stop_leaver(c, DEADLINE);
@@ -288,27 +291,14 @@ fn a_member_lost_after_a_bucket_went_to_a_returner_stops_its_catch_up_and_loses_
 fn a_returner_the_run_finishes_without_is_told_so_and_exits_0() {
     for (held_before, replaying) in [(SMALL.steps, false), (SMALL.steps - 1, true)] {
         let tmp = tempfile::tempdir().unwrap();
-        let release = |rank: usize| tmp.path().join(format!("release.{rank}"));
-        let env = |rank: usize| {
-            vec![
-                ("TRAINERD_FAILPOINT".to_string(), format!("train-step@step={held_before}")),
-                ("TRAINERD_FAILPOINT_RELEASE".to_string(), release(rank).to_str().unwrap().to_string()),
-                ("TRAINERD_LOG".to_string(), "warn,trainerd::cluster::service=info".to_string()),
-            ]
-        };
-        let mut c = Cluster::start(3, &args(SMALL, tmp.path(), &[]), &[], (0..3).map(env).collect(), RESTART_SEC);
+        let staged = Return::held_for(tmp.path(), 2, &[0, 1], held_before);
+        let mut c = Cluster::start(3, &args(SMALL, tmp.path(), &[]), &[], staged.env(3, &[]), RESTART_SEC);
         c.hold(2);
         c.wait_step(0, 20, DEADLINE);
         c.signal(2, libc::SIGKILL);
         c.wait_for(|e| e.worker == 2 && matches!(e.what, What::Died(_)), DEADLINE);
-        for rank in [0, 1] {
-            c.wait_line(rank, "trainerd: failpoint train-step reached", 0, DEADLINE);
-        }
-        let back = c.mark();
-        c.bring_back(2);
-        let asks = |l: &str| l.contains("worker 2 (") && l.contains(") asks to catch up with generation ");
-        c.wait_for(|e| e.worker == 0 && e.line().is_some_and(asks), DEADLINE);
-        [0, 1].into_iter().for_each(|rank| std::fs::write(release(rank), b"").unwrap());
+        // The survivors go on once the chief says it came back to catch up.
+        let back = staged.bring_back(&mut c, DEADLINE);
         let codes = c.wait_finished(DEADLINE);
         let transcript = c.transcript();
         assert_eq!(codes, vec![0; 3], "{transcript}");

@@ -606,9 +606,7 @@ fn a_killed_chief_is_replaced_at_once_and_returns_as_a_member() {
 /// other three have formed without it. Workers 1 and 2 wait at step 200 until it is back (where
 /// they are restarted, [`Return::arm_held`] arms their new processes to wait there too).
 fn four_training_while_worker_3_is_held_down(dir: &Path) -> (Cluster, Return) {
-    let (run, mut env) = at_once(LINEAR4, dir);
-    // The chief is restarted before the return: its new process logs the request to catch up.
-    env.push(Return::log_env());
+    let (run, env) = at_once(LINEAR4, dir);
     let staged = Return::held_for(dir, 3, &[1, 2], 200);
     let mut c = Cluster::start(LINEAR4.workers, &run, &env, staged.env(LINEAR4.workers, &[]), RESTART_SEC);
     c.hold(3);

@@ -1,9 +1,9 @@
 //! A return staged at fixed steps, whatever the build's speed: the worker that leaves is stopped
 //! at a failpoint before the test kills or stops it, so the others cannot train past that step
 //! without it; the others stop at the start of a later step (the `train-step` failpoint) until
-//! the returner is back: the coordinator hears it ask to catch up or says it came back (no
-//! catch-up asked), or it joins a generation, or it says it joins with a pause (catch-up
-//! refused). A return may be staged several times over ([`Return::rounds`]): the leaver's next
+//! the returner is back: the coordinator says it came back (to catch up while they train, or to
+//! join at their next step boundary), or it joins a generation, or it says it joins with a pause
+//! (catch-up refused). A return may be staged several times over ([`Return::rounds`]): the leaver's next
 //! process is armed for the next round as it stops. A release build trains a small job's
 //! remaining steps in less time than a restarted worker takes to load libtorch: without the
 //! hold, such a return found the run over (`the run finished at step N ...; nothing left to
@@ -70,8 +70,8 @@ impl Return {
     }
 
     /// The variables of every worker's first process, `also` (more failpoints of a worker,
-    /// comma-separated, released by the same file) included: the leaver's stop, the others'
-    /// hold, and the coordinator's service lines (where it hears a request to catch up).
+    /// comma-separated, released by the same file) included: the leaver's stop and the others'
+    /// hold.
     pub fn env(&self, workers: usize, also: &[(usize, &str)]) -> Vec<Vec<(String, String)>> {
         let points = |rank: usize| {
             let mut points: Vec<String> = also.iter().filter(|(r, _)| *r == rank).map(|(_, p)| p.to_string()).collect();
@@ -85,16 +85,9 @@ impl Return {
         (0..workers).map(|rank| self.process_env(rank, &points(rank))).collect()
     }
 
-    /// The variable that has a process log its service's requests (the coordinator's line that a
-    /// returner asks to catch up): in [`Return::env`], and for every start of a test whose
-    /// coordinator is restarted before the return (in `Cluster::start`'s `env`).
-    pub fn log_env() -> (String, String) {
-        ("TRAINERD_LOG".to_string(), "warn,trainerd::cluster::service=info".to_string())
-    }
-
-    /// A process's variables: the service's log lines, and `points` released by its file.
+    /// A process's variables: `points` released by its file.
     fn process_env(&self, rank: usize, points: &[String]) -> Vec<(String, String)> {
-        let mut env = vec![Return::log_env()];
+        let mut env = Vec::new();
         if !points.is_empty() {
             env.push(("TRAINERD_FAILPOINT".to_string(), points.join(",")));
             env.push(("TRAINERD_FAILPOINT_RELEASE".to_string(), self.release_file(rank).display().to_string()));
@@ -156,9 +149,8 @@ impl Return {
     }
 
     /// Waits for the held workers to stop at their step and for the leaver's new process, after
-    /// `mark`, to be back: the coordinator (whichever worker coordinates) hears it ask to catch
-    /// up or says it came back, or it joins a generation, or it says it joins with a pause; then
-    /// lets the held workers go on.
+    /// `mark`, to be back: the coordinator (whichever worker coordinates) says it came back, or
+    /// it joins a generation, or it says it joins with a pause; then lets the held workers go on.
     pub fn release_when_back(&self, c: &mut Cluster, mark: usize, timeout: Duration) {
         self.wait_held(c, timeout);
         self.wait_back(c, self.leaver, mark, timeout);
@@ -167,19 +159,17 @@ impl Return {
 
     /// Waits for worker `rank`'s new process, after `mark`, to be back.
     fn wait_back(&self, c: &mut Cluster, rank: usize, mark: usize, timeout: Duration) {
-        // A log line of the coordinator's service (time, level, target, then the message).
-        let asks = format!(" worker {rank} (");
-        let asked = |l: &str| l.contains(&asks) && l.contains(") asks to catch up with generation ");
-        // Not asking (`--catch-up-memory 0`), it ends the generation at the next step boundary.
+        // The coordinator's line: it catches up while the others train, or (not asking, with
+        // `--catch-up-memory 0`) it ends the generation at the next step boundary.
         let came = format!("trainerd: worker {rank} (");
-        let came_back = |l: &str| l.starts_with(&came) && l.contains(") came back; generation ");
+        let came_back = |l: &str| l.starts_with(&came) && l.contains(") came back; ");
         let joined = |e: &Event| matches!(e, Event::Joined { .. });
         // Refused a catch-up, it joins with a pause: the others' next step boundary.
         let refused = |l: &str| l.starts_with("trainerd: no catch-up: ");
         c.wait_after(
             mark,
             |e| {
-                (e.worker != rank && e.line().is_some_and(|l| asked(l) || came_back(l)))
+                (e.worker != rank && e.line().is_some_and(came_back))
                     || (e.worker == rank && (e.event().is_some_and(joined) || e.line().is_some_and(refused)))
             },
             timeout,

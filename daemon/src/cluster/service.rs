@@ -205,7 +205,8 @@ impl Control for Service {
         let c = self.coordinator(req.term)?;
         let (rank, name, generation) = c.may_catch_up(&req)?;
         let stream = self.hub.catch_up.offer(rank, &name, generation)?;
-        tracing::info!("{name} asks to catch up with generation {generation}");
+        // As a return without a catch-up says it ends the generation (coordinator's `join`).
+        eprintln!("trainerd: {name} came back; it catches up with generation {generation} while the others train");
         Ok(Response::new(stream))
     }
 
