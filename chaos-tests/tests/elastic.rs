@@ -153,9 +153,9 @@ fn a_replaced_worker_that_comes_back_takes_its_slot_back() {
     staged.stop_leaver(&mut c, DEADLINE);
     c.signal(2, libc::SIGKILL);
     c.wait_event(0, formed_with(2, 3), DEADLINE);
-    staged.bring_back(&mut c, DEADLINE);
+    let back = staged.bring_back(&mut c, DEADLINE);
     // It receives the state from a live peer and the run is back to full size.
-    let (_, joined) = c.wait_event(2, |e| matches!(e, Event::Joined { .. }), DEADLINE);
+    let (_, joined) = c.wait_event_after(2, back, |e| matches!(e, Event::Joined { .. }), DEADLINE);
     assert!(matches!(joined, Event::Joined { present: None, source: Some(0 | 1), .. }), "{joined:?}");
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
     let chief = summary(tmp.path(), 0);
@@ -241,7 +241,7 @@ fn a_chief_that_returns_while_its_successor_coordinates_joins_as_a_member() {
     let back = staged.bring_back(&mut c, DEADLINE);
     let (_, line) = c.wait_line(0, "trainerd: worker 0 ", back, DEADLINE);
     assert!(line.contains(" coordinates (term ") && line.contains("joining as a member"), "{line}");
-    let (_, joined) = c.wait_event(0, |e| matches!(e, Event::Joined { .. }), DEADLINE);
+    let (_, joined) = c.wait_event_after(0, back, |e| matches!(e, Event::Joined { .. }), DEADLINE);
     let caught_up = !c.lines_of(0, "trainerd: caught up in ").is_empty();
     let received = matches!(joined, Event::Joined { present: None, source: Some(1 | 2), .. });
     let held = matches!(joined, Event::Joined { present: None, source: None, .. }) && caught_up;
@@ -390,9 +390,9 @@ fn four_workers_lose_two_one_after_the_other_and_both_come_back() {
     c.wait_line(1, "trainerd: failpoint train-step reached", 0, DEADLINE);
     c.signal(1, libc::SIGKILL);
     c.wait_event(0, formed_with(2, 4), DEADLINE);
-    staged.bring_back_also(&mut c, 1, DEADLINE);
+    let back = staged.bring_back_also(&mut c, 1, DEADLINE);
     staged.bring_back(&mut c, DEADLINE);
-    c.wait_event(0, formed_with(4, 4), DEADLINE);
+    c.wait_event_after(0, back, formed_with(4, 4), DEADLINE);
     assert_finished_exactly(&mut c, LINEAR4, tmp.path(), &[0, 1, 2, 3]);
 }
 
@@ -408,8 +408,8 @@ fn a_job_starts_with_two_of_three_workers_and_the_third_joins_mid_epoch() {
     c.hold(2);
     c.signal(2, libc::SIGKILL);
     c.wait_event(0, formed_with(2, 3), DEADLINE);
-    staged.bring_back(&mut c, DEADLINE);
-    c.wait_event(0, formed_with(3, 3), DEADLINE);
+    let back = staged.bring_back(&mut c, DEADLINE);
+    c.wait_event_after(0, back, formed_with(3, 3), DEADLINE);
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
 }
 
@@ -569,7 +569,7 @@ fn a_killed_worker_is_not_waited_for_and_takes_its_slot_back_when_it_returns() {
     staged.release_when_back(&mut c, killed, DEADLINE);
     // Back while the others train, it catches up and nobody receives anything (source none); back
     // while they still re-form (a loaded machine), it receives the state from one of them.
-    let (_, joined) = c.wait_event(2, |e| matches!(e, Event::Joined { .. }), DEADLINE);
+    let (_, joined) = c.wait_event_after(2, killed, |e| matches!(e, Event::Joined { .. }), DEADLINE);
     assert!(matches!(joined, Event::Joined { present: None, source: None | Some(0 | 1), .. }), "{joined:?}");
     assert_finished_exactly(&mut c, LINEAR, tmp.path(), &[0, 1, 2]);
     assert_eq!(summary(tmp.path(), 0)["fault_tolerance"]["steps_lost"].as_u64(), Some(0));

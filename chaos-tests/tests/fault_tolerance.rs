@@ -283,7 +283,7 @@ fn sigkill_of_the_chief_mid_epoch_on_s3_loses_nothing() {
     // The restarted chief takes the state from a survivor, not from its older commit: it catches
     // up from the elected coordinator while the others train (nobody receives anything at the
     // switch), or, back while they still re-form, it receives the state from one of them.
-    let (_, joined) = c.wait_event(0, rejoined, DEADLINE);
+    let (_, joined) = c.wait_event_after(0, killed, rejoined, DEADLINE);
     assert!(matches!(joined, Event::Joined { steps_lost: 0, source: None | Some(1..), .. }), "{joined:?}");
     let (_, line) = c.wait_line(0, "trainerd: generation ", killed, DEADLINE);
     let from = if matches!(joined, Event::Joined { source: None, .. }) {

@@ -251,6 +251,19 @@ impl Cluster {
         (e.at, e.event().cloned().expect("an event"))
     }
 
+    /// As [`Cluster::wait_event`], looking from `mark` (entries taken since by other waits too:
+    /// a staged return's wait may have taken the returner's join).
+    pub fn wait_event_after(
+        &mut self,
+        rank: usize,
+        mark: usize,
+        pred: impl Fn(&Event) -> bool,
+        timeout: Duration,
+    ) -> (Instant, Event) {
+        let e = self.wait_after(mark, |e| e.worker == rank && e.event().is_some_and(&pred), timeout);
+        (e.at, e.event().cloned().expect("an event"))
+    }
+
     /// Waits until each of `ranks` emits an event satisfying `pred`, in whatever order they come;
     /// the first such event of each, in `ranks`' order.
     pub fn wait_events_each(

@@ -2,8 +2,8 @@
 //! at a failpoint before the test kills or stops it, so the others cannot train past that step
 //! without it; the others stop at the start of a later step (the `train-step` failpoint) until
 //! the returner is back: the coordinator says it came back (to catch up while they train, or to
-//! join at their next step boundary), or it joins a generation, or it says it joins with a pause
-//! (catch-up refused). A return may be staged several times over ([`Return::rounds`]): the leaver's next
+//! join at their next step boundary, a refused catch-up included), or it joins a generation that
+//! forms. A return may be staged several times over ([`Return::rounds`]): the leaver's next
 //! process is armed for the next round as it stops. A release build trains a small job's
 //! remaining steps in less time than a restarted worker takes to load libtorch: without the
 //! hold, such a return found the run over (`the run finished at step N ...; nothing left to
@@ -150,7 +150,7 @@ impl Return {
 
     /// Waits for the held workers to stop at their step and for the leaver's new process, after
     /// `mark`, to be back: the coordinator (whichever worker coordinates) says it came back, or
-    /// it joins a generation, or it says it joins with a pause; then lets the held workers go on.
+    /// it joins a generation that forms; then lets the held workers go on.
     pub fn release_when_back(&self, c: &mut Cluster, mark: usize, timeout: Duration) {
         self.wait_held(c, timeout);
         self.wait_back(c, self.leaver, mark, timeout);
@@ -163,14 +163,13 @@ impl Return {
         // `--catch-up-memory 0`) it ends the generation at the next step boundary.
         let came = format!("trainerd: worker {rank} (");
         let came_back = |l: &str| l.starts_with(&came) && l.contains(") came back; ");
+        // Or it joins a generation forming (no generation formed to come back to).
         let joined = |e: &Event| matches!(e, Event::Joined { .. });
-        // Refused a catch-up, it joins with a pause: the others' next step boundary.
-        let refused = |l: &str| l.starts_with("trainerd: no catch-up: ");
         c.wait_after(
             mark,
             |e| {
                 (e.worker != rank && e.line().is_some_and(came_back))
-                    || (e.worker == rank && (e.event().is_some_and(joined) || e.line().is_some_and(refused)))
+                    || (e.worker == rank && e.event().is_some_and(joined))
             },
             timeout,
         );
