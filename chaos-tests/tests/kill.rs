@@ -103,6 +103,59 @@ fn a_killed_two_worker_cluster_resumes_with_the_uninterrupted_model() {
     assert_eq!(params_sha256(&summary(1)), params_sha256(&reference(0)));
 }
 
+/// Ctrl-C in the terminal `trainerd local` runs in: the terminal signals the whole foreground job,
+/// but the workers lead process groups of their own, so the launcher alone hears it and stops
+/// each worker once, the chief committing first. Before, each worker got the terminal's SIGINT
+/// and the launcher's SIGTERM, and its second signal ended it at once, exit status 1 and nothing
+/// committed. What the workers say while they stop is shown, and a rerun resumes from the stop's
+/// commit to the uninterrupted model.
+#[test]
+fn ctrl_c_in_the_terminal_stops_a_local_cluster_once_after_the_chiefs_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference.json");
+    let status =
+        start("local", &["--workers", "2"], &linear_run(&reference, Some(&tmp.path().join("ckpt-ref")))).wait();
+    assert!(status.success());
+
+    let (stopped, ckpt) = (tmp.path().join("stopped.json"), tmp.path().join("ckpt"));
+    let args = linear_run(&stopped, Some(&ckpt));
+    let mut local = start("local", &["--workers", "2"], &args);
+    local.wait_event(|r| r.worker == Some(0) && matches!(r.event, Event::Committed { sequence: 1, .. }), WAIT);
+    local.wait_event(|r| r.worker == Some(1) && stepped(1, 100)(r), WAIT);
+    local.signal_job(libc::SIGINT);
+    let (status, lines, records) = local.drain(WAIT);
+
+    assert_eq!(status.code(), Some(130), "{}", lines.join("\n"));
+    let said = |text: &str| lines.iter().any(|l| l == text);
+    assert!(said("trainerd local: interrupted; stopping every worker (the chief commits first)"), "{lines:#?}");
+    for worker in 0..2 {
+        let line = format!("trainerd local: worker {worker} stopped (exit status 0)");
+        assert!(said(&line), "no '{line}' in {lines:#?}");
+    }
+    // The chief's stop commit, after the step the interrupt came in.
+    let stop = lines.iter().find(|l| l.starts_with("[worker 0] trainerd: stopped by signal at global step "));
+    let stop = stop.unwrap_or_else(|| panic!("no stop line from the chief in {lines:#?}"));
+    assert!(stop.contains("; the state is committed as checkpoint "), "{stop}");
+    let last = records.iter().filter_map(|r| match r.event {
+        Event::Committed { global_step, .. } if r.worker == Some(0) => Some(global_step),
+        _ => None,
+    });
+    let at: u64 = stop["[worker 0] trainerd: stopped by signal at global step ".len()..]
+        .split(';')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{stop}"));
+    assert_eq!(last.max(), Some(at), "the last commit is the stop's");
+    assert!(at >= 100, "{stop}");
+
+    let mut again = start("local", &["--workers", "2"], &args);
+    again.wait_event(|r| r.worker == Some(0) && matches!(r.event, Event::Resumed { .. }), Duration::from_secs(60));
+    assert!(again.wait().success());
+    let summary = |name: &str, i: usize| tmp.path().join(format!("{name}.worker{i}.json"));
+    assert_eq!(params_sha256(&summary("stopped", 0)), params_sha256(&summary("reference", 0)));
+    assert_eq!(params_sha256(&summary("stopped", 1)), params_sha256(&summary("reference", 0)));
+}
+
 /// A worker killed while the others finish the run without it (3 workers, a majority left), its
 /// restart delay longer than what is left of the run: the launcher does not start it again, which
 /// would wait for a cluster that is gone (no commit shows the run's end), says so, and exits 0

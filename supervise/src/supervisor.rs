@@ -124,6 +124,8 @@ struct Slot {
     died_with: Option<i32>,
     /// Not to be restarted when it dies (a node gone for good).
     held: bool,
+    /// Its current process was sent SIGTERM by [`Supervisor::stop`].
+    stopped: bool,
 }
 
 /// Workers under supervision. Dropping it kills every worker still running.
@@ -156,6 +158,7 @@ impl Supervisor {
                 restart_at: None,
                 died_with: None,
                 held: false,
+                stopped: false,
             });
         }
         for worker in 0..workers {
@@ -171,6 +174,13 @@ impl Supervisor {
         let start = slot.starts;
         let mut cmd = (self.command)(worker, start);
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        // Each worker leads a process group of its own, as under a systemd unit: a terminal's
+        // Ctrl-C (or hang-up) reaches the supervisor alone, which stops the workers once, after
+        // the chief's commit (the terminal's SIGINT and the supervisor's SIGTERM together were two
+        // signals, and a worker's second signal ends it at once, uncommitted); and a worker
+        // stopped (SIGSTOP) is never continued by the kernel because the supervisor's group was
+        // orphaned.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let pipe = Pipe::new()?;
         pipe.hand_to(&mut cmd);
         let mut child = cmd.spawn()?;
@@ -190,7 +200,7 @@ impl Supervisor {
         });
         let pid = child.id();
         let slot = &mut self.slots[worker];
-        (slot.child, slot.events_ended, slot.exited) = (Some(child), false, None);
+        (slot.child, slot.events_ended, slot.exited, slot.stopped) = (Some(child), false, None, false);
         Ok(pid)
     }
 
@@ -330,25 +340,39 @@ impl Supervisor {
         Ok(())
     }
 
-    /// SIGTERM to every running worker (they stop at a step boundary after the chief's
-    /// commit), SIGKILL to those still running after `grace`.
-    pub fn terminate(&mut self, grace: Duration) {
-        let children: Vec<&mut Child> = self.slots.iter_mut().filter_map(|s| s.child.as_mut()).collect();
-        for child in &children {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        }
-        let deadline = Instant::now() + grace;
-        for child in children {
-            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
+    /// Stops every worker gracefully: SIGTERM to each running process (it stops at a step
+    /// boundary, after the chief's commit), and none is started again: a pending restart is
+    /// dropped, and each exit from now on is final. [`Supervisor::poll`] goes on telling what the
+    /// workers say and how each ends, until [`Supervisor::finished`]; [`Supervisor::kill`] ends
+    /// those that outlast the caller's patience. Sends each process one signal only, however
+    /// often it is called: a worker's second SIGTERM ends it at once, uncommitted.
+    pub fn stop(&mut self) {
+        for worker in 0..self.slots.len() {
+            self.drop_restart(worker);
+            let slot = &mut self.slots[worker];
+            slot.held = true;
+            if let Some(child) = slot.child.as_ref().filter(|_| !slot.stopped) {
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+                slot.stopped = true;
             }
-            if matches!(child.try_wait(), Ok(None)) {
-                let _ = child.kill();
-            }
-            let _ = child.wait();
         }
-        self.slots.iter_mut().for_each(|s| (s.child, s.restart_at) = (None, None));
+    }
+
+    /// SIGKILL to every worker still running, none started again; the workers killed.
+    pub fn kill(&mut self) -> Vec<usize> {
+        let mut killed = Vec::new();
+        for (worker, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(mut child) = slot.child.take() {
+                if matches!(child.try_wait(), Ok(None)) {
+                    let _ = child.kill();
+                    killed.push(worker);
+                }
+                let _ = child.wait();
+            }
+            slot.restart_at = None;
+        }
+        killed
     }
 }
 

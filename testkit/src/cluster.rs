@@ -451,6 +451,8 @@ impl Worker {
     pub fn start_with(args: &[&str], env: &[(&str, String)]) -> Worker {
         let mut cmd = Command::new(trainerd());
         cmd.args(args).envs(env.iter().map(|(k, v)| (k, v))).stdout(Stdio::piped()).stderr(Stdio::piped());
+        // It leads a process group of its own, as a shell's job does ([`Worker::signal_job`]).
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let pipe = Pipe::new().expect("a pipe");
         pipe.hand_to(&mut cmd);
         let mut child = cmd.spawn().expect("start trainerd");
@@ -518,6 +520,29 @@ impl Worker {
         let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
         assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
         self.child.wait().expect("wait for trainerd")
+    }
+
+    /// Sends `signal` to the process's whole group, as a terminal sends Ctrl-C (SIGINT) or its
+    /// hang-up to the job in front: every process in the group that has not left it gets it.
+    pub fn signal_job(&self, signal: i32) {
+        // SAFETY: kill(2) on the group our own child leads (it was started as its leader).
+        let rc = unsafe { libc::kill(-(self.child.id() as libc::pid_t), signal) };
+        assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
+    }
+
+    /// Waits for the process to end and its output to close (at most `timeout`): its exit
+    /// status, every line it wrote and every event.
+    pub fn drain(mut self, timeout: Duration) -> (ExitStatus, Vec<String>, Vec<Record>) {
+        let deadline = Instant::now() + timeout;
+        while let Err(RecvTimeoutError::Timeout) | Ok(()) =
+            self.take(deadline.saturating_duration_since(Instant::now()))
+        {
+            if Instant::now() >= deadline {
+                panic!("trainerd's output still open after {timeout:?}; saw:\n{}", self.lines.join("\n"));
+            }
+        }
+        let status = self.child.wait().expect("wait for trainerd");
+        (status, self.lines, self.records)
     }
 
     /// Waits for a normal end.

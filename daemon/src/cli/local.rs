@@ -4,8 +4,8 @@
 //! worker that dies (a signal, a non-zero exit) is started again and rejoins the run, which goes
 //! on without losing a step; a worker that exits 0 has finished or was stopped. A worker that
 //! fails before it ever joined has a problem a restart cannot fix (a flag, the plugin, the data):
-//! everyone is stopped. Ctrl-C (or SIGTERM) stops every worker gracefully: the chief commits
-//! first.
+//! everyone is stopped. Ctrl-C (or SIGTERM, or the terminal's hang-up) stops every worker
+//! gracefully, once: the chief commits first.
 //!
 //! What the launcher says about joins, deaths and recoveries comes from its workers' events,
 //! never from their human lines; with `--events` it forwards every worker's events, each naming
@@ -108,7 +108,9 @@ fn launch(
         None => Events::none(),
     };
     let stop = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+    // The workers lead process groups of their own: a terminal's signals reach the launcher
+    // alone, which stops them (a closed terminal too, rather than leaving them running).
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP] {
         signal_hook::flag::register(signal, Arc::clone(&stop))?;
     }
     let options = Options { restart_delay, give_up_before_join: true };
@@ -125,26 +127,26 @@ fn launch(
     let pids: Vec<String> =
         (0..workers).map(|i| format!("worker {i} (pid {})", supervisor.pid(i).unwrap_or(0))).collect();
     say(&format!("started {}", pids.join(", ")));
-    let mut launcher =
-        Launcher { forward, restart_delay, checkpoints: has_flag(args, "--checkpoint-dir"), told: 0, died: Vec::new() };
-    launcher.died.resize(workers, None);
+    let mut launcher = Launcher {
+        forward,
+        restart_delay,
+        checkpoints: has_flag(args, "--checkpoint-dir"),
+        told: 0,
+        died: vec![None; workers],
+        stopping: None,
+    };
     loop {
-        if stop.load(Ordering::Relaxed) {
+        if stop.load(Ordering::Relaxed) && launcher.stopping.is_none() {
             say("interrupted; stopping every worker (the chief commits first)");
-            supervisor.terminate(STOP_GRACE);
-            return Ok(Exit::Interrupted.code());
+            launcher.stop(&mut supervisor, Exit::Interrupted.code());
         }
         for happening in supervisor.poll()? {
             if let Some(code) = launcher.tell(happening, &supervisor) {
-                supervisor.terminate(STOP_GRACE);
-                return Ok(code);
+                launcher.stop(&mut supervisor, code);
             }
         }
-        forgo_restarts_after_the_end(&mut supervisor);
-        if let Some(codes) = supervisor.finished() {
-            // A worker gone for good (not restarted, as asked) does not make the run fail.
-            let kept = codes.into_iter().enumerate().filter(|&(w, _)| !supervisor.held(w));
-            return Ok(kept.map(|(_, code)| code).max().unwrap_or(0));
+        if let Some(code) = launcher.ended(&mut supervisor) {
+            return Ok(code);
         }
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -207,12 +209,22 @@ struct Launcher {
     told: u64,
     /// When each worker last died, until it is back to training.
     died: Vec<Option<Instant>>,
+    /// Since when every worker is being stopped, and the launcher's exit status then.
+    stopping: Option<(Instant, i32)>,
 }
 
 impl Launcher {
     /// Shows or forwards `h`; `Some(code)` when the launcher must give up.
     fn tell(&mut self, h: Happening, supervisor: &Supervisor) -> Option<i32> {
         match h {
+            Happening::Finished { worker, code } | Happening::GaveUp { worker, code, .. }
+                if self.stopping.is_some() =>
+            {
+                say(&format!("worker {worker} stopped (exit status {code})"))
+            }
+            Happening::Died { worker, how, .. } if self.stopping.is_some() => {
+                say(&format!("worker {worker} stopped ({how})"))
+            }
             Happening::Line { worker, stream, text, .. } => relay(worker, stream, &text),
             Happening::Event { worker, mut record, .. } => {
                 if let Event::Joined { present: Some(present), layout: Some(layout), workers, generation, .. } =
@@ -265,6 +277,38 @@ impl Launcher {
 }
 
 impl Launcher {
+    /// The launcher's exit status once the run has ended: every worker exited (a worker gone for
+    /// good, not restarted as asked, does not make the run fail), or, once stopped, every worker
+    /// exited or killed [`STOP_GRACE`] after the stop.
+    fn ended(&self, supervisor: &mut Supervisor) -> Option<i32> {
+        let Some((since, code)) = self.stopping else {
+            forgo_restarts_after_the_end(supervisor);
+            let codes = supervisor.finished()?;
+            let kept = codes.into_iter().enumerate().filter(|&(w, _)| !supervisor.held(w));
+            return Some(kept.map(|(_, code)| code).max().unwrap_or(0));
+        };
+        // Until then, what the workers say while they stop (the chief's commit, each exit) is
+        // shown.
+        if supervisor.finished().is_none() && since.elapsed() >= STOP_GRACE {
+            let killed: Vec<String> = supervisor.kill().iter().map(usize::to_string).collect();
+            say(&format!(
+                "worker(s) {} still running {}s after the stop: killed",
+                killed.join(", "),
+                STOP_GRACE.as_secs()
+            ));
+            return Some(code);
+        }
+        supervisor.finished().map(|_| code)
+    }
+
+    /// Stops every worker (once), the launcher's exit status then `code`.
+    fn stop(&mut self, supervisor: &mut Supervisor, code: i32) {
+        if self.stopping.is_none() {
+            supervisor.stop();
+            self.stopping = Some((Instant::now(), code));
+        }
+    }
+
     /// A generation formed without some workers (said once per generation, by whichever worker
     /// tells first): who is gone, for how long, and who holds their slots now.
     fn short(&mut self, generation: u64, (present, workers): (usize, usize), layout: &str) {
