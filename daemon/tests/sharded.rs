@@ -245,7 +245,7 @@ fn each_worker_says_what_it_holds_and_the_summary_measures_it() {
     let said = |run: &Ended, line: &str| assert!(run.output.contains(line), "{line}\n{}", run.output);
     said(&whole, "trainerd: each worker holds the parameters whole (6.9 MB), their gradients whole (6.9 MB), and the optimizer state whole (13.7 MB, 2 value(s) a parameter)");
     said(&optimizer, "the optimizer state of its ranges and a buddy copy of its predecessor's (3.4 MB and 3.4 MB)");
-    said(&gradients, "the gradients of its ranges and its predecessor's (3.4 MB), and while a step reduces or gathers them at most 3 buckets whole (at most 0.9 MB)");
+    said(&gradients, "the gradients of its ranges and its predecessor's (3.4 MB), and to reduce and gather them at most 3 buckets' buffers, kept from step to step (at most 0.9 MB)");
     for w in 0..4 {
         let (state, buddy) = (bytes(&whole, w, "optimizer_state_bytes"), bytes(&whole, w, "buddy_state_bytes"));
         assert_eq!((state, buddy), (2 * p, 0), "worker {w}: Adam's two moments, whole");
@@ -272,8 +272,12 @@ fn each_worker_says_what_it_holds_and_the_summary_measures_it() {
         // The quarter kept (carrying the new parameters into the all-gather) and the held
         // ranges' clipped gradients: 3/4, half the optimizer level's. In the backward pass, less:
         // the ranges kept so far, at most 2 buckets in flight and the first bucket's copy (the
-        // first layer, 784 x 256).
-        about(&gradients, p * 3 / 4, "the ranges kept, and the held ranges' clipped");
+        // first layer, 784 x 256). Besides, the buckets' buffers kept from step to step: as many
+        // as were lent at once, at most 3, each the longest bucket's of several parameters (a
+        // 256 x 256 layer and its bias).
+        let (held, pooled) = (bytes(&gradients, w, "gradient_bytes"), 3 * (256 * 256 + 256) * 4);
+        let what = "the ranges kept, the held ranges' clipped, and the buffers kept";
+        assert!(held + p / 50 > p * 3 / 4 && held < p * 3 / 4 + pooled + p / 50, "worker {w}: {held} bytes ({what})");
     }
     assert_eq!(gradients.params, whole.params, "the same bits");
 }

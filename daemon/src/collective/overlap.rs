@@ -16,7 +16,7 @@ use std::sync::{mpsc, Condvar, Mutex};
 
 use tch::Tensor;
 
-use super::buckets::{bytes_of, owned_of, values_bytes, Buckets, Gauge};
+use super::buckets::{bytes_of, owned_of, values_bytes, Buckets, Gauge, Pool};
 use super::{Collective, CollectiveError};
 use crate::sys::autograd::GradReady;
 
@@ -65,11 +65,12 @@ pub(crate) fn overlapped<T, E: From<CollectiveError>>(
     let bucket_of: Vec<usize> = bucket_places(buckets.groups(), params.len());
     let mut waiting: Vec<usize> = buckets.groups().iter().map(Vec::len).collect();
     let (tx, rx) = mpsc::channel::<Arrived>();
-    let (flight, gauge) = (Flight::new(compact.then_some(IN_FLIGHT), early.end - 1), buckets.gauge());
+    let (flight, gauge, pool) =
+        (Flight::new(compact.then_some(IN_FLIGHT), early.end - 1), buckets.gauge(), buckets.pool());
     std::thread::scope(|scope| {
-        let (first, count, flight, gauge) = (early.start, early.len(), &flight, &*gauge);
+        let (first, count, flight, held_by) = (early.start, early.len(), &flight, (&*gauge, &*pool));
         let reducer =
-            scope.spawn(move || reduce_in_order(collective, (first, count, compact), rx, (overlap, flight, gauge)));
+            scope.spawn(move || reduce_in_order(collective, (first, count, compact), rx, (overlap, flight, held_by)));
         let mut staged = vec![false; early.end]; // Per bucket (the tail's never is here).
         let mut stage = |b: usize, staged: &mut Vec<bool>, during: bool| {
             buckets.stage_buckets(i, params, &[], b..b + 1);
@@ -229,13 +230,13 @@ impl Drop for Ends<'_> {
 /// The reducing thread: the `count` buckets from bucket `first` on, reduced from the last down
 /// to the first, each once it has arrived on `ready` (when it came during the backward pass,
 /// `overlap.told` hears of it once reduced), `flight` told of each awaited and let go.
-/// `compact`: each bucket's ranges owned here are kept ([`owned_of`]) and its buffers let go
-/// (`gauge` counts both); returns those, by bucket.
+/// `compact`: each bucket's ranges owned here are kept ([`owned_of`]) and its buffers given back
+/// to `pool` (`gauge` counts both); returns those, by bucket.
 fn reduce_in_order(
     collective: &mut dyn Collective,
     (first, count, compact): (usize, usize, bool),
     ready: mpsc::Receiver<Arrived>,
-    (overlap, flight, gauge): (Overlap<'_>, &Flight, &Gauge),
+    (overlap, flight, (gauge, pool)): (Overlap<'_>, &Flight, (&Gauge, &Pool)),
 ) -> Result<Kept, CollectiveError> {
     let _ends = Ends(flight);
     let mut arrived: Vec<Option<Arrived>> = (0..count).map(|_| None).collect();
@@ -265,7 +266,7 @@ fn reduce_in_order(
             let owned = owned_of(&handles, collective.slots());
             gauge.away(values_bytes(&owned));
             gauge.back(handles.iter().map(bytes_of).sum());
-            drop(handles);
+            pool.give_back(handles);
             kept.push((bucket, owned));
         }
         flight.let_go();
@@ -424,7 +425,7 @@ mod tests {
 
     /// Two steps of the slots held reduce-scattered, the buckets `compact` or not, reduced during
     /// the last backward pass (`overlap`) or after it: the bits of the ranges this worker owns,
-    /// and the bytes the buckets hold then.
+    /// and the bytes the buckets hold then, besides the buffers kept for the next step.
     fn owned_after(ring: &mut dyn Collective, compact: bool, overlap: bool) -> (Vec<Vec<u32>>, u64) {
         let mut params = params();
         let mut buckets = Buckets::new(&params, 64);
@@ -437,7 +438,8 @@ mod tests {
         if compact {
             assert!(params.iter().all(|(_, p)| !p.grad().defined()), "every gradient let go");
         }
-        (owned_bits(&mut buckets, ring, &params), buckets.bytes())
+        // The buffers kept for the next step apart (the pool's).
+        (owned_bits(&mut buckets, ring, &params), buckets.bytes() - buckets.idle_bytes())
     }
 
     #[test]

@@ -5,15 +5,16 @@
 use serde::Serialize;
 use tch::Tensor;
 
-use crate::collective::buckets::{bytes_of, Buckets};
+use crate::collective::buckets::{bytes_of, Buckets, KEPT_PER_SLOT};
 use crate::optim::sharded_state::slot_names;
 use crate::state::{Optim, TrainState};
 use crate::train::config::RunConfig;
 
-/// With `--shard gradients`, the most buckets a worker holds whole at once: those handed to the
-/// reducing thread and not yet let go (`collective/overlap.rs`, `IN_FLIGHT`), and the one the
-/// all-gather or the staging makes.
-const WHOLE_BUCKETS: u64 = 3;
+/// With `--shard gradients`, the most buckets a worker holding one slot holds whole at once:
+/// those handed to the reducing thread and not yet let go (`collective/overlap.rs`,
+/// `IN_FLIGHT`), and the one the staging or the all-gather fills; their buffers are kept from
+/// step to step (`collective/buckets/pool.rs`).
+const WHOLE_BUCKETS: u64 = KEPT_PER_SLOT as u64;
 
 /// What a worker's model state holds, by kind, in bytes, at its peak.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -75,8 +76,8 @@ pub(crate) fn plan(cfg: &RunConfig, params: &[(String, Tensor)], workers: usize)
     let gradients = match sharded && cfg.shard_gradients {
         false => format!("their gradients whole ({})", mb(p)),
         true => format!(
-            "the gradients of its ranges and its predecessor's ({}), and while a step reduces or gathers them at \
-             most {WHOLE_BUCKETS} buckets whole (at most {})",
+            "the gradients of its ranges and its predecessor's ({}), and to reduce and gather them at most \
+             {WHOLE_BUCKETS} buckets' buffers, kept from step to step (at most {})",
             mb(held(p)),
             mb(p.min(WHOLE_BUCKETS * cfg.bucket_bytes as u64))
         ),
@@ -113,8 +114,9 @@ mod tests {
         assert_eq!(
             plan(&config(true, true), &params, 4),
             "trainerd: each worker holds the parameters whole (100.0 MB), the gradients of its ranges and its \
-             predecessor's (50.0 MB), and while a step reduces or gathers them at most 3 buckets whole (at most 78.6 \
-             MB), and the optimizer state of its ranges and a buddy copy of its predecessor's (50.0 MB and 50.0 MB)"
+             predecessor's (50.0 MB), and to reduce and gather them at most 3 buckets' buffers, kept from step to \
+             step (at most 78.6 MB), and the optimizer state of its ranges and a buddy copy of its predecessor's (50.0 \
+             MB and 50.0 MB)"
         );
         // Two workers: each holds every range, its own or a buddy copy.
         assert!(plan(&config(true, true), &params, 2).contains("(100.0 MB and 100.0 MB)"));

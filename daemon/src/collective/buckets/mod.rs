@@ -14,9 +14,11 @@ use tch::{Device, Kind, Tensor};
 use super::{host_slice, Collective, CollectiveError};
 
 mod held;
+mod pool;
 mod ranges;
 
 pub(crate) use held::{bytes_of, values_bytes, Gauge};
+pub(crate) use pool::{Pool, KEPT_PER_SLOT};
 pub(crate) use ranges::{bucket_views, owned, owned_of, write_group, Range};
 
 /// The bucket the tail rides in (the step's extra values and one used-flag per parameter): the
@@ -70,20 +72,29 @@ pub(crate) struct Buckets {
     seen: Vec<bool>,
     /// What the gradients and buckets hold, at its peak (shared with the reducing thread).
     gauge: Arc<Gauge>,
+    /// Compact: the buffers lent to the buckets and kept from step to step (shared with the
+    /// reducing thread, which gives them back).
+    pool: Arc<Pool>,
 }
 
-/// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`.
 /// The staging buffer in `slot`, made (zeros: on `home`'s device when `on_device`, else in host
 /// memory, pinned for a CUDA `home`) unless it holds `len` elements already.
 fn buffer_of(slot: &mut Option<Tensor>, len: usize, (home, on_device): (Device, bool)) -> &mut Tensor {
     if slot.as_ref().is_none_or(|t| t.numel() != len) {
-        *slot = Some(if on_device { Tensor::zeros([len as i64], (Kind::Float, home)) } else { host_buffer(len, home) });
+        *slot = Some(if on_device {
+            Tensor::zeros([len as i64], (Kind::Float, home))
+        } else {
+            host_buffer(len, home, true)
+        });
     }
     slot.as_mut().expect("made above")
 }
 
-fn host_buffer(len: usize, device: Device) -> Tensor {
-    let t = Tensor::zeros([len as i64], (Kind::Float, Device::Cpu));
+/// A float32 host buffer of `len` elements, pinned for fast copies to and from `device`: zeros
+/// if `zeroed`, else values unspecified (its user writes them all).
+fn host_buffer(len: usize, device: Device, zeroed: bool) -> Tensor {
+    let options = (Kind::Float, Device::Cpu);
+    let t = if zeroed { Tensor::zeros([len as i64], options) } else { Tensor::empty([len as i64], options) };
     if device.is_cuda() {
         // `_pin_memory`, not `pin_memory`: tch passes a device, which `pin_memory` warns about
         // on every call since PyTorch 2.5.
@@ -117,6 +128,7 @@ impl Buckets {
             bytes += size;
         }
         let home = params.first().map_or(Device::Cpu, |(_, p)| p.device());
+        let pool = Arc::new(Pool::for_buckets(params, &groups, home));
         let (reduced, lens) = (vec![false; groups.len()], vec![0; groups.len()]);
         let seen = vec![false; params.len()];
         let (staging, extras, kept, defined) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -135,6 +147,7 @@ impl Buckets {
             defined,
             seen,
             gauge: Arc::default(),
+            pool,
         }
     }
 
@@ -145,6 +158,7 @@ impl Buckets {
             self.compact = on;
             self.staging.clear();
             self.kept.clear();
+            self.pool.clear();
             // Gradients that were views of the buffers keep that memory until staged and let go.
             self.in_place = None;
         }
@@ -167,10 +181,16 @@ impl Buckets {
         self.compact
     }
 
-    /// The bytes the buckets hold now: their buffers, and the ranges kept of them.
+    /// The bytes the buckets hold now: their buffers, the ranges kept of them, and the buffers
+    /// kept for the next step ([`Buckets::idle_bytes`]).
     pub(crate) fn bytes(&self) -> u64 {
         let buffers: u64 = self.staging.iter().flatten().flatten().map(held::bytes_of).sum();
-        buffers + self.kept.iter().map(|per_slot| values_bytes(per_slot)).sum::<u64>()
+        buffers + self.kept.iter().map(|per_slot| values_bytes(per_slot)).sum::<u64>() + self.idle_bytes()
+    }
+
+    /// Compact: the bytes of the buffers kept for the next bucket or step and lent to none now.
+    pub(crate) fn idle_bytes(&self) -> u64 {
+        self.pool.idle_bytes()
     }
 
     /// Replaces every gradient with its mean over the ring's slots, and `extra` with its sum:
@@ -211,6 +231,8 @@ impl Buckets {
             self.on_device = on_device;
             self.staging.clear();
         }
+        let staged: Vec<&Tensor> = self.staging.iter().flatten().flatten().collect();
+        self.pool.reclaim(&staged);
     }
 
     /// Copies the gradients of the `i`th slot held here (zeros for parameters without one) and
@@ -247,9 +269,9 @@ impl Buckets {
             let grads_len: usize = numels.iter().sum();
             let (home, on_device) = (self.home, self.on_device);
             self.lens[b] = grads_len + riding.len();
-            if self.compact && b != TAIL {
-                // A bucket of one gradient is staged in that gradient's own memory, not copied.
-                self.staging[i][b] = own_memory(params, group).or(self.staging[i][b].take());
+            if self.compact {
+                let (own, slots) = (own_memory(params, group).filter(|_| b != TAIL), self.staging.len());
+                self.pool.lend(&mut self.staging[i][b], own, (self.lens[b], slots));
             }
             let buffer = buffer_of(&mut self.staging[i][b], grads_len + riding.len(), (home, on_device));
             if self.in_place == Some(i) {
@@ -305,6 +327,12 @@ impl Buckets {
     /// them back).
     pub(crate) fn gauge(&self) -> Arc<Gauge> {
         Arc::clone(&self.gauge)
+    }
+
+    /// The buffers compact buckets lend, shared with the reducing thread, which gives back those
+    /// handed to it once it lets them go.
+    pub(crate) fn pool(&self) -> Arc<Pool> {
+        Arc::clone(&self.pool)
     }
 
     /// The bytes held here now: every buffer, the ranges kept, and the gradients of `params`

@@ -110,7 +110,8 @@ impl Buckets {
             if self.compact {
                 let kept = owned_of(&bufs, &slots);
                 drop(bufs);
-                self.staging.iter_mut().for_each(|per_slot| per_slot[b] = None);
+                let done: Vec<Tensor> = self.staging.iter_mut().filter_map(|per_slot| per_slot[b].take()).collect();
+                self.pool.give_back(done);
                 self.put_kept(b, kept);
             }
         }
@@ -221,6 +222,9 @@ impl Buckets {
             };
             collective.all_gather_buffers(&mut bufs)?;
             each(&self.groups[b], &bufs[0]);
+            if self.compact {
+                self.pool.give_back(bufs);
+            }
         }
         Ok(())
     }
@@ -237,14 +241,14 @@ impl Buckets {
 
     /// Compact: bucket `b`'s buffers for its all-gather, one per slot held, each with the range
     /// that slot owns in its place (the gather writes every other element); the first is `first`
-    /// where given (a parameter's own memory).
+    /// where given (a parameter's own memory), the others lent by the pool.
     fn gathering(&mut self, b: usize, slots: &Slots, mut first: Option<Tensor>) -> Vec<Tensor> {
         let len = self.lens[b];
         (0..slots.len())
             .map(|i| {
-                let made = || Tensor::empty([len as i64], (tch::Kind::Float, tch::Device::Cpu));
-                let mut buffer = first.take().filter(|_| i == 0).unwrap_or_else(made);
-                // SAFETY: a buffer just made, ours alone.
+                let lent = || self.pool.take(len, slots.len());
+                let mut buffer = first.take().filter(|_| i == 0).unwrap_or_else(lent);
+                // SAFETY: a buffer just made or lent, ours alone.
                 let flat = unsafe { host_slice(&mut buffer) };
                 let span = owned_span(slots, i, len);
                 flat[span].copy_from_slice(self.kept_slot(i, b));
