@@ -2,6 +2,7 @@
 //! with exactly the model an uninterrupted run gives.
 
 use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use trainerd_testkit::events::Record;
@@ -35,7 +36,7 @@ fn sigkill_mid_epoch_then_restart_gives_the_uninterrupted_model() {
 
 /// Arguments of a run of the linear model (2 epochs of 500 steps), checkpointed every 60 steps
 /// into `ckpt` when given.
-fn linear_run(summary: &std::path::Path, ckpt: Option<&std::path::Path>) -> RunArgs {
+fn linear_run(summary: &Path, ckpt: Option<&Path>) -> RunArgs {
     let run = RunArgs::new("linear").epochs(2).steps(500).threads(1).seed(3).optimizer("adam", 0.001);
     let run = run.summary(summary);
     match ckpt {
@@ -51,9 +52,7 @@ fn start(sub: &str, extra: &[&str], args: &RunArgs) -> Worker {
 #[test]
 fn sigkill_mid_epoch_resumes_at_the_committed_step_with_the_uninterrupted_model() {
     let tmp = tempfile::tempdir().unwrap();
-    let reference = tmp.path().join("reference.json");
-    let status = start("run", &[], &linear_run(&reference, Some(&tmp.path().join("ckpt-ref")))).wait();
-    assert!(status.success());
+    let reference = uninterrupted(tmp.path(), "run", &[]);
 
     let (killed, ckpt) = (tmp.path().join("killed.json"), tmp.path().join("ckpt"));
     let args = linear_run(&killed, Some(&ckpt));
@@ -80,10 +79,7 @@ fn sigkill_mid_epoch_resumes_at_the_committed_step_with_the_uninterrupted_model(
 #[test]
 fn a_killed_two_worker_cluster_resumes_with_the_uninterrupted_model() {
     let tmp = tempfile::tempdir().unwrap();
-    let reference = tmp.path().join("reference.json");
-    let status =
-        start("local", &["--workers", "2"], &linear_run(&reference, Some(&tmp.path().join("ckpt-ref")))).wait();
-    assert!(status.success());
+    let reference = uninterrupted(tmp.path(), "local", &["--workers", "2"]);
 
     let (killed, ckpt) = (tmp.path().join("killed.json"), tmp.path().join("ckpt"));
     let args = linear_run(&killed, Some(&ckpt));
@@ -94,13 +90,7 @@ fn a_killed_two_worker_cluster_resumes_with_the_uninterrupted_model() {
     // SIGTERM to the launcher stops both workers, as systemd stopping the nodes would.
     cluster.kill(libc::SIGTERM);
 
-    let mut again = start("local", &["--workers", "2"], &args);
-    again.wait_event(|r| r.worker == Some(0) && matches!(r.event, Event::Resumed { .. }), Duration::from_secs(60));
-    assert!(again.wait().success());
-    let summary = |i: usize| tmp.path().join(format!("{}.worker{i}.json", "killed"));
-    let reference = |i: usize| tmp.path().join(format!("reference.worker{i}.json"));
-    assert_eq!(params_sha256(&summary(0)), params_sha256(&reference(0)));
-    assert_eq!(params_sha256(&summary(1)), params_sha256(&reference(0)));
+    resumes_like(&args, (&killed, &reference));
 }
 
 /// Ctrl-C in the terminal `trainerd local` runs in: the terminal signals the whole foreground job,
@@ -112,10 +102,7 @@ fn a_killed_two_worker_cluster_resumes_with_the_uninterrupted_model() {
 #[test]
 fn ctrl_c_in_the_terminal_stops_a_local_cluster_once_after_the_chiefs_commit() {
     let tmp = tempfile::tempdir().unwrap();
-    let reference = tmp.path().join("reference.json");
-    let status =
-        start("local", &["--workers", "2"], &linear_run(&reference, Some(&tmp.path().join("ckpt-ref")))).wait();
-    assert!(status.success());
+    let reference = uninterrupted(tmp.path(), "local", &["--workers", "2"]);
 
     let (stopped, ckpt) = (tmp.path().join("stopped.json"), tmp.path().join("ckpt"));
     let args = linear_run(&stopped, Some(&ckpt));
@@ -151,12 +138,7 @@ fn ctrl_c_in_the_terminal_stops_a_local_cluster_once_after_the_chiefs_commit() {
     assert_eq!(last.max(), Some(at), "the last commit is the stop's");
     assert!(at >= 100, "{stop}");
 
-    let mut again = start("local", &["--workers", "2"], &args);
-    again.wait_event(|r| r.worker == Some(0) && matches!(r.event, Event::Resumed { .. }), Duration::from_secs(60));
-    assert!(again.wait().success());
-    let summary = |name: &str, i: usize| tmp.path().join(format!("{name}.worker{i}.json"));
-    assert_eq!(params_sha256(&summary("stopped", 0)), params_sha256(&summary("reference", 0)));
-    assert_eq!(params_sha256(&summary("stopped", 1)), params_sha256(&summary("reference", 0)));
+    resumes_like(&args, (&stopped, &reference));
 }
 
 /// A worker killed while the others finish the run without it (3 workers, a majority left), its
@@ -185,6 +167,32 @@ fn local_does_not_restart_a_worker_once_the_others_finished_the_run() {
 }
 
 /// The pid of a launcher's worker 0, from its first record.
+/// The run a test's interrupted one must end like: `trainerd COMMAND FLAGS` of [`linear_run`],
+/// uninterrupted, committing in `tmp`; the path of its summary (under `local`, worker 0's: every
+/// worker ends with the same parameters).
+fn uninterrupted(tmp: &Path, command: &str, flags: &[&str]) -> PathBuf {
+    let reference = tmp.join("reference.json");
+    assert!(start(command, flags, &linear_run(&reference, Some(&tmp.join("ckpt-ref")))).wait().success());
+    match command {
+        "local" => tmp.join("reference.worker0.json"),
+        _ => reference,
+    }
+}
+
+/// `trainerd local` of 2 workers run again with `args` (whose summary is `summary`): it resumes
+/// from the interrupted run's last commit, and both workers end with the `reference` run's
+/// parameters.
+fn resumes_like(args: &RunArgs, (summary, reference): (&Path, &Path)) {
+    let mut again = start("local", &["--workers", "2"], args);
+    again.wait_event(|r| r.worker == Some(0) && matches!(r.event, Event::Resumed { .. }), Duration::from_secs(60));
+    assert!(again.wait().success());
+    for w in 0..2 {
+        let worker =
+            summary.with_file_name(format!("{}.worker{w}.json", summary.file_stem().unwrap().to_str().unwrap()));
+        assert_eq!(params_sha256(&worker), params_sha256(reference), "worker {w}");
+    }
+}
+
 fn worker_pid(launcher: &mut Worker) -> u32 {
     launcher.wait_event(|r| r.worker == Some(0), WAIT).pid
 }
@@ -192,14 +200,7 @@ fn worker_pid(launcher: &mut Worker) -> u32 {
 #[test]
 fn local_with_one_worker_restarts_a_killed_worker_and_resumes_from_its_last_commit() {
     let tmp = tempfile::tempdir().unwrap();
-    let reference = tmp.path().join("reference.json");
-    let status = start(
-        "local",
-        &["--workers", "1", "--restart-delay", "0"],
-        &linear_run(&reference, Some(&tmp.path().join("ckpt-ref"))),
-    )
-    .wait();
-    assert!(status.success());
+    let reference = uninterrupted(tmp.path(), "local", &["--workers", "1", "--restart-delay", "0"]);
 
     let killed = tmp.path().join("killed.json");
     let mut local = start(
@@ -215,10 +216,7 @@ fn local_with_one_worker_restarts_a_killed_worker_and_resumes_from_its_last_comm
     let resumed = local.wait_event(|r| matches!(r.event, Event::Resumed { .. }), WAIT);
     assert_ne!(resumed.pid, pid, "the restarted worker resumed");
     assert!(local.wait().success(), "the launcher exits 0 once its worker finished");
-    assert_eq!(
-        params_sha256(&tmp.path().join("killed.worker0.json")),
-        params_sha256(&tmp.path().join("reference.worker0.json"))
-    );
+    assert_eq!(params_sha256(&tmp.path().join("killed.worker0.json")), params_sha256(&reference));
 }
 
 #[test]

@@ -287,18 +287,17 @@ impl Launcher {
             let kept = codes.into_iter().enumerate().filter(|&(w, _)| !supervisor.held(w));
             return Some(kept.map(|(_, code)| code).max().unwrap_or(0));
         };
-        // Until then, what the workers say while they stop (the chief's commit, each exit) is
-        // shown.
-        if supervisor.finished().is_none() && since.elapsed() >= STOP_GRACE {
-            let killed: Vec<String> = supervisor.kill().iter().map(usize::to_string).collect();
-            say(&format!(
-                "worker(s) {} still running {}s after the stop: killed",
-                killed.join(", "),
-                STOP_GRACE.as_secs()
-            ));
+        if supervisor.finished().is_some() {
             return Some(code);
         }
-        supervisor.finished().map(|_| code)
+        // Until then, what the workers say while they stop (the chief's commit, each exit) is
+        // shown.
+        if since.elapsed() < STOP_GRACE {
+            return None;
+        }
+        let killed: Vec<String> = supervisor.kill().iter().map(usize::to_string).collect();
+        say(&format!("worker(s) {} still running {}s after the stop: killed", killed.join(", "), STOP_GRACE.as_secs()));
+        Some(code)
     }
 
     /// Stops every worker (once), the launcher's exit status then `code`.
