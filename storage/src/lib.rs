@@ -17,7 +17,7 @@ pub mod tls;
 pub use location::{s3_store, Location, LocationError, OpenError, S3Options};
 pub use store::types::transient;
 pub use store::{
-    Blob, BlobEntry, CheckpointStore, CommitRecord, Manifest, Mode, NewCheckpoint, Part, Restored, Retry, Score, Slice,
-    StorageError,
+    Blob, BlobEntry, BlobRanges, CheckpointStore, CommitRecord, Manifest, Mode, NewCheckpoint, Part, Restored, Retry,
+    Score, Slice, StorageError,
 };
 pub use tensors::{Dtype, TensorData};

@@ -626,3 +626,69 @@ fn a_sharded_commit_restores_whole_and_a_crash_at_any_write_of_any_part_leaves_t
         });
     }
 }
+
+/// A sharded run's resume (docs/fault-tolerance.md, "A sharded run's resume"): the optimizer's
+/// blob is verified as a stream and left out of the restore, and each member reads its ranges of
+/// it, from a whole commit and from a sharded one's parts alike (ranges that cross the parts'
+/// cuts included), bit for bit. A damaged streamed blob fails the commit as a read one does, and
+/// the restore falls back; a range the blob lacks is refused, naming the tensor and elements.
+#[test]
+fn a_blob_is_read_by_element_range_whole_or_in_parts_and_a_streamed_blob_is_verified() {
+    let rt = rt();
+    let optimizer = "optimizer.safetensors";
+    for b in backends() {
+        rt.block_on(async {
+            let store = b.store();
+            let whole = checkpoint(1, 1, false);
+            store.commit(&whole, 0).await.unwrap();
+            let (parts, coordinator, expected) = sharded(2);
+            let id = CheckpointStore::new_data_id(1, 1);
+            let written = futures::future::try_join_all(parts.iter().map(|p| store.write_part(&id, p))).await.unwrap();
+            store.commit_parts(&coordinator, (&id, written), 0).await.unwrap();
+            let expected_of = |sequence: u64| if sequence == 1 { tensors_of(&whole) } else { expected.clone() };
+            for sequence in [1, 2] {
+                let restored = store.load_streaming(sequence, &[optimizer]).await.unwrap();
+                let mut without = expected_of(sequence);
+                let exp_avg = without.remove(optimizer).unwrap().remove(0);
+                assert_eq!(restored.blobs, without, "{}: commit {sequence}", b.name);
+                let digest = restored.record.manifest_sha256.as_str();
+                let ranges = store.blob_ranges((sequence, digest), optimizer).await.unwrap();
+                assert_eq!(ranges.names().collect::<Vec<_>>(), [exp_avg.name.as_str()]);
+                assert_eq!(ranges.tensor(&exp_avg.name), Some((Dtype::F32, &[64usize, 10][..])));
+                let wants = [0..640, 200..430, 639..640, 213..426, 7..7];
+                let asked: Vec<(&str, std::ops::Range<usize>)> =
+                    wants.iter().map(|r| (exp_avg.name.as_str(), r.clone())).collect();
+                let read = ranges.read(&asked).await.unwrap();
+                for (r, bytes) in wants.iter().zip(&read) {
+                    assert_eq!(bytes[..], exp_avg.data[r.start * 4..r.end * 4], "{}: {sequence}, {r:?}", b.name);
+                }
+                let err = ranges.read(&[(exp_avg.name.as_str(), 630..650)]).await.unwrap_err().to_string();
+                let says = format!(
+                    "{}: commit {sequence}: blob {optimizer}: tensor {}, elements 630..650: 10 of them stored",
+                    b.name, exp_avg.name
+                );
+                assert_eq!(err, says);
+                let err = ranges.read(&[("model.nothing/exp_avg", 0..1)]).await.unwrap_err().to_string();
+                assert!(err.ends_with("tensor model.nothing/exp_avg, elements 0..1: not in the blob"), "{err}");
+                // Another commit of that sequence (another location's) is not read.
+                let other = if sequence == 1 { "0".repeat(64) } else { "f".repeat(64) };
+                let err = store.blob_ranges((sequence, &other), optimizer).await.unwrap_err().to_string();
+                let says = format!(
+                    "{}: commit {sequence}: its manifest's sha256 is {digest}, the one asked for is {other}: another \
+                     commit",
+                    b.name
+                );
+                assert_eq!(err, says);
+            }
+        });
+        // A flipped byte in a streamed blob (the sharded commit's second part of it).
+        let store = b.store();
+        let manifest = rt.block_on(store.load(2)).unwrap().manifest;
+        let entry = manifest.blobs.iter().filter(|e| e.name == optimizer).nth(1).unwrap();
+        flip(&b.raw, &rt, &b.path(&entry.path), 40);
+        let err = rt.block_on(store.load_streaming(2, &[optimizer])).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}: commit 2: blob {optimizer} ({}): sha256 ", b.name, entry.path)));
+        let restored = rt.block_on(store.latest_streaming(&[optimizer])).unwrap().unwrap();
+        assert_eq!((restored.record.sequence, restored.fallbacks.clone()), (1, vec![err]), "{}", b.name);
+    }
+}

@@ -7,10 +7,11 @@
 //! failed or interrupted commit leaves behind can be mistaken for a commit, and its blobs are
 //! collected later.
 //!
-//! [`types`] holds what a location holds and says; reading is in `read.rs`, committing and
-//! collection in `write.rs`, the probe of whether every member reaches the location in
+//! [`types`] holds what a location holds and says; reading is in `read.rs` (a commit in part, its
+//! blobs read by element range, in `ranged.rs`), committing and collection in `write.rs`, the probe of whether every member reaches the location in
 //! `reach.rs`.
 
+mod ranged;
 mod reach;
 mod read;
 pub mod types;
@@ -23,6 +24,7 @@ use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
+pub use ranged::BlobRanges;
 pub use types::*;
 
 /// A checkpoint location opened on a backend.

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use futures::TryStreamExt;
 use sha2::{Digest, Sha256};
 
-use super::{hex, CheckpointStore, CommitRecord, Manifest, Restored, StorageError};
+use super::{hex, CheckpointStore, CommitRecord, Restored, StorageError};
 use crate::protocol::{self, COMMITS, DATA};
 use crate::{parts, tensors};
 
@@ -117,29 +117,23 @@ impl CheckpointStore {
 
     /// Loads commit `sequence` and verifies its manifest and every blob.
     pub async fn load(&self, sequence: u64) -> Result<Restored, StorageError> {
-        let record = self.record(sequence).await?;
-        let manifest_bytes = self
-            .get_verified(
-                sequence,
-                &format!("manifest {}", record.manifest),
-                &record.manifest,
-                (&record.manifest_sha256, record.manifest_size),
-                "the commit record",
-            )
-            .await?;
-        let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
-            .map_err(|e| self.damaged(sequence, format!("manifest {} is not valid: {e}", record.manifest)))?;
+        self.load_streaming(sequence, &[]).await
+    }
+
+    /// [`CheckpointStore::load`], but the blobs named in `streamed` are only verified, a chunk at
+    /// a time as they arrive, and left out of the result: their tensors are read later by range
+    /// ([`CheckpointStore::blob_ranges`]), so that no reader holds the whole of them.
+    pub async fn load_streaming(&self, sequence: u64, streamed: &[&str]) -> Result<Restored, StorageError> {
+        let (record, manifest) = self.manifest(sequence).await?;
         let mut entries = Vec::with_capacity(manifest.blobs.len());
         for entry in &manifest.blobs {
-            let bytes = self
-                .get_verified(
-                    sequence,
-                    &format!("blob {} ({})", entry.name, entry.path),
-                    &entry.path,
-                    (&entry.sha256, entry.size),
-                    "the manifest",
-                )
-                .await?;
+            let label = format!("blob {} ({})", entry.name, entry.path);
+            let sums = (entry.sha256.as_str(), entry.size);
+            if streamed.contains(&entry.name.as_str()) {
+                self.verify_streaming(sequence, &label, &entry.path, sums).await?;
+                continue;
+            }
+            let bytes = self.get_verified(sequence, &label, &entry.path, sums, "the manifest").await?;
             let tensors =
                 tensors::decode(&bytes).map_err(|e| self.damaged(sequence, format!("blob {}: {e}", entry.name)))?;
             entries.push((entry, tensors));
@@ -152,10 +146,16 @@ impl CheckpointStore {
     /// The newest commit that verifies, falling back past damaged ones (each reported in
     /// `fallbacks` and the log). `Ok(None)` when nothing was ever committed.
     pub async fn latest(&self) -> Result<Option<Restored>, StorageError> {
+        self.latest_streaming(&[]).await
+    }
+
+    /// [`CheckpointStore::latest`], each commit read as [`CheckpointStore::load_streaming`] reads
+    /// it: the blobs named in `streamed` verified and left out.
+    pub async fn latest_streaming(&self, streamed: &[&str]) -> Result<Option<Restored>, StorageError> {
         let sequences = self.sequences().await?;
         let mut fallbacks = Vec::new();
         for &seq in sequences.iter().rev() {
-            match self.load(seq).await {
+            match self.load_streaming(seq, streamed).await {
                 Ok(mut restored) => {
                     restored.fallbacks = fallbacks;
                     return Ok(Some(restored));
