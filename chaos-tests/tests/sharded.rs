@@ -399,7 +399,7 @@ fn a_frozen_worker_comes_back_with_stale_ranges_and_nothing_is_lost() {
 
 /// A worker and its buddy (the next worker) killed together after the commit of step 25: the
 /// ranges the first owned are held by no one, and every member says which and goes back to that
-/// commit, counting the steps lost; the run ends exactly.
+/// commit, counting the steps lost, each reading its own ranges of it; the run ends exactly.
 #[test]
 fn a_worker_lost_with_its_buddy_sends_every_member_back_to_the_last_commit_and_the_run_ends_exactly() {
     let tmp = tempfile::tempdir().unwrap();
@@ -415,6 +415,9 @@ fn a_worker_lost_with_its_buddy_sends_every_member_back_to_the_last_commit_and_t
         "{back}"
     );
     assert!(back.contains("every member goes back to checkpoint 1 at step 25 ("), "{back}\n{}", c.transcript());
+    // Back at the commit, each member reads its own ranges of it: none holds the state whole.
+    let (_, read) = c.wait_line(3, "trainerd: this worker read its ", mark, DEADLINE);
+    assert!(read.contains(" from checkpoint 1 in ") && read.ends_with(": no member holds it whole"), "{read}");
     let chief = assert_finished_exactly(&mut c, tmp.path());
     assert!(steps_lost(&chief) >= 3, "steps 26 to 28 at least are lost, and counted\n{}", c.transcript());
 }

@@ -306,7 +306,87 @@ fn a_commit_of_each_level_resumes_at_the_others_bit_for_bit() {
         assert!(resumed.output.contains("at epoch 1, step 10 (global step 10)"), "{}", resumed.output);
         assert_eq!(resumed.params, straight.params, "--shard {first}, then {then}");
         assert_eq!(resumed.optimizer_blob, straight.optimizer_blob, "--shard {first}, then {then}");
+        // Sharded, each worker reads its own ranges of the commit (whole, or in parts), and only
+        // those: its owned range and a buddy copy of the other's, half of Adam's state each.
+        let reads: Vec<&str> =
+            resumed.output.lines().filter(|l| l.contains("trainerd: this worker read its ")).collect();
+        assert_eq!(reads.len(), if then == "none" { 0 } else { 2 }, "--shard {first}, then {then}: {reads:?}");
+        for line in reads {
+            assert!(line.contains(" range(s) of the optimizer state and a buddy copy of "), "{line}");
+            assert!(line.contains(" from checkpoint 1 in ") && line.ends_with(": no member holds it whole"), "{line}");
+        }
     }
+}
+
+/// Two workers started by hand on TF_CONFIG with `--shard-optimizer`, with checkpoints in
+/// `ckpt(i)` and each its own failpoints (`TRAINERD_FAILPOINT`, none where empty): their outputs,
+/// once both exited 0, and worker 0's parameters.
+fn by_hand(
+    args: &RunArgs,
+    dir: &Path,
+    ckpt: &dyn Fn(usize) -> std::path::PathBuf,
+    env: [&str; 2],
+) -> (Vec<String>, String) {
+    let ports = free_ports(2);
+    let workers: Vec<_> = (0..2)
+        .map(|i| {
+            let args = args.clone().on("--shard-optimizer").checkpoints(ckpt(i), 10);
+            let mut cmd: Command = args.summary(dir.join(format!("s{i}.json"))).command("run");
+            cmd.env("TF_CONFIG", tf_config(&ports, i)).stdout(Stdio::piped()).stderr(Stdio::piped());
+            if !env[i].is_empty() {
+                cmd.env("TRAINERD_FAILPOINT", env[i]);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    let outputs: Vec<_> = workers.into_iter().map(|w| w.wait_with_output().unwrap()).collect();
+    outputs.iter().for_each(|out| assert!(out.status.success(), "{}", text(out)));
+    let params = json(&dir.join("s0.json"))["params_sha256"].as_str().unwrap().to_string();
+    (outputs.iter().map(text).collect(), params)
+}
+
+/// The commit records after the first in the local checkpoint directory `ckpt` removed: the run
+/// is taken back to its first commit.
+fn back_to_the_first_commit(ckpt: &Path) {
+    let mut records: Vec<_> = std::fs::read_dir(ckpt.join("commits")).unwrap().map(|e| e.unwrap().path()).collect();
+    records.sort();
+    records[1..].iter().for_each(|r| std::fs::remove_file(r).unwrap());
+}
+
+/// A sharded run's resume where a member cannot read its ranges of the commit: once the chief
+/// itself (every member keeps the state unread, and the next generation reads it again), then
+/// the other worker (the chief reads every range, and they move to their owners); and each worker
+/// on its own directory, where the other's holds no such commit. Each ends as the uninterrupted
+/// run does.
+#[test]
+fn a_resume_where_a_member_cannot_read_its_ranges_ends_as_the_uninterrupted_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = cnn("mnist-cnn").optimizer("adam", 1e-3).set("--keep-checkpoints", 10);
+    let whole = run(&args, 2, &tmp.path().join("whole"));
+    let shared = tmp.path().join("shared");
+    by_hand(&args, tmp.path(), &|_| shared.clone(), ["", ""]);
+    back_to_the_first_commit(&shared);
+    let armed = ["committed-read-fails@1", "committed-read-fails@2"];
+    let (outputs, params) = by_hand(&args, tmp.path(), &|_| shared.clone(), armed);
+    assert_eq!(params, whole.params[0], "{}", outputs.join("\n"));
+    let chief_failed =
+        "could not read their ranges of the optimizer state from checkpoint 1 (the coordinator among them)";
+    assert!(outputs[0].contains(chief_failed), "{}", outputs[0]);
+    assert!(outputs[0].contains("could not read its ranges of the optimizer state from checkpoint 1 in "));
+    let moved = "could not read their ranges of the optimizer state from checkpoint 1 (a checkpoint directory local \
+                 to each node?): the coordinator read it whole, and the ranges move to their owners";
+    assert!(outputs.iter().all(|o| o.contains(moved)), "{}", outputs.join("\n"));
+    let own = "trainerd: this worker could not read its ranges of the optimizer state from checkpoint 1 in ";
+    assert!(outputs[1].contains(&format!("{}: failpoint committed-read-fails", shared.display())), "{}", outputs[1]);
+    assert!(outputs[1].contains(own), "{}", outputs[1]);
+    // Each worker on a directory of its own: the other's has no commit 1.
+    let node = |i: usize| tmp.path().join(format!("node{i}"));
+    by_hand(&args, tmp.path(), &node, ["", ""]);
+    back_to_the_first_commit(&node(0));
+    let (outputs, params) = by_hand(&args, tmp.path(), &node, ["", ""]);
+    assert_eq!(params, whole.params[0], "{}", outputs.join("\n"));
+    assert!(outputs[1].contains(own), "{}", outputs[1]);
+    assert!(outputs.iter().all(|o| o.contains(moved)), "{}", outputs.join("\n"));
 }
 
 /// Sharding where it cannot run yet is refused, naming what to do.

@@ -13,7 +13,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use trainerd_storage::{
-    Blob, BlobEntry, CheckpointStore, CommitRecord, NewCheckpoint, Part, Restored, Retry, Score, StorageError,
+    Blob, BlobEntry, BlobRanges, CheckpointStore, CommitRecord, NewCheckpoint, Part, Restored, Retry, Score,
+    StorageError,
 };
 
 use super::CheckpointError;
@@ -107,6 +108,9 @@ pub(crate) struct Checkpointer {
     /// The S3 server to prove refuses a second create-if-absent write before anything is read or
     /// committed, until it has (taken by the proof; shared with the commit thread that makes it).
     unprobed: Arc<std::sync::Mutex<Option<String>>>,
+    /// Blobs a restore only verifies, as a stream, and leaves out: a sharded run's optimizer
+    /// state, which each member reads by range ([`Checkpointer::blob_ranges`]).
+    streamed: Vec<&'static str>,
 }
 
 impl Checkpointer {
@@ -131,7 +135,29 @@ impl Checkpointer {
             committed: None,
             last_error: None,
             unprobed: Arc::default(),
+            streamed: Vec::new(),
         })
+    }
+
+    /// From now on a restore verifies `blob` as a stream and leaves it out, to be read by range:
+    /// no member holds it whole.
+    pub(crate) fn stream_on_restore(&mut self, blob: &'static str) {
+        self.streamed.push(blob);
+    }
+
+    /// Blob `blob` of commit `sequence`, whose manifest's sha256 is `manifest`, to be read by
+    /// element range (its objects' headers read).
+    pub(crate) fn blob_ranges(&self, commit: (u64, &str), blob: &str) -> Result<BlobRanges, StorageError> {
+        self.runtime.block_on(self.store.blob_ranges(commit, blob))
+    }
+
+    /// The bytes of each of `wants` (a tensor of `ranges`' blob and a range of its elements).
+    pub(crate) fn read_ranges(
+        &self,
+        ranges: &BlobRanges,
+        wants: &[(&str, std::ops::Range<usize>)],
+    ) -> Result<Vec<Vec<u8>>, StorageError> {
+        self.runtime.block_on(ranges.read(wants))
     }
 
     /// Proves that the location's server refuses a second create-if-absent write (see
@@ -157,11 +183,11 @@ impl Checkpointer {
         self.last_error.as_deref()
     }
 
-    /// The newest verified commit, if any, and the newest generation the location has seen, in
+    /// The newest verified commit (its streamed blobs verified and left out), if any, and the newest generation the location has seen, in
     /// a commit record or in data a writer left (which the cluster's next generation must
     /// exceed, so that every earlier writer is fenced).
     pub(crate) fn restore(&mut self) -> Result<(Option<Restored>, u64), StorageError> {
-        let latest = self.runtime.block_on(self.store.latest())?;
+        let latest = self.runtime.block_on(self.store.latest_streaming(&self.streamed))?;
         let newest = self.runtime.block_on(self.store.latest_record()).ok().flatten();
         let written = self.runtime.block_on(self.store.newest_data_generation())?;
         let floor =

@@ -8,6 +8,7 @@
 //! model's update does.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use tch::Tensor;
 use trainerd_sdk::OptimizerConfig;
@@ -140,31 +141,55 @@ impl ShardedOptimizer {
     /// The shards of `full`'s state (an unsharded optimizer's, of the same parameters): what a
     /// member holding `held` holds after the same steps.
     pub(crate) fn of(full: &Optimizer, params: &[(String, Tensor)], held: Held) -> Self {
-        let mut sharded = ShardedOptimizer::new(full.config().clone(), params, held);
         let state: std::collections::HashMap<String, Tensor> = full.state().into_iter().collect();
-        let find =
-            |param: usize, slot: &str| state.get(&format!("{}/{slot}", params[param].0)).map(Tensor::shallow_clone);
-        if let OptimizerConfig::Sgd { momentum, .. } = *full.config() {
+        let read = |wants: &[(String, Range<usize>)]| -> Result<Vec<Vec<f32>>, std::convert::Infallible> {
+            let values = |(name, r): &(String, Range<usize>)| {
+                let flat = state[name].to_kind(tch::Kind::Float).view(-1);
+                Vec::<f32>::try_from(flat.narrow(0, r.start as i64, r.len() as i64)).expect("float32 state")
+            };
+            Ok(wants.iter().map(values).collect())
+        };
+        let config = (full.config().clone(), full.steps());
+        ShardedOptimizer::from_ranges(config, params, held, &|name| state.contains_key(name), read)
+            .unwrap_or_else(|never| match never {})
+    }
+
+    /// What a member holding `held` holds of a whole state of the same parameters after `steps`
+    /// steps, taken by element range: `has` says whether the whole state has a tensor (named
+    /// `<parameter>/<slot>`: SGD makes its momentum buffer at a parameter's first gradient), and
+    /// `read` gives the float32 values of each (tensor, element range) asked, in order. So a whole
+    /// optimizer ([`ShardedOptimizer::of`]) and a commit's state, which each member reads its own
+    /// ranges of, are cut alike.
+    pub(crate) fn from_ranges<E>(
+        (config, steps): (OptimizerConfig, u64),
+        params: &[(String, Tensor)],
+        held: Held,
+        has: &dyn Fn(&str) -> bool,
+        read: impl FnOnce(&[(String, Range<usize>)]) -> Result<Vec<Vec<f32>>, E>,
+    ) -> Result<Self, E> {
+        let mut sharded = ShardedOptimizer::new(config, params, held);
+        let name = |param: usize, slot: &str| format!("{}/{slot}", params[param].0);
+        if let OptimizerConfig::Sgd { momentum, .. } = sharded.config {
             for (i, started) in sharded.started.iter_mut().enumerate() {
-                *started = momentum != 0.0 && find(i, "momentum_buffer").is_some();
+                *started = momentum != 0.0 && has(&name(i, "momentum_buffer"));
             }
         }
-        for shard in &mut sharded.shards {
+        // Each piece's values of each state array, asked at once (a commit's reader makes one
+        // request per object), and where they go: (shard, array, first element).
+        let (mut wants, mut places) = (Vec::new(), Vec::new());
+        for (s, shard) in sharded.shards.iter().enumerate() {
             for (k, slot) in sharded.slot_names.iter().enumerate() {
-                for piece in &shard.pieces {
-                    let Some(t) = find(piece.param, slot) else { continue };
-                    let values = Vec::<f32>::try_from(t.to_kind(tch::Kind::Float).view(-1).narrow(
-                        0,
-                        piece.offset as i64,
-                        piece.len as i64,
-                    ))
-                    .expect("float32 state");
-                    shard.state[k][piece.at..piece.at + piece.len].copy_from_slice(&values);
+                for piece in shard.pieces.iter().filter(|p| has(&name(p.param, slot))) {
+                    wants.push((name(piece.param, slot), piece.offset..piece.offset + piece.len));
+                    places.push((s, k, piece.at));
                 }
             }
         }
-        sharded.steps = full.steps();
-        sharded
+        for ((s, k, at), values) in places.into_iter().zip(read(&wants)?) {
+            sharded.shards[s].state[k][at..at + values.len()].copy_from_slice(&values);
+        }
+        sharded.steps = steps;
+        Ok(sharded)
     }
 
     /// The optimizer's settings.

@@ -34,6 +34,12 @@ pub(crate) enum StateError {
     /// A sharded optimizer's state, asked for whole before it was gathered.
     #[error("the optimizer state is sharded over the workers and was not gathered for this commit")]
     Sharded,
+    /// A sharded run's optimizer state, asked for whole while it is still a commit's, unread.
+    #[error("the optimizer state is checkpoint {sequence}'s, not read yet: each member reads its own ranges of it")]
+    Unread {
+        /// The commit.
+        sequence: u64,
+    },
     /// libtorch failed reading or writing a tensor.
     #[error("tensor {name}: {source}")]
     Tensor {

@@ -96,7 +96,7 @@ pub(crate) fn run(
         ));
         report.line(&memory::plan(cfg, &state.model.params, session.world()));
     }
-    let mut checkpointer = startup::checkpointer(cfg, &mut report)?;
+    let mut checkpointer = startup::checkpointer(cfg, session.world(), &mut report)?;
     let resumed = match checkpointer.as_mut().filter(|_| reads_now) {
         Some(c) => {
             let at = (&mut session, &mut state, &mut report);

@@ -71,10 +71,19 @@ pub(super) fn initial_state(model: &ModelInstance<'_>, cfg: &RunConfig, info: &P
 
 /// With checkpoints: the checkpointer (every member has one: whoever coordinates commits), its
 /// location opened, nothing read. On S3 it proves the server refuses a second create-if-absent
-/// write before its first commit (unless told not to, with a warning now).
-pub(super) fn checkpointer(cfg: &RunConfig, report: &mut Reporter<'_>) -> Result<Option<Checkpointer>, TrainError> {
+/// write before its first commit (unless told not to, with a warning now). With the optimizer
+/// state sharded over several `workers`, a restore leaves it in the commit, verified: each member
+/// reads its own ranges of it (docs/fault-tolerance.md, "A sharded run's resume").
+pub(super) fn checkpointer(
+    cfg: &RunConfig,
+    workers: usize,
+    report: &mut Reporter<'_>,
+) -> Result<Option<Checkpointer>, TrainError> {
     let Some(c) = cfg.checkpoint.as_ref() else { return Ok(None) };
     let mut checkpointer = Checkpointer::new(c.location.open(&c.s3)?, c.keep)?;
+    if cfg.shard_optimizer && workers > 1 {
+        checkpointer.stream_on_restore(crate::state::OPTIMIZER_BLOB);
+    }
     if matches!(c.location, Location::S3 { .. }) {
         let endpoint = c.s3.endpoint_name();
         if c.s3.skip_probe {

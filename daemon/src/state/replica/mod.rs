@@ -30,6 +30,15 @@ const MAGIC: &[u8; 8] = b"TRDSTAT1";
 /// members, and sent them all back to it; with Adam, it could not take the state at all). Part
 /// of the digest, as the kind is part of the state.
 const SHARDED_MAGIC: &[u8; 8] = b"TRDSHRD1";
+/// The magic of a training state whose optimizer state is a commit's, not read yet
+/// ([`Optim::Committed`]): its bytes hold the commit's sequence and its manifest's sha256
+/// (tensors [`SEQUENCE_TENSOR`] and [`MANIFEST_TENSOR`]) where a whole state holds the
+/// optimizer's tensors.
+const COMMITTED_MAGIC: &[u8; 8] = b"TRDCMIT1";
+/// The tensor of a [`COMMITTED_MAGIC`] state's bytes that holds its commit's sequence.
+const SEQUENCE_TENSOR: &str = "optimizer.commit/sequence";
+/// The tensor of a [`COMMITTED_MAGIC`] state's bytes that holds its commit's manifest's sha256.
+const MANIFEST_TENSOR: &str = "optimizer.commit/manifest";
 
 /// What a member brings to a formation: how far its state is, and the state itself as bytes for
 /// the members that lack it (a [`TrainState`] in training, a [`ModelState`] in an evaluation).
@@ -177,6 +186,19 @@ pub(crate) enum Optim {
     /// holds the whole (each makes its ranges' state at the first step; as a whole optimizer's
     /// at its start, that state is zeros, or SGD's buffers not made yet).
     Fresh(OptimizerConfig),
+    /// A sharded run's optimizer state as commit `sequence` holds it, not read yet (a resume, or
+    /// every member gone back to the last commit): once a generation forms, each member reads
+    /// its own ranges and its buddy copies of it from the checkpoint location, so that no member
+    /// ever holds it whole (docs/fault-tolerance.md, "A sharded run's resume").
+    Committed {
+        /// The optimizer's settings.
+        config: OptimizerConfig,
+        /// The commit that holds the state.
+        sequence: u64,
+        /// Its manifest's sha256 (lower-case hex): another location's commit of that sequence
+        /// (a checkpoint directory local to each node) is not this one.
+        manifest: String,
+    },
 }
 
 impl Optim {
@@ -184,7 +206,7 @@ impl Optim {
     pub(crate) fn whole(&self) -> Option<&Optimizer> {
         match self {
             Optim::Whole(o) => Some(o),
-            Optim::Sharded(_) | Optim::Fresh(_) => None,
+            Optim::Sharded(_) | Optim::Fresh(_) | Optim::Committed { .. } => None,
         }
     }
 
@@ -198,7 +220,7 @@ impl Optim {
         match self {
             Optim::Whole(o) => o.config(),
             Optim::Sharded(s) => s.config(),
-            Optim::Fresh(config) => config,
+            Optim::Fresh(config) | Optim::Committed { config, .. } => config,
         }
     }
 
@@ -216,7 +238,7 @@ impl Optim {
                 (o.state().iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum(), 0)
             }
             Optim::Sharded(s) => s.state_bytes_apart(),
-            Optim::Fresh(_) => (0, 0),
+            Optim::Fresh(_) | Optim::Committed { .. } => (0, 0),
         }
     }
 }
@@ -332,6 +354,23 @@ impl TrainState {
         match self.optimizer {
             Optim::Whole(_) => MAGIC,
             Optim::Sharded(_) | Optim::Fresh(_) => SHARDED_MAGIC,
+            Optim::Committed { .. } => COMMITTED_MAGIC,
+        }
+    }
+
+    /// What a state's bytes hold of its optimizer besides the model: every state tensor of a
+    /// whole one, a committed one's commit (its sequence and manifest digest), nothing of a sharded one (its state differs between
+    /// members by design: what they share, and compare, is the rest, under the magic that says so).
+    fn optimizer_tensors(&self) -> Vec<(String, Tensor)> {
+        match &self.optimizer {
+            Optim::Whole(optimizer) => {
+                optimizer.state().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)).collect()
+            }
+            Optim::Committed { sequence, manifest, .. } => vec![
+                (SEQUENCE_TENSOR.to_string(), Tensor::from_slice(&[*sequence as i64])),
+                (MANIFEST_TENSOR.to_string(), Tensor::from_slice(manifest.as_bytes())),
+            ],
+            Optim::Sharded(_) | Optim::Fresh(_) => Vec::new(),
         }
     }
 
@@ -344,11 +383,16 @@ impl TrainState {
     /// Takes a peer's state from `bytes` (checked against this model: names, types, shapes), or
     /// this member's own agreed copy, with the optimizer state's kind the bytes say.
     pub(crate) fn decode(&mut self, bytes: Bytes) -> Result<(), StateError> {
-        let Decoded { position, model, optim, sharded } = decode(bytes)?;
-        if sharded {
-            return self.load_sharded(position, &model);
+        let Decoded { position, model, optim, kind } = decode(bytes)?;
+        match kind {
+            Carried::Whole => self.load(position, &model, &optim, "the received state"),
+            Carried::Sharded => self.load_sharded(position, &model),
+            Carried::Committed(sequence, manifest) => {
+                self.model.load(position, &model, "the received state's model")?;
+                self.optimizer = Optim::Committed { config: self.optimizer.config().clone(), sequence, manifest };
+                Ok(())
+            }
         }
-        self.load(position, &model, &optim, "the received state")
     }
 
     /// Copies parameters, buffers and the whole optimizer state in, and takes `position`; `what`
@@ -395,11 +439,20 @@ impl TrainState {
         Ok(())
     }
 
-    /// Takes a verified checkpoint's state (its metadata already checked against this run).
+    /// Takes a verified checkpoint's state (its metadata already checked against this run). An
+    /// optimizer blob the commit holds and the read left out (verified as a stream: a sharded run
+    /// reads it by range) leaves the optimizer [`Optim::Committed`].
     pub(crate) fn restore(&mut self, restored: &Restored, position: Position) -> Result<(), StateError> {
         let seq = restored.record.sequence;
         let blob =
             |name: &'static str| restored.blobs.get(name).ok_or(StateError::NoBlob { sequence: seq, blob: name });
+        let listed = restored.manifest.blobs.iter().any(|e| e.name == OPTIMIZER_BLOB);
+        if listed && !restored.blobs.contains_key(OPTIMIZER_BLOB) {
+            self.model.load(position, blob(MODEL_BLOB)?, &format!("checkpoint {seq}'s model"))?;
+            let manifest = restored.record.manifest_sha256.clone();
+            self.optimizer = Optim::Committed { config: self.optimizer.config().clone(), sequence: seq, manifest };
+            return Ok(());
+        }
         self.load(position, blob(MODEL_BLOB)?, blob(OPTIMIZER_BLOB)?, &format!("checkpoint {seq}"))
     }
 
@@ -415,6 +468,7 @@ impl TrainState {
             (Optim::Whole(o), _) => snapshot(&o.state())?,
             (Optim::Sharded(_), Some(gathered)) => gathered.clone(),
             (Optim::Sharded(_), None) => return Err(StateError::Sharded),
+            (Optim::Committed { sequence, .. }, _) => return Err(StateError::Unread { sequence: *sequence }),
             // What an unsharded optimizer holds before its first step.
             (Optim::Fresh(config), _) => snapshot(&Optimizer::new(config.clone(), &self.model.params).state())?,
         };
@@ -438,9 +492,7 @@ impl TrainState {
         let mut all: Vec<(String, Tensor)> =
             self.model.params.iter().map(|(n, t)| (format!("model/{n}"), param(t))).collect();
         all.extend(self.model.buffers.iter().map(|(n, t)| (format!("model/{n}"), t.detach().copy())));
-        if let Optim::Whole(optimizer) = &self.optimizer {
-            all.extend(optimizer.state().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
-        }
+        all.extend(self.optimizer_tensors());
         Encoding::new(self.magic(), &self.model.position, all)
     }
 }
@@ -456,22 +508,28 @@ impl Shareable for TrainState {
 
     fn encoding(&self) -> Result<Encoding, StateError> {
         let mut all = self.model.prefixed("model/");
-        // A sharded optimizer's state differs between members by design: what they share (and
-        // compare) is the rest, under the magic that says so.
-        if let Optim::Whole(optimizer) = &self.optimizer {
-            all.extend(optimizer.state().into_iter().map(|(n, t)| (format!("optimizer/{n}"), t)));
-        }
+        all.extend(self.optimizer_tensors());
         Encoding::new(self.magic(), &self.model.position, all)
     }
 }
 
 /// A state's bytes: its position, the model's tensors and the optimizer's (names without their
-/// prefix), and whether its optimizer state is sharded (not in the bytes).
+/// prefix), and what they hold of the optimizer state.
 struct Decoded {
     position: Position,
     model: Vec<TensorData>,
     optim: Vec<TensorData>,
-    sharded: bool,
+    kind: Carried,
+}
+
+/// What a state's bytes carry of its optimizer state.
+enum Carried {
+    /// All of it.
+    Whole,
+    /// Nothing: it is sharded, or not made yet.
+    Sharded,
+    /// The sequence of the commit that holds it and its manifest's sha256 ([`Optim::Committed`]).
+    Committed(u64, String),
 }
 
 /// An [`Encoding`]'s bytes whose magic is one of `magics`, taken apart: the magic, the position
@@ -492,18 +550,31 @@ pub(super) fn split(bytes: &Bytes, magics: &[&[u8; 8]]) -> Result<([u8; 8], Posi
 
 /// [`Shareable::encode`]'s bytes, taken apart.
 fn decode(bytes: Bytes) -> Result<Decoded, StateError> {
-    let (magic, position, all) = split(&bytes, &[MAGIC, SHARDED_MAGIC])?;
+    let (magic, position, all) = split(&bytes, &[MAGIC, SHARDED_MAGIC, COMMITTED_MAGIC])?;
     let sharded = &magic == SHARDED_MAGIC;
     let (model, optim): (Vec<TensorData>, Vec<TensorData>) =
         all.into_iter().partition(|t| t.name.starts_with("model/"));
-    let strip = |ts: Vec<TensorData>, prefix: &str| -> Vec<TensorData> {
-        ts.into_iter().map(|t| TensorData { name: t.name[prefix.len()..].to_string(), ..t }).collect()
-    };
-    let optim = strip(optim, "optimizer/");
+    if &magic == COMMITTED_MAGIC {
+        let named = |name: &str, dtype| optim.iter().find(|t| t.name == name && t.dtype == dtype);
+        let sequence = named(SEQUENCE_TENSOR, trainerd_storage::Dtype::I64).and_then(|t| t.data[..].try_into().ok());
+        let manifest = named(MANIFEST_TENSOR, trainerd_storage::Dtype::U8).map(|t| String::from_utf8(t.data.to_vec()));
+        let (Some(sequence), Some(Ok(manifest)), 2) = (sequence, manifest, optim.len()) else {
+            return Err(StateError::Invalid("a committed optimizer state without its commit's sequence and digest"));
+        };
+        let kind = Carried::Committed(u64::from_le_bytes(sequence), manifest);
+        return Ok(Decoded { position, model: strip_prefix(model, "model/"), optim: Vec::new(), kind });
+    }
+    let optim = strip_prefix(optim, "optimizer/");
     if sharded && !optim.is_empty() {
         return Err(StateError::Invalid("optimizer tensors in a state whose optimizer state is sharded"));
     }
-    Ok(Decoded { position, model: strip(model, "model/"), optim, sharded })
+    let kind = if sharded { Carried::Sharded } else { Carried::Whole };
+    Ok(Decoded { position, model: strip_prefix(model, "model/"), optim, kind })
+}
+
+/// Tensors named `PREFIXNAME`, named `NAME`.
+fn strip_prefix(ts: Vec<TensorData>, prefix: &str) -> Vec<TensorData> {
+    ts.into_iter().map(|t| TensorData { name: t.name[prefix.len()..].to_string(), ..t }).collect()
 }
 
 #[cfg(test)]

@@ -231,3 +231,59 @@ fn a_state_of_another_model_is_refused_naming_the_tensor() {
         "the state received is not valid: no header"
     );
 }
+
+/// A commit as a sharded run's restore reads it: its model blob read, its optimizer blob listed
+/// in the manifest and left out (verified as a stream, to be read by range).
+fn restored_without_optimizer(source: &TrainState, sequence: u64) -> Restored {
+    let entry =
+        |name: &str| serde_json::json!({"name": name, "path": format!("data/x/{name}"), "size": 1, "sha256": "00"});
+    let manifest = serde_json::json!({"format": "trainerd-checkpoint-v1", "generation": 1, "global_step": 0,
+        "epoch": 0, "created_unix_ms": 0, "meta": {}, "blobs": [entry(MODEL_BLOB), entry(OPTIMIZER_BLOB)]});
+    let record = serde_json::json!({"sequence": sequence, "generation": 1, "manifest": "data/x/manifest.json",
+        "manifest_sha256": "ab".repeat(32), "manifest_size": 1, "global_step": 0, "epoch": 0, "bytes": 2,
+        "created_unix_ms": 0});
+    let model = source.blobs().unwrap().remove(0);
+    Restored {
+        record: serde_json::from_value(record).unwrap(),
+        manifest: serde_json::from_value(manifest).unwrap(),
+        blobs: [(model.name, model.tensors)].into_iter().collect(),
+        fallbacks: Vec::new(),
+    }
+}
+
+/// A sharded run's restore leaves the optimizer state in the commit: the state is the commit's
+/// (its sequence and manifest digest), its bytes carry them to a peer, which then holds the same
+/// state (the same digest: members gone back to one commit receive nothing), and it cannot be
+/// committed before each member has read its ranges. A committed state's bytes without the
+/// commit are refused.
+#[test]
+fn a_committed_optimizer_state_crosses_a_transfer_as_its_commits_sequence_and_digest() {
+    let config = OptimizerConfig::adam(1e-3);
+    let mut source = state(1, config.clone());
+    train(&mut source, 2);
+    let position = source.position().clone();
+    let mut restored = state(2, config.clone());
+    restored.restore(&restored_without_optimizer(&source, 7), position).unwrap();
+    let Optim::Committed { sequence, manifest, .. } = &restored.optimizer else { panic!("{:?}", restored.optimizer) };
+    assert_eq!((*sequence, manifest.as_str()), (7, "ab".repeat(32).as_str()));
+    assert_eq!(bytes_of(&restored.model.params), bytes_of(&source.model.params));
+    assert_eq!(restored.optimizer.state_bytes(), 0);
+    let mut peer = state(3, config.clone());
+    peer.model.live = false;
+    peer.decode(restored.encode().unwrap().into()).unwrap();
+    assert!(matches!(&peer.optimizer, Optim::Committed { sequence: 7, manifest, .. } if manifest == &"ab".repeat(32)));
+    assert_eq!(digest(&peer), digest(&restored));
+    assert_ne!(digest(&peer), digest(&source), "a whole state is another kind");
+    assert!(!peer.same_kind(&source.encode().unwrap()) && peer.same_kind(&restored.encode().unwrap()));
+    let err = peer.blobs().unwrap_err().to_string();
+    assert_eq!(err, "the optimizer state is checkpoint 7's, not read yet: each member reads its own ranges of it");
+    // Its bytes without the commit's sequence are not a state.
+    let mut bytes = restored.encode().unwrap();
+    let at = bytes.windows(SEQUENCE_TENSOR.len()).position(|w| w == SEQUENCE_TENSOR.as_bytes()).unwrap();
+    bytes[at] = b'X';
+    let err = peer.decode(bytes.into()).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "the state received is not valid: a committed optimizer state without its commit's sequence and digest"
+    );
+}

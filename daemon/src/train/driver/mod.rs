@@ -37,6 +37,7 @@ use crate::state::{Optim, Position, Shareable, Totals, TrainState};
 
 mod catch_up;
 mod commits;
+mod committed;
 mod end;
 mod formation;
 mod sharding;
@@ -409,7 +410,9 @@ impl<'a> Driver<'a> {
                         optimizer.step(&mut state.model.params, lr)
                     }
                     Optim::Sharded(_) => unreachable!("a sharded optimizer updates in the step's reduction"),
-                    Optim::Fresh(_) => unreachable!("made whole or sharded at the step's start"),
+                    Optim::Fresh(_) | Optim::Committed { .. } => {
+                        unreachable!("made whole or sharded at the step's start, read as the generation formed")
+                    }
                 }
                 grad_norm
             }
