@@ -177,6 +177,34 @@ fn reference(soak: &Soak) -> (String, u64) {
     (s["params_sha256"].as_str().unwrap().to_string(), s["steps"].as_u64().unwrap())
 }
 
+/// The step at which worker `rank`'s last process found the run already finished (started again
+/// after the others had ended: it says so, trains nothing and writes no summary), if it did.
+fn found_finished(transcript: &str, rank: usize) -> Option<u64> {
+    let prefix = format!("[worker {rank}] ");
+    let last = transcript.lines().filter_map(|l| l.strip_prefix(prefix.as_str())).rev();
+    let said =
+        last.take_while(|l| *l != "(Restarted)").find_map(|l| l.strip_prefix("trainerd: the run finished at step "))?;
+    said.split(' ').next()?.parse().ok()
+}
+
+/// Only the last process of a worker counts, and only its own line (seed 1's round 4, 2026-12-02:
+/// worker 1 killed at step 3172 of 3748 came back after the others had ended).
+#[test]
+fn a_worker_back_after_the_end_is_found_by_its_last_processs_line() {
+    let transcript = "[worker 1] (Event(Step { epoch: 3, step: 361, global_step: 3172 }))\n\
+                      [worker 1] (Died(\"SIGKILL\"))\n\
+                      [worker 0] trainerd: the run finished at step 12 (commit 1 in /x); nothing left to do\n\
+                      [worker 1] (Restarted)\n\
+                      [worker 1] trainerd: the run finished at step 3748 (commit 11 in /c); nothing left to do\n\
+                      [worker 1] (Finished(0))";
+    assert_eq!(found_finished(transcript, 1), Some(3748));
+    assert_eq!(found_finished(transcript, 2), None);
+    let restarted_again = format!("{transcript}\n[worker 1] (Restarted)\n[worker 1] trainerd: step 1");
+    assert_eq!(found_finished(&restarted_again, 1), None);
+    // Worker 0's line is its first process's: it counts (no restart since).
+    assert_eq!(found_finished(transcript, 0), Some(12));
+}
+
 fn summary(dir: &Path, name: &str) -> serde_json::Value {
     let path = dir.join(name);
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
@@ -633,6 +661,15 @@ fn soak() {
             assert!(flipped, "round {rounds}: a replica differed with no bit flipped in it: {line}");
         }
         for rank in 0..WORKERS {
+            // A worker killed late and back after the others had ended trains nothing and writes
+            // no summary: its last process must find the run finished at the failure-free run's
+            // last step (the schedule stops at 85% of the steps, and a fast round trains the rest
+            // within the restart delay).
+            if let Some(at) = found_finished(&round.c.transcript(), rank) {
+                assert_eq!(at, steps, "round {rounds}, worker {rank}\n{}", round.c.transcript());
+                println!("  round {rounds}: worker {rank} came back after the run had finished at step {at}");
+                continue;
+            }
             let s = summary(tmp.path(), &format!("summary.{rank}.json"));
             assert_eq!(
                 s["params_sha256"],

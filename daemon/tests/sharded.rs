@@ -573,3 +573,29 @@ fn training_goes_on_while_the_parts_of_a_sharded_commit_are_written() {
     }
     assert!(steps.contains(&4) && steps.contains(&12) && steps.contains(&24), "{steps:?}: {log}");
 }
+
+/// A sharded run's chief that restored a commit and is stopped while it waits for the others to
+/// join (its optimizer state still the commit's, not yet read by range) exits as a stop does,
+/// saying that the commit it restored is its state.
+#[test]
+fn a_chief_stopped_before_its_peers_join_says_the_commit_it_restored_is_its_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = cnn("mnist-cnn").optimizer("adam", 1e-3).set("--keep-checkpoints", 10).set("--shard", "optimizer");
+    let dir = tmp.path().join("run");
+    run(&args, 2, &dir);
+    let ckpt = dir.join("ckpt");
+    back_to_the_first_commit(&ckpt);
+    let argv: Vec<String> =
+        ["run".to_string()].into_iter().chain(args.checkpoints(&ckpt, 10).on("--no-failover").to_vec()).collect();
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let mut chief = trainerd_testkit::Worker::start_with(&argv, &[("TF_CONFIG", tf_config(&free_ports(2), 0))]);
+    chief.wait_line(|l| l.contains("resumed from checkpoint 1 in "), std::time::Duration::from_secs(120));
+    chief.signal_job(libc::SIGTERM);
+    let (status, lines, _) = chief.drain(std::time::Duration::from_secs(60));
+    let said = format!(
+        "trainerd: stopped by signal at global step 10; the state is already committed as checkpoint 1 in {}, which \
+         it was restored from",
+        ckpt.display()
+    );
+    assert!(status.success() && lines.contains(&said), "{status:?}\n{}", lines.join("\n"));
+}

@@ -71,6 +71,12 @@ impl Driver<'_> {
             let saved = "not saved: the optimizer state is sharded and its members are gone; the latest commit stands";
             return Ok(Outcome::Stopped { step: state.position().global_step, saved: saved.into() });
         }
+        if let crate::state::Optim::Committed { sequence, .. } = &state.optimizer {
+            // Restored and stopped before a generation formed to read it: the commit is the state.
+            let location = self.cfg.checkpoint.as_ref().map_or_else(String::new, |c| format!(" in {}", c.location));
+            let saved = format!("already committed as checkpoint {sequence}{location}, which it was restored from");
+            return Ok(Outcome::Stopped { step: state.position().global_step, saved });
+        }
         let saved = self.commit_whole(Moment::Stop, state)?;
         Ok(Outcome::Stopped { step: state.position().global_step, saved: self.saved(saved, state) })
     }
