@@ -183,9 +183,9 @@ impl Checkpointer {
         self.last_error.as_deref()
     }
 
-    /// The newest verified commit (its streamed blobs verified and left out), if any, and the newest generation the location has seen, in
-    /// a commit record or in data a writer left (which the cluster's next generation must
-    /// exceed, so that every earlier writer is fenced).
+    /// The newest verified commit (its streamed blobs verified and left out), if any, and the
+    /// newest generation the location has seen, in a commit record or in data a writer left
+    /// (which the cluster's next generation must exceed, so that every earlier writer is fenced).
     pub(crate) fn restore(&mut self) -> Result<(Option<Restored>, u64), StorageError> {
         let latest = self.runtime.block_on(self.store.latest_streaming(&self.streamed))?;
         let newest = self.runtime.block_on(self.store.latest_record()).ok().flatten();
