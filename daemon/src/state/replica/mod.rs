@@ -359,8 +359,9 @@ impl TrainState {
     }
 
     /// What a state's bytes hold of its optimizer besides the model: every state tensor of a
-    /// whole one, a committed one's commit (its sequence and manifest digest), nothing of a sharded one (its state differs between
-    /// members by design: what they share, and compare, is the rest, under the magic that says so).
+    /// whole one, a committed one's commit (its sequence and manifest digest), nothing of a
+    /// sharded one (its state differs between members by design: what they share, and compare,
+    /// is the rest, under the magic that says so).
     fn optimizer_tensors(&self) -> Vec<(String, Tensor)> {
         match &self.optimizer {
             Optim::Whole(optimizer) => {
