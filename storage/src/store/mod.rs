@@ -8,8 +8,8 @@
 //! collected later.
 //!
 //! [`types`] holds what a location holds and says; reading is in `read.rs` (a commit in part, its
-//! blobs read by element range, in `ranged.rs`), committing and collection in `write.rs`, the probe of whether every member reaches the location in
-//! `reach.rs`.
+//! blobs read by element range, in `ranged.rs`), committing and collection in `write.rs`, the
+//! probe of whether every member reaches the location in `reach.rs`.
 
 mod ranged;
 mod reach;

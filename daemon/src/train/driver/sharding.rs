@@ -47,9 +47,9 @@ impl Driver<'_> {
     /// A generation formed on a sharded state (the members of the last one kept their ranges
     /// through a return, the returner holds none; or a failure, whose lost ranges their buddies
     /// hold; or a commit's state, read by range): every range moves to its owner and buddy in
-    /// this generation, before anything else needs the state. A range held by no member (its owner and buddy both lost), or holders at
-    /// different steps, send every member back to the last commit. A member left alone makes
-    /// the state whole (it holds every range).
+    /// this generation, before anything else needs the state. A range held by no member (its
+    /// owner and buddy both lost), or holders at different steps, send every member back to the
+    /// last commit. A member left alone makes the state whole (it holds every range).
     pub(super) fn reshard(&mut self, state: &mut TrainState, session: &mut Session) -> Result<(), Interrupt> {
         // A commit's state: each member reads its own ranges, and nothing moves, unless some
         // could not ([`Driver::read_committed`]).
